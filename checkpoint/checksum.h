@@ -1,0 +1,23 @@
+// checksum.h — xxh3-64 checksums of files, as recorded in checkpoint manifests.
+//
+// Streams the file in fixed-size chunks (memory use is constant, whatever the
+// file size). Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace zeroshard::checkpoint {
+
+struct FileDigest {
+  uint64_t xxh3 = 0;  // XXH3_64bits of the whole file, seed 0
+  uint64_t bytes = 0;
+};
+
+// Throws c10::Error naming the file when it cannot be read.
+FileDigest digest_file(const std::string& path);
+
+// 16 lowercase hex digits, as `xxhsum -H3` prints them.
+std::string to_hex(uint64_t value);
+
+}  // namespace zeroshard::checkpoint

@@ -1,0 +1,154 @@
+// zeroshard/comm.h — the communicator: the collectives sharding and pipelines need.
+//
+// A Communicator connects `size()` ranks (processes). Every operation is
+// asynchronous: it is queued, executed in issue order on the communicator's own
+// thread (so computation overlaps it), and returns a Work to wait on.
+//
+// Ownership: the caller keeps every tensor passed to an operation alive and
+// untouched until the returned Work's wait() has returned (the Work also holds
+// a reference, so the memory cannot be freed early, but writing to it races).
+//
+// Matching: collectives must be issued by every rank of the communicator in
+// the same order with matching sizes and dtypes; each carries a sequence number
+// and a small header, so a rank that issues a different operation, size or
+// dtype is reported by name instead of corrupting memory or hanging.
+//
+// Thread-safety: all methods may be called from any thread; operations issued
+// from several threads are ordered by the order their calls return.
+//
+// dtypes: float32, bfloat16 and float16 everywhere (16-bit reductions
+// accumulate in float32 and round once); float64, int32 and int64 as well.
+// Reductions are deterministic: every element is reduced in rank order
+// 0, 1, ..., size()-1, so every rank and every rerun sees the same bits.
+//
+// Bytes on the wire (payload, counted in stats()), per rank, for a buffer of
+// B bytes: all_gather and reduce_scatter (n-1)/n·B, all_reduce 2(n-1)/n·B,
+// broadcast (n-1)·B from the root and B into each other rank.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+std::string to_string(ReduceOp op);
+
+enum class OpKind { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kSend, kRecv, kBarrier };
+std::string to_string(OpKind kind);
+
+// Means "the communicator's own timeout" wherever a timeout is taken.
+constexpr std::chrono::milliseconds kDefaultTimeout{-1};
+
+// Traffic of one operation kind since the communicator was created.
+struct OpStats {
+  int64_t calls = 0;
+  int64_t bytes_sent = 0;      // payload bytes this rank sent
+  int64_t bytes_received = 0;  // payload bytes this rank received
+  int64_t control_bytes = 0;   // header bytes (size/dtype checks), sent + received
+  double seconds = 0.0;        // time the communication thread spent executing
+};
+
+struct CommStats {
+  std::map<OpKind, OpStats> by_kind;
+  OpStats total() const;
+};
+
+// A queued or running operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation completes; rethrows its error (a c10::Error
+  // naming the operation, its sequence number and the ranks that did not
+  // arrive). With kDefaultTimeout it waits until the communication thread
+  // finishes the operation, which itself gives up after the communicator's
+  // timeout; a shorter `timeout` throws if the operation is not done by then.
+  virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
+  // True once the operation finished, successfully or not (wait() reports which).
+  virtual bool is_completed() = 0;
+};
+
+struct CommOptions {
+  // How long one operation may wait for the other ranks before it fails and
+  // names them. Also bounds rendezvous. Default: 5 minutes.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // out = concatenation of every rank's `in`, in rank order.
+  // REQUIRES: out.numel() == size() * in.numel(); same dtype and device; both contiguous;
+  //           out does not overlap in, except in == the slice rank() of out (in place).
+  virtual std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) = 0;
+
+  // out = reduction over ranks of slice rank() of every rank's `in`
+  // (slice r = elements [r*out.numel(), (r+1)*out.numel())).
+  // REQUIRES: in.numel() == size() * out.numel(); same dtype and device; contiguous;
+  //           out does not overlap in.
+  virtual std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) = 0;
+
+  // t = reduction of every rank's t, in place. Any numel (no divisibility needed).
+  // Implemented as a reduce-scatter then an all-gather of the reduced slices.
+  virtual std::shared_ptr<Work> all_reduce(at::Tensor t, ReduceOp op) = 0;
+
+  // t on every rank = t on `root`, in place. REQUIRES: same numel/dtype everywhere.
+  virtual std::shared_ptr<Work> broadcast(at::Tensor t, int root) = 0;
+
+  // Point to point. A send completes when `dst` has received it; sends and
+  // recvs between a pair match in issue order. A recv occupies the
+  // communication thread until the matching send's header arrives, so issue
+  // sends before recvs when both ranks do both.
+  // REQUIRES: the receiver's tensor has the sender's numel and dtype.
+  virtual std::shared_ptr<Work> send(at::Tensor t, int dst) = 0;
+  virtual std::shared_ptr<Work> recv(at::Tensor t, int src) = 0;
+
+  // Blocks until every rank has reached the barrier (or the timeout names those that did not).
+  virtual void barrier() = 0;
+
+  // Collective over this communicator: every rank calls it with the same list
+  // (ranks of this communicator, ascending, no duplicates). Members get a new
+  // communicator whose rank i is ranks[i]; other ranks get nullptr. The new
+  // communicator has its own thread, so it runs concurrently with this one.
+  virtual std::shared_ptr<Communicator> split(const std::vector<int>& ranks) = 0;
+
+  virtual CommStats stats() const = 0;
+};
+
+// Where this process sits in the job, read from the environment.
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int restart_count = 0;  // ZS_RESTART_COUNT, set by zeroshard-run on restarts
+  std::string source;     // "torchrun", "slurm", "openmpi" or "single" (no variables)
+};
+
+// Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT), else Slurm's (SLURM_PROCID, SLURM_NTASKS,
+// SLURM_LOCALID, SLURM_NTASKS_PER_NODE), else Open MPI's (OMPI_COMM_WORLD_*).
+// MASTER_ADDR/MASTER_PORT are required when the world has more than one rank
+// (Slurm and Open MPI jobs set them in the batch script). With none of these
+// variables, a world of one rank. Throws, saying what to set, on malformed values.
+DistEnv read_dist_env();
+
+// Rendezvous through a c10d::TCPStore (rank 0 serves it at MASTER_ADDR:MASTER_PORT)
+// and connect every pair of ranks with Gloo over TCP.
+std::shared_ptr<Communicator> init_communicator(const DistEnv& env, const CommOptions& options = {});
+// Same, from read_dist_env().
+std::shared_ptr<Communicator> init_communicator(const CommOptions& options = {});
+
+}  // namespace zeroshard

@@ -1,0 +1,309 @@
+#include "comm/gloo_communicator.h"
+
+#include "comm/reduce_kernels.h"
+#include "comm/store_adapter.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace zeroshard::comm {
+namespace {
+
+std::string what_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  const char* a1 = a0 + a.numel() * a.element_size();
+  const char* b1 = b0 + b.numel() * b.element_size();
+  return a0 < b1 && b0 < a1;
+}
+
+std::string format_ranks(const std::vector<int>& ranks) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
+  s << "]";
+  return s.str();
+}
+
+}  // namespace
+
+GlooCommunicator::GlooCommunicator(int rank, int size, std::vector<int> world_ranks,
+                                   std::shared_ptr<c10d::Store> store, std::string prefix,
+                                   std::shared_ptr<gloo::transport::Device> device,
+                                   CommOptions options)
+    : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), store_(std::move(store)),
+      prefix_(std::move(prefix)), device_(std::move(device)), options_(options),
+      send_seq_(size, 0), recv_seq_(size, 0) {
+  context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+  context_->setTimeout(options_.timeout);
+  GlooStoreAdapter adapter(store_, prefix_ + "gloo/", options_.timeout);
+  try {
+    auto device = device_;
+    context_->connectFullMesh(adapter, device);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "connecting rank ", rank_, " of ", size_, " to its peers failed: ", e.what(),
+                ". Check that every host can reach every other one over TCP (set ZS_SOCKET_IFNAME "
+                "to pick the network interface)");
+  }
+  worker_ = std::thread([this] { worker_loop(); });
+  reaper_ = std::thread([this] { reaper_loop(); });
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    reaper_stopping_ = true;
+  }
+  reaper_cv_.notify_all();
+  reaper_.join();
+}
+
+void GlooCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t) const {
+  TORCH_CHECK_VALUE(t.defined(), op, ": `", arg, "` is an undefined tensor; pass an allocated tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": `", arg, "` is on ", t.device(),
+                    " but this communicator is Gloo (CPU); move the tensor to CPU or use the NCCL "
+                    "backend");
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": `", arg, "` (sizes ", t.sizes(),
+                    ", strides ", t.strides(), ") is not contiguous; pass t.contiguous()");
+  TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), op, ": `", arg, "` has dtype ",
+                    t.scalar_type(),
+                    "; supported dtypes are float32, bfloat16, float16, float64, int32, int64");
+}
+
+std::shared_ptr<OpWork> GlooCommunicator::enqueue(OpKind kind, std::vector<at::Tensor> tensors,
+                                                  ReduceOp op, int peer) {
+  std::shared_ptr<OpWork> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Queued q;
+    uint64_t seq = 0;
+    if (kind == OpKind::kSend) {
+      seq = q.p2p_seq = send_seq_[peer]++;
+    } else if (kind == OpKind::kRecv) {
+      seq = q.p2p_seq = recv_seq_[peer]++;
+    } else {
+      seq = next_seq_++;
+    }
+    std::ostringstream name;
+    name << to_string(kind) << " #" << seq;
+    if (kind == OpKind::kSend) name << " to " << rank_label(peer, world_ranks_);
+    if (kind == OpKind::kRecv) name << " from " << rank_label(peer, world_ranks_);
+    name << " on rank " << rank_ << " of " << size_;
+    if (world_ranks_[rank_] != rank_) name << " (world rank " << world_ranks_[rank_] << ")";
+    work = std::make_shared<OpWork>(kind, seq, name.str(), std::move(tensors));
+    work->reduce_op = op;
+    work->peer = peer;
+    q.work = work;
+    queue_.push_back(std::move(q));
+  }
+  cv_.notify_one();
+  return work;
+}
+
+std::shared_ptr<Work> GlooCommunicator::all_gather(at::Tensor out, at::Tensor in) {
+  check_tensor("all_gather", "out", out);
+  check_tensor("all_gather", "in", in);
+  TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type(), "all_gather: `out` has dtype ",
+                    out.scalar_type(), " but `in` has ", in.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(out.numel() == size_ * in.numel(), "all_gather: out.numel() is ", out.numel(),
+                    " but must be size() * in.numel() = ", size_, " * ", in.numel(), " = ",
+                    size_ * in.numel());
+  const bool in_place = in.numel() > 0 &&
+                        static_cast<const char*>(in.data_ptr()) ==
+                            static_cast<const char*>(out.data_ptr()) + rank_ * in.numel() * in.element_size();
+  TORCH_CHECK_VALUE(in_place || !overlaps(out, in),
+                    "all_gather: `in` overlaps `out` but is not out's slice rank() (elements [",
+                    rank_ * in.numel(), ", ", (rank_ + 1) * in.numel(),
+                    ")); pass separate tensors or exactly that slice");
+  return enqueue(OpKind::kAllGather, {out, in}, ReduceOp::kSum, -1);
+}
+
+std::shared_ptr<Work> GlooCommunicator::reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) {
+  check_tensor("reduce_scatter", "out", out);
+  check_tensor("reduce_scatter", "in", in);
+  TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type(), "reduce_scatter: `out` has dtype ",
+                    out.scalar_type(), " but `in` has ", in.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(in.numel() == size_ * out.numel(), "reduce_scatter: in.numel() is ", in.numel(),
+                    " but must be size() * out.numel() = ", size_, " * ", out.numel(), " = ",
+                    size_ * out.numel());
+  TORCH_CHECK_VALUE(!overlaps(out, in),
+                    "reduce_scatter: `out` overlaps `in`; pass a separate output tensor");
+  return enqueue(OpKind::kReduceScatter, {out, in}, op, -1);
+}
+
+std::shared_ptr<Work> GlooCommunicator::all_reduce(at::Tensor t, ReduceOp op) {
+  check_tensor("all_reduce", "t", t);
+  return enqueue(OpKind::kAllReduce, {t}, op, -1);
+}
+
+std::shared_ptr<Work> GlooCommunicator::broadcast(at::Tensor t, int root) {
+  check_tensor("broadcast", "t", t);
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, "broadcast: root ", root,
+                    " is not a rank of this communicator (size ", size_, ")");
+  return enqueue(OpKind::kBroadcast, {t}, ReduceOp::kSum, root);
+}
+
+std::shared_ptr<Work> GlooCommunicator::send(at::Tensor t, int dst) {
+  check_tensor("send", "t", t);
+  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "send: dst ", dst,
+                    " must be another rank of this communicator (0..", size_ - 1,
+                    ", not this rank ", rank_, ")");
+  return enqueue(OpKind::kSend, {t}, ReduceOp::kSum, dst);
+}
+
+std::shared_ptr<Work> GlooCommunicator::recv(at::Tensor t, int src) {
+  check_tensor("recv", "t", t);
+  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "recv: src ", src,
+                    " must be another rank of this communicator (0..", size_ - 1,
+                    ", not this rank ", rank_, ")");
+  return enqueue(OpKind::kRecv, {t}, ReduceOp::kSum, src);
+}
+
+void GlooCommunicator::barrier() { enqueue(OpKind::kBarrier, {}, ReduceOp::kSum, -1)->wait(); }
+
+std::shared_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ranks) {
+  TORCH_CHECK_VALUE(!ranks.empty(), "split: `ranks` is empty; pass the ranks of the new group");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK_VALUE(ranks[i] >= 0 && ranks[i] < size_, "split: ranks[", i, "] = ", ranks[i],
+                      " is not a rank of this communicator (0..", size_ - 1, ")");
+    TORCH_CHECK_VALUE(i == 0 || ranks[i] > ranks[i - 1], "split: ranks ", format_ranks(ranks),
+                      " must be strictly ascending (sorted, no duplicates)");
+  }
+  uint64_t index;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(failure_.empty(), "split: this communicator failed earlier: ", failure_);
+    index = split_count_++;
+  }
+  // Every rank publishes its list; members compare all of them so a rank
+  // that passed a different list is named instead of hanging the group.
+  const std::string key = prefix_ + "split/" + std::to_string(index) + "/";
+  const std::string mine = format_ranks(ranks);
+  store_->set(key + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+  const bool member = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
+  if (!member) return nullptr;
+  for (int r : ranks) {
+    GlooStoreAdapter adapter(store_, key, options_.timeout);
+    adapter.wait({std::to_string(r)});
+    auto theirs = store_->get(key + std::to_string(r));
+    std::string s(theirs.begin(), theirs.end());
+    TORCH_CHECK_VALUE(s == mine, "split #", index, ": ", rank_label(r, world_ranks_), " passed ", s,
+                      " but this rank passed ", mine, "; every rank must pass the same list");
+  }
+  const int new_rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  std::vector<int> world;
+  for (int r : ranks) world.push_back(world_ranks_[r]);
+  return std::make_shared<GlooCommunicator>(new_rank, static_cast<int>(ranks.size()), world, store_,
+                                            key + "comm/", device_, options_);
+}
+
+CommStats GlooCommunicator::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return stats_;
+}
+
+void GlooCommunicator::record(OpKind kind, const OpStats& s) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  OpStats& t = stats_.by_kind[kind];
+  t.calls += s.calls;
+  t.bytes_sent += s.bytes_sent;
+  t.bytes_received += s.bytes_received;
+  t.control_bytes += s.control_bytes;
+  t.seconds += s.seconds;
+}
+
+void GlooCommunicator::set_failure(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failure_.empty()) failure_ = message;
+}
+
+void GlooCommunicator::worker_loop() {
+  while (true) {
+    Queued q;
+    std::string failure;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      q = std::move(queue_.front());
+      queue_.pop_front();
+      failure = failure_;
+    }
+    OpWork& work = *q.work;
+    if (!failure.empty()) {
+      work.fail("not executed: this communicator failed earlier (" + failure + ")");
+      continue;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    Exchange ex{*context_, rank_, size_, world_ranks_, work, start + options_.timeout,
+                options_.timeout, OpStats{}};
+    ex.work.set_progress("running");
+    ex.stats.calls = 1;
+    bool done = true;
+    try {
+      switch (work.kind()) {
+        case OpKind::kSend: {
+          PostedSend posted = post_send(ex, q.work, q.p2p_seq);
+          {
+            std::lock_guard<std::mutex> lock(reaper_mu_);
+            posted_.push_back(std::move(posted));
+          }
+          reaper_cv_.notify_one();
+          done = false;  // the reaper completes it
+          break;
+        }
+        case OpKind::kRecv:
+          run_recv(ex, q.p2p_seq);
+          break;
+        default:
+          run_collective(ex);
+      }
+    } catch (const std::exception& e) {
+      const std::string message = what_of(e);
+      set_failure(message);
+      work.fail(message);
+      done = false;
+    }
+    ex.stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    record(work.kind(), ex.stats);
+    if (done) work.complete();
+  }
+}
+
+void GlooCommunicator::reaper_loop() {
+  while (true) {
+    PostedSend posted;
+    {
+      std::unique_lock<std::mutex> lock(reaper_mu_);
+      reaper_cv_.wait(lock, [&] { return reaper_stopping_ || !posted_.empty(); });
+      if (posted_.empty()) return;
+      posted = std::move(posted_.front());
+      posted_.pop_front();
+    }
+    try {
+      wait_send(posted, rank_, size_, world_ranks_);
+      posted.work->complete();
+    } catch (const std::exception& e) {
+      const std::string message = what_of(e);
+      set_failure(message);
+      posted.work->fail(message);
+    }
+  }
+}
+
+}  // namespace zeroshard::comm

@@ -1,0 +1,99 @@
+// gloo_communicator.h — the Communicator over Gloo's TCP transport (CPU tensors).
+//
+// Owns one Gloo context (a TCP connection to every peer), a thread that
+// executes queued operations in issue order, and a thread that waits for
+// posted sends to be taken by their receivers. Arguments are checked when an
+// operation is issued (in the caller's thread); agreement between ranks is
+// checked when it executes. After any failure the communicator refuses further
+// work with the original error: collectives cannot resynchronise.
+#pragma once
+
+#include "comm/gloo_ops.h"
+#include "comm/work.h"
+#include "zeroshard/comm.h"
+
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/device.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace zeroshard::comm {
+
+class GlooCommunicator final : public Communicator {
+ public:
+  // Connects to every rank (blocks until all joined; a timeout names the missing ranks).
+  // `world_ranks[i]` is the world rank of this communicator's rank i (for messages).
+  GlooCommunicator(int rank, int size, std::vector<int> world_ranks,
+                   std::shared_ptr<c10d::Store> store, std::string prefix,
+                   std::shared_ptr<gloo::transport::Device> device, CommOptions options);
+  // Executes what is still queued, then joins both threads.
+  ~GlooCommunicator() override;
+  GlooCommunicator(const GlooCommunicator&) = delete;
+  GlooCommunicator& operator=(const GlooCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override;
+  std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override;
+  std::shared_ptr<Work> all_reduce(at::Tensor t, ReduceOp op) override;
+  std::shared_ptr<Work> broadcast(at::Tensor t, int root) override;
+  std::shared_ptr<Work> send(at::Tensor t, int dst) override;
+  std::shared_ptr<Work> recv(at::Tensor t, int src) override;
+  void barrier() override;
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks) override;
+  CommStats stats() const override;
+
+ private:
+  struct Queued {
+    std::shared_ptr<OpWork> work;
+    uint64_t p2p_seq = 0;  // for send/recv: position in the pair's stream
+  };
+
+  std::shared_ptr<OpWork> enqueue(OpKind kind, std::vector<at::Tensor> tensors, ReduceOp op,
+                                  int peer);
+  void worker_loop();
+  void reaper_loop();
+  void record(OpKind kind, const OpStats& s);
+  void set_failure(const std::string& message);
+  void check_tensor(const char* op, const char* arg, const at::Tensor& t) const;
+
+  const int rank_;
+  const int size_;
+  const std::vector<int> world_ranks_;
+  const std::shared_ptr<c10d::Store> store_;
+  const std::string prefix_;
+  const std::shared_ptr<gloo::transport::Device> device_;
+  const CommOptions options_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Queued> queue_;              // guarded by mu_
+  uint64_t next_seq_ = 0;                 // guarded by mu_; collectives, same on every rank
+  std::vector<uint64_t> send_seq_;        // guarded by mu_; per destination
+  std::vector<uint64_t> recv_seq_;        // guarded by mu_; per source
+  uint64_t split_count_ = 0;              // guarded by mu_
+  std::string failure_;                   // guarded by mu_; first error, empty while healthy
+  bool stopping_ = false;                 // guarded by mu_
+
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  std::deque<PostedSend> posted_;         // guarded by reaper_mu_
+  bool reaper_stopping_ = false;          // guarded by reaper_mu_
+
+  mutable std::mutex stats_mu_;
+  CommStats stats_;                       // guarded by stats_mu_
+
+  std::thread worker_;                    // owned and joined by this object
+  std::thread reaper_;                    // owned and joined by this object
+};
+
+}  // namespace zeroshard::comm

@@ -1,0 +1,75 @@
+// gloo_ops.h — the algorithms behind each operation, over Gloo's TCP transport.
+//
+// Every collective first exchanges a 32-byte header with every peer (kind,
+// sequence number, numel, dtype, op/root) and refuses to move data when any
+// rank disagrees, naming it; only then are data buffers posted, so a size
+// mismatch can never overrun memory. Data moves pairwise: each rank sends
+// exactly the bytes the receiver needs, so the payload equals the theory:
+//   all_gather / reduce_scatter: (n-1)/n of the full buffer per rank;
+//   all_reduce = reduce_scatter + all_gather of the reduced slices: 2(n-1)/n;
+//   broadcast: the root sends the buffer to each other rank.
+// reduce_scatter is pipelined in segments: while one segment's contributions
+// are reduced (in rank order, float32 accumulation for 16-bit types), the
+// next segment is already on the wire.
+//
+// Functions here run on a communicator's thread; they are not thread-safe.
+#pragma once
+
+#include "comm/work.h"
+#include "zeroshard/comm.h"
+
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard::comm {
+
+// 32 bytes sent ahead of every operation's data.
+struct WireHeader {
+  uint32_t magic = 0;
+  uint32_t kind = 0;
+  uint64_t seq = 0;
+  int64_t numel = 0;
+  int32_t dtype = 0;
+  int32_t extra = 0;  // ReduceOp for reductions, root for broadcast
+};
+
+// One operation being executed.
+struct Exchange {
+  gloo::Context& ctx;
+  int rank;
+  int size;
+  const std::vector<int>& world_ranks;  // this communicator's rank -> world rank, for messages
+  OpWork& work;
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+  OpStats stats;  // filled in by the algorithm
+};
+
+// all_gather, reduce_scatter, all_reduce, broadcast, barrier.
+void run_collective(Exchange& ex);
+
+// recv: waits for the sender's header, checks it against the tensor, then the data.
+void run_recv(Exchange& ex, uint64_t p2p_seq);
+
+// A send posted to the transport; it completes when the receiver takes it.
+struct PostedSend {
+  std::shared_ptr<OpWork> work;
+  std::unique_ptr<WireHeader> header;
+  std::unique_ptr<gloo::transport::UnboundBuffer> header_buf;
+  std::unique_ptr<gloo::transport::UnboundBuffer> data_buf;
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds timeout;
+};
+PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq);
+// Blocks until the receiver took the send; throws naming the receiver otherwise.
+void wait_send(PostedSend& send, int rank, int size, const std::vector<int>& world_ranks);
+
+// "rank 3", or "rank 3 (world rank 7)" inside a split communicator.
+std::string rank_label(int rank, const std::vector<int>& world_ranks);
+
+}  // namespace zeroshard::comm

@@ -1,0 +1,165 @@
+// Rendezvous from the environment (torchrun, Slurm, Open MPI) and creation of
+// the world communicator.
+#include "comm/gloo_communicator.h"
+#include "compat/torch_compat.h"
+#include "zeroshard/comm.h"
+#include "zeroshard/log.h"
+
+#include <c10/util/Exception.h>
+#include <gloo/transport/tcp/device.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <numeric>
+#include <optional>
+
+namespace zeroshard {
+namespace {
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int parse_int(const char* name, const std::string& value, int min_value, const char* hint) {
+  size_t used = 0;
+  long parsed = 0;
+  try {
+    parsed = std::stol(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK_VALUE(used == value.size() && used > 0 && parsed >= min_value && parsed <= INT32_MAX,
+                    "environment variable ", name, "='", value, "' is not an integer >= ", min_value,
+                    "; ", hint);
+  return static_cast<int>(parsed);
+}
+
+int int_env(const char* name, int fallback, int min_value, const char* hint) {
+  auto v = env(name);
+  return v ? parse_int(name, *v, min_value, hint) : fallback;
+}
+
+// Slurm's SLURM_NTASKS_PER_NODE may read "4" or "4(x2)".
+int leading_int(const std::string& s, int fallback) {
+  size_t i = 0;
+  while (i < s.size() && isdigit(static_cast<unsigned char>(s[i]))) ++i;
+  return i == 0 ? fallback : std::stoi(s.substr(0, i));
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+}  // namespace
+
+DistEnv read_dist_env() {
+  DistEnv e;
+  const char* launch_hint =
+      "launch with zeroshard-run or torchrun (they set RANK, WORLD_SIZE, LOCAL_RANK, "
+      "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or set them yourself";
+  if (env("RANK") || env("WORLD_SIZE")) {
+    TORCH_CHECK_VALUE(env("RANK") && env("WORLD_SIZE"), "only one of RANK and WORLD_SIZE is set; ",
+                      launch_hint);
+    e.source = "torchrun";
+    e.rank = parse_int("RANK", *env("RANK"), 0, launch_hint);
+    e.world_size = parse_int("WORLD_SIZE", *env("WORLD_SIZE"), 1, launch_hint);
+    e.local_rank = int_env("LOCAL_RANK", e.rank, 0, launch_hint);
+    e.local_world_size = int_env("LOCAL_WORLD_SIZE", e.world_size, 1, launch_hint);
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    const char* hint = "these come from srun; run the program through srun";
+    e.source = "slurm";
+    e.rank = parse_int("SLURM_PROCID", *env("SLURM_PROCID"), 0, hint);
+    e.world_size = parse_int("SLURM_NTASKS", *env("SLURM_NTASKS"), 1, hint);
+    e.local_rank = int_env("SLURM_LOCALID", 0, 0, hint);
+    e.local_world_size = leading_int(env("SLURM_NTASKS_PER_NODE").value_or(""), e.world_size);
+  } else if (env("OMPI_COMM_WORLD_RANK") && env("OMPI_COMM_WORLD_SIZE")) {
+    const char* hint = "these come from mpirun; run the program through mpirun";
+    e.source = "openmpi";
+    e.rank = parse_int("OMPI_COMM_WORLD_RANK", *env("OMPI_COMM_WORLD_RANK"), 0, hint);
+    e.world_size = parse_int("OMPI_COMM_WORLD_SIZE", *env("OMPI_COMM_WORLD_SIZE"), 1, hint);
+    e.local_rank = int_env("OMPI_COMM_WORLD_LOCAL_RANK", 0, 0, hint);
+    e.local_world_size = int_env("OMPI_COMM_WORLD_LOCAL_SIZE", e.world_size, 1, hint);
+  } else {
+    e.source = "single";
+  }
+  TORCH_CHECK_VALUE(e.rank < e.world_size, "rank ", e.rank, " (from ", e.source,
+                    " variables) is not below the world size ", e.world_size,
+                    "; every rank must be in 0..WORLD_SIZE-1");
+  TORCH_CHECK_VALUE(e.local_rank < e.local_world_size, "local rank ", e.local_rank,
+                    " is not below the local world size ", e.local_world_size);
+  e.restart_count = int_env("ZS_RESTART_COUNT", 0, 0, "zeroshard-run sets it; unset it otherwise");
+
+  auto addr = env("MASTER_ADDR");
+  auto port = env("MASTER_PORT");
+  if (e.world_size > 1) {
+    TORCH_CHECK_VALUE(addr && port, "a world of ", e.world_size, " ranks (from ", e.source,
+                      " variables) needs MASTER_ADDR and MASTER_PORT: the host of rank 0 and a free "
+                      "TCP port on it, for example MASTER_ADDR=$(hostname) MASTER_PORT=29500 ",
+                      "(zeroshard-run and torchrun set them)");
+  }
+  if (addr) e.master_addr = *addr;
+  if (port) {
+    e.master_port = parse_int("MASTER_PORT", *port, 1, "set a TCP port in 1..65535");
+    TORCH_CHECK_VALUE(e.master_port <= 65535, "environment variable MASTER_PORT='", *port,
+                      "' is not a TCP port; set a port in 1..65535");
+  }
+  return e;
+}
+
+std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOptions& options) {
+  init_logging(e.rank, e.world_size);
+  std::shared_ptr<c10d::Store> store;
+  if (e.world_size == 1) {
+    store = std::make_shared<c10d::HashStore>();
+  } else {
+    const bool server = e.rank == 0;
+    try {
+      store = compat::make_tcp_store(e.master_addr, static_cast<uint16_t>(e.master_port), server,
+                                     e.world_size, options.timeout);
+    } catch (const std::exception& ex) {
+      const std::string cause =
+          dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()
+                                               : ex.what();
+      if (server) {
+        TORCH_CHECK(false, "rank 0 cannot serve the rendezvous store on ", e.master_addr, ":",
+                    e.master_port, " (", cause,
+                    "). If the port is in use, set another MASTER_PORT (zeroshard-run picks a free "
+                    "one when --master-port is omitted)");
+      }
+      TORCH_CHECK(false, "rank ", e.rank, " cannot reach the rendezvous store at ", e.master_addr,
+                  ":", e.master_port, " (", cause,
+                  "). Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT name its host "
+                  "and port");
+    }
+  }
+  gloo::transport::tcp::attr attr;
+  if (auto iface = env("ZS_SOCKET_IFNAME")) {
+    attr.iface = *iface;
+  } else if (e.world_size == 1 || is_loopback(e.master_addr)) {
+    attr.hostname = "127.0.0.1";
+  } else {
+    char host[256] = {0};
+    TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
+    attr.hostname = host;
+  }
+  auto device = gloo::transport::tcp::CreateDevice(attr);
+  std::vector<int> world(e.world_size);
+  std::iota(world.begin(), world.end(), 0);
+  const std::string prefix = "zs/r" + std::to_string(e.restart_count) + "/world/";
+  auto comm = std::make_shared<comm::GlooCommunicator>(e.rank, e.world_size, world, store, prefix,
+                                                       device, options);
+  log_debug("communicator ready: rank " + std::to_string(e.rank) + " of " +
+            std::to_string(e.world_size) + " via " + e.source + " (" + e.master_addr + ":" +
+            std::to_string(e.master_port) + ")");
+  return comm;
+}
+
+std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
+  return init_communicator(read_dist_env(), options);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,54 @@
+#include "comm/work.h"
+
+#include <c10/util/Exception.h>
+
+namespace zeroshard::comm {
+
+OpWork::OpWork(OpKind kind, uint64_t seq, std::string name, std::vector<at::Tensor> tensors)
+    : kind_(kind), seq_(seq), name_(std::move(name)), tensors_(std::move(tensors)),
+      progress_("queued") {}
+
+void OpWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (timeout == kDefaultTimeout) {
+    cv_.wait(lock, [&] { return done_; });
+  } else if (!cv_.wait_for(lock, timeout, [&] { return done_; })) {
+    TORCH_CHECK(false, name_, " did not complete within ", timeout.count(), " ms (", progress_, ")");
+  }
+  if (!error_.empty()) TORCH_CHECK(false, error_);
+}
+
+bool OpWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+void OpWork::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    progress_ = "completed";
+    tensors_.clear();
+  }
+  cv_.notify_all();
+}
+
+void OpWork::fail(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    error_ = message.rfind(name_, 0) == 0 ? message : name_ + ": " + message;
+    progress_ = "failed";
+    tensors_.clear();
+  }
+  cv_.notify_all();
+}
+
+void OpWork::set_progress(std::string progress) {
+  std::lock_guard<std::mutex> lock(mu_);
+  progress_ = std::move(progress);
+}
+
+}  // namespace zeroshard::comm

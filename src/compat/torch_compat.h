@@ -1,0 +1,32 @@
+// torch_compat.h — every LibTorch version difference zeroshard depends on, in one place.
+// Supported: LibTorch 1.13 (Debian's CPU build) and 2.x (CUDA builds).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace zeroshard::compat {
+
+// A TCPStore client, or the server when `is_server`. LibTorch 2.4+ defaults to
+// the libuv server; both speak the same protocol, and we keep the default.
+inline std::shared_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, uint16_t port,
+                                                      bool is_server, int world_size,
+                                                      std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = port;
+  opts.isServer = is_server;
+  opts.numWorkers = static_cast<size_t>(world_size);
+  opts.waitWorkers = false;  // missing ranks are named by the Gloo rendezvous instead
+  opts.timeout = timeout;
+  return std::make_shared<c10d::TCPStore>(host, opts);
+}
+
+constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
+constexpr int kTorchMinor = TORCH_VERSION_MINOR;
+
+}  // namespace zeroshard::compat

@@ -1,0 +1,365 @@
+#include "runtime/launcher/launcher.h"
+
+#include "runtime/launcher/child.h"
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+
+extern char** environ;
+
+namespace zeroshard::launcher {
+namespace asio = boost::asio;
+
+namespace {
+
+void say(const std::string& line) {
+  const std::string s = "zeroshard-run: " + line + "\n";
+  (void)!::write(STDERR_FILENO, s.data(), s.size());
+}
+
+// Reads one child stream and writes it line by line, each line prefixed.
+class PrefixedPipe : public std::enable_shared_from_this<PrefixedPipe> {
+ public:
+  PrefixedPipe(asio::io_context& io, int fd, int out_fd, std::string prefix)
+      : stream_(io, fd), out_fd_(out_fd), prefix_(std::move(prefix)) {}
+
+  void start() { read(); }
+  bool open() const { return open_; }
+  void close() {
+    boost::system::error_code ec;
+    stream_.close(ec);
+  }
+
+ private:
+  void read() {
+    auto self = shared_from_this();
+    stream_.async_read_some(asio::buffer(chunk_), [self](boost::system::error_code ec, size_t n) {
+      if (n > 0) self->consume(self->chunk_.data(), n);
+      if (ec) {
+        if (!self->partial_.empty()) self->emit(self->partial_ + "\n");
+        self->partial_.clear();
+        self->open_ = false;
+        return;
+      }
+      self->read();
+    });
+  }
+
+  void consume(const char* data, size_t n) {
+    size_t start = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (data[i] != '\n') continue;
+      partial_.append(data + start, i + 1 - start);
+      emit(partial_);
+      partial_.clear();
+      start = i + 1;
+    }
+    partial_.append(data + start, n - start);
+  }
+
+  void emit(const std::string& line) {
+    const std::string s = prefix_ + line;
+    size_t off = 0;
+    while (off < s.size()) {
+      const ssize_t w = ::write(out_fd_, s.data() + off, s.size() - off);
+      if (w <= 0) {
+        if (w < 0 && errno == EINTR) continue;
+        return;  // our own output is gone; keep draining the child
+      }
+      off += static_cast<size_t>(w);
+    }
+  }
+
+  asio::posix::stream_descriptor stream_;
+  const int out_fd_;
+  const std::string prefix_;
+  std::array<char, 64 * 1024> chunk_;
+  std::string partial_;
+  bool open_ = true;
+};
+
+struct Rank {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  std::shared_ptr<PrefixedPipe> out, err;
+};
+
+// One attempt: start every local rank, supervise until all are gone.
+class Group {
+ public:
+  Group(asio::io_context& io, const LaunchOptions& opt, int port, int attempt)
+      : io_(io), opt_(opt), port_(port), attempt_(attempt), kill_timer_(io) {}
+
+  void start() {
+    const int world = opt_.nnodes * opt_.nproc_per_node;
+    std::vector<std::string> base;
+    bool user_omp = false;
+    const char* skip[] = {"RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
+                          "MASTER_ADDR=", "MASTER_PORT=", "ZS_RESTART_COUNT=",
+                          "TORCHELASTIC_RESTART_COUNT="};
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string kv(*e);
+      if (kv.rfind("OMP_NUM_THREADS=", 0) == 0) user_omp = true;
+      bool replaced = false;
+      for (const char* s : skip) replaced = replaced || kv.rfind(s, 0) == 0;
+      if (!replaced) base.push_back(kv);
+    }
+    if (!user_omp) {
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      const int threads = std::max(1, static_cast<int>(cores) / opt_.nproc_per_node);
+      base.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
+    }
+    base.push_back("WORLD_SIZE=" + std::to_string(world));
+    base.push_back("LOCAL_WORLD_SIZE=" + std::to_string(opt_.nproc_per_node));
+    base.push_back("GROUP_RANK=" + std::to_string(opt_.node_rank));
+    base.push_back("MASTER_ADDR=" + opt_.master_addr);
+    base.push_back("MASTER_PORT=" + std::to_string(port_));
+    base.push_back("ZS_RESTART_COUNT=" + std::to_string(attempt_));
+    base.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt_));
+
+    for (int local = 0; local < opt_.nproc_per_node; ++local) {
+      Rank r;
+      r.local_rank = local;
+      r.global_rank = opt_.node_rank * opt_.nproc_per_node + local;
+      auto env = base;
+      env.push_back("RANK=" + std::to_string(r.global_rank));
+      env.push_back("LOCAL_RANK=" + std::to_string(local));
+      SpawnedChild c = spawn_child(opt_.command, env);
+      r.pid = c.pid;
+      r.running = true;
+      const std::string prefix = "[rank" + std::to_string(r.global_rank) + "]: ";
+      r.out = std::make_shared<PrefixedPipe>(io_, c.stdout_fd, STDOUT_FILENO, prefix);
+      r.err = std::make_shared<PrefixedPipe>(io_, c.stderr_fd, STDERR_FILENO, prefix);
+      r.out->start();
+      r.err->start();
+      ranks_.push_back(std::move(r));
+    }
+  }
+
+  // Reaps exited children; returns true when every rank has exited.
+  bool reap() {
+    while (true) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (auto& r : ranks_) {
+        if (r.pid != pid || !r.running) continue;
+        r.running = false;
+        r.status = status;
+        const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && first_failure_ < 0 && !stopping_) {
+          first_failure_ = r.global_rank;
+          say("rank " + std::to_string(r.global_rank) + " (pid " + std::to_string(pid) + ") " +
+              describe_status(status) + "; stopping the other ranks");
+          stop(SIGTERM);
+        } else if (failed && stopping_) {
+          say("rank " + std::to_string(r.global_rank) + " (pid " + std::to_string(pid) + ") " +
+              describe_status(status));
+        }
+      }
+    }
+    for (const auto& r : ranks_)
+      if (r.running) return false;
+    return true;
+  }
+
+  // Sends `sig` to every running rank, then SIGKILL after the grace period.
+  void stop(int sig) {
+    stopping_ = true;
+    for (auto& r : ranks_)
+      if (r.running) ::kill(-r.pid, sig);
+    if (kill_armed_) return;
+    kill_armed_ = true;
+    kill_timer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(opt_.grace_period_s * 1000)));
+    kill_timer_.async_wait([this](boost::system::error_code ec) {
+      if (ec) return;
+      for (auto& r : ranks_) {
+        if (!r.running) continue;
+        say("rank " + std::to_string(r.global_rank) + " still running " +
+            std::to_string(opt_.grace_period_s) + " s after SIGTERM; sending SIGKILL");
+        ::kill(-r.pid, SIGKILL);
+      }
+    });
+  }
+
+  void finish() {
+    kill_timer_.cancel();
+    for (auto& r : ranks_) {
+      // Also kill what a rank left behind in its process group.
+      ::kill(-r.pid, SIGKILL);
+    }
+  }
+
+  bool pipes_open() const {
+    for (const auto& r : ranks_)
+      if (r.out->open() || r.err->open()) return true;
+    return false;
+  }
+  void close_pipes() {
+    for (auto& r : ranks_) {
+      r.out->close();
+      r.err->close();
+    }
+  }
+
+  int first_failure() const { return first_failure_; }
+  int status_of(int global_rank) const {
+    for (const auto& r : ranks_)
+      if (r.global_rank == global_rank) return r.status;
+    return 0;
+  }
+  // The first non-zero rank status in rank order, as an exit code; 0 if all succeeded.
+  int exit_code() const {
+    if (first_failure_ >= 0) return exit_code_of(status_of(first_failure_));
+    for (const auto& r : ranks_)
+      if (exit_code_of(r.status) != 0) return exit_code_of(r.status);
+    return 0;
+  }
+
+ private:
+  asio::io_context& io_;
+  const LaunchOptions& opt_;
+  const int port_;
+  const int attempt_;
+  std::vector<Rank> ranks_;
+  asio::steady_timer kill_timer_;
+  bool kill_armed_ = false;
+  bool stopping_ = false;
+  int first_failure_ = -1;
+};
+
+}  // namespace
+
+int pick_free_port(const std::string& host) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw std::runtime_error("cannot find a free port on " + host + ": " + why);
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+int run(const LaunchOptions& opt) {
+  asio::io_context io;
+  asio::signal_set signals(io, SIGTERM, SIGINT, SIGCHLD);
+  ::signal(SIGPIPE, SIG_IGN);
+  int received_signal = 0;
+  int exit_code = 0;
+
+  for (int attempt = 0; attempt <= opt.max_restarts; ++attempt) {
+    const int port = opt.master_port != 0 ? opt.master_port : pick_free_port(opt.master_addr);
+    Group group(io, opt, port, attempt);
+    bool all_exited = false;
+    asio::steady_timer drain(io);
+    bool draining = false;
+
+    std::function<void()> maybe_done = [&] {
+      if (!all_exited) return;
+      if (!group.pipes_open()) {
+        io.stop();
+        return;
+      }
+      if (draining) return;
+      // A rank's descendants may hold its pipes open; do not wait for them forever.
+      draining = true;
+      drain.expires_after(std::chrono::seconds(2));
+      drain.async_wait([&](boost::system::error_code ec) {
+        if (ec) return;
+        group.close_pipes();
+        io.stop();
+      });
+    };
+    std::function<void(boost::system::error_code, int)> on_signal =
+        [&](boost::system::error_code ec, int sig) {
+          if (ec) return;
+          if (sig == SIGCHLD) {
+            all_exited = group.reap();
+          } else {
+            if (received_signal == 0) {
+              say(std::string("received SIG") + sigabbrev_np(sig) + "; forwarding it to every rank (" +
+                  std::to_string(opt.grace_period_s) + " s grace period)");
+            }
+            received_signal = sig;
+            group.stop(sig);
+          }
+          maybe_done();
+          signals.async_wait(on_signal);
+        };
+    signals.async_wait(on_signal);
+    try {
+      group.start();
+    } catch (const std::exception& e) {
+      say(std::string("cannot start the ranks: ") + e.what());
+      group.stop(SIGKILL);
+    }
+    // A poll timer keeps checking for pipe EOF after every child exited.
+    asio::steady_timer poll(io);
+    std::function<void(boost::system::error_code)> tick = [&](boost::system::error_code ec) {
+      if (ec) return;
+      all_exited = group.reap();
+      maybe_done();
+      poll.expires_after(std::chrono::milliseconds(50));
+      poll.async_wait(tick);
+    };
+    poll.expires_after(std::chrono::milliseconds(50));
+    poll.async_wait(tick);
+
+    io.restart();
+    io.run();
+    poll.cancel();
+    group.finish();
+    signals.cancel();
+    io.restart();
+    io.poll();
+
+    exit_code = group.exit_code();
+    if (received_signal != 0) {
+      say("stopped by SIG" + std::string(sigabbrev_np(received_signal)) + "; exit status " +
+          std::to_string(exit_code));
+      return exit_code;
+    }
+    if (group.first_failure() < 0 && exit_code == 0) return 0;
+    if (attempt < opt.max_restarts) {
+      say("restarting all ranks (restart " + std::to_string(attempt + 1) + " of " +
+          std::to_string(opt.max_restarts) + ")");
+      continue;
+    }
+    if (opt.max_restarts > 0) say("no restarts left (--max-restarts " + std::to_string(opt.max_restarts) + ")");
+    say("failed: rank " + std::to_string(group.first_failure()) + " " +
+        describe_status(group.status_of(group.first_failure())) + "; exit status " +
+        std::to_string(exit_code));
+  }
+  return exit_code;
+}
+
+}  // namespace zeroshard::launcher
