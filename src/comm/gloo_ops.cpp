@@ -59,8 +59,6 @@ std::string what_of(const std::exception& e) {
   return e.what();
 }
 
-// Waits until buffer `buf` has seen expected[p] recv (or send) completions for every rank p.
-// On a timeout or a broken connection, throws naming the ranks still owed.
 struct WaitScope {
   OpWork& work;
   const std::vector<int>& world_ranks;
@@ -68,63 +66,72 @@ struct WaitScope {
   std::chrono::milliseconds timeout;
 };
 
-void wait_completions(const WaitScope& ex, gloo::transport::UnboundBuffer& buf,
-                      std::vector<int> expected, bool is_recv, const char* what) {
-  int remaining = std::accumulate(expected.begin(), expected.end(), 0);
-  auto owed = [&] {
-    std::vector<int> ranks;
-    for (int p = 0; p < static_cast<int>(expected.size()); ++p)
-      if (expected[p] > 0) ranks.push_back(p);
-    return ranks;
-  };
-  if (remaining > 0) {
-    ex.work.set_progress(std::string("waiting for ") + what + " of rank(s) [" +
-                         join_ranks(owed(), ex.world_ranks) + "]");
-  }
-  while (remaining > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        ex.deadline - std::chrono::steady_clock::now());
-    int from = -1;
-    bool ok = false;
+// Operations posted on one buffer, all with the same peer. Gloo reports only
+// the last completing rank per buffer, so every buffer talks to one peer and
+// the buffer identifies the rank.
+struct Pending {
+  int peer;
+  gloo::transport::UnboundBuffer* buf;
+  int count;  // posted operations still to complete
+  bool is_recv;
+};
+
+bool wait_one(Pending& p, std::chrono::milliseconds timeout) {
+  return p.is_recv ? p.buf->waitRecv(nullptr, timeout) : p.buf->waitSend(nullptr, timeout);
+}
+
+[[noreturn]] void fail_pending(const WaitScope& ex, std::vector<Pending>& pending, size_t failed,
+                               const std::string& cause, const char* what) {
+  // Which peers still owe something? The failing entry does; probe the others
+  // (after a failure Gloo answers at once: completed or an error).
+  std::vector<int> owed = {pending[failed].peer};
+  for (size_t j = failed + 1; j < pending.size(); ++j) {
     try {
-      ok = left.count() > 0 && (is_recv ? buf.waitRecv(&from, left) : buf.waitSend(&from, left));
-    } catch (const std::exception& e) {
-      const std::string cause = what_of(e);
-      const bool timed_out = cause.find("Timed out") != std::string::npos;
-      if (timed_out) {
-        TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(),
-                    " ms: rank(s) [", join_ranks(owed(), ex.world_ranks),
-                    "] never arrived (this rank was waiting for their ", what,
-                    "). Every rank must issue the same operations in the same order; check that "
-                    "those ranks are alive and not stuck");
+      while (pending[j].count > 0 && wait_one(pending[j], std::chrono::milliseconds(1))) --pending[j].count;
+    } catch (const std::exception&) {
+    }
+    if (pending[j].count > 0 && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end())
+      owed.push_back(pending[j].peer);
+  }
+  std::sort(owed.begin(), owed.end());
+  const std::string ranks = join_ranks(owed, ex.world_ranks);
+  if (cause.find("Timed out") != std::string::npos || cause.empty()) {
+    TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [", ranks,
+                "] never arrived (this rank was waiting for their ", what,
+                "). Every rank must issue the same operations in the same order; check that "
+                "those ranks are alive and not stuck");
+  }
+  TORCH_CHECK(false, ex.work.name(), " failed: the connection broke while waiting for the ", what,
+              " of rank(s) [", ranks, "] (", cause, "). A rank probably died; its own output says why");
+}
+
+// Waits until every pending operation completed, or throws naming the ranks still owed.
+void wait_all(const WaitScope& ex, std::vector<Pending> pending, const char* what) {
+  std::vector<int> peers;
+  for (const auto& p : pending)
+    if (p.count > 0) peers.push_back(p.peer);
+  if (peers.empty()) return;
+  ex.work.set_progress(std::string("waiting for ") + what + " of rank(s) [" +
+                       join_ranks(peers, ex.world_ranks) + "]");
+  for (size_t i = 0; i < pending.size(); ++i) {
+    while (pending[i].count > 0) {
+      const auto left = std::max(std::chrono::milliseconds(1),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     ex.deadline - std::chrono::steady_clock::now()));
+      bool ok = false;
+      try {
+        ok = wait_one(pending[i], left);
+      } catch (const std::exception& e) {
+        fail_pending(ex, pending, i, what_of(e), what);
       }
-      TORCH_CHECK(false, ex.work.name(), " failed: the connection broke while waiting for the ",
-                  what, " of rank(s) [", join_ranks(owed(), ex.world_ranks),
-                  "] (", cause, "). A rank probably died; its own output says why");
+      if (!ok) fail_pending(ex, pending, i, "", what);
+      --pending[i].count;
     }
-    if (!ok) {
-      TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [",
-                  join_ranks(owed(), ex.world_ranks), "] never arrived (this rank was waiting for their ",
-                  what, "). Every rank must issue the same operations in the same order; check "
-                  "that those ranks are alive and not stuck");
-    }
-    TORCH_INTERNAL_ASSERT(from >= 0 && from < static_cast<int>(expected.size()) && expected[from] > 0,
-                          "unexpected completion from rank ", from);
-    --expected[from];
-    --remaining;
   }
 }
 
-void wait_completions(Exchange& ex, gloo::transport::UnboundBuffer& buf, std::vector<int> expected,
-                      bool is_recv, const char* what) {
-  wait_completions(WaitScope{ex.work, ex.world_ranks, ex.deadline, ex.timeout}, buf,
-                   std::move(expected), is_recv, what);
-}
-
-std::vector<int> peers_once(int size, int rank, int count = 1) {
-  std::vector<int> v(size, count);
-  v[rank] = 0;
-  return v;
+void wait_all(Exchange& ex, std::vector<Pending> pending, const char* what) {
+  wait_all(WaitScope{ex.work, ex.world_ranks, ex.deadline, ex.timeout}, std::move(pending), what);
 }
 
 std::string describe(const WireHeader& h) {
@@ -151,16 +158,20 @@ const char* numel_argument(OpKind kind) {
 void exchange_headers(Exchange& ex, const WireHeader& mine) {
   if (ex.size == 1) return;
   std::vector<WireHeader> theirs(ex.size);
-  auto out = make_buffer(ex.ctx, &mine, sizeof(WireHeader));
-  auto in = make_buffer(ex.ctx, theirs.data(), sizeof(WireHeader) * ex.size);
   const uint64_t slot = make_slot(kCollHeader, ex.work.seq(), 0);
-  for (int p = 0; p < ex.size; ++p) {
-    if (p == ex.rank) continue;
-    in->recv(p, slot, p * sizeof(WireHeader), sizeof(WireHeader));
-    out->send(p, slot, 0, sizeof(WireHeader));
+  std::vector<UBuf> bufs;
+  std::vector<Pending> recvs, sends;
+  for (int k = 1; k < ex.size; ++k) {
+    const int p = (ex.rank + k) % ex.size;
+    bufs.push_back(make_buffer(ex.ctx, &theirs[p], sizeof(WireHeader)));
+    bufs.back()->recv(p, slot, 0, sizeof(WireHeader));
+    recvs.push_back({p, bufs.back().get(), 1, true});
+    bufs.push_back(make_buffer(ex.ctx, &mine, sizeof(WireHeader)));
+    bufs.back()->send(p, slot, 0, sizeof(WireHeader));
+    sends.push_back({p, bufs.back().get(), 1, false});
   }
-  wait_completions(ex, *in, peers_once(ex.size, ex.rank), true, "header");
-  wait_completions(ex, *out, peers_once(ex.size, ex.rank), false, "header receipt");
+  wait_all(ex, recvs, "header");
+  wait_all(ex, sends, "receipt of this rank's header");
   ex.stats.control_bytes += 2 * (ex.size - 1) * static_cast<int64_t>(sizeof(WireHeader));
 
   for (int p = 0; p < ex.size; ++p) {
@@ -225,65 +236,63 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     reduce_buffers(out, {out}, my_count, dtype, op);  // kAvg over one rank is the identity
     return;
   }
-  const int64_t total = slices.offsets[n - 1] + slices.counts[n - 1];
 
   // Post every send: slice p goes to rank p, segment by segment, in p's segmentation.
-  UBuf in_buf = total > 0 ? make_buffer(ex.ctx, in, total * es) : nullptr;
-  std::vector<int> sends_owed(n, 0);
-  int64_t max_segments = 0;
-  for (int p = 0; p < n; ++p) {
+  std::vector<UBuf> send_bufs;
+  std::vector<Pending> sends;
+  for (int k = 1; k < n; ++k) {
+    const int p = (r + k) % n;
     const int64_t c = slices.counts[p];
-    if (c > 0) max_segments = std::max(max_segments, (c + segment_elems(c, es) - 1) / segment_elems(c, es));
-  }
-  for (int64_t s = 0; s < max_segments; ++s) {
-    for (int k = 1; k < n; ++k) {
-      const int p = (r + k) % n;
-      const int64_t c = slices.counts[p];
-      const int64_t seg = c > 0 ? segment_elems(c, es) : 1;
-      if (s * seg >= c) continue;
+    if (c == 0) continue;
+    const int64_t seg = segment_elems(c, es);
+    send_bufs.push_back(make_buffer(ex.ctx, in_bytes + slices.offsets[p] * es, c * es));
+    int posted = 0;
+    for (int64_t s = 0; s * seg < c; ++s, ++posted) {
       const int64_t len = std::min(seg, c - s * seg);
-      in_buf->send(p, make_slot(kReduceScatterData, ex.work.seq(), s),
-                   (slices.offsets[p] + s * seg) * es, len * es);
-      ++sends_owed[p];
+      send_bufs.back()->send(p, make_slot(kReduceScatterData, ex.work.seq(), s), s * seg * es, len * es);
       ex.stats.bytes_sent += len * es;
     }
+    sends.push_back({p, send_bufs.back().get(), posted, false});
   }
 
   // Receive the peers' contributions to my slice into two staging halves, so
-  // one segment is reduced while the next arrives.
+  // one segment is reduced while the next arrives. One buffer per (half, peer).
   if (my_count > 0) {
     const int64_t seg = segment_elems(my_count, es);
     const int64_t segments = (my_count + seg - 1) / seg;
-    const int64_t half_elems = (n - 1) * seg;
-    std::vector<char> staging(2 * half_elems * es);
-    UBuf halves[2] = {make_buffer(ex.ctx, staging.data(), half_elems * es),
-                      make_buffer(ex.ctx, staging.data() + half_elems * es, half_elems * es)};
-    auto peer_index = [&](int p) { return p < r ? p : p - 1; };
+    std::vector<char> staging(2 * n * seg * es);  // [half][rank][seg]; own rank's row unused
+    auto stage = [&](int64_t half, int p) { return staging.data() + (half * n + p) * seg * es; };
+    std::vector<UBuf> recv_bufs(2 * n);
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < n; ++p)
+        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.ctx, stage(h, p), seg * es);
     auto post = [&](int64_t s) {
       const int64_t len = std::min(seg, my_count - s * seg);
       for (int p = 0; p < n; ++p) {
-        if (p == r) continue;
-        halves[s % 2]->recv(p, make_slot(kReduceScatterData, ex.work.seq(), s),
-                            peer_index(p) * seg * es, len * es);
+        if (p != r) recv_bufs[(s % 2) * n + p]->recv(p, make_slot(kReduceScatterData, ex.work.seq(), s), 0, len * es);
       }
     };
     post(0);
     if (segments > 1) post(1);
     std::vector<const void*> srcs(n);
+    std::vector<Pending> recvs;
     for (int64_t s = 0; s < segments; ++s) {
       const int64_t len = std::min(seg, my_count - s * seg);
-      wait_completions(ex, *halves[s % 2], peers_once(n, r), true, "reduce_scatter data");
-      const char* half = staging.data() + (s % 2) * half_elems * es;
+      recvs.clear();
+      for (int k = 1; k < n; ++k) {
+        const int p = (r + n - k) % n;
+        recvs.push_back({p, recv_bufs[(s % 2) * n + p].get(), 1, true});
+      }
+      wait_all(ex, recvs, "reduce_scatter data");
       for (int q = 0; q < n; ++q) {
-        srcs[q] = q == r ? in_bytes + (slices.offsets[r] + s * seg) * es
-                         : half + peer_index(q) * seg * es;
+        srcs[q] = q == r ? in_bytes + (slices.offsets[r] + s * seg) * es : stage(s % 2, q);
       }
       reduce_buffers(static_cast<char*>(out) + s * seg * es, srcs, len, dtype, op);
       ex.stats.bytes_received += (n - 1) * len * es;
       if (s + 2 < segments) post(s + 2);
     }
   }
-  if (in_buf) wait_completions(ex, *in_buf, sends_owed, false, "receipt of reduce_scatter data");
+  wait_all(ex, sends, "receipt of reduce_scatter data");
 }
 
 // Fills every slice p != rank of `out` from rank p; slice `rank` must already hold this rank's data.
@@ -293,43 +302,51 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t total = slices.offsets[n - 1] + slices.counts[n - 1];
   if (total == 0) return;
-  UBuf buf = make_buffer(ex.ctx, out, total * es);
   const uint64_t slot = make_slot(kAllGatherData, ex.work.seq(), 0);
-  std::vector<int> recvs(n, 0), sends(n, 0);
+  char* base = static_cast<char*>(out);
+  std::vector<UBuf> bufs;
+  std::vector<Pending> recvs, sends;
   for (int k = 1; k < n; ++k) {
     const int p = (r + n - k) % n;
     if (slices.counts[p] == 0) continue;
-    buf->recv(p, slot, slices.offsets[p] * es, slices.counts[p] * es);
-    recvs[p] = 1;
+    bufs.push_back(make_buffer(ex.ctx, base + slices.offsets[p] * es, slices.counts[p] * es));
+    bufs.back()->recv(p, slot, 0, slices.counts[p] * es);
+    recvs.push_back({p, bufs.back().get(), 1, true});
     ex.stats.bytes_received += slices.counts[p] * es;
   }
   if (slices.counts[r] > 0) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      buf->send(p, slot, slices.offsets[r] * es, slices.counts[r] * es);
-      sends[p] = 1;
+      bufs.push_back(make_buffer(ex.ctx, base + slices.offsets[r] * es, slices.counts[r] * es));
+      bufs.back()->send(p, slot, 0, slices.counts[r] * es);
+      sends.push_back({p, bufs.back().get(), 1, false});
       ex.stats.bytes_sent += slices.counts[r] * es;
     }
   }
-  wait_completions(ex, *buf, recvs, true, "all_gather data");
-  wait_completions(ex, *buf, sends, false, "receipt of all_gather data");
+  wait_all(ex, recvs, "all_gather data");
+  wait_all(ex, sends, "receipt of all_gather data");
 }
 
 void broadcast(Exchange& ex, at::Tensor& t, int root) {
   const int n = ex.size, r = ex.rank;
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
   if (n == 1 || bytes == 0) return;
-  UBuf buf = make_buffer(ex.ctx, t.data_ptr(), bytes);
   const uint64_t slot = make_slot(kBroadcastData, ex.work.seq(), 0);
+  std::vector<UBuf> bufs;
+  std::vector<Pending> pending;
   if (r == root) {
-    for (int k = 1; k < n; ++k) buf->send((r + k) % n, slot, 0, bytes);
+    for (int k = 1; k < n; ++k) {
+      const int p = (r + k) % n;
+      bufs.push_back(make_buffer(ex.ctx, t.data_ptr(), bytes));
+      bufs.back()->send(p, slot, 0, bytes);
+      pending.push_back({p, bufs.back().get(), 1, false});
+    }
     ex.stats.bytes_sent += (n - 1) * bytes;
-    wait_completions(ex, *buf, peers_once(n, r), false, "receipt of broadcast data");
+    wait_all(ex, pending, "receipt of broadcast data");
   } else {
-    buf->recv(root, slot, 0, bytes);
-    std::vector<int> from(n, 0);
-    from[root] = 1;
-    wait_completions(ex, *buf, from, true, "broadcast data");
+    bufs.push_back(make_buffer(ex.ctx, t.data_ptr(), bytes));
+    bufs.back()->recv(root, slot, 0, bytes);
+    wait_all(ex, {{root, bufs.back().get(), 1, true}}, "broadcast data");
     ex.stats.bytes_received += bytes;
   }
 }
@@ -423,10 +440,9 @@ PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_se
 
 void wait_send(PostedSend& send, int rank, int size, const std::vector<int>& world_ranks) {
   const WaitScope ex{*send.work, world_ranks, send.deadline, send.timeout};
-  std::vector<int> from(size, 0);
-  from[send.work->peer] = 1;
-  wait_completions(ex, *send.header_buf, from, false, "receipt of the send (no matching recv yet)");
-  if (send.data_buf) wait_completions(ex, *send.data_buf, from, false, "receipt of the send data");
+  const int dst = send.work->peer;
+  wait_all(ex, {{dst, send.header_buf.get(), 1, false}}, "matching recv");
+  if (send.data_buf) wait_all(ex, {{dst, send.data_buf.get(), 1, false}}, "receipt of the send data");
 }
 
 void run_recv(Exchange& ex, uint64_t p2p_seq) {
@@ -436,9 +452,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
   WireHeader theirs;
   auto hbuf = make_buffer(ex.ctx, &theirs, sizeof(WireHeader));
   hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, sizeof(WireHeader));
-  std::vector<int> from(ex.size, 0);
-  from[src] = 1;
-  wait_completions(ex, *hbuf, from, true, "send (its header)");
+  wait_all(ex, {{src, hbuf.get(), 1, true}}, "matching send");
   ex.stats.control_bytes += sizeof(WireHeader);
   TORCH_CHECK(theirs.magic == kMagic, w.name(), ": received a corrupt header from ",
               rank_label(src, ex.world_ranks));
@@ -452,7 +466,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
   if (bytes == 0) return;
   auto dbuf = make_buffer(ex.ctx, t.data_ptr(), bytes);
   dbuf->recv(src, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
-  wait_completions(ex, *dbuf, from, true, "send data");
+  wait_all(ex, {{src, dbuf.get(), 1, true}}, "send data");
   ex.stats.bytes_received += bytes;
 }
 

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstring>
 #include <iostream>
+#include <sstream>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -28,6 +29,12 @@ namespace zeroshard::launcher {
 namespace asio = boost::asio;
 
 namespace {
+
+std::string seconds_str(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
 
 void say(const std::string& line) {
   const std::string s = "zeroshard-run: " + line + "\n";
@@ -196,7 +203,7 @@ class Group {
       for (auto& r : ranks_) {
         if (!r.running) continue;
         say("rank " + std::to_string(r.global_rank) + " still running " +
-            std::to_string(opt_.grace_period_s) + " s after SIGTERM; sending SIGKILL");
+            seconds_str(opt_.grace_period_s) + " s after SIGTERM; sending SIGKILL");
         ::kill(-r.pid, SIGKILL);
       }
     });
@@ -307,7 +314,7 @@ int run(const LaunchOptions& opt) {
           } else {
             if (received_signal == 0) {
               say(std::string("received SIG") + sigabbrev_np(sig) + "; forwarding it to every rank (" +
-                  std::to_string(opt.grace_period_s) + " s grace period)");
+                  seconds_str(opt.grace_period_s) + " s grace period)");
             }
             received_signal = sig;
             group.stop(sig);

@@ -1,0 +1,279 @@
+// Collectives at the world size this process was launched with (ctest runs this
+// suite through zeroshard-run at 1, 2, 3 and 4 ranks). Every expected value is
+// a closed form of (rank, index); byte counters are compared to the theory.
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <c10/util/Exception.h>
+
+namespace zeroshard {
+namespace {
+
+using testing::pattern;
+using testing::world;
+
+const std::vector<at::ScalarType> kFloatTypes = {at::kFloat, at::kBFloat16, at::kHalf};
+// Element counts: empty, tiny, not multiples of anything, and large enough to be
+// split into several 1 MiB pipeline segments.
+const std::vector<int64_t> kCounts = {0, 1, 7, 1001, 600'007};
+
+// Closed-form reduction of pattern(p, numel, salt) over all ranks, in float64,
+// then rounded once to `dtype` (the float32-accumulation contract).
+at::Tensor expected_reduction(int64_t offset, int64_t numel, int n, ReduceOp op, at::ScalarType dtype,
+                              int salt) {
+  at::Tensor acc;
+  for (int p = 0; p < n; ++p) {
+    auto v = pattern(p, offset + numel, at::kDouble, salt).slice(0, offset, offset + numel);
+    if (!acc.defined()) {
+      acc = v.clone();
+    } else if (op == ReduceOp::kMax) {
+      acc = at::maximum(acc, v);
+    } else if (op == ReduceOp::kMin) {
+      acc = at::minimum(acc, v);
+    } else {
+      acc = acc + v;
+    }
+  }
+  if (op == ReduceOp::kAvg) {
+    // Divided in the accumulation type: float32 for 16-bit and float32 data.
+    auto acc_type = dtype == at::kDouble ? at::kDouble : at::kFloat;
+    return (acc.to(acc_type) / static_cast<double>(n)).to(dtype);
+  }
+  return acc.to(dtype);
+}
+
+OpStats delta(const CommStats& before, const CommStats& after, OpKind kind) {
+  OpStats a = after.by_kind.count(kind) ? after.by_kind.at(kind) : OpStats{};
+  OpStats b = before.by_kind.count(kind) ? before.by_kind.at(kind) : OpStats{};
+  a.calls -= b.calls;
+  a.bytes_sent -= b.bytes_sent;
+  a.bytes_received -= b.bytes_received;
+  return a;
+}
+
+TEST(Collectives, AllGatherEveryDtypeAndCount) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (auto dt : kFloatTypes) {
+    for (int64_t count : kCounts) {
+      auto in = pattern(r, count, dt, 1);
+      auto out = at::full({n * count}, 99, at::TensorOptions(dt));
+      const auto before = c.stats();
+      c.all_gather(out, in)->wait();
+      const auto d = delta(before, c.stats(), OpKind::kAllGather);
+      for (int p = 0; p < n; ++p) {
+        ASSERT_TRUE(out.slice(0, p * count, (p + 1) * count).equal(pattern(p, count, dt, 1)))
+            << "dtype " << dt << " count " << count << " slice of rank " << p;
+      }
+      const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dt));
+      EXPECT_EQ(d.calls, 1);
+      EXPECT_EQ(d.bytes_sent, (n - 1) * bytes) << "(n-1)/n of the " << n * bytes << "-byte output";
+      EXPECT_EQ(d.bytes_received, (n - 1) * bytes);
+    }
+  }
+}
+
+TEST(Collectives, AllGatherInPlace) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  const int64_t count = 333;
+  auto out = at::zeros({n * count});
+  auto mine = out.slice(0, r * count, (r + 1) * count);
+  mine.copy_(pattern(r, count, at::kFloat));
+  c.all_gather(out, mine)->wait();
+  for (int p = 0; p < n; ++p) EXPECT_TRUE(out.slice(0, p * count, (p + 1) * count).equal(pattern(p, count, at::kFloat)));
+}
+
+TEST(Collectives, ReduceScatterEveryOpDtypeAndCount) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+    for (auto dt : kFloatTypes) {
+      for (int64_t count : kCounts) {
+        auto in = pattern(r, n * count, dt, 2);
+        auto out = at::full({count}, 99, at::TensorOptions(dt));
+        const auto before = c.stats();
+        c.reduce_scatter(out, in, op)->wait();
+        const auto d = delta(before, c.stats(), OpKind::kReduceScatter);
+        auto want = expected_reduction(r * count, count, n, op, dt, 2);
+        ASSERT_TRUE(out.equal(want)) << "op " << to_string(op) << " dtype " << dt << " count " << count;
+        const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dt));
+        EXPECT_EQ(d.bytes_sent, (n - 1) * bytes);
+        EXPECT_EQ(d.bytes_received, (n - 1) * bytes);
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllReduceEveryOpDtypeAndUnevenCount) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+    for (auto dt : kFloatTypes) {
+      for (int64_t numel : {int64_t(0), int64_t(1), int64_t(5), int64_t(1003), int64_t(2'000'003)}) {
+        auto t = pattern(r, numel, dt, 3);
+        const auto before = c.stats();
+        c.all_reduce(t, op)->wait();
+        const auto d = delta(before, c.stats(), OpKind::kAllReduce);
+        ASSERT_TRUE(t.equal(expected_reduction(0, numel, n, op, dt, 3)))
+            << "op " << to_string(op) << " dtype " << dt << " numel " << numel;
+        // Slices of numel/n (the first numel%n ranks one more): reduce-scatter sends the
+        // other slices, all-gather sends this rank's slice to n-1 peers.
+        const int64_t es = static_cast<int64_t>(c10::elementSize(dt));
+        const int64_t mine = numel / n + (r < numel % n ? 1 : 0);
+        EXPECT_EQ(d.bytes_sent, ((numel - mine) + (n - 1) * mine) * es);
+        if (numel % n == 0) {
+          EXPECT_EQ(d.bytes_sent * n, 2 * (n - 1) * numel * es) << "2(n-1)/n";
+        }
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllReduceOtherDtypes) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (auto dt : {at::kDouble, at::kLong, at::kInt}) {
+    auto t = pattern(r, 4097, dt, 4);
+    c.all_reduce(t, ReduceOp::kSum)->wait();
+    EXPECT_TRUE(t.equal(expected_reduction(0, 4097, n, ReduceOp::kSum, dt, 4))) << dt;
+  }
+}
+
+TEST(Collectives, SixteenBitReductionsAccumulateInFloat32) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  // 256 + 1 + 1 + ...: bf16 cannot hold 257, so summing in bf16 hop by hop stays at 256;
+  // accumulating in fp32 and rounding once gives the bf16 nearest to 256 + (n-1).
+  auto t = at::full({10}, r == 0 ? 256.0 : 1.0, at::TensorOptions(at::kBFloat16));
+  c.all_reduce(t, ReduceOp::kSum)->wait();
+  const float want = static_cast<float>(c10::BFloat16(256.0f + static_cast<float>(n - 1)));
+  EXPECT_EQ(t[0].item<float>(), want);
+}
+
+TEST(Collectives, BroadcastFromEveryRoot) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (int root = 0; root < n; ++root) {
+    for (auto dt : kFloatTypes) {
+      const int64_t numel = 70'001;
+      auto t = r == root ? pattern(root, numel, dt, 5) : at::zeros({numel}, at::TensorOptions(dt));
+      const auto before = c.stats();
+      c.broadcast(t, root)->wait();
+      const auto d = delta(before, c.stats(), OpKind::kBroadcast);
+      ASSERT_TRUE(t.equal(pattern(root, numel, dt, 5))) << "root " << root << " dtype " << dt;
+      const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
+      EXPECT_EQ(d.bytes_sent, r == root ? (n - 1) * bytes : 0);
+      EXPECT_EQ(d.bytes_received, r == root ? 0 : bytes);
+    }
+  }
+}
+
+TEST(Collectives, SendRecvBetweenEveryPair) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  std::vector<std::shared_ptr<Work>> sends;
+  std::vector<at::Tensor> keep;
+  for (int src = 0; src < n; ++src) {
+    for (int dst = 0; dst < n; ++dst) {
+      if (src == dst) continue;
+      const int64_t numel = 1000 + 17 * src + dst;  // differs per pair
+      if (r == src) {
+        keep.push_back(pattern(src * n + dst, numel, at::kBFloat16, 6));
+        sends.push_back(c.send(keep.back(), dst));
+      }
+      if (r == dst) {
+        auto t = at::zeros({numel}, at::TensorOptions(at::kBFloat16));
+        c.recv(t, src)->wait();
+        ASSERT_TRUE(t.equal(pattern(src * n + dst, numel, at::kBFloat16, 6))) << src << " -> " << dst;
+      }
+    }
+  }
+  for (auto& w : sends) w->wait();
+  for (auto& w : sends) EXPECT_TRUE(w->is_completed());
+}
+
+TEST(Collectives, SplitGroupsRunConcurrently) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  std::vector<int> evens, odds;
+  for (int p = 0; p < n; ++p) (p % 2 ? odds : evens).push_back(p);
+  auto even = c.split(evens);
+  auto odd = odds.empty() ? nullptr : c.split(odds);
+  auto mine = r % 2 ? odd : even;
+  ASSERT_NE(mine, nullptr);
+  EXPECT_EQ(r % 2 ? even : odd, nullptr);
+  const auto& members = r % 2 ? odds : evens;
+  EXPECT_EQ(mine->size(), static_cast<int>(members.size()));
+  EXPECT_EQ(mine->rank(), r / 2);
+
+  // The group's all-reduce and the world's are both in flight before either is waited on.
+  auto g = at::full({1 << 16}, static_cast<float>(r + 1));
+  auto w = at::full({1 << 16}, static_cast<float>(r + 1));
+  auto gw = mine->all_reduce(g, ReduceOp::kSum);
+  auto ww = c.all_reduce(w, ReduceOp::kSum);
+  gw->wait();
+  ww->wait();
+  float group_sum = 0;
+  for (int p : members) group_sum += static_cast<float>(p + 1);
+  EXPECT_EQ(g[0].item<float>(), group_sum);
+  EXPECT_EQ(w[123].item<float>(), static_cast<float>(n * (n + 1) / 2));
+  mine->barrier();
+}
+
+// A rank passing a different size is named on every rank; nothing hangs or overruns.
+TEST(Collectives, SizeMismatchBetweenRanksIsNamed) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  std::vector<int> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  auto sub = c.split(all);
+  const int64_t count = r == n - 1 ? 5 : 4;
+  auto in = at::ones({count});
+  auto out = at::zeros({n * count});
+  try {
+    sub->all_gather(out, in)->wait();
+    FAIL() << "the size mismatch was not detected";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("all_gather #0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("in.numel() =="), std::string::npos) << msg;
+    EXPECT_NE(msg.find(r == n - 1 ? "rank 0 has in.numel() == 4 but this rank has 5"
+                                  : "has in.numel() == 5 but this rank has 4"),
+              std::string::npos)
+        << msg;
+  }
+  // The group refuses further work with the original error.
+  auto t = at::ones({3});
+  try {
+    sub->all_reduce(t, ReduceOp::kSum)->wait();
+    FAIL() << "a failed communicator accepted more work";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("failed earlier"), std::string::npos);
+  }
+  c.barrier();
+}
+
+TEST(Collectives, DtypeOrOpMismatchBetweenRanksIsNamed) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  std::vector<int> all(n);
+  std::iota(all.begin(), all.end(), 0);
+  auto sub = c.split(all);
+  auto t = at::ones({8}, at::TensorOptions(r == 1 ? at::kBFloat16 : at::kFloat));
+  try {
+    sub->all_reduce(t, ReduceOp::kSum)->wait();
+    FAIL() << "the dtype mismatch was not detected";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("issued all_reduce #0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(r == 1 ? "dtype Float" : "dtype BFloat16"), std::string::npos) << msg;
+  }
+  c.barrier();
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,299 @@
+// What happens when ranks are missing, die, disagree or pass bad arguments.
+// Ranks are threads of this process (each with its own communicator), so the
+// tests can control exactly who arrives.
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <c10/util/Exception.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+
+namespace zeroshard {
+namespace {
+
+using namespace std::chrono_literals;
+
+DistEnv thread_env(int rank, int world, int port) {
+  DistEnv e;
+  e.rank = rank;
+  e.world_size = world;
+  e.local_rank = rank;
+  e.local_world_size = world;
+  e.master_addr = "127.0.0.1";
+  e.master_port = port;
+  e.source = "test";
+  return e;
+}
+
+// Runs body(rank) on `world` threads and returns each thread's error text ("" if none).
+std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (const c10::Error& e) {
+        errors[r] = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST(CommFailure, MissingRankTimesOutNamingIt) {
+  const int port = testing::free_port();
+  std::atomic<bool> release{false};
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(3, [&](int r) {
+    CommOptions opt;
+    opt.timeout = 1500ms;
+    auto c = init_communicator(thread_env(r, 3, port), opt);
+    auto t = at::ones({1000});
+    c->all_reduce(t, ReduceOp::kSum)->wait();  // #0: everyone
+    if (r == 2) {
+      // Rank 2 never issues #1; it stays alive until the others gave up.
+      while (!release) std::this_thread::sleep_for(10ms);
+      return;
+    }
+    try {
+      c->all_reduce(t, ReduceOp::kSum)->wait();
+    } catch (...) {
+      if (r == 0) release = true;
+      throw;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("all_reduce #1"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("timed out after 1500 ms"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank(s) [2] never arrived"), std::string::npos) << errors[r];
+  }
+  EXPECT_EQ(errors[2], "");
+  EXPECT_LT(seconds, 15.0) << "the timeout must bound the wait";
+}
+
+TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
+  const int port = testing::free_port();
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(3, [&](int r) {
+    CommOptions opt;
+    opt.timeout = 30s;
+    auto c = init_communicator(thread_env(r, 3, port), opt);
+    auto t = at::ones({1000});
+    c->all_reduce(t, ReduceOp::kSum)->wait();
+    if (r == 1) {
+      c.reset();  // rank 1 "dies": its connections close
+      return;
+    }
+    c->all_reduce(t, ReduceOp::kSum)->wait();
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(errors[1], "");
+  for (int r : {0, 2}) {
+    EXPECT_NE(errors[r].find("all_reduce #1"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("[1]"), std::string::npos) << errors[r];
+  }
+  EXPECT_LT(seconds, 20.0) << "a closed connection must fail the op before the 30 s timeout";
+}
+
+TEST(CommFailure, RendezvousNamesRanksThatNeverJoined) {
+  const int port = testing::free_port();
+  auto errors = run_ranks(2, [&](int r) {
+    CommOptions opt;
+    opt.timeout = 1000ms;
+    init_communicator(thread_env(r, 3, port), opt);  // rank 2 of 3 never starts
+  });
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("rendezvous timed out"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("[2]"), std::string::npos) << errors[r];
+  }
+}
+
+TEST(CommFailure, PortInUseSaysWhatToSet) {
+  // Hold a listening socket on the port rank 0 is told to serve.
+  const int port = testing::free_port();
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  CommOptions opt;
+  opt.timeout = 1000ms;
+  try {
+    init_communicator(thread_env(0, 2, port), opt);
+    ADD_FAILURE() << "rank 0 served a store on a port in use";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("cannot serve the rendezvous store"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("MASTER_PORT"), std::string::npos) << msg;
+  }
+  close(fd);
+}
+
+// Arguments are checked when an op is issued, on one rank, before anything moves.
+class CommValidation : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { comm_ = init_communicator(DistEnv{}, CommOptions{}); }
+  static void TearDownTestSuite() { comm_.reset(); }
+  static std::string error_of(const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  }
+  static std::shared_ptr<Communicator> comm_;
+};
+std::shared_ptr<Communicator> CommValidation::comm_;
+
+TEST_F(CommValidation, WrongSizesNameTheRelation) {
+  auto msg = error_of([] { comm_->all_gather(at::zeros({5}), at::zeros({4})); });
+  EXPECT_NE(msg.find("all_gather: out.numel() is 5 but must be size() * in.numel() = 1 * 4 = 4"),
+            std::string::npos)
+      << msg;
+  msg = error_of([] { comm_->reduce_scatter(at::zeros({2}), at::zeros({3}), ReduceOp::kSum); });
+  EXPECT_NE(msg.find("reduce_scatter: in.numel() is 3 but must be size() * out.numel()"), std::string::npos)
+      << msg;
+}
+
+TEST_F(CommValidation, DtypeDeviceLayoutProblemsAreNamed) {
+  auto msg = error_of([] { comm_->all_gather(at::zeros({4}), at::zeros({4}, at::kHalf)); });
+  EXPECT_NE(msg.find("`out` has dtype Float but `in` has Half"), std::string::npos) << msg;
+  msg = error_of([] { comm_->all_reduce(at::zeros({4, 4}).t(), ReduceOp::kSum); });
+  EXPECT_NE(msg.find("`t` (sizes [4, 4], strides [1, 4]) is not contiguous"), std::string::npos) << msg;
+  msg = error_of([] { comm_->all_reduce(at::zeros({4}, at::kBool), ReduceOp::kSum); });
+  EXPECT_NE(msg.find("has dtype Bool"), std::string::npos) << msg;
+  msg = error_of([] { comm_->all_reduce(at::Tensor(), ReduceOp::kSum); });
+  EXPECT_NE(msg.find("undefined tensor"), std::string::npos) << msg;
+  msg = error_of([] {
+    auto buf = at::zeros({8});
+    comm_->reduce_scatter(buf, buf, ReduceOp::kSum);
+  });
+  EXPECT_NE(msg.find("`out` overlaps `in`"), std::string::npos) << msg;
+}
+
+TEST_F(CommValidation, PeersAndRootsMustBeRanks) {
+  auto msg = error_of([] { comm_->broadcast(at::zeros({4}), 3); });
+  EXPECT_NE(msg.find("broadcast: root 3 is not a rank of this communicator (size 1)"), std::string::npos) << msg;
+  msg = error_of([] { comm_->send(at::zeros({4}), 0); });
+  EXPECT_NE(msg.find("send: dst 0 must be another rank"), std::string::npos) << msg;
+  msg = error_of([] { comm_->split({0, 0}); });
+  EXPECT_NE(msg.find("strictly ascending"), std::string::npos) << msg;
+}
+
+TEST_F(CommValidation, SingleRankCollectivesAreLocal) {
+  auto t = testing::pattern(0, 100, at::kFloat);
+  auto want = t.clone();
+  comm_->all_reduce(t, ReduceOp::kAvg)->wait();
+  EXPECT_TRUE(t.equal(want));
+  auto out = at::zeros({100});
+  comm_->all_gather(out, t)->wait();
+  EXPECT_TRUE(out.equal(want));
+  comm_->barrier();
+  EXPECT_EQ(comm_->stats().total().bytes_sent, 0);
+}
+
+// Environment protocol: torchrun first, then Slurm, then Open MPI.
+class DistEnvTest : public ::testing::Test {
+ protected:
+  void SetUp() override { clear(); }
+  void TearDown() override { clear(); }
+  static void clear() {
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                          "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "ZS_RESTART_COUNT"})
+      unsetenv(v);
+  }
+  static std::string error_of() {
+    try {
+      read_dist_env();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  }
+};
+
+TEST_F(DistEnvTest, TorchrunVariables) {
+  setenv("RANK", "3", 1);
+  setenv("WORLD_SIZE", "8", 1);
+  setenv("LOCAL_RANK", "1", 1);
+  setenv("LOCAL_WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "node0", 1);
+  setenv("MASTER_PORT", "1234", 1);
+  setenv("ZS_RESTART_COUNT", "2", 1);
+  auto e = read_dist_env();
+  EXPECT_EQ(e.source, "torchrun");
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.master_addr, "node0");
+  EXPECT_EQ(e.master_port, 1234);
+  EXPECT_EQ(e.restart_count, 2);
+}
+
+TEST_F(DistEnvTest, SlurmAndOpenMpiFallbacks) {
+  setenv("SLURM_PROCID", "5", 1);
+  setenv("SLURM_NTASKS", "6", 1);
+  setenv("SLURM_LOCALID", "1", 1);
+  setenv("SLURM_NTASKS_PER_NODE", "2(x3)", 1);
+  setenv("MASTER_ADDR", "h", 1);
+  setenv("MASTER_PORT", "999", 1);
+  auto e = read_dist_env();
+  EXPECT_EQ(e.source, "slurm");
+  EXPECT_EQ(e.rank, 5);
+  EXPECT_EQ(e.world_size, 6);
+  EXPECT_EQ(e.local_world_size, 2);
+  clear();
+  setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+  setenv("MASTER_ADDR", "h", 1);
+  setenv("MASTER_PORT", "999", 1);
+  e = read_dist_env();
+  EXPECT_EQ(e.source, "openmpi");
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.world_size, 4);
+  clear();
+  e = read_dist_env();
+  EXPECT_EQ(e.source, "single");
+  EXPECT_EQ(e.world_size, 1);
+}
+
+TEST_F(DistEnvTest, MalformedOrMissingVariablesSayWhatToSet) {
+  setenv("RANK", "abc", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  EXPECT_NE(error_of().find("RANK='abc' is not an integer"), std::string::npos) << error_of();
+  setenv("RANK", "2", 1);
+  EXPECT_NE(error_of().find("rank 2 (from torchrun variables) is not below the world size 2"),
+            std::string::npos)
+      << error_of();
+  setenv("RANK", "1", 1);
+  EXPECT_NE(error_of().find("needs MASTER_ADDR and MASTER_PORT"), std::string::npos) << error_of();
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "99999", 1);
+  EXPECT_NE(error_of().find("MASTER_PORT='99999' is not a TCP port"), std::string::npos) << error_of();
+  unsetenv("WORLD_SIZE");
+  EXPECT_NE(error_of().find("only one of RANK and WORLD_SIZE is set"), std::string::npos) << error_of();
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -1,0 +1,51 @@
+// The test executable: GoogleTest, plus helper programs that multi-process
+// tests start through zeroshard-run (`zs_tests --helper NAME`).
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <c10/util/Exception.h>
+
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+namespace {
+
+// Every rank all-reduces 16 MiB repeatedly; rank 2 SIGKILLs itself while one is
+// in flight. Survivors ignore SIGTERM so they report their own error and exit 1.
+int kill_mid_collective() {
+  std::signal(SIGTERM, SIG_IGN);
+  zeroshard::CommOptions opt;
+  opt.timeout = std::chrono::seconds(15);
+  auto c = zeroshard::init_communicator(opt);
+  auto t = at::ones({4 << 20});
+  try {
+    for (int i = 0; i < 1000; ++i) {
+      auto w = c->all_reduce(t, zeroshard::ReduceOp::kMax);
+      if (c->rank() == 2 && i == 3) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        std::raise(SIGKILL);
+      }
+      w->wait();
+    }
+  } catch (const c10::Error& e) {
+    std::cerr << "survivor error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  }
+  std::cerr << "no error although rank 2 died" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 3 && std::strcmp(argv[1], "--helper") == 0) {
+    if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
+    std::cerr << "unknown helper " << argv[2] << std::endl;
+    return 2;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

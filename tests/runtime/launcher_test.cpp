@@ -1,0 +1,156 @@
+// zeroshard-run, driven as a user would: real processes, real signals.
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+namespace zeroshard {
+namespace {
+
+using testing::run_command;
+
+std::string launcher() { return testing::build_dir() + "/zeroshard-run"; }
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+TEST(Launcher, SetsTheEnvProtocolAndPrefixesOutput) {
+  auto r = run_command(launcher() + " --nproc-per-node 3 -- bash -c "
+                       "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR "
+                       "$ZS_RESTART_COUNT $OMP_NUM_THREADS port=$MASTER_PORT\"'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::string omp = std::to_string(std::max(1u, cores / 3));
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string line = "[rank" + std::to_string(rank) + "]: env " + std::to_string(rank) + " " +
+                             std::to_string(rank) + " 3 3 127.0.0.1 0 " + omp + " port=";
+    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n" << r.output;
+  }
+  // A free port was picked, the same for every rank.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("port=(\\d+)"))) << r.output;
+  EXPECT_GT(std::stoi(m[1]), 0);
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '='), 3);
+  auto first = r.output.find("port=" + m[1].str());
+  EXPECT_NE(r.output.find("port=" + m[1].str(), first + 1), std::string::npos);
+}
+
+TEST(Launcher, KeepsTheUsersOmpNumThreads) {
+  auto r = run_command("OMP_NUM_THREADS=7 " + launcher() +
+                       " --nproc-per-node 2 -- bash -c 'echo omp=$OMP_NUM_THREADS'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank1]: omp=7"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, PropagatesTheFailingRanksExitCodeAndStopsTheOthers) {
+  auto r = run_command(launcher() + " --nproc-per-node 3 --grace-period 5 -- bash -c "
+                       "'if [ $RANK = 1 ]; then sleep 0.2; exit 7; fi; sleep 60'");
+  EXPECT_EQ(r.exit_code, 7) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 7"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << "the survivors must be stopped, not waited for";
+}
+
+TEST(Launcher, NamesARankKilledBySignal) {
+  auto r = run_command(launcher() + " --nproc-per-node 2 -- bash -c "
+                       "'if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 60'");
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 10.0);
+}
+
+TEST(Launcher, RestartsTheWholeGroupUpToMaxRestarts) {
+  const auto dir = testing::make_temp_dir("restart");
+  // Rank 0 fails on the first two attempts; every start of every rank is logged.
+  const std::string script = "'echo \"$RANK $ZS_RESTART_COUNT\" >> " + dir +
+                             "/starts; if [ $RANK = 0 ] && [ $ZS_RESTART_COUNT -lt 2 ]; then exit 3; fi; "
+                             "sleep 0.3'";
+  auto ok = run_command(launcher() + " --nproc-per-node 2 --max-restarts 2 -- bash -c " + script);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("restart 2 of 2"), std::string::npos) << ok.output;
+  const std::string starts = read_file(dir + "/starts");
+  for (const char* line : {"0 0", "1 0", "0 1", "1 1", "0 2", "1 2"})
+    EXPECT_NE(starts.find(line), std::string::npos) << "no start '" << line << "' in\n" << starts;
+
+  std::filesystem::remove(dir + "/starts");
+  auto fail = run_command(launcher() + " --nproc-per-node 2 --max-restarts 1 -- bash -c " + script);
+  EXPECT_EQ(fail.exit_code, 3) << fail.output;
+  EXPECT_NE(fail.output.find("no restarts left"), std::string::npos) << fail.output;
+  EXPECT_EQ(read_file(dir + "/starts").find(" 2"), std::string::npos) << "restarted more than asked";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Launcher, ForwardsSigtermAndWaitsForAGracefulExit) {
+  const auto dir = testing::make_temp_dir("sigterm");
+  // Ranks trap SIGTERM, take 0.5 s to "save", write a marker and exit 0.
+  const std::string cmd =
+      launcher() + " --nproc-per-node 2 --grace-period 10 -- bash -c "
+      "'trap \"sleep 0.5; echo saved > " + dir + "/saved.$RANK; exit 0\" TERM; "
+      "echo ready > " + dir + "/ready.$RANK; while true; do sleep 0.05; done' & "
+      "pid=$!; while [ ! -f " + dir + "/ready.0 ] || [ ! -f " + dir + "/ready.1 ]; do sleep 0.05; done; "
+      "kill -TERM $pid; wait $pid";
+  auto r = run_command(cmd);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("received SIGTERM; forwarding it"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/saved.0")) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/saved.1")) << r.output;
+  EXPECT_EQ(r.output.find("restarting"), std::string::npos) << "a stop request must not restart";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Launcher, KillsRanksThatIgnoreSigtermAfterTheGracePeriod) {
+  const auto dir = testing::make_temp_dir("grace");
+  const std::string cmd =
+      launcher() + " --nproc-per-node 2 --grace-period 1.5 -- bash -c "
+      "'trap \"\" TERM; echo ready > " + dir + "/ready.$RANK; while true; do sleep 0.05; done' & "
+      "pid=$!; while [ ! -f " + dir + "/ready.0 ] || [ ! -f " + dir + "/ready.1 ]; do sleep 0.05; done; "
+      "start=$(date +%s%N); kill -TERM $pid; wait $pid; rc=$?; end=$(date +%s%N); "
+      "echo \"elapsed_ms=$(( (end - start) / 1000000 ))\"; exit $rc";
+  auto r = run_command(cmd);
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
+  EXPECT_NE(r.output.find("still running 1.5"), std::string::npos) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("elapsed_ms=([0-9]+)"))) << r.output;
+  const double elapsed = std::stod(m[1]) / 1000.0;
+  EXPECT_GE(elapsed, 1.4) << "SIGKILL came before the grace period";
+  EXPECT_LT(elapsed, 5.0) << "SIGKILL came long after the grace period";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Launcher, RejectsBadFlagsWithAMessage) {
+  auto r = run_command(launcher() + " --nnodes 2 --nproc-per-node 1 -- true");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("pass --master-port"), std::string::npos) << r.output;
+  r = run_command(launcher() + " --nproc-per-node 0 -- true");
+  EXPECT_NE(r.exit_code, 0);
+  r = run_command(launcher() + " --nproc-per-node 1 -- /nonexistent/program");
+  EXPECT_EQ(r.exit_code, 127) << r.output;
+  EXPECT_NE(r.output.find("cannot execute /nonexistent/program"), std::string::npos) << r.output;
+}
+
+// A rank SIGKILLed in the middle of a collective: the others fail fast naming it,
+// and the launcher exits non-zero naming the rank and the signal.
+TEST(Launcher, RankKilledMidCollective) {
+  auto r = run_command(launcher() + " --nproc-per-node 3 --grace-period 20 -- " +
+                       testing::build_dir() + "/tests/zs_tests --helper kill_mid_collective");
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
+  EXPECT_NE(r.output.find("rank 2 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
+  for (int rank : {0, 1}) {
+    const std::string tag = "[rank" + std::to_string(rank) + "]: survivor error: all_reduce #";
+    auto at = r.output.find(tag);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_NE(line.find("[2]"), std::string::npos) << line;
+  }
+  EXPECT_LT(r.seconds, 20.0) << r.output;
+}
+
+}  // namespace
+}  // namespace zeroshard
