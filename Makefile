@@ -1,0 +1,34 @@
+# zeroshard — the two commands a newcomer needs:
+#   make demo   install what is missing, build, and run the main job on 4 local ranks
+#   make test   install what is missing, build, and run the whole test suite (ctest)
+# Other targets: make build, make bench, make clean. Variables: BUILD_DIR, JOBS.
+
+BUILD_DIR ?= build
+JOBS ?= 2
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+
+.PHONY: all deps configure build test demo bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+configure: deps
+	@cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS) > $(BUILD_DIR).configure.log 2>&1 || { cat $(BUILD_DIR).configure.log; exit 1; }
+
+build: configure
+	@cmake --build $(BUILD_DIR) -j$(JOBS)
+
+test: build
+	@cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
+
+demo: build
+	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/examples/zs_minimal --steps 300
+
+bench: build
+	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench
+	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
+
+clean:
+	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log

@@ -1,0 +1,187 @@
+// comm_bench: algorithm and bus bandwidth of all_gather, reduce_scatter and
+// all_reduce, beside a raw-TCP anchor measured in the same run.
+//
+// The anchor: plain TCP streams between the same processes (each rank sends to
+// rank+1 and receives from rank-1 at the same time, a ring) moving the same
+// bytes in the same pattern: n-1 steps of S/n bytes for all_gather and
+// reduce_scatter, 2(n-1) steps for all_reduce. No reduction, no copies: what
+// this machine's loopback can physically carry for that traffic.
+//
+//   zeroshard-run --nproc-per-node 4 -- ./comm_bench [--min-kib 4] [--max-mib 64]
+//
+// Bus bandwidth = algorithm bandwidth (S / time) x (n-1)/n for all_gather and
+// reduce_scatter, x 2(n-1)/n for all_reduce (NCCL's convention): the rate at
+// which each rank's link carries the payload, comparable across world sizes.
+#include <zeroshard/comm.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void check(bool ok, const char* what) {
+  if (!ok) throw std::runtime_error(std::string("comm_bench: ") + what + ": " + std::strerror(errno));
+}
+
+// A TCP ring: a connection to rank+1 (sending) and one from rank-1 (receiving).
+class TcpRing {
+ public:
+  explicit TcpRing(zeroshard::Communicator& comm) {
+    const int n = comm.size(), r = comm.rank();
+    int listener = socket(AF_INET, SOCK_STREAM, 0);
+    check(listener >= 0, "socket");
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    check(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0, "bind");
+    check(listen(listener, 1) == 0, "listen");
+    check(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len) == 0, "getsockname");
+    // Exchange the listening ports through the communicator itself.
+    auto mine = torch::full({1}, static_cast<int64_t>(ntohs(a.sin_port)), torch::kLong);
+    auto ports = torch::zeros({n}, torch::kLong);
+    comm.all_gather(ports, mine)->wait();
+
+    sockaddr_in right{};
+    right.sin_family = AF_INET;
+    right.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    right.sin_port = htons(static_cast<uint16_t>(ports[(r + 1) % n].item<int64_t>()));
+    send_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    check(connect(send_fd_, reinterpret_cast<sockaddr*>(&right), sizeof(right)) == 0, "connect");
+    recv_fd_ = accept(listener, nullptr, nullptr);
+    check(recv_fd_ >= 0, "accept");
+    close(listener);
+    for (int fd : {send_fd_, recv_fd_}) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    }
+  }
+  ~TcpRing() {
+    close(send_fd_);
+    close(recv_fd_);
+  }
+
+  // One ring step: send `bytes` to the right while receiving `bytes` from the left.
+  void step(const char* src, char* dst, size_t bytes) {
+    size_t sent = 0, got = 0;
+    while (sent < bytes || got < bytes) {
+      pollfd fds[2] = {{send_fd_, POLLOUT, 0}, {recv_fd_, POLLIN, 0}};
+      check(poll(fds, 2, 60000) > 0, "poll");
+      if (sent < bytes && (fds[0].revents & POLLOUT)) {
+        ssize_t w = ::send(send_fd_, src + sent, bytes - sent, MSG_NOSIGNAL);
+        if (w > 0) sent += static_cast<size_t>(w);
+        else check(errno == EAGAIN || errno == EINTR, "send");
+      }
+      if (got < bytes && (fds[1].revents & (POLLIN | POLLHUP))) {
+        ssize_t rd = ::recv(recv_fd_, dst + got, bytes - got, 0);
+        if (rd > 0) got += static_cast<size_t>(rd);
+        else check(rd < 0 && (errno == EAGAIN || errno == EINTR), "recv");
+      }
+    }
+  }
+
+ private:
+  int send_fd_ = -1, recv_fd_ = -1;
+};
+
+struct Row {
+  const char* op;
+  int64_t bytes;
+  double ours_s, tcp_s;
+  double factor;
+};
+
+// The slowest rank's time for `iters` calls of `fn`, in seconds per call.
+template <typename F>
+double timed(zeroshard::Communicator& comm, int iters, F fn) {
+  fn();  // warm-up
+  comm.barrier();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  auto t = torch::full({1}, std::chrono::duration<double>(Clock::now() - t0).count() / iters, torch::kDouble);
+  comm.all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
+  return t.item<double>();
+}
+
+std::string human(int64_t bytes) {
+  char buf[32];
+  if (bytes >= (1 << 20)) std::snprintf(buf, sizeof(buf), "%lld MiB", static_cast<long long>(bytes >> 20));
+  else std::snprintf(buf, sizeof(buf), "%lld KiB", static_cast<long long>(bytes >> 10));
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t min_kib = 4, max_mib = 64;
+  CLI::App app{"comm_bench: collective bandwidth beside a raw TCP ring"};
+  app.add_option("--min-kib", min_kib, "smallest buffer, KiB")->capture_default_str();
+  app.add_option("--max-mib", max_mib, "largest buffer, MiB")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto comm = zeroshard::init_communicator();
+  const int n = comm->size(), r = comm->rank();
+  if (n < 2) {
+    std::fprintf(stderr, "comm_bench needs at least 2 ranks (zeroshard-run --nproc-per-node 2 ...)\n");
+    return 2;
+  }
+  TcpRing ring(*comm);
+  std::vector<Row> rows;
+  for (int64_t bytes = min_kib << 10; bytes <= (max_mib << 20); bytes *= 4) {
+    const int64_t numel = bytes / 4 / n * n;  // float32, divisible by n
+    const int64_t chunk = numel / n;
+    const int iters = static_cast<int>(std::max<int64_t>(3, std::min<int64_t>(200, (int64_t(256) << 20) / bytes)));
+    auto full = torch::randn({numel});
+    auto part = torch::randn({chunk});
+    std::vector<char> scratch(chunk * 4);
+    const char* src = static_cast<const char*>(full.data_ptr());
+
+    auto ring_steps = [&](int steps) {
+      return timed(*comm, iters, [&] {
+        for (int s = 0; s < steps; ++s) ring.step(src + ((r - s + 2 * n) % n) * chunk * 4, scratch.data(), chunk * 4);
+      });
+    };
+    const double tcp_one = ring_steps(n - 1);
+    const double tcp_two = ring_steps(2 * (n - 1));
+    const double ag = timed(*comm, iters, [&] { comm->all_gather(full, part)->wait(); });
+    const double rs = timed(*comm, iters, [&] { comm->reduce_scatter(part, full, zeroshard::ReduceOp::kSum)->wait(); });
+    const double ar = timed(*comm, iters, [&] { comm->all_reduce(full, zeroshard::ReduceOp::kSum)->wait(); });
+    const double f1 = double(n - 1) / n, f2 = 2.0 * (n - 1) / n;
+    rows.push_back({"all_gather", numel * 4, ag, tcp_one, f1});
+    rows.push_back({"reduce_scatter", numel * 4, rs, tcp_one, f1});
+    rows.push_back({"all_reduce", numel * 4, ar, tcp_two, f2});
+  }
+
+  if (r == 0) {
+    std::printf("comm_bench: %d ranks, Gloo TCP over loopback, float32, %u cores\n", n,
+                std::thread::hardware_concurrency());
+    std::printf("| op | size | ours us | ours algbw GB/s | ours busbw GB/s | tcp ring busbw GB/s | ours/tcp |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto& row : rows) {
+      const double alg = row.bytes / row.ours_s / 1e9;
+      const double bus = alg * row.factor;
+      const double tcp_bus = row.bytes / row.tcp_s / 1e9 * row.factor;
+      std::printf("| %s | %s | %.0f | %.2f | %.2f | %.2f | %.2f |\n", row.op, human(row.bytes).c_str(),
+                  row.ours_s * 1e6, alg, bus, tcp_bus, bus / tcp_bus);
+    }
+  }
+  comm->barrier();
+  return 0;
+}
