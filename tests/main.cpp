@@ -1,6 +1,7 @@
 // The test executable: GoogleTest, plus helper programs that multi-process
 // tests start through zeroshard-run (`zs_tests --helper NAME`).
 #include "test_util.h"
+#include "zeroshard/log.h"
 
 #include <gtest/gtest.h>
 
@@ -38,11 +39,22 @@ int kill_mid_collective() {
   return 0;
 }
 
+// Logs one line at each level after init_logging(rank, world) from the env.
+int log_lines() {
+  const auto env = zeroshard::read_dist_env();
+  zeroshard::init_logging(env.rank, env.world_size);
+  zeroshard::log_debug("debug line");
+  zeroshard::log_info("info line");
+  zeroshard::log_warn("warn line");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "--helper") == 0) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
+    if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <sstream>
 
@@ -154,29 +155,53 @@ const char* numel_argument(OpKind kind) {
   }
 }
 
+// What arrived from each peer in the header exchange.
+struct HeaderMessages {
+  std::vector<std::vector<char>> from;  // per rank: header, then inline payload
+  const char* payload(int p) const { return from[p].data() + sizeof(WireHeader); }
+};
+
+// For peer p: the bytes this rank inlines in its header message to p (none by default).
+using InlinePayload = std::function<std::pair<const void*, int64_t>(int)>;
+
 // Exchanges headers with every peer and throws, naming the first rank that disagrees.
-void exchange_headers(Exchange& ex, const WireHeader& mine) {
-  if (ex.size == 1) return;
-  std::vector<WireHeader> theirs(ex.size);
+HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const InlinePayload& payload_for = {}) {
+  HeaderMessages got;
+  if (ex.size == 1) return got;
   const uint64_t slot = make_slot(kCollHeader, ex.work.seq(), 0);
+  const size_t capacity = sizeof(WireHeader) + kInlineBytes;
+  got.from.resize(ex.size);
+  std::vector<std::vector<char>> outgoing(ex.size);
   std::vector<UBuf> bufs;
   std::vector<Pending> recvs, sends;
   for (int k = 1; k < ex.size; ++k) {
     const int p = (ex.rank + k) % ex.size;
-    bufs.push_back(make_buffer(ex.ctx, &theirs[p], sizeof(WireHeader)));
-    bufs.back()->recv(p, slot, 0, sizeof(WireHeader));
+    got.from[p].resize(capacity);
+    bufs.push_back(make_buffer(ex.ctx, got.from[p].data(), capacity));
+    bufs.back()->recv(p, slot, 0, capacity);
     recvs.push_back({p, bufs.back().get(), 1, true});
-    bufs.push_back(make_buffer(ex.ctx, &mine, sizeof(WireHeader)));
-    bufs.back()->send(p, slot, 0, sizeof(WireHeader));
+
+    WireHeader h = mine;
+    std::pair<const void*, int64_t> payload{nullptr, 0};
+    if (payload_for) payload = payload_for(p);
+    TORCH_INTERNAL_ASSERT(payload.second <= kInlineBytes);
+    h.inline_bytes = payload.second;
+    auto& msg = outgoing[p];
+    msg.resize(sizeof(WireHeader) + payload.second);
+    std::memcpy(msg.data(), &h, sizeof(WireHeader));
+    if (payload.second > 0) std::memcpy(msg.data() + sizeof(WireHeader), payload.first, payload.second);
+    bufs.push_back(make_buffer(ex.ctx, msg.data(), msg.size()));
+    bufs.back()->send(p, slot, 0, msg.size());
     sends.push_back({p, bufs.back().get(), 1, false});
+    ex.stats.control_bytes += 2 * static_cast<int64_t>(sizeof(WireHeader));
   }
   wait_all(ex, recvs, "header");
   wait_all(ex, sends, "receipt of this rank's header");
-  ex.stats.control_bytes += 2 * (ex.size - 1) * static_cast<int64_t>(sizeof(WireHeader));
 
   for (int p = 0; p < ex.size; ++p) {
     if (p == ex.rank) continue;
-    const WireHeader& h = theirs[p];
+    WireHeader h;
+    std::memcpy(&h, got.from[p].data(), sizeof(WireHeader));
     TORCH_CHECK(h.magic == kMagic, ex.work.name(), ": received a corrupt header from ",
                 rank_label(p, ex.world_ranks), " (is another program using this port?)");
     if (h.kind == mine.kind && h.seq == mine.seq && h.dtype == mine.dtype && h.extra == mine.extra &&
@@ -193,6 +218,7 @@ void exchange_headers(Exchange& ex, const WireHeader& mine) {
                       ". Every rank must issue the same collectives in the same order with the "
                       "same dtypes, ops and roots");
   }
+  return got;
 }
 
 struct Slices {
@@ -295,11 +321,18 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
   wait_all(ex, sends, "receipt of reduce_scatter data");
 }
 
-// Fills every slice p != rank of `out` from rank p; slice `rank` must already hold this rank's data.
-void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType dtype) {
+// Fills every slice p of `out` from rank p. This rank's slice comes from `own`,
+// or is already in place when `own` is that slice; it is sent straight from
+// `own`, and copied into `out` while the network moves the other slices.
+void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType dtype, const void* own) {
   const int n = ex.size, r = ex.rank;
-  if (n == 1) return;
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  char* mine = static_cast<char*>(out) + slices.offsets[r] * es;
+  const bool copy_own = own != mine && slices.counts[r] > 0;
+  if (n == 1) {
+    if (copy_own) std::memcpy(mine, own, slices.counts[r] * es);
+    return;
+  }
   const int64_t total = slices.offsets[n - 1] + slices.counts[n - 1];
   if (total == 0) return;
   const uint64_t slot = make_slot(kAllGatherData, ex.work.seq(), 0);
@@ -317,12 +350,13 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   if (slices.counts[r] > 0) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      bufs.push_back(make_buffer(ex.ctx, base + slices.offsets[r] * es, slices.counts[r] * es));
+      bufs.push_back(make_buffer(ex.ctx, own, slices.counts[r] * es));
       bufs.back()->send(p, slot, 0, slices.counts[r] * es);
       sends.push_back({p, bufs.back().get(), 1, false});
       ex.stats.bytes_sent += slices.counts[r] * es;
     }
   }
+  if (copy_own) std::memcpy(mine, own, slices.counts[r] * es);
   wait_all(ex, recvs, "all_gather data");
   wait_all(ex, sends, "receipt of all_gather data");
 }
@@ -373,38 +407,88 @@ std::string rank_label(int rank, const std::vector<int>& world_ranks) {
 void run_collective(Exchange& ex) {
   OpWork& w = ex.work;
   const auto& ts = w.tensors();
+  const int n = ex.size, r = ex.rank;
+  // Reduces this rank's slice from contributions that arrived inline, in rank order.
+  auto reduce_inline = [&](void* out, const char* own, const HeaderMessages& got, int64_t count,
+                           c10::ScalarType dtype) {
+    std::vector<const void*> srcs(n);
+    for (int q = 0; q < n; ++q) srcs[q] = q == r ? own : got.payload(q);
+    reduce_buffers(out, srcs, count, dtype, w.reduce_op);
+  };
   switch (w.kind()) {
     case OpKind::kAllGather: {
       at::Tensor out = ts[0], in = ts[1];
+      const int64_t bytes = in.numel() * static_cast<int64_t>(in.element_size());
+      const auto slices = equal_slices(in.numel(), n);
+      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+        auto got = exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0),
+                                    [&](int) { return std::make_pair(in.data_ptr(), bytes); });
+        char* base = static_cast<char*>(out.data_ptr());
+        for (int p = 0; p < n; ++p) std::memcpy(base + p * bytes, p == r ? in.data_ptr() : got.payload(p), bytes);
+        ex.stats.bytes_sent += (n - 1) * bytes;
+        ex.stats.bytes_received += (n - 1) * bytes;
+        return;
+      }
       exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0));
-      const auto slices = equal_slices(in.numel(), ex.size);
-      const int64_t es = static_cast<int64_t>(in.element_size());
-      char* mine = static_cast<char*>(out.data_ptr()) + slices.offsets[ex.rank] * es;
-      if (mine != in.data_ptr() && in.numel() > 0) std::memcpy(mine, in.data_ptr(), in.numel() * es);
-      all_gather_v(ex, out.data_ptr(), slices, in.scalar_type());
+      all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr());
       return;
     }
     case OpKind::kReduceScatter: {
       at::Tensor out = ts[0], in = ts[1];
-      exchange_headers(ex, header_for(w, out.numel(), out.scalar_type(), static_cast<int32_t>(w.reduce_op)));
-      reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), ex.size),
-                       out.scalar_type(), w.reduce_op);
+      const auto header = header_for(w, out.numel(), out.scalar_type(), static_cast<int32_t>(w.reduce_op));
+      const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
+      const char* base = static_cast<const char*>(in.data_ptr());
+      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+        auto got = exchange_headers(ex, header, [&](int p) { return std::make_pair(base + p * bytes, bytes); });
+        reduce_inline(out.data_ptr(), base + r * bytes, got, out.numel(), out.scalar_type());
+        ex.stats.bytes_sent += (n - 1) * bytes;
+        ex.stats.bytes_received += (n - 1) * bytes;
+        return;
+      }
+      exchange_headers(ex, header);
+      reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
+                       w.reduce_op);
       return;
     }
     case OpKind::kAllReduce: {
       at::Tensor t = ts[0];
-      exchange_headers(ex, header_for(w, t.numel(), t.scalar_type(), static_cast<int32_t>(w.reduce_op)));
-      const auto slices = even_slices(t.numel(), ex.size);
+      const auto header = header_for(w, t.numel(), t.scalar_type(), static_cast<int32_t>(w.reduce_op));
+      const auto slices = even_slices(t.numel(), n);
       const int64_t es = static_cast<int64_t>(t.element_size());
       char* base = static_cast<char*>(t.data_ptr());
-      reduce_scatter_v(ex, base + slices.offsets[ex.rank] * es, base, slices, t.scalar_type(), w.reduce_op);
-      all_gather_v(ex, base, slices, t.scalar_type());
+      char* mine = base + slices.offsets[r] * es;
+      // slices.counts[0] is the largest slice.
+      if (n > 1 && t.numel() > 0 && slices.counts[0] * es <= kInlineBytes) {
+        auto got = exchange_headers(ex, header, [&](int p) {
+          return std::make_pair(static_cast<const void*>(base + slices.offsets[p] * es), slices.counts[p] * es);
+        });
+        reduce_inline(mine, mine, got, slices.counts[r], t.scalar_type());
+        ex.stats.bytes_sent += (t.numel() - slices.counts[r]) * es;
+        ex.stats.bytes_received += (n - 1) * slices.counts[r] * es;
+      } else {
+        exchange_headers(ex, header);
+        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op);
+      }
+      all_gather_v(ex, base, slices, t.scalar_type(), mine);
       return;
     }
     case OpKind::kBroadcast: {
       at::Tensor t = ts[0];
-      exchange_headers(ex, header_for(w, t.numel(), t.scalar_type(), w.peer));
-      broadcast(ex, t, w.peer);
+      const int root = w.peer;
+      const auto header = header_for(w, t.numel(), t.scalar_type(), root);
+      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+        auto got = exchange_headers(ex, header, [&](int) {
+          return r == root ? std::make_pair(static_cast<const void*>(t.data_ptr()), bytes)
+                           : std::make_pair(static_cast<const void*>(nullptr), int64_t(0));
+        });
+        if (r != root) std::memcpy(t.data_ptr(), got.payload(root), bytes);
+        ex.stats.bytes_sent += r == root ? (n - 1) * bytes : 0;
+        ex.stats.bytes_received += r == root ? 0 : bytes;
+        return;
+      }
+      exchange_headers(ex, header);
+      broadcast(ex, t, root);
       return;
     }
     case OpKind::kBarrier:
@@ -421,17 +505,21 @@ PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_se
   PostedSend ps;
   const at::Tensor& t = work->tensors()[0];
   const int dst = work->peer;
-  ps.header = std::make_unique<WireHeader>(header_for(*work, t.numel(), t.scalar_type(), 0));
-  ps.header->seq = p2p_seq;
-  ps.header_buf = make_buffer(ex.ctx, ps.header.get(), sizeof(WireHeader));
-  ps.header_buf->send(dst, make_slot(kP2PHeader, p2p_seq, 0), 0, sizeof(WireHeader));
-  ex.stats.control_bytes += sizeof(WireHeader);
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (bytes > 0) {
+  WireHeader h = header_for(*work, t.numel(), t.scalar_type(), 0);
+  h.seq = p2p_seq;
+  h.inline_bytes = bytes <= kInlineBytes ? bytes : 0;
+  ps.message.resize(sizeof(WireHeader) + h.inline_bytes);
+  std::memcpy(ps.message.data(), &h, sizeof(WireHeader));
+  if (h.inline_bytes > 0) std::memcpy(ps.message.data() + sizeof(WireHeader), t.data_ptr(), bytes);
+  ps.header_buf = make_buffer(ex.ctx, ps.message.data(), ps.message.size());
+  ps.header_buf->send(dst, make_slot(kP2PHeader, p2p_seq, 0), 0, ps.message.size());
+  ex.stats.control_bytes += sizeof(WireHeader);
+  if (bytes > 0 && h.inline_bytes == 0) {
     ps.data_buf = make_buffer(ex.ctx, t.data_ptr(), bytes);
     ps.data_buf->send(dst, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
-    ex.stats.bytes_sent += bytes;
   }
+  ex.stats.bytes_sent += bytes;
   ps.work = std::move(work);
   ps.deadline = ex.deadline;
   ps.timeout = ex.timeout;
@@ -449,11 +537,13 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
   OpWork& w = ex.work;
   at::Tensor t = w.tensors()[0];
   const int src = w.peer;
-  WireHeader theirs;
-  auto hbuf = make_buffer(ex.ctx, &theirs, sizeof(WireHeader));
-  hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, sizeof(WireHeader));
+  std::vector<char> message(sizeof(WireHeader) + kInlineBytes);
+  auto hbuf = make_buffer(ex.ctx, message.data(), message.size());
+  hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, message.size());
   wait_all(ex, {{src, hbuf.get(), 1, true}}, "matching send");
   ex.stats.control_bytes += sizeof(WireHeader);
+  WireHeader theirs;
+  std::memcpy(&theirs, message.data(), sizeof(WireHeader));
   TORCH_CHECK(theirs.magic == kMagic, w.name(), ": received a corrupt header from ",
               rank_label(src, ex.world_ranks));
   const auto their_dtype = static_cast<c10::ScalarType>(theirs.dtype);
@@ -463,11 +553,15 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
                     " elements of ", c10::toString(t.scalar_type()),
                     "; the receiving tensor must match the sent one");
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  ex.stats.bytes_received += bytes;
   if (bytes == 0) return;
+  if (theirs.inline_bytes > 0) {
+    std::memcpy(t.data_ptr(), message.data() + sizeof(WireHeader), bytes);
+    return;
+  }
   auto dbuf = make_buffer(ex.ctx, t.data_ptr(), bytes);
   dbuf->recv(src, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
   wait_all(ex, {{src, dbuf.get(), 1, true}}, "send data");
-  ex.stats.bytes_received += bytes;
 }
 
 }  // namespace zeroshard::comm

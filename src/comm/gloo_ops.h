@@ -1,9 +1,10 @@
 // gloo_ops.h — the algorithms behind each operation, over Gloo's TCP transport.
 //
-// Every collective first exchanges a 32-byte header with every peer (kind,
-// sequence number, numel, dtype, op/root) and refuses to move data when any
-// rank disagrees, naming it; only then are data buffers posted, so a size
-// mismatch can never overrun memory. Data moves pairwise: each rank sends
+// Every collective first exchanges a header with every peer (kind, sequence
+// number, numel, dtype, op/root) and refuses to move data when any rank
+// disagrees, naming it; only then are data buffers posted, so a size mismatch
+// can never overrun memory. Payloads of at most kInlineBytes ride inside the
+// header message, so small operations cost one exchange, not two. Data moves pairwise: each rank sends
 // exactly the bytes the receiver needs, so the payload equals the theory:
 //   all_gather / reduce_scatter: (n-1)/n of the full buffer per rank;
 //   all_reduce = reduce_scatter + all_gather of the reduced slices: 2(n-1)/n;
@@ -28,15 +29,18 @@
 
 namespace zeroshard::comm {
 
-// 32 bytes sent ahead of every operation's data.
+// Sent ahead of every operation's data (40 bytes). Payloads up to
+// kInlineBytes travel in the same message, right after the header.
 struct WireHeader {
   uint32_t magic = 0;
   uint32_t kind = 0;
   uint64_t seq = 0;
   int64_t numel = 0;
   int32_t dtype = 0;
-  int32_t extra = 0;  // ReduceOp for reductions, root for broadcast
+  int32_t extra = 0;         // ReduceOp for reductions, root for broadcast
+  int64_t inline_bytes = 0;  // payload bytes following the header in this message
 };
+constexpr int64_t kInlineBytes = 4096;
 
 // One operation being executed.
 struct Exchange {
@@ -59,7 +63,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq);
 // A send posted to the transport; it completes when the receiver takes it.
 struct PostedSend {
   std::shared_ptr<OpWork> work;
-  std::unique_ptr<WireHeader> header;
+  std::vector<char> message;  // header, then the payload when inlined
   std::unique_ptr<gloo::transport::UnboundBuffer> header_buf;
   std::unique_ptr<gloo::transport::UnboundBuffer> data_buf;
   std::chrono::steady_clock::time_point deadline;

@@ -157,7 +157,7 @@ TEST(Collectives, BroadcastFromEveryRoot) {
   const int n = c.size(), r = c.rank();
   for (int root = 0; root < n; ++root) {
     for (auto dt : kFloatTypes) {
-      const int64_t numel = 70'001;
+     for (int64_t numel : {int64_t(5), int64_t(70'001)}) {  // inline in the header, and not
       auto t = r == root ? pattern(root, numel, dt, 5) : at::zeros({numel}, at::TensorOptions(dt));
       const auto before = c.stats();
       c.broadcast(t, root)->wait();
@@ -166,6 +166,7 @@ TEST(Collectives, BroadcastFromEveryRoot) {
       const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
       EXPECT_EQ(d.bytes_sent, r == root ? (n - 1) * bytes : 0);
       EXPECT_EQ(d.bytes_received, r == root ? 0 : bytes);
+     }
     }
   }
 }
@@ -178,7 +179,8 @@ TEST(Collectives, SendRecvBetweenEveryPair) {
   for (int src = 0; src < n; ++src) {
     for (int dst = 0; dst < n; ++dst) {
       if (src == dst) continue;
-      const int64_t numel = 1000 + 17 * src + dst;  // differs per pair
+      // Differs per pair; every other pair is too large to ride inside the header.
+      const int64_t numel = ((src + dst) % 2 ? 1000 : 300'000) + 17 * src + dst;
       if (r == src) {
         keep.push_back(pattern(src * n + dst, numel, at::kBFloat16, 6));
         sends.push_back(c.send(keep.back(), dst));

@@ -108,6 +108,28 @@ TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
   EXPECT_LT(seconds, 20.0) << "a closed connection must fail the op before the 30 s timeout";
 }
 
+TEST(CommFailure, RecvOfTheWrongSizeIsNamed) {
+  const int port = testing::free_port();
+  auto errors = run_ranks(2, [&](int r) {
+    CommOptions opt;
+    opt.timeout = 1500ms;
+    auto c = init_communicator(thread_env(r, 2, port), opt);
+    if (r == 0) {
+      c->send(at::ones({10000}), 1)->wait();  // larger than what rides inside the header
+    } else {
+      auto t = at::zeros({12000});
+      c->recv(t, 0)->wait();
+    }
+  });
+  EXPECT_NE(errors[1].find("recv #0 from rank 0 on rank 1 of 2: rank 0 sent 10000 elements of Float but "
+                           "this rank's tensor has 12000 elements of Float"),
+            std::string::npos)
+      << errors[1];
+  // The sender is not left hanging: its send fails within the timeout, naming the receiver.
+  EXPECT_NE(errors[0].find("send #0 to rank 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("[1]"), std::string::npos) << errors[0];
+}
+
 TEST(CommFailure, RendezvousNamesRanksThatNeverJoined) {
   const int port = testing::free_port();
   auto errors = run_ranks(2, [&](int r) {

@@ -67,9 +67,10 @@ TEST(Launcher, NamesARankKilledBySignal) {
 
 TEST(Launcher, RestartsTheWholeGroupUpToMaxRestarts) {
   const auto dir = testing::make_temp_dir("restart");
-  // Rank 0 fails on the first two attempts; every start of every rank is logged.
+  // Rank 0 fails on the first two attempts (after the others logged their start);
+  // every start of every rank is logged.
   const std::string script = "'echo \"$RANK $ZS_RESTART_COUNT\" >> " + dir +
-                             "/starts; if [ $RANK = 0 ] && [ $ZS_RESTART_COUNT -lt 2 ]; then exit 3; fi; "
+                             "/starts; if [ $RANK = 0 ] && [ $ZS_RESTART_COUNT -lt 2 ]; then sleep 0.5; exit 3; fi; "
                              "sleep 0.3'";
   auto ok = run_command(launcher() + " --nproc-per-node 2 --max-restarts 2 -- bash -c " + script);
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
