@@ -41,18 +41,21 @@ GlooCommunicator::GlooCommunicator(int rank, int size, std::vector<int> world_ra
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), store_(std::move(store)),
       prefix_(std::move(prefix)), device_(std::move(device)), options_(options),
       send_seq_(size, 0), recv_seq_(size, 0) {
-  context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
-  context_->setTimeout(options_.timeout);
-  GlooStoreAdapter adapter(store_, prefix_ + "gloo/", options_.timeout);
-  try {
-    auto device = device_;
-    context_->connectFullMesh(adapter, device);
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "connecting rank ", rank_, " of ", size_, " to its peers failed: ", e.what(),
-                ". Check that every host can reach every other one over TCP (set ZS_SOCKET_IFNAME "
-                "to pick the network interface)");
+  for (int direction = 0; direction < 2; ++direction) {
+    auto& ctx = contexts_[direction];
+    ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    ctx->setTimeout(options_.timeout);
+    GlooStoreAdapter adapter(store_, prefix_ + "gloo" + std::to_string(direction) + "/", options_.timeout);
+    try {
+      auto device = device_;
+      ctx->connectFullMesh(adapter, device);
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "connecting rank ", rank_, " of ", size_, " to its peers failed: ", e.what(),
+                  ". Check that every host can reach every other one over TCP (set ZS_SOCKET_IFNAME "
+                  "to pick the network interface)");
+    }
   }
   worker_ = std::thread([this] { worker_loop(); });
   reaper_ = std::thread([this] { reaper_loop(); });
@@ -250,7 +253,7 @@ void GlooCommunicator::worker_loop() {
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
-    Exchange ex{*context_, rank_, size_, world_ranks_, work, start + options_.timeout,
+    Exchange ex{*contexts_[0], *contexts_[1], rank_, size_, world_ranks_, work, start + options_.timeout,
                 options_.timeout, OpStats{}};
     ex.work.set_progress("running");
     ex.stats.calls = 1;

@@ -72,7 +72,8 @@ class GlooCommunicator final : public Communicator {
   const std::string prefix_;
   const std::shared_ptr<gloo::transport::Device> device_;
   const CommOptions options_;
-  std::shared_ptr<gloo::rendezvous::Context> context_;
+  // [0]: data from lower to higher ranks, [1]: the reverse (see Exchange).
+  std::shared_ptr<gloo::rendezvous::Context> contexts_[2];
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -177,7 +177,7 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
   for (int k = 1; k < ex.size; ++k) {
     const int p = (ex.rank + k) % ex.size;
     got.from[p].resize(capacity);
-    bufs.push_back(make_buffer(ex.ctx, got.from[p].data(), capacity));
+    bufs.push_back(make_buffer(ex.from(p), got.from[p].data(), capacity));
     bufs.back()->recv(p, slot, 0, capacity);
     recvs.push_back({p, bufs.back().get(), 1, true});
 
@@ -190,7 +190,7 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
     msg.resize(sizeof(WireHeader) + payload.second);
     std::memcpy(msg.data(), &h, sizeof(WireHeader));
     if (payload.second > 0) std::memcpy(msg.data() + sizeof(WireHeader), payload.first, payload.second);
-    bufs.push_back(make_buffer(ex.ctx, msg.data(), msg.size()));
+    bufs.push_back(make_buffer(ex.to(p), msg.data(), msg.size()));
     bufs.back()->send(p, slot, 0, msg.size());
     sends.push_back({p, bufs.back().get(), 1, false});
     ex.stats.control_bytes += 2 * static_cast<int64_t>(sizeof(WireHeader));
@@ -271,7 +271,7 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     const int64_t c = slices.counts[p];
     if (c == 0) continue;
     const int64_t seg = segment_elems(c, es);
-    send_bufs.push_back(make_buffer(ex.ctx, in_bytes + slices.offsets[p] * es, c * es));
+    send_bufs.push_back(make_buffer(ex.to(p), in_bytes + slices.offsets[p] * es, c * es));
     int posted = 0;
     for (int64_t s = 0; s * seg < c; ++s, ++posted) {
       const int64_t len = std::min(seg, c - s * seg);
@@ -291,7 +291,7 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     std::vector<UBuf> recv_bufs(2 * n);
     for (int h = 0; h < 2; ++h)
       for (int p = 0; p < n; ++p)
-        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.ctx, stage(h, p), seg * es);
+        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.from(p), stage(h, p), seg * es);
     auto post = [&](int64_t s) {
       const int64_t len = std::min(seg, my_count - s * seg);
       for (int p = 0; p < n; ++p) {
@@ -342,7 +342,7 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   for (int k = 1; k < n; ++k) {
     const int p = (r + n - k) % n;
     if (slices.counts[p] == 0) continue;
-    bufs.push_back(make_buffer(ex.ctx, base + slices.offsets[p] * es, slices.counts[p] * es));
+    bufs.push_back(make_buffer(ex.from(p), base + slices.offsets[p] * es, slices.counts[p] * es));
     bufs.back()->recv(p, slot, 0, slices.counts[p] * es);
     recvs.push_back({p, bufs.back().get(), 1, true});
     ex.stats.bytes_received += slices.counts[p] * es;
@@ -350,7 +350,7 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   if (slices.counts[r] > 0) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      bufs.push_back(make_buffer(ex.ctx, own, slices.counts[r] * es));
+      bufs.push_back(make_buffer(ex.to(p), own, slices.counts[r] * es));
       bufs.back()->send(p, slot, 0, slices.counts[r] * es);
       sends.push_back({p, bufs.back().get(), 1, false});
       ex.stats.bytes_sent += slices.counts[r] * es;
@@ -371,14 +371,14 @@ void broadcast(Exchange& ex, at::Tensor& t, int root) {
   if (r == root) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      bufs.push_back(make_buffer(ex.ctx, t.data_ptr(), bytes));
+      bufs.push_back(make_buffer(ex.to(p), t.data_ptr(), bytes));
       bufs.back()->send(p, slot, 0, bytes);
       pending.push_back({p, bufs.back().get(), 1, false});
     }
     ex.stats.bytes_sent += (n - 1) * bytes;
     wait_all(ex, pending, "receipt of broadcast data");
   } else {
-    bufs.push_back(make_buffer(ex.ctx, t.data_ptr(), bytes));
+    bufs.push_back(make_buffer(ex.from(root), t.data_ptr(), bytes));
     bufs.back()->recv(root, slot, 0, bytes);
     wait_all(ex, {{root, bufs.back().get(), 1, true}}, "broadcast data");
     ex.stats.bytes_received += bytes;
@@ -512,11 +512,11 @@ PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_se
   ps.message.resize(sizeof(WireHeader) + h.inline_bytes);
   std::memcpy(ps.message.data(), &h, sizeof(WireHeader));
   if (h.inline_bytes > 0) std::memcpy(ps.message.data() + sizeof(WireHeader), t.data_ptr(), bytes);
-  ps.header_buf = make_buffer(ex.ctx, ps.message.data(), ps.message.size());
+  ps.header_buf = make_buffer(ex.to(dst), ps.message.data(), ps.message.size());
   ps.header_buf->send(dst, make_slot(kP2PHeader, p2p_seq, 0), 0, ps.message.size());
   ex.stats.control_bytes += sizeof(WireHeader);
   if (bytes > 0 && h.inline_bytes == 0) {
-    ps.data_buf = make_buffer(ex.ctx, t.data_ptr(), bytes);
+    ps.data_buf = make_buffer(ex.to(dst), t.data_ptr(), bytes);
     ps.data_buf->send(dst, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
   }
   ex.stats.bytes_sent += bytes;
@@ -538,7 +538,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
   at::Tensor t = w.tensors()[0];
   const int src = w.peer;
   std::vector<char> message(sizeof(WireHeader) + kInlineBytes);
-  auto hbuf = make_buffer(ex.ctx, message.data(), message.size());
+  auto hbuf = make_buffer(ex.from(src), message.data(), message.size());
   hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, message.size());
   wait_all(ex, {{src, hbuf.get(), 1, true}}, "matching send");
   ex.stats.control_bytes += sizeof(WireHeader);
@@ -559,7 +559,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
     std::memcpy(t.data_ptr(), message.data() + sizeof(WireHeader), bytes);
     return;
   }
-  auto dbuf = make_buffer(ex.ctx, t.data_ptr(), bytes);
+  auto dbuf = make_buffer(ex.from(src), t.data_ptr(), bytes);
   dbuf->recv(src, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
   wait_all(ex, {{src, dbuf.get(), 1, true}}, "send data");
 }

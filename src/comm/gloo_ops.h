@@ -44,7 +44,13 @@ constexpr int64_t kInlineBytes = 4096;
 
 // One operation being executed.
 struct Exchange {
-  gloo::Context& ctx;
+  // Two connections per pair of ranks, one per direction of data: `up` carries
+  // data from the lower rank to the higher, `down` the reverse. Sending and
+  // receiving then never contend for the same socket.
+  gloo::Context& up;
+  gloo::Context& down;
+  gloo::Context& to(int peer) const { return rank < peer ? up : down; }
+  gloo::Context& from(int peer) const { return peer < rank ? up : down; }
   int rank;
   int size;
   const std::vector<int>& world_ranks;  // this communicator's rank -> world rank, for messages
