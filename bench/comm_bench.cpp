@@ -166,10 +166,14 @@ int main(int argc, char** argv) {
     const double tcp_one = ring_steps(n - 1);
     const double tcp_two = ring_steps(2 * (n - 1));
     const double ag = timed(*comm, iters, [&] { comm->all_gather(full, part)->wait(); });
+    // In place (this rank's shard is a slice of the output), as sharded parameters are gathered.
+    auto own = full.slice(0, r * chunk, (r + 1) * chunk);
+    const double ag_in_place = timed(*comm, iters, [&] { comm->all_gather(full, own)->wait(); });
     const double rs = timed(*comm, iters, [&] { comm->reduce_scatter(part, full, zeroshard::ReduceOp::kSum)->wait(); });
     const double ar = timed(*comm, iters, [&] { comm->all_reduce(full, zeroshard::ReduceOp::kSum)->wait(); });
     const double f1 = double(n - 1) / n, f2 = 2.0 * (n - 1) / n;
     rows.push_back({"all_gather", numel * 4, ag, tcp_one, f1});
+    rows.push_back({"all_gather in place", numel * 4, ag_in_place, tcp_one, f1});
     rows.push_back({"reduce_scatter", numel * 4, rs, tcp_one, f1});
     rows.push_back({"all_reduce", numel * 4, ar, tcp_two, f2});
   }

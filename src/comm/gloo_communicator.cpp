@@ -254,7 +254,7 @@ void GlooCommunicator::worker_loop() {
     }
     const auto start = std::chrono::steady_clock::now();
     Exchange ex{*contexts_[0], *contexts_[1], rank_, size_, world_ranks_, work, start + options_.timeout,
-                options_.timeout, OpStats{}};
+                options_.timeout, OpStats{}, scratch_};
     ex.work.set_progress("running");
     ex.stats.calls = 1;
     bool done = true;

@@ -90,6 +90,8 @@ class GlooCommunicator final : public Communicator {
   std::deque<PostedSend> posted_;         // guarded by reaper_mu_
   bool reaper_stopping_ = false;          // guarded by reaper_mu_
 
+  Scratch scratch_;                       // used by the worker thread only
+
   mutable std::mutex stats_mu_;
   CommStats stats_;                       // guarded by stats_mu_
 

@@ -263,6 +263,31 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     return;
   }
 
+  // Receive the peers' contributions to my slice into two staging halves, so
+  // one segment is reduced while the next arrives. One buffer per (half, peer).
+  // Receives are posted before the sends, so peers' data can flow at once.
+  const int64_t seg = my_count > 0 ? segment_elems(my_count, es) : 1;
+  const int64_t segments = (my_count + seg - 1) / seg;
+  // [half][rank][segment]; the own rank's row is unused. Reused across ops, never zeroed.
+  const int64_t stride = std::min(seg, my_count) * es;
+  char* staging = my_count > 0 ? ex.scratch.get(2 * n * stride) : nullptr;
+  auto stage = [&](int64_t half, int p) { return staging + (half * n + p) * stride; };
+  std::vector<UBuf> recv_bufs(2 * n);
+  if (my_count > 0) {
+    for (int h = 0; h < 2; ++h)
+      for (int p = 0; p < n; ++p)
+        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.from(p), stage(h, p), stride);
+  }
+  auto post = [&](int64_t s) {
+    const int64_t len = std::min(seg, my_count - s * seg);
+    for (int k = 1; k < n; ++k) {
+      const int p = (r + n - k) % n;
+      recv_bufs[(s % 2) * n + p]->recv(p, make_slot(kReduceScatterData, ex.work.seq(), s), 0, len * es);
+    }
+  };
+  if (segments > 0) post(0);
+  if (segments > 1) post(1);
+
   // Post every send: slice p goes to rank p, segment by segment, in p's segmentation.
   std::vector<UBuf> send_bufs;
   std::vector<Pending> sends;
@@ -270,53 +295,33 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     const int p = (r + k) % n;
     const int64_t c = slices.counts[p];
     if (c == 0) continue;
-    const int64_t seg = segment_elems(c, es);
+    const int64_t pseg = segment_elems(c, es);
     send_bufs.push_back(make_buffer(ex.to(p), in_bytes + slices.offsets[p] * es, c * es));
     int posted = 0;
-    for (int64_t s = 0; s * seg < c; ++s, ++posted) {
-      const int64_t len = std::min(seg, c - s * seg);
-      send_bufs.back()->send(p, make_slot(kReduceScatterData, ex.work.seq(), s), s * seg * es, len * es);
+    for (int64_t s = 0; s * pseg < c; ++s, ++posted) {
+      const int64_t len = std::min(pseg, c - s * pseg);
+      send_bufs.back()->send(p, make_slot(kReduceScatterData, ex.work.seq(), s), s * pseg * es, len * es);
       ex.stats.bytes_sent += len * es;
     }
     sends.push_back({p, send_bufs.back().get(), posted, false});
   }
 
-  // Receive the peers' contributions to my slice into two staging halves, so
-  // one segment is reduced while the next arrives. One buffer per (half, peer).
-  if (my_count > 0) {
-    const int64_t seg = segment_elems(my_count, es);
-    const int64_t segments = (my_count + seg - 1) / seg;
-    std::vector<char> staging(2 * n * seg * es);  // [half][rank][seg]; own rank's row unused
-    auto stage = [&](int64_t half, int p) { return staging.data() + (half * n + p) * seg * es; };
-    std::vector<UBuf> recv_bufs(2 * n);
-    for (int h = 0; h < 2; ++h)
-      for (int p = 0; p < n; ++p)
-        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.from(p), stage(h, p), seg * es);
-    auto post = [&](int64_t s) {
-      const int64_t len = std::min(seg, my_count - s * seg);
-      for (int p = 0; p < n; ++p) {
-        if (p != r) recv_bufs[(s % 2) * n + p]->recv(p, make_slot(kReduceScatterData, ex.work.seq(), s), 0, len * es);
-      }
-    };
-    post(0);
-    if (segments > 1) post(1);
-    std::vector<const void*> srcs(n);
-    std::vector<Pending> recvs;
-    for (int64_t s = 0; s < segments; ++s) {
-      const int64_t len = std::min(seg, my_count - s * seg);
-      recvs.clear();
-      for (int k = 1; k < n; ++k) {
-        const int p = (r + n - k) % n;
-        recvs.push_back({p, recv_bufs[(s % 2) * n + p].get(), 1, true});
-      }
-      wait_all(ex, recvs, "reduce_scatter data");
-      for (int q = 0; q < n; ++q) {
-        srcs[q] = q == r ? in_bytes + (slices.offsets[r] + s * seg) * es : stage(s % 2, q);
-      }
-      reduce_buffers(static_cast<char*>(out) + s * seg * es, srcs, len, dtype, op);
-      ex.stats.bytes_received += (n - 1) * len * es;
-      if (s + 2 < segments) post(s + 2);
+  std::vector<const void*> srcs(n);
+  std::vector<Pending> recvs;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t len = std::min(seg, my_count - s * seg);
+    recvs.clear();
+    for (int k = 1; k < n; ++k) {
+      const int p = (r + n - k) % n;
+      recvs.push_back({p, recv_bufs[(s % 2) * n + p].get(), 1, true});
     }
+    wait_all(ex, recvs, "reduce_scatter data");
+    for (int q = 0; q < n; ++q) {
+      srcs[q] = q == r ? in_bytes + (slices.offsets[r] + s * seg) * es : stage(s % 2, q);
+    }
+    reduce_buffers(static_cast<char*>(out) + s * seg * es, srcs, len, dtype, op);
+    ex.stats.bytes_received += (n - 1) * len * es;
+    if (s + 2 < segments) post(s + 2);
   }
   wait_all(ex, sends, "receipt of reduce_scatter data");
 }

@@ -42,6 +42,23 @@ struct WireHeader {
 };
 constexpr int64_t kInlineBytes = 4096;
 
+// Staging memory reused by successive operations on one communicator thread
+// (allocated once at the largest size seen, never zero-filled).
+class Scratch {
+ public:
+  char* get(size_t bytes) {
+    if (bytes > size_) {
+      data_.reset(new char[bytes]);
+      size_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0;
+};
+
 // One operation being executed.
 struct Exchange {
   // Two connections per pair of ranks, one per direction of data: `up` carries
@@ -58,6 +75,7 @@ struct Exchange {
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds timeout;
   OpStats stats;  // filled in by the algorithm
+  Scratch& scratch;
 };
 
 // all_gather, reduce_scatter, all_reduce, broadcast, barrier.
