@@ -84,29 +84,41 @@ bool wait_one(Pending& p, std::chrono::milliseconds timeout) {
   return p.is_recv ? p.buf->waitRecv(nullptr, timeout) : p.buf->waitSend(nullptr, timeout);
 }
 
+bool is_timeout(const std::string& cause) {
+  return cause.empty() || cause.find("Timed out") != std::string::npos ||
+         cause.find("Application timeout") != std::string::npos;
+}
+
 [[noreturn]] void fail_pending(const WaitScope& ex, std::vector<Pending>& pending, size_t failed,
                                const std::string& cause, const char* what) {
-  // Which peers still owe something? The failing entry does; probe the others
-  // (after a failure Gloo answers at once: completed or an error).
+  // Which peers are to blame? The failing entry's. Probe the others (Gloo
+  // answers at once: completed, or an error). After a timeout every peer still
+  // owing something is named; after a broken connection only peers whose
+  // connection broke too (a peer merely slower than the probe is alive).
+  const bool timed_out = is_timeout(cause);
   std::vector<int> owed = {pending[failed].peer};
   for (size_t j = failed + 1; j < pending.size(); ++j) {
+    bool blame = false;
     try {
       while (pending[j].count > 0 && wait_one(pending[j], std::chrono::milliseconds(1))) --pending[j].count;
-    } catch (const std::exception&) {
+      blame = pending[j].count > 0 && timed_out;
+    } catch (const std::exception& e) {
+      blame = timed_out || !is_timeout(what_of(e));
     }
-    if (pending[j].count > 0 && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end())
+    if (blame && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end())
       owed.push_back(pending[j].peer);
   }
   std::sort(owed.begin(), owed.end());
   const std::string ranks = join_ranks(owed, ex.world_ranks);
-  if (cause.find("Timed out") != std::string::npos || cause.empty()) {
+  if (timed_out) {
     TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [", ranks,
                 "] never arrived (this rank was waiting for their ", what,
                 "). Every rank must issue the same operations in the same order; check that "
                 "those ranks are alive and not stuck");
   }
-  TORCH_CHECK(false, ex.work.name(), " failed: the connection broke while waiting for the ", what,
-              " of rank(s) [", ranks, "] (", cause, "). A rank probably died; its own output says why");
+  TORCH_CHECK(false, ex.work.name(), " failed: the connection to rank(s) [", ranks,
+              "] broke while waiting for their ", what, " (", cause,
+              "). A rank probably died; its own output says why");
 }
 
 // Waits until every pending operation completed, or throws naming the ranks still owed.
