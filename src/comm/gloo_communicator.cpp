@@ -88,6 +88,12 @@ void GlooCommunicator::check_tensor(const char* op, const char* arg, const at::T
                     "; supported dtypes are float32, bfloat16, float16, float64, int32, int64");
 }
 
+void GlooCommunicator::check_peer(const char* op, const char* arg, int peer) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, op, ": ", arg, " ", peer,
+                    " must be another rank of this communicator (0..", size_ - 1,
+                    ", not this rank ", rank_, ")");
+}
+
 std::shared_ptr<OpWork> GlooCommunicator::enqueue(OpKind kind, std::vector<at::Tensor> tensors,
                                                   ReduceOp op, int peer) {
   std::shared_ptr<OpWork> work;
@@ -163,17 +169,13 @@ std::shared_ptr<Work> GlooCommunicator::broadcast(at::Tensor t, int root) {
 
 std::shared_ptr<Work> GlooCommunicator::send(at::Tensor t, int dst) {
   check_tensor("send", "t", t);
-  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "send: dst ", dst,
-                    " must be another rank of this communicator (0..", size_ - 1,
-                    ", not this rank ", rank_, ")");
+  check_peer("send", "dst", dst);
   return enqueue(OpKind::kSend, {t}, ReduceOp::kSum, dst);
 }
 
 std::shared_ptr<Work> GlooCommunicator::recv(at::Tensor t, int src) {
   check_tensor("recv", "t", t);
-  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "recv: src ", src,
-                    " must be another rank of this communicator (0..", size_ - 1,
-                    ", not this rank ", rank_, ")");
+  check_peer("recv", "src", src);
   return enqueue(OpKind::kRecv, {t}, ReduceOp::kSum, src);
 }
 

@@ -64,6 +64,7 @@ class GlooCommunicator final : public Communicator {
   void record(OpKind kind, const OpStats& s);
   void set_failure(const std::string& message);
   void check_tensor(const char* op, const char* arg, const at::Tensor& t) const;
+  void check_peer(const char* op, const char* arg, int peer) const;
 
   const int rank_;
   const int size_;

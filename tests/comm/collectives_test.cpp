@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <numeric>
+
 namespace zeroshard {
 namespace {
 
@@ -41,6 +43,13 @@ at::Tensor expected_reduction(int64_t offset, int64_t numel, int n, ReduceOp op,
     return (acc.to(acc_type) / static_cast<double>(n)).to(dtype);
   }
   return acc.to(dtype);
+}
+
+// A fresh communicator over every rank, for tests that leave theirs failed.
+std::shared_ptr<Communicator> whole_group(Communicator& c) {
+  std::vector<int> all(c.size());
+  std::iota(all.begin(), all.end(), 0);
+  return c.split(all);
 }
 
 OpStats delta(const CommStats& before, const CommStats& after, OpKind kind) {
@@ -229,9 +238,7 @@ TEST(Collectives, SizeMismatchBetweenRanksIsNamed) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  std::vector<int> all(n);
-  std::iota(all.begin(), all.end(), 0);
-  auto sub = c.split(all);
+  auto sub = whole_group(c);
   const int64_t count = r == n - 1 ? 5 : 4;
   auto in = at::ones({count});
   auto out = at::zeros({n * count});
@@ -262,9 +269,7 @@ TEST(Collectives, DtypeOrOpMismatchBetweenRanksIsNamed) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  std::vector<int> all(n);
-  std::iota(all.begin(), all.end(), 0);
-  auto sub = c.split(all);
+  auto sub = whole_group(c);
   auto t = at::ones({8}, at::TensorOptions(r == 1 ? at::kBFloat16 : at::kFloat));
   try {
     sub->all_reduce(t, ReduceOp::kSum)->wait();
