@@ -82,7 +82,9 @@ class TcpRing {
   void step(const char* src, char* dst, size_t bytes) {
     size_t sent = 0, got = 0;
     while (sent < bytes || got < bytes) {
-      pollfd fds[2] = {{send_fd_, POLLOUT, 0}, {recv_fd_, POLLIN, 0}};
+      // Ask only for what is still to do (a finished direction would make poll spin).
+      pollfd fds[2] = {{send_fd_, static_cast<short>(sent < bytes ? POLLOUT : 0), 0},
+                       {recv_fd_, static_cast<short>(got < bytes ? POLLIN : 0), 0}};
       check(poll(fds, 2, 60000) > 0, "poll");
       if (sent < bytes && (fds[0].revents & POLLOUT)) {
         ssize_t w = ::send(send_fd_, src + sent, bytes - sent, MSG_NOSIGNAL);
