@@ -108,6 +108,34 @@ TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
   EXPECT_LT(seconds, 20.0) << "a closed connection must fail the op before the 30 s timeout";
 }
 
+TEST(CommFailure, ShortWaitTimesOutSayingWhatItWaitsFor) {
+  const int port = testing::free_port();
+  auto errors = run_ranks(2, [&](int r) {
+    CommOptions opt;
+    opt.timeout = 30s;
+    auto c = init_communicator(thread_env(r, 2, port), opt);
+    auto t = at::ones({100000});
+    if (r == 1) std::this_thread::sleep_for(800ms);  // rank 1 is late
+    auto w = c->all_reduce(t, ReduceOp::kSum);
+    if (r == 0) {
+      EXPECT_FALSE(w->is_completed());
+      try {
+        w->wait(100ms);
+        ADD_FAILURE() << "wait(100ms) returned although rank 1 had not arrived";
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what_without_backtrace();
+        EXPECT_NE(msg.find("all_reduce #0 on rank 0 of 2 did not complete within 100 ms"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("waiting for header of rank(s) [1]"), std::string::npos) << msg;
+      }
+    }
+    w->wait();  // the operation itself goes on and completes
+    EXPECT_TRUE(w->is_completed());
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
 TEST(CommFailure, RecvOfTheWrongSizeIsNamed) {
   const int port = testing::free_port();
   auto errors = run_ranks(2, [&](int r) {

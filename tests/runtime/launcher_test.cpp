@@ -135,6 +135,21 @@ TEST(Launcher, RejectsBadFlagsWithAMessage) {
   EXPECT_NE(r.output.find("cannot execute /nonexistent/program"), std::string::npos) << r.output;
 }
 
+// Two launchers on one host stand in for two nodes: global ranks follow
+// node_rank * nproc + local rank, and the four ranks form one world.
+TEST(Launcher, TwoNodesFormOneWorld) {
+  const int port = testing::free_port();
+  const std::string node = launcher() + " --nnodes 2 --nproc-per-node 2 --master-port " +
+                           std::to_string(port) + " --node-rank ";
+  const std::string prog = " -- " + testing::build_dir() +
+                           "/tests/zs_tests --gtest_filter=Collectives.SendRecvBetweenEveryPair:"
+                           "Collectives.AllReduceOtherDtypes";
+  auto r = run_command(node + "1" + prog + " > /dev/null 2>&1 & other=$!; " + node + "0" + prog +
+                       "; rc=$?; wait $other; rc1=$?; echo \"node0=$rc node1=$rc1\"");
+  EXPECT_NE(r.output.find("node0=0 node1=0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank1]: [  PASSED  ] 2 tests"), std::string::npos) << r.output;
+}
+
 // A rank SIGKILLed in the middle of a collective: the others fail fast naming it,
 // and the launcher exits non-zero naming the rank and the signal.
 TEST(Launcher, RankKilledMidCollective) {
