@@ -31,6 +31,12 @@ uint64_t make_slot(Tag tag, uint64_t seq, uint64_t sub) {
          (sub & 0xFFFF);
 }
 
+// Receives of at most this many bytes are posted before the header check, so
+// the transport's ready notices overlap it (64 KiB all_gather: 0.45 -> 0.25 ms).
+// Larger ones are posted after it: pre-posted 512 KiB receives made a 1 MiB
+// all_gather twice as slow on loopback.
+constexpr int64_t kPrepostBytes = int64_t(256) << 10;
+
 // reduce_scatter pipelines in segments of this many bytes (at most 65535 per slice).
 constexpr int64_t kSegmentBytes = int64_t(1) << 20;
 // Segments of one reduce_scatter in flight at once (staging: kInflight x n x segment).
@@ -267,12 +273,13 @@ Slices equal_slices(int64_t count, int size) {
 // Reduces slice `rank` of `in` (laid out by `slices`) over all ranks into `out`.
 // `out` may be the rank's own slice of `in` (in-place all_reduce).
 void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& slices,
-                      c10::ScalarType dtype, ReduceOp op) {
+                      c10::ScalarType dtype, ReduceOp op, const std::function<void()>& before_sends) {
   const int n = ex.size, r = ex.rank;
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   const char* in_bytes = static_cast<const char*>(in);
   const int64_t my_count = slices.counts[r];
   if (n == 1) {
+    before_sends();
     if (out != in) std::memcpy(out, in, my_count * es);
     reduce_buffers(out, {out}, my_count, dtype, op);  // kAvg over one rank is the identity
     return;
@@ -288,6 +295,8 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
   char* staging = my_count > 0 ? ex.scratch.get(kInflight * n * stride) : nullptr;
   auto stage = [&](int64_t half, int p) { return staging + (half * n + p) * stride; };
   std::vector<UBuf> recv_bufs(kInflight * n);
+  const bool check_first = stride > kPrepostBytes;
+  if (check_first) before_sends();
   if (my_count > 0) {
     for (int h = 0; h < kInflight; ++h)
       for (int p = 0; p < n; ++p)
@@ -301,6 +310,7 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     }
   };
   for (int64_t s = 0; s < std::min<int64_t>(segments, kInflight); ++s) post(s);
+  if (!check_first) before_sends();
 
   // Post every send: slice p goes to rank p, segment by segment, in p's segmentation.
   std::vector<UBuf> send_bufs;
@@ -343,21 +353,23 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
 // Fills every slice p of `out` from rank p. This rank's slice comes from `own`,
 // or is already in place when `own` is that slice; it is sent straight from
 // `own`, and copied into `out` while the network moves the other slices.
-void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType dtype, const void* own) {
+void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType dtype, const void* own,
+                  const std::function<void()>& before_sends) {
   const int n = ex.size, r = ex.rank;
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
   char* mine = static_cast<char*>(out) + slices.offsets[r] * es;
   const bool copy_own = own != mine && slices.counts[r] > 0;
-  if (n == 1) {
+  if (n == 1 || slices.offsets[n - 1] + slices.counts[n - 1] == 0) {
+    before_sends();
     if (copy_own) std::memcpy(mine, own, slices.counts[r] * es);
     return;
   }
-  const int64_t total = slices.offsets[n - 1] + slices.counts[n - 1];
-  if (total == 0) return;
   const uint64_t slot = make_slot(kAllGatherData, ex.work.seq(), 0);
   char* base = static_cast<char*>(out);
   std::vector<UBuf> bufs;
   std::vector<Pending> recvs, sends;
+  const bool check_first = *std::max_element(slices.counts.begin(), slices.counts.end()) * es > kPrepostBytes;
+  if (check_first) before_sends();
   for (int k = 1; k < n; ++k) {
     const int p = (r + n - k) % n;
     if (slices.counts[p] == 0) continue;
@@ -366,6 +378,7 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
     recvs.push_back({p, bufs.back().get(), 1, true});
     ex.stats.bytes_received += slices.counts[p] * es;
   }
+  if (!check_first) before_sends();
   if (slices.counts[r] > 0) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
@@ -380,14 +393,15 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   wait_all(ex, sends, "receipt of all_gather data");
 }
 
-void broadcast(Exchange& ex, at::Tensor& t, int root) {
+void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()>& before_sends) {
   const int n = ex.size, r = ex.rank;
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (n == 1 || bytes == 0) return;
+  if (n == 1 || bytes == 0) return before_sends();
   const uint64_t slot = make_slot(kBroadcastData, ex.work.seq(), 0);
   std::vector<UBuf> bufs;
   std::vector<Pending> pending;
   if (r == root) {
+    before_sends();
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
       bufs.push_back(make_buffer(ex.to(p), t.data_ptr(), bytes));
@@ -397,8 +411,11 @@ void broadcast(Exchange& ex, at::Tensor& t, int root) {
     ex.stats.bytes_sent += (n - 1) * bytes;
     wait_all(ex, pending, "receipt of broadcast data");
   } else {
+    const bool check_first = bytes > kPrepostBytes;
+    if (check_first) before_sends();
     bufs.push_back(make_buffer(ex.from(root), t.data_ptr(), bytes));
     bufs.back()->recv(root, slot, 0, bytes);
+    if (!check_first) before_sends();
     wait_all(ex, {{root, bufs.back().get(), 1, true}}, "broadcast data");
     ex.stats.bytes_received += bytes;
   }
@@ -448,8 +465,8 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0));
-      all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr());
+      all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(),
+                   [&] { exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0)); });
       return;
     }
     case OpKind::kReduceScatter: {
@@ -464,9 +481,8 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      exchange_headers(ex, header);
       reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
-                       w.reduce_op);
+                       w.reduce_op, [&] { exchange_headers(ex, header); });
       return;
     }
     case OpKind::kAllReduce: {
@@ -485,10 +501,10 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_sent += (t.numel() - slices.counts[r]) * es;
         ex.stats.bytes_received += (n - 1) * slices.counts[r] * es;
       } else {
-        exchange_headers(ex, header);
-        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op);
+        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op,
+                         [&] { exchange_headers(ex, header); });
       }
-      all_gather_v(ex, base, slices, t.scalar_type(), mine);
+      all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
       return;
     }
     case OpKind::kBroadcast: {
@@ -506,8 +522,7 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += r == root ? 0 : bytes;
         return;
       }
-      exchange_headers(ex, header);
-      broadcast(ex, t, root);
+      broadcast(ex, t, root, [&] { exchange_headers(ex, header); });
       return;
     }
     case OpKind::kBarrier:
