@@ -234,33 +234,48 @@ TEST(Collectives, SplitGroupsRunConcurrently) {
 }
 
 // A rank passing a different size is named on every rank; nothing hangs or overruns.
+// Sizes cover the three paths: data inside the header, receives posted before
+// the header check (up to 256 KiB), and receives posted after it.
 TEST(Collectives, SizeMismatchBetweenRanksIsNamed) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  auto sub = whole_group(c);
-  const int64_t count = r == n - 1 ? 5 : 4;
-  auto in = at::ones({count});
-  auto out = at::zeros({n * count});
-  try {
-    sub->all_gather(out, in)->wait();
-    FAIL() << "the size mismatch was not detected";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    EXPECT_NE(msg.find("all_gather #0"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("in.numel() =="), std::string::npos) << msg;
-    EXPECT_NE(msg.find(r == n - 1 ? "rank 0 has in.numel() == 4 but this rank has 5"
-                                  : "has in.numel() == 5 but this rank has 4"),
-              std::string::npos)
-        << msg;
+  for (int64_t base : {int64_t(4), int64_t(20'000), int64_t(200'000)}) {
+    auto sub = whole_group(c);
+    const int64_t count = r == n - 1 ? base + 1 : base;
+    auto in = at::ones({count});
+    auto out = at::zeros({n * count});
+    try {
+      sub->all_gather(out, in)->wait();
+      ADD_FAILURE() << "the size mismatch was not detected (count " << base << ")";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("all_gather #0"), std::string::npos) << msg;
+      const std::string mine = std::to_string(count), other = std::to_string(r == n - 1 ? base : base + 1);
+      EXPECT_NE(msg.find("has in.numel() == " + other + " but this rank has " + mine), std::string::npos) << msg;
+      if (r == n - 1) {
+        EXPECT_NE(msg.find("rank 0 has"), std::string::npos) << msg;
+      }
+    }
+    EXPECT_TRUE(out.eq(0).all().item<bool>()) << "data moved despite the mismatch (count " << base << ")";
+    // The group refuses further work with the original error.
+    auto t = at::ones({3});
+    try {
+      sub->all_reduce(t, ReduceOp::kSum)->wait();
+      ADD_FAILURE() << "a failed communicator accepted more work";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("failed earlier"), std::string::npos);
+    }
   }
-  // The group refuses further work with the original error.
-  auto t = at::ones({3});
-  try {
-    sub->all_reduce(t, ReduceOp::kSum)->wait();
-    FAIL() << "a failed communicator accepted more work";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("failed earlier"), std::string::npos);
+  // Also for reduce_scatter, whose receives are staged, and broadcast.
+  for (int64_t base : {int64_t(20'000), int64_t(200'000)}) {
+    auto sub = whole_group(c);
+    const int64_t count = r == n - 1 ? base + 1 : base;
+    auto out = at::zeros({count});
+    EXPECT_THROW(sub->reduce_scatter(out, at::ones({n * count}), ReduceOp::kSum)->wait(), c10::Error);
+    auto sub2 = whole_group(c);
+    auto t = at::zeros({count});
+    EXPECT_THROW(sub2->broadcast(t, 0)->wait(), c10::Error);
   }
   c.barrier();
 }
