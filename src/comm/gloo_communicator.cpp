@@ -1,5 +1,6 @@
 #include "comm/gloo_communicator.h"
 
+#include "comm/gloo_wire.h"
 #include "comm/reduce_kernels.h"
 #include "comm/store_adapter.h"
 
@@ -9,11 +10,6 @@
 
 namespace zeroshard::comm {
 namespace {
-
-std::string what_of(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;

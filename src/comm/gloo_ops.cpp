@@ -1,5 +1,6 @@
 #include "comm/gloo_ops.h"
 
+#include "comm/gloo_wire.h"
 #include "comm/reduce_kernels.h"
 
 #include <c10/util/Exception.h>
@@ -7,29 +8,10 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
-#include <numeric>
 #include <sstream>
 
 namespace zeroshard::comm {
 namespace {
-
-constexpr uint32_t kMagic = 0x5A534844;  // "ZSHD"
-
-// Message tags: the top byte of a Gloo slot. The slot also carries the
-// operation's sequence number (40 bits) and a sub-index (16 bits: segment).
-enum Tag : uint64_t {
-  kCollHeader = 1,
-  kReduceScatterData = 2,
-  kAllGatherData = 3,
-  kBroadcastData = 4,
-  kP2PHeader = 5,
-  kP2PData = 6,
-};
-
-uint64_t make_slot(Tag tag, uint64_t seq, uint64_t sub) {
-  return (static_cast<uint64_t>(tag) << 56) | ((seq & ((uint64_t(1) << 40) - 1)) << 16) |
-         (sub & 0xFFFF);
-}
 
 // Receives of at most this many bytes are posted before the header check, so
 // the transport's ready notices overlap it (64 KiB all_gather: 0.45 -> 0.25 ms).
@@ -47,113 +29,6 @@ int64_t segment_elems(int64_t count, int64_t elem_size) {
   const int64_t by_bytes = std::max<int64_t>(1, kSegmentBytes / elem_size);
   const int64_t by_slots = (count + 65534) / 65535;
   return std::max(by_bytes, by_slots);
-}
-
-using UBuf = std::unique_ptr<gloo::transport::UnboundBuffer>;
-
-UBuf make_buffer(gloo::Context& ctx, const void* ptr, size_t bytes) {
-  return ctx.createUnboundBuffer(const_cast<void*>(ptr), bytes);
-}
-
-std::string join_ranks(const std::vector<int>& ranks, const std::vector<int>& world_ranks) {
-  std::ostringstream s;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    s << (i ? ", " : "") << ranks[i];
-    if (world_ranks[ranks[i]] != ranks[i]) s << " (world rank " << world_ranks[ranks[i]] << ")";
-  }
-  return s.str();
-}
-
-std::string what_of(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
-struct WaitScope {
-  OpWork& work;
-  const std::vector<int>& world_ranks;
-  std::chrono::steady_clock::time_point deadline;
-  std::chrono::milliseconds timeout;
-};
-
-// Operations posted on one buffer, all with the same peer. Gloo reports only
-// the last completing rank per buffer, so every buffer talks to one peer and
-// the buffer identifies the rank.
-struct Pending {
-  int peer;
-  gloo::transport::UnboundBuffer* buf;
-  int count;  // posted operations still to complete
-  bool is_recv;
-};
-
-bool wait_one(Pending& p, std::chrono::milliseconds timeout) {
-  return p.is_recv ? p.buf->waitRecv(nullptr, timeout) : p.buf->waitSend(nullptr, timeout);
-}
-
-bool is_timeout(const std::string& cause) {
-  return cause.empty() || cause.find("Timed out") != std::string::npos ||
-         cause.find("Application timeout") != std::string::npos;
-}
-
-[[noreturn]] void fail_pending(const WaitScope& ex, std::vector<Pending>& pending, size_t failed,
-                               const std::string& cause, const char* what) {
-  // Which peers are to blame? The failing entry's. Probe the others (Gloo
-  // answers at once: completed, or an error). After a timeout every peer still
-  // owing something is named; after a broken connection only peers whose
-  // connection broke too (a peer merely slower than the probe is alive).
-  const bool timed_out = is_timeout(cause);
-  std::vector<int> owed = {pending[failed].peer};
-  for (size_t j = failed + 1; j < pending.size(); ++j) {
-    bool blame = false;
-    try {
-      while (pending[j].count > 0 && wait_one(pending[j], std::chrono::milliseconds(1))) --pending[j].count;
-      blame = pending[j].count > 0 && timed_out;
-    } catch (const std::exception& e) {
-      blame = timed_out || !is_timeout(what_of(e));
-    }
-    if (blame && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end())
-      owed.push_back(pending[j].peer);
-  }
-  std::sort(owed.begin(), owed.end());
-  const std::string ranks = join_ranks(owed, ex.world_ranks);
-  if (timed_out) {
-    TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [", ranks,
-                "] never arrived (this rank was waiting for their ", what,
-                "). Every rank must issue the same operations in the same order; check that "
-                "those ranks are alive and not stuck");
-  }
-  TORCH_CHECK(false, ex.work.name(), " failed: the connection to rank(s) [", ranks,
-              "] broke while waiting for their ", what, " (", cause,
-              "). A rank probably died; its own output says why");
-}
-
-// Waits until every pending operation completed, or throws naming the ranks still owed.
-void wait_all(const WaitScope& ex, std::vector<Pending> pending, const char* what) {
-  std::vector<int> peers;
-  for (const auto& p : pending)
-    if (p.count > 0) peers.push_back(p.peer);
-  if (peers.empty()) return;
-  ex.work.set_progress(std::string("waiting for ") + what + " of rank(s) [" +
-                       join_ranks(peers, ex.world_ranks) + "]");
-  for (size_t i = 0; i < pending.size(); ++i) {
-    while (pending[i].count > 0) {
-      const auto left = std::max(std::chrono::milliseconds(1),
-                                 std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     ex.deadline - std::chrono::steady_clock::now()));
-      bool ok = false;
-      try {
-        ok = wait_one(pending[i], left);
-      } catch (const std::exception& e) {
-        fail_pending(ex, pending, i, what_of(e), what);
-      }
-      if (!ok) fail_pending(ex, pending, i, "", what);
-      --pending[i].count;
-    }
-  }
-}
-
-void wait_all(Exchange& ex, std::vector<Pending> pending, const char* what) {
-  wait_all(WaitScope{ex.work, ex.world_ranks, ex.deadline, ex.timeout}, std::move(pending), what);
 }
 
 std::string describe(const WireHeader& h) {
@@ -420,25 +295,7 @@ void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()
     ex.stats.bytes_received += bytes;
   }
 }
-
-WireHeader header_for(const OpWork& work, int64_t numel, c10::ScalarType dtype, int32_t extra) {
-  WireHeader h;
-  h.magic = kMagic;
-  h.kind = static_cast<uint32_t>(work.kind());
-  h.seq = work.seq();
-  h.numel = numel;
-  h.dtype = static_cast<int32_t>(dtype);
-  h.extra = extra;
-  return h;
-}
-
 }  // namespace
-
-std::string rank_label(int rank, const std::vector<int>& world_ranks) {
-  std::string s = "rank " + std::to_string(rank);
-  if (world_ranks[rank] != rank) s += " (world rank " + std::to_string(world_ranks[rank]) + ")";
-  return s;
-}
 
 void run_collective(Exchange& ex) {
   OpWork& w = ex.work;
@@ -533,69 +390,6 @@ void run_collective(Exchange& ex) {
       break;
   }
   TORCH_INTERNAL_ASSERT(false, "run_collective called for ", to_string(w.kind()));
-}
-
-PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq) {
-  PostedSend ps;
-  const at::Tensor& t = work->tensors()[0];
-  const int dst = work->peer;
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  WireHeader h = header_for(*work, t.numel(), t.scalar_type(), 0);
-  h.seq = p2p_seq;
-  h.inline_bytes = bytes <= kInlineBytes ? bytes : 0;
-  ps.message.resize(sizeof(WireHeader) + h.inline_bytes);
-  std::memcpy(ps.message.data(), &h, sizeof(WireHeader));
-  if (h.inline_bytes > 0) std::memcpy(ps.message.data() + sizeof(WireHeader), t.data_ptr(), bytes);
-  ps.header_buf = make_buffer(ex.to(dst), ps.message.data(), ps.message.size());
-  ps.header_buf->send(dst, make_slot(kP2PHeader, p2p_seq, 0), 0, ps.message.size());
-  ex.stats.control_bytes += sizeof(WireHeader);
-  if (bytes > 0 && h.inline_bytes == 0) {
-    ps.data_buf = make_buffer(ex.to(dst), t.data_ptr(), bytes);
-    ps.data_buf->send(dst, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
-  }
-  ex.stats.bytes_sent += bytes;
-  ps.work = std::move(work);
-  ps.deadline = ex.deadline;
-  ps.timeout = ex.timeout;
-  return ps;
-}
-
-void wait_send(PostedSend& send, int rank, int size, const std::vector<int>& world_ranks) {
-  const WaitScope ex{*send.work, world_ranks, send.deadline, send.timeout};
-  const int dst = send.work->peer;
-  wait_all(ex, {{dst, send.header_buf.get(), 1, false}}, "matching recv");
-  if (send.data_buf) wait_all(ex, {{dst, send.data_buf.get(), 1, false}}, "receipt of the send data");
-}
-
-void run_recv(Exchange& ex, uint64_t p2p_seq) {
-  OpWork& w = ex.work;
-  at::Tensor t = w.tensors()[0];
-  const int src = w.peer;
-  std::vector<char> message(sizeof(WireHeader) + kInlineBytes);
-  auto hbuf = make_buffer(ex.from(src), message.data(), message.size());
-  hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, message.size());
-  wait_all(ex, {{src, hbuf.get(), 1, true}}, "matching send");
-  ex.stats.control_bytes += sizeof(WireHeader);
-  WireHeader theirs;
-  std::memcpy(&theirs, message.data(), sizeof(WireHeader));
-  TORCH_CHECK(theirs.magic == kMagic, w.name(), ": received a corrupt header from ",
-              rank_label(src, ex.world_ranks));
-  const auto their_dtype = static_cast<c10::ScalarType>(theirs.dtype);
-  TORCH_CHECK_VALUE(theirs.numel == t.numel() && their_dtype == t.scalar_type(), w.name(), ": ",
-                    rank_label(src, ex.world_ranks), " sent ", theirs.numel, " elements of ",
-                    c10::toString(their_dtype), " but this rank's tensor has ", t.numel(),
-                    " elements of ", c10::toString(t.scalar_type()),
-                    "; the receiving tensor must match the sent one");
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  ex.stats.bytes_received += bytes;
-  if (bytes == 0) return;
-  if (theirs.inline_bytes > 0) {
-    std::memcpy(t.data_ptr(), message.data() + sizeof(WireHeader), bytes);
-    return;
-  }
-  auto dbuf = make_buffer(ex.from(src), t.data_ptr(), bytes);
-  dbuf->recv(src, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
-  wait_all(ex, {{src, dbuf.get(), 1, true}}, "send data");
 }
 
 }  // namespace zeroshard::comm
