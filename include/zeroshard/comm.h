@@ -76,8 +76,12 @@ class Work {
 
 struct CommOptions {
   // How long one operation may wait for the other ranks before it fails and
-  // names them. Also bounds rendezvous. Default: 5 minutes.
+  // names them. Default: 5 minutes.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // How long creating a communicator (or a split) waits for every rank to
+  // join before it fails and names the missing ones; ranks of a large job can
+  // start minutes apart. Default: 5 minutes.
+  std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
 };
 
 class Communicator {

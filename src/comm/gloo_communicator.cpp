@@ -40,8 +40,9 @@ GlooCommunicator::GlooCommunicator(int rank, int size, std::vector<int> world_ra
   for (int direction = 0; direction < 2; ++direction) {
     auto& ctx = contexts_[direction];
     ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
-    ctx->setTimeout(options_.timeout);
-    GlooStoreAdapter adapter(store_, prefix_ + "gloo" + std::to_string(direction) + "/", options_.timeout);
+    ctx->setTimeout(options_.rendezvous_timeout);  // operations pass their own timeouts
+    GlooStoreAdapter adapter(store_, prefix_ + "gloo" + std::to_string(direction) + "/",
+                             options_.rendezvous_timeout);
     try {
       auto device = device_;
       ctx->connectFullMesh(adapter, device);
@@ -199,7 +200,7 @@ std::shared_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ra
   const bool member = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
   if (!member) return nullptr;
   for (int r : ranks) {
-    GlooStoreAdapter adapter(store_, key, options_.timeout);
+    GlooStoreAdapter adapter(store_, key, options_.rendezvous_timeout);
     adapter.wait({std::to_string(r)});
     auto theirs = store_->get(key + std::to_string(r));
     std::string s(theirs.begin(), theirs.end());

@@ -119,7 +119,7 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
     const bool server = e.rank == 0;
     try {
       store = compat::make_tcp_store(e.master_addr, static_cast<uint16_t>(e.master_port), server,
-                                     e.world_size, options.timeout);
+                                     e.world_size, options.rendezvous_timeout);
     } catch (const std::exception& ex) {
       const std::string cause =
           dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()

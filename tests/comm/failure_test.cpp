@@ -59,6 +59,7 @@ TEST(CommFailure, MissingRankTimesOutNamingIt) {
   auto errors = run_ranks(3, [&](int r) {
     CommOptions opt;
     opt.timeout = 1500ms;
+    opt.rendezvous_timeout = 60s;  // threads may start slowly on a loaded machine
     auto c = init_communicator(thread_env(r, 3, port), opt);
     auto t = at::ones({1000});
     c->all_reduce(t, ReduceOp::kSum)->wait();  // #0: everyone
@@ -141,6 +142,7 @@ TEST(CommFailure, RecvOfTheWrongSizeIsNamed) {
   auto errors = run_ranks(2, [&](int r) {
     CommOptions opt;
     opt.timeout = 1500ms;
+    opt.rendezvous_timeout = 60s;  // threads may start slowly on a loaded machine
     auto c = init_communicator(thread_env(r, 2, port), opt);
     if (r == 0) {
       c->send(at::ones({10000}), 1)->wait();  // larger than what rides inside the header
@@ -162,11 +164,11 @@ TEST(CommFailure, RendezvousNamesRanksThatNeverJoined) {
   const int port = testing::free_port();
   auto errors = run_ranks(2, [&](int r) {
     CommOptions opt;
-    opt.timeout = 1000ms;
+    opt.rendezvous_timeout = 4000ms;  // long enough for rank 0's store to start on a busy machine
     init_communicator(thread_env(r, 3, port), opt);  // rank 2 of 3 never starts
   });
   for (int r : {0, 1}) {
-    EXPECT_NE(errors[r].find("rendezvous timed out"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rendezvous timed out after 4000 ms"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("[2]"), std::string::npos) << errors[r];
   }
 }
@@ -182,7 +184,7 @@ TEST(CommFailure, PortInUseSaysWhatToSet) {
   ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
   ASSERT_EQ(listen(fd, 1), 0);
   CommOptions opt;
-  opt.timeout = 1000ms;
+  opt.rendezvous_timeout = 1000ms;
   try {
     init_communicator(thread_env(0, 2, port), opt);
     ADD_FAILURE() << "rank 0 served a store on a port in use";
