@@ -298,7 +298,7 @@ void GlooCommunicator::reaper_loop() {
       posted_.pop_front();
     }
     try {
-      wait_send(posted, rank_, size_, world_ranks_);
+      wait_send(posted, world_ranks_);
       posted.work->complete();
     } catch (const std::exception& e) {
       const std::string message = what_of(e);

@@ -97,7 +97,7 @@ struct PostedSend {
 };
 PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq);
 // Blocks until the receiver took the send; throws naming the receiver otherwise.
-void wait_send(PostedSend& send, int rank, int size, const std::vector<int>& world_ranks);
+void wait_send(PostedSend& send, const std::vector<int>& world_ranks);
 
 // "rank 3", or "rank 3 (world rank 7)" inside a split communicator.
 std::string rank_label(int rank, const std::vector<int>& world_ranks);

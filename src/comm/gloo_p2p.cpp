@@ -33,7 +33,7 @@ PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_se
   return ps;
 }
 
-void wait_send(PostedSend& send, int rank, int size, const std::vector<int>& world_ranks) {
+void wait_send(PostedSend& send, const std::vector<int>& world_ranks) {
   const WaitScope ex{*send.work, world_ranks, send.deadline, send.timeout};
   const int dst = send.work->peer;
   wait_all(ex, {{dst, send.header_buf.get(), 1, false}}, "matching recv");
