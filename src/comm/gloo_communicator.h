@@ -1,6 +1,7 @@
 // gloo_communicator.h — the Communicator over Gloo's TCP transport (CPU tensors).
 //
-// Owns one Gloo context (a TCP connection to every peer), a thread that
+// Owns two Gloo contexts (a TCP connection to every peer for each direction of
+// data, see Exchange), a thread that
 // executes queued operations in issue order, and a thread that waits for
 // posted sends to be taken by their receivers. Arguments are checked when an
 // operation is issued (in the caller's thread); agreement between ranks is

@@ -2,12 +2,14 @@
 //
 // Every collective exchanges a header with every peer (kind, sequence number,
 // numel, dtype, op/root) and refuses to move data when any rank disagrees,
-// naming it. Receives for the data are posted first, sized from this rank's own
-// arguments, so Gloo's ready notices travel while headers are checked; data is
-// sent only after every header matched, so no rank ever sends a peer more than
-// it posted, and a mismatch moves no data at all. Payloads of at most
-// kInlineBytes ride inside the header message: one exchange instead of two. Data moves pairwise: each rank sends
-// exactly the bytes the receiver needs, so the payload equals the theory:
+// naming it. Receives of up to 256 KiB are posted first, sized from this rank's
+// own arguments, so Gloo's ready notices travel while headers are checked; data
+// is sent only after every header matched, so no rank ever sends a peer more
+// than it posted, and a mismatch moves no data at all. Payloads of at most
+// kInlineBytes ride inside the header message: one exchange instead of two.
+//
+// Data moves pairwise: each rank sends exactly the bytes the receiver needs, so
+// the payload equals the theory:
 //   all_gather / reduce_scatter: (n-1)/n of the full buffer per rank;
 //   all_reduce = reduce_scatter + all_gather of the reduced slices: 2(n-1)/n;
 //   broadcast: the root sends the buffer to each other rank.
