@@ -87,16 +87,22 @@ TEST(Launcher, RestartsTheWholeGroupUpToMaxRestarts) {
   std::filesystem::remove_all(dir);
 }
 
+// A shell command: zeroshard-run starts 2 ranks that run `trap` and then loop;
+// once both said they are ready the launcher gets SIGTERM. Prints the time from
+// SIGTERM to the launcher's exit as "elapsed_ms=N" and exits with its status.
+std::string sigterm_once_ready(const std::string& dir, const std::string& flags, const std::string& trap) {
+  return launcher() + " --nproc-per-node 2 " + flags + " -- bash -c '" + trap + "; echo ready > " + dir +
+         "/ready.$RANK; while true; do sleep 0.05; done' & pid=$!; "
+         "while [ ! -f " + dir + "/ready.0 ] || [ ! -f " + dir + "/ready.1 ]; do sleep 0.05; done; "
+         "start=$(date +%s%N); kill -TERM $pid; wait $pid; rc=$?; end=$(date +%s%N); "
+         "echo \"elapsed_ms=$(( (end - start) / 1000000 ))\"; exit $rc";
+}
+
 TEST(Launcher, ForwardsSigtermAndWaitsForAGracefulExit) {
   const auto dir = testing::make_temp_dir("sigterm");
   // Ranks trap SIGTERM, take 0.5 s to "save", write a marker and exit 0.
-  const std::string cmd =
-      launcher() + " --nproc-per-node 2 --grace-period 10 -- bash -c "
-      "'trap \"sleep 0.5; echo saved > " + dir + "/saved.$RANK; exit 0\" TERM; "
-      "echo ready > " + dir + "/ready.$RANK; while true; do sleep 0.05; done' & "
-      "pid=$!; while [ ! -f " + dir + "/ready.0 ] || [ ! -f " + dir + "/ready.1 ]; do sleep 0.05; done; "
-      "kill -TERM $pid; wait $pid";
-  auto r = run_command(cmd);
+  auto r = run_command(sigterm_once_ready(
+      dir, "--grace-period 10", "trap \"sleep 0.5; echo saved > " + dir + "/saved.$RANK; exit 0\" TERM"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("received SIGTERM; forwarding it"), std::string::npos) << r.output;
   EXPECT_TRUE(std::filesystem::exists(dir + "/saved.0")) << r.output;
@@ -107,13 +113,7 @@ TEST(Launcher, ForwardsSigtermAndWaitsForAGracefulExit) {
 
 TEST(Launcher, KillsRanksThatIgnoreSigtermAfterTheGracePeriod) {
   const auto dir = testing::make_temp_dir("grace");
-  const std::string cmd =
-      launcher() + " --nproc-per-node 2 --grace-period 1.5 -- bash -c "
-      "'trap \"\" TERM; echo ready > " + dir + "/ready.$RANK; while true; do sleep 0.05; done' & "
-      "pid=$!; while [ ! -f " + dir + "/ready.0 ] || [ ! -f " + dir + "/ready.1 ]; do sleep 0.05; done; "
-      "start=$(date +%s%N); kill -TERM $pid; wait $pid; rc=$?; end=$(date +%s%N); "
-      "echo \"elapsed_ms=$(( (end - start) / 1000000 ))\"; exit $rc";
-  auto r = run_command(cmd);
+  auto r = run_command(sigterm_once_ready(dir, "--grace-period 1.5", "trap \"\" TERM"));
   EXPECT_EQ(r.exit_code, 128 + 9) << r.output;
   EXPECT_NE(r.output.find("still running 1.5"), std::string::npos) << r.output;
   std::smatch m;
