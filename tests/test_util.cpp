@@ -21,14 +21,16 @@ at::Tensor pattern(int rank, int64_t numel, at::ScalarType dtype, int salt) {
   return v.to(dtype).contiguous();
 }
 
-Communicator& world() {
+std::shared_ptr<Communicator> world_ptr() {
   static std::shared_ptr<Communicator> comm = [] {
     CommOptions opt;
     opt.timeout = std::chrono::seconds(60);
     return init_communicator(opt);
   }();
-  return *comm;
+  return comm;
 }
+
+Communicator& world() { return *world_ptr(); }
 
 std::string build_dir() {
   auto exe = std::filesystem::read_symlink("/proc/self/exe");

@@ -16,6 +16,7 @@ at::Tensor pattern(int rank, int64_t numel, at::ScalarType dtype, int salt = 0);
 
 // The world communicator of this process (created on first use from the env, 60 s timeout).
 Communicator& world();
+std::shared_ptr<Communicator> world_ptr();
 
 // Directory holding the build's executables (zeroshard-run, examples/...).
 std::string build_dir();

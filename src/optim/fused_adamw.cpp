@@ -1,0 +1,133 @@
+#include "optim/fused_adamw.h"
+
+#include "optim/adamw_kernel.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdlib>
+
+namespace zeroshard::optim {
+namespace {
+
+kernel::Half16 half_kind(c10::ScalarType t, const char* what) {
+  switch (t) {
+    case c10::ScalarType::Float: return kernel::Half16::kNone;
+    case c10::ScalarType::BFloat16: return kernel::Half16::kBF16;
+    case c10::ScalarType::Half: return kernel::Half16::kF16;
+    default:
+      TORCH_CHECK_VALUE(false, "fused_adamw: ", what, " dtype ", c10::toString(t),
+                        " is not supported; use Float, BFloat16 or Half");
+  }
+}
+
+bool cpu_has(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kScalar: return true;
+    case SimdLevel::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case SimdLevel::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+// Elements per parallel chunk: ~450 KB of traffic, a multiple of every vector width.
+constexpr int64_t kGrain = 1 << 14;
+
+}  // namespace
+
+std::string to_string(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kScalar: return "scalar";
+    case SimdLevel::kAvx2: return "avx2";
+    case SimdLevel::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+SimdLevel detected_simd() {
+  if (cpu_has(SimdLevel::kAvx512)) return SimdLevel::kAvx512;
+  if (cpu_has(SimdLevel::kAvx2)) return SimdLevel::kAvx2;
+  return SimdLevel::kScalar;
+}
+
+SimdLevel default_simd() {
+  static const SimdLevel level = [] {
+    const char* env = std::getenv("ZS_SIMD");
+    if (env == nullptr || *env == '\0') return detected_simd();
+    const std::string v = env;
+    SimdLevel want;
+    if (v == "scalar") {
+      want = SimdLevel::kScalar;
+    } else if (v == "avx2") {
+      want = SimdLevel::kAvx2;
+    } else if (v == "avx512") {
+      want = SimdLevel::kAvx512;
+    } else {
+      TORCH_CHECK_VALUE(false, "ZS_SIMD='", v, "' is not one of scalar, avx2, avx512; unset it to detect the CPU");
+    }
+    TORCH_CHECK_VALUE(cpu_has(want), "ZS_SIMD='", v, "' but this CPU lacks it (best available: ",
+                      to_string(detected_simd()), ")");
+    return want;
+  }();
+  return level;
+}
+
+AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
+                         int64_t step, double grad_scale) {
+  TORCH_CHECK_VALUE(step >= 1, "adamw_coeffs: step is ", step, "; the first step is 1");
+  AdamWCoeffs c;
+  c.decay = static_cast<float>(1 - lr * weight_decay);
+  c.beta1 = static_cast<float>(beta1);
+  c.one_minus_beta1 = static_cast<float>(1 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  const double bc1 = 1 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1 - std::pow(beta2, static_cast<double>(step));
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-(lr / bc1));
+  c.grad_scale = static_cast<float>(grad_scale);
+  return c;
+}
+
+void fused_adamw(const AdamWCoeffs& c, float* param, const void* grad, c10::ScalarType grad_dtype,
+                 float* exp_avg, float* exp_avg_sq, int64_t n, void* param_copy,
+                 c10::ScalarType copy_dtype, SimdLevel level) {
+  const kernel::Half16 gk = half_kind(grad_dtype, "gradient");
+  kernel::Half16 ck = kernel::Half16::kNone;
+  if (param_copy != nullptr) {
+    ck = half_kind(copy_dtype, "parameter copy");
+    TORCH_CHECK_VALUE(ck != kernel::Half16::kNone, "fused_adamw: the parameter copy must be BFloat16 or Half");
+  }
+  TORCH_CHECK_VALUE(cpu_has(level), "fused_adamw: SIMD level ", to_string(level), " is not available on this CPU");
+  const kernel::Coeffs k{c.decay, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2,
+                         c.bias_correction2_sqrt, c.eps, c.neg_step_size, c.grad_scale};
+  const size_t gsize = gk == kernel::Half16::kNone ? 4 : 2;
+  auto run = [&](int64_t begin, int64_t end) {
+    const int64_t len = end - begin;
+    const void* g = static_cast<const char*>(grad) + begin * gsize;
+    void* copy = param_copy ? static_cast<char*>(param_copy) + begin * 2 : nullptr;
+    switch (level) {
+      case SimdLevel::kAvx512:
+        kernel::adamw_avx512(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
+        break;
+      case SimdLevel::kAvx2:
+        kernel::adamw_avx2(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
+        break;
+      case SimdLevel::kScalar:
+        kernel::adamw_scalar(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, 0, len, copy, ck);
+        break;
+    }
+  };
+  if (n <= kGrain) {
+    run(0, n);
+  } else {
+    at::parallel_for(0, n, kGrain, run);
+  }
+}
+
+}  // namespace zeroshard::optim

@@ -1,0 +1,191 @@
+// The fused AdamW kernel against torch::optim::AdamW (the oracle), on odd sizes,
+// on every SIMD path this CPU has, with 16-bit gradients and parameter copies.
+#include "optim/adamw_kernel.h"
+#include "optim/fused_adamw.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+
+namespace zeroshard::optim {
+namespace {
+
+std::vector<SimdLevel> available_levels() {
+  std::vector<SimdLevel> out = {SimdLevel::kScalar};
+  if (detected_simd() == SimdLevel::kAvx2 || detected_simd() == SimdLevel::kAvx512) out.push_back(SimdLevel::kAvx2);
+  if (detected_simd() == SimdLevel::kAvx512) out.push_back(SimdLevel::kAvx512);
+  return out;
+}
+
+struct Hyper {
+  double lr = 1e-2, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+};
+
+// Runs `steps` of torch::optim::AdamW on p0 with the given gradients.
+torch::Tensor torch_adamw(const torch::Tensor& p0, const std::vector<torch::Tensor>& grads, const Hyper& h) {
+  auto p = p0.clone().set_requires_grad(true);
+  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(h.lr).betas({h.beta1, h.beta2}).eps(h.eps).weight_decay(h.wd));
+  for (const auto& g : grads) {
+    p.mutable_grad() = g.to(torch::kFloat).clone();
+    opt.step();
+  }
+  return p.detach();
+}
+
+struct Result {
+  torch::Tensor p, m, v, copy;
+};
+
+Result fused(const torch::Tensor& p0, const std::vector<torch::Tensor>& grads, const Hyper& h, SimdLevel level,
+             c10::ScalarType copy_dtype = c10::ScalarType::Undefined, double grad_scale = 1.0) {
+  Result r{p0.clone(), torch::zeros_like(p0), torch::zeros_like(p0), torch::Tensor()};
+  if (copy_dtype != c10::ScalarType::Undefined) r.copy = torch::empty(p0.sizes(), p0.options().dtype(copy_dtype));
+  int64_t step = 0;
+  for (const auto& g : grads) {
+    auto c = adamw_coeffs(h.lr, h.beta1, h.beta2, h.eps, h.wd, ++step, grad_scale);
+    auto gc = g.contiguous();
+    fused_adamw(c, r.p.data_ptr<float>(), gc.data_ptr(), gc.scalar_type(), r.m.data_ptr<float>(),
+                r.v.data_ptr<float>(), p0.numel(), r.copy.defined() ? r.copy.data_ptr() : nullptr, copy_dtype, level);
+  }
+  return r;
+}
+
+std::vector<torch::Tensor> random_grads(int64_t n, int steps, c10::ScalarType dtype = torch::kFloat) {
+  std::vector<torch::Tensor> out;
+  for (int s = 0; s < steps; ++s) out.push_back((torch::randn({n}) * (s + 1) * 0.3).to(dtype));
+  return out;
+}
+
+// Closeness to the oracle: torch's CPU ops may fuse a multiply-add where we do
+// not, so the two differ by float rounding only: relative to |p| plus the size
+// of one update (lr), so parameters crossing zero are judged fairly.
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, double rtol, const std::string& what) {
+  const double err = ((got - want).abs() / (want.abs() + 1e-2)).max().item<double>();
+  EXPECT_LT(err, rtol) << what << ": max relative error " << err;
+}
+
+TEST(FusedAdamW, MatchesTorchAdamWOnOddSizesOnEveryPath) {
+  torch::manual_seed(7);
+  Hyper h;
+  for (int64_t n : {1, 7, 15, 17, 33, 1001, 65537}) {
+    auto p0 = torch::randn({n});
+    auto grads = random_grads(n, 6);
+    auto want = torch_adamw(p0, grads, h);
+    for (auto level : available_levels()) {
+      auto got = fused(p0, grads, h, level);
+      expect_close(got.p, want, 2e-6, "n=" + std::to_string(n) + " " + to_string(level));
+    }
+  }
+}
+
+TEST(FusedAdamW, EverySimdPathGivesIdenticalBits) {
+  torch::manual_seed(8);
+  Hyper h;
+  const int64_t n = 3 * 16 + 13;  // full vectors and a tail on each path
+  auto p0 = torch::randn({n});
+  for (auto gdt : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (auto cdt : {c10::ScalarType::Undefined, torch::kBFloat16, torch::kHalf}) {
+      auto grads = random_grads(n, 4, gdt);
+      auto ref = fused(p0, grads, h, SimdLevel::kScalar, cdt);
+      for (auto level : available_levels()) {
+        auto got = fused(p0, grads, h, level, cdt);
+        EXPECT_TRUE(torch::equal(got.p, ref.p)) << to_string(level);
+        EXPECT_TRUE(torch::equal(got.m, ref.m)) << to_string(level);
+        EXPECT_TRUE(torch::equal(got.v, ref.v)) << to_string(level);
+        if (ref.copy.defined()) {
+          EXPECT_TRUE(torch::equal(got.copy, ref.copy)) << to_string(level);
+        }
+      }
+    }
+  }
+}
+
+TEST(FusedAdamW, SixteenBitGradientsAndCopies) {
+  torch::manual_seed(9);
+  Hyper h;
+  const int64_t n = 1000;
+  auto p0 = torch::randn({n});
+  for (auto dt : {torch::kBFloat16, torch::kHalf}) {
+    auto grads = random_grads(n, 5, dt);
+    auto want = torch_adamw(p0, grads, h);  // the oracle sees the same 16-bit values, widened
+    for (auto level : available_levels()) {
+      auto got = fused(p0, grads, h, level, dt);
+      expect_close(got.p, want, 2e-6, to_string(level));
+      // the copy is the updated fp32 parameter rounded exactly as LibTorch rounds it
+      EXPECT_TRUE(torch::equal(got.copy, got.p.to(dt))) << to_string(level);
+    }
+  }
+}
+
+TEST(FusedAdamW, GradScaleEqualsPrescaledGradient) {
+  torch::manual_seed(10);
+  Hyper h;
+  auto p0 = torch::randn({513});
+  auto grads = random_grads(513, 3);
+  std::vector<torch::Tensor> scaled;
+  for (auto& g : grads) scaled.push_back(g * 0.25);  // exact in binary
+  auto want = torch_adamw(p0, scaled, h);
+  auto got = fused(p0, grads, h, default_simd(), c10::ScalarType::Undefined, 0.25);
+  expect_close(got.p, want, 2e-6, "grad_scale");
+}
+
+TEST(FusedAdamW, ThreadsDoNotChangeResults) {
+  torch::manual_seed(11);
+  Hyper h;
+  const int64_t n = (1 << 18) + 5;
+  auto p0 = torch::randn({n});
+  auto grads = random_grads(n, 2);
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);
+  auto one = fused(p0, grads, h, default_simd());
+  at::set_num_threads(2);
+  auto two = fused(p0, grads, h, default_simd());
+  at::set_num_threads(before);
+  EXPECT_TRUE(torch::equal(one.p, two.p));
+  EXPECT_TRUE(torch::equal(one.v, two.v));
+}
+
+TEST(FusedAdamW, ConversionsMatchLibTorch) {
+  using namespace kernel;
+  // every fp16 and bf16 bit pattern widens as LibTorch widens it
+  for (uint32_t h = 0; h < 65536; ++h) {
+    c10::Half half(static_cast<uint16_t>(h), c10::Half::from_bits());
+    const float want = static_cast<float>(half);
+    const float got = f16_to_float(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << h;
+    } else {
+      ASSERT_EQ(std::memcmp(&want, &got, 4), 0) << "f16 " << h;
+    }
+    c10::BFloat16 bf(static_cast<uint16_t>(h), c10::BFloat16::from_bits());
+    const float bw = static_cast<float>(bf), bg = bf16_to_float(static_cast<uint16_t>(h));
+    ASSERT_EQ(std::memcmp(&bw, &bg, 4), 0) << "bf16 " << h;
+  }
+  // narrowing: random bit patterns over the whole float range, plus the edges
+  std::mt19937 rng(3);
+  std::vector<float> xs = {0.f, -0.f, 65504.f, 65519.f, 65520.f, 1e-8f, 2.9802322e-08f, 5.9604645e-08f,
+                           6.1035156e-05f, 6.1e-05f, std::numeric_limits<float>::infinity(), 1e30f, -3.3e-6f};
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t u = rng();
+    float f;
+    std::memcpy(&f, &u, 4);
+    xs.push_back(f);
+  }
+  for (float f : xs) {
+    if (std::isnan(f)) continue;
+    const uint16_t want = c10::Half(f).x;
+    ASSERT_EQ(float_to_f16(f), want) << f;
+    ASSERT_EQ(float_to_bf16(f), c10::BFloat16(f).x) << f;
+  }
+}
+
+TEST(FusedAdamW, BadInputIsRefused) {
+  float x = 0;
+  auto c = adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0, 1);
+  EXPECT_THROW(fused_adamw(c, &x, &x, c10::ScalarType::Double, &x, &x, 1), c10::Error);
+  EXPECT_THROW(adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0, 0), c10::Error);
+}
+
+}  // namespace
+}  // namespace zeroshard::optim
