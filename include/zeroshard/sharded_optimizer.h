@@ -1,0 +1,184 @@
+// zeroshard/sharded_optimizer.h — ShardedAdamW, the drop-in ZeRO-1/2 optimizer.
+//
+// Replace `torch::optim::AdamW opt(model->parameters(), AdamWOptions(3e-4));` by
+//   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
+// and keep the loop (zero_grad, backward, step). Every rank holds the whole
+// model; each keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) only for
+// its 1/N slice of the parameters (stage 1), and with stage 2 also only its
+// slice of the gradients. The result equals torch::optim::AdamW on the global
+// batch (the mean of the ranks' gradients), to float rounding.
+//
+// How it works. At construction the parameters are grouped into buckets (in
+// backward order, `bucket_bytes` each) and each bucket becomes one flat buffer
+// (see flat_layout.h); every parameter tensor keeps its identity but its data
+// becomes a slice of that buffer, and rank 0's values are broadcast so all
+// ranks start equal. Ranks exchange a hash of the parameter names, shapes,
+// dtypes and options first and refuse to start, naming the first difference,
+// when they disagree.
+//   stage 1: gradients stay in p.grad() (as slices of a flat gradient buffer);
+//            step() reduce-scatters each bucket, so each rank gets the mean
+//            gradient of its slice.
+//   stage 2: a hook on each parameter's gradient accumulator copies the gradient
+//            into its bucket and frees p.grad(); a full bucket is reduce-scattered
+//            at once, during backward, in bucket order on every rank. Each
+//            backward adds its reduced slice into the rank's gradient shard, so
+//            accumulating micro-batches keeps gradient memory sharded.
+// step() then runs the fused AdamW kernel on the rank's slice of each bucket and
+// all-gathers the updated parameters into the model's own tensors.
+//
+// Semantics kept from torch::optim::AdamW: a parameter is updated only when it
+// had a gradient this step on at least one rank (its step count advances only
+// then); per-group lr/betas/eps/weight_decay are read at every step, so an LR
+// scheduler that writes param_groups()[i].options() works. Parameters with
+// requires_grad() == false at construction are left out (never updated).
+//
+// Ownership and threads: the optimizer keeps the communicator alive. Use it
+// from the training thread; backward hooks may run on autograd's threads and
+// are synchronized internally. Not copyable.
+#pragma once
+
+#include "zeroshard/comm.h"
+#include "zeroshard/flat_layout.h"
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+// Dynamic loss scaling, for fp16 parameters (bf16 and fp32 do not need it).
+// The loss is multiplied by scale() before backward; a step whose gradients
+// hold an inf/NaN on any rank is skipped on every rank and the scale shrinks.
+struct LossScaleOptions {
+  // Default: -1 = on when any parameter is Half. 0 = off, 1 = on.
+  int enabled = -1;
+  double init_scale = 65536.0;     // Default: 2^16
+  double growth_factor = 2.0;      // after growth_interval clean steps. Default: 2
+  double backoff_factor = 0.5;     // after an overflow. Default: 0.5
+  int64_t growth_interval = 2000;  // Default: 2000 steps
+  double min_scale = 1.0;          // the scale never falls below this. Default: 1
+};
+
+struct ShardedAdamWOptions {
+  // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2). Default: 2.
+  int stage = 2;
+  // Gradient bucket size: the unit of reduce-scatter and all-gather. Default: 16 MiB.
+  int64_t bucket_bytes = int64_t{16} << 20;
+  // Stage 2: reduce-scatters in flight during backward before backward waits
+  // for the oldest (bounds the transient memory to about this many buckets). Default: 2.
+  int max_inflight_buckets = 2;
+  // > 0: step() clips the gradient to this global L2 norm unless clip_grad_norm()
+  // was already called this step. Default: 0 (no clipping).
+  double max_grad_norm = 0;
+  LossScaleOptions loss_scale;
+};
+
+// The rank's part of the optimizer state, for checkpoints. Tensors are the live
+// ones (writing into them changes the optimizer).
+struct ShardedBucketState {
+  FlatLayout layout;           // the bucket's parameters and their offsets
+  std::vector<size_t> params;  // index into the optimizer's parameter list, per layout entry
+  int group = 0;               // param group
+  Range shard;                 // the elements of the flat buffer this rank owns
+  at::Tensor master;           // fp32 [shard.size()]: the parameters' master values
+  at::Tensor exp_avg;          // fp32 [shard.size()]
+  at::Tensor exp_avg_sq;       // fp32 [shard.size()]
+};
+struct ShardedState {
+  int rank = 0;
+  int world_size = 1;
+  int stage = 2;
+  std::vector<ParamInfo> params;      // every parameter the optimizer trains, in model order
+  std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
+  std::vector<ShardedBucketState> buckets;
+  double loss_scale = 1;              // current dynamic loss scale (1 when off)
+  int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
+};
+
+// Bytes held by this rank, measured from the tensors' storages.
+struct ShardedMemory {
+  int64_t params = 0;       // the model's (replicated) parameters
+  int64_t grads = 0;        // full-size gradients (stage 1; stage 2 under no_sync)
+  int64_t grad_shards = 0;  // reduced gradient shards (stage 2)
+  int64_t master = 0;       // fp32 master shard when parameters are 16-bit (fp32 parameters are their own master)
+  int64_t moments = 0;      // exp_avg + exp_avg_sq shards
+  int64_t peak_transient = 0;  // most bytes of bucket buffers alive at once, since construction
+  int64_t total() const { return params + grads + grad_shards + master + moments; }
+};
+
+class ShardedAdamW : public torch::optim::Optimizer {
+ public:
+  // REQUIRES: comm non-null; every parameter on the CPU, Float/BFloat16/Half;
+  //           every rank passes the same parameters (names, shapes, dtypes) and options.
+  ShardedAdamW(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,
+               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               ShardedAdamWOptions options = {});
+  // Param groups with their own AdamWOptions (lr, weight_decay, ...).
+  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               ShardedAdamWOptions options = {});
+  // From module->named_parameters(): errors and checkpoints use these names.
+  ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
+               std::shared_ptr<Communicator> comm,
+               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               ShardedAdamWOptions options = {});
+  ~ShardedAdamW() override;
+  ShardedAdamW(const ShardedAdamW&) = delete;
+  ShardedAdamW& operator=(const ShardedAdamW&) = delete;
+
+  // Reduces what is left of the gradients, updates this rank's shard and
+  // all-gathers the parameters. Collective: every rank calls it.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Clips the mean gradient to `max_norm` (global L2 norm over all ranks and
+  // parameters, after unscaling) and returns the norm before clipping.
+  // Call between backward and step(). Collective.
+  double clip_grad_norm(double max_norm);
+
+  // While the returned guard lives, backward does not communicate: gradients
+  // accumulate in full in p.grad() and are reduced by the first backward after
+  // the guard ends (or by step()). Stage 1 never communicates during backward,
+  // so there it changes nothing.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(ShardedAdamW* opt);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    ShardedAdamW* opt_;
+  };
+  NoSyncGuard no_sync();
+
+  // loss * loss_scale() when loss scaling is on, else loss.
+  torch::Tensor scale_loss(const torch::Tensor& loss) const;
+  double loss_scale() const;
+  // Whether the last step() was skipped because a gradient overflowed.
+  bool last_step_skipped() const;
+
+  ShardedState sharded_state() const;
+  ShardedMemory memory() const;
+  const ShardedAdamWOptions& sharded_options() const;
+  Communicator& communicator() const;
+
+  // torch::optim serialization would save nothing of the sharded state: refused.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  struct Impl;
+
+ private:
+  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+               torch::optim::AdamWOptions defaults, ShardedAdamWOptions options,
+               const torch::OrderedDict<std::string, torch::Tensor>* names);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zeroshard

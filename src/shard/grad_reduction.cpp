@@ -1,0 +1,209 @@
+// grad_reduction.cpp — getting each rank its slice of the mean gradient.
+//
+// Stage 2: a post hook on every parameter's gradient accumulator fires once
+// the parameter's gradient of this backward is complete; it is copied into the
+// bucket's flat buffer and p.grad() is freed. A complete bucket is
+// reduce-scattered at once, but buckets launch strictly in index order, so
+// every rank issues the same collectives in the same order even if autograd
+// visits parameters differently. An autograd final callback launches what is
+// left at the end of backward (parameters that got no gradient contribute
+// zeros). At most `max_inflight_buckets` reductions are outstanding: launching
+// one more first drains the oldest (adds its result into the gradient shard).
+//
+// Stage 1: p.grad() is a slice of the bucket's flat gradient buffer, so
+// backward accumulates straight into it; step() reduce-scatters every bucket.
+#include "shard/sharded_adamw_impl.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace zeroshard {
+namespace {
+
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<shard::HookTarget> target, size_t param)
+      : target_(std::move(target)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto t = target_.lock()) {
+      std::lock_guard<std::recursive_mutex> lock(t->mu);
+      if (t->impl != nullptr) t->impl->on_grad_ready(param_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<shard::HookTarget> target_;
+  size_t param_;
+};
+
+// A tensor sharing `flat`'s storage without being an autograd view, so that
+// zero_grad()'s detach_() and set_data() treat it as an ordinary tensor.
+at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+  }
+  auto t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, shape, strides);
+  return t;
+}
+
+}  // namespace
+
+void ShardedAdamW::Impl::register_hooks() {
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    TORCH_CHECK(acc, "ShardedAdamW: parameter '", infos[i].name,
+                "' has no gradient accumulator; is it a leaf tensor that requires grad?");
+    const uintptr_t key = acc->add_post_hook(std::make_unique<GradReadyHook>(target, i));
+    hooks.emplace_back(std::move(acc), key);
+  }
+}
+
+void ShardedAdamW::Impl::remove_hooks() {
+  for (auto& [node, key] : hooks) node->del_post_hook(key);
+  hooks.clear();
+}
+
+void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
+  auto& p = params[param];
+  const size_t entry = location[param].second;
+  if (!b.rs_in.defined()) {
+    b.rs_in = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+    track(b.rs_in.nbytes());
+  }
+  b.rs_in.slice(0, b.layout.offsets[entry], b.layout.offsets[entry] + infos[param].numel())
+      .view(p.sizes())
+      .copy_(p.grad());
+  p.mutable_grad() = at::Tensor();
+}
+
+void ShardedAdamW::Impl::on_grad_ready(size_t param) {
+  had_grad[param] = 1;
+  if (options.stage == 1 || no_sync_depth > 0) return;  // stays in p.grad()
+  if (!callback_queued) {
+    callback_queued = true;
+    std::weak_ptr<shard::HookTarget> weak = target;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      if (auto t = weak.lock()) {
+        std::lock_guard<std::recursive_mutex> lock(t->mu);
+        if (t->impl != nullptr) t->impl->flush_backward();
+      }
+    });
+  }
+  if (ready[param]) return;
+  ready[param] = 1;
+  auto& b = buckets[location[param].first];
+  copy_grad_into(param, b);
+  if (++b.ready == b.params.size()) launch_ready_in_order(false);
+}
+
+void ShardedAdamW::Impl::launch(size_t index) {
+  auto& b = buckets[index];
+  InFlight f{index, std::move(b.rs_in), at::Tensor(), nullptr};
+  b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
+  f.out = at::empty({b.layout.shard_numel()}, b.flat_params.options());
+  track(f.out.nbytes());
+  f.work = comm->reduce_scatter(f.out, f.in, ReduceOp::kAvg);
+  inflight.push_back(std::move(f));
+  while (options.stage == 2 && static_cast<int>(inflight.size()) > options.max_inflight_buckets) drain_oldest();
+}
+
+void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
+  while (next_launch < buckets.size()) {
+    auto& b = buckets[next_launch];
+    if (!force && b.ready < b.params.size()) break;
+    if (force) {
+      // Parameters without a gradient in this backward: a leftover p.grad()
+      // (accumulated under no_sync) goes in; otherwise the slot stays zero.
+      for (size_t param : b.params) {
+        if (!ready[param] && params[param].grad().defined()) {
+          had_grad[param] = 1;
+          copy_grad_into(param, b);
+        }
+      }
+      if (!b.rs_in.defined()) {
+        b.rs_in = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+        track(b.rs_in.nbytes());
+      }
+    }
+    launch(next_launch++);
+  }
+}
+
+void ShardedAdamW::Impl::flush_backward() {
+  launch_ready_in_order(true);
+  std::fill(ready.begin(), ready.end(), 0);
+  for (auto& b : buckets) b.ready = 0;
+  next_launch = 0;
+  callback_queued = false;
+  flushed_since_step = true;
+}
+
+void ShardedAdamW::Impl::drain_oldest() {
+  InFlight f = std::move(inflight.front());
+  inflight.pop_front();
+  f.work->wait();
+  auto& b = buckets[f.bucket];
+  if (!b.grad_shard.defined()) {
+    b.grad_shard = f.out;  // adopt: no copy
+  } else {
+    if (b.grad_shard.scalar_type() != at::kFloat) b.grad_shard = b.grad_shard.to(at::kFloat);
+    b.grad_shard.add_(f.out);
+  }
+  track(-f.out.nbytes());  // from here on it counts as a gradient shard, or is gone
+  if (options.stage == 2) track(-f.in.nbytes());  // stage 1's input is flat_grads itself
+}
+
+void ShardedAdamW::Impl::drain_all() {
+  while (!inflight.empty()) drain_oldest();
+}
+
+void ShardedAdamW::Impl::reduce_all() {
+  if (reduced) return;
+  if (options.stage == 1) {
+    for (size_t index = 0; index < buckets.size(); ++index) {
+      auto& b = buckets[index];
+      if (!b.flat_grads.defined()) b.flat_grads = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+      for (size_t entry = 0; entry < b.params.size(); ++entry) {
+        const size_t param = b.params[entry];
+        auto& p = params[param];
+        const int64_t off = b.layout.offsets[entry];
+        auto slot = b.flat_grads.slice(0, off, off + infos[param].numel());
+        const auto& g = p.grad();
+        const bool aliased = g.defined() && g.data_ptr() == slot.data_ptr();
+        if (g.defined() && !aliased) {  // a gradient created outside our buffer (first step, set_to_none)
+          slot.view(p.sizes()).copy_(g);
+          had_grad[param] = 1;
+        } else if (!g.defined()) {
+          slot.zero_();
+        }
+        if (!aliased) p.mutable_grad() = alias(b.flat_grads, off, p.sizes());
+      }
+      b.rs_in = b.flat_grads;
+      launch(index);
+    }
+  } else if (!flushed_since_step) {
+    flush_backward();  // no synchronized backward since the last step (all under no_sync)
+  }
+  drain_all();
+  reduced = true;
+}
+
+void ShardedAdamW::Impl::release_step_gradients() {
+  for (auto& b : buckets) b.grad_shard = at::Tensor();
+  std::fill(had_grad.begin(), had_grad.end(), 0);
+  reduced = false;
+  agreed = false;
+  clip_max_norm = 0;
+  flushed_since_step = false;
+}
+
+at::Tensor shard::make_param_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
+  return alias(flat, offset, shape);
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,375 @@
+// sharded_adamw.cpp — ShardedAdamW: construction, step, clipping, state.
+// The gradient side (hooks, bucketed reduce-scatter) is in grad_reduction.cpp.
+#include "shard/sharded_adamw_impl.h"
+
+#include "optim/fused_adamw.h"
+#include "optim/grad_norm.h"
+#include "shard/rank_agreement.h"
+#include "zeroshard/log.h"
+
+#include <torch/csrc/autograd/variable.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace zeroshard {
+namespace {
+
+using torch::optim::AdamWOptions;
+using torch::optim::OptimizerParamGroup;
+
+std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
+  std::ostringstream os;
+  os << "options: stage=" << o.stage << " bucket_bytes=" << o.bucket_bytes
+     << " max_grad_norm=" << o.max_grad_norm << " loss_scaling=" << scaling;
+  return os.str();
+}
+
+std::string describe_group(int g, const AdamWOptions& o) {
+  std::ostringstream os;
+  os << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas()) << ", "
+     << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
+  return os.str();
+}
+
+}  // namespace
+
+ShardedAdamW::Impl::Impl(ShardedAdamW& owner_, std::shared_ptr<Communicator> comm_, ShardedAdamWOptions options_)
+    : owner(owner_),
+      comm(std::move(comm_)),
+      options(options_),
+      scaler(options_.loss_scale, false),
+      target(std::make_shared<shard::HookTarget>()) {}
+
+void ShardedAdamW::Impl::track(int64_t bytes) {
+  transient_bytes += bytes;
+  peak_transient = std::max(peak_transient, transient_bytes);
+}
+
+AdamWOptions& ShardedAdamW::Impl::group_options(int group) const {
+  auto* o = dynamic_cast<AdamWOptions*>(&owner.param_groups()[static_cast<size_t>(group)].options());
+  TORCH_CHECK_VALUE(o != nullptr, "ShardedAdamW: param group ", group,
+                    " has options of another optimizer; give it torch::optim::AdamWOptions");
+  TORCH_CHECK_VALUE(!o->amsgrad(), "ShardedAdamW: param group ", group,
+                    " sets amsgrad(true), which ShardedAdamW does not implement; use amsgrad(false)");
+  return *o;
+}
+
+void ShardedAdamW::Impl::check_groups_unchanged() const {
+  const auto& groups = owner.param_groups();
+  bool same = groups.size() == group_sizes.size();
+  for (size_t g = 0; same && g < groups.size(); ++g) same = groups[g].params().size() == group_sizes[g];
+  TORCH_CHECK(same, "ShardedAdamW: param groups changed after construction (add_param_group or "
+                    "edited params()); the sharded layout is fixed, so construct a new ShardedAdamW");
+}
+
+void ShardedAdamW::Impl::agree(bool with_norm) {
+  if (agreed && (!with_norm || !std::isnan(global_sumsq))) return;
+  std::vector<double> ctrl(1 + params.size());
+  ctrl[0] = 0;
+  if (with_norm) {
+    for (const auto& b : buckets) {
+      ctrl[0] += optim::sum_of_squares(b.grad_shard.data_ptr(), b.grad_shard.scalar_type(), b.grad_shard.numel());
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i) ctrl[1 + i] = had_grad[i] ? 1.0 : 0.0;
+  auto t = at::tensor(ctrl, at::kDouble);
+  comm->all_reduce(t, ReduceOp::kSum)->wait();
+  const double* v = t.data_ptr<double>();
+  global_sumsq = with_norm ? v[0] : std::numeric_limits<double>::quiet_NaN();
+  global_flags.assign(v + 1, v + 1 + params.size());
+  agreed = true;
+}
+
+ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,
+                           AdamWOptions defaults, ShardedAdamWOptions options)
+    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))}, std::move(comm),
+                   std::move(defaults), std::move(options)) {}
+
+ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
+                           std::shared_ptr<Communicator> comm, AdamWOptions defaults, ShardedAdamWOptions options)
+    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(named_params.values())}, std::move(comm),
+                   std::move(defaults), std::move(options), &named_params) {}
+
+ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+                           AdamWOptions defaults, ShardedAdamWOptions options)
+    : ShardedAdamW(std::move(groups), std::move(comm), std::move(defaults), std::move(options), nullptr) {}
+
+ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+                           AdamWOptions defaults, ShardedAdamWOptions options,
+                           const torch::OrderedDict<std::string, torch::Tensor>* names)
+    : Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
+  TORCH_CHECK_VALUE(comm != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
+  TORCH_CHECK_VALUE(options.stage == 1 || options.stage == 2, "ShardedAdamW: stage is ", options.stage,
+                    "; ShardedAdamW implements stage 1 (optimizer states) and 2 (also gradients); "
+                    "for stage 3 use zeroshard::fully_shard");
+  TORCH_CHECK_VALUE(options.bucket_bytes > 0, "ShardedAdamW: bucket_bytes is ", options.bucket_bytes,
+                    "; it must be positive (Default: 16 MiB)");
+  TORCH_CHECK_VALUE(options.max_inflight_buckets >= 1, "ShardedAdamW: max_inflight_buckets is ",
+                    options.max_inflight_buckets, "; it must be >= 1 (Default: 2)");
+  TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "ShardedAdamW: max_grad_norm is ", options.max_grad_norm,
+                    "; it must be >= 0 (0 = no clipping)");
+  impl_ = std::make_unique<Impl>(*this, std::move(comm), options);
+  auto& im = *impl_;
+  im.rank = im.comm->rank();
+  im.world = im.comm->size();
+
+  std::unordered_map<const void*, std::string> name_of;
+  if (names != nullptr) {
+    for (const auto& item : *names) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  // Collect trained parameters: requires_grad, deduplicated (tied weights appear twice).
+  std::unordered_map<const void*, size_t> group_seen;
+  bool any_half = false;
+  std::vector<std::string> entries;
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    const auto& o = im.group_options(static_cast<int>(g));
+    entries.push_back(describe_group(static_cast<int>(g), o));
+    const auto& ps = param_groups()[g].params();
+    im.group_sizes.push_back(ps.size());
+    for (size_t j = 0; j < ps.size(); ++j) {
+      const auto& p = ps[j];
+      const void* key = p.defined() ? p.unsafeGetTensorImpl() : nullptr;
+      auto named = name_of.find(key);
+      const std::string name = named != name_of.end() ? named->second
+                                                      : "param_groups[" + std::to_string(g) + "][" + std::to_string(j) + "]";
+      TORCH_CHECK_VALUE(p.defined(), "ShardedAdamW: parameter '", name, "' is an undefined tensor");
+      if (!p.requires_grad()) continue;
+      auto seen = group_seen.find(key);
+      if (seen != group_seen.end()) {
+        TORCH_CHECK_VALUE(seen->second == g, "ShardedAdamW: parameter '", name, "' appears in param groups ",
+                          seen->second, " and ", g, "; a parameter may belong to one group only");
+        continue;  // the same tensor listed twice in one group (tied weights)
+      }
+      group_seen.emplace(key, g);
+      TORCH_CHECK_VALUE(p.device().is_cpu(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
+                        " but the communicator is Gloo (CPU); move the model to the CPU");
+      TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
+                        "' is sparse; only dense parameters can be sharded");
+      const auto dt = p.scalar_type();
+      TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "ShardedAdamW: parameter '",
+                        name, "' has dtype ", c10::toString(dt),
+                        "; ShardedAdamW trains Float, BFloat16 and Half parameters (fp32 master); convert it "
+                        "or set requires_grad(false) to leave it out");
+      TORCH_CHECK_VALUE(p.is_leaf(), "ShardedAdamW: parameter '", name,
+                        "' is not a leaf tensor; optimize the module's own parameters");
+      any_half = any_half || dt == at::kHalf;
+      im.params.push_back(p);
+      im.infos.push_back({name, p.sizes().vec(), dt});
+      im.group_of.push_back(static_cast<int>(g));
+    }
+  }
+  TORCH_CHECK_VALUE(!im.params.empty(), "ShardedAdamW: no trainable parameters (none given, or all have "
+                                        "requires_grad=false)");
+  const bool scaling = options.loss_scale.enabled < 0 ? any_half : options.loss_scale.enabled > 0;
+  im.scaler = optim::LossScaler(options.loss_scale, scaling);
+
+  // Every rank must build the same thing before any data moves.
+  entries.push_back(describe_options(options, scaling));
+  for (size_t i = 0; i < im.infos.size(); ++i) {
+    entries.push_back("group " + std::to_string(im.group_of[i]) + " " + im.infos[i].describe());
+  }
+  shard::check_same_on_all_ranks(*im.comm, entries, "ShardedAdamW parameters");
+
+  // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
+  torch::NoGradGuard no_grad;
+  const auto plan = plan_buckets(im.infos, im.group_of, options.bucket_bytes);
+  im.location.resize(im.params.size());
+  std::vector<std::shared_ptr<Work>> broadcasts;
+  for (const auto& members : plan) {
+    shard::Bucket b;
+    std::vector<ParamInfo> infos;
+    for (size_t i : members) infos.push_back(im.infos[i]);
+    b.layout = make_flat_layout(std::move(infos), im.world);
+    b.params = members;
+    b.group = im.group_of[members.front()];
+    b.shard = b.layout.shard(im.rank);
+    b.segments = shard_segments(b.layout, im.rank);
+    b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype));
+    for (size_t e = 0; e < members.size(); ++e) {
+      auto& p = im.params[members[e]];
+      const int64_t off = b.layout.offsets[e];
+      b.flat_params.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
+      p.set_data(shard::make_param_alias(b.flat_params, off, p.sizes()));
+      im.location[members[e]] = {im.buckets.size(), e};
+    }
+    if (im.world > 1) broadcasts.push_back(im.comm->broadcast(b.flat_params, 0));
+    im.buckets.push_back(std::move(b));
+  }
+  for (auto& w : broadcasts) w->wait();
+  int64_t shard_elems = 0;
+  for (auto& b : im.buckets) {
+    auto mine = b.flat_params.slice(0, b.shard.begin, b.shard.end);
+    b.master = b.layout.dtype == at::kFloat ? mine : mine.to(at::kFloat);
+    b.exp_avg = at::zeros({b.shard.size()}, at::kFloat);
+    b.exp_avg_sq = at::zeros({b.shard.size()}, at::kFloat);
+    shard_elems += b.shard.size();
+  }
+  im.steps.assign(im.params.size(), 0);
+  im.had_grad.assign(im.params.size(), 0);
+  im.ready.assign(im.params.size(), 0);
+  im.target->impl = impl_.get();
+  im.register_hooks();
+
+  int64_t total = 0;
+  for (const auto& info : im.infos) total += info.numel();
+  log_info("ShardedAdamW: stage " + std::to_string(options.stage) + ", " + std::to_string(im.params.size()) +
+           " parameters (" + std::to_string(total) + " elements) in " + std::to_string(im.buckets.size()) +
+           " buckets; this rank holds the optimizer state of " + std::to_string(shard_elems) + " elements" +
+           (scaling ? "; dynamic loss scaling on" : ""));
+}
+
+ShardedAdamW::~ShardedAdamW() {
+  if (!impl_) return;
+  std::lock_guard<std::recursive_mutex> lock(impl_->target->mu);
+  impl_->target->impl = nullptr;
+  impl_->remove_hooks();
+}
+
+torch::Tensor ShardedAdamW::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  torch::NoGradGuard no_grad;
+  auto& im = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  im.check_groups_unchanged();
+  im.reduce_all();
+  const double max_norm = im.clip_max_norm > 0 ? im.clip_max_norm : im.options.max_grad_norm;
+  im.agree(max_norm > 0 || im.scaler.enabled());
+  const double scale = im.scaler.scale();
+  const bool found_inf = im.scaler.enabled() && !std::isfinite(im.global_sumsq);
+  im.last_skipped = im.scaler.update(found_inf);
+  if (im.last_skipped) {
+    log_info("ShardedAdamW: gradient overflow, step skipped on every rank; loss scale now " +
+             std::to_string(im.scaler.scale()));
+    im.release_step_gradients();
+    return loss;
+  }
+  double multiplier = 1.0 / scale;
+  if (max_norm > 0) {
+    const double norm = std::sqrt(im.global_sumsq) / scale;
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1) multiplier *= coef;
+  }
+  for (size_t i = 0; i < im.params.size(); ++i) {
+    if (im.global_flags[i] > 0) ++im.steps[i];
+  }
+  std::vector<std::shared_ptr<Work>> gathers;
+  for (auto& b : im.buckets) {
+    const auto& o = im.group_options(b.group);
+    bool updated = false;
+    for (size_t param : b.params) updated = updated || im.global_flags[param] > 0;
+    if (!updated) continue;  // every rank agrees: nothing in this bucket changes
+    const size_t gsize = b.grad_shard.element_size();
+    for (const auto& seg : b.segments) {
+      const size_t param = b.params[seg.param];
+      if (im.global_flags[param] == 0) continue;
+      const Range local = seg.local(b.layout, im.rank);
+      const auto c = optim::adamw_coeffs(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                                         o.weight_decay(), im.steps[param], multiplier);
+      void* copy = nullptr;
+      if (b.layout.dtype != at::kFloat) {
+        copy = static_cast<char*>(b.flat_params.data_ptr()) + (b.shard.begin + local.begin) * 2;
+      }
+      optim::fused_adamw(c, b.master.data_ptr<float>() + local.begin,
+                         static_cast<const char*>(b.grad_shard.data_ptr()) + local.begin * gsize,
+                         b.grad_shard.scalar_type(), b.exp_avg.data_ptr<float>() + local.begin,
+                         b.exp_avg_sq.data_ptr<float>() + local.begin, local.size(), copy, b.layout.dtype);
+    }
+    gathers.push_back(im.comm->all_gather(b.flat_params, b.flat_params.slice(0, b.shard.begin, b.shard.end)));
+  }
+  for (auto& w : gathers) w->wait();
+  im.release_step_gradients();
+  return loss;
+}
+
+double ShardedAdamW::clip_grad_norm(double max_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, "ShardedAdamW::clip_grad_norm: max_norm is ", max_norm, "; it must be positive");
+  torch::NoGradGuard no_grad;
+  auto& im = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  im.check_groups_unchanged();
+  im.reduce_all();
+  im.agree(true);
+  im.clip_max_norm = max_norm;
+  return std::sqrt(im.global_sumsq) / im.scaler.scale();
+}
+
+ShardedAdamW::NoSyncGuard::NoSyncGuard(ShardedAdamW* opt) : opt_(opt) {
+  std::lock_guard<std::recursive_mutex> lock(opt_->impl_->target->mu);
+  ++opt_->impl_->no_sync_depth;
+}
+
+ShardedAdamW::NoSyncGuard::~NoSyncGuard() {
+  if (opt_ == nullptr) return;
+  std::lock_guard<std::recursive_mutex> lock(opt_->impl_->target->mu);
+  --opt_->impl_->no_sync_depth;
+}
+
+ShardedAdamW::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : opt_(other.opt_) { other.opt_ = nullptr; }
+
+ShardedAdamW::NoSyncGuard ShardedAdamW::no_sync() { return NoSyncGuard(this); }
+
+torch::Tensor ShardedAdamW::scale_loss(const torch::Tensor& loss) const {
+  return impl_->scaler.enabled() ? loss * impl_->scaler.scale() : loss;
+}
+
+double ShardedAdamW::loss_scale() const { return impl_->scaler.scale(); }
+bool ShardedAdamW::last_step_skipped() const { return impl_->last_skipped; }
+const ShardedAdamWOptions& ShardedAdamW::sharded_options() const { return impl_->options; }
+Communicator& ShardedAdamW::communicator() const { return *impl_->comm; }
+
+ShardedState ShardedAdamW::sharded_state() const {
+  const auto& im = *impl_;
+  ShardedState s;
+  s.rank = im.rank;
+  s.world_size = im.world;
+  s.stage = im.options.stage;
+  s.params = im.infos;
+  s.param_steps = im.steps;
+  s.loss_scale = im.scaler.scale();
+  s.loss_scale_clean_steps = im.scaler.clean_steps();
+  for (const auto& b : im.buckets) {
+    s.buckets.push_back({b.layout, b.params, b.group, b.shard, b.master, b.exp_avg, b.exp_avg_sq});
+  }
+  return s;
+}
+
+ShardedMemory ShardedAdamW::memory() const {
+  const auto& im = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  ShardedMemory m;
+  std::unordered_set<const void*> counted;
+  for (const auto& b : im.buckets) {
+    m.params += b.flat_params.nbytes();
+    if (b.flat_grads.defined()) m.grads += b.flat_grads.nbytes();
+    if (b.grad_shard.defined()) m.grad_shards += b.grad_shard.nbytes();
+    if (b.layout.dtype != at::kFloat) m.master += b.master.nbytes();
+    m.moments += b.exp_avg.nbytes() + b.exp_avg_sq.nbytes();
+    if (b.flat_grads.defined()) counted.insert(b.flat_grads.storage().data());
+  }
+  for (const auto& p : im.params) {  // gradients outside our buffers (no_sync, before the first stage-1 step)
+    const auto& g = p.grad();
+    if (g.defined() && counted.insert(g.storage().data()).second) m.grads += g.storage().nbytes();
+  }
+  m.peak_transient = im.peak_transient;
+  return m;
+}
+
+void ShardedAdamW::save(torch::serialize::OutputArchive&) const {
+  TORCH_CHECK(false, "ShardedAdamW::save: torch::optim serialization would save none of the sharded state; "
+                     "save sharded_state() of every rank (zeroshard checkpoints) instead");
+}
+
+void ShardedAdamW::load(torch::serialize::InputArchive&) {
+  TORCH_CHECK(false, "ShardedAdamW::load: the state is sharded across ranks; restore it through "
+                     "sharded_state() (zeroshard checkpoints) instead");
+}
+
+}  // namespace zeroshard

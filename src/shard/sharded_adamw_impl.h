@@ -1,0 +1,113 @@
+// sharded_adamw_impl.h — ShardedAdamW's state, shared by its two source files:
+// sharded_adamw.cpp (construction, step, clipping, state) and
+// grad_reduction.cpp (backward hooks and the bucketed reduce-scatter).
+#pragma once
+
+#include "optim/loss_scaler.h"
+#include "zeroshard/sharded_optimizer.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <deque>
+#include <mutex>
+
+namespace zeroshard {
+namespace shard {
+
+// One bucket: a flat buffer of parameters of one dtype and one param group.
+struct Bucket {
+  FlatLayout layout;
+  std::vector<size_t> params;  // global parameter index of each layout entry
+  int group = 0;
+  Range shard;                 // this rank's elements of the flat buffer
+  std::vector<ShardSegment> segments;  // parameter pieces inside `shard`
+
+  at::Tensor flat_params;  // [padded_numel], the model's parameters alias it
+  at::Tensor master;       // fp32 [shard]; a view of flat_params when the dtype is Float
+  at::Tensor exp_avg, exp_avg_sq;  // fp32 [shard]
+  at::Tensor flat_grads;   // stage 1: [padded_numel], p.grad() aliases it (created at the first step)
+  at::Tensor grad_shard;   // reduced gradient of `shard` (bucket dtype, or fp32 once accumulated)
+
+  at::Tensor rs_in;        // stage 2: this backward's gradients, filling up
+  size_t ready = 0;        // parameters whose gradient is in rs_in this backward
+};
+
+// The hooks' handle on the optimizer; outlives it (hooks live in autograd's graph).
+struct HookTarget {
+  std::recursive_mutex mu;           // guards `impl` and every bucket's reduction state
+  ShardedAdamW::Impl* impl = nullptr;  // null once the optimizer is gone
+};
+
+// A tensor of `shape` over flat[offset, ...) that shares its storage without
+// being an autograd view (zero_grad's detach_() and set_data() accept it).
+at::Tensor make_param_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape);
+
+}  // namespace shard
+
+struct ShardedAdamW::Impl {
+  Impl(ShardedAdamW& owner, std::shared_ptr<Communicator> comm, ShardedAdamWOptions options);
+
+  ShardedAdamW& owner;
+  std::shared_ptr<Communicator> comm;
+  ShardedAdamWOptions options;
+  int rank = 0, world = 1;
+
+  std::vector<torch::Tensor> params;  // trained parameters, model order
+  std::vector<ParamInfo> infos;
+  std::vector<int> group_of;
+  std::vector<std::pair<size_t, size_t>> location;  // parameter -> (bucket, layout entry)
+  std::vector<shard::Bucket> buckets;               // backward order
+  std::vector<size_t> group_sizes;                  // to notice param groups changed after construction
+  std::vector<int64_t> steps;                       // AdamW step count per parameter
+
+  // Per optimizer step.
+  std::vector<char> had_grad;          // got a gradient on this rank since the last step
+  bool reduced = false;                // every bucket's grad_shard holds this step's mean gradient
+  bool agreed = false;                 // `global_flags` and `global_sumsq` are current
+  std::vector<double> global_flags;    // ranks that had a gradient, per parameter
+  double global_sumsq = 0;             // of the (scaled) mean gradient; NaN when not computed
+  double clip_max_norm = 0;            // set by clip_grad_norm() for this step
+  bool last_skipped = false;
+  optim::LossScaler scaler;
+
+  // Per backward (stage 2).
+  std::vector<char> ready;             // gradient already in its bucket this backward
+  size_t next_launch = 0;              // buckets launch strictly in order
+  struct InFlight {
+    size_t bucket;
+    at::Tensor in, out;
+    std::shared_ptr<Work> work;
+  };
+  std::deque<InFlight> inflight;       // reduce-scatters launched, in launch order
+  bool callback_queued = false;
+  bool flushed_since_step = false;
+  int no_sync_depth = 0;
+
+  int64_t transient_bytes = 0, peak_transient = 0;
+
+  std::shared_ptr<shard::HookTarget> target;
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+
+  // grad_reduction.cpp
+  void register_hooks();
+  void remove_hooks();
+  void on_grad_ready(size_t param);   // from a grad-accumulator post hook
+  void flush_backward();              // end of backward: launch what is left
+  void reduce_all();                  // every bucket's mean gradient in grad_shard
+  void drain_oldest();                // wait for one reduce-scatter, add into grad_shard
+  void drain_all();
+  void release_step_gradients();
+
+  // sharded_adamw.cpp
+  void agree(bool with_norm);
+  void track(int64_t bytes);
+  torch::optim::AdamWOptions& group_options(int group) const;
+  void check_groups_unchanged() const;
+
+ private:
+  void copy_grad_into(size_t param, shard::Bucket& b);
+  void launch(size_t bucket);
+  void launch_ready_in_order(bool force);
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,224 @@
+// ShardedAdamW at 1-4 ranks (real processes under zeroshard-run) against the
+// oracle: single-process torch::optim::AdamW on the same model and global batch,
+// computed inside every rank.
+#include "test_util.h"
+#include "zeroshard/sharded_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <malloc.h>
+
+namespace zeroshard {
+namespace {
+
+using testing::world;
+using testing::world_ptr;
+
+constexpr int kIn = 13, kHidden = 29, kOut = 3, kBatch = 24;  // odd sizes: uneven shards
+
+// Two param groups (weights, biases), a frozen layer, and a layer used only on
+// even steps (it gets no gradient on odd ones).
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(c10::ScalarType dtype = torch::kFloat) {
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, kHidden));
+    fc2 = register_module("fc2", torch::nn::Linear(kHidden, kHidden + 2));
+    head = register_module("head", torch::nn::Linear(kHidden + 2, kOut));
+    extra = register_module("extra", torch::nn::Linear(kHidden, kOut));
+    frozen = register_module("frozen", torch::nn::Linear(kIn, kHidden));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    to(dtype);
+  }
+  torch::Tensor forward(const torch::Tensor& x, int step) {
+    auto h1 = torch::tanh(fc1(x) + 0.1 * frozen(x));
+    auto out = head(torch::tanh(fc2(h1)));
+    if (step % 2 == 0) out = out + extra(h1);
+    return out;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr}, extra{nullptr}, frozen{nullptr};
+};
+TORCH_MODULE(Net);
+
+std::vector<torch::optim::OptimizerParamGroup> groups_of(Net& net, double lr) {
+  std::vector<torch::Tensor> weights, biases;
+  for (auto& item : net->named_parameters()) {
+    (item.key().find("bias") != std::string::npos ? biases : weights).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> g;
+  g.emplace_back(weights, std::make_unique<torch::optim::AdamWOptions>(
+                              torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).weight_decay(0.1)));
+  g.emplace_back(biases, std::make_unique<torch::optim::AdamWOptions>(
+                             torch::optim::AdamWOptions(2 * lr).weight_decay(0.0)));
+  return g;
+}
+
+// Micro-batch k of step s: the same on every rank and for any world size.
+std::pair<torch::Tensor, torch::Tensor> batch(int step, int micro) {
+  torch::manual_seed(1000 + step * 10 + micro);
+  return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
+}
+
+torch::Tensor flat(Net& net) {
+  std::vector<torch::Tensor> ps;
+  for (auto& p : net->parameters()) ps.push_back(p.detach().reshape(-1).to(torch::kFloat));
+  return torch::cat(ps);
+}
+
+struct Config {
+  int stage = 2;
+  int micro = 1;            // micro-batches per step
+  bool no_sync = false;     // all but the last micro-batch under no_sync()
+  double clip_call = 0;     // > 0: call clip_grad_norm(clip_call) before step
+  double clip_option = 0;   // ShardedAdamWOptions::max_grad_norm
+  int steps = 20;
+  int64_t bucket_bytes = 1024;
+};
+
+struct Trajectory {
+  torch::Tensor params;
+  std::vector<double> norms;
+};
+
+const double kLr = 1e-2;
+
+Trajectory run_oracle(const Config& c) {
+  torch::manual_seed(42);
+  Net net;
+  torch::optim::AdamW opt(groups_of(net, kLr));
+  Trajectory t;
+  for (int s = 0; s < c.steps; ++s) {
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // set_to_none
+    for (int k = 0; k < c.micro; ++k) {
+      auto [x, y] = batch(s, k);
+      (torch::mse_loss(net->forward(x, s), y) / c.micro).backward();
+    }
+    const double max_norm = c.clip_call > 0 ? c.clip_call : c.clip_option;
+    if (max_norm > 0) {
+      std::vector<torch::Tensor> with_grad;
+      for (auto& p : net->parameters())
+        if (p.grad().defined()) with_grad.push_back(p);
+      t.norms.push_back(torch::nn::utils::clip_grad_norm_(with_grad, max_norm));
+    }
+    opt.step();
+    for (auto& g : opt.param_groups()) {  // a scheduler: lr decays 5% per step
+      auto& o = static_cast<torch::optim::AdamWOptions&>(g.options());
+      o.lr(o.lr() * 0.95);
+    }
+  }
+  t.params = flat(net);
+  return t;
+}
+
+Trajectory run_sharded(const Config& c) {
+  const int n = world().size(), r = world().rank();
+  torch::manual_seed(42);
+  Net net;
+  if (r > 0) {  // trained parameters start different on ranks > 0: construction must broadcast rank 0's
+    torch::NoGradGuard no_grad;
+    net->fc1->weight.add_(torch::randn_like(net->fc1->weight));
+  }
+  ShardedAdamWOptions o;
+  o.stage = c.stage;
+  o.bucket_bytes = c.bucket_bytes;
+  o.max_grad_norm = c.clip_option;
+  ShardedAdamW opt(groups_of(net, kLr), world_ptr(), torch::optim::AdamWOptions(kLr), o);
+  Trajectory t;
+  const int local = kBatch / n;
+  for (int s = 0; s < c.steps; ++s) {
+    opt.zero_grad();
+    for (int k = 0; k < c.micro; ++k) {
+      auto [x, y] = batch(s, k);
+      x = x.slice(0, r * local, (r + 1) * local);
+      y = y.slice(0, r * local, (r + 1) * local);
+      auto loss = torch::mse_loss(net->forward(x, s), y) / c.micro;
+      if (c.no_sync && k + 1 < c.micro) {
+        auto guard = opt.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    if (c.clip_call > 0) t.norms.push_back(opt.clip_grad_norm(c.clip_call));
+    opt.step();
+    for (auto& g : opt.param_groups()) {
+      auto& go = static_cast<torch::optim::AdamWOptions&>(g.options());
+      go.lr(go.lr() * 0.95);
+    }
+  }
+  t.params = flat(net);
+  return t;
+}
+
+// |a - b| relative to |b| + 1e-2 (one learning-rate-sized step), as float rounding allows.
+double max_rel(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).abs() / (b.abs() + 1e-2)).max().item<double>();
+}
+
+// fp32 tolerance after 20 steps: reduction order differs from one process
+// (rank means then their mean), and AdamW divides by sqrt(v), so rounding of
+// small gradients is amplified; 2e-5 relative is float rounding here.
+constexpr double kTol = 2e-5;
+
+void expect_matches_oracle(const Config& c) {
+  auto want = run_oracle(c);
+  auto got = run_sharded(c);
+  ASSERT_EQ(got.params.numel(), want.params.numel());
+  const double err = max_rel(got.params, want.params);
+  EXPECT_LT(err, kTol) << "stage " << c.stage << " world " << world().size();
+  if (world().rank() == 0) std::printf("max relative difference from torch::optim::AdamW: %.3g\n", err);
+  if (c.clip_call + c.clip_option > 0) {
+    Config no_clip = c;
+    no_clip.clip_call = no_clip.clip_option = 0;
+    EXPECT_GT((want.params - run_oracle(no_clip).params).abs().max().item<double>(), 1e-4)
+        << "clipping changed nothing: this test would not notice it missing";
+  }
+  for (size_t i = 0; i < got.norms.size(); ++i) {
+    EXPECT_NEAR(got.norms[i], want.norms[i], 1e-5 * want.norms[i]) << "step " << i;
+  }
+  // every rank holds the same parameters
+  auto all = torch::empty({got.params.numel() * world().size()});
+  world().all_gather(all, got.params)->wait();
+  for (int q = 0; q < world().size(); ++q) {
+    EXPECT_TRUE(torch::equal(all.slice(0, q * got.params.numel(), (q + 1) * got.params.numel()), got.params))
+        << "rank " << q << " differs";
+  }
+}
+
+class ShardedAdamWStage : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShardedAdamWStage, MatchesAdamWWithTwoGroupsAndClipping) {
+  Config c;
+  c.stage = GetParam();
+  c.clip_call = 0.05;
+  expect_matches_oracle(c);
+}
+
+TEST_P(ShardedAdamWStage, MatchesAdamWClippingByOption) {
+  Config c;
+  c.stage = GetParam();
+  c.clip_option = 0.05;
+  expect_matches_oracle(c);
+}
+
+TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesWithNoSync) {
+  Config c;
+  c.stage = GetParam();
+  c.micro = 4;
+  c.no_sync = true;
+  c.clip_call = 0.05;
+  expect_matches_oracle(c);
+}
+
+TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesIntoTheShard) {
+  Config c;
+  c.stage = GetParam();
+  c.micro = 4;
+  c.clip_call = 0.05;
+  expect_matches_oracle(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(1, 2),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+}  // namespace
+}  // namespace zeroshard
