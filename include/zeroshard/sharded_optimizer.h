@@ -108,6 +108,9 @@ struct ShardedMemory {
   int64_t master = 0;       // fp32 master shard when parameters are 16-bit (fp32 parameters are their own master)
   int64_t moments = 0;      // exp_avg + exp_avg_sq shards
   int64_t peak_transient = 0;  // most bytes of bucket buffers alive at once, since construction
+  // Largest total() seen since construction; sampled inside step() once every
+  // gradient is reduced, which is when all of the above exist together.
+  int64_t peak_model_states = 0;
   int64_t total() const { return params + grads + grad_shards + master + moments; }
 };
 

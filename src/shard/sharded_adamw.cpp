@@ -240,6 +240,7 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
   im.check_groups_unchanged();
   im.reduce_all();
+  im.peak_model_states = std::max(im.peak_model_states, memory().total());
   const double max_norm = im.clip_max_norm > 0 ? im.clip_max_norm : im.options.max_grad_norm;
   im.agree(max_norm > 0 || im.scaler.enabled());
   const double scale = im.scaler.scale();
@@ -359,6 +360,7 @@ ShardedMemory ShardedAdamW::memory() const {
     if (g.defined() && counted.insert(g.storage().data()).second) m.grads += g.storage().nbytes();
   }
   m.peak_transient = im.peak_transient;
+  m.peak_model_states = std::max(im.peak_model_states, m.total());
   return m;
 }
 

@@ -83,7 +83,7 @@ struct ShardedAdamW::Impl {
   bool flushed_since_step = false;
   int no_sync_depth = 0;
 
-  int64_t transient_bytes = 0, peak_transient = 0;
+  int64_t transient_bytes = 0, peak_transient = 0, peak_model_states = 0;
 
   std::shared_ptr<shard::HookTarget> target;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;

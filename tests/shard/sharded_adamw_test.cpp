@@ -156,8 +156,8 @@ double max_rel(const torch::Tensor& a, const torch::Tensor& b) {
 
 // fp32 tolerance after 20 steps: reduction order differs from one process
 // (rank means then their mean), and AdamW divides by sqrt(v), so rounding of
-// small gradients is amplified; 2e-5 relative is float rounding here.
-constexpr double kTol = 2e-5;
+// small gradients is amplified; measured up to 3.7e-6, so 1e-5 relative.
+constexpr double kTol = 1e-5;
 
 void expect_matches_oracle(const Config& c) {
   auto want = run_oracle(c);
