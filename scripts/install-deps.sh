@@ -15,6 +15,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev libxxhash-dev
   # tests and benchmarks (xxhash's CLI and h5py are independent oracles)
   libgtest-dev libgmock-dev libbenchmark-dev xxhash python3 python3-h5py python3-numpy
+  # the anchor of bench/zero_vs_ddp: PyTorch's own DDP + ZeroRedundancyOptimizer
+  python3-torch
 )
 
 missing=()

@@ -1,13 +1,16 @@
-// minimal: data-parallel training of a small MLP through the zeroshard communicator.
+// minimal: a small MLP trained with ShardedAdamW, the drop-in ZeRO optimizer.
 //
-// Every rank holds the whole model and computes gradients on its share of
-// each global batch; one all_reduce (average) over the flattened gradients
-// makes every rank apply the same update. The global batch is the same for any
-// number of ranks, so 1 rank and N ranks train the same model.
+// A single-process LibTorch loop becomes a sharded data-parallel one by one
+// line: the optimizer. Every rank computes gradients on its share of each
+// global batch; ShardedAdamW averages them (reduce-scatter), updates only this
+// rank's 1/N of the AdamW state, and all-gathers the new parameters. The global
+// batch is the same for any number of ranks, so 1 rank and N ranks train the
+// same model.
 //
-//   zeroshard-run --nproc-per-node 4 -- ./zs_minimal --steps 200
+//   zeroshard-run --nproc-per-node 4 -- ./zs_minimal --steps 200 --stage 2
 #include <zeroshard/comm.h>
 #include <zeroshard/log.h>
+#include <zeroshard/sharded_optimizer.h>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -45,20 +48,13 @@ torch::Tensor flatten(const std::vector<torch::Tensor>& ts) {
   return torch::cat(flat);
 }
 
-void unflatten(const torch::Tensor& flat, std::vector<torch::Tensor> ts) {
-  int64_t off = 0;
-  for (auto& t : ts) {
-    t.copy_(flat.slice(0, off, off + t.numel()).view_as(t));
-    off += t.numel();
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   int steps = 200, global_batch_size = 256, hidden = 64;
   double lr = 1e-2;
   int64_t seed = 1;
+  int stage = 2;
   std::string save_params;
   CLI::App app{"zeroshard minimal example: data-parallel MLP on synthetic data"};
   app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
@@ -66,6 +62,7 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden, "hidden width")->capture_default_str();
   app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--seed", seed, "data and init seed")->capture_default_str();
+  app.add_option("--stage", stage, "ZeRO stage: 1 shards optimizer states, 2 also gradients")->capture_default_str();
   app.add_option("--save-params", save_params, "rank 0 writes the final flat parameters here (torch::save)");
   CLI11_PARSE(app, argc, argv);
 
@@ -80,14 +77,11 @@ int main(int argc, char** argv) {
 
   torch::manual_seed(seed);
   MLP model(kFeatures, hidden);
-  auto params = model->parameters();
-  {  // Start from rank 0's weights everywhere.
-    torch::NoGradGuard no_grad;
-    auto flat = flatten(params);
-    comm->broadcast(flat, 0)->wait();
-    unflatten(flat, params);
-  }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  zeroshard::ShardedAdamWOptions sharding;
+  sharding.stage = stage;
+  // The one line that differs from single-process training, which would say
+  //   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  zeroshard::ShardedAdamW opt(model->named_parameters(), comm, torch::optim::AdamWOptions(lr).weight_decay(0.01), sharding);
 
   float first_loss = 0, loss_value = 0;
   const auto start = std::chrono::steady_clock::now();
@@ -98,17 +92,10 @@ int main(int argc, char** argv) {
     opt.zero_grad();
     auto loss = torch::mse_loss(model->forward(x), y);
     loss.backward();
-
-    std::vector<torch::Tensor> grads;
-    for (auto& p : params) grads.push_back(p.grad());
-    auto flat = flatten(grads);
-    auto loss_sum = loss.detach().reshape({1}).clone();
-    auto grad_work = comm->all_reduce(flat, zeroshard::ReduceOp::kAvg);
-    auto loss_work = comm->all_reduce(loss_sum, zeroshard::ReduceOp::kAvg);
-    grad_work->wait();
-    unflatten(flat, grads);
     opt.step();
-    loss_work->wait();
+
+    auto loss_sum = loss.detach().reshape({1}).clone();  // for the log: the mean over ranks
+    comm->all_reduce(loss_sum, zeroshard::ReduceOp::kAvg)->wait();
     loss_value = loss_sum.item<float>();
     if (step == 0) first_loss = loss_value;
     if (step % 50 == 0 || step == steps - 1) {
@@ -119,8 +106,8 @@ int main(int argc, char** argv) {
   const auto stats = comm->stats().total();
 
   if (rank == 0) {
-    std::printf("minimal: %d ranks, %d steps, global batch %d (%d per rank)\n", world, steps,
-                global_batch_size, local);
+    std::printf("minimal: %d ranks, ZeRO stage %d, %d steps, global batch %d (%d per rank)\n", world, stage,
+                steps, global_batch_size, local);
     std::printf("minimal: loss %.4f -> %.4f\n", first_loss, loss_value);
     std::printf("minimal: %.2f s, %.0f samples/s, %.2f MB sent per rank in %lld collectives\n", seconds,
                 steps * global_batch_size / seconds, stats.bytes_sent / 1e6,
@@ -128,7 +115,7 @@ int main(int argc, char** argv) {
     std::printf("final loss %.6f\n", loss_value);
     if (!save_params.empty()) {
       torch::NoGradGuard no_grad;
-      torch::save(flatten(params), save_params);
+      torch::save(flatten(model->parameters()), save_params);
     }
   }
   comm->barrier();

@@ -1,4 +1,5 @@
-// The minimal example trains to a low loss, and 4 ranks train the same model as 1.
+// The minimal example (ShardedAdamW) trains to a low loss, and 4 ranks (stage 2)
+// and 2 ranks (stage 1) train the same model as 1.
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -22,8 +23,10 @@ TEST(MinimalExample, ConvergesAndMatchesAcrossWorldSizes) {
   const std::string run = testing::build_dir() + "/zeroshard-run";
   auto one = testing::run_command(run + " --nproc-per-node 1 -- " + bin + " --save-params " + dir + "/p1.pt");
   auto four = testing::run_command(run + " --nproc-per-node 4 -- " + bin + " --save-params " + dir + "/p4.pt");
+  auto two = testing::run_command(run + " --nproc-per-node 2 -- " + bin + " --stage 1 --save-params " + dir + "/p2.pt");
   ASSERT_EQ(one.exit_code, 0) << one.output;
   ASSERT_EQ(four.exit_code, 0) << four.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
 
   // The threshold: the synthetic target's variance is ~1.2; a trained MLP gets far below.
   constexpr double kLossThreshold = 0.05;
@@ -31,10 +34,13 @@ TEST(MinimalExample, ConvergesAndMatchesAcrossWorldSizes) {
   EXPECT_LT(final_loss(one.output), kLossThreshold) << one.output;
   EXPECT_LT(final_loss(four.output), kLossThreshold) << four.output;
 
-  torch::Tensor p1, p4;
+  torch::Tensor p1, p4, p2;
   torch::load(p1, dir + "/p1.pt");
   torch::load(p4, dir + "/p4.pt");
+  torch::load(p2, dir + "/p2.pt");
   ASSERT_EQ(p1.sizes(), p4.sizes());
+  ASSERT_EQ(p1.sizes(), p2.sizes());
+  EXPECT_TRUE(torch::allclose(p1, p2, /*rtol=*/1e-4, /*atol=*/1e-5)) << "stage 1 at 2 ranks";
   // Same global batches; only the gradient summation order differs, so float rounding.
   const double max_diff = (p1 - p4).abs().max().item<double>();
   std::printf("minimal example: max |p1 - p4| = %.3g over %lld parameters\n", max_diff,
