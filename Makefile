@@ -29,6 +29,8 @@ demo: build
 bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
+	@$(BUILD_DIR)/bench/optim_bench
+	@bench/zero_vs_ddp.sh $(BUILD_DIR) 4
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log
