@@ -72,6 +72,12 @@ struct ShardedAdamWOptions {
   // Stage 2: reduce-scatters in flight during backward before backward waits
   // for the oldest (bounds the transient memory to about this many buckets). Default: 2.
   int max_inflight_buckets = 2;
+  // Stage 2 gradient accumulation. true: every backward reduce-scatters its
+  // gradients and adds them into this rank's fp32 shard (gradient memory stays
+  // sharded; one reduce-scatter per micro-batch). false: gradients accumulate
+  // in full in p.grad() and step() reduces them once, as if every backward ran
+  // under no_sync(). Stage 1 always accumulates locally. Default: true.
+  bool reduce_every_backward = true;
   // > 0: step() clips the gradient to this global L2 norm unless clip_grad_norm()
   // was already called this step. Default: 0 (no clipping).
   double max_grad_norm = 0;

@@ -83,7 +83,7 @@ void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
 
 void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   had_grad[param] = 1;
-  if (options.stage == 1 || no_sync_depth > 0) return;  // stays in p.grad()
+  if (options.stage == 1 || no_sync_depth > 0 || !options.reduce_every_backward) return;  // stays in p.grad()
   if (!callback_queued) {
     callback_queued = true;
     std::weak_ptr<shard::HookTarget> weak = target;

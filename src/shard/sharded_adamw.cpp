@@ -24,7 +24,8 @@ using torch::optim::OptimizerParamGroup;
 std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
   std::ostringstream os;
   os << "options: stage=" << o.stage << " bucket_bytes=" << o.bucket_bytes
-     << " max_grad_norm=" << o.max_grad_norm << " loss_scaling=" << scaling;
+     << " max_grad_norm=" << o.max_grad_norm << " loss_scaling=" << scaling
+     << " reduce_every_backward=" << o.reduce_every_backward;
   return os.str();
 }
 

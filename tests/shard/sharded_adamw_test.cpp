@@ -72,6 +72,7 @@ struct Config {
   double clip_option = 0;   // ShardedAdamWOptions::max_grad_norm
   int steps = 20;
   int64_t bucket_bytes = 1024;
+  bool reduce_every_backward = true;
 };
 
 struct Trajectory {
@@ -121,6 +122,7 @@ Trajectory run_sharded(const Config& c) {
   o.stage = c.stage;
   o.bucket_bytes = c.bucket_bytes;
   o.max_grad_norm = c.clip_option;
+  o.reduce_every_backward = c.reduce_every_backward;
   ShardedAdamW opt(groups_of(net, kLr), world_ptr(), torch::optim::AdamWOptions(kLr), o);
   Trajectory t;
   const int local = kBatch / n;
@@ -214,6 +216,14 @@ TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesIntoTheShard) {
   c.stage = GetParam();
   c.micro = 4;
   c.clip_call = 0.05;
+  expect_matches_oracle(c);
+}
+
+TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesLocallyByOption) {
+  Config c;
+  c.stage = GetParam();
+  c.micro = 4;
+  c.reduce_every_backward = false;
   expect_matches_oracle(c);
 }
 
