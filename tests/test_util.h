@@ -5,6 +5,7 @@
 #include "zeroshard/comm.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <memory>
 #include <string>
@@ -34,5 +35,16 @@ int free_port();
 
 // A fresh empty directory under the system temp dir.
 std::string make_temp_dir(const std::string& tag);
+
+// The message (without backtrace) of the c10::Error that f() throws, or "(no error)".
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
 
 }  // namespace zeroshard::testing

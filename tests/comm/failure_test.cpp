@@ -273,12 +273,8 @@ class DistEnvTest : public ::testing::Test {
       unsetenv(v);
   }
   static std::string error_of() {
-    try {
-      read_dist_env();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "";
+    const auto msg = testing::error_of([] { read_dist_env(); });
+    return msg == "(no error)" ? "" : msg;
   }
 };
 

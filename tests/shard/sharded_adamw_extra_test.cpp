@@ -15,6 +15,7 @@ namespace zeroshard {
 namespace {
 
 using testing::world;
+using testing::error_of;
 using testing::world_ptr;
 
 // ---------------------------------------------------------------- mixed precision
@@ -234,16 +235,6 @@ TEST(ShardedAdamWBytes, ReduceScatterPlusAllGatherIsTwoNMinusOneOverNOfTheGradie
 }
 
 // ---------------------------------------------------------------- bad input
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
-}
 
 TEST(ShardedAdamWBadInput, EachIsAClearError) {
   auto ok = torch::randn({4}).set_requires_grad(true);
