@@ -2,6 +2,7 @@
 // on every SIMD path this CPU has, with 16-bit gradients and parameter copies.
 #include "optim/adamw_kernel.h"
 #include "optim/fused_adamw.h"
+#include "test_util.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -177,6 +178,28 @@ TEST(FusedAdamW, ConversionsMatchLibTorch) {
     const uint16_t want = c10::Half(f).x;
     ASSERT_EQ(float_to_f16(f), want) << f;
     ASSERT_EQ(float_to_bf16(f), c10::BFloat16(f).x) << f;
+  }
+}
+
+// ZS_SIMD forces a path (how a user compares paths or works around a CPU
+// problem); a path the CPU lacks, or a misspelling, is a clear error.
+TEST(FusedAdamW, SimdLevelFromEnvironment) {
+  const std::string exe = zeroshard::testing::build_dir() + "/tests/zs_tests --helper simd_level";
+  auto run = [&](const std::string& env) { return zeroshard::testing::run_command(env + " " + exe); };
+  auto detected = run("env -u ZS_SIMD");
+  EXPECT_EQ(detected.exit_code, 0);
+  EXPECT_NE(detected.output.find("simd " + to_string(detected_simd())), std::string::npos) << detected.output;
+  auto scalar = run("ZS_SIMD=scalar");
+  EXPECT_NE(scalar.output.find("simd scalar"), std::string::npos) << scalar.output;
+  auto bogus = run("ZS_SIMD=sse9");
+  EXPECT_EQ(bogus.exit_code, 1);
+  EXPECT_NE(bogus.output.find("ZS_SIMD='sse9' is not one of scalar, avx2, avx512"), std::string::npos) << bogus.output;
+  if (detected_simd() != SimdLevel::kAvx512) {
+    auto missing = run("ZS_SIMD=avx512");
+    EXPECT_NE(missing.output.find("this CPU lacks it"), std::string::npos) << missing.output;
+  } else {
+    auto avx2 = run("ZS_SIMD=avx2");
+    EXPECT_NE(avx2.output.find("simd avx2"), std::string::npos) << avx2.output;
   }
 }
 
