@@ -14,6 +14,8 @@
 // backward accumulates straight into it; step() reduce-scatters every bucket.
 #include "shard/sharded_adamw_impl.h"
 
+#include "zeroshard/log.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -28,6 +30,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     if (auto t = target_.lock()) {
+      at::NoGradGuard no_grad;  // copies into buckets are never part of a graph (create_graph=true)
       std::lock_guard<std::recursive_mutex> lock(t->mu);
       if (t->impl != nullptr) t->impl->on_grad_ready(param_);
     }
@@ -50,6 +53,21 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) 
   t.set_(flat.storage(), flat.storage_offset() + offset, shape, strides);
   return t;
 }
+
+// Travels with the end-of-backward callback. Autograd drops the callback
+// without running it when backward throws; the token's destructor then tells
+// the optimizer that its per-backward records are stale.
+struct EndOfBackward {
+  std::weak_ptr<shard::HookTarget> target;
+  bool ran = false;
+  ~EndOfBackward() {
+    if (ran) return;
+    if (auto t = target.lock()) {
+      std::lock_guard<std::recursive_mutex> lock(t->mu);
+      if (t->impl != nullptr) t->impl->backward_aborted = true;
+    }
+  }
+};
 
 }  // namespace
 
@@ -82,23 +100,62 @@ void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
 }
 
 void ShardedAdamW::Impl::on_grad_ready(size_t param) {
-  had_grad[param] = 1;
-  if (options.stage == 1 || no_sync_depth > 0 || !options.reduce_every_backward) return;  // stays in p.grad()
-  if (!callback_queued) {
+  if (backward_aborted) {
+    recover_from_aborted_backward();
+    log_warn("ShardedAdamW: an earlier backward pass ended with an exception part-way; the gradients this "
+             "step had reduced so far were discarded, and this backward starts the step afresh (call "
+             "zero_grad() after a failed backward, as with any LibTorch optimizer)");
+  }
+  TORCH_CHECK(!reduced, "ShardedAdamW: backward() ran after clip_grad_norm() and before step(); the gradients "
+                        "were already reduced and clipped for this step. Call clip_grad_norm() after the last "
+                        "backward of the step");
+  if (!params[param].grad().defined()) return;  // an undefined gradient (a custom Function returned none)
+  if (!callback_queued) {  // first gradient of this backward
     callback_queued = true;
+    sync_this_backward = options.stage == 2 && no_sync_depth == 0 && options.reduce_every_backward;
+    auto token = std::make_shared<EndOfBackward>();
+    token->target = target;
     std::weak_ptr<shard::HookTarget> weak = target;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, token] {
+      token->ran = true;
       if (auto t = weak.lock()) {
+        at::NoGradGuard no_grad;
         std::lock_guard<std::recursive_mutex> lock(t->mu);
-        if (t->impl != nullptr) t->impl->flush_backward();
+        if (t->impl != nullptr) t->impl->end_backward();
       }
     });
+  }
+  had_grad[param] = 1;
+  if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)
+    if (options.stage == 2) local_grads_pending = true;
+    return;
   }
   if (ready[param]) return;
   ready[param] = 1;
   auto& b = buckets[location[param].first];
   copy_grad_into(param, b);
   if (++b.ready == b.params.size()) launch_ready_in_order(false);
+}
+
+void ShardedAdamW::Impl::end_backward() {
+  callback_queued = false;
+  if (sync_this_backward) flush_backward();
+}
+
+void ShardedAdamW::Impl::recover_from_aborted_backward() {
+  // The failed pass's gradients are partly in buckets (dropped here) and partly
+  // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
+  backward_aborted = false;
+  inflight.clear();  // each Work keeps its tensors until it finishes; its result is not wanted
+  transient_bytes = 0;
+  for (auto& b : buckets) {
+    b.rs_in = at::Tensor();
+    b.ready = 0;
+  }
+  std::fill(ready.begin(), ready.end(), 0);
+  next_launch = 0;
+  callback_queued = false;
+  release_step_gradients();
 }
 
 void ShardedAdamW::Impl::launch(size_t index) {
@@ -136,6 +193,7 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
 
 void ShardedAdamW::Impl::flush_backward() {
   launch_ready_in_order(true);
+  local_grads_pending = false;
   std::fill(ready.begin(), ready.end(), 0);
   for (auto& b : buckets) b.ready = 0;
   next_launch = 0;
@@ -186,8 +244,8 @@ void ShardedAdamW::Impl::reduce_all() {
       b.rs_in = b.flat_grads;
       launch(index);
     }
-  } else if (!flushed_since_step) {
-    flush_backward();  // no synchronized backward since the last step (all under no_sync)
+  } else if (!flushed_since_step || local_grads_pending) {
+    flush_backward();  // gradients still in p.grad(): from no_sync or local accumulation
   }
   drain_all();
   reduced = true;

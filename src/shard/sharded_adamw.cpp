@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
+#include <iomanip>
 #include <limits>
 #include <sstream>
 #include <unordered_map>
@@ -23,17 +24,61 @@ using torch::optim::OptimizerParamGroup;
 
 std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
   std::ostringstream os;
-  os << "options: stage=" << o.stage << " bucket_bytes=" << o.bucket_bytes
-     << " max_grad_norm=" << o.max_grad_norm << " loss_scaling=" << scaling
-     << " reduce_every_backward=" << o.reduce_every_backward;
+  os << std::setprecision(17) << "options: stage=" << o.stage << " bucket_bytes=" << o.bucket_bytes
+     << " max_inflight_buckets=" << o.max_inflight_buckets << " max_grad_norm=" << o.max_grad_norm
+     << " reduce_every_backward=" << o.reduce_every_backward << " loss_scaling=" << scaling;
+  if (scaling) {
+    const auto& l = o.loss_scale;
+    os << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff " << l.backoff_factor
+       << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
+  }
   return os.str();
 }
 
 std::string describe_group(int g, const AdamWOptions& o) {
   std::ostringstream os;
-  os << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas()) << ", "
-     << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
+  os << std::setprecision(17) << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
+     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
   return os.str();
+}
+
+using Names = torch::OrderedDict<std::string, torch::Tensor>;
+
+std::string name_in(const Names* names, const torch::Tensor& p, size_t g, size_t j) {
+  if (names != nullptr && p.defined()) {
+    for (const auto& item : *names) {
+      if (item.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return item.key();
+    }
+  }
+  return "param_groups[" + std::to_string(g) + "][" + std::to_string(j) + "]";
+}
+
+// Runs before torch::optim::Optimizer's constructor, whose own checks do not
+// name the parameter.
+std::vector<OptimizerParamGroup> checked(std::vector<OptimizerParamGroup> groups, const Names* names) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& ps = groups[g].params();
+    for (size_t j = 0; j < ps.size(); ++j) {
+      TORCH_CHECK_VALUE(ps[j].defined(), "ShardedAdamW: parameter '", name_in(names, ps[j], g, j),
+                        "' is an undefined tensor");
+      TORCH_CHECK_VALUE(ps[j].is_leaf(), "ShardedAdamW: parameter '", name_in(names, ps[j], g, j),
+                        "' is not a leaf tensor (it was computed from other tensors); optimize the module's "
+                        "own parameters");
+    }
+  }
+  return groups;
+}
+
+void check_options(const ShardedAdamWOptions& options) {
+  TORCH_CHECK_VALUE(options.stage == 1 || options.stage == 2, "ShardedAdamW: stage is ", options.stage,
+                    "; ShardedAdamW implements stage 1 (optimizer states) and 2 (also gradients); "
+                    "for stage 3 use zeroshard::fully_shard");
+  TORCH_CHECK_VALUE(options.bucket_bytes > 0, "ShardedAdamW: bucket_bytes is ", options.bucket_bytes,
+                    "; it must be positive (Default: 16 MiB)");
+  TORCH_CHECK_VALUE(options.max_inflight_buckets >= 1, "ShardedAdamW: max_inflight_buckets is ",
+                    options.max_inflight_buckets, "; it must be >= 1 (Default: 2)");
+  TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "ShardedAdamW: max_grad_norm is ", options.max_grad_norm,
+                    "; it must be >= 0 (0 = no clipping)");
 }
 
 }  // namespace
@@ -57,6 +102,35 @@ AdamWOptions& ShardedAdamW::Impl::group_options(int group) const {
   TORCH_CHECK_VALUE(!o->amsgrad(), "ShardedAdamW: param group ", group,
                     " sets amsgrad(true), which ShardedAdamW does not implement; use amsgrad(false)");
   return *o;
+}
+
+void ShardedAdamW::Impl::check_usable() {
+  if (backward_aborted) {
+    recover_from_aborted_backward();
+    TORCH_CHECK(false, "ShardedAdamW: the last backward pass ended with an exception part-way, so this step's "
+                       "gradients are incomplete; they were discarded. Call zero_grad() and run the step's "
+                       "backward passes again "
+                       "(ranks that did not fail may now be out of step: if only some ranks failed, restart "
+                       "from the last checkpoint)");
+  }
+  check_groups_unchanged();
+  check_params_in_place();
+}
+
+void ShardedAdamW::Impl::check_params_in_place() const {
+  for (const auto& b : buckets) {
+    const void* base = b.flat_params.storage().data();
+    for (size_t e = 0; e < b.params.size(); ++e) {
+      const auto& p = params[b.params[e]];
+      const bool in_place = p.numel() == 0 || (p.storage().data() == base &&
+                                               p.storage_offset() == b.layout.offsets[e] &&
+                                               p.sizes() == at::IntArrayRef(infos[b.params[e]].shape));
+      TORCH_CHECK(in_place, "ShardedAdamW: parameter '", infos[b.params[e]].name,
+                  "' no longer uses the optimizer's flat buffer: its data was replaced after the optimizer "
+                  "was built (torch::load, set_data, module->to(), ...), so updates would not reach it. Load "
+                  "weights and move the model before constructing ShardedAdamW");
+    }
+  }
 }
 
 void ShardedAdamW::Impl::check_groups_unchanged() const {
@@ -100,80 +174,79 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
     : ShardedAdamW(std::move(groups), std::move(comm), std::move(defaults), std::move(options), nullptr) {}
 
 ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
-                           AdamWOptions defaults, ShardedAdamWOptions options,
-                           const torch::OrderedDict<std::string, torch::Tensor>* names)
-    : Optimizer(std::move(groups), std::make_unique<AdamWOptions>(defaults)) {
+                           AdamWOptions defaults, ShardedAdamWOptions options, const Names* names)
+    : Optimizer(checked(std::move(groups), names), std::make_unique<AdamWOptions>(defaults)) {
   TORCH_CHECK_VALUE(comm != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
-  TORCH_CHECK_VALUE(options.stage == 1 || options.stage == 2, "ShardedAdamW: stage is ", options.stage,
-                    "; ShardedAdamW implements stage 1 (optimizer states) and 2 (also gradients); "
-                    "for stage 3 use zeroshard::fully_shard");
-  TORCH_CHECK_VALUE(options.bucket_bytes > 0, "ShardedAdamW: bucket_bytes is ", options.bucket_bytes,
-                    "; it must be positive (Default: 16 MiB)");
-  TORCH_CHECK_VALUE(options.max_inflight_buckets >= 1, "ShardedAdamW: max_inflight_buckets is ",
-                    options.max_inflight_buckets, "; it must be >= 1 (Default: 2)");
-  TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "ShardedAdamW: max_grad_norm is ", options.max_grad_norm,
-                    "; it must be >= 0 (0 = no clipping)");
   impl_ = std::make_unique<Impl>(*this, std::move(comm), options);
   auto& im = *impl_;
   im.rank = im.comm->rank();
   im.world = im.comm->size();
 
-  std::unordered_map<const void*, std::string> name_of;
-  if (names != nullptr) {
-    for (const auto& item : *names) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  }
-  // Collect trained parameters: requires_grad, deduplicated (tied weights appear twice).
-  std::unordered_map<const void*, size_t> group_seen;
-  bool any_half = false;
+  // Local checks first, but a rank that fails them still joins the agreement
+  // below, so every rank fails together (naming the difference) instead of
+  // the others waiting for it.
+  std::string local_error;
   std::vector<std::string> entries;
-  for (size_t g = 0; g < param_groups().size(); ++g) {
-    const auto& o = im.group_options(static_cast<int>(g));
-    entries.push_back(describe_group(static_cast<int>(g), o));
-    const auto& ps = param_groups()[g].params();
-    im.group_sizes.push_back(ps.size());
-    for (size_t j = 0; j < ps.size(); ++j) {
-      const auto& p = ps[j];
-      const void* key = p.defined() ? p.unsafeGetTensorImpl() : nullptr;
-      auto named = name_of.find(key);
-      const std::string name = named != name_of.end() ? named->second
-                                                      : "param_groups[" + std::to_string(g) + "][" + std::to_string(j) + "]";
-      TORCH_CHECK_VALUE(p.defined(), "ShardedAdamW: parameter '", name, "' is an undefined tensor");
-      if (!p.requires_grad()) continue;
-      auto seen = group_seen.find(key);
-      if (seen != group_seen.end()) {
-        TORCH_CHECK_VALUE(seen->second == g, "ShardedAdamW: parameter '", name, "' appears in param groups ",
-                          seen->second, " and ", g, "; a parameter may belong to one group only");
-        continue;  // the same tensor listed twice in one group (tied weights)
+  bool scaling = false;
+  try {
+    check_options(options);
+    // Trained parameters: requires_grad, deduplicated (a tied weight listed twice).
+    std::unordered_map<const void*, size_t> group_seen;
+    std::unordered_map<const void*, std::string> storage_owner;
+    bool any_half = false;
+    for (size_t g = 0; g < param_groups().size(); ++g) {
+      entries.push_back(describe_group(static_cast<int>(g), im.group_options(static_cast<int>(g))));
+      const auto& ps = param_groups()[g].params();
+      im.group_sizes.push_back(ps.size());
+      for (size_t j = 0; j < ps.size(); ++j) {
+        const auto& p = ps[j];
+        if (!p.requires_grad()) continue;
+        const std::string name = name_in(names, p, g, j);
+        const void* key = p.unsafeGetTensorImpl();
+        auto seen = group_seen.find(key);
+        if (seen != group_seen.end()) {
+          TORCH_CHECK_VALUE(seen->second == g, "ShardedAdamW: parameter '", name, "' appears in param groups ",
+                            seen->second, " and ", g, "; a parameter may belong to one group only");
+          continue;
+        }
+        group_seen.emplace(key, g);
+        TORCH_CHECK_VALUE(p.device().is_cpu(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
+                          " but the communicator is Gloo (CPU); move the model to the CPU");
+        TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
+                          "' is sparse; only dense parameters can be sharded");
+        const auto dt = p.scalar_type();
+        TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "ShardedAdamW: parameter '",
+                          name, "' has dtype ", c10::toString(dt),
+                          "; ShardedAdamW trains Float, BFloat16 and Half parameters (fp32 master); convert it "
+                          "or set requires_grad(false) to leave it out");
+        if (p.numel() > 0) {
+          auto [owner, fresh] = storage_owner.emplace(p.storage().data(), name);
+          TORCH_CHECK_VALUE(fresh, "ShardedAdamW: parameters '", owner->second, "' and '", name,
+                            "' share memory (two tensors over one storage, e.g. weights tied with set_data); "
+                            "register the shared tensor itself in both modules so it is one parameter");
+        }
+        any_half = any_half || dt == at::kHalf;
+        im.params.push_back(p);
+        im.infos.push_back({name, p.sizes().vec(), dt});
+        im.group_of.push_back(static_cast<int>(g));
       }
-      group_seen.emplace(key, g);
-      TORCH_CHECK_VALUE(p.device().is_cpu(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
-                        " but the communicator is Gloo (CPU); move the model to the CPU");
-      TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
-                        "' is sparse; only dense parameters can be sharded");
-      const auto dt = p.scalar_type();
-      TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "ShardedAdamW: parameter '",
-                        name, "' has dtype ", c10::toString(dt),
-                        "; ShardedAdamW trains Float, BFloat16 and Half parameters (fp32 master); convert it "
-                        "or set requires_grad(false) to leave it out");
-      TORCH_CHECK_VALUE(p.is_leaf(), "ShardedAdamW: parameter '", name,
-                        "' is not a leaf tensor; optimize the module's own parameters");
-      any_half = any_half || dt == at::kHalf;
-      im.params.push_back(p);
-      im.infos.push_back({name, p.sizes().vec(), dt});
-      im.group_of.push_back(static_cast<int>(g));
     }
+    TORCH_CHECK_VALUE(!im.params.empty(), "ShardedAdamW: no trainable parameters (none given, or all have "
+                                          "requires_grad=false)");
+    scaling = options.loss_scale.enabled < 0 ? any_half : options.loss_scale.enabled > 0;
+    im.scaler = optim::LossScaler(options.loss_scale, scaling);
+  } catch (const c10::Error& e) {
+    local_error = e.what_without_backtrace();
   }
-  TORCH_CHECK_VALUE(!im.params.empty(), "ShardedAdamW: no trainable parameters (none given, or all have "
-                                        "requires_grad=false)");
-  const bool scaling = options.loss_scale.enabled < 0 ? any_half : options.loss_scale.enabled > 0;
-  im.scaler = optim::LossScaler(options.loss_scale, scaling);
 
-  // Every rank must build the same thing before any data moves.
+  // Every rank must have built the same thing before any data moves.
+  entries.insert(entries.begin(), local_error.empty() ? "construction: ok" : "construction failed: " + local_error);
   entries.push_back(describe_options(options, scaling));
   for (size_t i = 0; i < im.infos.size(); ++i) {
     entries.push_back("group " + std::to_string(im.group_of[i]) + " " + im.infos[i].describe());
   }
   shard::check_same_on_all_ranks(*im.comm, entries, "ShardedAdamW parameters");
+  TORCH_CHECK_VALUE(local_error.empty(), local_error);
 
   // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
   torch::NoGradGuard no_grad;
@@ -239,7 +312,8 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   auto& im = *impl_;
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
-  im.check_groups_unchanged();
+  im.check_usable();
+  im.peak_model_states = std::max(im.peak_model_states, memory().total());
   im.reduce_all();
   im.peak_model_states = std::max(im.peak_model_states, memory().total());
   const double max_norm = im.clip_max_norm > 0 ? im.clip_max_norm : im.options.max_grad_norm;
@@ -296,7 +370,7 @@ double ShardedAdamW::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
   auto& im = *impl_;
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
-  im.check_groups_unchanged();
+  im.check_usable();
   im.reduce_all();
   im.agree(true);
   im.clip_max_norm = max_norm;
@@ -306,6 +380,8 @@ double ShardedAdamW::clip_grad_norm(double max_norm) {
 ShardedAdamW::NoSyncGuard::NoSyncGuard(ShardedAdamW* opt) : opt_(opt) {
   std::lock_guard<std::recursive_mutex> lock(opt_->impl_->target->mu);
   ++opt_->impl_->no_sync_depth;
+  // Decided here, not by which hooks fire, so every rank agrees that step() must reduce.
+  if (opt_->impl_->options.stage == 2) opt_->impl_->local_grads_pending = true;
 }
 
 ShardedAdamW::NoSyncGuard::~NoSyncGuard() {

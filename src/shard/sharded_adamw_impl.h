@@ -70,9 +70,12 @@ struct ShardedAdamW::Impl {
   bool last_skipped = false;
   optim::LossScaler scaler;
 
-  // Per backward (stage 2).
-  std::vector<char> ready;             // gradient already in its bucket this backward
+  // Per backward.
+  std::vector<char> ready;             // stage 2: gradient already in its bucket this backward
   size_t next_launch = 0;              // buckets launch strictly in order
+  bool sync_this_backward = false;     // this backward reduces (stage 2, not under no_sync)
+  bool local_grads_pending = false;    // gradients left in p.grad() by a no_sync/local backward
+  bool backward_aborted = false;       // a backward ended by an exception: per-backward state is stale
   struct InFlight {
     size_t bucket;
     at::Tensor in, out;
@@ -92,17 +95,23 @@ struct ShardedAdamW::Impl {
   void register_hooks();
   void remove_hooks();
   void on_grad_ready(size_t param);   // from a grad-accumulator post hook
-  void flush_backward();              // end of backward: launch what is left
+  void end_backward();                // autograd's final callback
+  void flush_backward();              // launch what is left, zeros for missing gradients
   void reduce_all();                  // every bucket's mean gradient in grad_shard
   void drain_oldest();                // wait for one reduce-scatter, add into grad_shard
   void drain_all();
   void release_step_gradients();
+  // After a backward that an exception ended part-way: drops this step's
+  // reduced gradients and every per-backward record.
+  void recover_from_aborted_backward();
+  void check_params_in_place() const;
 
   // sharded_adamw.cpp
   void agree(bool with_norm);
   void track(int64_t bytes);
   torch::optim::AdamWOptions& group_options(int group) const;
   void check_groups_unchanged() const;
+  void check_usable();  // before step/clip: recovers from an aborted backward (and throws), checks aliases
 
  private:
   void copy_grad_into(size_t param, shard::Bucket& b);

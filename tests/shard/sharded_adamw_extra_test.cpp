@@ -275,6 +275,81 @@ TEST(ShardedAdamWBadInput, EachIsAClearError) {
   EXPECT_NE(msg.find("sharded_state()"), std::string::npos) << msg;
 }
 
+TEST(ShardedAdamWBadInput, TensorsSharingMemoryAreRefused) {
+  auto base = torch::randn({8});
+  auto a = base.slice(0, 0, 4).detach().requires_grad_(true);  // two leaves over one storage
+  auto b = base.slice(0, 4, 8).detach().requires_grad_(true);
+  torch::OrderedDict<std::string, torch::Tensor> named;
+  named.insert("enc.emb", a);
+  named.insert("dec.emb", b);
+  const auto msg = error_of([&] { ShardedAdamW opt(named, world_ptr()); });
+  EXPECT_NE(msg.find("'enc.emb' and 'dec.emb' share memory"), std::string::npos) << msg;
+}
+
+TEST(ShardedAdamWBadInput, ParameterReplacedAfterConstructionIsNamed) {
+  torch::nn::Linear fc(4, 3);
+  ShardedAdamW opt(fc->named_parameters(), world_ptr());
+  {
+    torch::NoGradGuard no_grad;
+    fc->weight.set_data(torch::randn({3, 4}));  // what torch::load or module->to() would do
+  }
+  fc->forward(torch::randn({2, 4})).sum().backward();
+  const auto msg = error_of([&] { opt.step(); });
+  EXPECT_NE(msg.find("parameter 'weight' no longer uses the optimizer's flat buffer"), std::string::npos) << msg;
+}
+
+TEST(ShardedAdamWBadInput, BackwardAfterClipIsRefused) {
+  torch::nn::Linear fc(4, 3);
+  ShardedAdamW opt(fc->parameters(), world_ptr());
+  fc->forward(torch::randn({2, 4})).sum().backward();
+  opt.clip_grad_norm(1.0);
+  const auto msg = error_of([&] { fc->forward(torch::randn({2, 4})).sum().backward(); });
+  EXPECT_NE(msg.find("backward() ran after clip_grad_norm()"), std::string::npos) << msg;
+  opt.step();  // the step still applies what was clipped
+}
+
+// A custom Function may return no gradient for a parameter: that parameter is
+// simply not updated, the others are.
+struct NoGradForWeight : torch::autograd::Function<NoGradForWeight> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x, torch::Tensor w) {
+    return x * w.detach();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    return {g[0], torch::Tensor()};
+  }
+};
+
+TEST(ShardedAdamWRobustness, UndefinedGradientLeavesThatParameterAlone) {
+  for (int stage : {1, 2}) {
+    auto w = torch::ones({5}).requires_grad_(true);
+    auto v = torch::ones({5}).requires_grad_(true);
+    ShardedAdamWOptions o;
+    o.stage = stage;
+    ShardedAdamW opt(std::vector<torch::Tensor>{w, v}, world_ptr(), torch::optim::AdamWOptions(0.1), o);
+    opt.zero_grad();
+    NoGradForWeight::apply(v * 2, w).sum().backward();
+    opt.step();
+    EXPECT_TRUE(torch::equal(w.detach(), torch::ones({5}))) << "stage " << stage;
+    EXPECT_FALSE(torch::equal(v.detach(), torch::ones({5}))) << "stage " << stage;
+    EXPECT_EQ(opt.sharded_state().param_steps[0], 0);
+    EXPECT_EQ(opt.sharded_state().param_steps[1], 1);
+  }
+}
+
+TEST(ShardedAdamWBadInput, OneRankFailingItsChecksFailsEveryRank) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int r = world().rank();
+  auto p = torch::randn({4}, r == 1 ? torch::kDouble : torch::kFloat).requires_grad_(true);
+  torch::OrderedDict<std::string, torch::Tensor> named;
+  named.insert("scale", p);
+  const auto msg = error_of([&] { ShardedAdamW opt(named, world_ptr()); });
+  // every rank gets an error (none waits for rank 1), and it names rank 1's problem
+  EXPECT_NE(msg.find("'scale' has dtype Double"), std::string::npos) << msg;
+  auto t = torch::ones({3});
+  world().all_reduce(t, ReduceOp::kSum)->wait();  // and the ranks are still in step
+  EXPECT_EQ(t[0].item<float>(), world().size());
+}
+
 TEST(ShardedAdamWBadInput, ModelDifferingAcrossRanksIsNamedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   const int r = world().rank();

@@ -53,6 +53,14 @@ std::vector<torch::optim::OptimizerParamGroup> groups_of(Net& net, double lr) {
 }
 
 // Micro-batch k of step s: the same on every rank and for any world size.
+// Identity forward; its backward throws (after the parameters' gradients are in).
+struct FailInBackward : torch::autograd::Function<FailInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("injected failure in backward");
+  }
+};
+
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int micro) {
   torch::manual_seed(1000 + step * 10 + micro);
   return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
@@ -73,6 +81,8 @@ struct Config {
   int steps = 20;
   int64_t bucket_bytes = 1024;
   bool reduce_every_backward = true;
+  bool no_sync_last = false;  // the last micro-batch (not the first ones) runs under no_sync()
+  int fail_step = -1;         // at this step and the next, a first backward attempt throws part-way
 };
 
 struct Trajectory {
@@ -132,8 +142,20 @@ Trajectory run_sharded(const Config& c) {
       auto [x, y] = batch(s, k);
       x = x.slice(0, r * local, (r + 1) * local);
       y = y.slice(0, r * local, (r + 1) * local);
+      if (c.fail_step >= 0 && (s == c.fail_step || s == c.fail_step + 1) && k == 0) {  // an attempt that fails part-way, then a retry
+        auto xf = FailInBackward::apply(x.clone().requires_grad_(true));
+        EXPECT_THROW((torch::mse_loss(net->forward(xf, s), y) / c.micro).backward(), std::exception);
+        if (s == c.fail_step) {  // step() right after the failure refuses, naming it
+          const auto msg = testing::error_of([&] { opt.step(); });
+          EXPECT_NE(msg.find("ended with an exception part-way"), std::string::npos) << msg;
+        }  // else: the retry's backward notices and starts the step afresh
+        opt.zero_grad();
+      }
       auto loss = torch::mse_loss(net->forward(x, s), y) / c.micro;
-      if (c.no_sync && k + 1 < c.micro) {
+      if (c.no_sync_last && k + 1 == c.micro) {
+        auto guard = opt.no_sync();
+        loss.backward();
+      } else if (c.no_sync && k + 1 < c.micro) {
         auto guard = opt.no_sync();
         loss.backward();
       } else {
@@ -216,6 +238,24 @@ TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesIntoTheShard) {
   c.stage = GetParam();
   c.micro = 4;
   c.clip_call = 0.05;
+  expect_matches_oracle(c);
+}
+
+TEST_P(ShardedAdamWStage, NoSyncAfterSynchronizedBackwardIsStillReduced) {
+  Config c;
+  c.stage = GetParam();
+  c.micro = 3;
+  c.no_sync_last = true;
+  expect_matches_oracle(c);
+}
+
+// A backward that throws part-way (after some buckets were reduced) is
+// discarded; retrying the step gives exactly the uninterrupted training.
+TEST_P(ShardedAdamWStage, BackwardFailingPartWayIsDiscardedAndRetried) {
+  Config c;
+  c.stage = GetParam();
+  c.micro = 2;
+  c.fail_step = 3;
   expect_matches_oracle(c);
 }
 
