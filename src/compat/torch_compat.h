@@ -2,6 +2,7 @@
 // Supported: LibTorch 1.13 (Debian's CPU build) and 2.x (CUDA builds).
 #pragma once
 
+#include <ATen/native/Resize.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -24,6 +25,13 @@ inline std::shared_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, u
   opts.waitWorkers = false;  // missing ranks are named by the Gloo rendezvous instead
   opts.timeout = timeout;
   return std::make_shared<c10d::TCPStore>(host, opts);
+}
+
+// Re-sizes a tensor's storage in place, keeping its StorageImpl (views of it
+// stay valid and see the new memory). 0 frees the memory.
+inline void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  TORCH_CHECK(t.device().is_cpu(), "resize_storage_bytes: only CPU storage is supported here, got ", t.device());
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
 }
 
 constexpr int kTorchMajor = TORCH_VERSION_MAJOR;

@@ -14,6 +14,7 @@
 // backward accumulates straight into it; step() reduce-scatters every bucket.
 #include "shard/sharded_adamw_impl.h"
 
+#include "shard/tensor_alias.h"
 #include "zeroshard/log.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -41,18 +42,6 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   std::weak_ptr<shard::HookTarget> target_;
   size_t param_;
 };
-
-// A tensor sharing `flat`'s storage without being an autograd view, so that
-// zero_grad()'s detach_() and set_data() treat it as an ordinary tensor.
-at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
-    strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
-  }
-  auto t = at::empty({0}, flat.options());
-  t.set_(flat.storage(), flat.storage_offset() + offset, shape, strides);
-  return t;
-}
 
 // Travels with the end-of-backward callback. Autograd drops the callback
 // without running it when backward throws; the token's destructor then tells
@@ -239,7 +228,7 @@ void ShardedAdamW::Impl::reduce_all() {
         } else if (!g.defined()) {
           slot.zero_();
         }
-        if (!aliased) p.mutable_grad() = alias(b.flat_grads, off, p.sizes());
+        if (!aliased) p.mutable_grad() = shard::alias_of(b.flat_grads, off, p.sizes());
       }
       b.rs_in = b.flat_grads;
       launch(index);
@@ -260,8 +249,5 @@ void ShardedAdamW::Impl::release_step_gradients() {
   flushed_since_step = false;
 }
 
-at::Tensor shard::make_param_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
-  return alias(flat, offset, shape);
-}
 
 }  // namespace zeroshard

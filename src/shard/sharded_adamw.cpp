@@ -5,6 +5,7 @@
 #include "optim/fused_adamw.h"
 #include "optim/grad_norm.h"
 #include "shard/rank_agreement.h"
+#include "shard/tensor_alias.h"
 #include "zeroshard/log.h"
 
 #include <torch/csrc/autograd/variable.h>
@@ -267,7 +268,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
       auto& p = im.params[members[e]];
       const int64_t off = b.layout.offsets[e];
       b.flat_params.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
-      p.set_data(shard::make_param_alias(b.flat_params, off, p.sizes()));
+      p.set_data(shard::alias_of(b.flat_params, off, p.sizes()));
       im.location[members[e]] = {im.buckets.size(), e};
     }
     if (im.world > 1) broadcasts.push_back(im.comm->broadcast(b.flat_params, 0));

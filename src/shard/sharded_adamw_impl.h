@@ -38,10 +38,6 @@ struct HookTarget {
   ShardedAdamW::Impl* impl = nullptr;  // null once the optimizer is gone
 };
 
-// A tensor of `shape` over flat[offset, ...) that shares its storage without
-// being an autograd view (zero_grad's detach_() and set_data() accept it).
-at::Tensor make_param_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape);
-
 }  // namespace shard
 
 struct ShardedAdamW::Impl {

@@ -1,0 +1,205 @@
+// zeroshard/fully_shard.h — ZeRO-3: parameters themselves sharded across ranks.
+//
+// A *unit* is a module whose parameters are sharded together (typically one
+// transformer layer). The model declares its units by wrapping their type,
+// and stays ordinary LibTorch code:
+//
+//   struct ModelImpl : torch::nn::Module {
+//     std::vector<zeroshard::Sharded<EncoderLayer>> layers;   // was: std::vector<EncoderLayer>
+//     ...
+//   };
+//
+// Until fully_shard() is called a Sharded<T> is T (same constructor, members and
+// forward), so the same model also trains unsharded. fully_shard(model, comm)
+// then shards every unit it finds in the module tree and makes one more unit,
+// the root, of the parameters no unit took (embeddings, a tied head, a final
+// norm).
+//
+// Each parameter keeps its tensor identity. While its unit is gathered the
+// tensor is a view of the unit's full flat buffer; while resharded it holds no
+// elements and only this rank's 1/N slice exists (in the unit's shard). A
+// unit's forward gathers it (all-gather), runs, and reshards it afterwards
+// (`reshard_after_forward`); a hook on its outputs gathers it again before its
+// backward; when all of its gradients are in, they are reduce-scattered into
+// this rank's fp32 gradient shard and freed. The root stays gathered.
+//
+// Train with FullyShardedAdamW, which updates each unit's shard in place.
+//
+// Thread-safety: use from the training thread; autograd hooks are synchronized
+// internally. Collective: every rank must run the same forward/backward calls.
+#pragma once
+
+#include "zeroshard/comm.h"
+#include "zeroshard/flat_layout.h"
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace zeroshard {
+
+struct FullyShardOptions {
+  // Free a unit's gathered parameters after its forward (true) or keep them
+  // until its backward is done (false: fewer all-gathers, ZeRO-2-like memory).
+  // The root unit always stays gathered. Default: true.
+  bool reshard_after_forward = true;
+  // Gradient reduce-scatters in flight before backward waits for the oldest. Default: 2.
+  int max_inflight_reductions = 2;
+};
+
+class FullyShardedModel;
+
+namespace detail {
+
+class Unit;  // src/shard/unit.h
+
+void unit_before_forward(Unit& unit);
+at::Tensor unit_after_forward(Unit& unit, at::Tensor out);
+void unit_end_forward(Unit& unit);
+
+template <typename T>
+struct AfterForward {  // outputs that are not tensors pass through
+  static T apply(Unit&, T out) { return out; }
+};
+template <>
+struct AfterForward<at::Tensor> {
+  static at::Tensor apply(Unit& u, at::Tensor out) { return unit_after_forward(u, std::move(out)); }
+};
+template <typename... Ts>
+struct AfterForward<std::tuple<Ts...>> {
+  static std::tuple<Ts...> apply(Unit& u, std::tuple<Ts...> out) {
+    return std::apply([&u](auto&&... xs) { return std::tuple<Ts...>(AfterForward<std::decay_t<decltype(xs)>>::apply(u, std::move(xs))...); },
+                      std::move(out));
+  }
+};
+template <>
+struct AfterForward<std::vector<at::Tensor>> {
+  static std::vector<at::Tensor> apply(Unit& u, std::vector<at::Tensor> out) {
+    for (auto& t : out) t = unit_after_forward(u, std::move(t));
+    return out;
+  }
+};
+
+// What fully_shard() looks for in the module tree.
+class ShardedMarker {
+ public:
+  virtual ~ShardedMarker() = default;
+  std::shared_ptr<Unit> unit_;  // set by fully_shard(); null: pass-through
+};
+
+}  // namespace detail
+
+// A module of type Impl that fully_shard() will make a unit. Same constructors,
+// members and forward as Impl.
+template <typename Impl>
+class ShardedImpl : public Impl, public detail::ShardedMarker {
+ public:
+  using Impl::Impl;
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    if (!unit_) return Impl::forward(std::forward<Args>(args)...);
+    detail::unit_before_forward(*unit_);
+    auto out = Impl::forward(std::forward<Args>(args)...);
+    auto result = detail::AfterForward<decltype(out)>::apply(*unit_, std::move(out));
+    detail::unit_end_forward(*unit_);
+    return result;
+  }
+};
+
+// Sharded<EncoderLayer> for a TORCH_MODULE holder EncoderLayer.
+template <typename Holder>
+class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::ContainedType>> {
+ public:
+  using torch::nn::ModuleHolder<ShardedImpl<typename Holder::ContainedType>>::ModuleHolder;
+};
+
+// Shards every Sharded<> unit under `root` and makes a root unit of the
+// remaining parameters. Collective: every rank calls it on the same model
+// (ranks exchange a hash of every unit's parameter names, shapes and dtypes and
+// refuse to start, naming the first difference, when they disagree). Rank 0's
+// parameter values are what every rank starts from.
+// REQUIRES: parameters on the CPU, Float; a unit's parameters belong to it alone.
+std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                               std::shared_ptr<Communicator> comm, FullyShardOptions options = {});
+template <typename Holder>
+std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, std::shared_ptr<Communicator> comm,
+                                               FullyShardOptions options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(root.ptr()), std::move(comm), options);
+}
+
+// The sharding state of a model: its units, in registration order (root last).
+class FullyShardedModel {
+ public:
+  ~FullyShardedModel();
+  FullyShardedModel(const FullyShardedModel&) = delete;
+  FullyShardedModel& operator=(const FullyShardedModel&) = delete;
+
+  struct UnitInfo {
+    std::string name;       // module path ("decoder.layers.2"); "" for the root
+    FlatLayout layout;      // its parameters and their offsets
+    Range shard;            // this rank's elements
+    bool gathered = false;  // whether its full parameters are materialized now
+  };
+  std::vector<UnitInfo> units() const;
+  Communicator& communicator() const;
+
+  // While the returned guard lives every unit is gathered, so each parameter
+  // tensor holds its full value (to read, evaluate or export them); they are
+  // resharded when it ends. Collective. Not during forward or backward.
+  class FullParamsGuard {
+   public:
+    explicit FullParamsGuard(FullyShardedModel* model);
+    ~FullParamsGuard();
+    FullParamsGuard(FullParamsGuard&& other) noexcept;
+    FullParamsGuard(const FullParamsGuard&) = delete;
+    FullParamsGuard& operator=(const FullParamsGuard&) = delete;
+
+   private:
+    FullyShardedModel* model_;
+  };
+  FullParamsGuard summon_full_params();
+
+  struct Impl;
+  explicit FullyShardedModel(std::unique_ptr<Impl> impl);
+  Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// AdamW over a fully sharded model: the fused kernel runs on each unit's fp32
+// shard (this rank's 1/N of every parameter), which is where the next forward
+// gathers from. One param group (the options given). Collective.
+class FullyShardedAdamW : public torch::optim::Optimizer {
+ public:
+  FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model,
+                    torch::optim::AdamWOptions options = torch::optim::AdamWOptions());
+  ~FullyShardedAdamW() override;
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  // Global L2 norm of the mean gradient (before clipping); clips it in the next step().
+  double clip_grad_norm(double max_norm);
+
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ private:
+  std::shared_ptr<FullyShardedModel> model_;
+  std::vector<at::Tensor> moments_;  // exp_avg, exp_avg_sq of each unit's shard (fp32)
+  std::vector<int64_t> steps_;       // per parameter, all units in order
+  std::vector<double> flags_;        // ranks that had a gradient, per parameter, this step
+  double sumsq_ = -1;                // of this step's mean gradient, once computed
+  double clip_max_norm_ = 0;
+  bool agreed_ = false;
+  void agree(bool with_norm);
+};
+
+}  // namespace zeroshard

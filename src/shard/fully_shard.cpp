@@ -1,0 +1,247 @@
+// fully_shard.cpp — finding units in the module tree, the per-backward protocol
+// shared by all units (end-of-backward callback, reductions in a fixed order).
+#include "shard/unit.h"
+
+#include "shard/rank_agreement.h"
+#include "zeroshard/log.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace zeroshard {
+namespace detail {
+
+void unit_before_forward(Unit& unit) {
+  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  unit.before_forward();
+}
+
+at::Tensor unit_after_forward(Unit& unit, at::Tensor out) {
+  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  return unit.after_forward(std::move(out));
+}
+
+void unit_end_forward(Unit& unit) {
+  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  unit.end_forward();
+}
+
+}  // namespace detail
+
+namespace {
+
+// Travels with the end-of-backward callback; autograd drops the callback
+// without running it when backward throws, and the destructor then resets the
+// per-backward state so the next backward starts clean.
+struct EndOfBackward {
+  std::weak_ptr<FullyShardedModel::Impl::Guard> guard;
+  bool ran = false;
+  ~EndOfBackward() {
+    if (ran) return;
+    if (auto g = guard.lock()) {
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->impl != nullptr) {
+        g->impl->in_backward = false;
+        g->impl->inflight.clear();
+        log_warn("fully_shard: a backward pass ended with an exception; its partial gradient reduction was dropped");
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void FullyShardedModel::Impl::begin_backward() {
+  if (in_backward) return;
+  in_backward = true;
+  next_launch = 0;
+  for (auto& u : units) u->start_backward();
+  auto token = std::make_shared<EndOfBackward>();
+  token->guard = guard;
+  std::weak_ptr<Guard> weak = guard;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak, token] {
+    token->ran = true;
+    if (auto g = weak.lock()) {
+      at::NoGradGuard no_grad;
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->impl != nullptr) g->impl->end_backward();
+    }
+  });
+}
+
+void FullyShardedModel::Impl::try_launch() {
+  while (next_launch < launch_order.size() && units[launch_order[next_launch]]->complete()) {
+    const size_t u = launch_order[next_launch++];
+    units[u]->launch_reduction();
+    inflight.push_back(u);
+    while (static_cast<int>(inflight.size()) > options.max_inflight_reductions) {
+      units[inflight.front()]->finish_reduction();
+      inflight.pop_front();
+    }
+  }
+}
+
+void FullyShardedModel::Impl::end_backward() {
+  // Units that did not get every gradient (unused parameters) reduce what they have.
+  for (size_t k = next_launch; k < launch_order.size(); ++k) {
+    auto& u = units[launch_order[k]];
+    if (!u->complete()) u->complete_gradients();
+  }
+  try_launch();
+  for (auto& u : units) u->reshard();  // e.g. units gathered by a forward whose output got no gradient
+  in_backward = false;
+}
+
+void FullyShardedModel::Impl::drain_all() {
+  while (!inflight.empty()) {
+    units[inflight.front()]->finish_reduction();
+    inflight.pop_front();
+  }
+}
+
+FullyShardedModel::FullyShardedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+FullyShardedModel::~FullyShardedModel() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  impl_->guard->impl = nullptr;
+  for (auto& u : impl_->units) u->remove_hooks();
+}
+
+std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  std::vector<UnitInfo> out;
+  for (const auto& u : impl_->units) out.push_back({u->name, u->layout, u->shard_range, u->is_gathered});
+  return out;
+}
+
+Communicator& FullyShardedModel::communicator() const { return *impl_->comm; }
+
+FullyShardedModel::FullParamsGuard::FullParamsGuard(FullyShardedModel* model) : model_(model) {
+  auto& m = *model_->impl_;
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  TORCH_CHECK(!m.in_backward, "summon_full_params: not during backward");
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) u->unshard();
+}
+
+FullyShardedModel::FullParamsGuard::~FullParamsGuard() {
+  if (model_ == nullptr) return;
+  auto& m = *model_->impl_;
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) u->reshard();
+}
+
+FullyShardedModel::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noexcept : model_(other.model_) {
+  other.model_ = nullptr;
+}
+
+FullyShardedModel::FullParamsGuard FullyShardedModel::summon_full_params() { return FullParamsGuard(this); }
+
+std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                               std::shared_ptr<Communicator> comm, FullyShardOptions options) {
+  TORCH_CHECK_VALUE(root != nullptr, "fully_shard: the module is null");
+  TORCH_CHECK_VALUE(comm != nullptr, "fully_shard: the communicator is null; pass zeroshard::init_communicator()");
+  TORCH_CHECK_VALUE(options.max_inflight_reductions >= 1, "fully_shard: max_inflight_reductions is ",
+                    options.max_inflight_reductions, "; it must be >= 1 (Default: 2)");
+  auto impl = std::make_unique<FullyShardedModel::Impl>();
+  impl->comm = comm;
+  impl->options = options;
+  impl->rank = comm->rank();
+  impl->world = comm->size();
+
+  // Units in pre-order; each claims the parameters under it that no deeper unit claims.
+  struct Found {
+    std::string path;
+    std::shared_ptr<torch::nn::Module> module;
+    detail::ShardedMarker* marker;
+  };
+  std::vector<Found> found;
+  for (const auto& item : root->named_modules()) {
+    if (auto* m = dynamic_cast<detail::ShardedMarker*>(item.value().get())) {
+      TORCH_CHECK_VALUE(!m->unit_, "fully_shard: unit '", item.key(), "' is already sharded");
+      found.push_back({item.key(), item.value(), m});
+    }
+  }
+  std::unordered_map<const void*, std::string> claimed;  // parameter -> unit path
+  std::vector<std::vector<std::string>> unit_names(found.size());
+  std::vector<std::vector<at::Tensor>> unit_params(found.size());
+  for (size_t k = found.size(); k-- > 0;) {
+    for (const auto& item : found[k].module->named_parameters()) {
+      const void* key = item.value().unsafeGetTensorImpl();
+      if (claimed.count(key)) continue;
+      claimed.emplace(key, found[k].path);
+      const std::string full = found[k].path.empty() ? item.key() : found[k].path + "." + item.key();
+      unit_names[k].push_back(full);
+      unit_params[k].push_back(item.value());
+    }
+  }
+  std::vector<std::string> root_names;
+  std::vector<at::Tensor> root_params;
+  for (const auto& item : root->named_parameters()) {
+    const void* key = item.value().unsafeGetTensorImpl();
+    if (claimed.count(key)) continue;
+    claimed.emplace(key, "");
+    root_names.push_back(item.key());
+    root_params.push_back(item.value());
+  }
+  // Checks, then agreement across ranks before any data moves.
+  std::vector<std::string> entries;
+  auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
+    TORCH_CHECK_VALUE(p.device().is_cpu(), "fully_shard: parameter '", name, "' is on ", p.device(),
+                      " but the communicator is Gloo (CPU); move the model to the CPU");
+    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat, "fully_shard: parameter '", name, "' has dtype ",
+                      c10::toString(p.scalar_type()), "; fully_shard shards Float parameters");
+    TORCH_CHECK_VALUE(p.is_leaf(), "fully_shard: parameter '", name, "' is not a leaf tensor");
+    entries.push_back("unit '" + unit + "' " + ParamInfo{name, p.sizes().vec(), p.scalar_type()}.describe());
+  };
+  for (size_t k = 0; k < found.size(); ++k) {
+    TORCH_CHECK_VALUE(!unit_params[k].empty(), "fully_shard: unit '", found[k].path,
+                      "' has no parameters of its own (nested units took them all); drop its Sharded<> wrapper");
+    for (size_t i = 0; i < unit_params[k].size(); ++i) check_param(found[k].path, unit_names[k][i], unit_params[k][i]);
+  }
+  for (size_t i = 0; i < root_params.size(); ++i) check_param("(root)", root_names[i], root_params[i]);
+  entries.push_back("options: reshard_after_forward=" + std::to_string(options.reshard_after_forward) +
+                    " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions));
+  shard::check_same_on_all_ranks(*comm, entries, "fully_shard units");
+
+  torch::NoGradGuard no_grad;
+  auto& m = *impl;
+  for (size_t k = 0; k < found.size(); ++k) {
+    m.units.push_back(std::make_shared<detail::Unit>(m, m.units.size(), found[k].path, unit_names[k],
+                                                     unit_params[k], /*is_root=*/false));
+  }
+  if (!root_params.empty()) {
+    m.units.push_back(std::make_shared<detail::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
+  }
+  // Rank 0's values everywhere, then each rank keeps its shard.
+  std::vector<std::shared_ptr<Work>> works;
+  if (m.world > 1) {
+    for (auto& u : m.units) works.push_back(comm->broadcast(u->gathered, 0));
+  }
+  for (auto& w : works) w->wait();
+  for (auto& u : m.units) {
+    u->shard = u->gathered.slice(0, u->shard_range.begin, u->shard_range.end).clone();
+    u->register_hooks();
+    u->reshard();
+  }
+  // Reductions issue in reverse registration order (backward visits units in
+  // reverse forward order), the root last: the same on every rank.
+  for (size_t k = found.size(); k-- > 0;) m.launch_order.push_back(k);
+  if (!root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
+  for (size_t k = 0; k < found.size(); ++k) found[k].marker->unit_ = m.units[k];
+  m.guard->impl = impl.get();
+
+  int64_t total = 0, mine = 0;
+  for (auto& u : m.units) {
+    total += u->layout.numel;
+    mine += u->shard_range.size();
+  }
+  log_info("fully_shard: " + std::to_string(found.size()) + " units + root, " + std::to_string(total) +
+           " parameters; this rank holds " + std::to_string(mine) + " of them");
+  return std::make_shared<FullyShardedModel>(std::move(impl));
+}
+
+}  // namespace zeroshard

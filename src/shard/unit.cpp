@@ -1,0 +1,170 @@
+// unit.cpp — gathering, resharding and gradient reduction of one ZeRO-3 unit.
+#include "shard/unit.h"
+
+#include "compat/torch_compat.h"
+#include "shard/tensor_alias.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace zeroshard::detail {
+namespace {
+
+class UnitGradHook : public torch::autograd::FunctionPostHook {
+ public:
+  UnitGradHook(std::weak_ptr<FullyShardedModel::Impl::Guard> guard, size_t unit, size_t param)
+      : guard_(std::move(guard)), unit_(unit), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto g = guard_.lock()) {
+      at::NoGradGuard no_grad;
+      std::lock_guard<std::recursive_mutex> lock(g->mu);
+      if (g->impl != nullptr) g->impl->units[unit_]->on_grad_ready(param_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<FullyShardedModel::Impl::Guard> guard_;
+  size_t unit_, param_;
+};
+
+}  // namespace
+
+Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, std::vector<std::string> names,
+           std::vector<at::Tensor> params_, bool is_root_)
+    : model(model_), index(index_), name(std::move(name_)), is_root(is_root_), params(std::move(params_)) {
+  std::vector<ParamInfo> infos;
+  for (size_t i = 0; i < params.size(); ++i) infos.push_back({names[i], params[i].sizes().vec(), params[i].scalar_type()});
+  layout = make_flat_layout(std::move(infos), model.world);
+  shard_range = layout.shard(model.rank);
+  segments = shard_segments(layout, model.rank);
+  gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype));
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    const int64_t off = layout.offsets[i];
+    gathered.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
+    views_.push_back(shard::alias_of(gathered, off, p.sizes()));
+    empties_.push_back(at::empty({0}, p.options()));
+    p.set_data(views_.back());
+    trainable.push_back(p.requires_grad() ? 1 : 0);
+    trainable_count_ += trainable.back();
+  }
+  ready_.assign(params.size(), 0);
+  had_grad.assign(params.size(), 0);
+}
+
+Unit::~Unit() { remove_hooks(); }
+
+void Unit::register_hooks() {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!trainable[i]) continue;
+    // Created now, while the parameter has its full shape: the accumulator
+    // records that shape, and gradients are checked against it.
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    TORCH_CHECK(acc, "fully_shard: parameter '", layout.params[i].name, "' of unit '", name,
+                "' has no gradient accumulator; is it a leaf tensor?");
+    const uintptr_t key = acc->add_post_hook(std::make_unique<UnitGradHook>(model.guard, index, i));
+    hooks_.emplace_back(std::move(acc), key);
+  }
+}
+
+void Unit::remove_hooks() {
+  for (auto& [node, key] : hooks_) node->del_post_hook(key);
+  hooks_.clear();
+}
+
+void Unit::unshard() {
+  if (is_gathered) return;
+  compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
+  model.comm->all_gather(gathered, shard)->wait();
+  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(views_[i]);
+  is_gathered = true;
+}
+
+void Unit::reshard() {
+  if (!is_gathered || is_root) return;
+  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(empties_[i]);
+  compat::resize_storage_bytes(gathered, 0);
+  is_gathered = false;
+}
+
+void Unit::before_forward() { unshard(); }
+
+at::Tensor Unit::after_forward(at::Tensor out) {
+  if (out.defined() && out.requires_grad() && at::GradMode::is_enabled()) {
+    std::weak_ptr<FullyShardedModel::Impl::Guard> weak = model.guard;
+    const size_t unit = index;
+    out.register_hook([weak, unit](const at::Tensor&) {
+      if (auto g = weak.lock()) {
+        std::lock_guard<std::recursive_mutex> lock(g->mu);
+        if (g->impl != nullptr) g->impl->units[unit]->pre_backward();
+      }
+    });
+  }
+  return out;
+}
+
+void Unit::end_forward() {
+  // Inside backward this forward is a recomputation (activation checkpointing):
+  // the unit's own backward comes next and needs its parameters.
+  if (model.options.reshard_after_forward && !model.in_backward) reshard();
+}
+
+void Unit::start_backward() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  ready_count_ = 0;
+  complete_ = false;
+  pre_backward_done_ = false;
+}
+
+void Unit::pre_backward() {
+  model.begin_backward();
+  if (pre_backward_done_ || complete_) return;
+  pre_backward_done_ = true;
+  unshard();
+}
+
+void Unit::on_grad_ready(size_t param) {
+  model.begin_backward();
+  if (complete_ || ready_[param] || !params[param].grad().defined()) return;
+  ready_[param] = 1;
+  if (++ready_count_ == trainable_count_) {
+    complete_gradients();
+    model.try_launch();
+  }
+}
+
+void Unit::complete_gradients() {
+  rs_in_ = at::zeros({layout.padded_numel}, gathered.options());
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& p = params[i];
+    if (!trainable[i] || !p.grad().defined()) continue;
+    const int64_t off = layout.offsets[i];
+    rs_in_.slice(0, off, off + layout.params[i].numel()).view(p.grad().sizes()).copy_(p.grad());
+    p.mutable_grad() = at::Tensor();
+    had_grad[i] = 1;
+  }
+  complete_ = true;
+  reshard();
+}
+
+void Unit::launch_reduction() {
+  rs_out_ = at::empty({layout.shard_numel()}, gathered.options());
+  rs_work_ = model.comm->reduce_scatter(rs_out_, rs_in_, ReduceOp::kAvg);
+}
+
+void Unit::finish_reduction() {
+  rs_work_->wait();
+  rs_work_.reset();
+  if (!grad_shard.defined()) {
+    grad_shard = rs_out_;
+  } else {
+    grad_shard.add_(rs_out_);
+  }
+  rs_out_ = at::Tensor();
+  rs_in_ = at::Tensor();
+}
+
+}  // namespace zeroshard::detail

@@ -1,0 +1,108 @@
+// unit.h — one ZeRO-3 unit: a group of parameters sharded together.
+//
+// States of a unit's parameters:
+//   gathered:  `gathered` holds the full flat buffer; each parameter tensor is
+//              a (non-autograd) alias of its slice.
+//   resharded: the buffer's storage is resized to 0 bytes (the StorageImpl is
+//              kept, so views autograd saved during forward see the data again
+//              after the next gather) and each parameter tensor holds an empty
+//              tensor, so misuse fails instead of reading freed memory.
+// `shard` (this rank's 1/N, fp32) always exists; it is what the optimizer
+// updates and what the next gather reads.
+//
+// All methods run under the model's mutex (FullyShardedModel::Impl::mu).
+#pragma once
+
+#include "zeroshard/fully_shard.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <deque>
+#include <mutex>
+
+namespace zeroshard {
+
+namespace detail {
+
+class Unit {
+ public:
+  Unit(FullyShardedModel::Impl& model, size_t index, std::string name, std::vector<std::string> names,
+       std::vector<at::Tensor> params, bool is_root);
+  ~Unit();
+
+  // Forward (from Sharded<>::forward).
+  void before_forward();
+  at::Tensor after_forward(at::Tensor out);
+  void end_forward();
+
+  // Backward.
+  void pre_backward();                 // a hook on an output: gather before this unit's backward
+  void on_grad_ready(size_t param);    // grad-accumulator post hook
+  void complete_gradients();           // pack this backward's gradients into rs_in, free them, reshard
+  bool complete() const { return complete_; }
+  void launch_reduction();             // reduce-scatter rs_in (REQUIRES: complete())
+  void finish_reduction();             // wait, add into grad_shard
+  void start_backward();               // reset per-backward state
+
+  void unshard();
+  void reshard();
+  void register_hooks();
+  void remove_hooks();
+
+  FullyShardedModel::Impl& model;
+  const size_t index;
+  const std::string name;
+  const bool is_root;
+  std::vector<at::Tensor> params;
+  std::vector<char> trainable;         // requires_grad at construction
+  FlatLayout layout;
+  Range shard_range;
+  std::vector<ShardSegment> segments;
+
+  at::Tensor gathered;                 // [padded_numel]; storage 0 bytes while resharded
+  at::Tensor shard;                    // fp32 [shard_numel]: this rank's parameters (the master)
+  at::Tensor grad_shard;               // fp32 [shard_numel]: mean gradient of this step, once reduced
+  std::vector<char> had_grad;          // per parameter, this step, this rank
+  bool is_gathered = true;
+
+ private:
+  std::vector<at::Tensor> views_;      // the parameters' aliases of `gathered`
+  std::vector<at::Tensor> empties_;    // what parameters hold while resharded
+  std::vector<char> ready_;            // gradient in, this backward
+  size_t ready_count_ = 0;
+  size_t trainable_count_ = 0;
+  bool complete_ = false;
+  bool pre_backward_done_ = false;
+  at::Tensor rs_in_, rs_out_;
+  std::shared_ptr<Work> rs_work_;
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+};
+
+}  // namespace detail
+
+// Shared by the units of one fully_shard() call.
+struct FullyShardedModel::Impl {
+  std::shared_ptr<Communicator> comm;
+  FullyShardOptions options;
+  int rank = 0, world = 1;
+  std::vector<std::shared_ptr<detail::Unit>> units;  // registration order, root last
+  std::vector<size_t> launch_order;                   // reductions issue in this order on every rank
+
+  struct Guard {                      // what hooks hold; outlives the model
+    std::recursive_mutex mu;
+    Impl* impl = nullptr;
+  };
+  std::shared_ptr<Guard> guard = std::make_shared<Guard>();
+
+  // Per backward.
+  bool in_backward = false;
+  size_t next_launch = 0;
+  std::deque<size_t> inflight;
+
+  void begin_backward();              // first hook of a backward: queue the end-of-backward callback
+  void end_backward();                // launch what is left, reshard
+  void try_launch();
+  void drain_all();
+};
+
+}  // namespace zeroshard
