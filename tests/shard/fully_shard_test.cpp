@@ -136,3 +136,70 @@ TEST(FullyShard, MatchesAdamWWithoutReshardAfterForward) { expect_matches_oracle
 
 }  // namespace
 }  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// Per step: every unit is all-gathered twice (forward, then again before its
+// backward) and reduce-scattered once: 3(n-1)/n of its bytes. The root stays
+// gathered: reduce-scattered, and all-gathered after the update: 2(n-1)/n.
+TEST(FullyShardBytes, ThreeGathersWorthPerUnitPerStep) {
+  const int n = world().size(), r = world().rank();
+  torch::manual_seed(3);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr());
+  FullyShardedAdamW opt(sharded, kAdamW);
+  int64_t unit_bytes = 0, root_bytes = 0;
+  for (const auto& u : sharded->units()) (u.name.empty() ? root_bytes : unit_bytes) += u.layout.padded_numel * 4;
+  auto run_step = [&](int s) {
+    auto [x, y] = batch(s, 0);
+    const int local = kBatch / n;
+    opt.zero_grad();
+    torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local)).backward();
+    opt.step();
+  };
+  run_step(0);
+  const auto before = world().stats();
+  run_step(1);
+  const auto after = world().stats();
+  auto sent = [&](OpKind k) {
+    auto a = after.by_kind.count(k) ? after.by_kind.at(k) : OpStats{};
+    auto b = before.by_kind.count(k) ? before.by_kind.at(k) : OpStats{};
+    return a.bytes_sent - b.bytes_sent;
+  };
+  EXPECT_EQ(sent(OpKind::kAllGather), (2 * unit_bytes + root_bytes) * (n - 1) / n);
+  EXPECT_EQ(sent(OpKind::kReduceScatter), (unit_bytes + root_bytes) * (n - 1) / n);
+  EXPECT_EQ(sent(OpKind::kAllGather) + sent(OpKind::kReduceScatter),
+            (3 * unit_bytes + 2 * root_bytes) * (n - 1) / n);
+  EXPECT_EQ(sent(OpKind::kBroadcast), 0);
+}
+
+// Evaluation under NoGradGuard: units gather, run, reshard; no hooks, no reductions.
+TEST(FullyShardEval, NoGradForwardGathersAndReshards) {
+  torch::manual_seed(3);
+  Tiny m;
+  torch::manual_seed(3);
+  Tiny ref;
+  auto sharded = fully_shard(m, world_ptr());
+  auto x = torch::randn({5, kIn});
+  const auto before = world().stats();
+  torch::Tensor out, want;
+  {
+    torch::NoGradGuard no_grad;
+    out = m->forward(x);
+    want = ref->forward(x);
+  }
+  EXPECT_TRUE(torch::allclose(out, want, 1e-6, 1e-6));
+  for (const auto& u : sharded->units()) EXPECT_EQ(u.gathered, u.name.empty()) << u.name;
+  const auto after = world().stats();
+  auto calls = [&](OpKind k) {
+    auto a = after.by_kind.count(k) ? after.by_kind.at(k).calls : 0;
+    auto b = before.by_kind.count(k) ? before.by_kind.at(k).calls : 0;
+    return a - b;
+  };
+  EXPECT_EQ(calls(OpKind::kReduceScatter), 0);
+  EXPECT_EQ(calls(OpKind::kAllGather), 3);  // one gather per unit
+}
+
+}  // namespace
+}  // namespace zeroshard
