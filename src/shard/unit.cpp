@@ -3,6 +3,7 @@
 
 #include "compat/torch_compat.h"
 #include "shard/tensor_alias.h"
+#include "zeroshard/activation_checkpoint.h"
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -90,7 +91,13 @@ void Unit::reshard() {
   is_gathered = false;
 }
 
-void Unit::before_forward() { unshard(); }
+void Unit::before_forward() {
+  // A recomputation inside backward (activation checkpointing) runs in the
+  // outer backward's graph task: begin the backward there, so its end-of-backward
+  // callback belongs to the outer pass, not to the nested one about to start.
+  if (in_recompute()) model.begin_backward();
+  unshard();
+}
 
 at::Tensor Unit::after_forward(at::Tensor out) {
   if (out.defined() && out.requires_grad() && at::GradMode::is_enabled()) {

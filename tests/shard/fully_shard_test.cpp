@@ -2,6 +2,7 @@
 // unsharded (Sharded<> is a pass-through until fully_shard), trained by
 // single-process torch::optim::AdamW inside every rank.
 #include "test_util.h"
+#include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"
 
 #include <gtest/gtest.h>
@@ -34,11 +35,18 @@ struct TinyImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = embed(x);
-    for (auto& b : blocks) h = b->forward(h);
+    for (auto& b : blocks) {
+      if (checkpoint) {
+        h = activation_checkpoint([p = b.ptr()](const torch::Tensor& in) { return p->forward(in); }, h);
+      } else {
+        h = b->forward(h);
+      }
+    }
     return head(h);
   }
   torch::nn::Linear embed{nullptr}, head{nullptr};
   std::vector<Sharded<Block>> blocks;
+  bool checkpoint = false;  // recompute each block in backward
 };
 TORCH_MODULE(Tiny);
 
@@ -76,6 +84,7 @@ struct Config {
   int micro = 1;
   double clip = 0;
   bool reshard_after_forward = true;
+  bool checkpoint = false;
 };
 
 void expect_matches_oracle(const Config& c) {
@@ -84,6 +93,7 @@ void expect_matches_oracle(const Config& c) {
   Tiny m;
   FullyShardOptions fo;
   fo.reshard_after_forward = c.reshard_after_forward;
+  m->checkpoint = c.checkpoint;
   auto sharded = fully_shard(m, world_ptr(), fo);
   ASSERT_EQ(sharded->units().size(), 4u);  // three blocks + root
   FullyShardedAdamW opt(sharded, kAdamW);
@@ -133,6 +143,8 @@ TEST(FullyShard, MatchesAdamW) { expect_matches_oracle({}); }
 TEST(FullyShard, MatchesAdamWWithClippingAndAccumulation) { expect_matches_oracle({4, 0.1, true}); }
 
 TEST(FullyShard, MatchesAdamWWithoutReshardAfterForward) { expect_matches_oracle({1, 0, false}); }
+
+TEST(FullyShard, MatchesAdamWWithActivationCheckpointing) { expect_matches_oracle({2, 0.1, true, true}); }
 
 }  // namespace
 }  // namespace zeroshard

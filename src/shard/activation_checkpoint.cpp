@@ -1,0 +1,96 @@
+// activation_checkpoint.cpp — a graph node that recomputes its forward in backward.
+#include "zeroshard/activation_checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/autograd.h>
+
+namespace zeroshard {
+namespace {
+
+thread_local int recompute_depth = 0;
+
+struct RecomputeScope {
+  RecomputeScope() { ++recompute_depth; }
+  ~RecomputeScope() { --recompute_depth; }
+};
+
+struct CheckpointBackward : torch::autograd::Node {
+  std::function<TensorList(const TensorList&)> fn;
+  TensorList inputs;  // detached: the values, no graph
+  std::vector<bool> input_requires_grad;
+  at::Tensor rng_state;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TensorList xs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      xs.push_back(inputs[i].defined() ? inputs[i].detach().requires_grad_(input_requires_grad[i]) : inputs[i]);
+    }
+    TensorList ys;
+    {
+      RecomputeScope scope;
+      at::AutoGradMode enable_grad(true);
+      auto& gen = const_cast<at::Generator&>(at::detail::getDefaultCPUGenerator());
+      const auto now = gen.get_state();
+      gen.set_state(rng_state);
+      ys = fn(xs);
+      gen.set_state(now);
+    }
+    TORCH_CHECK(ys.size() == grads.size(), "activation_checkpoint: the recomputed forward returned ", ys.size(),
+                " tensors but the first run returned ", grads.size(), "; fn must be deterministic in its outputs");
+    TensorList outs, out_grads;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      if (ys[i].defined() && ys[i].requires_grad() && grads[i].defined()) {
+        outs.push_back(ys[i]);
+        out_grads.push_back(grads[i]);
+      }
+    }
+    if (!outs.empty()) torch::autograd::backward(outs, out_grads);
+    torch::autograd::variable_list result;
+    for (auto& x : xs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    return result;
+  }
+  void release_variables() override {
+    inputs.clear();
+    fn = nullptr;
+  }
+};
+
+}  // namespace
+
+bool detail::in_recompute() { return recompute_depth > 0; }
+
+TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
+  if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);
+  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(), torch::autograd::deleteNode);
+  node->rng_state = at::detail::getDefaultCPUGenerator().get_state();
+  TensorList outs;
+  {
+    at::NoGradGuard no_grad;
+    outs = fn(inputs);
+  }
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  for (const auto& x : inputs) {
+    node->inputs.push_back(x.defined() ? x.detach() : x);
+    node->input_requires_grad.push_back(x.defined() && x.requires_grad());
+  }
+  node->fn = std::move(fn);
+  for (auto& y : outs) {
+    bool is_input = false;
+    for (const auto& x : inputs) is_input = is_input || (x.defined() && y.defined() && y.is_same(x));
+    if (is_input || (y.defined() && y.is_view())) y = y.clone();  // must not take this graph edge itself
+    if (y.defined() && c10::isFloatingType(y.scalar_type())) {
+      torch::autograd::set_history(y, node);
+    } else {
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    }
+  }
+  return outs;
+}
+
+at::Tensor activation_checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input) {
+  return activation_checkpoint([fn](const TensorList& in) { return TensorList{fn(in[0])}; }, TensorList{input})[0];
+}
+
+}  // namespace zeroshard
