@@ -53,6 +53,12 @@ struct FullyShardOptions {
   bool reshard_after_forward = true;
   // Gradient reduce-scatters in flight before backward waits for the oldest. Default: 2.
   int max_inflight_reductions = 2;
+  // Prefetch: from the second step on, the all-gathers of the next units in
+  // execution order (recorded in the first step) are issued while the current
+  // one computes. false: every unit is gathered when it is needed. Default: true.
+  bool prefetch = true;
+  // Units gathered ahead of the current one by prefetching, at most. Default: 2.
+  int max_inflight_gathers = 2;
 };
 
 class FullyShardedModel;

@@ -56,6 +56,10 @@ struct EndOfBackward {
 void FullyShardedModel::Impl::begin_backward() {
   if (in_backward) return;
   in_backward = true;
+  recording_forward = false;
+  forward_pos = 0;
+  backward_pos = 0;
+  backward_prefetch_off = false;
   next_launch = 0;
   for (auto& u : units) u->start_backward();
   auto token = std::make_shared<EndOfBackward>();
@@ -69,6 +73,60 @@ void FullyShardedModel::Impl::begin_backward() {
       if (g->impl != nullptr) g->impl->end_backward();
     }
   });
+}
+
+void FullyShardedModel::Impl::prefetch(const std::vector<size_t>& order, size_t next) {
+  if (!options.prefetch) return;
+  for (size_t k = next; k < order.size() && k < next + static_cast<size_t>(options.max_inflight_gathers); ++k) {
+    units[order[k]]->start_unshard();
+  }
+}
+
+void FullyShardedModel::Impl::on_forward(size_t unit) {
+  if (recording_forward) {
+    forward_order.push_back(unit);
+    return;
+  }
+  if (forward_pos >= forward_order.size() || (forward_order[forward_pos] != unit && forward_order[0] == unit)) {
+    forward_pos = 0;  // a new forward pass
+    forward_prefetch_off = false;
+  }
+  if (forward_prefetch_off || forward_order[forward_pos] != unit) {
+    if (!forward_prefetch_off && !warned_order) {
+      log_warn("fully_shard: unit '" + units[unit]->name + "' ran out of the recorded forward order; prefetch is "
+               "off for this pass (results are unaffected). Shown once.");
+      warned_order = true;
+    }
+    forward_prefetch_off = true;
+    return;
+  }
+  ++forward_pos;
+  prefetch(forward_order, forward_pos);
+}
+
+void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
+  if (recording_backward) {
+    backward_order.push_back(unit);
+    return;
+  }
+  if (backward_prefetch_off || backward_pos >= backward_order.size() || backward_order[backward_pos] != unit) {
+    if (!backward_prefetch_off && !warned_order) {
+      log_warn("fully_shard: unit '" + units[unit]->name + "' ran out of the recorded backward order; prefetch is "
+               "off for this pass (results are unaffected). Shown once.");
+      warned_order = true;
+    }
+    backward_prefetch_off = true;
+    return;
+  }
+  ++backward_pos;
+  prefetch(backward_order, backward_pos);
+}
+
+void FullyShardedModel::Impl::check_orders_across_ranks() {
+  std::vector<std::string> entries;
+  for (size_t u : forward_order) entries.push_back("forward: unit '" + units[u]->name + "'");
+  for (size_t u : backward_order) entries.push_back("backward: unit '" + units[u]->name + "'");
+  shard::check_same_on_all_ranks(*comm, entries, "fully_shard unit execution orders (first step)");
 }
 
 void FullyShardedModel::Impl::try_launch() {
@@ -92,6 +150,12 @@ void FullyShardedModel::Impl::end_backward() {
   try_launch();
   for (auto& u : units) u->reshard();  // e.g. units gathered by a forward whose output got no gradient
   in_backward = false;
+  forward_pos = 0;
+  forward_prefetch_off = false;
+  if (recording_backward) {
+    recording_backward = false;
+    check_orders_across_ranks();  // throws out of backward(), naming the first difference
+  }
 }
 
 void FullyShardedModel::Impl::drain_all() {
@@ -146,6 +210,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   TORCH_CHECK_VALUE(comm != nullptr, "fully_shard: the communicator is null; pass zeroshard::init_communicator()");
   TORCH_CHECK_VALUE(options.max_inflight_reductions >= 1, "fully_shard: max_inflight_reductions is ",
                     options.max_inflight_reductions, "; it must be >= 1 (Default: 2)");
+  TORCH_CHECK_VALUE(options.max_inflight_gathers >= 1, "fully_shard: max_inflight_gathers is ",
+                    options.max_inflight_gathers, "; it must be >= 1 (Default: 2)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
   impl->comm = comm;
   impl->options = options;
@@ -204,7 +270,9 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   }
   for (size_t i = 0; i < root_params.size(); ++i) check_param("(root)", root_names[i], root_params[i]);
   entries.push_back("options: reshard_after_forward=" + std::to_string(options.reshard_after_forward) +
-                    " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions));
+                    " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions) +
+                    " prefetch=" + std::to_string(options.prefetch) +
+                    " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers));
   shard::check_same_on_all_ranks(*comm, entries, "fully_shard units");
 
   torch::NoGradGuard no_grad;

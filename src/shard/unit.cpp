@@ -76,16 +76,25 @@ void Unit::remove_hooks() {
   hooks_.clear();
 }
 
+void Unit::start_unshard() {
+  if (is_gathered || gather_work_) return;
+  compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
+  gather_work_ = model.comm->all_gather(gathered, shard);
+}
+
 void Unit::unshard() {
   if (is_gathered) return;
-  compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
-  model.comm->all_gather(gathered, shard)->wait();
+  start_unshard();
+  gather_work_->wait();
+  gather_work_.reset();
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(views_[i]);
   is_gathered = true;
 }
 
 void Unit::reshard() {
-  if (!is_gathered || is_root) return;
+  if (is_root) return;
+  if (gather_work_) unshard();  // a prefetch in flight: let it land before freeing its buffer
+  if (!is_gathered) return;
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(empties_[i]);
   compat::resize_storage_bytes(gathered, 0);
   is_gathered = false;
@@ -95,7 +104,11 @@ void Unit::before_forward() {
   // A recomputation inside backward (activation checkpointing) runs in the
   // outer backward's graph task: begin the backward there, so its end-of-backward
   // callback belongs to the outer pass, not to the nested one about to start.
-  if (in_recompute()) model.begin_backward();
+  if (in_recompute()) {
+    model.begin_backward();
+  } else {
+    model.on_forward(index);  // records the order, or prefetches the next units
+  }
   unshard();
 }
 
@@ -130,6 +143,7 @@ void Unit::pre_backward() {
   model.begin_backward();
   if (pre_backward_done_ || complete_) return;
   pre_backward_done_ = true;
+  model.on_pre_backward(index);
   unshard();
 }
 

@@ -44,6 +44,7 @@ class Unit {
   void finish_reduction();             // wait, add into grad_shard
   void start_backward();               // reset per-backward state
 
+  void start_unshard();                // issue the all-gather (prefetch); unshard() finishes it
   void unshard();
   void reshard();
   void register_hooks();
@@ -73,6 +74,7 @@ class Unit {
   size_t trainable_count_ = 0;
   bool complete_ = false;
   bool pre_backward_done_ = false;
+  std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   at::Tensor rs_in_, rs_out_;
   std::shared_ptr<Work> rs_work_;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
@@ -93,6 +95,18 @@ struct FullyShardedModel::Impl {
     Impl* impl = nullptr;
   };
   std::shared_ptr<Guard> guard = std::make_shared<Guard>();
+
+  // Execution order, recorded in the first forward and backward and checked
+  // equal across ranks; afterwards it drives prefetching.
+  std::vector<size_t> forward_order, backward_order;
+  bool recording_forward = true, recording_backward = true;
+  size_t forward_pos = 0, backward_pos = 0;
+  bool forward_prefetch_off = false, backward_prefetch_off = false;  // this pass deviated
+  bool warned_order = false;
+  void on_forward(size_t unit);
+  void on_pre_backward(size_t unit);
+  void check_orders_across_ranks();
+  void prefetch(const std::vector<size_t>& order, size_t next);
 
   // Per backward.
   bool in_backward = false;
