@@ -55,8 +55,13 @@ struct EndOfBackward {
 
 void FullyShardedModel::Impl::begin_backward() {
   if (in_backward) return;
+  if (recording_forward) {
+    // Before backward issues any reduction: ranks that ran their units in
+    // different orders fail here, together, naming the first difference.
+    recording_forward = false;
+    check_order_across_ranks(forward_order, "forward");
+  }
   in_backward = true;
-  recording_forward = false;
   forward_pos = 0;
   backward_pos = 0;
   backward_prefetch_off = false;
@@ -122,11 +127,10 @@ void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
   prefetch(backward_order, backward_pos);
 }
 
-void FullyShardedModel::Impl::check_orders_across_ranks() {
+void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
   std::vector<std::string> entries;
-  for (size_t u : forward_order) entries.push_back("forward: unit '" + units[u]->name + "'");
-  for (size_t u : backward_order) entries.push_back("backward: unit '" + units[u]->name + "'");
-  shard::check_same_on_all_ranks(*comm, entries, "fully_shard unit execution orders (first step)");
+  for (size_t u : order) entries.push_back("unit '" + (units[u]->is_root ? std::string("(root)") : units[u]->name) + "'");
+  shard::check_same_on_all_ranks(*comm, entries, "fully_shard: the " + what + " orders of units (first step)");
 }
 
 void FullyShardedModel::Impl::try_launch() {
@@ -154,7 +158,7 @@ void FullyShardedModel::Impl::end_backward() {
   forward_prefetch_off = false;
   if (recording_backward) {
     recording_backward = false;
-    check_orders_across_ranks();  // throws out of backward(), naming the first difference
+    check_order_across_ranks(backward_order, "backward");  // throws out of backward(), naming the difference
   }
 }
 

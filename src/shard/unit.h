@@ -105,7 +105,7 @@ struct FullyShardedModel::Impl {
   bool warned_order = false;
   void on_forward(size_t unit);
   void on_pre_backward(size_t unit);
-  void check_orders_across_ranks();
+  void check_order_across_ranks(const std::vector<size_t>& order, const std::string& what);
   void prefetch(const std::vector<size_t>& order, size_t next);
 
   // Per backward.

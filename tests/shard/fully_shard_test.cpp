@@ -8,6 +8,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <thread>
+
 namespace zeroshard {
 namespace {
 
@@ -211,6 +214,110 @@ TEST(FullyShardEval, NoGradForwardGathersAndReshards) {
   };
   EXPECT_EQ(calls(OpKind::kReduceScatter), 0);
   EXPECT_EQ(calls(OpKind::kAllGather), 3);  // one gather per unit
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// The world communicator, with every all-gather taking at least `delay` to
+// complete (as over a slow network): issue returns at once, wait() does not
+// return before issue time + delay.
+class SlowGatherComm : public Communicator {
+ public:
+  SlowGatherComm(std::shared_ptr<Communicator> inner, std::chrono::milliseconds delay)
+      : inner_(std::move(inner)), delay_(delay) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override {
+    return std::make_shared<SlowWork>(inner_->all_gather(out, in), std::chrono::steady_clock::now() + delay_);
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override {
+    return inner_->reduce_scatter(out, in, op);
+  }
+  std::shared_ptr<Work> all_reduce(at::Tensor t, ReduceOp op) override { return inner_->all_reduce(t, op); }
+  std::shared_ptr<Work> broadcast(at::Tensor t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<Work> send(at::Tensor t, int dst) override { return inner_->send(t, dst); }
+  std::shared_ptr<Work> recv(at::Tensor t, int src) override { return inner_->recv(t, src); }
+  void barrier() override { inner_->barrier(); }
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks) override { return inner_->split(ranks); }
+  CommStats stats() const override { return inner_->stats(); }
+
+ private:
+  struct SlowWork : Work {
+    SlowWork(std::shared_ptr<Work> w, std::chrono::steady_clock::time_point ready) : inner(std::move(w)), ready_at(ready) {}
+    void wait(std::chrono::milliseconds timeout) override {
+      std::this_thread::sleep_until(ready_at);
+      inner->wait(timeout);
+    }
+    bool is_completed() override { return std::chrono::steady_clock::now() >= ready_at && inner->is_completed(); }
+    std::shared_ptr<Work> inner;
+    std::chrono::steady_clock::time_point ready_at;
+  };
+  std::shared_ptr<Communicator> inner_;
+  std::chrono::milliseconds delay_;
+};
+
+double seconds_per_step(bool prefetch) {
+  const int n = world().size(), r = world().rank();
+  torch::manual_seed(4);
+  Tiny m;
+  FullyShardOptions o;
+  o.prefetch = prefetch;
+  auto comm = std::make_shared<SlowGatherComm>(world_ptr(), std::chrono::milliseconds(40));
+  auto sharded = fully_shard(m, comm, o);
+  FullyShardedAdamW opt(sharded, kAdamW);
+  double total = 0;
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = batch(s, 0);
+    const int local = kBatch / n;
+    world().barrier();
+    const auto start = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
+        .backward();
+    opt.step();
+    if (s > 0) total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();  // step 0 records the order
+  }
+  return total / 3;
+}
+
+// A structural property, not a benchmark: with 40 ms per all-gather and
+// microseconds of compute, on-demand gathering waits for 3 units x 2 gathers
+// (+ the root's) one after another, while prefetching keeps up to 2 in flight.
+TEST(FullyShardPrefetch, OverlapsGathersWhenTheNetworkIsSlow) {
+  const double on_demand = seconds_per_step(false);
+  const double prefetched = seconds_per_step(true);
+  if (world().rank() == 0) {
+    std::printf("fully_shard prefetch with 40 ms gathers: %.0f ms per step on demand, %.0f ms prefetched (ratio %.2f)\n",
+                on_demand * 1e3, prefetched * 1e3, prefetched / on_demand);
+  }
+  EXPECT_GT(on_demand, 0.24);  // at least 6 gathers one after another
+  EXPECT_LT(prefetched, 0.75 * on_demand);
+}
+
+TEST(FullyShardOrder, DifferentOrderAcrossRanksIsNamed) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  const int r = world().rank();
+  torch::manual_seed(5);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr());
+  auto x = torch::randn({4, kIn});
+  auto h = m->embed(x);
+  // rank 1 runs its blocks in another order (same sizes, so the gathers match)
+  std::vector<int> order = r == 1 ? std::vector<int>{1, 0, 2} : std::vector<int>{0, 1, 2};
+  for (int i : order) h = m->blocks[i]->forward(h);
+  const auto msg = testing::error_of([&] { m->head(h).sum().backward(); });
+  EXPECT_NE(msg.find("fully_shard: the forward orders of units (first step) differ between ranks: entry #0 is "
+                     "unit 'block0' on rank 0 but unit 'block1' on rank 1"),
+            std::string::npos)
+      << msg;
+  // found before backward issued any reduction: the communicator is still in step
+  auto t = torch::ones({2});
+  world().all_reduce(t, ReduceOp::kSum)->wait();
+  EXPECT_EQ(t[0].item<float>(), world().size());
 }
 
 }  // namespace
