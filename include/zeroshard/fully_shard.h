@@ -63,6 +63,15 @@ struct FullyShardOptions {
 
 class FullyShardedModel;
 
+// Bytes a fully sharded model holds on this rank, from the tensors' storages.
+struct FullyShardedMemory {
+  int64_t shards = 0;         // units' fp32 shards: 4Ψ/N
+  int64_t grad_shards = 0;    // reduced gradient shards (between backward and step): 4Ψ/N
+  int64_t root_params = 0;    // the root unit's parameters, gathered (its shard is a slice of them)
+  int64_t gathered = 0;       // units' parameters gathered right now
+  int64_t peak_gathered = 0;  // most bytes of units gathered at once since fully_shard()
+};
+
 namespace detail {
 
 class Unit;  // src/shard/unit.h
@@ -156,6 +165,7 @@ class FullyShardedModel {
   };
   std::vector<UnitInfo> units() const;
   Communicator& communicator() const;
+  FullyShardedMemory memory() const;
 
   // While the returned guard lives every unit is gathered, so each parameter
   // tensor holds its full value (to read, evaluate or export them); they are
@@ -193,6 +203,8 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
   // Global L2 norm of the mean gradient (before clipping); clips it in the next step().
   double clip_grad_norm(double max_norm);
+  // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
+  int64_t state_bytes() const;
 
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;

@@ -177,6 +177,22 @@ FullyShardedModel::~FullyShardedModel() {
   for (auto& u : impl_->units) u->remove_hooks();
 }
 
+FullyShardedMemory FullyShardedModel::memory() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  FullyShardedMemory m;
+  for (const auto& u : impl_->units) {
+    if (u->is_root) {
+      m.root_params += u->gathered.nbytes();
+    } else {
+      m.shards += u->shard.nbytes();
+      m.gathered += u->gathered.storage().nbytes();
+    }
+    if (u->grad_shard.defined()) m.grad_shards += u->grad_shard.nbytes();
+  }
+  m.peak_gathered = impl_->peak_gathered;
+  return m;
+}
+
 std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
   std::vector<UnitInfo> out;
@@ -295,7 +311,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   }
   for (auto& w : works) w->wait();
   for (auto& u : m.units) {
-    u->shard = u->gathered.slice(0, u->shard_range.begin, u->shard_range.end).clone();
+    // The root never reshards: its shard is its slice of the gathered buffer
+    // (no second copy), and it is all-gathered in place.
+    auto mine = u->gathered.slice(0, u->shard_range.begin, u->shard_range.end);
+    u->shard = u->is_root ? mine : mine.clone();
     u->register_hooks();
     u->reshard();
   }
@@ -304,6 +323,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   for (size_t k = found.size(); k-- > 0;) m.launch_order.push_back(k);
   if (!root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
   for (size_t k = 0; k < found.size(); ++k) found[k].marker->unit_ = m.units[k];
+  m.peak_gathered = m.gathered_bytes;  // the working set counts from here (every unit is resharded)
   m.guard->impl = impl.get();
 
   int64_t total = 0, mine = 0;

@@ -114,7 +114,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
       }
     }
     if (u.is_root) {
-      gathers.push_back(m.comm->all_gather(u.gathered, u.shard));
+      gathers.push_back(m.comm->all_gather(u.gathered, u.shard));  // in place: shard is its slice
     } else {
       u.reshard();  // a gathered copy would be stale now
     }
@@ -127,6 +127,12 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   sumsq_ = -1;
   clip_max_norm_ = 0;
   return loss;
+}
+
+int64_t FullyShardedAdamW::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& t : moments_) n += t.nbytes();
+  return n;
 }
 
 void FullyShardedAdamW::save(torch::serialize::OutputArchive&) const {

@@ -41,6 +41,7 @@ Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, st
   shard_range = layout.shard(model.rank);
   segments = shard_segments(layout, model.rank);
   gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype));
+  if (!is_root) model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
@@ -79,6 +80,7 @@ void Unit::remove_hooks() {
 void Unit::start_unshard() {
   if (is_gathered || gather_work_) return;
   compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
+  model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   gather_work_ = model.comm->all_gather(gathered, shard);
 }
 
@@ -97,6 +99,7 @@ void Unit::reshard() {
   if (!is_gathered) return;
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(empties_[i]);
   compat::resize_storage_bytes(gathered, 0);
+  model.track_gathered(-static_cast<int64_t>(gathered.nbytes()));
   is_gathered = false;
 }
 

@@ -17,6 +17,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 
@@ -107,6 +108,13 @@ struct FullyShardedModel::Impl {
   void on_pre_backward(size_t unit);
   void check_order_across_ranks(const std::vector<size_t>& order, const std::string& what);
   void prefetch(const std::vector<size_t>& order, size_t next);
+
+  // Bytes of non-root units gathered at once, now and at most.
+  int64_t gathered_bytes = 0, peak_gathered = 0;
+  void track_gathered(int64_t delta) {
+    gathered_bytes += delta;
+    peak_gathered = std::max(peak_gathered, gathered_bytes);
+  }
 
   // Per backward.
   bool in_backward = false;

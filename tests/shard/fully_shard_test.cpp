@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <malloc.h>
+
 #include <chrono>
 #include <thread>
 
@@ -318,6 +320,96 @@ TEST(FullyShardOrder, DifferentOrderAcrossRanksIsNamed) {
   auto t = torch::ones({2});
   world().all_reduce(t, ReduceOp::kSum)->wait();
   EXPECT_EQ(t[0].item<float>(), world().size());
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+struct WideBlockImpl : torch::nn::Module {
+  WideBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(256, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 256));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(WideBlock);
+
+struct WideImpl : torch::nn::Module {
+  WideImpl() {
+    embed = register_module("embed", torch::nn::Linear(16, 256));
+    for (int i = 0; i < 6; ++i) blocks.push_back(register_module("block" + std::to_string(i), Sharded<WideBlock>()));
+    head = register_module("head", torch::nn::Linear(256, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = embed(x);
+    for (auto& b : blocks) x = b->forward(x);
+    return head(x);
+  }
+  torch::nn::Linear embed{nullptr}, head{nullptr};
+  std::vector<Sharded<WideBlock>> blocks;
+};
+TORCH_MODULE(Wide);
+
+int64_t mapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
+
+// Model states per rank: 16Ψ/N for the units (shard, reduced gradient shard,
+// exp_avg, exp_avg_sq), the root's parameters in full plus its 12Ψ_root/N, and
+// the gathered working set on top: at most max_inflight_gathers + 1 units
+// (the current one and those prefetched), measured exactly 3 here.
+TEST(FullyShardMemory, ModelStatesFollowTheFormula) {
+  const int n = world().size(), r = world().rank();
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 64 * 1024), 1);
+  {  // the communicator's staging buffers grow to their largest first
+    auto big = torch::zeros({(1 << 20) * n});
+    auto part = torch::zeros({1 << 20});
+    world().reduce_scatter(part, big, ReduceOp::kSum)->wait();
+    world().all_gather(big, part)->wait();
+  }
+  const int64_t baseline = mapped_bytes();
+  {
+    torch::manual_seed(6);
+    Wide m;
+    auto sharded = fully_shard(m, world_ptr());
+    FullyShardedAdamW opt(sharded, kAdamW);
+    double psi_units = 0, psi_root = 0;
+    int64_t unit_gathered_bytes = 0;
+    for (const auto& u : sharded->units()) {
+      (u.name.empty() ? psi_root : psi_units) += u.layout.numel;
+      if (!u.name.empty()) unit_gathered_bytes = std::max(unit_gathered_bytes, u.layout.padded_numel * 4);
+    }
+    FullyShardedMemory after_backward;
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      auto x = torch::randn({8, 16});
+      m->forward(x).pow(2).mean().backward();
+      opt.clip_grad_norm(1e9);  // waits for the last reductions (and clips nothing)
+      after_backward = sharded->memory();
+      opt.step();
+    }
+    const double states = after_backward.shards + after_backward.grad_shards + after_backward.root_params +
+                          opt.state_bytes();
+    const double want = 16 * psi_units / n + 4 * psi_root + 12 * psi_root / n;
+    if (r == 0) {
+      std::printf("fully_shard N=%d: model states %.3f MB (formula %.3f MB: 16Ψ/N for %.0f unit parameters, "
+                  "root %.0f); gathered at most %.3f MB = %.1f units\n",
+                  n, states / 1e6, want / 1e6, psi_units, psi_root, after_backward.peak_gathered / 1e6,
+                  static_cast<double>(after_backward.peak_gathered) / unit_gathered_bytes);
+    }
+    EXPECT_NEAR(states, want, 0.05 * want);
+    EXPECT_LE(after_backward.peak_gathered, (FullyShardOptions{}.max_inflight_gathers + 1) * unit_gathered_bytes);
+    EXPECT_GE(after_backward.peak_gathered, unit_gathered_bytes);
+    // the report is the heap's truth: after step() the mapped bytes held are
+    // the shards, the root and the moments (gradient shards are freed)
+    const auto now = sharded->memory();
+    const double held = static_cast<double>(mapped_bytes() - baseline);
+    const double reported = now.shards + now.root_params + opt.state_bytes() + now.gathered;
+    EXPECT_NEAR(held, reported, 0.03 * reported + 256 * 1024);
+  }
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 * 1024), 1);
 }
 
 }  // namespace
