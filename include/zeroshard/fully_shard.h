@@ -65,7 +65,8 @@ class FullyShardedModel;
 
 // Bytes a fully sharded model holds on this rank, from the tensors' storages.
 struct FullyShardedMemory {
-  int64_t shards = 0;         // units' fp32 shards: 4Ψ/N
+  int64_t shards = 0;         // units' shards in the parameter dtype: 4Ψ/N (fp32), 2Ψ/N (bf16)
+  int64_t master = 0;         // fp32 masters of bf16 shards (root included): 4Ψ/N
   int64_t grad_shards = 0;    // reduced gradient shards (between backward and step): 4Ψ/N
   int64_t root_params = 0;    // the root unit's parameters, gathered (its shard is a slice of them)
   int64_t gathered = 0;       // units' parameters gathered right now
@@ -141,7 +142,9 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 // (ranks exchange a hash of every unit's parameter names, shapes and dtypes and
 // refuse to start, naming the first difference, when they disagree). Rank 0's
 // parameter values are what every rank starts from.
-// REQUIRES: parameters on the CPU, Float; a unit's parameters belong to it alone.
+// REQUIRES: parameters on the CPU, Float or BFloat16 (one dtype per unit; BFloat16
+//           units keep an fp32 master shard, and gather and reduce in bf16);
+//           a unit's parameters belong to it alone.
 std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                std::shared_ptr<Communicator> comm, FullyShardOptions options = {});
 template <typename Holder>

@@ -187,6 +187,7 @@ FullyShardedMemory FullyShardedModel::memory() const {
       m.shards += u->shard.nbytes();
       m.gathered += u->gathered.storage().nbytes();
     }
+    if (!u->master.is_same(u->shard)) m.master += u->master.nbytes();
     if (u->grad_shard.defined()) m.grad_shards += u->grad_shard.nbytes();
   }
   m.peak_gathered = impl_->peak_gathered;
@@ -278,17 +279,28 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
     TORCH_CHECK_VALUE(p.device().is_cpu(), "fully_shard: parameter '", name, "' is on ", p.device(),
                       " but the communicator is Gloo (CPU); move the model to the CPU");
-    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat, "fully_shard: parameter '", name, "' has dtype ",
-                      c10::toString(p.scalar_type()), "; fully_shard shards Float parameters");
+    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+                      "fully_shard: parameter '", name, "' has dtype ", c10::toString(p.scalar_type()),
+                      "; fully_shard shards Float and BFloat16 parameters (BFloat16 keeps an fp32 master)");
     TORCH_CHECK_VALUE(p.is_leaf(), "fully_shard: parameter '", name, "' is not a leaf tensor");
     entries.push_back("unit '" + unit + "' " + ParamInfo{name, p.sizes().vec(), p.scalar_type()}.describe());
+  };
+  auto check_one_dtype = [](const std::string& unit, const std::vector<std::string>& names,
+                            const std::vector<at::Tensor>& ps) {
+    for (size_t i = 1; i < ps.size(); ++i) {
+      TORCH_CHECK_VALUE(ps[i].scalar_type() == ps[0].scalar_type(), "fully_shard: unit '", unit, "' mixes dtypes: '",
+                        names[0], "' is ", c10::toString(ps[0].scalar_type()), " but '", names[i], "' is ",
+                        c10::toString(ps[i].scalar_type()), "; convert the module to one dtype");
+    }
   };
   for (size_t k = 0; k < found.size(); ++k) {
     TORCH_CHECK_VALUE(!unit_params[k].empty(), "fully_shard: unit '", found[k].path,
                       "' has no parameters of its own (nested units took them all); drop its Sharded<> wrapper");
+    check_one_dtype(found[k].path, unit_names[k], unit_params[k]);
     for (size_t i = 0; i < unit_params[k].size(); ++i) check_param(found[k].path, unit_names[k][i], unit_params[k][i]);
   }
   for (size_t i = 0; i < root_params.size(); ++i) check_param("(root)", root_names[i], root_params[i]);
+  if (!root_params.empty()) check_one_dtype("(root)", root_names, root_params);
   entries.push_back("options: reshard_after_forward=" + std::to_string(options.reshard_after_forward) +
                     " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions) +
                     " prefetch=" + std::to_string(options.prefetch) +
@@ -315,6 +327,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     // (no second copy), and it is all-gathered in place.
     auto mine = u->gathered.slice(0, u->shard_range.begin, u->shard_range.end);
     u->shard = u->is_root ? mine : mine.clone();
+    u->master = u->shard.scalar_type() == at::kFloat ? u->shard : u->shard.to(at::kFloat);
     u->register_hooks();
     u->reshard();
   }

@@ -108,9 +108,13 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
         const Range local = seg.local(u.layout, m.rank);
         const auto c = optim::adamw_coeffs(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
                                            o.weight_decay(), steps_[gi], multiplier);
-        optim::fused_adamw(c, u.shard.data_ptr<float>() + local.begin, u.grad_shard.data_ptr<float>() + local.begin,
-                           at::kFloat, moments_[2 * k].data_ptr<float>() + local.begin,
-                           moments_[2 * k + 1].data_ptr<float>() + local.begin, local.size());
+        const bool low = u.shard.scalar_type() != at::kFloat;  // bf16: write the rounded copy gathers send
+        optim::fused_adamw(c, u.master.data_ptr<float>() + local.begin,
+                           static_cast<const char*>(u.grad_shard.data_ptr()) + local.begin * u.grad_shard.element_size(),
+                           u.grad_shard.scalar_type(), moments_[2 * k].data_ptr<float>() + local.begin,
+                           moments_[2 * k + 1].data_ptr<float>() + local.begin, local.size(),
+                           low ? static_cast<char*>(u.shard.data_ptr()) + local.begin * 2 : nullptr,
+                           u.shard.scalar_type());
       }
     }
     if (u.is_root) {

@@ -183,8 +183,9 @@ void Unit::finish_reduction() {
   rs_work_->wait();
   rs_work_.reset();
   if (!grad_shard.defined()) {
-    grad_shard = rs_out_;
+    grad_shard = rs_out_;  // adopt (bf16 for bf16 units)
   } else {
+    if (grad_shard.scalar_type() != at::kFloat) grad_shard = grad_shard.to(at::kFloat);  // accumulate in fp32
     grad_shard.add_(rs_out_);
   }
   rs_out_ = at::Tensor();

@@ -62,7 +62,8 @@ class Unit {
   std::vector<ShardSegment> segments;
 
   at::Tensor gathered;                 // [padded_numel]; storage 0 bytes while resharded
-  at::Tensor shard;                    // fp32 [shard_numel]: this rank's parameters (the master)
+  at::Tensor shard;                    // [shard_numel], parameter dtype: this rank's slice, what gathers send
+  at::Tensor master;                   // fp32 [shard_numel]: the update's master (== shard for Float)
   at::Tensor grad_shard;               // fp32 [shard_numel]: mean gradient of this step, once reduced
   std::vector<char> had_grad;          // per parameter, this step, this rank
   bool is_gathered = true;
