@@ -31,6 +31,7 @@ bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/bench/optim_bench
 	@bench/zero_vs_ddp.sh $(BUILD_DIR) 4
+	@bench/zero3_bench.sh $(BUILD_DIR) 4
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log

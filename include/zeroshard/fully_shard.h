@@ -73,6 +73,13 @@ struct FullyShardedMemory {
   int64_t peak_gathered = 0;  // most bytes of units gathered at once since fully_shard()
 };
 
+// Communication the training thread waited for (exposed: not hidden behind
+// compute), in seconds since fully_shard().
+struct FullyShardedWaits {
+  double gathers = 0;     // unsharding a unit whose all-gather had not finished
+  double reductions = 0;  // waiting for gradient reduce-scatters (backward and step)
+};
+
 namespace detail {
 
 class Unit;  // src/shard/unit.h
@@ -169,6 +176,7 @@ class FullyShardedModel {
   std::vector<UnitInfo> units() const;
   Communicator& communicator() const;
   FullyShardedMemory memory() const;
+  FullyShardedWaits waits() const;
 
   // While the returned guard lives every unit is gathered, so each parameter
   // tensor holds its full value (to read, evaluate or export them); they are

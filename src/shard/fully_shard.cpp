@@ -194,6 +194,11 @@ FullyShardedMemory FullyShardedModel::memory() const {
   return m;
 }
 
+FullyShardedWaits FullyShardedModel::waits() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  return {impl_->exposed_gather_seconds, impl_->exposed_reduce_seconds};
+}
+
 std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
   std::vector<UnitInfo> out;

@@ -8,6 +8,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
+
 namespace zeroshard::detail {
 namespace {
 
@@ -87,7 +89,9 @@ void Unit::start_unshard() {
 void Unit::unshard() {
   if (is_gathered) return;
   start_unshard();
+  const auto t0 = std::chrono::steady_clock::now();
   gather_work_->wait();
+  model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   gather_work_.reset();
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(views_[i]);
   is_gathered = true;
@@ -180,7 +184,9 @@ void Unit::launch_reduction() {
 }
 
 void Unit::finish_reduction() {
+  const auto t0 = std::chrono::steady_clock::now();
   rs_work_->wait();
+  model.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rs_work_.reset();
   if (!grad_shard.defined()) {
     grad_shard = rs_out_;  // adopt (bf16 for bf16 units)

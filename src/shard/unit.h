@@ -110,6 +110,9 @@ struct FullyShardedModel::Impl {
   void check_order_across_ranks(const std::vector<size_t>& order, const std::string& what);
   void prefetch(const std::vector<size_t>& order, size_t next);
 
+  // Time the training thread spent blocked on communication (not hidden behind compute).
+  double exposed_gather_seconds = 0, exposed_reduce_seconds = 0;
+
   // Bytes of non-root units gathered at once, now and at most.
   int64_t gathered_bytes = 0, peak_gathered = 0;
   void track_gathered(int64_t delta) {

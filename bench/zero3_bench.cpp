@@ -1,0 +1,158 @@
+// zero3_bench: the ~30M-parameter transformer LM of zero_vs_ddp, one training
+// step per rank, with
+//   dp         torch::optim::AdamW + one all_reduce of the flattened gradients
+//   zero2      ShardedAdamW, stage 2
+//   zero3      fully_shard (one unit per layer, embedding and head in the root) + FullyShardedAdamW
+//   zero3-nopf the same without prefetch (every unit gathered when needed)
+// Rank 0 prints a "ROW |...|" line: median step time (slowest rank), exposed
+// communication (time the training thread waited for gathers and reductions,
+// zero3 only), peak RSS (largest rank) and model-state bytes per rank.
+//
+//   zeroshard-run --nproc-per-node 4 -- bench/zero3_bench --mode zero3
+#include <zeroshard/comm.h>
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/sharded_optimizer.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace {
+
+struct LmImpl : torch::nn::Module {
+  LmImpl(int vocab, int seq, int d, int heads, int ff, int layers) {
+    tok = register_module("tok", torch::nn::Embedding(vocab, d));
+    pos = register_module("pos", torch::nn::Embedding(seq, d));
+    auto opts = torch::nn::TransformerEncoderLayerOptions(d, heads).dim_feedforward(ff).dropout(0.0);
+    for (int i = 0; i < layers; ++i) {
+      blocks.push_back(register_module("layer" + std::to_string(i), zeroshard::Sharded<torch::nn::TransformerEncoderLayer>(opts)));
+    }
+    head = register_module("head", torch::nn::Linear(d, vocab));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto h = tok(ids) + pos(torch::arange(ids.size(1), torch::kLong)).unsqueeze(0);
+    h = h.transpose(0, 1);  // LibTorch's transformer layers are sequence-first
+    for (auto& b : blocks) h = b->forward(h);
+    return head(h.transpose(0, 1));
+  }
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  std::vector<zeroshard::Sharded<torch::nn::TransformerEncoderLayer>> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Lm);
+
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024.0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = "zero3";
+  int steps = 6, warmup = 2, batch = 2, seq = 64, vocab = 8192, d = 512, heads = 8, ff = 2048, layers = 7;
+  CLI::App app{"~30M-parameter transformer LM: ZeRO-3 (fully_shard) vs ZeRO-2 vs data parallelism"};
+  app.add_option("--mode", mode, "dp | zero2 | zero3 | zero3-nopf")
+      ->check(CLI::IsMember({"dp", "zero2", "zero3", "zero3-nopf"}))
+      ->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed first steps")->capture_default_str();
+  app.add_option("--batch", batch, "sequences per rank")->capture_default_str();
+  app.add_option("--layers", layers, "transformer layers")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto comm = zeroshard::init_communicator();
+  const int rank = comm->rank(), world = comm->size();
+  torch::manual_seed(0);
+  Lm model(vocab, seq, d, heads, ff, layers);
+  int64_t psi = 0;
+  for (const auto& p : model->parameters()) psi += p.numel();
+
+  const auto adamw = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::shared_ptr<zeroshard::FullyShardedModel> sharded;
+  zeroshard::ShardedAdamW* zero2 = nullptr;
+  if (mode == "dp") {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) comm->broadcast(p.data(), 0)->wait();
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+  } else if (mode == "zero2") {
+    auto s = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw);
+    zero2 = s.get();
+    opt = std::move(s);
+  } else {
+    zeroshard::FullyShardOptions o;
+    o.prefetch = mode == "zero3";
+    sharded = zeroshard::fully_shard(model, comm, o);
+    opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+  }
+  auto params = model->parameters();
+
+  std::vector<double> times, exposed;
+  for (int step = 0; step < warmup + steps; ++step) {
+    torch::manual_seed(1000 * step + rank);
+    auto ids = torch::randint(vocab, {batch, seq + 1}, torch::kLong);
+    const auto waits_before = sharded ? sharded->waits() : zeroshard::FullyShardedWaits{};
+    const auto start = std::chrono::steady_clock::now();
+    opt->zero_grad();
+    auto logits = model->forward(ids.slice(1, 0, seq));
+    auto loss = torch::cross_entropy_loss(logits.reshape({-1, vocab}), ids.slice(1, 1, seq + 1).reshape(-1));
+    loss.backward();
+    if (mode == "dp") {
+      std::vector<torch::Tensor> grads;
+      for (auto& p : params) grads.push_back(p.grad().reshape(-1));
+      auto flat = torch::cat(grads);
+      comm->all_reduce(flat, zeroshard::ReduceOp::kAvg)->wait();
+      int64_t off = 0;
+      for (auto& p : params) {
+        p.grad().copy_(flat.slice(0, off, off + p.numel()).view_as(p));
+        off += p.numel();
+      }
+    }
+    opt->step();
+    const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double waited = 0;
+    if (sharded) {
+      const auto w = sharded->waits();
+      waited = (w.gathers - waits_before.gathers) + (w.reductions - waits_before.reductions);
+    }
+    auto t = torch::tensor({mine, waited}, torch::kDouble);
+    comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
+    if (step >= warmup) {
+      times.push_back(t[0].item<double>());
+      exposed.push_back(t[1].item<double>());
+    }
+  }
+  std::sort(times.begin(), times.end());
+  std::sort(exposed.begin(), exposed.end());
+  const double median = times[times.size() / 2];
+  auto rss = torch::tensor({peak_rss_mib()}, torch::kDouble);
+  comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
+  double states_mib;
+  if (sharded) {
+    const auto m = sharded->memory();
+    const auto* z3 = static_cast<zeroshard::FullyShardedAdamW*>(opt.get());
+    // shards + master + root + moments; the reduced gradient shard (4Ψ/N) exists between backward and step
+    states_mib = (m.shards + m.master + m.root_params + z3->state_bytes() + 4.0 * psi / world) / 1048576.0;
+  } else if (zero2 != nullptr) {
+    states_mib = zero2->memory().peak_model_states / 1048576.0;
+  } else {
+    states_mib = 20.0 * psi / 1048576.0;
+  }
+  if (rank == 0) {
+    const std::string exposed_col =
+        sharded ? std::to_string(static_cast<int>(exposed[exposed.size() / 2] * 1e3 + 0.5)) + " (" +
+                      std::to_string(static_cast<int>(100 * exposed[exposed.size() / 2] / median + 0.5)) + "%)"
+                : "-";
+    std::printf("ROW | %s | %d | %.1fM | %.0f | %s | %.0f | %.0f |\n", mode.c_str(), world, psi / 1e6, median * 1e3,
+                exposed_col.c_str(), rss.item<double>(), states_mib);
+  }
+  comm->barrier();
+  return 0;
+}
