@@ -9,6 +9,7 @@
 #include "optim/fused_adamw.h"
 #include "optim/grad_norm.h"
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 
@@ -126,7 +127,9 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
     std::fill(u.had_grad.begin(), u.had_grad.end(), 0);
     base += u.params.size();
   }
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : gathers) w->wait();
+  m.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   agreed_ = false;
   sumsq_ = -1;
   clip_max_norm_ = 0;
