@@ -194,6 +194,24 @@ class FullyShardedModel {
   };
   FullParamsGuard summon_full_params();
 
+  // While the returned guard lives, backward does not communicate: each
+  // parameter's gradient accumulates in full in p.grad() (memory: the full
+  // gradient, like unsharded training). The next backward outside the guard,
+  // or step(), reduces them. Without it, every backward reduce-scatters into
+  // this rank's fp32 gradient shard (gradient memory stays sharded).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(FullyShardedModel* model);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    FullyShardedModel* model_;
+  };
+  NoSyncGuard no_sync();
+
   struct Impl;
   explicit FullyShardedModel(std::unique_ptr<Impl> impl);
   Impl& impl() const { return *impl_; }

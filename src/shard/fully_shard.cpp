@@ -62,6 +62,8 @@ void FullyShardedModel::Impl::begin_backward() {
     check_order_across_ranks(forward_order, "forward");
   }
   in_backward = true;
+  sync_this_backward = no_sync_depth == 0;
+  if (!sync_this_backward) local_grads_pending = true;
   forward_pos = 0;
   backward_pos = 0;
   backward_prefetch_off = false;
@@ -146,12 +148,16 @@ void FullyShardedModel::Impl::try_launch() {
 }
 
 void FullyShardedModel::Impl::end_backward() {
-  // Units that did not get every gradient (unused parameters) reduce what they have.
-  for (size_t k = next_launch; k < launch_order.size(); ++k) {
-    auto& u = units[launch_order[k]];
-    if (!u->complete()) u->complete_gradients();
+  if (sync_this_backward) {
+    // Units that did not get every gradient (unused parameters) reduce what
+    // they have, leftovers of no_sync backwards included.
+    for (size_t k = next_launch; k < launch_order.size(); ++k) {
+      auto& u = units[launch_order[k]];
+      if (!u->complete()) u->complete_gradients();
+    }
+    try_launch();
+    local_grads_pending = false;
   }
-  try_launch();
   for (auto& u : units) u->reshard();  // e.g. units gathered by a forward whose output got no gradient
   in_backward = false;
   forward_pos = 0;
@@ -160,6 +166,16 @@ void FullyShardedModel::Impl::end_backward() {
     recording_backward = false;
     check_order_across_ranks(backward_order, "backward");  // throws out of backward(), naming the difference
   }
+}
+
+void FullyShardedModel::Impl::reduce_local_gradients() {
+  if (!local_grads_pending) return;
+  for (size_t u : launch_order) {
+    units[u]->complete_gradients();
+    units[u]->launch_reduction();
+    inflight.push_back(u);
+  }
+  local_grads_pending = false;
 }
 
 void FullyShardedModel::Impl::drain_all() {
@@ -229,6 +245,23 @@ FullyShardedModel::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noe
 }
 
 FullyShardedModel::FullParamsGuard FullyShardedModel::summon_full_params() { return FullParamsGuard(this); }
+
+FullyShardedModel::NoSyncGuard::NoSyncGuard(FullyShardedModel* model) : model_(model) {
+  std::lock_guard<std::recursive_mutex> lock(model_->impl_->guard->mu);
+  ++model_->impl_->no_sync_depth;
+}
+
+FullyShardedModel::NoSyncGuard::~NoSyncGuard() {
+  if (model_ == nullptr) return;
+  std::lock_guard<std::recursive_mutex> lock(model_->impl_->guard->mu);
+  --model_->impl_->no_sync_depth;
+}
+
+FullyShardedModel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : model_(other.model_) {
+  other.model_ = nullptr;
+}
+
+FullyShardedModel::NoSyncGuard FullyShardedModel::no_sync() { return NoSyncGuard(this); }
 
 std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                std::shared_ptr<Communicator> comm, FullyShardOptions options) {

@@ -63,6 +63,7 @@ double FullyShardedAdamW::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
   auto& m = model_->impl();
   std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  m.reduce_local_gradients();
   m.drain_all();
   agree(true);
   clip_max_norm_ = max_norm;
@@ -79,6 +80,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   auto& m = model_->impl();
   std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
   TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::step: called during backward");
+  m.reduce_local_gradients();
   m.drain_all();
   agree(clip_max_norm_ > 0);
   double multiplier = 1.0;

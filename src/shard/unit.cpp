@@ -159,6 +159,11 @@ void Unit::on_grad_ready(size_t param) {
   if (complete_ || ready_[param] || !params[param].grad().defined()) return;
   ready_[param] = 1;
   if (++ready_count_ == trainable_count_) {
+    if (!model.sync_this_backward) {  // no_sync: gradients stay in p.grad(), in full
+      complete_ = true;
+      reshard();
+      return;
+    }
     complete_gradients();
     model.try_launch();
   }

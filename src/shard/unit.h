@@ -120,6 +120,12 @@ struct FullyShardedModel::Impl {
     peak_gathered = std::max(peak_gathered, gathered_bytes);
   }
 
+  // Gradient accumulation without communication (no_sync).
+  int no_sync_depth = 0;
+  bool sync_this_backward = true;      // this backward reduces its gradients
+  bool local_grads_pending = false;    // full gradients left in p.grad() by a no_sync backward
+  void reduce_local_gradients();       // step() after no_sync backwards: reduce them now
+
   // Per backward.
   bool in_backward = false;
   size_t next_launch = 0;

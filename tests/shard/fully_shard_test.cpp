@@ -90,6 +90,7 @@ struct Config {
   double clip = 0;
   bool reshard_after_forward = true;
   bool checkpoint = false;
+  bool no_sync = false;  // all micro-batches but the last under no_sync()
 };
 
 void expect_matches_oracle(const Config& c) {
@@ -114,7 +115,15 @@ void expect_matches_oracle(const Config& c) {
         }
         EXPECT_EQ(m->blocks[0]->fc1->weight.numel(), 0) << "a resharded parameter holds no elements";
       }
-      (torch::mse_loss(out, y.slice(0, r * local, (r + 1) * local)) / c.micro).backward();
+      auto loss = torch::mse_loss(out, y.slice(0, r * local, (r + 1) * local)) / c.micro;
+      if (c.no_sync && k + 1 < c.micro) {
+        auto guard = sharded->no_sync();
+        const auto rs_before = world().stats().by_kind[OpKind::kReduceScatter].calls;
+        loss.backward();
+        EXPECT_EQ(world().stats().by_kind[OpKind::kReduceScatter].calls, rs_before) << "no_sync reduced";
+      } else {
+        loss.backward();
+      }
       for (const auto& u : sharded->units()) EXPECT_EQ(u.gathered, u.name.empty()) << "after backward: " << u.name;
     }
     if (c.clip > 0) opt.clip_grad_norm(c.clip);
@@ -150,6 +159,8 @@ TEST(FullyShard, MatchesAdamWWithClippingAndAccumulation) { expect_matches_oracl
 TEST(FullyShard, MatchesAdamWWithoutReshardAfterForward) { expect_matches_oracle({1, 0, false}); }
 
 TEST(FullyShard, MatchesAdamWWithActivationCheckpointing) { expect_matches_oracle({2, 0.1, true, true}); }
+
+TEST(FullyShard, MatchesAdamWAccumulatingWithNoSync) { expect_matches_oracle({4, 0.1, true, false, true}); }
 
 }  // namespace
 }  // namespace zeroshard
