@@ -590,3 +590,25 @@ TEST(FullyShardMixed, Bf16TracksFp32AndHalvesGatherBytes) {
 
 }  // namespace
 }  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// Outside its unit's forward a parameter holds no elements: using it fails
+// (LibTorch's own shape error, for now) instead of reading freed memory, and
+// summon_full_params() is the way to read it.
+TEST(FullyShardMisuse, ParameterOutsideItsUnitFailsInsteadOfReadingGarbage) {
+  torch::manual_seed(3);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr());
+  auto w = m->blocks[0]->fc1->weight;  // the same tensor object the module uses
+  EXPECT_EQ(w.numel(), 0);
+  EXPECT_THROW(torch::randn({2, kWidth + 6}).matmul(w), c10::Error);
+  {
+    auto full = sharded->summon_full_params();
+    EXPECT_EQ(w.sizes(), (std::vector<int64_t>{kWidth + 6, kWidth}));
+  }
+}
+
+}  // namespace
+}  // namespace zeroshard
