@@ -1,5 +1,7 @@
 #include "comm/gloo_communicator.h"
 
+#include "zeroshard/trace.h"
+
 #include "comm/gloo_wire.h"
 #include "comm/reduce_kernels.h"
 #include "comm/store_adapter.h"
@@ -283,6 +285,7 @@ void GlooCommunicator::worker_loop() {
     }
     ex.stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     record(work.kind(), ex.stats);
+    if (trace::enabled()) trace::record(work.name(), "comm", start);
     if (done) work.complete();
   }
 }

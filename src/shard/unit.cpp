@@ -4,6 +4,7 @@
 #include "compat/torch_compat.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/activation_checkpoint.h"
+#include "zeroshard/trace.h"
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -92,6 +93,7 @@ void Unit::unshard() {
   const auto t0 = std::chrono::steady_clock::now();
   gather_work_->wait();
   model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
   gather_work_.reset();
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(views_[i]);
   is_gathered = true;
@@ -117,7 +119,10 @@ void Unit::before_forward() {
     model.on_forward(index);  // records the order, or prefetches the next units
   }
   unshard();
+  forward_start_ = std::chrono::steady_clock::now();
 }
+
+std::string Unit::label() const { return is_root ? std::string("(root)") : name; }
 
 at::Tensor Unit::after_forward(at::Tensor out) {
   if (out.defined() && out.requires_grad() && at::GradMode::is_enabled()) {
@@ -134,6 +139,7 @@ at::Tensor Unit::after_forward(at::Tensor out) {
 }
 
 void Unit::end_forward() {
+  if (trace::enabled()) trace::record("forward " + label(), "compute", forward_start_);
   // Inside backward this forward is a recomputation (activation checkpointing):
   // the unit's own backward comes next and needs its parameters.
   if (model.options.reshard_after_forward && !model.in_backward) reshard();
@@ -152,6 +158,7 @@ void Unit::pre_backward() {
   pre_backward_done_ = true;
   model.on_pre_backward(index);
   unshard();
+  backward_start_ = std::chrono::steady_clock::now();
 }
 
 void Unit::on_grad_ready(size_t param) {
@@ -159,6 +166,7 @@ void Unit::on_grad_ready(size_t param) {
   if (complete_ || ready_[param] || !params[param].grad().defined()) return;
   ready_[param] = 1;
   if (++ready_count_ == trainable_count_) {
+    if (trace::enabled() && pre_backward_done_) trace::record("backward " + label(), "compute", backward_start_);
     if (!model.sync_this_backward) {  // no_sync: gradients stay in p.grad(), in full
       complete_ = true;
       reshard();

@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <mutex>
 
@@ -77,6 +78,8 @@ class Unit {
   bool complete_ = false;
   bool pre_backward_done_ = false;
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
+  std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
+  std::string label() const;
   at::Tensor rs_in_, rs_out_;
   std::shared_ptr<Work> rs_work_;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;

@@ -4,13 +4,16 @@
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"
+#include "zeroshard/trace.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <malloc.h>
 
 #include <chrono>
+#include <fstream>
 #include <thread>
 
 namespace zeroshard {
@@ -608,6 +611,70 @@ TEST(FullyShardMisuse, ParameterOutsideItsUnitFailsInsteadOfReadingGarbage) {
     auto full = sharded->summon_full_params();
     EXPECT_EQ(w.sizes(), (std::vector<int64_t>{kWidth + 6, kWidth}));
   }
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// Gathers (comm thread) overlapping units' forward compute (training thread):
+// how many, over a few steps.
+int overlapping_gathers(bool prefetch, const std::string& trace_path) {
+  const int n = world().size(), r = world().rank();
+  trace::clear();
+  trace::enable(true);
+  torch::manual_seed(6);
+  Wide m;
+  FullyShardOptions o;
+  o.prefetch = prefetch;
+  auto sharded = fully_shard(m, world_ptr(), o);
+  FullyShardedAdamW opt(sharded, kAdamW);
+  for (int s = 0; s < 4; ++s) {
+    opt.zero_grad();
+    auto x = torch::randn({64 * n, 16}).slice(0, 64 * r, 64 * (r + 1));
+    m->forward(x).pow(2).mean().backward();
+    opt.step();
+  }
+  trace::enable(false);
+  const auto events = trace::events();
+  int overlaps = 0;
+  for (const auto& f : events) {
+    if (f.category != "compute" || f.name.rfind("forward ", 0) != 0) continue;
+    for (const auto& g : events) {
+      if (g.category != "comm" || g.name.rfind("all_gather", 0) != 0) continue;
+      const bool overlap = g.start_us < f.start_us + f.duration_us && f.start_us < g.start_us + g.duration_us;
+      overlaps += overlap ? 1 : 0;
+    }
+  }
+  if (!trace_path.empty()) trace::write_chrome_trace(trace_path, r);
+  return overlaps;
+}
+
+TEST(FullyShardTrace, PrefetchedGathersOverlapTheCurrentUnitsForward) {
+  if (world().size() < 2) GTEST_SKIP() << "a 1-rank gather is a memory copy of microseconds";
+  const auto dir = testing::make_temp_dir("trace");
+  const std::string path = dir + "/rank" + std::to_string(world().rank()) + ".json";
+  const int with = overlapping_gathers(true, path);
+  const int without = overlapping_gathers(false, "");
+  if (world().rank() == 0) {
+    std::printf("fully_shard trace: all-gathers overlapping a unit's forward: %d with prefetch, %d without\n", with,
+                without);
+  }
+  EXPECT_GT(with, 0);
+  EXPECT_EQ(without, 0);  // on demand, a unit's gather always ends before its forward starts
+  // the file is Chrome trace JSON: comm and compute events for this rank
+  std::ifstream f(path);
+  const auto json = nlohmann::json::parse(f);
+  int comm = 0, compute = 0;
+  for (const auto& e : json.at("traceEvents")) {
+    if (e.value("cat", "") == "comm") ++comm;
+    if (e.value("cat", "") == "compute") ++compute;
+    if (e.value("ph", "") == "X") EXPECT_EQ(e.at("pid").get<int>(), world().rank());
+  }
+  EXPECT_GT(comm, 0);
+  EXPECT_GT(compute, 0);
 }
 
 }  // namespace

@@ -1,0 +1,56 @@
+// zeroshard/trace.h — a Chrome-trace timeline of what each rank did.
+//
+// When tracing is on (trace::enable(), or ZS_TRACE=1 in the environment), the
+// communicator records every operation it executes (on its own thread), and
+// fully_shard units record their forward and backward compute and the time the
+// training thread waited for a gather. write_chrome_trace() writes the events
+// as Chrome trace JSON (open it in Perfetto or chrome://tracing): one process
+// per rank, one track per thread, so overlap of communication and compute is
+// visible at a glance.
+//
+// Thread-safety: all functions may be called from any thread. Recording costs
+// one mutex-protected push per event, and nothing when tracing is off.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroshard::trace {
+
+struct Event {
+  std::string name;      // "all_gather #12", "forward layer3"
+  std::string category;  // "comm", "compute", "wait"
+  int thread = 0;        // small id per thread, in order of first event
+  double start_us = 0;   // since the process's first trace clock reading
+  double duration_us = 0;
+};
+
+void enable(bool on = true);
+bool enabled();  // enable(), or ZS_TRACE set to a non-empty value other than 0
+
+// A complete event from `start` to now, on the calling thread.
+void record(std::string name, const char* category, std::chrono::steady_clock::time_point start);
+
+// Records a span from construction to destruction (when tracing is on).
+class Span {
+ public:
+  Span(const char* category, std::string name);
+  ~Span();
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  const char* category_;
+  std::string name_;
+  std::chrono::steady_clock::time_point start_;
+  bool on_;
+};
+
+std::vector<Event> events();  // everything recorded so far
+void clear();
+// Writes {"traceEvents": [...]} with pid = rank. Returns the number of events.
+size_t write_chrome_trace(const std::string& path, int rank);
+
+}  // namespace zeroshard::trace
