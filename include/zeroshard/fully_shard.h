@@ -59,6 +59,11 @@ struct FullyShardOptions {
   bool prefetch = true;
   // Units gathered ahead of the current one by prefetching, at most. Default: 2.
   int max_inflight_gathers = 2;
+  // dtype gradients are reduce-scattered in: Undefined = the parameters' dtype;
+  // BFloat16 halves the reduce-scatter bytes of fp32 units (the sum is still
+  // accumulated in fp32 and rounded once); Float reduces bf16 units' gradients
+  // in full precision. Default: Undefined.
+  c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
 };
 
 class FullyShardedModel;

@@ -271,6 +271,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     options.max_inflight_reductions, "; it must be >= 1 (Default: 2)");
   TORCH_CHECK_VALUE(options.max_inflight_gathers >= 1, "fully_shard: max_inflight_gathers is ",
                     options.max_inflight_gathers, "; it must be >= 1 (Default: 2)");
+  const auto rd = options.reduce_dtype;
+  TORCH_CHECK_VALUE(rd == at::ScalarType::Undefined || rd == at::kFloat || rd == at::kBFloat16,
+                    "fully_shard: reduce_dtype is ", c10::toString(rd),
+                    "; use Float, BFloat16 or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
   impl->comm = comm;
   impl->options = options;
@@ -342,7 +346,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   entries.push_back("options: reshard_after_forward=" + std::to_string(options.reshard_after_forward) +
                     " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions) +
                     " prefetch=" + std::to_string(options.prefetch) +
-                    " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers));
+                    " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers) +
+                    " reduce_dtype=" + c10::toString(options.reduce_dtype));
   shard::check_same_on_all_ranks(*comm, entries, "fully_shard units");
 
   torch::NoGradGuard no_grad;

@@ -178,7 +178,9 @@ void Unit::on_grad_ready(size_t param) {
 }
 
 void Unit::complete_gradients() {
-  rs_in_ = at::zeros({layout.padded_numel}, gathered.options());
+  const auto reduce_dtype = model.options.reduce_dtype == at::ScalarType::Undefined ? layout.dtype
+                                                                                     : model.options.reduce_dtype;
+  rs_in_ = at::zeros({layout.padded_numel}, gathered.options().dtype(reduce_dtype));
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
     if (!trainable[i] || !p.grad().defined()) continue;
@@ -192,7 +194,7 @@ void Unit::complete_gradients() {
 }
 
 void Unit::launch_reduction() {
-  rs_out_ = at::empty({layout.shard_numel()}, gathered.options());
+  rs_out_ = at::empty({layout.shard_numel()}, rs_in_.options());
   rs_work_ = model.comm->reduce_scatter(rs_out_, rs_in_, ReduceOp::kAvg);
 }
 
