@@ -101,6 +101,12 @@ template <>
 struct AfterForward<at::Tensor> {
   static at::Tensor apply(Unit& u, at::Tensor out) { return unit_after_forward(u, std::move(out)); }
 };
+template <typename A, typename B>
+struct AfterForward<std::pair<A, B>> {
+  static std::pair<A, B> apply(Unit& u, std::pair<A, B> out) {
+    return {AfterForward<A>::apply(u, std::move(out.first)), AfterForward<B>::apply(u, std::move(out.second))};
+  }
+};
 template <typename... Ts>
 struct AfterForward<std::tuple<Ts...>> {
   static std::tuple<Ts...> apply(Unit& u, std::tuple<Ts...> out) {
@@ -157,10 +163,13 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 // REQUIRES: parameters on the CPU, Float or BFloat16 (one dtype per unit; BFloat16
 //           units keep an fp32 master shard, and gather and reduce in bf16);
 //           a unit's parameters belong to it alone.
-std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
-                                               std::shared_ptr<Communicator> comm, FullyShardOptions options = {});
+// Keep the result: the units live as long as it does (dropping it makes the
+// Sharded<> wrappers pass-through again, with resharded parameters empty).
+[[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                                             std::shared_ptr<Communicator> comm,
+                                                             FullyShardOptions options = {});
 template <typename Holder>
-std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, std::shared_ptr<Communicator> comm,
+[[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, std::shared_ptr<Communicator> comm,
                                                FullyShardOptions options = {}) {
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(root.ptr()), std::move(comm), options);
 }
@@ -182,6 +191,9 @@ class FullyShardedModel {
   Communicator& communicator() const;
   FullyShardedMemory memory() const;
   FullyShardedWaits waits() const;
+  // Traffic of the gradient reduce-scatters, which run on a communicator of
+  // their own (a split of the same ranks); gathers go through the one given.
+  CommStats reduction_stats() const;
 
   // While the returned guard lives every unit is gathered, so each parameter
   // tensor holds its full value (to read, evaluate or export them); they are

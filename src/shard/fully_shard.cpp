@@ -137,13 +137,15 @@ void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>
 
 void FullyShardedModel::Impl::try_launch() {
   while (next_launch < launch_order.size() && units[launch_order[next_launch]]->complete()) {
-    const size_t u = launch_order[next_launch++];
-    units[u]->launch_reduction();
-    inflight.push_back(u);
-    while (static_cast<int>(inflight.size()) > options.max_inflight_reductions) {
-      units[inflight.front()]->finish_reduction();
-      inflight.pop_front();
-    }
+    launch(launch_order[next_launch++]);
+  }
+}
+
+void FullyShardedModel::Impl::launch(size_t unit) {
+  inflight.push_back(units[unit]->launch_reduction());
+  while (static_cast<int>(inflight.size()) > options.max_inflight_reductions) {
+    units[inflight.front().unit]->finish_reduction(inflight.front());
+    inflight.pop_front();
   }
 }
 
@@ -172,15 +174,14 @@ void FullyShardedModel::Impl::reduce_local_gradients() {
   if (!local_grads_pending) return;
   for (size_t u : launch_order) {
     units[u]->complete_gradients();
-    units[u]->launch_reduction();
-    inflight.push_back(u);
+    launch(u);
   }
   local_grads_pending = false;
 }
 
 void FullyShardedModel::Impl::drain_all() {
   while (!inflight.empty()) {
-    units[inflight.front()]->finish_reduction();
+    units[inflight.front().unit]->finish_reduction(inflight.front());
     inflight.pop_front();
   }
 }
@@ -191,6 +192,13 @@ FullyShardedModel::~FullyShardedModel() {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
   impl_->guard->impl = nullptr;
   for (auto& u : impl_->units) u->remove_hooks();
+  // The modules outlive this object: make their Sharded<> wrappers pass-through
+  // again (their parameters stay as they are: resharded ones hold no elements).
+  for (auto& weak : impl_->unit_modules) {
+    if (auto module = weak.lock()) {
+      if (auto* marker = dynamic_cast<detail::ShardedMarker*>(module.get())) marker->unit_.reset();
+    }
+  }
 }
 
 FullyShardedMemory FullyShardedModel::memory() const {
@@ -209,6 +217,8 @@ FullyShardedMemory FullyShardedModel::memory() const {
   m.peak_gathered = impl_->peak_gathered;
   return m;
 }
+
+CommStats FullyShardedModel::reduction_stats() const { return impl_->reduce_comm->stats(); }
 
 FullyShardedWaits FullyShardedModel::waits() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
@@ -277,6 +287,11 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     "; use Float, BFloat16 or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
   impl->comm = comm;
+  {
+    std::vector<int> all(static_cast<size_t>(comm->size()));
+    for (int i = 0; i < comm->size(); ++i) all[static_cast<size_t>(i)] = i;
+    impl->reduce_comm = comm->split(all);
+  }
   impl->options = options;
   impl->rank = comm->rank();
   impl->world = comm->size();
@@ -378,7 +393,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   // reverse forward order), the root last: the same on every rank.
   for (size_t k = found.size(); k-- > 0;) m.launch_order.push_back(k);
   if (!root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
-  for (size_t k = 0; k < found.size(); ++k) found[k].marker->unit_ = m.units[k];
+  for (size_t k = 0; k < found.size(); ++k) {
+    found[k].marker->unit_ = m.units[k];
+    m.unit_modules.push_back(found[k].module);
+  }
   m.peak_gathered = m.gathered_bytes;  // the working set counts from here (every unit is resharded)
   m.guard->impl = impl.get();
 

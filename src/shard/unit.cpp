@@ -193,24 +193,26 @@ void Unit::complete_gradients() {
   reshard();
 }
 
-void Unit::launch_reduction() {
-  rs_out_ = at::empty({layout.shard_numel()}, rs_in_.options());
-  rs_work_ = model.comm->reduce_scatter(rs_out_, rs_in_, ReduceOp::kAvg);
+Unit::Reduction Unit::launch_reduction() {
+  Reduction r;
+  r.unit = index;
+  r.in = std::move(rs_in_);
+  rs_in_ = at::Tensor();
+  r.out = at::empty({layout.shard_numel()}, r.in.options());
+  r.work = model.reduce_comm->reduce_scatter(r.out, r.in, ReduceOp::kAvg);
+  return r;
 }
 
-void Unit::finish_reduction() {
+void Unit::finish_reduction(Reduction& r) {
   const auto t0 = std::chrono::steady_clock::now();
-  rs_work_->wait();
+  r.work->wait();
   model.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  rs_work_.reset();
   if (!grad_shard.defined()) {
-    grad_shard = rs_out_;  // adopt (bf16 for bf16 units)
+    grad_shard = r.out;  // adopt (bf16 for bf16 reductions)
   } else {
     if (grad_shard.scalar_type() != at::kFloat) grad_shard = grad_shard.to(at::kFloat);  // accumulate in fp32
-    grad_shard.add_(rs_out_);
+    grad_shard.add_(r.out);
   }
-  rs_out_ = at::Tensor();
-  rs_in_ = at::Tensor();
 }
 
 }  // namespace zeroshard::detail

@@ -42,8 +42,14 @@ class Unit {
   void on_grad_ready(size_t param);    // grad-accumulator post hook
   void complete_gradients();           // pack this backward's gradients into rs_in, free them, reshard
   bool complete() const { return complete_; }
-  void launch_reduction();             // reduce-scatter rs_in (REQUIRES: complete())
-  void finish_reduction();             // wait, add into grad_shard
+  // A reduce-scatter in flight; several of one unit may be (accumulation).
+  struct Reduction {
+    size_t unit = 0;
+    at::Tensor in, out;
+    std::shared_ptr<Work> work;
+  };
+  Reduction launch_reduction();        // reduce-scatter this backward's packed gradients
+  void finish_reduction(Reduction& r); // wait, add into grad_shard
   void start_backward();               // reset per-backward state
 
   void start_unshard();                // issue the all-gather (prefetch); unshard() finishes it
@@ -80,8 +86,7 @@ class Unit {
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
   std::string label() const;
-  at::Tensor rs_in_, rs_out_;
-  std::shared_ptr<Work> rs_work_;
+  at::Tensor rs_in_;                   // packed gradients, until launched
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 };
 
@@ -94,6 +99,7 @@ struct FullyShardedModel::Impl {
   int rank = 0, world = 1;
   std::vector<std::shared_ptr<detail::Unit>> units;  // registration order, root last
   std::vector<size_t> launch_order;                   // reductions issue in this order on every rank
+  std::vector<std::weak_ptr<torch::nn::Module>> unit_modules;  // the Sharded<> modules, to detach at the end
 
   struct Guard {                      // what hooks hold; outlives the model
     std::recursive_mutex mu;
@@ -132,7 +138,13 @@ struct FullyShardedModel::Impl {
   // Per backward.
   bool in_backward = false;
   size_t next_launch = 0;
-  std::deque<size_t> inflight;
+  std::deque<detail::Unit::Reduction> inflight;
+  // Reductions run on a communicator of their own (a split of the same ranks,
+  // with its own thread): gathers and reductions then form two streams, each
+  // in the same order on every rank even when ranks finish units' gradients
+  // at different points of backward (unused parameters on some ranks).
+  std::shared_ptr<Communicator> reduce_comm;
+  void launch(size_t unit);
 
   void begin_backward();              // first hook of a backward: queue the end-of-backward callback
   void end_backward();                // launch what is left, reshard

@@ -121,9 +121,9 @@ void expect_matches_oracle(const Config& c) {
       auto loss = torch::mse_loss(out, y.slice(0, r * local, (r + 1) * local)) / c.micro;
       if (c.no_sync && k + 1 < c.micro) {
         auto guard = sharded->no_sync();
-        const auto rs_before = world().stats().by_kind[OpKind::kReduceScatter].calls;
+        const auto rs_before = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].calls;
         loss.backward();
-        EXPECT_EQ(world().stats().by_kind[OpKind::kReduceScatter].calls, rs_before) << "no_sync reduced";
+        EXPECT_EQ(sharded->reduction_stats().by_kind[OpKind::kReduceScatter].calls, rs_before) << "no_sync reduced";
       } else {
         loss.backward();
       }
@@ -191,11 +191,15 @@ TEST(FullyShardBytes, ThreeGathersWorthPerUnitPerStep) {
   };
   run_step(0);
   const auto before = world().stats();
+  const auto rs_before = sharded->reduction_stats();
   run_step(1);
   const auto after = world().stats();
+  const auto rs_after = sharded->reduction_stats();
   auto sent = [&](OpKind k) {
-    auto a = after.by_kind.count(k) ? after.by_kind.at(k) : OpStats{};
-    auto b = before.by_kind.count(k) ? before.by_kind.at(k) : OpStats{};
+    const auto& a_ = k == OpKind::kReduceScatter ? rs_after : after;
+    const auto& b_ = k == OpKind::kReduceScatter ? rs_before : before;
+    auto a = a_.by_kind.count(k) ? a_.by_kind.at(k) : OpStats{};
+    auto b = b_.by_kind.count(k) ? b_.by_kind.at(k) : OpStats{};
     return a.bytes_sent - b.bytes_sent;
   };
   EXPECT_EQ(sent(OpKind::kAllGather), (2 * unit_bytes + root_bytes) * (n - 1) / n);
@@ -228,7 +232,7 @@ TEST(FullyShardEval, NoGradForwardGathersAndReshards) {
     auto b = before.by_kind.count(k) ? before.by_kind.at(k).calls : 0;
     return a - b;
   };
-  EXPECT_EQ(calls(OpKind::kReduceScatter), 0);
+  EXPECT_EQ(sharded->reduction_stats().total().calls, 0);
   EXPECT_EQ(calls(OpKind::kAllGather), 3);  // one gather per unit
 }
 
@@ -697,12 +701,12 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
     FullyShardedAdamW opt(sharded, kAdamW);
     for (int s = 0; s < kSteps; ++s) {
       auto [x, y] = batch(s, 0);
-      const auto before = world().stats().by_kind[OpKind::kReduceScatter].bytes_sent;
+      const auto before = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].bytes_sent;
       opt.zero_grad();
       torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
           .backward();
       opt.step();
-      *rs_bytes = world().stats().by_kind[OpKind::kReduceScatter].bytes_sent - before;
+      *rs_bytes = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].bytes_sent - before;
     }
     auto full = sharded->summon_full_params();
     return flat(m);
@@ -716,6 +720,60 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
   EXPECT_EQ(b16 * 2, b32);
   EXPECT_LT(max_diff, 0.05);
   EXPECT_GT(max_diff, 0.0) << "the bf16 reduction changed nothing: was it used?";
+}
+
+}  // namespace
+}  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+// A unit with a branch that some ranks take and others do not: its gradients
+// complete at different points of backward on different ranks. Reductions have
+// their own communicator (and order), so gathers and reductions still match.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(kWidth, kWidth));
+    b = register_module("b", torch::nn::Linear(kWidth, kWidth));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_b) { return use_b ? a(x) + b(x) : a(x); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+struct TwoBranchyImpl : torch::nn::Module {
+  TwoBranchyImpl() {
+    first = register_module("first", Sharded<Branchy>());
+    second = register_module("second", Sharded<Branchy>());
+  }
+  Sharded<Branchy> first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(TwoBranchy);
+
+TEST(FullyShardUnused, ParametersUnusedOnSomeRanksOnly) {
+  const int r = world().rank();
+  torch::manual_seed(8);
+  TwoBranchy m;
+  auto sharded = fully_shard(m, world_ptr());
+  FullyShardedAdamW opt(sharded, kAdamW);
+  for (int s = 0; s < 3; ++s) {
+    opt.zero_grad();
+    auto x = torch::randn({4, kWidth});
+    auto h = m->first->forward(x, r % 2 == 0);   // even ranks use `b` in the first unit
+    h = m->second->forward(h, r % 2 == 1);       // odd ranks in the second
+    ASSERT_NO_THROW(h.pow(2).mean().backward());
+    opt.step();
+  }
+  torch::Tensor mine;
+  {
+    auto full = sharded->summon_full_params();
+    mine = torch::cat({m->first->b->weight.reshape(-1), m->second->b->weight.reshape(-1)}).clone();
+  }
+  auto all = torch::empty({mine.numel() * world().size()});
+  world().all_gather(all, mine)->wait();
+  for (int q = 0; q < world().size(); ++q) {
+    EXPECT_TRUE(torch::equal(all.slice(0, q * mine.numel(), (q + 1) * mine.numel()), mine)) << "rank " << q;
+  }
 }
 
 }  // namespace
