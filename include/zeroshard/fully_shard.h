@@ -251,6 +251,10 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   double clip_grad_norm(double max_norm);
   // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
   int64_t state_bytes() const;
+  // Drops the gradients of this step (reduced or still in flight), e.g. to skip
+  // a step whose loss was not finite. zero_grad() cannot: the gradients already
+  // live in the shards, not in p.grad(). Collective (waits for in-flight reductions).
+  void discard_gradients();
 
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;

@@ -166,6 +166,12 @@ class ShardedAdamW : public torch::optim::Optimizer {
   };
   NoSyncGuard no_sync();
 
+  // Drops this step's gradients, reduced or not (e.g. to skip a step whose loss
+  // was not finite). zero_grad() alone cannot with stage 2: the gradients
+  // already live in the shards, not in p.grad(). Collective (waits for
+  // in-flight reductions).
+  void discard_gradients();
+
   // loss * loss_scale() when loss scaling is on, else loss.
   torch::Tensor scale_loss(const torch::Tensor& loss) const;
   double loss_scale() const;

@@ -138,6 +138,22 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   return loss;
 }
 
+void FullyShardedAdamW::discard_gradients() {
+  auto& m = model_->impl();
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::discard_gradients: called during backward");
+  m.drain_all();
+  for (auto& u : m.units) {
+    u->grad_shard = at::Tensor();
+    std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
+    for (auto& p : u->params) p.mutable_grad() = at::Tensor();  // no_sync leftovers
+  }
+  m.local_grads_pending = false;
+  agreed_ = false;
+  sumsq_ = -1;
+  clip_max_norm_ = 0;
+}
+
 int64_t FullyShardedAdamW::state_bytes() const {
   int64_t n = 0;
   for (const auto& t : moments_) n += t.nbytes();

@@ -395,6 +395,29 @@ ShardedAdamW::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : opt_(othe
 
 ShardedAdamW::NoSyncGuard ShardedAdamW::no_sync() { return NoSyncGuard(this); }
 
+void ShardedAdamW::discard_gradients() {
+  torch::NoGradGuard no_grad;
+  auto& im = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  if (im.backward_aborted) im.recover_from_aborted_backward();
+  im.drain_all();
+  for (auto& b : im.buckets) {
+    b.rs_in = at::Tensor();
+    b.ready = 0;
+    if (b.flat_grads.defined()) b.flat_grads.zero_();
+  }
+  std::fill(im.ready.begin(), im.ready.end(), 0);
+  im.next_launch = 0;
+  im.local_grads_pending = false;
+  for (auto& p : im.params) {  // stage 1's slices of flat_grads were zeroed above; others are dropped
+    const auto& g = p.grad();
+    const auto& flat = im.buckets[im.location[static_cast<size_t>(&p - im.params.data())].first].flat_grads;
+    const bool in_flat = g.defined() && flat.defined() && g.storage().data() == flat.storage().data();
+    if (g.defined() && !in_flat) p.mutable_grad() = at::Tensor();
+  }
+  im.release_step_gradients();
+}
+
 torch::Tensor ShardedAdamW::scale_loss(const torch::Tensor& loss) const {
   return impl_->scaler.enabled() ? loss * impl_->scaler.scale() : loss;
 }

@@ -783,3 +783,35 @@ TEST(FullyShardUnused, ParametersUnusedOnSomeRanksOnly) {
 
 }  // namespace
 }  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+TEST(FullyShardDiscard, DiscardedGradientsChangeNothing) {
+  torch::manual_seed(3);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr());
+  FullyShardedAdamW opt(sharded, kAdamW);
+  torch::Tensor before;
+  {
+    auto full = sharded->summon_full_params();
+    before = flat(m);
+  }
+  m->forward(torch::randn({4, kIn})).pow(2).mean().backward();
+  opt.discard_gradients();  // e.g. the loss was not finite
+  opt.step();
+  torch::Tensor after;
+  {
+    auto full = sharded->summon_full_params();
+    after = flat(m);
+  }
+  EXPECT_TRUE(torch::equal(before, after)) << "a discarded step changed the parameters";
+  // and the next step trains as usual
+  m->forward(torch::randn({4, kIn})).pow(2).mean().backward();
+  opt.step();
+  auto full = sharded->summon_full_params();
+  EXPECT_FALSE(torch::equal(before, flat(m)));
+}
+
+}  // namespace
+}  // namespace zeroshard

@@ -350,6 +350,25 @@ TEST(ShardedAdamWBadInput, OneRankFailingItsChecksFailsEveryRank) {
   EXPECT_EQ(t[0].item<float>(), world().size());
 }
 
+TEST(ShardedAdamWRobustness, DiscardedGradientsChangeNothing) {
+  for (int stage : {1, 2}) {
+    torch::manual_seed(2);
+    Mlp model(12, 2);
+    ShardedAdamWOptions o;
+    o.stage = stage;
+    ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1), o);
+    auto before = flat_float(model);
+    model->forward(torch::randn({4, 12})).pow(2).mean().backward();
+    opt.discard_gradients();  // e.g. the loss was not finite
+    opt.step();
+    EXPECT_TRUE(torch::equal(before, flat_float(model))) << "stage " << stage;
+    opt.zero_grad();
+    model->forward(torch::randn({4, 12})).pow(2).mean().backward();
+    opt.step();
+    EXPECT_FALSE(torch::equal(before, flat_float(model))) << "stage " << stage << ": the next step must train";
+  }
+}
+
 TEST(ShardedAdamWBadInput, ModelDifferingAcrossRanksIsNamedOnEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
   const int r = world().rank();
