@@ -32,10 +32,13 @@ struct CheckpointBackward : torch::autograd::Node {
       RecomputeScope scope;
       at::AutoGradMode enable_grad(true);
       auto& gen = const_cast<at::Generator&>(at::detail::getDefaultCPUGenerator());
-      const auto now = gen.get_state();
+      struct RestoreRng {  // also when fn throws
+        at::Generator& gen;
+        at::Tensor state;
+        ~RestoreRng() { gen.set_state(state); }
+      } restore{gen, gen.get_state()};
       gen.set_state(rng_state);
       ys = fn(xs);
-      gen.set_state(now);
     }
     TORCH_CHECK(ys.size() == grads.size(), "activation_checkpoint: the recomputed forward returned ", ys.size(),
                 " tensors but the first run returned ", grads.size(), "; fn must be deterministic in its outputs");

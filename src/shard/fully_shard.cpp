@@ -42,10 +42,23 @@ struct EndOfBackward {
     if (ran) return;
     if (auto g = guard.lock()) {
       std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->impl != nullptr) {
-        g->impl->in_backward = false;
-        g->impl->inflight.clear();
-        log_warn("fully_shard: a backward pass ended with an exception; its partial gradient reduction was dropped");
+      if (auto* m = g->impl) {
+        // Drop what the failed pass reduced so far (the Works keep their own
+        // tensors alive until they finish), and free what it gathered.
+        m->in_backward = false;
+        m->inflight.clear();
+        m->local_grads_pending = false;
+        for (auto& u : m->units) {
+          u->grad_shard = at::Tensor();
+          std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
+          try {
+            u->reshard();
+          } catch (const std::exception& e) {  // a gather in flight failed too: the error is reported by backward
+            log_warn(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + e.what());
+          }
+        }
+        log_warn("fully_shard: a backward pass ended with an exception; this step's gradients were dropped "
+                 "(call zero_grad() and run the step again)");
       }
     }
   }
@@ -55,6 +68,9 @@ struct EndOfBackward {
 
 void FullyShardedModel::Impl::begin_backward() {
   if (in_backward) return;
+  TORCH_CHECK(!gradients_agreed, "FullyShardedAdamW: backward() ran after clip_grad_norm() and before step(); the "
+                                 "gradients were already reduced and clipped for this step. Call clip_grad_norm() "
+                                 "after the last backward of the step");
   if (recording_forward) {
     // Before backward issues any reduction: ranks that ran their units in
     // different orders fail here, together, naming the first difference.

@@ -66,6 +66,7 @@ double FullyShardedAdamW::clip_grad_norm(double max_norm) {
   m.reduce_local_gradients();
   m.drain_all();
   agree(true);
+  m.gradients_agreed = true;
   clip_max_norm_ = max_norm;
   return std::sqrt(sumsq_);
 }
@@ -133,6 +134,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   for (auto& w : gathers) w->wait();
   m.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   agreed_ = false;
+  m.gradients_agreed = false;
   sumsq_ = -1;
   clip_max_norm_ = 0;
   return loss;
@@ -149,6 +151,7 @@ void FullyShardedAdamW::discard_gradients() {
     for (auto& p : u->params) p.mutable_grad() = at::Tensor();  // no_sync leftovers
   }
   m.local_grads_pending = false;
+  m.gradients_agreed = false;
   agreed_ = false;
   sumsq_ = -1;
   clip_max_norm_ = 0;

@@ -135,6 +135,8 @@ struct FullyShardedModel::Impl {
   bool local_grads_pending = false;    // full gradients left in p.grad() by a no_sync backward
   void reduce_local_gradients();       // step() after no_sync backwards: reduce them now
 
+  bool gradients_agreed = false;       // set by the optimizer's clip_grad_norm() until step()
+
   // Per backward.
   bool in_backward = false;
   size_t next_launch = 0;

@@ -815,3 +815,22 @@ TEST(FullyShardDiscard, DiscardedGradientsChangeNothing) {
 
 }  // namespace
 }  // namespace zeroshard
+
+namespace zeroshard {
+namespace {
+
+TEST(FullyShardMisuse, BackwardAfterClipIsRefused) {
+  torch::manual_seed(3);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr());
+  FullyShardedAdamW opt(sharded, kAdamW);
+  m->forward(torch::randn({4, kIn})).pow(2).mean().backward();
+  opt.clip_grad_norm(1.0);
+  const auto msg = testing::error_of([&] { m->forward(torch::randn({4, kIn})).pow(2).mean().backward(); });
+  EXPECT_NE(msg.find("backward() ran after clip_grad_norm()"), std::string::npos) << msg;
+  opt.step();  // the clipped step still applies
+  for (const auto& u : sharded->units()) EXPECT_EQ(u.gathered, u.name.empty()) << u.name;
+}
+
+}  // namespace
+}  // namespace zeroshard
