@@ -174,6 +174,12 @@ void FullyShardedModel::Impl::end_backward() {
       if (!u->complete()) u->complete_gradients();
     }
     try_launch();
+    for (auto& u : units) {  // second rounds that did not get every gradient
+      if (u->late_round()) {
+        u->complete_gradients();
+        u->finish_round();
+      }
+    }
     local_grads_pending = false;
   }
   for (auto& u : units) u->reshard();  // e.g. units gathered by a forward whose output got no gradient

@@ -146,6 +146,7 @@ void Unit::end_forward() {
 }
 
 void Unit::start_backward() {
+  late_round_ = false;
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
   complete_ = false;
@@ -163,7 +164,23 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t param) {
   model.begin_backward();
-  if (complete_ || ready_[param] || !params[param].grad().defined()) return;
+  if (!params[param].grad().defined()) return;
+  if (complete_ && model.sync_this_backward) {
+    // A gradient after the unit completed: it ran again within this backward
+    // (a checkpointed unit used twice recomputes in a nested backward of its own).
+    if (rs_in_.defined()) {  // packed, not launched yet: add it in
+      const int64_t off = layout.offsets[param];
+      rs_in_.slice(0, off, off + layout.params[param].numel()).view(params[param].grad().sizes()).add_(params[param].grad());
+      params[param].mutable_grad() = at::Tensor();
+      had_grad[param] = 1;
+      return;
+    }
+    complete_ = false;  // already reducing: gather this round's gradients for one more reduction
+    late_round_ = true;
+    std::fill(ready_.begin(), ready_.end(), 0);
+    ready_count_ = 0;
+  }
+  if (complete_ || ready_[param]) return;
   ready_[param] = 1;
   if (++ready_count_ == trainable_count_) {
     if (trace::enabled() && pre_backward_done_) trace::record("backward " + label(), "compute", backward_start_);
@@ -173,6 +190,15 @@ void Unit::on_grad_ready(size_t param) {
       return;
     }
     complete_gradients();
+    finish_round();
+  }
+}
+
+void Unit::finish_round() {
+  if (late_round_) {
+    late_round_ = false;
+    model.launch(index);  // its place in the order has passed; every rank does the same here
+  } else {
     model.try_launch();
   }
 }

@@ -42,6 +42,8 @@ class Unit {
   void on_grad_ready(size_t param);    // grad-accumulator post hook
   void complete_gradients();           // pack this backward's gradients into rs_in, free them, reshard
   bool complete() const { return complete_; }
+  bool late_round() const { return late_round_; }  // a second round of gradients is being collected
+  void finish_round();                 // launch in order, or at once for a late round
   // A reduce-scatter in flight; several of one unit may be (accumulation).
   struct Reduction {
     size_t unit = 0;
@@ -82,6 +84,7 @@ class Unit {
   size_t ready_count_ = 0;
   size_t trainable_count_ = 0;
   bool complete_ = false;
+  bool late_round_ = false;
   bool pre_backward_done_ = false;
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
