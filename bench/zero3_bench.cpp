@@ -13,10 +13,10 @@
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/sharded_optimizer.h>
 
+#include "bench_util.h"
+
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
-
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -46,11 +46,6 @@ struct LmImpl : torch::nn::Module {
 };
 TORCH_MODULE(Lm);
 
-double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_maxrss / 1024.0;
-}
 
 }  // namespace
 
@@ -104,17 +99,7 @@ int main(int argc, char** argv) {
     auto logits = model->forward(ids.slice(1, 0, seq));
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, vocab}), ids.slice(1, 1, seq + 1).reshape(-1));
     loss.backward();
-    if (mode == "dp") {
-      std::vector<torch::Tensor> grads;
-      for (auto& p : params) grads.push_back(p.grad().reshape(-1));
-      auto flat = torch::cat(grads);
-      comm->all_reduce(flat, zeroshard::ReduceOp::kAvg)->wait();
-      int64_t off = 0;
-      for (auto& p : params) {
-        p.grad().copy_(flat.slice(0, off, off + p.numel()).view_as(p));
-        off += p.numel();
-      }
-    }
+    if (mode == "dp") zeroshard::bench::average_gradients(*comm, params);
     opt->step();
     const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     double waited = 0;
@@ -132,7 +117,7 @@ int main(int argc, char** argv) {
   std::sort(times.begin(), times.end());
   std::sort(exposed.begin(), exposed.end());
   const double median = times[times.size() / 2];
-  auto rss = torch::tensor({peak_rss_mib()}, torch::kDouble);
+  auto rss = torch::tensor({zeroshard::bench::peak_rss_mib()}, torch::kDouble);
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
   double states_mib;
   if (sharded) {
