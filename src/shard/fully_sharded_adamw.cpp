@@ -32,7 +32,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, t
     : Optimizer({torch::optim::OptimizerParamGroup(trainable_params(*model))},
                 std::make_unique<torch::optim::AdamWOptions>(options)),
       model_(std::move(model)) {
-  TORCH_CHECK_VALUE(!options.amsgrad(), "FullyShardedAdamW: amsgrad(true) is not implemented; use amsgrad(false)");
+  TORCH_CHECK_VALUE(!options.amsgrad(), "FullyShardedAdamW does not support amsgrad(true) (it keeps no max_exp_avg_sq); use amsgrad(false)");
   size_t total = 0;
   for (const auto& u : model_->impl().units) total += u->params.size();
   steps_.assign(total, 0);
@@ -90,7 +90,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
     if (coef < 1) multiplier = coef;
   }
   const auto& o = static_cast<torch::optim::AdamWOptions&>(param_groups()[0].options());
-  TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: amsgrad(true) is not implemented; use amsgrad(false)");
+  TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW does not support amsgrad(true) (it keeps no max_exp_avg_sq); use amsgrad(false)");
   if (moments_.size() != 2 * m.units.size()) {
     moments_.clear();
     for (const auto& u : m.units) {

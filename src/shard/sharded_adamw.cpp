@@ -101,7 +101,7 @@ AdamWOptions& ShardedAdamW::Impl::group_options(int group) const {
   TORCH_CHECK_VALUE(o != nullptr, "ShardedAdamW: param group ", group,
                     " has options of another optimizer; give it torch::optim::AdamWOptions");
   TORCH_CHECK_VALUE(!o->amsgrad(), "ShardedAdamW: param group ", group,
-                    " sets amsgrad(true), which ShardedAdamW does not implement; use amsgrad(false)");
+                    " sets amsgrad(true), which ShardedAdamW does not support (it keeps no max_exp_avg_sq); use amsgrad(false)");
   return *o;
 }
 
