@@ -2,10 +2,10 @@
 // shared by all units (end-of-backward callback, reductions in a fixed order).
 #include "shard/unit.h"
 
+#include "shard/end_of_backward.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
 
-#include <torch/csrc/autograd/engine.h>
 
 #include <unordered_map>
 #include <unordered_set>
@@ -30,42 +30,6 @@ void unit_end_forward(Unit& unit) {
 
 }  // namespace detail
 
-namespace {
-
-// Travels with the end-of-backward callback; autograd drops the callback
-// without running it when backward throws, and the destructor then resets the
-// per-backward state so the next backward starts clean.
-struct EndOfBackward {
-  std::weak_ptr<FullyShardedModel::Impl::Guard> guard;
-  bool ran = false;
-  ~EndOfBackward() {
-    if (ran) return;
-    if (auto g = guard.lock()) {
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (auto* m = g->impl) {
-        // Drop what the failed pass reduced so far (the Works keep their own
-        // tensors alive until they finish), and free what it gathered.
-        m->in_backward = false;
-        m->inflight.clear();
-        m->local_grads_pending = false;
-        for (auto& u : m->units) {
-          u->grad_shard = at::Tensor();
-          std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
-          try {
-            u->reshard();
-          } catch (const std::exception& e) {  // a gather in flight failed too: the error is reported by backward
-            log_warn(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + e.what());
-          }
-        }
-        log_warn("fully_shard: a backward pass ended with an exception; this step's gradients were dropped "
-                 "(call zero_grad() and run the step again)");
-      }
-    }
-  }
-};
-
-}  // namespace
-
 void FullyShardedModel::Impl::begin_backward() {
   if (in_backward) return;
   TORCH_CHECK(!gradients_agreed, "FullyShardedAdamW: backward() ran after clip_grad_norm() and before step(); the "
@@ -85,17 +49,34 @@ void FullyShardedModel::Impl::begin_backward() {
   backward_prefetch_off = false;
   next_launch = 0;
   for (auto& u : units) u->start_backward();
-  auto token = std::make_shared<EndOfBackward>();
-  token->guard = guard;
   std::weak_ptr<Guard> weak = guard;
-  torch::autograd::Engine::get_default_engine().queue_callback([weak, token] {
-    token->ran = true;
+  auto with_impl = [weak](void (*fn)(Impl&)) {
     if (auto g = weak.lock()) {
-      at::NoGradGuard no_grad;
       std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->impl != nullptr) g->impl->end_backward();
+      if (g->impl != nullptr) fn(*g->impl);
     }
-  });
+  };
+  shard::on_end_of_backward([with_impl] { with_impl([](Impl& m) { m.end_backward(); }); },
+                            [with_impl] { with_impl([](Impl& m) { m.abandon_backward(); }); });
+}
+
+void FullyShardedModel::Impl::abandon_backward() {
+  // The backward ended with an exception: drop what it reduced so far (the
+  // Works keep their own tensors alive until they finish) and free what it gathered.
+  in_backward = false;
+  inflight.clear();
+  local_grads_pending = false;
+  for (auto& u : units) {
+    u->grad_shard = at::Tensor();
+    std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
+    try {
+      u->reshard();
+    } catch (const std::exception& e) {  // a gather in flight failed too: backward reports that error
+      log_warn(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + e.what());
+    }
+  }
+  log_warn("fully_shard: a backward pass ended with an exception; this step's gradients were dropped "
+           "(call zero_grad() and run the step again)");
 }
 
 void FullyShardedModel::Impl::prefetch(const std::vector<size_t>& order, size_t next) {

@@ -14,10 +14,10 @@
 // backward accumulates straight into it; step() reduce-scatters every bucket.
 #include "shard/sharded_adamw_impl.h"
 
+#include "shard/end_of_backward.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/log.h"
 
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -41,21 +41,6 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
  private:
   std::weak_ptr<shard::HookTarget> target_;
   size_t param_;
-};
-
-// Travels with the end-of-backward callback. Autograd drops the callback
-// without running it when backward throws; the token's destructor then tells
-// the optimizer that its per-backward records are stale.
-struct EndOfBackward {
-  std::weak_ptr<shard::HookTarget> target;
-  bool ran = false;
-  ~EndOfBackward() {
-    if (ran) return;
-    if (auto t = target.lock()) {
-      std::lock_guard<std::recursive_mutex> lock(t->mu);
-      if (t->impl != nullptr) t->impl->backward_aborted = true;
-    }
-  }
 };
 
 }  // namespace
@@ -102,17 +87,15 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   if (!callback_queued) {  // first gradient of this backward
     callback_queued = true;
     sync_this_backward = options.stage == 2 && no_sync_depth == 0 && options.reduce_every_backward;
-    auto token = std::make_shared<EndOfBackward>();
-    token->target = target;
     std::weak_ptr<shard::HookTarget> weak = target;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak, token] {
-      token->ran = true;
+    auto with_impl = [weak](void (*fn)(Impl&)) {
       if (auto t = weak.lock()) {
-        at::NoGradGuard no_grad;
         std::lock_guard<std::recursive_mutex> lock(t->mu);
-        if (t->impl != nullptr) t->impl->end_backward();
+        if (t->impl != nullptr) fn(*t->impl);
       }
-    });
+    };
+    shard::on_end_of_backward([with_impl] { with_impl([](Impl& im) { im.end_backward(); }); },
+                              [with_impl] { with_impl([](Impl& im) { im.backward_aborted = true; }); });
   }
   had_grad[param] = 1;
   if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)

@@ -153,6 +153,7 @@ struct FullyShardedModel::Impl {
 
   void begin_backward();              // first hook of a backward: queue the end-of-backward callback
   void end_backward();                // launch what is left, reshard
+  void abandon_backward();            // a backward ended with an exception
   void try_launch();
   void drain_all();
 };
