@@ -164,7 +164,8 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 //           units keep an fp32 master shard, and gather and reduce in bf16);
 //           a unit's parameters belong to it alone.
 // Keep the result: the units live as long as it does (dropping it makes the
-// Sharded<> wrappers pass-through again, with resharded parameters empty).
+// Sharded<> wrappers pass-through again; resharded parameters stay empty, and
+// any use of them fails with an error).
 [[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                              std::shared_ptr<Communicator> comm,
                                                              FullyShardOptions options = {});

@@ -34,6 +34,13 @@ inline void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
 }
 
+// The dispatch key that marks the parameters of a resharded fully_shard unit
+// (src/shard/resharded_param.cpp routes every operator on them to an error).
+// LibTorch reserves no key for out-of-tree functionality; this one is unused
+// by LibTorch itself in 1.13 and 2.x, and sits above Autograd, so the error
+// comes before autograd records anything.
+constexpr c10::DispatchKey kReshardedParamKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
+
 constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
 constexpr int kTorchMinor = TORCH_VERSION_MINOR;
 

@@ -2,6 +2,7 @@
 #include "shard/unit.h"
 
 #include "compat/torch_compat.h"
+#include "shard/resharded_param.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/trace.h"
@@ -51,7 +52,8 @@ Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, st
     const int64_t off = layout.offsets[i];
     gathered.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
     views_.push_back(shard::alias_of(gathered, off, p.sizes()));
-    empties_.push_back(at::empty({0}, p.options()));
+    empties_.push_back(shard::make_resharded_placeholder(p));
+    shard::remember_resharded_param(p, names[i], name);
     p.set_data(views_.back());
     trainable.push_back(p.requires_grad() ? 1 : 0);
     trainable_count_ += trainable.back();
@@ -60,7 +62,10 @@ Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, st
   had_grad.assign(params.size(), 0);
 }
 
-Unit::~Unit() { remove_hooks(); }
+Unit::~Unit() {
+  remove_hooks();
+  for (const auto& p : params) shard::forget_resharded_param(p);
+}
 
 void Unit::register_hooks() {
   for (size_t i = 0; i < params.size(); ++i) {

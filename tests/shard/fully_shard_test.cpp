@@ -606,20 +606,41 @@ TEST(FullyShardMixed, Bf16TracksFp32AndHalvesGatherBytes) {
 namespace zeroshard {
 namespace {
 
-// Outside its unit's forward a parameter holds no elements: using it fails
-// (LibTorch's own shape error, for now) instead of reading freed memory, and
+// Outside its unit's forward and backward a parameter holds no elements, and
+// any operator on it fails with an error naming it, its unit and the fix:
+// never a read of freed memory, a quiet 0 from sum(), or a bare shape error.
 // summon_full_params() is the way to read it.
-TEST(FullyShardMisuse, ParameterOutsideItsUnitFailsInsteadOfReadingGarbage) {
+TEST(FullyShardMisuse, ParameterOutsideItsUnitFailsNamingIt) {
   torch::manual_seed(3);
   Tiny m;
+  Tiny reference;
+  torch::NoGradGuard no_grad;
+  for (auto& [mine, ref] : {std::pair{m->blocks[0]->fc1->weight, reference->blocks[0]->fc1->weight},
+                            std::pair{m->blocks[0]->fc1->bias, reference->blocks[0]->fc1->bias}}) {
+    if (world().rank() == 0) ref.copy_(mine);  // fully_shard starts every rank from rank 0's values
+    if (world().size() > 1) world().broadcast(ref, 0)->wait();
+  }
   auto sharded = fully_shard(m, world_ptr());
   auto w = m->blocks[0]->fc1->weight;  // the same tensor object the module uses
   EXPECT_EQ(w.numel(), 0);
-  EXPECT_THROW(torch::randn({2, kWidth + 6}).matmul(w), c10::Error);
+  const auto x = torch::randn({2, kWidth});
+  for (const auto& what : {testing::error_of([&] { (void)m->blocks[0]->fc1->forward(x); }),  // a submodule called from outside
+                           testing::error_of([&] { (void)w.sum(); }),                      // would be a quiet 0
+                           testing::error_of([&] { (void)torch::randn({2, kWidth + 6}).matmul(w); })}) {
+    EXPECT_NE(what.find("parameter 'block0.fc1.weight' of unit 'block0'"), std::string::npos) << what;
+    EXPECT_NE(what.find("resharded"), std::string::npos) << what;
+    EXPECT_NE(what.find("summon_full_params()"), std::string::npos) << what;
+  }
   {
     auto full = sharded->summon_full_params();
     EXPECT_EQ(w.sizes(), (std::vector<int64_t>{kWidth + 6, kWidth}));
+    EXPECT_TRUE(torch::equal(w, reference->blocks[0]->fc1->weight));
+    EXPECT_TRUE(torch::allclose(m->blocks[0]->fc1->forward(x), reference->blocks[0]->fc1->forward(x)));
   }
+  EXPECT_EQ(w.numel(), 0);
+  EXPECT_THROW((void)w.sum(), c10::Error);
+  // The units' own forward is unaffected.
+  EXPECT_EQ(m->forward(torch::randn({3, kIn})).sizes(), (std::vector<int64_t>{3, kOut}));
 }
 
 }  // namespace
@@ -680,7 +701,9 @@ TEST(FullyShardTrace, PrefetchedGathersOverlapTheCurrentUnitsForward) {
   for (const auto& e : json.at("traceEvents")) {
     if (e.value("cat", "") == "comm") ++comm;
     if (e.value("cat", "") == "compute") ++compute;
-    if (e.value("ph", "") == "X") EXPECT_EQ(e.at("pid").get<int>(), world().rank());
+    if (e.value("ph", "") == "X") {
+      EXPECT_EQ(e.at("pid").get<int>(), world().rank());
+    }
   }
   EXPECT_GT(comm, 0);
   EXPECT_GT(compute, 0);
