@@ -12,6 +12,7 @@
 #include <zeroshard/comm.h>
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/trace.h>
 
 #include "bench_util.h"
 
@@ -60,6 +61,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed first steps")->capture_default_str();
   app.add_option("--batch", batch, "sequences per rank")->capture_default_str();
   app.add_option("--layers", layers, "transformer layers")->capture_default_str();
+  std::string trace_path;
+  app.add_option("--trace", trace_path, "write a Chrome trace of the timed steps to PATH.rank<r>.json");
   CLI11_PARSE(app, argc, argv);
 
   auto comm = zeroshard::init_communicator();
@@ -89,11 +92,15 @@ int main(int argc, char** argv) {
   }
   auto params = model->parameters();
 
-  std::vector<double> times, exposed;
+  std::vector<double> times, exposed, exposed_gathers;
   for (int step = 0; step < warmup + steps; ++step) {
     torch::manual_seed(1000 * step + rank);
     auto ids = torch::randint(vocab, {batch, seq + 1}, torch::kLong);
     const auto waits_before = sharded ? sharded->waits() : zeroshard::FullyShardedWaits{};
+    if (step == warmup && !trace_path.empty()) {
+      zeroshard::trace::clear();
+      zeroshard::trace::enable();
+    }
     const auto start = std::chrono::steady_clock::now();
     opt->zero_grad();
     auto logits = model->forward(ids.slice(1, 0, seq));
@@ -102,20 +109,24 @@ int main(int argc, char** argv) {
     if (mode == "dp") zeroshard::bench::average_gradients(*comm, params);
     opt->step();
     const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    double waited = 0;
+    double waited = 0, waited_gathers = 0;
     if (sharded) {
       const auto w = sharded->waits();
-      waited = (w.gathers - waits_before.gathers) + (w.reductions - waits_before.reductions);
+      waited_gathers = w.gathers - waits_before.gathers;
+      waited = waited_gathers + (w.reductions - waits_before.reductions);
     }
-    auto t = torch::tensor({mine, waited}, torch::kDouble);
+    auto t = torch::tensor({mine, waited, waited_gathers}, torch::kDouble);
     comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
     if (step >= warmup) {
       times.push_back(t[0].item<double>());
       exposed.push_back(t[1].item<double>());
+      exposed_gathers.push_back(t[2].item<double>());
     }
   }
+  if (!trace_path.empty()) zeroshard::trace::write_chrome_trace(trace_path + ".rank" + std::to_string(rank) + ".json", rank);
   std::sort(times.begin(), times.end());
   std::sort(exposed.begin(), exposed.end());
+  std::sort(exposed_gathers.begin(), exposed_gathers.end());
   const double median = times[times.size() / 2];
   auto rss = torch::tensor({zeroshard::bench::peak_rss_mib()}, torch::kDouble);
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
@@ -133,7 +144,8 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     const std::string exposed_col =
         sharded ? std::to_string(static_cast<int>(exposed[exposed.size() / 2] * 1e3 + 0.5)) + " (" +
-                      std::to_string(static_cast<int>(100 * exposed[exposed.size() / 2] / median + 0.5)) + "%)"
+                      std::to_string(static_cast<int>(100 * exposed[exposed.size() / 2] / median + 0.5)) + "%; gathers " +
+                      std::to_string(static_cast<int>(exposed_gathers[exposed_gathers.size() / 2] * 1e3 + 0.5)) + ")"
                 : "-";
     std::printf("ROW | %s | %d | %.1fM | %.0f | %s | %.0f | %.0f |\n", mode.c_str(), world, psi / 1e6, median * 1e3,
                 exposed_col.c_str(), rss.item<double>(), states_mib);

@@ -51,6 +51,13 @@ struct FullyShardOptions {
   // until its backward is done (false: fewer all-gathers, ZeRO-2-like memory).
   // The root unit always stays gathered. Default: true.
   bool reshard_after_forward = true;
+  // With reshard_after_forward: the unit that ran last in the recorded forward
+  // order keeps its parameters gathered until its backward, which typically
+  // comes right after it (its reshard and re-gather would only add an exposed
+  // all-gather). Costs one unit's gathered bytes between forward and backward.
+  // Applies from the second step on, to forward passes with gradients that
+  // follow the recorded order. Default: true.
+  bool keep_last_unit_for_backward = true;
   // Gradient reduce-scatters in flight before backward waits for the oldest. Default: 2.
   int max_inflight_reductions = 2;
   // Prefetch: from the second step on, the all-gathers of the next units in

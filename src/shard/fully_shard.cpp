@@ -86,6 +86,11 @@ void FullyShardedModel::Impl::prefetch(const std::vector<size_t>& order, size_t 
   }
 }
 
+bool FullyShardedModel::Impl::backward_comes_next(size_t unit) const {
+  return options.keep_last_unit_for_backward && at::GradMode::is_enabled() && !recording_forward &&
+         !forward_prefetch_off && forward_pos == forward_order.size() && forward_order.back() == unit;
+}
+
 void FullyShardedModel::Impl::on_forward(size_t unit) {
   if (recording_forward) {
     forward_order.push_back(unit);
@@ -365,6 +370,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions) +
                     " prefetch=" + std::to_string(options.prefetch) +
                     " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers) +
+                    " keep_last_unit_for_backward=" + std::to_string(options.keep_last_unit_for_backward) +
                     " reduce_dtype=" + c10::toString(options.reduce_dtype));
   shard::check_same_on_all_ranks(*comm, entries, "fully_shard units");
 

@@ -147,7 +147,7 @@ void Unit::end_forward() {
   if (trace::enabled()) trace::record("forward " + label(), "compute", forward_start_);
   // Inside backward this forward is a recomputation (activation checkpointing):
   // the unit's own backward comes next and needs its parameters.
-  if (model.options.reshard_after_forward && !model.in_backward) reshard();
+  if (model.options.reshard_after_forward && !model.in_backward && !model.backward_comes_next(index)) reshard();
 }
 
 void Unit::start_backward() {

@@ -121,6 +121,9 @@ struct FullyShardedModel::Impl {
   void on_pre_backward(size_t unit);
   void check_order_across_ranks(const std::vector<size_t>& order, const std::string& what);
   void prefetch(const std::vector<size_t>& order, size_t next);
+  // `unit` just ended the last forward of an in-order pass with gradients:
+  // its backward is next, keep it gathered (keep_last_unit_for_backward).
+  bool backward_comes_next(size_t unit) const;
 
   // Time the training thread spent blocked on communication (not hidden behind compute).
   double exposed_gather_seconds = 0, exposed_reduce_seconds = 0;

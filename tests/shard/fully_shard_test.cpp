@@ -113,8 +113,13 @@ void expect_matches_oracle(const Config& c) {
       auto [x, y] = batch(s, k);
       auto out = m->forward(x.slice(0, r * local, (r + 1) * local));
       if (c.reshard_after_forward) {
+        // The root stays gathered; so does the last unit once the order is
+        // recorded (keep_last_unit_for_backward), unless it ran without
+        // gradients (checkpointed: its backward recomputes it anyway).
+        const bool last_kept = !(s == 0 && k == 0) && !c.checkpoint;
         for (const auto& u : sharded->units()) {
-          EXPECT_EQ(u.gathered, u.name.empty()) << "after forward, only the root is gathered: " << u.name;
+          EXPECT_EQ(u.gathered, u.name.empty() || (last_kept && u.name == "block2"))
+              << "after forward, only the root (and the last unit) is gathered: " << u.name;
         }
         EXPECT_EQ(m->blocks[0]->fc1->weight.numel(), 0) << "a resharded parameter holds no elements";
       }
@@ -174,39 +179,54 @@ namespace {
 // Per step: every unit is all-gathered twice (forward, then again before its
 // backward) and reduce-scattered once: 3(n-1)/n of its bytes. The root stays
 // gathered: reduce-scattered, and all-gathered after the update: 2(n-1)/n.
+// keep_last_unit_for_backward (the default) saves exactly one gather: the
+// last unit's, whose backward comes right after its forward.
 TEST(FullyShardBytes, ThreeGathersWorthPerUnitPerStep) {
   const int n = world().size(), r = world().rank();
-  torch::manual_seed(3);
-  Tiny m;
-  auto sharded = fully_shard(m, world_ptr());
-  FullyShardedAdamW opt(sharded, kAdamW);
-  int64_t unit_bytes = 0, root_bytes = 0;
-  for (const auto& u : sharded->units()) (u.name.empty() ? root_bytes : unit_bytes) += u.layout.padded_numel * 4;
-  auto run_step = [&](int s) {
-    auto [x, y] = batch(s, 0);
-    const int local = kBatch / n;
-    opt.zero_grad();
-    torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local)).backward();
-    opt.step();
-  };
-  run_step(0);
-  const auto before = world().stats();
-  const auto rs_before = sharded->reduction_stats();
-  run_step(1);
-  const auto after = world().stats();
-  const auto rs_after = sharded->reduction_stats();
-  auto sent = [&](OpKind k) {
-    const auto& a_ = k == OpKind::kReduceScatter ? rs_after : after;
-    const auto& b_ = k == OpKind::kReduceScatter ? rs_before : before;
-    auto a = a_.by_kind.count(k) ? a_.by_kind.at(k) : OpStats{};
-    auto b = b_.by_kind.count(k) ? b_.by_kind.at(k) : OpStats{};
-    return a.bytes_sent - b.bytes_sent;
-  };
-  EXPECT_EQ(sent(OpKind::kAllGather), (2 * unit_bytes + root_bytes) * (n - 1) / n);
-  EXPECT_EQ(sent(OpKind::kReduceScatter), (unit_bytes + root_bytes) * (n - 1) / n);
-  EXPECT_EQ(sent(OpKind::kAllGather) + sent(OpKind::kReduceScatter),
-            (3 * unit_bytes + 2 * root_bytes) * (n - 1) / n);
-  EXPECT_EQ(sent(OpKind::kBroadcast), 0);
+  for (const bool keep_last : {false, true}) {
+    SCOPED_TRACE(keep_last ? "keep_last_unit_for_backward" : "every unit reshards after forward");
+    torch::manual_seed(3);
+    Tiny m;
+    FullyShardOptions o;
+    o.keep_last_unit_for_backward = keep_last;
+    auto sharded = fully_shard(m, world_ptr(), o);
+    FullyShardedAdamW opt(sharded, kAdamW);
+    int64_t unit_bytes = 0, root_bytes = 0, last_bytes = 0;
+    for (const auto& u : sharded->units()) (u.name.empty() ? root_bytes : unit_bytes) += u.layout.padded_numel * 4;
+    for (const auto& u : sharded->units()) {
+      if (u.name == "block2") last_bytes = u.layout.padded_numel * 4;
+    }
+    ASSERT_GT(last_bytes, 0);
+    auto run_step = [&](int s) {
+      auto [x, y] = batch(s, 0);
+      const int local = kBatch / n;
+      opt.zero_grad();
+      torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
+          .backward();
+      opt.step();
+    };
+    run_step(0);
+    const auto before = world().stats();
+    const auto rs_before = sharded->reduction_stats();
+    run_step(1);
+    const auto after = world().stats();
+    const auto rs_after = sharded->reduction_stats();
+    auto sent = [&](OpKind k) {
+      const auto& a_ = k == OpKind::kReduceScatter ? rs_after : after;
+      const auto& b_ = k == OpKind::kReduceScatter ? rs_before : before;
+      auto a = a_.by_kind.count(k) ? a_.by_kind.at(k) : OpStats{};
+      auto b = b_.by_kind.count(k) ? b_.by_kind.at(k) : OpStats{};
+      return a.bytes_sent - b.bytes_sent;
+    };
+    const int64_t saved = keep_last ? last_bytes : 0;
+    EXPECT_EQ(sent(OpKind::kAllGather), (2 * unit_bytes - saved + root_bytes) * (n - 1) / n);
+    EXPECT_EQ(sent(OpKind::kReduceScatter), (unit_bytes + root_bytes) * (n - 1) / n);
+    if (!keep_last) {
+      EXPECT_EQ(sent(OpKind::kAllGather) + sent(OpKind::kReduceScatter),
+                (3 * unit_bytes + 2 * root_bytes) * (n - 1) / n);
+    }
+    EXPECT_EQ(sent(OpKind::kBroadcast), 0);
+  }
 }
 
 // Evaluation under NoGradGuard: units gather, run, reshard; no hooks, no reductions.
