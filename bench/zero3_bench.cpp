@@ -4,6 +4,10 @@
 //   zero2      ShardedAdamW, stage 2
 //   zero3      fully_shard (one unit per layer, embedding and head in the root) + FullyShardedAdamW
 //   zero3-nopf the same without prefetch (every unit gathered when needed)
+// --head-unit makes the LM head a unit of its own (Sharded<Linear>) instead of
+// part of the root: its gradient is then reduced early in backward and it is
+// gathered like a layer, rather than reduced and gathered with the root after
+// backward.
 // Rank 0 prints a "ROW |...|" line: median step time (slowest rank), exposed
 // communication (time the training thread waited for gathers and reductions,
 // zero3 only), peak RSS (largest rank) and model-state bytes per rank.
@@ -26,24 +30,31 @@
 namespace {
 
 struct LmImpl : torch::nn::Module {
-  LmImpl(int vocab, int seq, int d, int heads, int ff, int layers) {
+  LmImpl(int vocab, int seq, int d, int heads, int ff, int layers, bool head_unit) : head_unit(head_unit) {
     tok = register_module("tok", torch::nn::Embedding(vocab, d));
     pos = register_module("pos", torch::nn::Embedding(seq, d));
     auto opts = torch::nn::TransformerEncoderLayerOptions(d, heads).dim_feedforward(ff).dropout(0.0);
     for (int i = 0; i < layers; ++i) {
       blocks.push_back(register_module("layer" + std::to_string(i), zeroshard::Sharded<torch::nn::TransformerEncoderLayer>(opts)));
     }
-    head = register_module("head", torch::nn::Linear(d, vocab));
+    if (head_unit) {
+      sharded_head = register_module("head", zeroshard::Sharded<torch::nn::Linear>(d, vocab));
+    } else {
+      head = register_module("head", torch::nn::Linear(d, vocab));
+    }
   }
   torch::Tensor forward(const torch::Tensor& ids) {
     auto h = tok(ids) + pos(torch::arange(ids.size(1), torch::kLong)).unsqueeze(0);
     h = h.transpose(0, 1);  // LibTorch's transformer layers are sequence-first
     for (auto& b : blocks) h = b->forward(h);
-    return head(h.transpose(0, 1));
+    h = h.transpose(0, 1);
+    return head_unit ? sharded_head->forward(h) : head(h);
   }
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   std::vector<zeroshard::Sharded<torch::nn::TransformerEncoderLayer>> blocks;
   torch::nn::Linear head{nullptr};
+  zeroshard::Sharded<torch::nn::Linear> sharded_head{nullptr};
+  bool head_unit;
 };
 TORCH_MODULE(Lm);
 
@@ -63,12 +74,14 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "transformer layers")->capture_default_str();
   std::string trace_path;
   app.add_option("--trace", trace_path, "write a Chrome trace of the timed steps to PATH.rank<r>.json");
+  bool head_unit = false;
+  app.add_flag("--head-unit", head_unit, "the LM head is a unit of its own (default: in the root with the embeddings)");
   CLI11_PARSE(app, argc, argv);
 
   auto comm = zeroshard::init_communicator();
   const int rank = comm->rank(), world = comm->size();
   torch::manual_seed(0);
-  Lm model(vocab, seq, d, heads, ff, layers);
+  Lm model(vocab, seq, d, heads, ff, layers, head_unit);
   int64_t psi = 0;
   for (const auto& p : model->parameters()) psi += p.numel();
 
@@ -147,7 +160,8 @@ int main(int argc, char** argv) {
                       std::to_string(static_cast<int>(100 * exposed[exposed.size() / 2] / median + 0.5)) + "%; gathers " +
                       std::to_string(static_cast<int>(exposed_gathers[exposed_gathers.size() / 2] * 1e3 + 0.5)) + ")"
                 : "-";
-    std::printf("ROW | %s | %d | %.1fM | %.0f | %s | %.0f | %.0f |\n", mode.c_str(), world, psi / 1e6, median * 1e3,
+    const std::string label = mode + (head_unit ? " (head a unit)" : "");
+    std::printf("ROW | %s | %d | %.1fM | %.0f | %s | %.0f | %.0f |\n", label.c_str(), world, psi / 1e6, median * 1e3,
                 exposed_col.c_str(), rss.item<double>(), states_mib);
   }
   comm->barrier();

@@ -91,6 +91,10 @@ bool FullyShardedModel::Impl::backward_comes_next(size_t unit) const {
          !forward_prefetch_off && forward_pos == forward_order.size() && forward_order.back() == unit;
 }
 
+void FullyShardedModel::Impl::prefetch_first_forward_unit() {
+  if (options.prefetch && !recording_forward && !forward_order.empty()) units[forward_order[0]]->start_unshard();
+}
+
 void FullyShardedModel::Impl::on_forward(size_t unit) {
   if (recording_forward) {
     forward_order.push_back(unit);
@@ -134,7 +138,8 @@ void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
 void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
   std::vector<std::string> entries;
   for (size_t u : order) entries.push_back("unit '" + (units[u]->is_root ? std::string("(root)") : units[u]->name) + "'");
-  shard::check_same_on_all_ranks(*comm, entries, "fully_shard: the " + what + " orders of units (first step)");
+  // On the reductions' communicator, so that the gathers' one carries parameters only.
+  shard::check_same_on_all_ranks(*reduce_comm, entries, "fully_shard: the " + what + " orders of units (first step)");
 }
 
 void FullyShardedModel::Impl::try_launch() {

@@ -8,6 +8,7 @@
 
 #include "optim/fused_adamw.h"
 #include "optim/grad_norm.h"
+#include "zeroshard/trace.h"
 
 #include <chrono>
 #include <cmath>
@@ -98,10 +99,17 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
       moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
     }
   }
-  size_t base = 0;
+  // The root first: its all-gather (it stays gathered) then runs while the
+  // other units' shards are updated.
+  std::vector<size_t> order, bases(m.units.size(), 0);
+  for (size_t k = 0, b = 0; k < m.units.size(); b += m.units[k]->params.size(), ++k) {
+    bases[k] = b;
+    if (m.units[k]->is_root) order.insert(order.begin(), k); else order.push_back(k);
+  }
   std::vector<std::shared_ptr<Work>> gathers;
-  for (size_t k = 0; k < m.units.size(); ++k) {
+  for (const size_t k : order) {
     auto& u = *m.units[k];
+    const size_t base = bases[k];
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (flags_[base + i] > 0) ++steps_[base + i];
     }
@@ -128,11 +136,12 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
     }
     u.grad_shard = at::Tensor();
     std::fill(u.had_grad.begin(), u.had_grad.end(), 0);
-    base += u.params.size();
   }
+  m.prefetch_first_forward_unit();  // behind the root's gather; overlaps whatever precedes the next forward
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : gathers) w->wait();
   m.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (trace::enabled() && !gathers.empty()) trace::record("wait for gather of (root) after the update", "wait", t0);
   agreed_ = false;
   m.gradients_agreed = false;
   sumsq_ = -1;

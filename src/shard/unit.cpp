@@ -238,6 +238,7 @@ void Unit::finish_reduction(Reduction& r) {
   const auto t0 = std::chrono::steady_clock::now();
   r.work->wait();
   model.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (trace::enabled()) trace::record("wait for reduction of " + label(), "wait", t0);
   if (!grad_shard.defined()) {
     grad_shard = r.out;  // adopt (bf16 for bf16 reductions)
   } else {

@@ -124,6 +124,8 @@ struct FullyShardedModel::Impl {
   // `unit` just ended the last forward of an in-order pass with gradients:
   // its backward is next, keep it gathered (keep_last_unit_for_backward).
   bool backward_comes_next(size_t unit) const;
+  // After an update: start gathering the first unit of the recorded forward order.
+  void prefetch_first_forward_unit();
 
   // Time the training thread spent blocked on communication (not hidden behind compute).
   double exposed_gather_seconds = 0, exposed_reduce_seconds = 0;
