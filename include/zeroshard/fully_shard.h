@@ -31,6 +31,7 @@
 
 #include "zeroshard/comm.h"
 #include "zeroshard/flat_layout.h"
+#include "zeroshard/sharded_optimizer.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -67,9 +68,9 @@ struct FullyShardOptions {
   // Units gathered ahead of the current one by prefetching, at most. Default: 2.
   int max_inflight_gathers = 2;
   // dtype gradients are reduce-scattered in: Undefined = the parameters' dtype;
-  // BFloat16 halves the reduce-scatter bytes of fp32 units (the sum is still
-  // accumulated in fp32 and rounded once); Float reduces bf16 units' gradients
-  // in full precision. Default: Undefined.
+  // BFloat16 (or Half) halves the reduce-scatter bytes of fp32 units (the sum
+  // is still accumulated in fp32 and rounded once); Float reduces 16-bit
+  // units' gradients in full precision. Default: Undefined.
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
 };
 
@@ -167,8 +168,9 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 // (ranks exchange a hash of every unit's parameter names, shapes and dtypes and
 // refuse to start, naming the first difference, when they disagree). Rank 0's
 // parameter values are what every rank starts from.
-// REQUIRES: parameters on the CPU, Float or BFloat16 (one dtype per unit; BFloat16
-//           units keep an fp32 master shard, and gather and reduce in bf16);
+// REQUIRES: parameters on the CPU, Float, BFloat16 or Half (one dtype per unit;
+//           16-bit units keep an fp32 master shard, and gather and reduce in
+//           their dtype; Half wants loss scaling, on by default in FullyShardedAdamW);
 //           a unit's parameters belong to it alone.
 // Keep the result: the units live as long as it does (dropping it makes the
 // Sharded<> wrappers pass-through again; resharded parameters stay empty, and
@@ -245,18 +247,47 @@ class FullyShardedModel {
   std::unique_ptr<Impl> impl_;
 };
 
+namespace optim {
+class LossScaler;
+}
+
+struct FullyShardedAdamWOptions {
+  // > 0: step() clips the gradient to this global L2 norm unless
+  // clip_grad_norm() was already called this step. Default: 0 (no clipping).
+  double max_grad_norm = 0;
+  // Dynamic loss scaling; on by default when the model has Half units.
+  LossScaleOptions loss_scale;
+};
+
 // AdamW over a fully sharded model: the fused kernel runs on each unit's fp32
 // shard (this rank's 1/N of every parameter), which is where the next forward
-// gathers from. One param group (the options given). Collective.
+// gathers from. Collective.
 class FullyShardedAdamW : public torch::optim::Optimizer {
  public:
+  // One param group: every trainable parameter, with `defaults`.
   FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model,
-                    torch::optim::AdamWOptions options = torch::optim::AdamWOptions());
+                    torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+                    FullyShardedAdamWOptions options = {});
+  // Param groups with their own AdamWOptions (lr, betas, eps, weight_decay);
+  // groups without options take `defaults`. The groups hold the model's own
+  // parameter tensors (as module->parameters() returns them) and together
+  // every trainable one, each once. LR schedulers change param_groups() as usual.
+  FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<torch::optim::OptimizerParamGroup> groups,
+                    torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+                    FullyShardedAdamWOptions options = {});
   ~FullyShardedAdamW() override;
 
+  // Updates every unit's shard (skipped on every rank when loss scaling found
+  // an inf/NaN gradient on any rank). Collective.
   torch::Tensor step(LossClosure closure = nullptr) override;
-  // Global L2 norm of the mean gradient (before clipping); clips it in the next step().
+  // Global L2 norm of the mean gradient (before clipping, after unscaling);
+  // clips it in the next step().
   double clip_grad_norm(double max_norm);
+  // loss * loss_scale() when loss scaling is on, else loss.
+  torch::Tensor scale_loss(const torch::Tensor& loss) const;
+  double loss_scale() const;
+  // Whether the last step() was skipped because a gradient overflowed.
+  bool last_step_skipped() const { return last_skipped_; }
   // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
   int64_t state_bytes() const;
   // Drops the gradients of this step (reduced or still in flight), e.g. to skip
@@ -269,6 +300,10 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
 
  private:
   std::shared_ptr<FullyShardedModel> model_;
+  FullyShardedAdamWOptions options_;
+  std::unique_ptr<optim::LossScaler> scaler_;
+  bool last_skipped_ = false;
+  std::vector<int> group_of_;        // per parameter, all units in order: its param group (-1: frozen)
   std::vector<at::Tensor> moments_;  // exp_avg, exp_avg_sq of each unit's shard (fp32)
   std::vector<int64_t> steps_;       // per parameter, all units in order
   std::vector<double> flags_;        // ranks that had a gradient, per parameter, this step

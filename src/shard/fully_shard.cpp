@@ -295,9 +295,9 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   TORCH_CHECK_VALUE(options.max_inflight_gathers >= 1, "fully_shard: max_inflight_gathers is ",
                     options.max_inflight_gathers, "; it must be >= 1 (Default: 2)");
   const auto rd = options.reduce_dtype;
-  TORCH_CHECK_VALUE(rd == at::ScalarType::Undefined || rd == at::kFloat || rd == at::kBFloat16,
+  TORCH_CHECK_VALUE(rd == at::ScalarType::Undefined || rd == at::kFloat || rd == at::kBFloat16 || rd == at::kHalf,
                     "fully_shard: reduce_dtype is ", c10::toString(rd),
-                    "; use Float, BFloat16 or Undefined (the parameters' dtype)");
+                    "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
   impl->comm = comm;
   {
@@ -349,9 +349,9 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
     TORCH_CHECK_VALUE(p.device().is_cpu(), "fully_shard: parameter '", name, "' is on ", p.device(),
                       " but the communicator is Gloo (CPU); move the model to the CPU");
-    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
+    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                       "fully_shard: parameter '", name, "' has dtype ", c10::toString(p.scalar_type()),
-                      "; fully_shard shards Float and BFloat16 parameters (BFloat16 keeps an fp32 master)");
+                      "; fully_shard shards Float, BFloat16 and Half parameters (16-bit ones keep an fp32 master)");
     TORCH_CHECK_VALUE(p.is_leaf(), "fully_shard: parameter '", name, "' is not a leaf tensor");
     entries.push_back("unit '" + unit + "' " + ParamInfo{name, p.sizes().vec(), p.scalar_type()}.describe());
   };

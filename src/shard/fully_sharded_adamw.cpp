@@ -8,14 +8,23 @@
 
 #include "optim/fused_adamw.h"
 #include "optim/grad_norm.h"
+#include "optim/loss_scaler.h"
+#include "shard/rank_agreement.h"
+#include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
 #include <chrono>
 #include <cmath>
+#include <iomanip>
 #include <limits>
+#include <sstream>
+#include <unordered_map>
 
 namespace zeroshard {
 namespace {
+
+using torch::optim::AdamWOptions;
+using torch::optim::OptimizerParamGroup;
 
 std::vector<torch::Tensor> trainable_params(const FullyShardedModel& model) {
   std::vector<torch::Tensor> out;
@@ -27,19 +36,110 @@ std::vector<torch::Tensor> trainable_params(const FullyShardedModel& model) {
   return out;
 }
 
+// Every trainable parameter of the model in exactly one group, nothing else.
+std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel& model, std::vector<OptimizerParamGroup> groups) {
+  struct Known {
+    std::string name;
+    bool trainable;
+  };
+  std::unordered_map<const c10::TensorImpl*, Known> known;
+  for (const auto& u : model.impl().units) {
+    for (size_t i = 0; i < u->params.size(); ++i) {
+      known[u->params[i].unsafeGetTensorImpl()] = {u->layout.params[i].name, u->trainable[i] != 0};
+    }
+  }
+  TORCH_CHECK_VALUE(!groups.empty(), "FullyShardedAdamW: no param groups given; pass at least one");
+  std::unordered_map<const c10::TensorImpl*, size_t> seen;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t j = 0; j < groups[g].params().size(); ++j) {
+      const auto& p = groups[g].params()[j];
+      TORCH_CHECK_VALUE(p.defined(), "FullyShardedAdamW: param group ", g, " entry ", j, " is an undefined tensor");
+      auto it = known.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK_VALUE(it != known.end(), "FullyShardedAdamW: param group ", g, " entry ", j, " (shape ", p.sizes(),
+                        ") is not a parameter of the sharded model; pass the model's own tensors "
+                        "(module->parameters() after fully_shard)");
+      TORCH_CHECK_VALUE(it->second.trainable, "FullyShardedAdamW: parameter '", it->second.name, "' in param group ",
+                        g, " was frozen (requires_grad false) when fully_shard ran; drop it from the group");
+      auto [prev, inserted] = seen.emplace(p.unsafeGetTensorImpl(), g);
+      TORCH_CHECK_VALUE(inserted, "FullyShardedAdamW: parameter '", it->second.name, "' is in param groups ",
+                        prev->second, " and ", g, "; put it in one");
+    }
+  }
+  for (const auto& u : model.impl().units) {  // in model order: the first missing one is named
+    for (size_t i = 0; i < u->params.size(); ++i) {
+      TORCH_CHECK_VALUE(!u->trainable[i] || seen.count(u->params[i].unsafeGetTensorImpl()),
+                        "FullyShardedAdamW: parameter '", u->layout.params[i].name,
+                        "' is in no param group; every trainable parameter must be in one (or freeze it before "
+                        "fully_shard)");
+    }
+  }
+  return groups;
+}
+
+bool any_half(const FullyShardedModel& model) {
+  for (const auto& u : model.impl().units) {
+    if (u->layout.dtype == at::kHalf) return true;
+  }
+  return false;
+}
+
+std::string describe(int g, const AdamWOptions& o) {
+  std::ostringstream os;
+  os << std::setprecision(17) << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
+     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
+  return os.str();
+}
+
 }  // namespace
 
-FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, torch::optim::AdamWOptions options)
-    : Optimizer({torch::optim::OptimizerParamGroup(trainable_params(*model))},
-                std::make_unique<torch::optim::AdamWOptions>(options)),
-      model_(std::move(model)) {
-  TORCH_CHECK_VALUE(!options.amsgrad(), "FullyShardedAdamW does not support amsgrad(true) (it keeps no max_exp_avg_sq); use amsgrad(false)");
-  size_t total = 0;
-  for (const auto& u : model_->impl().units) total += u->params.size();
-  steps_.assign(total, 0);
+FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, AdamWOptions defaults,
+                                     FullyShardedAdamWOptions options)
+    : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(*model))}, defaults, options) {}
+
+FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<OptimizerParamGroup> groups,
+                                     AdamWOptions defaults, FullyShardedAdamWOptions options)
+    : Optimizer(checked_groups(*model, std::move(groups)), std::make_unique<AdamWOptions>(defaults)),
+      model_(std::move(model)),
+      options_(options) {
+  TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "FullyShardedAdamW: max_grad_norm is ", options.max_grad_norm,
+                    "; it must be >= 0 (0: no clipping)");
+  const bool scaling = options.loss_scale.enabled < 0 ? any_half(*model_) : options.loss_scale.enabled > 0;
+  scaler_ = std::make_unique<optim::LossScaler>(options.loss_scale, scaling);
+  std::unordered_map<const c10::TensorImpl*, int> group;
+  std::vector<std::string> entries;
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    const auto& o = static_cast<const AdamWOptions&>(param_groups()[g].options());
+    TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: param group ", g,
+                      " sets amsgrad(true), which is not supported (no max_exp_avg_sq is kept); use amsgrad(false)");
+    entries.push_back(describe(static_cast<int>(g), o));
+    for (const auto& p : param_groups()[g].params()) group[p.unsafeGetTensorImpl()] = static_cast<int>(g);
+  }
+  for (const auto& u : model_->impl().units) {
+    for (size_t i = 0; i < u->params.size(); ++i) {
+      const int g = u->trainable[i] ? group.at(u->params[i].unsafeGetTensorImpl()) : -1;
+      group_of_.push_back(g);
+      entries.push_back("'" + u->layout.params[i].name + "' in group " + std::to_string(g));
+    }
+  }
+  std::ostringstream os;
+  os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm << " loss_scaling=" << scaling;
+  if (scaling) {
+    const auto& l = options.loss_scale;
+    os << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff " << l.backoff_factor
+       << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
+  }
+  entries.push_back(os.str());
+  shard::check_same_on_all_ranks(model_->communicator(), entries, "FullyShardedAdamW param groups and options");
+  steps_.assign(group_of_.size(), 0);
 }
 
 FullyShardedAdamW::~FullyShardedAdamW() = default;
+
+torch::Tensor FullyShardedAdamW::scale_loss(const torch::Tensor& loss) const {
+  return scaler_->enabled() ? loss * scaler_->scale() : loss;
+}
+
+double FullyShardedAdamW::loss_scale() const { return scaler_->scale(); }
 
 void FullyShardedAdamW::agree(bool with_norm) {
   if (agreed_ && (!with_norm || sumsq_ >= 0)) return;
@@ -69,7 +169,7 @@ double FullyShardedAdamW::clip_grad_norm(double max_norm) {
   agree(true);
   m.gradients_agreed = true;
   clip_max_norm_ = max_norm;
-  return std::sqrt(sumsq_);
+  return std::sqrt(sumsq_) / scaler_->scale();
 }
 
 torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
@@ -84,14 +184,21 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::step: called during backward");
   m.reduce_local_gradients();
   m.drain_all();
-  agree(clip_max_norm_ > 0);
-  double multiplier = 1.0;
-  if (clip_max_norm_ > 0) {
-    const double coef = clip_max_norm_ / (std::sqrt(sumsq_) + 1e-6);
-    if (coef < 1) multiplier = coef;
+  const double max_norm = clip_max_norm_ > 0 ? clip_max_norm_ : options_.max_grad_norm;
+  agree(max_norm > 0 || scaler_->enabled());
+  const double scale = scaler_->scale();
+  last_skipped_ = scaler_->update(scaler_->enabled() && !std::isfinite(sumsq_));
+  if (last_skipped_) {
+    log_info("FullyShardedAdamW: gradient overflow, step skipped on every rank; loss scale now " +
+             std::to_string(scaler_->scale()));
+    discard_gradients();
+    return loss;
   }
-  const auto& o = static_cast<torch::optim::AdamWOptions&>(param_groups()[0].options());
-  TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW does not support amsgrad(true) (it keeps no max_exp_avg_sq); use amsgrad(false)");
+  double multiplier = 1.0 / scale;
+  if (max_norm > 0) {
+    const double coef = max_norm / (std::sqrt(sumsq_) / scale + 1e-6);
+    if (coef < 1) multiplier *= coef;
+  }
   if (moments_.size() != 2 * m.units.size()) {
     moments_.clear();
     for (const auto& u : m.units) {
@@ -116,11 +223,14 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
     if (u.grad_shard.defined()) {
       for (const auto& seg : u.segments) {
         const size_t gi = base + seg.param;
-        if (flags_[gi] == 0) continue;
+        if (flags_[gi] == 0 || group_of_[gi] < 0) continue;
+        const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[group_of_[gi]].options());
+        TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: param group ", group_of_[gi],
+                          " sets amsgrad(true), which is not supported (no max_exp_avg_sq is kept); use amsgrad(false)");
         const Range local = seg.local(u.layout, m.rank);
         const auto c = optim::adamw_coeffs(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
                                            o.weight_decay(), steps_[gi], multiplier);
-        const bool low = u.shard.scalar_type() != at::kFloat;  // bf16: write the rounded copy gathers send
+        const bool low = u.shard.scalar_type() != at::kFloat;  // 16-bit: write the rounded copy gathers send
         optim::fused_adamw(c, u.master.data_ptr<float>() + local.begin,
                            static_cast<const char*>(u.grad_shard.data_ptr()) + local.begin * u.grad_shard.element_size(),
                            u.grad_shard.scalar_type(), moments_[2 * k].data_ptr<float>() + local.begin,
