@@ -63,7 +63,7 @@ TORCH_MODULE(Lm);
 
 int main(int argc, char** argv) {
   std::string mode = "zero3";
-  int steps = 6, warmup = 2, batch = 2, seq = 64, vocab = 8192, d = 512, heads = 8, ff = 2048, layers = 7;
+  int steps = 10, warmup = 2, batch = 2, seq = 64, vocab = 8192, d = 512, heads = 8, ff = 2048, layers = 7;
   CLI::App app{"~30M-parameter transformer LM: ZeRO-3 (fully_shard) vs ZeRO-2 vs data parallelism"};
   app.add_option("--mode", mode, "dp | zero2 | zero3 | zero3-nopf")
       ->check(CLI::IsMember({"dp", "zero2", "zero3", "zero3-nopf"}))
@@ -74,6 +74,12 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "transformer layers")->capture_default_str();
   std::string trace_path;
   app.add_option("--trace", trace_path, "write a Chrome trace of the timed steps to PATH.rank<r>.json");
+  zeroshard::FullyShardOptions fso;
+  app.add_option("--max-inflight-gathers", fso.max_inflight_gathers, "FullyShardOptions::max_inflight_gathers")
+      ->capture_default_str();
+  app.add_option("--max-inflight-reductions", fso.max_inflight_reductions,
+                 "FullyShardOptions::max_inflight_reductions")
+      ->capture_default_str();
   bool head_unit = false;
   app.add_flag("--head-unit", head_unit, "the LM head is a unit of its own (default: in the root with the embeddings)");
   CLI11_PARSE(app, argc, argv);
@@ -98,7 +104,7 @@ int main(int argc, char** argv) {
     zero2 = s.get();
     opt = std::move(s);
   } else {
-    zeroshard::FullyShardOptions o;
+    zeroshard::FullyShardOptions o = fso;
     o.prefetch = mode == "zero3";
     sharded = zeroshard::fully_shard(model, comm, o);
     opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);

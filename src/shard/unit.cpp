@@ -211,15 +211,25 @@ void Unit::finish_round() {
 void Unit::complete_gradients() {
   const auto reduce_dtype = model.options.reduce_dtype == at::ScalarType::Undefined ? layout.dtype
                                                                                      : model.options.reduce_dtype;
-  rs_in_ = at::zeros({layout.padded_numel}, gathered.options().dtype(reduce_dtype));
+  // Every element written once: gradients copied in, the rest (alignment gaps,
+  // padding, parameters without a gradient) zeroed.
+  rs_in_ = at::empty({layout.padded_numel}, gathered.options().dtype(reduce_dtype));
+  int64_t pos = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     auto& p = params[i];
-    if (!trainable[i] || !p.grad().defined()) continue;
-    const int64_t off = layout.offsets[i];
-    rs_in_.slice(0, off, off + layout.params[i].numel()).view(p.grad().sizes()).copy_(p.grad());
+    const int64_t off = layout.offsets[i], numel = layout.params[i].numel();
+    if (off > pos) rs_in_.slice(0, pos, off).zero_();
+    auto slot = rs_in_.slice(0, off, off + numel);
+    pos = off + numel;
+    if (!trainable[i] || !p.grad().defined()) {
+      slot.zero_();
+      continue;
+    }
+    slot.view(p.grad().sizes()).copy_(p.grad());
     p.mutable_grad() = at::Tensor();
     had_grad[i] = 1;
   }
+  if (pos < layout.padded_numel) rs_in_.slice(0, pos, layout.padded_numel).zero_();
   complete_ = true;
   reshard();
 }
