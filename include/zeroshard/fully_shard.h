@@ -290,6 +290,16 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   bool last_step_skipped() const { return last_skipped_; }
   // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
   int64_t state_bytes() const;
+  // This rank's part of the state, for checkpoints (stage 3; one "bucket" per
+  // unit, root last). Tensors are the live ones: master is what the next
+  // gather rounds from; exp_avg/exp_avg_sq are allocated here if no step ran yet.
+  ShardedState sharded_state();
+  // After a checkpoint load wrote into the tensors of sharded_state(): installs
+  // step counts (one per sharded_state().params entry) and the loss scale,
+  // drops pending gradients, and makes the next forward gather the loaded
+  // values (the root is all-gathered now). Collective.
+  void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                             int64_t loss_scale_clean_steps);
   // Drops the gradients of this step (reduced or still in flight), e.g. to skip
   // a step whose loss was not finite. zero_grad() cannot: the gradients already
   // live in the shards, not in p.grad(). Collective (waits for in-flight reductions).
@@ -311,6 +321,7 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   double clip_max_norm_ = 0;
   bool agreed_ = false;
   void agree(bool with_norm);
+  void ensure_moments();
 };
 
 }  // namespace zeroshard

@@ -100,6 +100,7 @@ struct ShardedState {
   int world_size = 1;
   int stage = 2;
   std::vector<ParamInfo> params;      // every parameter the optimizer trains, in model order
+  std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
   std::vector<ShardedBucketState> buckets;
   double loss_scale = 1;              // current dynamic loss scale (1 when off)
@@ -179,6 +180,12 @@ class ShardedAdamW : public torch::optim::Optimizer {
   bool last_step_skipped() const;
 
   ShardedState sharded_state() const;
+  // After a checkpoint load wrote into the master/exp_avg/exp_avg_sq tensors of
+  // sharded_state(): installs the step counts (one per sharded_state().params
+  // entry) and the loss scale, drops pending gradients, and sets the model's
+  // parameters to the masters' values (all-gathered). Collective.
+  void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                             int64_t loss_scale_clean_steps);
   ShardedMemory memory() const;
   const ShardedAdamWOptions& sharded_options() const;
   Communicator& communicator() const;

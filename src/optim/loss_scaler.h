@@ -21,6 +21,11 @@ class LossScaler {
   int64_t clean_steps() const { return clean_steps_; }
   // Records one step's outcome; returns true when the step must be skipped.
   bool update(bool found_inf);
+  // Resumes from a checkpoint.
+  void restore(double scale, int64_t clean_steps) {
+    scale_ = scale;
+    clean_steps_ = clean_steps;
+  }
 
  private:
   LossScaleOptions options_;

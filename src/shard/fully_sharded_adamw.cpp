@@ -199,13 +199,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
     const double coef = max_norm / (std::sqrt(sumsq_) / scale + 1e-6);
     if (coef < 1) multiplier *= coef;
   }
-  if (moments_.size() != 2 * m.units.size()) {
-    moments_.clear();
-    for (const auto& u : m.units) {
-      moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
-      moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
-    }
-  }
+  ensure_moments();
   // The root first: its all-gather (it stays gathered) then runs while the
   // other units' shards are updated.
   std::vector<size_t> order, bases(m.units.size(), 0);
@@ -257,6 +251,71 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   sumsq_ = -1;
   clip_max_norm_ = 0;
   return loss;
+}
+
+void FullyShardedAdamW::ensure_moments() {
+  const auto& m = model_->impl();
+  if (moments_.size() == 2 * m.units.size()) return;
+  moments_.clear();
+  for (const auto& u : m.units) {
+    moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
+    moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
+  }
+}
+
+ShardedState FullyShardedAdamW::sharded_state() {
+  auto& m = model_->impl();
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  ensure_moments();
+  ShardedState s;
+  s.rank = m.rank;
+  s.world_size = m.world;
+  s.stage = 3;
+  s.param_steps = steps_;
+  s.loss_scale = scaler_->scale();
+  s.loss_scale_clean_steps = scaler_->clean_steps();
+  size_t base = 0;
+  for (size_t k = 0; k < m.units.size(); ++k) {
+    const auto& u = *m.units[k];
+    ShardedBucketState b;
+    b.layout = u.layout;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      s.params.push_back(u.layout.params[i]);
+      s.param_tensors.push_back(u.params[i]);
+      b.params.push_back(base + i);
+      if (group_of_[base + i] > 0 && b.group == 0) b.group = group_of_[base + i];
+    }
+    b.shard = u.shard_range;
+    b.master = u.master;
+    b.exp_avg = moments_[2 * k];
+    b.exp_avg_sq = moments_[2 * k + 1];
+    s.buckets.push_back(std::move(b));
+    base += u.params.size();
+  }
+  return s;
+}
+
+void FullyShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                                              int64_t loss_scale_clean_steps) {
+  torch::NoGradGuard no_grad;
+  auto& m = model_->impl();
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::restore_sharded_state: called during backward");
+  TORCH_CHECK_VALUE(param_steps.size() == steps_.size(), "FullyShardedAdamW::restore_sharded_state: ",
+                    param_steps.size(), " step counts for ", steps_.size(), " parameters");
+  discard_gradients();
+  steps_ = param_steps;
+  scaler_->restore(loss_scale, loss_scale_clean_steps);
+  std::vector<std::shared_ptr<Work>> gathers;
+  for (auto& u : m.units) {
+    if (!u->master.is_same(u->shard)) u->shard.copy_(u->master);  // round to the unit's dtype
+    if (u->is_root) {
+      gathers.push_back(m.comm->all_gather(u->gathered, u->shard));
+    } else {
+      u->reshard();  // a gathered (or prefetched) copy would be stale
+    }
+  }
+  for (auto& w : gathers) w->wait();
 }
 
 void FullyShardedAdamW::discard_gradients() {

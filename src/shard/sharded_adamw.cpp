@@ -435,12 +435,37 @@ ShardedState ShardedAdamW::sharded_state() const {
   s.stage = im.options.stage;
   s.params = im.infos;
   s.param_steps = im.steps;
+  s.param_tensors = im.params;
   s.loss_scale = im.scaler.scale();
   s.loss_scale_clean_steps = im.scaler.clean_steps();
   for (const auto& b : im.buckets) {
     s.buckets.push_back({b.layout, b.params, b.group, b.shard, b.master, b.exp_avg, b.exp_avg_sq});
   }
   return s;
+}
+
+void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                                         int64_t loss_scale_clean_steps) {
+  torch::NoGradGuard no_grad;
+  auto& im = *impl_;
+  std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  TORCH_CHECK_VALUE(param_steps.size() == im.steps.size(), "ShardedAdamW::restore_sharded_state: ",
+                    param_steps.size(), " step counts for ", im.steps.size(), " parameters");
+  im.drain_all();
+  im.release_step_gradients();
+  for (auto& p : im.params) {
+    if (p.grad().defined()) p.mutable_grad().zero_();  // stage 1's gradients alias its flat buffer: keep them
+  }
+  im.local_grads_pending = false;
+  im.steps = param_steps;
+  im.scaler.restore(loss_scale, loss_scale_clean_steps);
+  std::vector<std::shared_ptr<Work>> gathers;
+  for (auto& b : im.buckets) {
+    auto mine = b.flat_params.slice(0, b.shard.begin, b.shard.end);
+    if (b.layout.dtype != at::kFloat) mine.copy_(b.master);  // round to the parameters' dtype
+    gathers.push_back(im.comm->all_gather(b.flat_params, mine));
+  }
+  for (auto& w : gathers) w->wait();
 }
 
 ShardedMemory ShardedAdamW::memory() const {

@@ -1,0 +1,663 @@
+// checkpoint.cpp — saving, committing, verifying and loading sharded checkpoints.
+#include "zeroshard/checkpoint.h"
+
+#include "checksum.h"
+#include "h5.h"
+#include "zeroshard/log.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+#include <xxhash.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace zeroshard {
+namespace {
+
+constexpr int kFormatVersion = 1;
+constexpr const char* kFormat = "zeroshard-checkpoint";
+
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file_name(int rank, int world) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "rank-%05d-of-%05d.h5", rank, world);
+  return buf;
+}
+
+// fsync a file or directory by path.
+void fsync_path(const fs::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot open '", path.string(), "' to fsync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "checkpoint: fsync of '", path.string(), "' failed: ", std::strerror(err));
+}
+
+// Writes `content` to `path` so that a crash leaves either the old file or the
+// new one: a temporary file, fsync, rename, fsync of the directory.
+void write_atomically(const fs::path& path, const std::string& content) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out, "checkpoint: cannot create '", tmp.string(), "': ", std::strerror(errno));
+    out << content;
+    out.flush();
+    TORCH_CHECK(out, "checkpoint: writing '", tmp.string(), "' failed (disk full?): ", std::strerror(errno));
+  }
+  fsync_path(tmp, false);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot rename '", tmp.string(), "' to '", path.string(), "': ", ec.message());
+  fsync_path(path.parent_path(), true);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "checkpoint: cannot read '", path.string(), "': ", std::strerror(errno));
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+
+// How a tensor dtype is stored: HDF5 1.10 has no 16-bit float types, so
+// bf16/fp16 are stored as their bits in uint16 with a "dtype" attribute.
+checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name) {
+  switch (t) {
+    case at::kFloat: return checkpoint::h5::Type::kFloat32;
+    case at::kDouble: return checkpoint::h5::Type::kFloat64;
+    case at::kLong: return checkpoint::h5::Type::kInt64;
+    case at::kInt: return checkpoint::h5::Type::kInt32;
+    case at::kByte:
+    case at::kBool: return checkpoint::h5::Type::kUInt8;
+    case at::kBFloat16:
+    case at::kHalf: return checkpoint::h5::Type::kUInt16;
+    default: break;
+  }
+  TORCH_CHECK_VALUE(false, "checkpoint: tensor '", name, "' has dtype ", c10::toString(t),
+                    ", which checkpoints do not store (Float, Double, Long, Int, Byte, Bool, BFloat16, Half)");
+}
+
+c10::ScalarType dtype_from_string(const std::string& s) {
+  for (auto t : {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kBFloat16, at::kHalf}) {
+    if (s == c10::toString(t)) return t;
+  }
+  TORCH_CHECK(false, "checkpoint: unknown dtype '", s, "' in the manifest");
+}
+
+// Model identity: every parameter's and buffer's name, shape and dtype, in
+// module order. Shapes of the optimizer's parameters come from its state: a
+// resharded fully_shard parameter holds no elements.
+std::string model_description(torch::nn::Module& model, const ShardedState& state,
+                              const std::vector<std::string>& names) {
+  std::unordered_map<std::string, const ParamInfo*> info;
+  for (size_t i = 0; i < names.size(); ++i) info[names[i]] = &state.params[i];
+  std::string d;
+  for (const auto& item : model.named_parameters()) {
+    auto it = info.find(item.key());
+    const ParamInfo p = it != info.end() ? ParamInfo{item.key(), it->second->shape, it->second->dtype}
+                                         : ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()};
+    d += "param " + p.describe() + "\n";
+  }
+  for (const auto& item : model.named_buffers()) {
+    d += "buffer " + ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}.describe() + "\n";
+  }
+  return d;
+}
+
+std::string hash_hex(const std::string& s) { return checkpoint::to_hex(XXH3_64bits(s.data(), s.size())); }
+
+// Names of the state's parameters as the module calls them.
+std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model) {
+  std::unordered_map<const c10::TensorImpl*, std::string> by_impl;
+  for (const auto& item : model.named_parameters()) by_impl.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  std::vector<std::string> names;
+  for (size_t i = 0; i < state.params.size(); ++i) {
+    auto it = i < state.param_tensors.size() ? by_impl.find(state.param_tensors[i].unsafeGetTensorImpl()) : by_impl.end();
+    TORCH_CHECK_VALUE(it != by_impl.end(), "checkpoint: the optimizer's parameter '", state.params[i].name,
+                      "' is not a parameter of the module given; pass the module the optimizer trains");
+    names.push_back(it->second);
+  }
+  return names;
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
+struct Piece {
+  int rank;
+  int64_t begin, end;  // elements of the flattened parameter
+};
+
+}  // namespace
+
+struct Checkpointer::Impl {
+  std::string dir;
+  std::shared_ptr<Communicator> comm;
+  CheckpointOptions options;
+
+  // Every rank learns whether every rank succeeded at a phase; throws on all
+  // of them if not, with this rank's own error or the failing ranks' numbers.
+  void agree(const std::string& phase, const std::string& my_error) {
+    auto flags = torch::zeros({comm->size()}, torch::kDouble);
+    if (!my_error.empty()) flags[comm->rank()] = 1.0;
+    if (comm->size() > 1) comm->all_reduce(flags, ReduceOp::kMax)->wait();
+    std::vector<int> failed;
+    for (int r = 0; r < comm->size(); ++r) {
+      if (flags[r].item<double>() > 0) failed.push_back(r);
+    }
+    if (failed.empty()) return;
+    std::string who;
+    for (int r : failed) who += (who.empty() ? "" : ", ") + std::to_string(r);
+    TORCH_CHECK(false, "checkpoint: ", phase, " failed on rank(s) ", who,
+                my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
+  }
+
+  std::string save(ShardedState state, torch::nn::Module& model, const TrainingProgress& progress);
+  std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
+                                       const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore);
+  void write_rank_file(const fs::path& path, const ShardedState& state, const std::vector<std::string>& names,
+                       torch::nn::Module& model, int64_t step);
+  json manifest(const ShardedState& state, const std::vector<std::string>& names, torch::nn::Module& model,
+                const TrainingProgress& progress, const std::vector<std::pair<int64_t, uint64_t>>& digests);
+  void commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
+  void retain(const fs::path& keep_dir);
+  // Committed checkpoints, newest first.
+  std::vector<fs::path> committed() const;
+  // Why this committed checkpoint cannot be trusted ("" when it can): the
+  // files this rank checks (every world-th one) against the manifest.
+  std::string verify_share(const fs::path& step_dir, const json& m) const;
+};
+
+void Checkpointer::Impl::write_rank_file(const fs::path& path, const ShardedState& state,
+                                         const std::vector<std::string>& names, torch::nn::Module& model,
+                                         int64_t step) {
+  using checkpoint::h5::Type;
+  auto f = checkpoint::h5::File::create(path.string());
+  f.set_attribute("/", "format", std::string(kFormat));
+  f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
+  f.set_attribute("/", "rank", static_cast<int64_t>(state.rank));
+  f.set_attribute("/", "world_size", static_cast<int64_t>(state.world_size));
+  f.set_attribute("/", "step", step);
+  for (const auto& b : state.buckets) {
+    for (const auto& seg : shard_segments(b.layout, state.rank)) {
+      const std::string& name = names[b.params[seg.param]];
+      const Range local = seg.local(b.layout, state.rank);
+      const std::vector<uint64_t> dims{static_cast<uint64_t>(local.size())};
+      for (const auto& [kind, t] : {std::pair<const char*, const at::Tensor&>{"master", b.master},
+                                    {"exp_avg", b.exp_avg}, {"exp_avg_sq", b.exp_avg_sq}}) {
+        const std::string ds = std::string("/") + kind + "/" + name;
+        f.write(ds, Type::kFloat32, dims, t.data_ptr<float>() + local.begin);
+        f.set_attribute(ds, "begin", seg.param_offset);
+      }
+    }
+  }
+  if (state.rank == 0) {  // what every rank holds in full: buffers and untrained parameters
+    std::unordered_map<std::string, bool> trained;
+    for (const auto& n : names) trained[n] = true;
+    auto put = [&](const std::string& name, const at::Tensor& t) {
+      const auto type = storage_type(t.scalar_type(), name);
+      auto c = t.detach().contiguous();
+      std::vector<uint64_t> dims;
+      for (auto d : c.sizes()) dims.push_back(static_cast<uint64_t>(d));
+      if (dims.empty()) dims.push_back(1);
+      const std::string ds = "/replicated/" + name;
+      f.write(ds, type, dims, c.data_ptr());
+      f.set_attribute(ds, "dtype", std::string(c10::toString(t.scalar_type())));
+    };
+    for (const auto& item : model.named_parameters()) {
+      if (!trained.count(item.key())) put(item.key(), item.value());
+    }
+    for (const auto& item : model.named_buffers()) put(item.key(), item.value());
+  }
+  at::Tensor rng;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(rng.numel())}, rng.data_ptr());
+  f.close();
+  fsync_path(path, false);
+}
+
+json Checkpointer::Impl::manifest(const ShardedState& state, const std::vector<std::string>& names,
+                                  torch::nn::Module& model, const TrainingProgress& progress,
+                                  const std::vector<std::pair<int64_t, uint64_t>>& digests) {
+  const int world = state.world_size;
+  std::vector<std::vector<Piece>> pieces(state.params.size());
+  for (const auto& b : state.buckets) {
+    for (int r = 0; r < world; ++r) {
+      for (const auto& seg : shard_segments(b.layout, r)) {
+        pieces[b.params[seg.param]].push_back({r, seg.param_offset, seg.param_offset + seg.flat.size()});
+      }
+    }
+  }
+  json m;
+  m["format"] = kFormat;
+  m["format_version"] = kFormatVersion;
+  m["step"] = progress.step;
+  m["epoch"] = progress.epoch;
+  m["extra"] = json::parse(progress.extra_json);
+  m["world_size"] = world;
+  m["stage"] = state.stage;
+  m["model_hash"] = hash_hex(model_description(model, state, names));
+  m["loss_scale"] = state.loss_scale;
+  m["loss_scale_clean_steps"] = state.loss_scale_clean_steps;
+  m["params"] = json::array();
+  for (size_t i = 0; i < state.params.size(); ++i) {
+    json p;
+    p["name"] = names[i];
+    p["shape"] = state.params[i].shape;
+    p["dtype"] = c10::toString(state.params[i].dtype);
+    p["step"] = state.param_steps[i];
+    p["pieces"] = json::array();
+    for (const auto& pc : pieces[i]) p["pieces"].push_back({pc.rank, pc.begin, pc.end});
+    m["params"].push_back(std::move(p));
+  }
+  std::unordered_map<std::string, bool> trained;
+  for (const auto& n : names) trained[n] = true;
+  m["replicated"] = json::array();
+  for (const auto& item : model.named_parameters()) {
+    if (!trained.count(item.key())) {
+      m["replicated"].push_back({{"name", item.key()}, {"kind", "parameter"}, {"shape", item.value().sizes().vec()},
+                                 {"dtype", c10::toString(item.value().scalar_type())}});
+    }
+  }
+  for (const auto& item : model.named_buffers()) {
+    m["replicated"].push_back({{"name", item.key()}, {"kind", "buffer"}, {"shape", item.value().sizes().vec()},
+                               {"dtype", c10::toString(item.value().scalar_type())}});
+  }
+  m["groups"] = json::array();  // the saving run's flat layout (buckets or units), for tools
+  for (const auto& b : state.buckets) {
+    json g;
+    g["params"] = json::array();
+    for (size_t k = 0; k < b.params.size(); ++k) g["params"].push_back(names[b.params[k]]);
+    g["offsets"] = b.layout.offsets;
+    g["padded_numel"] = b.layout.padded_numel;
+    g["dtype"] = c10::toString(b.layout.dtype);
+    m["groups"].push_back(std::move(g));
+  }
+  m["files"] = json::array();
+  for (int r = 0; r < world; ++r) {
+    m["files"].push_back({{"name", rank_file_name(r, world)},
+                          {"bytes", digests[static_cast<size_t>(r)].first},
+                          {"xxh3", checkpoint::to_hex(digests[static_cast<size_t>(r)].second)}});
+  }
+  return m;
+}
+
+void Checkpointer::Impl::commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest) {
+  write_atomically(tmp / "manifest.json", manifest.dump(1));
+  std::error_code ec;
+  fs::path replaced;
+  if (fs::exists(final_dir)) {  // the same step saved again (e.g. after a resume)
+    replaced = final_dir.string() + ".replaced.tmp";
+    fs::remove_all(replaced, ec);
+    fs::rename(final_dir, replaced, ec);
+    TORCH_CHECK(!ec, "checkpoint: cannot move the old '", final_dir.string(), "' aside: ", ec.message());
+  }
+  fs::rename(tmp, final_dir, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot rename '", tmp.string(), "' to '", final_dir.string(), "': ", ec.message());
+  fsync_path(final_dir.parent_path(), true);
+  write_atomically(final_dir.parent_path() / "latest", final_dir.filename().string() + "\n");
+  if (!replaced.empty()) fs::remove_all(replaced, ec);
+}
+
+std::vector<fs::path> Checkpointer::Impl::committed() const {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step-", 0) != 0 || n.find(".tmp") != std::string::npos) continue;
+    if (!fs::exists(e.path() / "manifest.json")) continue;  // never committed
+    try {
+      found.emplace_back(std::stoll(n.substr(5)), e.path());
+    } catch (const std::exception&) {
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+void Checkpointer::Impl::retain(const fs::path& keep_dir) {
+  std::error_code ec;
+  // Directories a crash left behind: never committed, never loaded.
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    const bool leftover = n.rfind("step-", 0) == 0 &&
+                          (n.find(".tmp") != std::string::npos || !fs::exists(e.path() / "manifest.json"));
+    if (leftover && e.path() != keep_dir) fs::remove_all(e.path(), ec);
+  }
+  auto all = committed();
+  const size_t keep = static_cast<size_t>(std::max(options.keep, 2));
+  for (size_t i = keep; i < all.size(); ++i) {
+    if (all[i] != keep_dir) fs::remove_all(all[i], ec);
+  }
+}
+
+std::string Checkpointer::Impl::save(ShardedState state, torch::nn::Module& model, const TrainingProgress& progress) {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rank = comm->rank(), world = comm->size();
+  const fs::path final_dir = fs::path(dir) / step_dir_name(progress.step);
+  const fs::path tmp = final_dir.string() + ".tmp";
+  const auto names = module_names(state, model);
+  TORCH_CHECK_VALUE(json::accept(progress.extra_json), "checkpoint: TrainingProgress::extra_json is not valid JSON: ",
+                    progress.extra_json.substr(0, 80));
+  std::string err;
+  if (rank == 0) {
+    try {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp, ec);
+      TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  agree("creating " + tmp.string(), err);
+  const fs::path file = tmp / rank_file_name(rank, world);
+  checkpoint::FileDigest digest;
+  try {
+    write_rank_file(file, state, names, model, progress.step);
+    digest = checkpoint::digest_file(file.string());
+  } catch (const std::exception& e) {
+    err = std::string("writing '") + file.string() + "': " + message_of(e);
+  }
+  agree("writing rank files", err);
+  auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3)}, torch::kLong);
+  auto all = torch::empty({2 * world}, torch::kLong);
+  comm->all_gather(all, d)->wait();
+  std::vector<std::pair<int64_t, uint64_t>> digests;
+  for (int r = 0; r < world; ++r) {
+    digests.emplace_back(all[2 * r].item<int64_t>(), static_cast<uint64_t>(all[2 * r + 1].item<int64_t>()));
+  }
+  if (rank == 0) {
+    try {
+      commit(tmp, final_dir, manifest(state, names, model, progress, digests));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  agree("committing " + final_dir.string(), err);
+  if (rank == 0) retain(final_dir);
+  comm->barrier();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t bytes = 0;
+  for (const auto& dg : digests) bytes += dg.first;
+  char msg[160];
+  std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %d files) in %.2f s",
+                static_cast<long long>(progress.step), bytes / 1e6, world, seconds);
+  log_info(std::string(msg) + " to " + final_dir.string());
+  return final_dir.string();
+}
+
+std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const json& m) const {
+  const auto& files = m.at("files");
+  for (size_t j = static_cast<size_t>(comm->rank()); j < files.size(); j += static_cast<size_t>(comm->size())) {
+    const fs::path p = step_dir / files[j].at("name").get<std::string>();
+    std::error_code ec;
+    if (!fs::exists(p, ec)) return "'" + p.string() + "' is missing";
+    const auto size = fs::file_size(p, ec);
+    const auto want = files[j].at("bytes").get<int64_t>();
+    if (ec || static_cast<int64_t>(size) != want) {
+      return "'" + p.string() + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(want) +
+             " (truncated?)";
+    }
+    const auto digest = checkpoint::digest_file(p.string());
+    if (checkpoint::to_hex(digest.xxh3) != files[j].at("xxh3").get<std::string>()) {
+      return "'" + p.string() + "' fails its checksum (xxh3 " + checkpoint::to_hex(digest.xxh3) +
+             ", the manifest says " + files[j].at("xxh3").get<std::string>() + "): the file is corrupt";
+    }
+  }
+  return "";
+}
+
+std::optional<TrainingProgress> Checkpointer::Impl::load(
+    ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
+    const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore) {
+  torch::NoGradGuard no_grad;
+  const int rank = comm->rank();
+  const auto names = module_names(state, model);
+  // Candidates: the one asked for, or what `latest` names; then older committed ones.
+  std::vector<fs::path> candidates;
+  const fs::path root(dir);
+  if (step) {
+    candidates.push_back(root / step_dir_name(*step));
+  } else if (fs::exists(root / "latest")) {
+    std::string name = read_text(root / "latest");
+    name.erase(name.find_last_not_of(" \n\r\t") + 1);
+    candidates.push_back(root / name);
+  }
+  for (const auto& c : committed()) {
+    if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
+  }
+  if (candidates.empty()) return std::nullopt;
+  const std::string mine = model_description(model, state, names);
+  for (const auto& cand : candidates) {
+    // 1. manifest and files, checked by every rank (each a share of the files)
+    std::string why;
+    json m;
+    try {
+      if (!fs::exists(cand / "manifest.json")) {
+        why = "'" + cand.string() + "' has no manifest.json (never committed)";
+      } else {
+        m = json::parse(read_text(cand / "manifest.json"));
+        TORCH_CHECK(m.at("format") == kFormat && m.at("format_version").get<int>() == kFormatVersion,
+                    "unknown format");
+        why = verify_share(cand, m);
+      }
+    } catch (const std::exception& e) {
+      why = "'" + (cand / "manifest.json").string() + "' cannot be used: " +
+            message_of(e);
+    }
+    auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
+    if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
+    if (bad.item<double>() > 0) {
+      log_warn("checkpoint: not loading " + cand.string() + ": " +
+               (why.empty() ? std::string("another rank found a bad file (its log says which)") : why) +
+               "; trying the previous committed checkpoint");
+      if (step) {
+        TORCH_CHECK(false, "checkpoint: step ", *step, " in '", dir, "' cannot be loaded: ",
+                    why.empty() ? std::string("another rank found a bad file (its log says which)") : why);
+      }
+      continue;
+    }
+    // 2. the same model (a different one is an error, not a reason to fall back)
+    if (m.at("model_hash").get<std::string>() != hash_hex(mine)) {
+      std::unordered_map<std::string, json> saved;
+      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = p;
+      std::string first;
+      for (size_t i = 0; i < names.size() && first.empty(); ++i) {
+        auto it = saved.find(names[i]);
+        if (it == saved.end()) {
+          first = "parameter '" + names[i] + "' is not in the checkpoint";
+        } else if (it->second.at("shape").get<std::vector<int64_t>>() != state.params[i].shape) {
+          first = "parameter '" + names[i] + "' has shape " + c10::str(c10::IntArrayRef(state.params[i].shape)) +
+                  " here and " + it->second.at("shape").dump() + " in the checkpoint";
+        }
+      }
+      TORCH_CHECK(false, "checkpoint: '", cand.string(), "' was saved from a different model (",
+                  first.empty() ? std::string("parameter or buffer names, shapes or dtypes differ") : first,
+                  "); load it into the model it was saved from");
+    }
+    // 3. this rank's pieces, from whichever old files hold them
+    try {
+      std::unordered_map<std::string, const json*> saved;
+      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
+      std::map<int, checkpoint::h5::File> open;
+      auto file = [&](int r) -> checkpoint::h5::File& {
+        auto it = open.find(r);
+        if (it == open.end()) {
+          it = open.emplace(r, checkpoint::h5::File::open_read(
+                                   (cand / m.at("files")[static_cast<size_t>(r)].at("name").get<std::string>()).string()))
+                   .first;
+        }
+        return it->second;
+      };
+      std::unordered_map<std::string, const json*> replicated;
+      for (const auto& r : m.at("replicated")) replicated[r.at("name").get<std::string>()] = &r;
+      // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), as fp32.
+      auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
+        const auto dtype = dtype_from_string(replicated.at(name)->at("dtype").get<std::string>());
+        auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
+        file(0).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
+        return t;
+      };
+      // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
+      auto read_master = [&](const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
+        for (const auto& pc : saved.at(name)->at("pieces")) {
+          const int r = pc[0].get<int>();
+          const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
+          const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
+          if (lo >= hi) continue;
+          file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
+                       static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
+        }
+      };
+      std::vector<int64_t> steps(state.params.size(), 0);
+      for (size_t i = 0; i < names.size(); ++i) {
+        auto it = saved.find(names[i]);
+        if (it != saved.end()) {
+          steps[i] = it->second->at("step").get<int64_t>();
+        } else {
+          TORCH_CHECK(replicated.count(names[i]), "parameter '", names[i], "' is not in the checkpoint");
+        }
+      }
+      std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
+      for (const auto& b : state.buckets) {
+        for (const auto& seg : shard_segments(b.layout, rank)) {
+          const size_t pi = b.params[seg.param];
+          const std::string& name = names[pi];
+          const Range local = seg.local(b.layout, rank);
+          const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
+          if (saved.count(name)) {
+            read_master(name, "master", a, e, b.master.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg", a, e, b.exp_avg.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg_sq", a, e, b.exp_avg_sq.data_ptr<float>() + local.begin);
+          } else {  // saved in full and untrained: no moments
+            auto& full = full_replicated[name];
+            if (!full.defined()) full = read_replicated(name, state.params[pi].shape).to(at::kFloat).reshape(-1);
+            b.master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
+            b.exp_avg.slice(0, local.begin, local.end).zero_();
+            b.exp_avg_sq.slice(0, local.begin, local.end).zero_();
+          }
+        }
+      }
+      // The module's parameters the optimizer does not hold, and its buffers.
+      std::unordered_map<std::string, bool> in_state;
+      for (const auto& n : names) in_state[n] = true;
+      auto restore_full = [&](const std::string& name, const at::Tensor& target) {
+        if (replicated.count(name)) {
+          target.detach().copy_(read_replicated(name, target.sizes().vec()));
+        } else {
+          TORCH_CHECK(saved.count(name), "'", name, "' is not in the checkpoint");
+          auto full = torch::empty({target.numel()}, at::kFloat);
+          read_master(name, "master", 0, target.numel(), full.data_ptr<float>());
+          target.detach().copy_(full.view(target.sizes()));
+        }
+      };
+      for (const auto& item : model.named_parameters()) {
+        if (!in_state.count(item.key())) restore_full(item.key(), item.value());
+      }
+      for (const auto& item : model.named_buffers()) restore_full(item.key(), item.value());
+      if (m.at("world_size").get<int>() == comm->size()) {  // the same ranks: each resumes its own RNG stream
+        const auto dims = file(rank).dims("/rng/cpu");
+        auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
+        file(rank).read_all("/rng/cpu", checkpoint::h5::Type::kUInt8, rng.data_ptr());
+        auto gen = at::detail::getDefaultCPUGenerator();  // a handle on the process's generator
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(rng);
+      }
+      why.clear();
+      restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>());
+    } catch (const std::exception& e) {
+      why = message_of(e);
+    }
+    agree("loading " + cand.string(), why);
+    TrainingProgress progress;
+    progress.step = m.at("step").get<int64_t>();
+    progress.epoch = m.at("epoch").get<int64_t>();
+    progress.extra_json = m.at("extra").dump();
+    log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
+             std::to_string(m.at("world_size").get<int>()) + " ranks, stage " + std::to_string(m.at("stage").get<int>()) +
+             ")");
+    return progress;
+  }
+  TORCH_CHECK(false, "checkpoint: no checkpoint in '", dir, "' can be loaded (each was skipped above, with the reason)");
+}
+
+Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, CheckpointOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK_VALUE(comm != nullptr, "Checkpointer: the communicator is null");
+  TORCH_CHECK_VALUE(options.keep >= 2, "Checkpointer: keep is ", options.keep,
+                    "; at least 2 committed checkpoints are kept (a crash while replacing one leaves the other)");
+  impl_->dir = std::move(dir);
+  impl_->comm = std::move(comm);
+  impl_->options = options;
+  std::string err;
+  if (impl_->comm->rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(impl_->dir, ec);
+    if (ec) err = "cannot create the run directory '" + impl_->dir + "': " + ec.message();
+  }
+  impl_->agree("opening the run directory", err);
+}
+
+Checkpointer::~Checkpointer() = default;
+
+const std::string& Checkpointer::dir() const { return impl_->dir; }
+
+std::string Checkpointer::save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
+  return impl_->save(opt.sharded_state(), model, progress);
+}
+
+std::string Checkpointer::save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
+  return impl_->save(opt.sharded_state(), model, progress);
+}
+
+std::optional<TrainingProgress> Checkpointer::load(ShardedAdamW& opt, torch::nn::Module& model,
+                                                   std::optional<int64_t> step) {
+  return impl_->load(opt.sharded_state(), model, step,
+                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean) {
+                       opt.restore_sharded_state(s, scale, clean);
+                     });
+}
+
+std::optional<TrainingProgress> Checkpointer::load(FullyShardedAdamW& opt, torch::nn::Module& model,
+                                                   std::optional<int64_t> step) {
+  return impl_->load(opt.sharded_state(), model, step,
+                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean) {
+                       opt.restore_sharded_state(s, scale, clean);
+                     });
+}
+
+}  // namespace zeroshard

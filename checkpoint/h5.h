@@ -1,0 +1,84 @@
+// h5.h — the few HDF5 (C API, 1.10) operations checkpoints need, with RAII
+// handles and errors that name the file, the object and HDF5's own reason.
+//
+// Files are created with library version bounds (earliest, v1.10), so any
+// HDF5 1.10 reader opens them. Not thread-safe across threads unless the HDF5
+// library is (Debian's serial build is not): one thread does HDF5 at a time.
+#pragma once
+
+#include <hdf5.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zeroshard::checkpoint::h5 {
+
+// Owns one hid_t and closes it with the matching H5*close.
+class Handle {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Handle() = default;
+  Handle(hid_t id, Closer close) : id_(id), close_(close) {}
+  ~Handle() { reset(); }
+  Handle(Handle&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
+  Handle& operator=(Handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      id_ = o.id_;
+      close_ = o.close_;
+      o.id_ = -1;
+    }
+    return *this;
+  }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  hid_t get() const { return id_; }
+  void reset();
+
+ private:
+  hid_t id_ = -1;
+  Closer close_ = nullptr;
+};
+
+// Element types of datasets.
+enum class Type { kFloat32, kFloat64, kInt64, kInt32, kUInt8, kUInt16 };
+hid_t file_type(Type t);
+hid_t memory_type(Type t);
+size_t type_size(Type t);
+
+class File {
+ public:
+  // Creates (truncating) a file for writing.
+  static File create(const std::string& path);
+  static File open_read(const std::string& path);
+  const std::string& path() const { return path_; }
+  hid_t id() const { return file_.get(); }
+
+  // A dataset of `dims` (product = element count of `data`), under its full
+  // path ("/master/encoder.fc1.weight"; missing groups are created).
+  void write(const std::string& name, Type type, const std::vector<uint64_t>& dims, const void* data);
+  void set_attribute(const std::string& object, const std::string& name, int64_t value);
+  void set_attribute(const std::string& object, const std::string& name, const std::string& value);
+  int64_t int_attribute(const std::string& object, const std::string& name) const;
+  std::string string_attribute(const std::string& object, const std::string& name) const;
+
+  bool has(const std::string& name) const;
+  std::vector<uint64_t> dims(const std::string& name) const;
+  // Elements [offset, offset + count) of a 1-D dataset (or of a dataset read as
+  // flat), converted to `type` in memory.
+  void read(const std::string& name, Type type, uint64_t offset, uint64_t count, void* out) const;
+  // The whole dataset.
+  void read_all(const std::string& name, Type type, void* out) const;
+  // Flushes HDF5's buffers and closes the file (then fsync it by path).
+  void close();
+
+ private:
+  std::string path_;
+  Handle file_;
+};
+
+// Turns off HDF5's printing of error stacks (errors are reported as exceptions).
+void quiet_errors();
+
+}  // namespace zeroshard::checkpoint::h5

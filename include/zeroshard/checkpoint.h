@@ -1,0 +1,79 @@
+// zeroshard/checkpoint.h — sharded checkpoints that survive preemption.
+//
+//   run_dir/
+//     latest                   names the last committed step directory (replaced atomically)
+//     step-00001200/
+//       manifest.json          written last: world size, stage, parameters and which rank holds
+//                              which piece, each file's size and xxh3, training progress
+//       rank-00000-of-00004.h5 this rank's pieces: fp32 master, exp_avg, exp_avg_sq per parameter;
+//                              its RNG state; rank 0 also the buffers and untrained parameters
+//
+// Every rank writes its own file into step-N.tmp/, fsyncs it and reports its
+// size and checksum; rank 0 writes the manifest, fsyncs it, renames the
+// directory to step-N/ and then replaces `latest`. A crash at any instant
+// leaves the previous checkpoint loadable. A load verifies every file's size
+// and checksum against the manifest and falls back to the previous committed
+// checkpoint (saying why) when one does not match. Any world size and stage
+// can load any checkpoint of the same model: each rank reads only the pieces
+// it now owns (HDF5 hyperslab reads). Format: docs/checkpoint-format.md.
+#pragma once
+
+#include "zeroshard/comm.h"
+#include "zeroshard/fully_shard.h"
+#include "zeroshard/sharded_optimizer.h"
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace zeroshard {
+
+struct CheckpointOptions {
+  // Committed checkpoints kept; older ones are deleted after a commit. At least 2. Default: 3.
+  int keep = 3;
+};
+
+// Where training stands, saved with the shards and returned by a load.
+struct TrainingProgress {
+  int64_t step = 0;       // names the directory: step-%08d
+  int64_t epoch = 0;
+  std::string extra_json = "{}";  // anything else (LR schedule, sampler position), as a JSON object
+};
+
+class Checkpointer {
+ public:
+  // `dir`: the run directory (created when missing). Collective: every rank
+  // passes the same directory, on a file system they all see.
+  Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, CheckpointOptions options = {});
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Saves and commits a checkpoint of step `progress.step`; returns its
+  // directory. `model` supplies the buffers and the parameters the optimizer
+  // does not train (and names parameters). Collective. On failure (unwritable
+  // directory, full disk) every rank throws, naming the rank, file and reason;
+  // `latest` still names the previous checkpoint.
+  std::string save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress);
+  std::string save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress);
+
+  // Loads the checkpoint `latest` names (or, when `step` is given, that one),
+  // falling back to older committed ones that verify. nullopt when the run
+  // directory holds none. Collective.
+  std::optional<TrainingProgress> load(ShardedAdamW& opt, torch::nn::Module& model,
+                                       std::optional<int64_t> step = std::nullopt);
+  std::optional<TrainingProgress> load(FullyShardedAdamW& opt, torch::nn::Module& model,
+                                       std::optional<int64_t> step = std::nullopt);
+
+  const std::string& dir() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zeroshard

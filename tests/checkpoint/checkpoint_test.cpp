@@ -1,0 +1,406 @@
+// Sharded checkpoints: round trips, resharding N -> M across stages 2 and 3,
+// the commit protocol and bad input.
+//
+// CheckpointSave (run at N = 1..4 ranks, ctest fixture) trains the test model
+// kSaveAt steps at stage 2 and at stage 3, saves, trains on to kEnd and writes
+// the uninterrupted run's parameters; CheckpointResume (at M = 1..4 ranks)
+// loads every N's checkpoints into both stages and must reach the same
+// parameters to float rounding. ZS_CKPT_TEST_DIR names the shared directory.
+#include "test_util.h"
+
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/sharded_optimizer.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace zeroshard {
+namespace {
+
+using testing::world;
+using testing::world_ptr;
+
+constexpr int kIn = 9, kWidth = 21, kOut = 4, kBatch = 24, kSaveAt = 6, kEnd = 12;
+const auto kAdamW = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.05);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(kWidth, kWidth + 5));
+    fc2 = register_module("fc2", torch::nn::Linear(kWidth + 5, kWidth));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Units (stage 3) or plain layers (stage 2), a frozen layer and a bf16 buffer:
+// what a checkpoint must hold besides the optimizer's shards.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    embed = register_module("embed", torch::nn::Linear(kIn, kWidth));
+    frozen = register_module("frozen", torch::nn::Linear(kWidth, kWidth));
+    frozen->weight.set_requires_grad(false);
+    frozen->bias.set_requires_grad(false);
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("block" + std::to_string(i), Sharded<Block>()));
+    head = register_module("head", torch::nn::Linear(kWidth, kOut));
+    offset = register_buffer("offset", (torch::randn({kOut}) * 0.1).to(torch::kBFloat16));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = frozen(embed(x));
+    for (auto& b : blocks) h = b->forward(h);
+    return head(h) + offset.to(torch::kFloat);
+  }
+  torch::nn::Linear embed{nullptr}, frozen{nullptr}, head{nullptr};
+  std::vector<Sharded<Block>> blocks;
+  torch::Tensor offset;
+};
+TORCH_MODULE(Net);
+
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
+  torch::manual_seed(700 + step);
+  return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
+}
+
+// A model and its optimizer at stage 2 (ShardedAdamW) or 3 (fully_shard).
+struct Trainer {
+  Net net;
+  std::shared_ptr<FullyShardedModel> sharded;
+  std::unique_ptr<ShardedAdamW> zero2;
+  std::unique_ptr<FullyShardedAdamW> zero3;
+
+  explicit Trainer(int stage, int seed = 1) {
+    torch::manual_seed(seed);
+    net = Net();
+    if (stage == 3) {
+      sharded = fully_shard(net, world_ptr());
+      zero3 = std::make_unique<FullyShardedAdamW>(sharded, kAdamW);
+    } else {
+      std::vector<torch::Tensor> trained;
+      torch::OrderedDict<std::string, torch::Tensor> named;
+      for (const auto& item : net->named_parameters()) {
+        if (item.value().requires_grad()) named.insert(item.key(), item.value());
+      }
+      zero2 = std::make_unique<ShardedAdamW>(named, world_ptr(), kAdamW);
+    }
+  }
+  torch::optim::Optimizer& opt() { return zero3 ? static_cast<torch::optim::Optimizer&>(*zero3) : *zero2; }
+  void train(int64_t from, int64_t to) {
+    const int n = world().size(), r = world().rank(), local = kBatch / n;
+    for (int64_t s = from; s < to; ++s) {
+      auto [x, y] = batch(s);
+      opt().zero_grad();
+      torch::mse_loss(net->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
+          .backward();
+      opt().step();
+    }
+  }
+  std::string save(Checkpointer& c, int64_t step) {
+    TrainingProgress p;
+    p.step = step;
+    p.epoch = 1;
+    p.extra_json = R"({"sampler": 42})";
+    return zero3 ? c.save(*zero3, *net, p) : c.save(*zero2, *net, p);
+  }
+  std::optional<TrainingProgress> load(Checkpointer& c, std::optional<int64_t> step = std::nullopt) {
+    return zero3 ? c.load(*zero3, *net, step) : c.load(*zero2, *net, step);
+  }
+  // Every parameter and buffer, in full, in module order (fp32).
+  torch::Tensor flat() {
+    std::optional<FullyShardedModel::FullParamsGuard> guard;
+    if (sharded) guard.emplace(sharded->summon_full_params());
+    std::vector<torch::Tensor> ps;
+    for (auto& p : net->parameters()) ps.push_back(p.detach().to(torch::kFloat).reshape(-1).clone());
+    for (auto& b : net->buffers()) ps.push_back(b.detach().to(torch::kFloat).reshape(-1).clone());
+    return torch::cat(ps);
+  }
+};
+
+std::string shared_dir() {
+  const char* d = std::getenv("ZS_CKPT_TEST_DIR");
+  return d != nullptr ? d : (fs::temp_directory_path() / "zs_ckpt_test").string();
+}
+
+// Rank 0's temp dir, the same for every rank.
+std::string common_temp_dir(const std::string& tag) {
+  std::string dir = world().rank() == 0 ? testing::make_temp_dir(tag) : std::string();
+  auto len = torch::tensor({static_cast<int64_t>(dir.size())}, torch::kLong);
+  if (world().size() > 1) world().broadcast(len, 0)->wait();
+  auto chars = torch::zeros({len.item<int64_t>()}, torch::kInt);  // the communicator moves no bytes
+  for (size_t i = 0; i < dir.size(); ++i) chars[static_cast<int64_t>(i)] = static_cast<int>(dir[i]);
+  if (world().size() > 1 && chars.numel() > 0) world().broadcast(chars, 0)->wait();
+  std::string out;
+  for (int64_t i = 0; i < chars.numel(); ++i) out += static_cast<char>(chars[i].item<int>());
+  return out;
+}
+
+void write_tensor(const std::string& path, const torch::Tensor& t) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+}
+torch::Tensor read_tensor(const std::string& path, int64_t numel) {
+  auto t = torch::empty({numel}, torch::kFloat);
+  std::ifstream in(path, std::ios::binary);
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  EXPECT_TRUE(in) << "cannot read " << path << " (did checkpoint_save_np* run?)";
+  return t;
+}
+
+// ---------------------------------------------------------------- same world
+
+class CheckpointRoundTrip : public ::testing::TestWithParam<int> {};
+
+// Save, train on; load into a fresh model (other initial values, other RNG
+// state), train on: bit-identical to the uninterrupted run, RNG stream included.
+TEST_P(CheckpointRoundTrip, ResumeIsBitIdentical) {
+  const int stage = GetParam();
+  const auto dir = common_temp_dir("ckpt_roundtrip");
+  Checkpointer ckpt(dir, world_ptr());
+  Trainer a(stage);
+  a.train(0, kSaveAt);
+  const auto saved_dir = a.save(ckpt, kSaveAt);
+  EXPECT_TRUE(fs::exists(fs::path(saved_dir) / "manifest.json"));
+  const auto rng_after_save = torch::rand({4});
+  a.train(kSaveAt, kEnd);
+  const auto want = a.flat();
+
+  Trainer b(stage, /*seed=*/99);
+  torch::manual_seed(12345);
+  const auto progress = b.load(ckpt);
+  ASSERT_TRUE(progress.has_value());
+  EXPECT_EQ(progress->step, kSaveAt);
+  EXPECT_EQ(progress->epoch, 1);
+  EXPECT_EQ(nlohmann::json::parse(progress->extra_json).at("sampler"), 42);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the RNG stream resumes where it was saved";
+  b.train(kSaveAt, kEnd);
+  EXPECT_TRUE(torch::equal(b.flat(), want)) << "max diff " << (b.flat() - want).abs().max().item<double>();
+}
+INSTANTIATE_TEST_SUITE_P(Stages, CheckpointRoundTrip, ::testing::Values(2, 3),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+// ---------------------------------------------------------------- N -> M
+
+// At N ranks: checkpoints of both stages at kSaveAt, and the uninterrupted
+// runs' final parameters.
+TEST(CheckpointSave, AtThisWorldSize) {
+  const int n = world().size();
+  for (int stage : {2, 3}) {
+    const fs::path dir = fs::path(shared_dir()) / ("n" + std::to_string(n) + "_stage" + std::to_string(stage));
+    if (world().rank() == 0) fs::remove_all(dir);
+    world().barrier();
+    Checkpointer ckpt(dir.string(), world_ptr());
+    Trainer run(stage);
+    run.train(0, kSaveAt);
+    run.save(ckpt, kSaveAt);
+    {  // what h5py must find in the files (tests/checkpoint/check_h5.py)
+      std::optional<FullyShardedModel::FullParamsGuard> guard;
+      if (run.sharded) guard.emplace(run.sharded->summon_full_params());
+      nlohmann::json expected;
+      for (const auto& item : run.net->named_parameters()) {
+        auto v = item.value().detach().to(torch::kDouble).reshape(-1).contiguous();
+        expected[item.key()] = std::vector<double>(v.data_ptr<double>(), v.data_ptr<double>() + v.numel());
+      }
+      for (const auto& item : run.net->named_buffers()) {
+        auto v = item.value().detach().to(torch::kDouble).reshape(-1).contiguous();
+        expected[item.key()] = std::vector<double>(v.data_ptr<double>(), v.data_ptr<double>() + v.numel());
+      }
+      if (world().rank() == 0) std::ofstream(dir / "expected.json") << expected.dump();
+    }
+    run.train(kSaveAt, kEnd);
+    const auto final_params = run.flat();
+    if (world().rank() == 0) write_tensor((dir / "uninterrupted.f32").string(), final_params);
+    world().barrier();
+  }
+}
+
+// At M ranks: every N's checkpoint of either stage, loaded into either stage,
+// trained to kEnd, matches that N's uninterrupted run to float rounding.
+TEST(CheckpointResume, FromEveryWorldSizeAndStage) {
+  const int m = world().size();
+  for (int n = 1; n <= 4; ++n) {
+    for (int saved_stage : {2, 3}) {
+      for (int stage : {2, 3}) {
+        SCOPED_TRACE("saved at " + std::to_string(n) + " ranks, stage " + std::to_string(saved_stage) +
+                     "; resumed at " + std::to_string(m) + " ranks, stage " + std::to_string(stage));
+        const fs::path dir = fs::path(shared_dir()) / ("n" + std::to_string(n) + "_stage" + std::to_string(saved_stage));
+        ASSERT_TRUE(fs::exists(dir / "latest")) << dir << ": run checkpoint_save_np" << n << " first";
+        Checkpointer ckpt(dir.string(), world_ptr());
+        Trainer run(stage, /*seed=*/5);
+        const auto progress = run.load(ckpt);
+        ASSERT_TRUE(progress.has_value());
+        ASSERT_EQ(progress->step, kSaveAt);
+        run.train(kSaveAt, kEnd);
+        const auto got = run.flat();
+        const auto want = read_tensor((dir / "uninterrupted.f32").string(), got.numel());
+        const auto rel = (got - want).abs() / (want.abs() + 1e-2);
+        // Same tolerance as fully_shard vs AdamW: sums over ranks in another order.
+        EXPECT_LT(rel.max().item<double>(), 2e-4);
+        EXPECT_LT(rel.mean().item<double>(), 1e-6);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- commit protocol and bad input
+
+struct Saved {
+  std::string dir;
+  std::vector<std::string> steps;  // step directories, oldest first
+};
+
+Saved three_checkpoints(Trainer& run, Checkpointer& ckpt) {
+  Saved s{ckpt.dir(), {}};
+  for (int64_t step : {2, 4, 6}) {
+    run.train(step - 2, step);
+    s.steps.push_back(run.save(ckpt, step));
+  }
+  return s;
+}
+
+std::string latest_of(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / "latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
+TEST(CheckpointCommit, KeepsTheLastKAndCleansLeftovers) {
+  const auto dir = common_temp_dir("ckpt_keep");
+  CheckpointOptions o;
+  o.keep = 2;
+  Checkpointer ckpt(dir, world_ptr(), o);
+  Trainer run(3);
+  if (world().rank() == 0) fs::create_directories(fs::path(dir) / "step-00000001.tmp");  // a crashed save
+  world().barrier();
+  three_checkpoints(run, ckpt);
+  EXPECT_EQ(latest_of(dir), "step-00000006");
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000002"));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "step-00000004" / "manifest.json"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000001.tmp")) << "an uncommitted leftover is cleaned up";
+  world().barrier();
+  EXPECT_NE(testing::error_of([] { Checkpointer("x", world_ptr(), CheckpointOptions{1}); })
+                .find("at least 2 committed checkpoints are kept"),
+            std::string::npos);
+}
+
+// Damage to the newest checkpoint: the load says why and falls back to the
+// previous one.
+TEST(CheckpointBadInput, DamagedNewestFallsBackToThePrevious) {
+  const int n = world().size();
+  const std::string file0 = "rank-00000-of-" + std::string(5 - std::to_string(n).size(), '0') + std::to_string(n) + ".h5";
+  const std::vector<std::pair<std::string, std::function<void(const fs::path&)>>> cases{
+      {"truncated", [&](const fs::path& d) { fs::resize_file(d / file0, fs::file_size(d / file0) / 2); }},
+      {"flipped byte",
+       [&](const fs::path& d) {
+         std::fstream f(d / file0, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(static_cast<std::streamoff>(fs::file_size(d / file0) / 2));
+         char c = 0;
+         f.read(&c, 1);
+         c = static_cast<char>(c ^ 0x5a);
+         f.seekp(static_cast<std::streamoff>(fs::file_size(d / file0) / 2));
+         f.write(&c, 1);
+       }},
+      {"missing rank file", [&](const fs::path& d) { fs::remove(d / file0); }},
+      {"no manifest", [&](const fs::path& d) { fs::remove(d / "manifest.json"); }},
+  };
+  const std::vector<std::string> reasons{"truncated", "checksum", "is missing", "no manifest.json"};
+  for (size_t k = 0; k < cases.size(); ++k) {
+    SCOPED_TRACE(cases[k].first);
+    const auto dir = common_temp_dir("ckpt_damage");
+    Checkpointer ckpt(dir, world_ptr());
+    Trainer run(2);
+    const auto saved = three_checkpoints(run, ckpt);
+    Trainer at4(2);  // what step 4 holds
+    at4.load(ckpt, 4);
+    const auto want = at4.flat();
+    if (world().rank() == 0) cases[k].second(saved.steps.back());
+    world().barrier();
+    Trainer fresh(2, 7);
+    ::testing::internal::CaptureStderr();
+    const auto progress = fresh.load(ckpt);
+    const auto log = ::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(progress.has_value());
+    EXPECT_EQ(progress->step, 4) << "fell back to the previous committed checkpoint";
+    EXPECT_TRUE(torch::equal(fresh.flat(), want));
+    if (world().rank() == 0) {
+      EXPECT_NE(log.find("not loading " + saved.steps.back()), std::string::npos) << log;
+      EXPECT_NE(log.find(reasons[k]), std::string::npos) << log;
+    }
+    EXPECT_EQ(latest_of(dir), "step-00000006") << "a load never rewrites latest";
+  }
+}
+
+TEST(CheckpointBadInput, AnotherModelIsRefusedNamingTheDifference) {
+  const auto dir = common_temp_dir("ckpt_other_model");
+  Checkpointer ckpt(dir, world_ptr());
+  Trainer run(2);
+  run.train(0, 1);
+  run.save(ckpt, 1);
+  torch::nn::Linear other(kIn, kWidth + 1);
+  ShardedAdamW opt(other->named_parameters(), world_ptr());
+  const auto what = testing::error_of([&] { ckpt.load(opt, *other); });
+  EXPECT_NE(what.find("was saved from a different model"), std::string::npos) << what;
+  EXPECT_NE(what.find("'weight' is not in the checkpoint"), std::string::npos) << what;
+}
+
+// A run directory that cannot be created (a path through a regular file:
+// fails even for root, unlike permission bits).
+TEST(CheckpointBadInput, UnwritableDirectoryIsNamed) {
+  const auto dir = common_temp_dir("ckpt_unwritable");
+  if (world().rank() == 0) std::ofstream(fs::path(dir) / "file") << "x";
+  world().barrier();
+  const auto bad = (fs::path(dir) / "file" / "run").string();
+  const auto what = testing::error_of([&] { Checkpointer c(bad, world_ptr()); });
+  EXPECT_NE(what.find("opening the run directory failed on rank(s) 0"), std::string::npos) << what;
+  if (world().rank() == 0) EXPECT_NE(what.find("'" + bad + "'"), std::string::npos) << what;
+}
+
+// A full disk, as a file-size limit on the last rank: every rank throws, the
+// message names that rank and its file, and `latest` still names the previous
+// checkpoint, which loads.
+TEST(CheckpointBadInput, FullDiskFailsEveryRankAndKeepsLatest) {
+  const auto dir = common_temp_dir("ckpt_full");
+  Checkpointer ckpt(dir, world_ptr());
+  Trainer run(3);
+  run.train(0, 2);
+  run.save(ckpt, 2);
+  const auto want = run.flat();
+  run.train(2, 4);
+  const int last = world().size() - 1;
+  struct rlimit old {};
+  getrlimit(RLIMIT_FSIZE, &old);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // write() then fails with EFBIG instead of killing us
+  if (world().rank() == last) {
+    struct rlimit small = old;
+    small.rlim_cur = 4096;
+    setrlimit(RLIMIT_FSIZE, &small);
+  }
+  const auto what = testing::error_of([&] { run.save(ckpt, 4); });
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(what.find("writing rank files failed on rank(s) " + std::to_string(last)), std::string::npos) << what;
+  if (world().rank() == last) EXPECT_NE(what.find("rank-"), std::string::npos) << what;
+  EXPECT_EQ(latest_of(dir), "step-00000002");
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000004"));
+  Trainer fresh(3, 7);
+  ASSERT_TRUE(fresh.load(ckpt).has_value());
+  EXPECT_TRUE(torch::equal(fresh.flat(), want));
+  run.train(4, 6);
+  run.save(ckpt, 6);  // the next save works and cleans up the failed one
+  world().barrier();
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000004.tmp"));
+}
+
+}  // namespace
+}  // namespace zeroshard
