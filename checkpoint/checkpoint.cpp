@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 #include <xxhash.h>
 
+#include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -21,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -154,21 +157,58 @@ struct Piece {
   int64_t begin, end;  // elements of the flattened parameter
 };
 
+// Everything one save writes, copied out of the live model and optimizer so
+// that training can go on while a background thread writes it.
+struct Snapshot {
+  TrainingProgress progress;
+  int rank = 0, world = 1, stage = 2;
+  std::vector<ParamInfo> params;    // the optimizer's, as the module names them
+  std::vector<std::string> names;
+  std::vector<int64_t> steps;
+  double loss_scale = 1;
+  int64_t loss_scale_clean_steps = 0;
+  struct Group {
+    FlatLayout layout;
+    std::vector<size_t> params;     // index into `params` per layout entry
+  };
+  std::vector<Group> groups;        // the flat layout (every rank's pieces follow from it)
+  struct Owned {                    // this rank's piece of one parameter
+    size_t param;
+    int64_t begin;                  // first element of the flattened parameter
+    at::Tensor master, exp_avg, exp_avg_sq;  // fp32 copies
+  };
+  std::vector<Owned> owned;
+  struct Replicated {
+    std::string name, kind;
+    at::Tensor value;               // a copy (rank 0 only; others keep just the names)
+  };
+  std::vector<Replicated> replicated;
+  at::Tensor rng;
+  std::string model_hash;
+  int64_t bytes = 0;                // host memory the copies take
+};
+
 }  // namespace
 
 struct Checkpointer::Impl {
   std::string dir;
-  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Communicator> comm;     // the training thread's
+  std::shared_ptr<Communicator> io_comm;  // the writer's: a split of the same ranks, so a background
+                                          // save's collectives never interleave with training's
   CheckpointOptions options;
+  boost::asio::thread_pool pool{1};
+  std::future<std::string> pending;       // the save being written in the background
+  mutable std::mutex last_mu;             // `last` is written by the writer thread too
+  SaveTimes last;
 
   // Every rank learns whether every rank succeeded at a phase; throws on all
   // of them if not, with this rank's own error or the failing ranks' numbers.
-  void agree(const std::string& phase, const std::string& my_error) {
-    auto flags = torch::zeros({comm->size()}, torch::kDouble);
-    if (!my_error.empty()) flags[comm->rank()] = 1.0;
-    if (comm->size() > 1) comm->all_reduce(flags, ReduceOp::kMax)->wait();
+  static void agree(Communicator& c, const std::string& phase, const std::string& my_error) {
+    auto flags = torch::zeros({c.size()}, torch::kDouble);
+    if (!my_error.empty()) flags[c.rank()] = 1.0;
+    if (c.size() > 1) c.all_reduce(flags, ReduceOp::kMax)->wait();
     std::vector<int> failed;
-    for (int r = 0; r < comm->size(); ++r) {
+    for (int r = 0; r < c.size(); ++r) {
       if (flags[r].item<double>() > 0) failed.push_back(r);
     }
     if (failed.empty()) return;
@@ -178,13 +218,16 @@ struct Checkpointer::Impl {
                 my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
   }
 
-  std::string save(ShardedState state, torch::nn::Module& model, const TrainingProgress& progress);
+  std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
+  // Blocks until the background save (if any) is committed; rethrows its error.
+  void wait_pending();
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
                                        const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore);
-  void write_rank_file(const fs::path& path, const ShardedState& state, const std::vector<std::string>& names,
-                       torch::nn::Module& model, int64_t step);
-  json manifest(const ShardedState& state, const std::vector<std::string>& names, torch::nn::Module& model,
-                const TrainingProgress& progress, const std::vector<std::pair<int64_t, uint64_t>>& digests);
+  Snapshot snapshot(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
+  // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
+  std::string write(const Snapshot& snap);
+  void write_rank_file(const fs::path& path, const Snapshot& snap);
+  json manifest(const Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests);
   void commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
   void retain(const fs::path& keep_dir);
   // Committed checkpoints, newest first.
@@ -194,114 +237,134 @@ struct Checkpointer::Impl {
   std::string verify_share(const fs::path& step_dir, const json& m) const;
 };
 
-void Checkpointer::Impl::write_rank_file(const fs::path& path, const ShardedState& state,
-                                         const std::vector<std::string>& names, torch::nn::Module& model,
-                                         int64_t step) {
+Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
+                                      const TrainingProgress& progress) {
+  torch::NoGradGuard no_grad;
+  Snapshot snap;
+  snap.progress = progress;
+  snap.rank = state.rank;
+  snap.world = state.world_size;
+  snap.stage = state.stage;
+  snap.names = module_names(state, model);
+  snap.params = state.params;
+  for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
+  snap.steps = state.param_steps;
+  snap.loss_scale = state.loss_scale;
+  snap.loss_scale_clean_steps = state.loss_scale_clean_steps;
+  snap.model_hash = hash_hex(model_description(model, state, snap.names));
+  for (const auto& b : state.buckets) {
+    snap.groups.push_back({b.layout, b.params});
+    for (const auto& seg : shard_segments(b.layout, state.rank)) {
+      const Range local = seg.local(b.layout, state.rank);
+      auto copy = [&](const at::Tensor& t) { return t.slice(0, local.begin, local.end).clone(); };
+      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq)});
+      snap.bytes += 12 * local.size();
+    }
+  }
+  std::unordered_map<std::string, bool> trained;
+  for (const auto& n : snap.names) trained[n] = true;
+  auto add = [&](const std::string& name, const char* kind, const at::Tensor& t) {
+    storage_type(t.scalar_type(), name);  // refuse unsupported dtypes now, on every rank
+    Snapshot::Replicated r{name, kind, at::Tensor()};
+    if (state.rank == 0) {
+      r.value = t.detach().clone().contiguous();
+      snap.bytes += static_cast<int64_t>(r.value.nbytes());
+    } else {
+      r.value = torch::empty({0}, t.options());  // rank 0 writes these
+    }
+    snap.replicated.push_back(std::move(r));
+  };
+  for (const auto& item : model.named_parameters()) {
+    if (!trained.count(item.key())) add(item.key(), "parameter", item.value());
+  }
+  for (const auto& item : model.named_buffers()) add(item.key(), "buffer", item.value());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    snap.rng = gen.get_state();
+  }
+  return snap;
+}
+
+void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap) {
   using checkpoint::h5::Type;
   auto f = checkpoint::h5::File::create(path.string());
   f.set_attribute("/", "format", std::string(kFormat));
   f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
-  f.set_attribute("/", "rank", static_cast<int64_t>(state.rank));
-  f.set_attribute("/", "world_size", static_cast<int64_t>(state.world_size));
-  f.set_attribute("/", "step", step);
-  for (const auto& b : state.buckets) {
-    for (const auto& seg : shard_segments(b.layout, state.rank)) {
-      const std::string& name = names[b.params[seg.param]];
-      const Range local = seg.local(b.layout, state.rank);
-      const std::vector<uint64_t> dims{static_cast<uint64_t>(local.size())};
-      for (const auto& [kind, t] : {std::pair<const char*, const at::Tensor&>{"master", b.master},
-                                    {"exp_avg", b.exp_avg}, {"exp_avg_sq", b.exp_avg_sq}}) {
-        const std::string ds = std::string("/") + kind + "/" + name;
-        f.write(ds, Type::kFloat32, dims, t.data_ptr<float>() + local.begin);
-        f.set_attribute(ds, "begin", seg.param_offset);
-      }
+  f.set_attribute("/", "rank", static_cast<int64_t>(snap.rank));
+  f.set_attribute("/", "world_size", static_cast<int64_t>(snap.world));
+  f.set_attribute("/", "step", snap.progress.step);
+  for (const auto& o : snap.owned) {
+    const std::string& name = snap.names[o.param];
+    const std::vector<uint64_t> dims{static_cast<uint64_t>(o.master.numel())};
+    for (const auto& [kind, t] : {std::pair<const char*, const at::Tensor&>{"master", o.master},
+                                  {"exp_avg", o.exp_avg}, {"exp_avg_sq", o.exp_avg_sq}}) {
+      const std::string ds = std::string("/") + kind + "/" + name;
+      f.write(ds, Type::kFloat32, dims, t.data_ptr<float>());
+      f.set_attribute(ds, "begin", o.begin);
     }
   }
-  if (state.rank == 0) {  // what every rank holds in full: buffers and untrained parameters
-    std::unordered_map<std::string, bool> trained;
-    for (const auto& n : names) trained[n] = true;
-    auto put = [&](const std::string& name, const at::Tensor& t) {
-      const auto type = storage_type(t.scalar_type(), name);
-      auto c = t.detach().contiguous();
+  if (snap.rank == 0) {  // what every rank holds in full: buffers and untrained parameters
+    for (const auto& r : snap.replicated) {
       std::vector<uint64_t> dims;
-      for (auto d : c.sizes()) dims.push_back(static_cast<uint64_t>(d));
+      for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
       if (dims.empty()) dims.push_back(1);
-      const std::string ds = "/replicated/" + name;
-      f.write(ds, type, dims, c.data_ptr());
-      f.set_attribute(ds, "dtype", std::string(c10::toString(t.scalar_type())));
-    };
-    for (const auto& item : model.named_parameters()) {
-      if (!trained.count(item.key())) put(item.key(), item.value());
+      const std::string ds = "/replicated/" + r.name;
+      f.write(ds, storage_type(r.value.scalar_type(), r.name), dims, r.value.data_ptr());
+      f.set_attribute(ds, "dtype", std::string(c10::toString(r.value.scalar_type())));
     }
-    for (const auto& item : model.named_buffers()) put(item.key(), item.value());
   }
-  at::Tensor rng;
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
-  f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(rng.numel())}, rng.data_ptr());
+  f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
   f.close();
   fsync_path(path, false);
 }
 
-json Checkpointer::Impl::manifest(const ShardedState& state, const std::vector<std::string>& names,
-                                  torch::nn::Module& model, const TrainingProgress& progress,
-                                  const std::vector<std::pair<int64_t, uint64_t>>& digests) {
-  const int world = state.world_size;
-  std::vector<std::vector<Piece>> pieces(state.params.size());
-  for (const auto& b : state.buckets) {
+json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests) {
+  const int world = snap.world;
+  std::vector<std::vector<Piece>> pieces(snap.params.size());
+  for (const auto& g : snap.groups) {
     for (int r = 0; r < world; ++r) {
-      for (const auto& seg : shard_segments(b.layout, r)) {
-        pieces[b.params[seg.param]].push_back({r, seg.param_offset, seg.param_offset + seg.flat.size()});
+      for (const auto& seg : shard_segments(g.layout, r)) {
+        pieces[g.params[seg.param]].push_back({r, seg.param_offset, seg.param_offset + seg.flat.size()});
       }
     }
   }
   json m;
   m["format"] = kFormat;
   m["format_version"] = kFormatVersion;
-  m["step"] = progress.step;
-  m["epoch"] = progress.epoch;
-  m["extra"] = json::parse(progress.extra_json);
+  m["step"] = snap.progress.step;
+  m["epoch"] = snap.progress.epoch;
+  m["extra"] = json::parse(snap.progress.extra_json);
   m["world_size"] = world;
-  m["stage"] = state.stage;
-  m["model_hash"] = hash_hex(model_description(model, state, names));
-  m["loss_scale"] = state.loss_scale;
-  m["loss_scale_clean_steps"] = state.loss_scale_clean_steps;
+  m["stage"] = snap.stage;
+  m["model_hash"] = snap.model_hash;
+  m["loss_scale"] = snap.loss_scale;
+  m["loss_scale_clean_steps"] = snap.loss_scale_clean_steps;
   m["params"] = json::array();
-  for (size_t i = 0; i < state.params.size(); ++i) {
+  for (size_t i = 0; i < snap.params.size(); ++i) {
     json p;
-    p["name"] = names[i];
-    p["shape"] = state.params[i].shape;
-    p["dtype"] = c10::toString(state.params[i].dtype);
-    p["step"] = state.param_steps[i];
+    p["name"] = snap.names[i];
+    p["shape"] = snap.params[i].shape;
+    p["dtype"] = c10::toString(snap.params[i].dtype);
+    p["step"] = snap.steps[i];
     p["pieces"] = json::array();
     for (const auto& pc : pieces[i]) p["pieces"].push_back({pc.rank, pc.begin, pc.end});
     m["params"].push_back(std::move(p));
   }
-  std::unordered_map<std::string, bool> trained;
-  for (const auto& n : names) trained[n] = true;
   m["replicated"] = json::array();
-  for (const auto& item : model.named_parameters()) {
-    if (!trained.count(item.key())) {
-      m["replicated"].push_back({{"name", item.key()}, {"kind", "parameter"}, {"shape", item.value().sizes().vec()},
-                                 {"dtype", c10::toString(item.value().scalar_type())}});
-    }
-  }
-  for (const auto& item : model.named_buffers()) {
-    m["replicated"].push_back({{"name", item.key()}, {"kind", "buffer"}, {"shape", item.value().sizes().vec()},
-                               {"dtype", c10::toString(item.value().scalar_type())}});
+  for (const auto& r : snap.replicated) {
+    m["replicated"].push_back({{"name", r.name}, {"kind", r.kind}, {"shape", r.value.sizes().vec()},
+                               {"dtype", c10::toString(r.value.scalar_type())}});
   }
   m["groups"] = json::array();  // the saving run's flat layout (buckets or units), for tools
-  for (const auto& b : state.buckets) {
-    json g;
-    g["params"] = json::array();
-    for (size_t k = 0; k < b.params.size(); ++k) g["params"].push_back(names[b.params[k]]);
-    g["offsets"] = b.layout.offsets;
-    g["padded_numel"] = b.layout.padded_numel;
-    g["dtype"] = c10::toString(b.layout.dtype);
-    m["groups"].push_back(std::move(g));
+  for (const auto& g : snap.groups) {
+    json j;
+    j["params"] = json::array();
+    for (size_t k = 0; k < g.params.size(); ++k) j["params"].push_back(snap.names[g.params[k]]);
+    j["offsets"] = g.layout.offsets;
+    j["padded_numel"] = g.layout.padded_numel;
+    j["dtype"] = c10::toString(g.layout.dtype);
+    m["groups"].push_back(std::move(j));
   }
   m["files"] = json::array();
   for (int r = 0; r < world; ++r) {
@@ -363,15 +426,49 @@ void Checkpointer::Impl::retain(const fs::path& keep_dir) {
   }
 }
 
-std::string Checkpointer::Impl::save(ShardedState state, torch::nn::Module& model, const TrainingProgress& progress) {
-  torch::NoGradGuard no_grad;
-  const auto t0 = std::chrono::steady_clock::now();
-  const int rank = comm->rank(), world = comm->size();
-  const fs::path final_dir = fs::path(dir) / step_dir_name(progress.step);
-  const fs::path tmp = final_dir.string() + ".tmp";
-  const auto names = module_names(state, model);
+std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Module& model,
+                                     const TrainingProgress& progress) {
   TORCH_CHECK_VALUE(json::accept(progress.extra_json), "checkpoint: TrainingProgress::extra_json is not valid JSON: ",
                     progress.extra_json.substr(0, 80));
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_pending();  // one save at a time; a failed background save throws here, on every rank
+  auto snap = std::make_shared<Snapshot>(snapshot(state, model, progress));
+  const std::string step_dir = (fs::path(dir) / step_dir_name(progress.step)).string();
+  if (!options.async) {
+    write(*snap);
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return step_dir;
+  }
+  std::packaged_task<std::string()> task([this, snap] { return write(*snap); });
+  pending = task.get_future();
+  boost::asio::post(pool, std::move(task));
+  const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.stall_seconds = stall;
+  }
+  char msg[200];
+  std::snprintf(msg, sizeof(msg),
+                "checkpoint: step %lld copied to host memory (%.1f MB) in %.3f s; writing it in the background",
+                static_cast<long long>(progress.step), snap->bytes / 1e6, stall);
+  log_info(msg);
+  return step_dir;
+}
+
+void Checkpointer::Impl::wait_pending() {
+  if (!pending.valid()) return;
+  auto f = std::move(pending);
+  f.get();
+}
+
+std::string Checkpointer::Impl::write(const Snapshot& snap) {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& c = *io_comm;
+  const int rank = c.rank(), world = c.size();
+  const fs::path final_dir = fs::path(dir) / step_dir_name(snap.progress.step);
+  const fs::path tmp = final_dir.string() + ".tmp";
   std::string err;
   if (rank == 0) {
     try {
@@ -380,42 +477,47 @@ std::string Checkpointer::Impl::save(ShardedState state, torch::nn::Module& mode
       fs::create_directories(tmp, ec);
       TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
     } catch (const std::exception& e) {
-      err = e.what();
+      err = message_of(e);
     }
   }
-  agree("creating " + tmp.string(), err);
+  agree(c, "creating " + tmp.string(), err);
   const fs::path file = tmp / rank_file_name(rank, world);
   checkpoint::FileDigest digest;
   try {
-    write_rank_file(file, state, names, model, progress.step);
+    write_rank_file(file, snap);
     digest = checkpoint::digest_file(file.string());
   } catch (const std::exception& e) {
     err = std::string("writing '") + file.string() + "': " + message_of(e);
   }
-  agree("writing rank files", err);
+  agree(c, "writing rank files", err);
   auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3)}, torch::kLong);
   auto all = torch::empty({2 * world}, torch::kLong);
-  comm->all_gather(all, d)->wait();
+  c.all_gather(all, d)->wait();
   std::vector<std::pair<int64_t, uint64_t>> digests;
   for (int r = 0; r < world; ++r) {
     digests.emplace_back(all[2 * r].item<int64_t>(), static_cast<uint64_t>(all[2 * r + 1].item<int64_t>()));
   }
   if (rank == 0) {
     try {
-      commit(tmp, final_dir, manifest(state, names, model, progress, digests));
+      commit(tmp, final_dir, manifest(snap, digests));
     } catch (const std::exception& e) {
-      err = e.what();
+      err = message_of(e);
     }
   }
-  agree("committing " + final_dir.string(), err);
+  agree(c, "committing " + final_dir.string(), err);
   if (rank == 0) retain(final_dir);
-  comm->barrier();
+  c.barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t bytes = 0;
   for (const auto& dg : digests) bytes += dg.first;
-  char msg[160];
+  {
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.write_seconds = seconds;
+    last.bytes = bytes;
+  }
+  char msg[200];
   std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %d files) in %.2f s",
-                static_cast<long long>(progress.step), bytes / 1e6, world, seconds);
+                static_cast<long long>(snap.progress.step), bytes / 1e6, world, seconds);
   log_info(std::string(msg) + " to " + final_dir.string());
   return final_dir.string();
 }
@@ -444,6 +546,7 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
 std::optional<TrainingProgress> Checkpointer::Impl::load(
     ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
     const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore) {
+  wait_pending();
   torch::NoGradGuard no_grad;
   const int rank = comm->rank();
   const auto names = module_names(state, model);
@@ -602,7 +705,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     } catch (const std::exception& e) {
       why = message_of(e);
     }
-    agree("loading " + cand.string(), why);
+    agree(*comm, "loading " + cand.string(), why);
     TrainingProgress progress;
     progress.step = m.at("step").get<int64_t>();
     progress.epoch = m.at("epoch").get<int64_t>();
@@ -629,10 +732,26 @@ Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, 
     fs::create_directories(impl_->dir, ec);
     if (ec) err = "cannot create the run directory '" + impl_->dir + "': " + ec.message();
   }
-  impl_->agree("opening the run directory", err);
+  Impl::agree(*impl_->comm, "opening the run directory", err);
+  std::vector<int> all(static_cast<size_t>(impl_->comm->size()));
+  for (int r = 0; r < impl_->comm->size(); ++r) all[static_cast<size_t>(r)] = r;
+  impl_->io_comm = impl_->comm->split(all);
 }
 
-Checkpointer::~Checkpointer() = default;
+Checkpointer::~Checkpointer() {
+  try {
+    impl_->wait_pending();
+  } catch (const std::exception& e) {
+    log_error(std::string("checkpoint: the last background save failed: ") + message_of(e));
+  }
+}
+
+void Checkpointer::wait() { impl_->wait_pending(); }
+
+SaveTimes Checkpointer::last_save_times() const {
+  std::lock_guard<std::mutex> lock(impl_->last_mu);
+  return impl_->last;
+}
 
 const std::string& Checkpointer::dir() const { return impl_->dir; }
 

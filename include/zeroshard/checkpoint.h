@@ -34,6 +34,18 @@ namespace zeroshard {
 struct CheckpointOptions {
   // Committed checkpoints kept; older ones are deleted after a commit. At least 2. Default: 3.
   int keep = 3;
+  // true: save() copies the shards to host memory and returns; a background
+  // thread writes and commits them while training goes on. The next save(), a
+  // load(), wait() or the Checkpointer's destruction waits for it (and a failed
+  // background save throws there, on every rank). Default: false.
+  bool async = false;
+};
+
+// How long the last save took.
+struct SaveTimes {
+  double stall_seconds = 0;  // the caller's time inside save(): everything (sync) or the copy (async)
+  double write_seconds = 0;  // writing, verifying and committing (the background part when async)
+  int64_t bytes = 0;         // all ranks' files
 };
 
 // Where training stands, saved with the shards and returned by a load.
@@ -52,8 +64,8 @@ class Checkpointer {
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
-  // Saves and commits a checkpoint of step `progress.step`; returns its
-  // directory. `model` supplies the buffers and the parameters the optimizer
+  // Saves and commits a checkpoint of step `progress.step` (with `async`:
+  // commits it in the background); returns its directory. `model` supplies the buffers and the parameters the optimizer
   // does not train (and names parameters). Collective. On failure (unwritable
   // directory, full disk) every rank throws, naming the rank, file and reason;
   // `latest` still names the previous checkpoint.
@@ -67,6 +79,11 @@ class Checkpointer {
                                        std::optional<int64_t> step = std::nullopt);
   std::optional<TrainingProgress> load(FullyShardedAdamW& opt, torch::nn::Module& model,
                                        std::optional<int64_t> step = std::nullopt);
+
+  // Blocks until a background save is committed; rethrows its error. Collective
+  // in effect (the save it waits for is).
+  void wait();
+  SaveTimes last_save_times() const;
 
   const std::string& dir() const;
 

@@ -157,6 +157,13 @@ torch::Tensor read_tensor(const std::string& path, int64_t numel) {
   return t;
 }
 
+std::string latest_of(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / "latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
 // ---------------------------------------------------------------- same world
 
 class CheckpointRoundTrip : public ::testing::TestWithParam<int> {};
@@ -188,6 +195,33 @@ TEST_P(CheckpointRoundTrip, ResumeIsBitIdentical) {
 }
 INSTANTIATE_TEST_SUITE_P(Stages, CheckpointRoundTrip, ::testing::Values(2, 3),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+// Async: save() returns after copying the state; training goes on while the
+// files are written; what gets committed is the state at save() time.
+TEST_P(CheckpointRoundTrip, AsyncSaveCommitsTheStateAtSaveTime) {
+  const int stage = GetParam();
+  const auto dir = common_temp_dir("ckpt_async");
+  CheckpointOptions o;
+  o.async = true;
+  Checkpointer ckpt(dir, world_ptr(), o);
+  Trainer a(stage);
+  a.train(0, kSaveAt);
+  const auto at_save = a.flat();
+  a.save(ckpt, kSaveAt);
+  a.train(kSaveAt, kEnd);  // overlaps the write
+  a.save(ckpt, kEnd);      // waits for the first, then starts the second
+  ckpt.wait();
+  const auto times = ckpt.last_save_times();
+  EXPECT_GT(times.write_seconds, 0);
+  EXPECT_GT(times.bytes, 0);
+  EXPECT_EQ(latest_of(dir), "step-00000012");
+  Trainer b(stage, /*seed=*/99);
+  ASSERT_TRUE(b.load(ckpt, kSaveAt).has_value());
+  EXPECT_TRUE(torch::equal(b.flat(), at_save));
+  Trainer c(stage, /*seed=*/98);
+  ASSERT_TRUE(c.load(ckpt).has_value());
+  EXPECT_TRUE(torch::equal(c.flat(), a.flat()));
+}
 
 // ---------------------------------------------------------------- N -> M
 
@@ -268,12 +302,6 @@ Saved three_checkpoints(Trainer& run, Checkpointer& ckpt) {
   return s;
 }
 
-std::string latest_of(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "latest");
-  std::string name;
-  in >> name;
-  return name;
-}
 
 TEST(CheckpointCommit, KeepsTheLastKAndCleansLeftovers) {
   const auto dir = common_temp_dir("ckpt_keep");
