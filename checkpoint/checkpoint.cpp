@@ -185,6 +185,7 @@ struct Snapshot {
   std::vector<Replicated> replicated;
   at::Tensor rng;
   std::string model_hash;
+  double save_seconds = 0;          // writing the rank files, as measured by the slowest rank
   int64_t bytes = 0;                // host memory the copies take
 };
 
@@ -338,6 +339,7 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
   m["world_size"] = world;
   m["stage"] = snap.stage;
   m["model_hash"] = snap.model_hash;
+  m["save_seconds"] = snap.save_seconds;
   m["loss_scale"] = snap.loss_scale;
   m["loss_scale_clean_steps"] = snap.loss_scale_clean_steps;
   m["params"] = json::array();
@@ -497,9 +499,13 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   for (int r = 0; r < world; ++r) {
     digests.emplace_back(all[2 * r].item<int64_t>(), static_cast<uint64_t>(all[2 * r + 1].item<int64_t>()));
   }
+  auto took = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}, torch::kDouble);
+  if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
   if (rank == 0) {
     try {
-      commit(tmp, final_dir, manifest(snap, digests));
+      Snapshot timed = snap;  // a shallow copy: tensors are shared
+      timed.save_seconds = took.item<double>();
+      commit(tmp, final_dir, manifest(timed, digests));
     } catch (const std::exception& e) {
       err = message_of(e);
     }
@@ -710,6 +716,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     progress.step = m.at("step").get<int64_t>();
     progress.epoch = m.at("epoch").get<int64_t>();
     progress.extra_json = m.at("extra").dump();
+    progress.save_seconds = m.value("save_seconds", 0.0);
     log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
              std::to_string(m.at("world_size").get<int>()) + " ranks, stage " + std::to_string(m.at("stage").get<int>()) +
              ")");

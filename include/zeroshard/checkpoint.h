@@ -53,6 +53,7 @@ struct TrainingProgress {
   int64_t step = 0;       // names the directory: step-%08d
   int64_t epoch = 0;
   std::string extra_json = "{}";  // anything else (LR schedule, sampler position), as a JSON object
+  double save_seconds = 0;        // filled by load(): how long saving this checkpoint took
 };
 
 class Checkpointer {

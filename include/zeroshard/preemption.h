@@ -1,0 +1,74 @@
+// zeroshard/preemption.h — stop every rank after the same step when any of
+// them is told the machine is going away, so the run can save and exit.
+//
+//   zeroshard::PreemptionGuard guard(comm);              // SIGTERM, SIGINT, SIGUSR1
+//   for (int64_t step = start; step < steps; ++step) {
+//     train_one_step();
+//     if (guard.should_stop()) {                          // collective: all ranks agree
+//       ckpt.save(opt, *model, {step + 1, epoch, sampler.state_json()});
+//       return guard.exit_code();                         // kPreemptedExitCode
+//     }
+//   }
+//
+// Spot and preemptible machines get a signal and a grace period (AWS: a
+// 2-minute notice; GCP: 30 s; Kubernetes: the pod's terminationGracePeriodSeconds),
+// or vanish. A signal seen by any rank, or the notice file appearing, makes
+// should_stop() return true on every rank at the same step boundary (one
+// all-reduce MAX per call). The guard handles the signals from construction
+// to destruction (a Boost.Asio signal_set on a thread of its own), so they no
+// longer kill the process: call should_stop() at every step.
+#pragma once
+
+#include "zeroshard/comm.h"
+
+#include <atomic>
+#include <csignal>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+// The exit status of a rank that stopped for a preemption after saving.
+// zeroshard-run treats it like any failure: it restarts the group while
+// --max-restarts allows, and the program resumes from `latest`.
+constexpr int kPreemptedExitCode = 75;  // EX_TEMPFAIL: try again later
+
+struct PreemptionOptions {
+  std::vector<int> signals{SIGTERM, SIGINT, SIGUSR1};
+  // When non-empty: the file's existence is a notice too (checked at each should_stop()).
+  std::string notice_file;
+  // The time a notice leaves (Default: 30 s, GCP's). A save measured longer
+  // than this is warned about (check_save_fits()).
+  double grace_period_s = 30.0;
+};
+
+class PreemptionGuard {
+ public:
+  PreemptionGuard(std::shared_ptr<Communicator> comm, PreemptionOptions options = {});
+  ~PreemptionGuard();
+  PreemptionGuard(const PreemptionGuard&) = delete;
+  PreemptionGuard& operator=(const PreemptionGuard&) = delete;
+
+  // Collective, at a step boundary: true on every rank when any rank got a
+  // signal or saw the notice file since construction. Logs (once) which.
+  bool should_stop();
+  // Whether this rank itself got a signal (no communication).
+  bool signaled() const { return signal_.load() != 0; }
+  // Warns when `save_seconds` (e.g. Checkpointer::last_save_times()) would
+  // not fit the grace period. Returns whether it fits.
+  bool check_save_fits(double save_seconds) const;
+  int exit_code() const { return kPreemptedExitCode; }
+  const PreemptionOptions& options() const { return options_; }
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  PreemptionOptions options_;
+  std::atomic<int> signal_{0};
+  bool stopped_ = false;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zeroshard

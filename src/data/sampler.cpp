@@ -1,0 +1,69 @@
+// sampler.cpp — DistributedSampler.
+#include "zeroshard/sampler.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/randperm.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+namespace zeroshard {
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world_size, uint64_t seed, bool shuffle)
+    : size_(dataset_size), rank_(rank), world_(world_size), seed_(seed), shuffle_(shuffle) {
+  TORCH_CHECK_VALUE(dataset_size > 0, "DistributedSampler: dataset_size is ", dataset_size, "; it must be positive");
+  TORCH_CHECK_VALUE(world_size > 0 && rank >= 0 && rank < world_size, "DistributedSampler: rank ", rank,
+                    " is not in [0, world_size ", world_size, ")");
+  per_rank_ = (size_ + world_ - 1) / world_;
+  start_epoch(0);
+}
+
+void DistributedSampler::start_epoch(int64_t epoch) {
+  epoch_ = epoch;
+  position_ = 0;
+  std::vector<int64_t> perm(static_cast<size_t>(size_));
+  if (shuffle_) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ + static_cast<uint64_t>(epoch) * 0x9E3779B97F4A7C15ull);
+    auto p = at::randperm(size_, gen, at::TensorOptions().dtype(at::kLong));
+    std::copy(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + size_, perm.begin());
+  } else {
+    for (int64_t i = 0; i < size_; ++i) perm[static_cast<size_t>(i)] = i;
+  }
+  const int64_t total = per_rank_ * world_;
+  order_.clear();
+  for (int64_t k = rank_; k < total; k += world_) order_.push_back(perm[static_cast<size_t>(k % size_)]);
+}
+
+std::vector<int64_t> DistributedSampler::next(int64_t batch) {
+  TORCH_CHECK_VALUE(batch > 0, "DistributedSampler::next: batch is ", batch, "; it must be positive");
+  if (position_ >= per_rank_) start_epoch(epoch_ + 1);
+  const int64_t end = std::min(per_rank_, position_ + batch);
+  std::vector<int64_t> out(order_.begin() + position_, order_.begin() + end);
+  position_ = end;
+  return out;
+}
+
+std::string DistributedSampler::state_json() const {
+  nlohmann::json j{{"seed", seed_}, {"epoch", epoch_}, {"consumed", position_ * world_},
+                   {"dataset_size", size_}, {"shuffle", shuffle_}};
+  return j.dump();
+}
+
+void DistributedSampler::load_state_json(const std::string& state) {
+  const auto j = nlohmann::json::parse(state);
+  TORCH_CHECK_VALUE(j.at("dataset_size").get<int64_t>() == size_, "DistributedSampler: the saved dataset_size is ",
+                    j.at("dataset_size").get<int64_t>(), " but this sampler's is ", size_);
+  TORCH_CHECK_VALUE(j.at("seed").get<uint64_t>() == seed_, "DistributedSampler: the saved seed is ",
+                    j.at("seed").get<uint64_t>(), " but this sampler's is ", seed_);
+  TORCH_CHECK_VALUE(j.at("shuffle").get<bool>() == shuffle_, "DistributedSampler: the saved shuffle is ",
+                    j.at("shuffle").get<bool>(), " but this sampler's is ", shuffle_);
+  const int64_t consumed = j.at("consumed").get<int64_t>();
+  TORCH_CHECK_VALUE(consumed % world_ == 0, "DistributedSampler: ", consumed,
+                    " samples of this epoch were consumed, which ", world_,
+                    " ranks cannot split evenly; resume on a world size that divides it");
+  start_epoch(j.at("epoch").get<int64_t>());
+  position_ = std::min(per_rank_, consumed / world_);
+}
+
+}  // namespace zeroshard
