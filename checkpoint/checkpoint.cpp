@@ -229,6 +229,7 @@ struct Checkpointer::Impl {
   std::string write(const Snapshot& snap);
   void write_rank_file(const fs::path& path, const Snapshot& snap);
   json manifest(const Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests);
+  void write_model_view(const fs::path& path, const Snapshot& snap);
   void commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
   void retain(const fs::path& keep_dir);
   // Committed checkpoints, newest first.
@@ -316,6 +317,44 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
     }
   }
   f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  f.close();
+  fsync_path(path, false);
+}
+
+void Checkpointer::Impl::write_model_view(const fs::path& path, const Snapshot& snap) {
+  using checkpoint::h5::Type;
+  auto f = checkpoint::h5::File::create(path.string());
+  f.set_attribute("/", "format", std::string("zeroshard-checkpoint-view"));
+  f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
+  std::vector<std::vector<checkpoint::h5::File::VirtualPiece>> pieces(snap.params.size());
+  for (const auto& g : snap.groups) {
+    for (int r = 0; r < snap.world; ++r) {
+      for (const auto& seg : shard_segments(g.layout, r)) {
+        const size_t pi = g.params[seg.param];
+        pieces[pi].push_back({rank_file_name(r, snap.world), "", 0, static_cast<uint64_t>(seg.flat.size()),
+                              static_cast<uint64_t>(seg.param_offset)});
+      }
+    }
+  }
+  for (size_t i = 0; i < snap.params.size(); ++i) {
+    std::vector<uint64_t> dims(snap.params[i].shape.begin(), snap.params[i].shape.end());
+    for (const auto& [prefix, kind] : {std::pair<std::string, std::string>{"/", "master"},
+                                       {"/optimizer/exp_avg/", "exp_avg"}, {"/optimizer/exp_avg_sq/", "exp_avg_sq"}}) {
+      auto ps = pieces[i];
+      for (auto& p : ps) p.dataset = "/" + kind + "/" + snap.names[i];
+      f.write_virtual(prefix + snap.names[i], Type::kFloat32, dims, ps);
+    }
+  }
+  for (const auto& r : snap.replicated) {
+    std::vector<uint64_t> dims;
+    for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
+    uint64_t n = 1;
+    for (auto d : dims) n *= d;
+    if (dims.empty()) dims.push_back(1);  // stored as [1]
+    f.write_virtual("/" + r.name, storage_type(r.value.scalar_type(), r.name), dims,
+                    {{rank_file_name(0, snap.world), "/replicated/" + r.name, 0, n, 0, dims}});
+    f.set_attribute("/" + r.name, "dtype", std::string(c10::toString(r.value.scalar_type())));
+  }
   f.close();
   fsync_path(path, false);
 }
@@ -505,6 +544,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     try {
       Snapshot timed = snap;  // a shallow copy: tensors are shared
       timed.save_seconds = took.item<double>();
+      if (options.write_model_view) write_model_view(tmp / "model.h5", snap);
       commit(tmp, final_dir, manifest(timed, digests));
     } catch (const std::exception& e) {
       err = message_of(e);

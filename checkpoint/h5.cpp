@@ -124,6 +124,99 @@ void File::write(const std::string& name, Type type, const std::vector<uint64_t>
   check(H5Dwrite(ds.get(), memory_type(type), H5S_ALL, H5S_ALL, H5P_DEFAULT, data), path_, "writing dataset", name);
 }
 
+namespace {
+
+// Splits the flat (row-major) range [b, e) of a tensor of `shape` into
+// hyperslab blocks: (start, count) per block, in order.
+void blocks(uint64_t b, uint64_t e, const std::vector<uint64_t>& shape, size_t dim,
+            std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>>* out) {
+  if (b >= e) return;
+  const size_t rank = shape.size();
+  if (dim + 1 == rank) {
+    std::vector<hsize_t> start(rank, 0), count(rank, 1);
+    start[dim] = b;
+    count[dim] = e - b;
+    out->push_back({start, count});
+    return;
+  }
+  uint64_t inner = 1;
+  for (size_t i = dim + 1; i < rank; ++i) inner *= shape[i];
+  auto prefix = [&](std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> sub, uint64_t row,
+                    uint64_t rows) {
+    for (auto& [st, ct] : sub) {
+      st[dim] = row;
+      ct[dim] = rows;
+      out->push_back({st, ct});
+    }
+  };
+  uint64_t r0 = b / inner;
+  const uint64_t r_end = e / inner;  // rows [r0, r_end) may be whole
+  if (b % inner != 0 || r0 == r_end) {  // a partial first row (or the whole range inside one row)
+    std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> sub;
+    const uint64_t row_end = std::min(e, (r0 + 1) * inner);
+    blocks(b - r0 * inner, row_end - r0 * inner, shape, dim + 1, &sub);
+    prefix(std::move(sub), r0, 1);
+    if (row_end == e) return;
+    ++r0;
+  }
+  if (r_end > r0) {
+    std::vector<hsize_t> start(rank, 0), count(shape.begin(), shape.end());
+    start[dim] = r0;
+    count[dim] = r_end - r0;
+    for (size_t i = 0; i < dim; ++i) count[i] = 1;
+    out->push_back({start, count});
+  }
+  if (e % inner != 0) {
+    std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> sub;
+    blocks(0, e % inner, shape, dim + 1, &sub);
+    prefix(std::move(sub), r_end, 1);
+  }
+}
+
+}  // namespace
+
+void File::write_virtual(const std::string& name, Type type, const std::vector<uint64_t>& dims,
+                         const std::vector<VirtualPiece>& pieces) {
+  std::vector<uint64_t> shape = dims.empty() ? std::vector<uint64_t>{1} : dims;
+  std::vector<hsize_t> d(shape.begin(), shape.end());
+  Handle vspace(check(H5Screate_simple(static_cast<int>(d.size()), d.data(), nullptr), path_, "dataspace"), H5Sclose);
+  Handle dcpl(check(H5Pcreate(H5P_DATASET_CREATE), path_, "property list"), H5Pclose);
+  for (const auto& p : pieces) {
+    if (!p.whole_source_dims.empty()) {
+      std::vector<hsize_t> sd(p.whole_source_dims.begin(), p.whole_source_dims.end());
+      Handle sspace(check(H5Screate_simple(static_cast<int>(sd.size()), sd.data(), nullptr), path_, "dataspace"),
+                    H5Sclose);
+      check(H5Sselect_all(vspace.get()), path_, "selecting", name);
+      check(H5Pset_virtual(dcpl.get(), vspace.get(), p.file.c_str(), p.dataset.c_str(), sspace.get()), path_,
+            "mapping the source of", name);
+      continue;
+    }
+    std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> bl;
+    blocks(p.flat_begin, p.flat_begin + p.count, shape, 0, &bl);
+    hsize_t src_pos = p.src_offset;
+    for (const auto& [start, count] : bl) {
+      hsize_t n = 1;
+      for (auto c : count) n *= c;
+      check(H5Sselect_hyperslab(vspace.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr), path_,
+            "selecting in", name);
+      hsize_t src_total = p.src_offset + p.count;
+      Handle sspace(check(H5Screate_simple(1, &src_total, nullptr), path_, "dataspace"), H5Sclose);
+      check(H5Sselect_hyperslab(sspace.get(), H5S_SELECT_SET, &src_pos, nullptr, &n, nullptr), path_, "selecting in",
+            p.dataset);
+      check(H5Pset_virtual(dcpl.get(), vspace.get(), p.file.c_str(), p.dataset.c_str(), sspace.get()), path_,
+            "mapping a source of", name);
+      src_pos += n;
+    }
+  }
+  check(H5Sselect_all(vspace.get()), path_, "selecting", name);
+  Handle lcpl(check(H5Pcreate(H5P_LINK_CREATE), path_, "property list"), H5Pclose);
+  check(H5Pset_create_intermediate_group(lcpl.get(), 1), path_, "creating groups for", name);
+  Handle ds(check(H5Dcreate2(file_.get(), name.c_str(), file_type(type), vspace.get(), lcpl.get(), dcpl.get(),
+                             H5P_DEFAULT),
+                  path_, "cannot create virtual dataset '" + name + "'"),
+            H5Dclose);
+}
+
 void File::set_attribute(const std::string& object, const std::string& name, int64_t value) {
   Handle space(check(H5Screate(H5S_SCALAR), path_, "dataspace"), H5Sclose);
   Handle attr(check(H5Acreate_by_name(file_.get(), object.c_str(), name.c_str(), H5T_STD_I64LE, space.get(),

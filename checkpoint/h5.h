@@ -63,6 +63,20 @@ class File {
   int64_t int_attribute(const std::string& object, const std::string& name) const;
   std::string string_attribute(const std::string& object, const std::string& name) const;
 
+  // A virtual dataset of `dims` whose elements (row-major) come from 1-D
+  // source datasets in other files: piece k maps source elements
+  // [src_offset, src_offset + count) to flat elements [flat_begin, flat_begin + count).
+  struct VirtualPiece {
+    std::string file;     // relative to this file's directory
+    std::string dataset;
+    uint64_t src_offset = 0, count = 0, flat_begin = 0;
+    // Non-empty: the source has these dims and maps whole onto the whole
+    // virtual dataset (same element count); the offsets are then unused.
+    std::vector<uint64_t> whole_source_dims;
+  };
+  void write_virtual(const std::string& name, Type type, const std::vector<uint64_t>& dims,
+                     const std::vector<VirtualPiece>& pieces);
+
   bool has(const std::string& name) const;
   std::vector<uint64_t> dims(const std::string& name) const;
   // Elements [offset, offset + count) of a 1-D dataset (or of a dataset read as

@@ -39,6 +39,10 @@ struct CheckpointOptions {
   // load(), wait() or the Checkpointer's destruction waits for it (and a failed
   // background save throws there, on every rank). Default: false.
   bool async = false;
+  // Also write step-N/model.h5: HDF5 virtual datasets presenting every full
+  // parameter (and its AdamW moments, under optimizer/) by name over the rank
+  // files, for people and tools (h5py, h5dump). Loads never read it. Default: true.
+  bool write_model_view = true;
 };
 
 // How long the last save took.

@@ -27,6 +27,7 @@ def check(run_dir):
     checked = 0
     for p in manifest["params"]:
         name, numel = p["name"], int(np.prod(p["shape"], dtype=np.int64))
+        assert sum(e - b for _, b, e in p["pieces"]) == numel, f"{name}: pieces do not add up"
         full = np.full(numel, np.nan, dtype=np.float32)
         for rank, begin, end in p["pieces"]:
             for kind in ("master", "exp_avg", "exp_avg_sq"):
@@ -54,7 +55,22 @@ def check(run_dir):
             values = raw.astype(np.float64)
         assert np.array_equal(values, np.asarray(expected[name], dtype=np.float64)), f"{name}: replicated value differs"
         checked += 1
-    print(f"check_h5: {step_dir}: {checked} tensors over {len(files)} rank files match")
+    # model.h5: virtual datasets over the rank files, opened from another directory.
+    view = h5py.File(os.path.abspath(os.path.join(step_dir, "model.h5")), "r")
+    for p in manifest["params"]:
+        name = p["name"]
+        full = view[name][:]
+        assert list(full.shape) == p["shape"], (name, full.shape, p["shape"])
+        assert np.array_equal(full.reshape(-1).astype(np.float64), np.asarray(expected[name])), f"model.h5 {name}"
+        for kind in ("exp_avg", "exp_avg_sq"):
+            pieces = [files[r][kind + "/" + name][:] for r, b, e in p["pieces"]]
+            assert np.array_equal(view["optimizer/" + kind + "/" + name][:].reshape(-1), np.concatenate(pieces)), (
+                f"model.h5 optimizer/{kind}/{name}")
+        checked += 1
+    for rep in manifest["replicated"]:
+        assert np.array_equal(view[rep["name"]][:].reshape(-1), files[0]["replicated/" + rep["name"]][:].reshape(-1))
+        checked += 1
+    print(f"check_h5: {step_dir}: {checked} tensors over {len(files)} rank files and model.h5 match")
 
 
 if __name__ == "__main__":
