@@ -641,7 +641,8 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       continue;
     }
     // 2. the same model (a different one is an error, not a reason to fall back)
-    if (m.at("model_hash").get<std::string>() != hash_hex(mine)) {
+    const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
+    if (!imported && m.at("model_hash").get<std::string>() != hash_hex(mine)) {
       std::unordered_map<std::string, json> saved;
       for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = p;
       std::string first;
@@ -696,6 +697,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       for (size_t i = 0; i < names.size(); ++i) {
         auto it = saved.find(names[i]);
         if (it != saved.end()) {
+          TORCH_CHECK(it->second->at("shape").get<std::vector<int64_t>>() == state.params[i].shape, "parameter '",
+                      names[i], "' has shape ", c10::IntArrayRef(state.params[i].shape), " here and ",
+                      it->second->at("shape").dump(), " in the checkpoint");
           steps[i] = it->second->at("step").get<int64_t>();
         } else {
           TORCH_CHECK(replicated.count(names[i]), "parameter '", names[i], "' is not in the checkpoint");
@@ -725,6 +729,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       std::unordered_map<std::string, bool> in_state;
       for (const auto& n : names) in_state[n] = true;
       auto restore_full = [&](const std::string& name, const at::Tensor& target) {
+        if (imported && !replicated.count(name) && !saved.count(name)) {
+          log_info("checkpoint: '" + name + "' is not in the imported checkpoint; it keeps its value");
+          return;
+        }
         if (replicated.count(name)) {
           target.detach().copy_(read_replicated(name, target.sizes().vec()));
         } else {
@@ -738,7 +746,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         if (!in_state.count(item.key())) restore_full(item.key(), item.value());
       }
       for (const auto& item : model.named_buffers()) restore_full(item.key(), item.value());
-      if (m.at("world_size").get<int>() == comm->size()) {  // the same ranks: each resumes its own RNG stream
+      if (m.at("world_size").get<int>() == comm->size() && file(rank).has("/rng/cpu")) {  // each resumes its own RNG stream
         const auto dims = file(rank).dims("/rng/cpu");
         auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
         file(rank).read_all("/rng/cpu", checkpoint::h5::Type::kUInt8, rng.data_ptr());

@@ -259,6 +259,23 @@ std::string File::string_attribute(const std::string& object, const std::string&
   return v;
 }
 
+std::vector<std::string> File::virtual_sources(const std::string& name) const {
+  Handle ds(check(H5Dopen2(file_.get(), name.c_str(), H5P_DEFAULT), path_, "no dataset '" + name + "'"), H5Dclose);
+  Handle dcpl(check(H5Dget_create_plist(ds.get()), path_, "properties of '" + name + "'"), H5Pclose);
+  std::vector<std::string> out;
+  if (H5Pget_layout(dcpl.get()) != H5D_VIRTUAL) return out;
+  size_t n = 0;
+  check(H5Pget_virtual_count(dcpl.get(), &n), path_, "virtual mappings of", name);
+  for (size_t i = 0; i < n; ++i) {
+    const ssize_t len = H5Pget_virtual_filename(dcpl.get(), i, nullptr, 0);
+    std::string s(static_cast<size_t>(std::max<ssize_t>(len, 0)) + 1, '\0');
+    H5Pget_virtual_filename(dcpl.get(), i, s.data(), s.size());
+    s.resize(static_cast<size_t>(std::max<ssize_t>(len, 0)));
+    if (std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  }
+  return out;
+}
+
 bool File::has(const std::string& name) const {
   // Every group on the way must exist for H5Lexists to answer.
   size_t pos = 0;

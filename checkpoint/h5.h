@@ -77,6 +77,9 @@ class File {
   void write_virtual(const std::string& name, Type type, const std::vector<uint64_t>& dims,
                      const std::vector<VirtualPiece>& pieces);
 
+  // The source file names a virtual dataset maps (empty for a plain dataset).
+  std::vector<std::string> virtual_sources(const std::string& name) const;
+
   bool has(const std::string& name) const;
   std::vector<uint64_t> dims(const std::string& name) const;
   // Elements [offset, offset + count) of a 1-D dataset (or of a dataset read as

@@ -286,6 +286,50 @@ TEST(CheckpointResume, FromEveryWorldSizeAndStage) {
   }
 }
 
+// zeroshard-ckpt export --safetensors, then import: a run started from the
+// imported checkpoint holds exactly the exported weights (any world size, any
+// stage), with fresh optimizer state; and it trains.
+TEST(CheckpointImport, FromASafetensorsExport) {
+  const int m = world().size();
+  const fs::path src = fs::path(shared_dir()) / "n3_stage2";
+  ASSERT_TRUE(fs::exists(src / "latest")) << "run checkpoint_save_np3 first";
+  const auto dir = common_temp_dir("ckpt_import");
+  const std::string tool = testing::build_dir() + "/zeroshard-ckpt";
+  if (world().rank() == 0) {
+    const auto st = dir + "/weights.safetensors";
+    auto r = testing::run_command(tool + " export " + src.string() + " " + st + " --safetensors --buffers");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = testing::run_command(tool + " import " + st + " " + dir + "/run --safetensors");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  world().barrier();
+  std::ifstream in(src / "expected.json");
+  const auto expected = nlohmann::json::parse(in);
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage) + " at " + std::to_string(m) + " ranks");
+    Checkpointer ckpt(dir + "/run", world_ptr());
+    Trainer t(stage, /*seed=*/31);
+    const auto progress = t.load(ckpt);
+    ASSERT_TRUE(progress.has_value());
+    EXPECT_EQ(progress->step, 0);
+    {
+      std::optional<FullyShardedModel::FullParamsGuard> guard;
+      if (t.sharded) guard.emplace(t.sharded->summon_full_params());
+      for (const auto& item : t.net->named_parameters()) {
+        const auto want = torch::tensor(expected.at(item.key()).get<std::vector<double>>(), torch::kDouble);
+        EXPECT_TRUE(torch::equal(item.value().detach().to(torch::kDouble).reshape(-1), want)) << item.key();
+      }
+      for (const auto& item : t.net->named_buffers()) {
+        const auto want = torch::tensor(expected.at(item.key()).get<std::vector<double>>(), torch::kDouble);
+        EXPECT_TRUE(torch::equal(item.value().detach().to(torch::kDouble).reshape(-1), want)) << item.key();
+      }
+    }
+    const auto before = t.flat();
+    t.train(0, 2);
+    EXPECT_FALSE(torch::equal(t.flat(), before));
+  }
+}
+
 // ---------------------------------------------------------------- commit protocol and bad input
 
 struct Saved {
