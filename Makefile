@@ -32,6 +32,8 @@ bench: build
 	@$(BUILD_DIR)/bench/optim_bench
 	@bench/zero_vs_ddp.sh $(BUILD_DIR) 4
 	@bench/zero3_bench.sh $(BUILD_DIR) 4
+	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/ckpt_bench --dir $(BUILD_DIR)/ckpt_bench
+	@bench/ckpt_resume.py $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log

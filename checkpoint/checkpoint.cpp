@@ -317,8 +317,14 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
     }
   }
   f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  const auto c0 = std::chrono::steady_clock::now();
   f.close();
+  const auto c1 = std::chrono::steady_clock::now();
   fsync_path(path, false);
+  char msg[160];
+  std::snprintf(msg, sizeof(msg), "checkpoint: close %.3f s, fsync %.3f s", std::chrono::duration<double>(c1 - c0).count(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - c1).count());
+  log_debug(msg);
 }
 
 void Checkpointer::Impl::write_model_view(const fs::path& path, const Snapshot& snap) {
@@ -525,8 +531,15 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   const fs::path file = tmp / rank_file_name(rank, world);
   checkpoint::FileDigest digest;
   try {
+    const auto w0 = std::chrono::steady_clock::now();
     write_rank_file(file, snap);
+    const auto w1 = std::chrono::steady_clock::now();
     digest = checkpoint::digest_file(file.string());
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
+                  std::chrono::duration<double>(w1 - w0).count(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - w1).count());
+    log_debug(msg);
   } catch (const std::exception& e) {
     err = std::string("writing '") + file.string() + "': " + message_of(e);
   }

@@ -22,7 +22,8 @@
 
 namespace {
 
-constexpr int kIn = 12, kWidth = 32, kOut = 5, kDataset = 240;
+constexpr int kIn = 12, kOut = 5, kDataset = 240;
+int kWidth = 32;  // --width
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl() {
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
   app.add_option("--stage", stage, "2 (ShardedAdamW) or 3 (fully_shard)")->check(CLI::IsMember({2, 3}));
   app.add_option("--slow-ms", slow_ms, "sleep per step (gives kills time to land)")->capture_default_str();
   app.add_flag("--async", async, "asynchronous checkpoint saves");
+  app.add_option("--width", kWidth, "hidden width (32: 13k parameters; 2048: 50M)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto comm = zeroshard::init_communicator();
@@ -114,6 +116,9 @@ int main(int argc, char** argv) {
     opt.zero_grad();
     torch::mse_loss(net->forward(X.index_select(0, idx)), Y.index_select(0, idx)).backward();
     opt.step();
+    if (step == start) {
+      zeroshard::log_info("soak_train: first step of this run done (step " + std::to_string(step + 1) + ")");
+    }
     const bool saved = (step + 1) % save_every == 0;
     if (saved) save(step + 1);
     if (guard.should_stop()) {

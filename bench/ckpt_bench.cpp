@@ -1,0 +1,150 @@
+// ckpt_bench: sharded checkpoint save and load throughput against dd writing
+// the same bytes to the same disk with fsync, and the training stall of an
+// async save against a synchronous one. Run under zeroshard-run:
+//
+//   zeroshard-run --nproc-per-node 4 -- bench/ckpt_bench [--dir /path/on/disk] [--layers 24]
+//
+// The model: `layers` fully sharded 2048x2048 linear layers (24: 100.7M
+// parameters, 1.2 GB of fp32 masters and AdamW moments over all ranks).
+// Rank 0 prints "ROW |...|" lines.
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/comm.h>
+#include <zeroshard/fully_shard.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+namespace {
+
+struct StackImpl : torch::nn::Module {
+  StackImpl(int layers, int width) {
+    for (int i = 0; i < layers; ++i) {
+      this->layers.push_back(register_module("layer" + std::to_string(i),
+                                             zeroshard::Sharded<torch::nn::Linear>(torch::nn::LinearOptions(width, width).bias(false))));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l->forward(x));
+    return x;
+  }
+  std::vector<zeroshard::Sharded<torch::nn::Linear>> layers;
+};
+TORCH_MODULE(Stack);
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = "build/ckpt_bench";
+  int layers = 24, width = 2048, repeats = 3;
+  CLI::App app{"sharded checkpoint save/load throughput vs dd, and the async save stall"};
+  app.add_option("--dir", dir, "checkpoint directory (on the disk to measure)")->capture_default_str();
+  app.add_option("--layers", layers, "2048x2048 layers")->capture_default_str();
+  app.add_option("--repeats", repeats, "saves and loads timed (median)")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto comm = zeroshard::init_communicator();
+  const int rank = comm->rank(), world = comm->size();
+  torch::manual_seed(0);
+  Stack model(layers, width);
+  auto sharded = zeroshard::fully_shard(model, comm);
+  zeroshard::FullyShardedAdamW opt(sharded, torch::optim::AdamWOptions(1e-4));
+  {  // one step, so the moments hold real values
+    opt.zero_grad();
+    model->forward(torch::randn({2, width})).sum().backward();
+    opt.step();
+  }
+  int64_t psi = 0;
+  for (const auto& u : sharded->units()) psi += u.layout.numel;
+  if (rank == 0) std::filesystem::remove_all(dir);
+  comm->barrier();
+
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto slowest = [&](double mine) {
+    auto t = torch::tensor({mine}, torch::kDouble);
+    comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
+    return t.item<double>();
+  };
+
+  // Synchronous saves and loads.
+  zeroshard::CheckpointOptions sync_options;
+  sync_options.write_model_view = false;  // measured separately below: it adds no data
+  zeroshard::Checkpointer ckpt(dir + "/sync", comm, sync_options);
+  std::vector<double> save_s, load_s;
+  int64_t bytes = 0;
+  for (int i = 0; i < repeats; ++i) {
+    comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    ckpt.save(opt, *model, {i + 1, 0, "{}"});
+    save_s.push_back(slowest(seconds_since(t0)));
+    bytes = ckpt.last_save_times().bytes;
+  }
+  for (int i = 0; i < repeats; ++i) {
+    comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    ckpt.load(opt, *model);
+    load_s.push_back(slowest(seconds_since(t0)));
+  }
+  // The anchor: every rank's dd writes its share of the same bytes, at once, with fsync.
+  std::vector<double> dd_s;
+  const int64_t mine_mib = std::max<int64_t>(1, bytes / world / (1 << 20));
+  for (int i = 0; i < repeats; ++i) {
+    const std::string file = dir + "/dd.rank" + std::to_string(rank);
+    const std::string cmd = "dd if=/dev/zero of=" + file + " bs=1M count=" + std::to_string(mine_mib) +
+                            " conv=fsync status=none";
+    comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int rc = std::system(cmd.c_str());
+    dd_s.push_back(slowest(seconds_since(t0)));
+    TORCH_CHECK(rc == 0, "ckpt_bench: '", cmd, "' failed");
+    std::filesystem::remove(file);
+  }
+  const double dd_bytes = static_cast<double>(mine_mib) * (1 << 20) * world;
+
+  // Async: the caller's stall (copying to host memory) against a sync save.
+  zeroshard::CheckpointOptions async_options = sync_options;
+  async_options.async = true;
+  zeroshard::Checkpointer async_ckpt(dir + "/async", comm, async_options);
+  std::vector<double> stall_s;
+  for (int i = 0; i < repeats; ++i) {
+    comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    async_ckpt.save(opt, *model, {i + 1, 0, "{}"});
+    stall_s.push_back(slowest(seconds_since(t0)));
+    async_ckpt.wait();
+  }
+  // The model.h5 view: its cost on top of a save.
+  zeroshard::Checkpointer view_ckpt(dir + "/view", comm);
+  comm->barrier();
+  auto t0 = std::chrono::steady_clock::now();
+  view_ckpt.save(opt, *model, {1, 0, "{}"});
+  const double with_view = slowest(seconds_since(t0));
+
+  if (rank == 0) {
+    const double gb = bytes / 1e9;
+    std::printf("ckpt_bench: %d ranks, %.1fM parameters, %.2f GB of checkpoint files per save, median of %d\n", world,
+                psi / 1e6, gb, repeats);
+    std::printf("ROW | save (sync, fsync) | %.2f s | %.2f GB/s | %.2f of dd |\n", median(save_s), gb / median(save_s),
+                (dd_bytes / 1e9 / median(dd_s)) > 0 ? (gb / median(save_s)) / (dd_bytes / 1e9 / median(dd_s)) : 0.0);
+    std::printf("ROW | dd, same bytes, conv=fsync, one per rank | %.2f s | %.2f GB/s | 1 |\n", median(dd_s),
+                dd_bytes / 1e9 / median(dd_s));
+    std::printf("ROW | load (verify + read) | %.2f s | %.2f GB/s | - |\n", median(load_s), gb / median(load_s));
+    std::printf("ROW | async save: training stall | %.3f s | - | %.3f of the sync save |\n", median(stall_s),
+                median(stall_s) / median(save_s));
+    std::printf("ROW | save with model.h5 | %.2f s | %.2f GB/s | - |\n", with_view, gb / with_view);
+  }
+  comm->barrier();
+  if (rank == 0) std::filesystem::remove_all(dir);
+  return 0;
+}
