@@ -242,6 +242,9 @@ struct Checkpointer::Impl {
 Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
                                       const TrainingProgress& progress) {
   torch::NoGradGuard no_grad;
+  TORCH_CHECK_VALUE(!state.gradients_pending, "checkpoint: a backward ran since the last step(), and checkpoints do "
+                    "not hold gradients, so saving now would lose them; save right after step() (or call "
+                    "discard_gradients() first to drop them)");
   Snapshot snap;
   snap.progress = progress;
   snap.rank = state.rank;

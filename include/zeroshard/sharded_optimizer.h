@@ -103,6 +103,9 @@ struct ShardedState {
   std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
   std::vector<ShardedBucketState> buckets;
+  // A backward ran since the last step(): gradients wait in shards or in
+  // p.grad() (checkpoints refuse to save then; they hold no gradients).
+  bool gradients_pending = false;
   double loss_scale = 1;              // current dynamic loss scale (1 when off)
   int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
 };

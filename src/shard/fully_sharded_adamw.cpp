@@ -274,6 +274,11 @@ ShardedState FullyShardedAdamW::sharded_state() {
   s.param_steps = steps_;
   s.loss_scale = scaler_->scale();
   s.loss_scale_clean_steps = scaler_->clean_steps();
+  s.gradients_pending = m.local_grads_pending || !m.inflight.empty();
+  for (const auto& u : m.units) {
+    s.gradients_pending = s.gradients_pending || u->grad_shard.defined();
+    for (char h : u->had_grad) s.gradients_pending = s.gradients_pending || h != 0;
+  }
   size_t base = 0;
   for (size_t k = 0; k < m.units.size(); ++k) {
     const auto& u = *m.units[k];

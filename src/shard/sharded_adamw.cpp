@@ -436,6 +436,10 @@ ShardedState ShardedAdamW::sharded_state() const {
   s.params = im.infos;
   s.param_steps = im.steps;
   s.param_tensors = im.params;
+  s.gradients_pending = im.local_grads_pending;
+  for (char h : im.had_grad) s.gradients_pending = s.gradients_pending || h != 0;
+  for (const auto& b : im.buckets) s.gradients_pending = s.gradients_pending || b.grad_shard.defined();
+
   s.loss_scale = im.scaler.scale();
   s.loss_scale_clean_steps = im.scaler.clean_steps();
   for (const auto& b : im.buckets) {

@@ -413,6 +413,26 @@ TEST(CheckpointBadInput, DamagedNewestFallsBackToThePrevious) {
   }
 }
 
+// Checkpoints hold no gradients: a save between backward and step() would lose
+// them, so it is refused; after step() (or discard_gradients()) it works.
+TEST(CheckpointBadInput, SaveWithPendingGradientsIsRefused) {
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto dir = common_temp_dir("ckpt_pending");
+    Checkpointer ckpt(dir, world_ptr());
+    Trainer t(stage);
+    auto [x, y] = batch(0);
+    t.opt().zero_grad();
+    torch::mse_loss(t.net->forward(x), y).backward();
+    const auto what = testing::error_of([&] { t.save(ckpt, 1); });
+    EXPECT_NE(what.find("a backward ran since the last step()"), std::string::npos) << what;
+    EXPECT_FALSE(fs::exists(fs::path(dir) / "latest"));
+    t.opt().step();
+    t.save(ckpt, 1);
+    EXPECT_EQ(latest_of(dir), "step-00000001");
+  }
+}
+
 TEST(CheckpointBadInput, AnotherModelIsRefusedNamingTheDifference) {
   const auto dir = common_temp_dir("ckpt_other_model");
   Checkpointer ckpt(dir, world_ptr());
