@@ -293,6 +293,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
 
 void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap) {
   using checkpoint::h5::Type;
+  const auto start = std::chrono::steady_clock::now();
   auto f = checkpoint::h5::File::create(path.string());
   f.set_attribute("/", "format", std::string(kFormat));
   f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
@@ -321,6 +322,7 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
   }
   f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
   const auto c0 = std::chrono::steady_clock::now();
+  log_debug("checkpoint: datasets written in " + std::to_string(std::chrono::duration<double>(c0 - start).count()) + " s");
   f.close();
   const auto c1 = std::chrono::steady_clock::now();
   fsync_path(path, false);
