@@ -38,6 +38,16 @@ struct PreemptionOptions {
   std::vector<int> signals{SIGTERM, SIGINT, SIGUSR1};
   // When non-empty: the file's existence is a notice too (checked at each should_stop()).
   std::string notice_file;
+  // When non-empty: an http:// URL polled every notice_poll_interval_s on the
+  // guard's thread; a 200 response whose body is not empty and not "FALSE" is
+  // a notice. That covers the cloud metadata endpoints:
+  //   AWS: http://169.254.169.254/latest/meta-data/spot/instance-action (404 until a notice)
+  //   GCP: http://metadata.google.internal/computeMetadata/v1/instance/preempted
+  //        with the header {"Metadata-Flavor", "Google"} ("FALSE" until preempted)
+  // Unreachable URLs count as no notice (logged once at debug level).
+  std::string notice_url;
+  std::vector<std::pair<std::string, std::string>> notice_url_headers;
+  double notice_poll_interval_s = 5.0;
   // The time a notice leaves (Default: 30 s, GCP's). A save measured longer
   // than this is warned about (check_save_fits()).
   double grace_period_s = 30.0;
@@ -67,6 +77,7 @@ class PreemptionGuard {
   std::shared_ptr<Communicator> comm_;
   PreemptionOptions options_;
   std::atomic<int> signal_{0};
+  std::atomic<bool> url_notice_{false};
   bool stopped_ = false;
   std::unique_ptr<Impl> impl_;
 };

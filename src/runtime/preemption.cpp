@@ -6,7 +6,12 @@
 
 #include <ATen/ATen.h>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -14,10 +19,82 @@
 
 namespace zeroshard {
 
+namespace {
+
+struct Url {
+  std::string host, port = "80", target = "/";
+};
+
+Url parse_url(const std::string& url) {
+  const std::string scheme = "http://";
+  TORCH_CHECK_VALUE(url.rfind(scheme, 0) == 0, "PreemptionGuard: notice_url '", url,
+                    "' must start with http:// (metadata endpoints are plain HTTP)");
+  Url u;
+  const std::string rest = url.substr(scheme.size());
+  const size_t slash = rest.find('/');
+  std::string hostport = slash == std::string::npos ? rest : rest.substr(0, slash);
+  if (slash != std::string::npos) u.target = rest.substr(slash);
+  const size_t colon = hostport.find(':');
+  u.host = hostport.substr(0, colon);
+  if (colon != std::string::npos) u.port = hostport.substr(colon + 1);
+  TORCH_CHECK_VALUE(!u.host.empty(), "PreemptionGuard: notice_url '", url, "' has no host");
+  return u;
+}
+
+// One GET with a 1 s budget; true when it says a preemption is coming.
+bool poll_once(const Url& u, const std::vector<std::pair<std::string, std::string>>& headers, std::string* error) {
+  namespace beast = boost::beast;
+  namespace http = beast::http;
+  try {
+    boost::asio::io_context io;
+    boost::asio::ip::tcp::resolver resolver(io);
+    beast::tcp_stream stream(io);
+    stream.expires_after(std::chrono::seconds(1));
+    stream.connect(resolver.resolve(u.host, u.port));
+    http::request<http::string_body> req{http::verb::get, u.target, 11};
+    req.set(http::field::host, u.host);
+    for (const auto& [k, v] : headers) req.set(k, v);
+    http::write(stream, req);
+    beast::flat_buffer buffer;
+    http::response<http::string_body> res;
+    http::read(stream, buffer, res);
+    beast::error_code ec;
+    stream.socket().shutdown(boost::asio::ip::tcp::socket::shutdown_both, ec);
+    if (res.result() != http::status::ok) return false;
+    std::string body = res.body();
+    body.erase(0, body.find_first_not_of(" \r\n\t"));
+    body.erase(body.find_last_not_of(" \r\n\t") + 1);
+    return !body.empty() && body != "FALSE" && body != "false";
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return false;
+  }
+}
+
+}  // namespace
+
 struct PreemptionGuard::Impl {
   boost::asio::io_context io;
   boost::asio::signal_set signals{io};
+  boost::asio::steady_timer timer{io};
   std::thread thread;
+  bool logged_unreachable = false;
+
+  void poll(const Url& url, const PreemptionOptions& o, std::atomic<bool>* seen) {
+    std::string error;
+    if (poll_once(url, o.notice_url_headers, &error)) {
+      seen->store(true);
+      return;  // a notice stays a notice
+    }
+    if (!error.empty() && !logged_unreachable) {
+      log_debug("preemption: notice_url '" + o.notice_url + "' unreachable (" + error + "); polling on");
+      logged_unreachable = true;
+    }
+    timer.expires_after(std::chrono::milliseconds(static_cast<int64_t>(o.notice_poll_interval_s * 1000)));
+    timer.async_wait([this, url, &o, seen](const boost::system::error_code& ec) {
+      if (!ec) poll(url, o, seen);
+    });
+  }
 
   void arm(std::atomic<int>* seen) {
     signals.async_wait([this, seen](const boost::system::error_code& ec, int sig) {
@@ -39,6 +116,12 @@ PreemptionGuard::PreemptionGuard(std::shared_ptr<Communicator> comm, PreemptionO
     TORCH_CHECK_VALUE(!ec, "PreemptionGuard: cannot handle signal ", sig, ": ", ec.message());
   }
   impl_->arm(&signal_);
+  if (!options_.notice_url.empty()) {
+    TORCH_CHECK_VALUE(options_.notice_poll_interval_s > 0, "PreemptionGuard: notice_poll_interval_s is ",
+                      options_.notice_poll_interval_s, "; it must be positive");
+    const Url url = parse_url(options_.notice_url);
+    boost::asio::post(impl_->io, [this, url] { impl_->poll(url, options_, &url_notice_); });
+  }
   impl_->thread = std::thread([this] { impl_->io.run(); });
 }
 
@@ -46,6 +129,7 @@ PreemptionGuard::~PreemptionGuard() {
   boost::system::error_code ec;
   impl_->signals.cancel(ec);
   impl_->signals.clear(ec);  // default dispositions again
+  impl_->timer.cancel();
   impl_->io.stop();
   if (impl_->thread.joinable()) impl_->thread.join();
 }
@@ -53,13 +137,16 @@ PreemptionGuard::~PreemptionGuard() {
 bool PreemptionGuard::should_stop() {
   if (stopped_) return true;
   const int sig = signal_.load();
-  const bool notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
+  const bool url_notice = url_notice_.load();
+  const bool notice = url_notice || (!options_.notice_file.empty() && std::filesystem::exists(options_.notice_file));
   auto flag = at::tensor({(sig != 0 || notice) ? 1.0 : 0.0}, at::kDouble);
   if (comm_->size() > 1) comm_->all_reduce(flag, ReduceOp::kMax)->wait();
   if (flag.item<double>() == 0) return false;
   stopped_ = true;
-  std::string why = sig != 0 ? "got signal " + std::to_string(sig) + " (" + strsignal(sig) + ")"
-                             : notice ? "found the notice file '" + options_.notice_file + "'" : "";
+  std::string why = sig != 0      ? "got signal " + std::to_string(sig) + " (" + strsignal(sig) + ")"
+                    : url_notice ? "got a notice from '" + options_.notice_url + "'"
+                    : notice     ? "found the notice file '" + options_.notice_file + "'"
+                                 : "";
   log_warn("preemption: " + (why.empty() ? std::string("another rank was told to stop") : "this rank " + why) +
            "; every rank stops after this step");
   return true;

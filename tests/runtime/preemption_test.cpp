@@ -62,6 +62,39 @@ TEST(Preemption, NoticeFileStopsEveryRank) {
   if (world().rank() == 0) std::filesystem::remove(o.notice_file);
 }
 
+// A metadata-style URL (here: python's http.server on the last rank): 404 and
+// "FALSE" are no notice; "TRUE" is, and every rank stops at the same call.
+TEST(Preemption, NoticeUrlStopsEveryRank) {
+  const int n = world().size(), r = world().rank();
+  PreemptionOptions o;
+  std::string dir, pid;
+  if (r == n - 1) {
+    dir = testing::make_temp_dir("notice_url");
+    const int port = testing::free_port();
+    pid = testing::run_command("/usr/bin/python3 -m http.server " + std::to_string(port) + " --bind 127.0.0.1 --directory " +
+                               dir + " >/dev/null 2>&1 & echo $!")
+              .output;
+    o.notice_url = "http://127.0.0.1:" + std::to_string(port) + "/preempted";
+    o.notice_poll_interval_s = 0.05;
+  }
+  PreemptionGuard guard(world_ptr(), o);
+  int stopped_at = -1;
+  for (int i = 0; i < 200 && stopped_at < 0; ++i) {
+    if (r == n - 1 && i == 5) std::ofstream(dir + "/preempted") << "FALSE\n";  // GCP's answer until preempted
+    if (r == n - 1 && i == 40) std::ofstream(dir + "/preempted") << "TRUE\n";
+    if (guard.should_stop()) stopped_at = i;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (r == n - 1) testing::run_command("kill " + pid);
+  auto all = torch::zeros({n}, torch::kLong);
+  world().all_gather(all, torch::tensor({static_cast<int64_t>(stopped_at)}, torch::kLong))->wait();
+  for (int k = 0; k < n; ++k) {
+    EXPECT_GE(all[k].item<int64_t>(), 40) << "rank " << k << ": a 404 or FALSE is no notice";
+    EXPECT_EQ(all[k].item<int64_t>(), all[0].item<int64_t>()) << "rank " << k;
+  }
+  EXPECT_LT(stopped_at, 200);
+}
+
 TEST(Preemption, WarnsWhenASaveWouldNotFitTheGracePeriod) {
   PreemptionOptions o;
   o.grace_period_s = 2;
