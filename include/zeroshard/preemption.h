@@ -65,8 +65,9 @@ class PreemptionGuard {
   bool should_stop();
   // Whether this rank itself got a signal (no communication).
   bool signaled() const { return signal_.load() != 0; }
-  // Warns when `save_seconds` (e.g. Checkpointer::last_save_times()) would
-  // not fit the grace period. Returns whether it fits.
+  // Logs `save_seconds` against the grace period: a warning when it would not
+  // fit (at start-up, with the last checkpoint's TrainingProgress::save_seconds),
+  // else an info line (after the save a stop made). Returns whether it fits.
   bool check_save_fits(double save_seconds) const;
   int exit_code() const { return kPreemptedExitCode; }
   const PreemptionOptions& options() const { return options_; }

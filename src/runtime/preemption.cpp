@@ -153,8 +153,13 @@ bool PreemptionGuard::should_stop() {
 }
 
 bool PreemptionGuard::check_save_fits(double save_seconds) const {
-  if (save_seconds <= options_.grace_period_s) return true;
   char msg[200];
+  if (save_seconds <= options_.grace_period_s) {
+    std::snprintf(msg, sizeof(msg), "preemption: a checkpoint save takes %.2f s of the %.1f s grace period",
+                  save_seconds, options_.grace_period_s);
+    log_info(msg);
+    return true;
+  }
   std::snprintf(msg, sizeof(msg),
                 "preemption: the last checkpoint save took %.1f s, longer than the %.1f s grace period; a save "
                 "after a notice may not finish (save more often, or give the job a longer grace period)",

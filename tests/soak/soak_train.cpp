@@ -122,8 +122,10 @@ int main(int argc, char** argv) {
     const bool saved = (step + 1) % save_every == 0;
     if (saved) save(step + 1);
     if (guard.should_stop()) {
+      const auto t0 = std::chrono::steady_clock::now();
       if (!saved) save(step + 1);
       ckpt.wait();
+      guard.check_save_fits(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       zeroshard::log_warn("soak_train: stopped after step " + std::to_string(step + 1) + " for a preemption");
       return zeroshard::kPreemptedExitCode;
     }
