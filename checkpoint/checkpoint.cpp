@@ -176,7 +176,10 @@ struct Snapshot {
     size_t param;
     int64_t begin;                  // first element of the flattened parameter
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32 copies
+    at::Tensor grad;                // fp32 copy of the reduced gradient so far (when `gradients`)
   };
+  bool gradients = false;           // saved in the middle of a step's accumulation
+  std::vector<char> had_grad;       // per parameter, any rank (when `gradients`)
   std::vector<Owned> owned;
   struct Replicated {
     std::string name, kind;
@@ -222,8 +225,10 @@ struct Checkpointer::Impl {
   std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
   // Blocks until the background save (if any) is committed; rethrows its error.
   void wait_pending();
+  using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
+                                     const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
-                                       const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore);
+                                       const Restore& restore);
   Snapshot snapshot(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
   // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
   std::string write(const Snapshot& snap);
@@ -242,10 +247,29 @@ struct Checkpointer::Impl {
 Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
                                       const TrainingProgress& progress) {
   torch::NoGradGuard no_grad;
-  TORCH_CHECK_VALUE(!state.gradients_pending, "checkpoint: a backward ran since the last step(), and checkpoints do "
-                    "not hold gradients, so saving now would lose them; save right after step() (or call "
-                    "discard_gradients() first to drop them)");
+  // Gradients of an accumulation in progress: reduced ones (in the shards) are
+  // saved; unreduced ones (in p.grad()) cannot be resharded, so that is refused.
+  bool snapshot_gradients = false;
+  std::vector<char> snapshot_had_grad;
+  {
+    std::vector<double> flags{state.local_gradients_pending ? 1.0 : 0.0};
+    double any = 0;
+    for (char h : state.had_grad) any = std::max(any, h ? 1.0 : 0.0);
+    for (const auto& b : state.buckets) any = std::max(any, b.grad_shard.defined() ? 1.0 : 0.0);
+    flags.push_back(any);
+    for (char h : state.had_grad) flags.push_back(h ? 1.0 : 0.0);
+    auto t = torch::tensor(flags, torch::kDouble);
+    if (comm->size() > 1) comm->all_reduce(t, ReduceOp::kMax)->wait();
+    TORCH_CHECK_VALUE(t[0].item<double>() == 0, "checkpoint: this step's gradients are still in p.grad() on some rank "
+                      "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
+                      "them. Save after step(), or accumulate with reduced backwards (the default)");
+    snapshot_gradients = t[1].item<double>() > 0;
+    snapshot_had_grad.assign(state.had_grad.size(), 0);
+    for (size_t i = 0; i < state.had_grad.size(); ++i) snapshot_had_grad[i] = t[2 + static_cast<int64_t>(i)].item<double>() > 0;
+  }
   Snapshot snap;
+  snap.gradients = snapshot_gradients;
+  snap.had_grad = snapshot_had_grad;
   snap.progress = progress;
   snap.rank = state.rank;
   snap.world = state.world_size;
@@ -262,8 +286,13 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     for (const auto& seg : shard_segments(b.layout, state.rank)) {
       const Range local = seg.local(b.layout, state.rank);
       auto copy = [&](const at::Tensor& t) { return t.slice(0, local.begin, local.end).clone(); };
-      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq)});
-      snap.bytes += 12 * local.size();
+      at::Tensor grad;
+      if (snap.gradients) {
+        grad = b.grad_shard.defined() ? b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat).clone()
+                                      : at::zeros({local.size()}, at::kFloat);
+      }
+      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad});
+      snap.bytes += (snap.gradients ? 16 : 12) * local.size();
     }
   }
   std::unordered_map<std::string, bool> trained;
@@ -307,6 +336,11 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
                                   {"exp_avg", o.exp_avg}, {"exp_avg_sq", o.exp_avg_sq}}) {
       const std::string ds = std::string("/") + kind + "/" + name;
       f.write(ds, Type::kFloat32, dims, t.data_ptr<float>());
+      f.set_attribute(ds, "begin", o.begin);
+    }
+    if (snap.gradients) {
+      const std::string ds = "/grad/" + name;
+      f.write(ds, Type::kFloat32, dims, o.grad.data_ptr<float>());
       f.set_attribute(ds, "begin", o.begin);
     }
   }
@@ -390,6 +424,7 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
   m["stage"] = snap.stage;
   m["model_hash"] = snap.model_hash;
   m["save_seconds"] = snap.save_seconds;
+  m["gradients"] = snap.gradients;
   m["loss_scale"] = snap.loss_scale;
   m["loss_scale_clean_steps"] = snap.loss_scale_clean_steps;
   m["params"] = json::array();
@@ -399,6 +434,7 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
     p["shape"] = snap.params[i].shape;
     p["dtype"] = c10::toString(snap.params[i].dtype);
     p["step"] = snap.steps[i];
+    if (snap.gradients) p["had_grad"] = snap.had_grad[i] != 0;
     p["pieces"] = json::array();
     for (const auto& pc : pieces[i]) p["pieces"].push_back({pc.rank, pc.begin, pc.end});
     m["params"].push_back(std::move(p));
@@ -609,7 +645,7 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
 
 std::optional<TrainingProgress> Checkpointer::Impl::load(
     ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
-    const std::function<void(const std::vector<int64_t>&, double, int64_t)>& restore) {
+    const Restore& restore) {
   wait_pending();
   torch::NoGradGuard no_grad;
   const int rank = comm->rank();
@@ -772,8 +808,25 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(rng);
       }
+      // An accumulation in progress: the reduced gradients so far, in this layout.
+      std::vector<at::Tensor> grad_shards;
+      std::vector<char> had_grad;
+      if (m.value("gradients", false)) {
+        for (const auto& b : state.buckets) {
+          auto g = at::zeros({b.shard.size()}, at::kFloat);
+          for (const auto& seg : shard_segments(b.layout, rank)) {
+            const std::string& name = names[b.params[seg.param]];
+            if (!saved.count(name)) continue;  // untrained when saved: no gradient
+            const Range local = seg.local(b.layout, rank);
+            read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
+          }
+          grad_shards.push_back(g);
+        }
+        for (const auto& n : names) had_grad.push_back(saved.count(n) && saved.at(n)->value("had_grad", false) ? 1 : 0);
+      }
       why.clear();
-      restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>());
+      restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(), grad_shards,
+              had_grad);
     } catch (const std::exception& e) {
       why = message_of(e);
     }
@@ -839,16 +892,18 @@ std::string Checkpointer::save(FullyShardedAdamW& opt, torch::nn::Module& model,
 std::optional<TrainingProgress> Checkpointer::load(ShardedAdamW& opt, torch::nn::Module& model,
                                                    std::optional<int64_t> step) {
   return impl_->load(opt.sharded_state(), model, step,
-                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean) {
-                       opt.restore_sharded_state(s, scale, clean);
+                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
+                            const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
+                       opt.restore_sharded_state(s, scale, clean, grads, had);
                      });
 }
 
 std::optional<TrainingProgress> Checkpointer::load(FullyShardedAdamW& opt, torch::nn::Module& model,
                                                    std::optional<int64_t> step) {
   return impl_->load(opt.sharded_state(), model, step,
-                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean) {
-                       opt.restore_sharded_state(s, scale, clean);
+                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
+                            const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
+                       opt.restore_sharded_state(s, scale, clean, grads, had);
                      });
 }
 

@@ -299,7 +299,8 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   // drops pending gradients, and makes the next forward gather the loaded
   // values (the root is all-gathered now). Collective.
   void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                             int64_t loss_scale_clean_steps);
+                             int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
+                             const std::vector<char>& had_grad = {});
   // Drops the gradients of this step (reduced or still in flight), e.g. to skip
   // a step whose loss was not finite. zero_grad() cannot: the gradients already
   // live in the shards, not in p.grad(). Collective (waits for in-flight reductions).

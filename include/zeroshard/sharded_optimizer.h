@@ -94,6 +94,7 @@ struct ShardedBucketState {
   at::Tensor master;           // fp32 [shard.size()]: the parameters' master values
   at::Tensor exp_avg;          // fp32 [shard.size()]
   at::Tensor exp_avg_sq;       // fp32 [shard.size()]
+  at::Tensor grad_shard;       // [shard.size()]: this step's reduced gradient so far (undefined: none)
 };
 struct ShardedState {
   int rank = 0;
@@ -103,9 +104,11 @@ struct ShardedState {
   std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
   std::vector<ShardedBucketState> buckets;
-  // A backward ran since the last step(): gradients wait in shards or in
-  // p.grad() (checkpoints refuse to save then; they hold no gradients).
-  bool gradients_pending = false;
+  // Gradients of this step that are not in the shards: full, unreduced, in
+  // p.grad() (stage 1, no_sync, reduce_every_backward=false). Checkpoints
+  // refuse to save then. Reduced ones (grad_shard) are saved.
+  bool local_gradients_pending = false;
+  std::vector<char> had_grad;         // per parameter: got a gradient on this rank since the last step
   double loss_scale = 1;              // current dynamic loss scale (1 when off)
   int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
 };
@@ -182,13 +185,17 @@ class ShardedAdamW : public torch::optim::Optimizer {
   // Whether the last step() was skipped because a gradient overflowed.
   bool last_step_skipped() const;
 
+  // Waits for in-flight gradient reductions first, so grad_shard is complete.
   ShardedState sharded_state() const;
   // After a checkpoint load wrote into the master/exp_avg/exp_avg_sq tensors of
   // sharded_state(): installs the step counts (one per sharded_state().params
-  // entry) and the loss scale, drops pending gradients, and sets the model's
-  // parameters to the masters' values (all-gathered). Collective.
+  // entry) and the loss scale, sets the model's parameters to the masters'
+  // values (all-gathered), and replaces this step's gradients with
+  // `grad_shards` (one per bucket, fp32, or undefined) and `had_grad` (per
+  // parameter; empty: none). Collective.
   void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                             int64_t loss_scale_clean_steps);
+                             int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
+                             const std::vector<char>& had_grad = {});
   ShardedMemory memory() const;
   const ShardedAdamWOptions& sharded_options() const;
   Communicator& communicator() const;

@@ -274,11 +274,9 @@ ShardedState FullyShardedAdamW::sharded_state() {
   s.param_steps = steps_;
   s.loss_scale = scaler_->scale();
   s.loss_scale_clean_steps = scaler_->clean_steps();
-  s.gradients_pending = m.local_grads_pending || !m.inflight.empty();
-  for (const auto& u : m.units) {
-    s.gradients_pending = s.gradients_pending || u->grad_shard.defined();
-    for (char h : u->had_grad) s.gradients_pending = s.gradients_pending || h != 0;
-  }
+  m.drain_all();  // the gradient shards complete (waits only: every rank issued these)
+  s.local_gradients_pending = m.local_grads_pending;
+  for (const auto& u : m.units) s.had_grad.insert(s.had_grad.end(), u->had_grad.begin(), u->had_grad.end());
   size_t base = 0;
   for (size_t k = 0; k < m.units.size(); ++k) {
     const auto& u = *m.units[k];
@@ -294,6 +292,7 @@ ShardedState FullyShardedAdamW::sharded_state() {
     b.master = u.master;
     b.exp_avg = moments_[2 * k];
     b.exp_avg_sq = moments_[2 * k + 1];
+    b.grad_shard = u.grad_shard;
     s.buckets.push_back(std::move(b));
     base += u.params.size();
   }
@@ -301,7 +300,8 @@ ShardedState FullyShardedAdamW::sharded_state() {
 }
 
 void FullyShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                                              int64_t loss_scale_clean_steps) {
+                                              int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards,
+                                              const std::vector<char>& had_grad) {
   torch::NoGradGuard no_grad;
   auto& m = model_->impl();
   std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
@@ -321,6 +321,19 @@ void FullyShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_
     }
   }
   for (auto& w : gathers) w->wait();
+  if (!had_grad.empty()) {  // a step's accumulation in progress: its reduced gradients so far
+    TORCH_CHECK_VALUE(had_grad.size() == steps_.size() && grad_shards.size() == m.units.size(),
+                      "FullyShardedAdamW::restore_sharded_state: gradients for ", grad_shards.size(), " units and ",
+                      had_grad.size(), " parameters; this model has ", m.units.size(), " and ", steps_.size());
+    size_t base = 0;
+    for (size_t k = 0; k < m.units.size(); ++k) {
+      auto& u = *m.units[k];
+      u.grad_shard = grad_shards[k];
+      std::copy(had_grad.begin() + static_cast<std::ptrdiff_t>(base),
+                had_grad.begin() + static_cast<std::ptrdiff_t>(base + u.params.size()), u.had_grad.begin());
+      base += u.params.size();
+    }
+  }
 }
 
 void FullyShardedAdamW::discard_gradients() {

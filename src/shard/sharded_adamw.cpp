@@ -13,6 +13,7 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <algorithm>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -436,20 +437,26 @@ ShardedState ShardedAdamW::sharded_state() const {
   s.params = im.infos;
   s.param_steps = im.steps;
   s.param_tensors = im.params;
-  s.gradients_pending = im.local_grads_pending;
-  for (char h : im.had_grad) s.gradients_pending = s.gradients_pending || h != 0;
-  for (const auto& b : im.buckets) s.gradients_pending = s.gradients_pending || b.grad_shard.defined();
+  {
+    std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+    impl_->drain_all();  // the gradient shards complete (waits only: every rank issued these)
+  }
+  s.local_gradients_pending = im.local_grads_pending || (im.options.stage == 1 && !im.reduced &&
+                                                          std::any_of(im.had_grad.begin(), im.had_grad.end(),
+                                                                      [](char h) { return h != 0; }));
+  s.had_grad = im.had_grad;
 
   s.loss_scale = im.scaler.scale();
   s.loss_scale_clean_steps = im.scaler.clean_steps();
   for (const auto& b : im.buckets) {
-    s.buckets.push_back({b.layout, b.params, b.group, b.shard, b.master, b.exp_avg, b.exp_avg_sq});
+    s.buckets.push_back({b.layout, b.params, b.group, b.shard, b.master, b.exp_avg, b.exp_avg_sq, b.grad_shard});
   }
   return s;
 }
 
 void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                                         int64_t loss_scale_clean_steps) {
+                                         int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards,
+                                         const std::vector<char>& had_grad) {
   torch::NoGradGuard no_grad;
   auto& im = *impl_;
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
@@ -470,6 +477,17 @@ void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps
     gathers.push_back(im.comm->all_gather(b.flat_params, mine));
   }
   for (auto& w : gathers) w->wait();
+  if (!had_grad.empty()) {  // a step's accumulation in progress: its reduced gradients so far
+    TORCH_CHECK_VALUE(had_grad.size() == im.had_grad.size() && grad_shards.size() == im.buckets.size(),
+                      "ShardedAdamW::restore_sharded_state: gradients for ", grad_shards.size(), " buckets and ",
+                      had_grad.size(), " parameters; this optimizer has ", im.buckets.size(), " and ",
+                      im.had_grad.size());
+    TORCH_CHECK_VALUE(im.options.stage == 2, "ShardedAdamW::restore_sharded_state: gradients of an accumulation in "
+                      "progress need stage 2 (stage 1 keeps them unreduced in p.grad())");
+    im.had_grad = had_grad;
+    for (size_t k = 0; k < im.buckets.size(); ++k) im.buckets[k].grad_shard = grad_shards[k];
+    im.flushed_since_step = true;  // nothing of this step is left in p.grad()
+  }
 }
 
 ShardedMemory ShardedAdamW::memory() const {
