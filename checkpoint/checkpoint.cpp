@@ -180,7 +180,19 @@ struct Snapshot {
   };
   bool gradients = false;           // saved in the middle of a step's accumulation
   std::vector<char> had_grad;       // per parameter, any rank (when `gradients`)
-  std::vector<Owned> owned;
+  std::vector<Owned> owned;         // copies, or (deferred) views of the live tensors until copy() runs
+  bool deferred = false;
+  // Replaces the views by copies (the writer thread does it for an async save,
+  // while the training thread runs the next forward and backward).
+  void copy() {
+    if (!deferred) return;
+    for (auto& o : owned) {
+      o.master = o.master.clone();
+      o.exp_avg = o.exp_avg.clone();
+      o.exp_avg_sq = o.exp_avg_sq.clone();
+    }
+    deferred = false;
+  }
   struct Replicated {
     std::string name, kind;
     at::Tensor value;               // a copy (rank 0 only; others keep just the names)
@@ -222,14 +234,19 @@ struct Checkpointer::Impl {
                 my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
   }
 
-  std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
+  // fence: registers a function the optimizer runs before its next update.
+  std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress,
+                   const std::function<void(std::function<void()>)>& fence);
   // Blocks until the background save (if any) is committed; rethrows its error.
   void wait_pending();
   using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
                                      const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
                                        const Restore& restore);
-  Snapshot snapshot(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress);
+  // defer_copies: keep views of the live master/moments (the caller copies
+  // before the optimizer's next update); otherwise copy now.
+  Snapshot snapshot(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress,
+                    bool defer_copies = false);
   // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
   std::string write(const Snapshot& snap);
   void write_rank_file(const fs::path& path, const Snapshot& snap);
@@ -245,7 +262,7 @@ struct Checkpointer::Impl {
 };
 
 Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
-                                      const TrainingProgress& progress) {
+                                      const TrainingProgress& progress, bool defer_copies) {
   torch::NoGradGuard no_grad;
   // Gradients of an accumulation in progress: reduced ones (in the shards) are
   // saved; unreduced ones (in p.grad()) cannot be resharded, so that is refused.
@@ -285,7 +302,13 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     snap.groups.push_back({b.layout, b.params});
     for (const auto& seg : shard_segments(b.layout, state.rank)) {
       const Range local = seg.local(b.layout, state.rank);
-      auto copy = [&](const at::Tensor& t) { return t.slice(0, local.begin, local.end).clone(); };
+      // Gradients are always copied now: the next backward adds into them.
+      const bool defer = defer_copies && !snap.gradients;
+      auto copy = [&](const at::Tensor& t) {
+        auto v = t.slice(0, local.begin, local.end);
+        return defer ? v : v.clone();
+      };
+      snap.deferred = defer;
       at::Tensor grad;
       if (snap.gradients) {
         grad = b.grad_shard.defined() ? b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat).clone()
@@ -515,12 +538,15 @@ void Checkpointer::Impl::retain(const fs::path& keep_dir) {
 }
 
 std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Module& model,
-                                     const TrainingProgress& progress) {
+                                     const TrainingProgress& progress,
+                                     const std::function<void(std::function<void()>)>& fence) {
   TORCH_CHECK_VALUE(json::accept(progress.extra_json), "checkpoint: TrainingProgress::extra_json is not valid JSON: ",
                     progress.extra_json.substr(0, 80));
   const auto t0 = std::chrono::steady_clock::now();
   wait_pending();  // one save at a time; a failed background save throws here, on every rank
-  auto snap = std::make_shared<Snapshot>(snapshot(state, model, progress));
+  // Views of the live shards: a synchronous save writes them while the caller
+  // waits; an async one copies them on the writer thread (below).
+  auto snap = std::make_shared<Snapshot>(snapshot(state, model, progress, /*defer_copies=*/true));
   const std::string step_dir = (fs::path(dir) / step_dir_name(progress.step)).string();
   if (!options.async) {
     write(*snap);
@@ -528,7 +554,28 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
     last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return step_dir;
   }
-  std::packaged_task<std::string()> task([this, snap] { return write(*snap); });
+  // The writer copies the shards first; the optimizer's next update waits for
+  // that copy, so the training loop's stall is only the metadata above.
+  auto copied = std::make_shared<std::promise<void>>();
+  std::shared_future<void> copied_future = copied->get_future().share();
+  if (snap->deferred) {
+    fence([this, copied_future] {
+      const auto w0 = std::chrono::steady_clock::now();
+      copied_future.wait();
+      std::lock_guard<std::mutex> lock(last_mu);  // the loop waited here too: part of the stall
+      last.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+    });
+  }
+  std::packaged_task<std::string()> task([this, snap, copied] {
+    try {
+      snap->copy();
+    } catch (...) {
+      copied->set_value();  // never leave the optimizer waiting; the error surfaces at wait()
+      throw;
+    }
+    copied->set_value();
+    return write(*snap);
+  });
   pending = task.get_future();
   boost::asio::post(pool, std::move(task));
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -538,7 +585,8 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   }
   char msg[200];
   std::snprintf(msg, sizeof(msg),
-                "checkpoint: step %lld copied to host memory (%.1f MB) in %.3f s; writing it in the background",
+                "checkpoint: step %lld (%.1f MB) saving in the background (the caller waited %.3f s; the next "
+                "step() waits until the shards are copied)",
                 static_cast<long long>(progress.step), snap->bytes / 1e6, stall);
   log_info(msg);
   return step_dir;
@@ -882,11 +930,13 @@ SaveTimes Checkpointer::last_save_times() const {
 const std::string& Checkpointer::dir() const { return impl_->dir; }
 
 std::string Checkpointer::save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return impl_->save(opt.sharded_state(), model, progress);
+  return impl_->save(opt.sharded_state(), model, progress,
+                     [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
 }
 
 std::string Checkpointer::save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return impl_->save(opt.sharded_state(), model, progress);
+  return impl_->save(opt.sharded_state(), model, progress,
+                     [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
 }
 
 std::optional<TrainingProgress> Checkpointer::load(ShardedAdamW& opt, torch::nn::Module& model,

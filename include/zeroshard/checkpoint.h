@@ -47,7 +47,9 @@ struct CheckpointOptions {
 
 // How long the last save took.
 struct SaveTimes {
-  double stall_seconds = 0;  // the caller's time inside save(): everything (sync) or the copy (async)
+  // The training loop's wait: the whole save (sync), or the time in save()
+  // plus the next step()'s wait for the shards to be copied (async).
+  double stall_seconds = 0;
   double write_seconds = 0;  // writing, verifying and committing (the background part when async)
   int64_t bytes = 0;         // all ranks' files
 };

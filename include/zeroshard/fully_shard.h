@@ -38,6 +38,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -294,6 +295,9 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   // unit, root last). Tensors are the live ones: master is what the next
   // gather rounds from; exp_avg/exp_avg_sq are allocated here if no step ran yet.
   ShardedState sharded_state();
+  // Runs `fn` once at the start of the next step() (or restore), before the
+  // state changes: an async checkpoint finishes copying what it saves there.
+  void call_before_next_update(std::function<void()> fn) { before_update_.push_back(std::move(fn)); }
   // After a checkpoint load wrote into the tensors of sharded_state(): installs
   // step counts (one per sharded_state().params entry) and the loss scale,
   // drops pending gradients, and makes the next forward gather the loaded
@@ -315,6 +319,12 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   std::unique_ptr<optim::LossScaler> scaler_;
   bool last_skipped_ = false;
   std::vector<int> group_of_;        // per parameter, all units in order: its param group (-1: frozen)
+  std::vector<std::function<void()>> before_update_;
+  void run_before_update() {
+    auto fns = std::move(before_update_);
+    before_update_.clear();
+    for (auto& fn : fns) fn();
+  }
   std::vector<at::Tensor> moments_;  // exp_avg, exp_avg_sq of each unit's shard (fp32)
   std::vector<int64_t> steps_;       // per parameter, all units in order
   std::vector<double> flags_;        // ranks that had a gradient, per parameter, this step

@@ -45,6 +45,7 @@
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -196,6 +197,9 @@ class ShardedAdamW : public torch::optim::Optimizer {
   void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
                              int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
                              const std::vector<char>& had_grad = {});
+  // Runs `fn` once at the start of the next step() (or restore), before the
+  // state changes: an async checkpoint finishes copying what it saves there.
+  void call_before_next_update(std::function<void()> fn);
   ShardedMemory memory() const;
   const ShardedAdamWOptions& sharded_options() const;
   Communicator& communicator() const;

@@ -182,6 +182,7 @@ torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
   auto& m = model_->impl();
   std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
   TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::step: called during backward");
+  run_before_update();
   m.reduce_local_gradients();
   m.drain_all();
   const double max_norm = clip_max_norm_ > 0 ? clip_max_norm_ : options_.max_grad_norm;
@@ -306,6 +307,7 @@ void FullyShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_
   auto& m = model_->impl();
   std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
   TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::restore_sharded_state: called during backward");
+  run_before_update();
   TORCH_CHECK_VALUE(param_steps.size() == steps_.size(), "FullyShardedAdamW::restore_sharded_state: ",
                     param_steps.size(), " step counts for ", steps_.size(), " parameters");
   discard_gradients();

@@ -314,6 +314,7 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   auto& im = *impl_;
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  im.run_before_update();
   im.check_usable();
   im.peak_model_states = std::max(im.peak_model_states, memory().total());
   im.reduce_all();
@@ -460,6 +461,7 @@ void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps
   torch::NoGradGuard no_grad;
   auto& im = *impl_;
   std::lock_guard<std::recursive_mutex> lock(im.target->mu);
+  im.run_before_update();
   TORCH_CHECK_VALUE(param_steps.size() == im.steps.size(), "ShardedAdamW::restore_sharded_state: ",
                     param_steps.size(), " step counts for ", im.steps.size(), " parameters");
   im.drain_all();
@@ -488,6 +490,11 @@ void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps
     for (size_t k = 0; k < im.buckets.size(); ++k) im.buckets[k].grad_shard = grad_shards[k];
     im.flushed_since_step = true;  // nothing of this step is left in p.grad()
   }
+}
+
+void ShardedAdamW::call_before_next_update(std::function<void()> fn) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->target->mu);
+  impl_->before_update.push_back(std::move(fn));
 }
 
 ShardedMemory ShardedAdamW::memory() const {

@@ -84,6 +84,13 @@ struct ShardedAdamW::Impl {
 
   int64_t transient_bytes = 0, peak_transient = 0, peak_model_states = 0;
 
+  std::vector<std::function<void()>> before_update;  // call_before_next_update()
+  void run_before_update() {
+    auto fns = std::move(before_update);
+    before_update.clear();
+    for (auto& fn : fns) fn();
+  }
+
   std::shared_ptr<shard::HookTarget> target;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
 
