@@ -3,6 +3,7 @@
 
 #include "checksum.h"
 #include "h5.h"
+#include "reader.h"
 #include "zeroshard/log.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -104,12 +105,6 @@ checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name) {
                     ", which checkpoints do not store (Float, Double, Long, Int, Byte, Bool, BFloat16, Half)");
 }
 
-c10::ScalarType dtype_from_string(const std::string& s) {
-  for (auto t : {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kBFloat16, at::kHalf}) {
-    if (s == c10::toString(t)) return t;
-  }
-  TORCH_CHECK(false, "checkpoint: unknown dtype '", s, "' in the manifest");
-}
 
 // Model identity: every parameter's and buffer's name, shape and dtype, in
 // module order. Shapes of the optimizer's parameters come from its state: a
@@ -779,7 +774,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       for (const auto& r : m.at("replicated")) replicated[r.at("name").get<std::string>()] = &r;
       // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), as fp32.
       auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
-        const auto dtype = dtype_from_string(replicated.at(name)->at("dtype").get<std::string>());
+        const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
         auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
         file(0).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
         return t;
@@ -929,32 +924,43 @@ SaveTimes Checkpointer::last_save_times() const {
 
 const std::string& Checkpointer::dir() const { return impl_->dir; }
 
+namespace {
+
+// Both optimizers expose the same checkpoint hooks.
+template <typename Opt>
+std::string save_with(Checkpointer::Impl& impl, Opt& opt, torch::nn::Module& model, const TrainingProgress& progress) {
+  return impl.save(opt.sharded_state(), model, progress,
+                   [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
+}
+
+template <typename Opt>
+std::optional<TrainingProgress> load_with(Checkpointer::Impl& impl, Opt& opt, torch::nn::Module& model,
+                                          std::optional<int64_t> step) {
+  return impl.load(opt.sharded_state(), model, step,
+                   [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
+                          const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
+                     opt.restore_sharded_state(s, scale, clean, grads, had);
+                   });
+}
+
+}  // namespace
+
 std::string Checkpointer::save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return impl_->save(opt.sharded_state(), model, progress,
-                     [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
+  return save_with(*impl_, opt, model, progress);
 }
 
 std::string Checkpointer::save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return impl_->save(opt.sharded_state(), model, progress,
-                     [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
+  return save_with(*impl_, opt, model, progress);
 }
 
 std::optional<TrainingProgress> Checkpointer::load(ShardedAdamW& opt, torch::nn::Module& model,
                                                    std::optional<int64_t> step) {
-  return impl_->load(opt.sharded_state(), model, step,
-                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
-                            const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
-                       opt.restore_sharded_state(s, scale, clean, grads, had);
-                     });
+  return load_with(*impl_, opt, model, step);
 }
 
 std::optional<TrainingProgress> Checkpointer::load(FullyShardedAdamW& opt, torch::nn::Module& model,
                                                    std::optional<int64_t> step) {
-  return impl_->load(opt.sharded_state(), model, step,
-                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
-                            const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
-                       opt.restore_sharded_state(s, scale, clean, grads, had);
-                     });
+  return load_with(*impl_, opt, model, step);
 }
 
 }  // namespace zeroshard
