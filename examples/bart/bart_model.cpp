@@ -1,0 +1,222 @@
+// bart_model.cpp — BART modules (see bart_model.h).
+#include "bart_model.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+
+namespace F = torch::nn::functional;
+
+namespace bart {
+
+BartConfig BartConfig::named(const std::string& name) {
+  BartConfig c;
+  if (name == "base") return c;
+  if (name == "large") {
+    c.d_model = 1024;
+    c.encoder_layers = c.decoder_layers = 12;
+    c.attention_heads = 16;
+    c.ffn_dim = 4096;
+    return c;
+  }
+  if (name == "tiny") {
+    c.vocab_size = 4096;
+    c.d_model = 128;
+    c.encoder_layers = c.decoder_layers = 2;
+    c.attention_heads = 4;
+    c.ffn_dim = 512;
+    c.max_position_embeddings = 256;
+    return c;
+  }
+  std::ifstream in(name);
+  TORCH_CHECK_VALUE(in, "BART config '", name, "' is neither tiny, base nor large, nor a readable JSON file");
+  const auto j = nlohmann::json::parse(in);
+  c.vocab_size = j.value("vocab_size", c.vocab_size);
+  c.d_model = j.value("d_model", c.d_model);
+  c.encoder_layers = j.value("encoder_layers", c.encoder_layers);
+  c.decoder_layers = j.value("decoder_layers", c.decoder_layers);
+  c.attention_heads = j.value("encoder_attention_heads", c.attention_heads);
+  TORCH_CHECK_VALUE(j.value("decoder_attention_heads", c.attention_heads) == c.attention_heads,
+                    "BART config '", name, "': encoder and decoder attention heads differ; not supported");
+  c.ffn_dim = j.value("encoder_ffn_dim", c.ffn_dim);
+  TORCH_CHECK_VALUE(j.value("decoder_ffn_dim", c.ffn_dim) == c.ffn_dim, "BART config '", name,
+                    "': encoder and decoder FFN sizes differ; not supported");
+  c.max_position_embeddings = j.value("max_position_embeddings", c.max_position_embeddings);
+  c.dropout = j.value("dropout", c.dropout);
+  c.attention_dropout = j.value("attention_dropout", c.attention_dropout);
+  c.activation_dropout = j.value("activation_dropout", c.activation_dropout);
+  c.pad_token_id = j.value("pad_token_id", c.pad_token_id);
+  c.bos_token_id = j.value("bos_token_id", c.bos_token_id);
+  c.eos_token_id = j.value("eos_token_id", c.eos_token_id);
+  c.decoder_start_token_id = j.value("decoder_start_token_id", c.decoder_start_token_id);
+  TORCH_CHECK_VALUE(c.d_model % c.attention_heads == 0, "BART config '", name, "': d_model ", c.d_model,
+                    " is not a multiple of the ", c.attention_heads, " attention heads");
+  return c;
+}
+
+// BART's learned positions start at index 2 (fairseq's padding offset).
+constexpr int64_t kPositionOffset = 2;
+
+BartAttentionImpl::BartAttentionImpl(const BartConfig& c)
+    : heads(c.attention_heads), head_dim(c.head_dim()), dropout(c.attention_dropout) {
+  k_proj = register_module("k_proj", torch::nn::Linear(c.d_model, c.d_model));
+  v_proj = register_module("v_proj", torch::nn::Linear(c.d_model, c.d_model));
+  q_proj = register_module("q_proj", torch::nn::Linear(c.d_model, c.d_model));
+  out_proj = register_module("out_proj", torch::nn::Linear(c.d_model, c.d_model));
+}
+
+torch::Tensor BartAttentionImpl::forward(const torch::Tensor& query, const torch::Tensor& key_value,
+                                         const torch::Tensor& key_padding, bool causal) {
+  const int64_t B = query.size(0), T = query.size(1), S = key_value.size(1);
+  auto split = [&](const torch::Tensor& x, int64_t len) { return x.view({B, len, heads, head_dim}).transpose(1, 2); };
+  const auto q = split(q_proj(query) * (1.0 / std::sqrt(static_cast<double>(head_dim))), T);
+  const auto k = split(k_proj(key_value), S);
+  const auto v = split(v_proj(key_value), S);
+  auto scores = torch::matmul(q, k.transpose(-1, -2));  // [B, H, T, S]
+  if (key_padding.defined()) {
+    scores = scores.masked_fill(key_padding.view({B, 1, 1, S}), -std::numeric_limits<float>::infinity());
+  }
+  if (causal) {
+    const auto future = torch::ones({T, S}, torch::TensorOptions().dtype(torch::kBool).device(query.device())).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  }
+  auto probs = F::dropout(torch::softmax(scores, -1), F::DropoutFuncOptions().p(dropout).training(is_training()));
+  auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads * head_dim});
+  return out_proj(out);
+}
+
+BartEncoderLayerImpl::BartEncoderLayerImpl(const BartConfig& c)
+    : dropout(c.dropout), activation_dropout(c.activation_dropout) {
+  self_attn = register_module("self_attn", BartAttention(c));
+  self_attn_layer_norm = register_module("self_attn_layer_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  fc1 = register_module("fc1", torch::nn::Linear(c.d_model, c.ffn_dim));
+  fc2 = register_module("fc2", torch::nn::Linear(c.ffn_dim, c.d_model));
+  final_layer_norm = register_module("final_layer_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+}
+
+torch::Tensor BartEncoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& padding) {
+  auto drop = [&](const torch::Tensor& t, double p) { return F::dropout(t, F::DropoutFuncOptions().p(p).training(is_training())); };
+  auto h = self_attn_layer_norm(x + drop(self_attn(x, x, padding, /*causal=*/false), dropout));
+  auto f = fc2(drop(torch::gelu(fc1(h)), activation_dropout));
+  return final_layer_norm(h + drop(f, dropout));
+}
+
+BartDecoderLayerImpl::BartDecoderLayerImpl(const BartConfig& c)
+    : dropout(c.dropout), activation_dropout(c.activation_dropout) {
+  const auto ln = torch::nn::LayerNormOptions({c.d_model});
+  self_attn = register_module("self_attn", BartAttention(c));
+  self_attn_layer_norm = register_module("self_attn_layer_norm", torch::nn::LayerNorm(ln));
+  encoder_attn = register_module("encoder_attn", BartAttention(c));
+  encoder_attn_layer_norm = register_module("encoder_attn_layer_norm", torch::nn::LayerNorm(ln));
+  fc1 = register_module("fc1", torch::nn::Linear(c.d_model, c.ffn_dim));
+  fc2 = register_module("fc2", torch::nn::Linear(c.ffn_dim, c.d_model));
+  final_layer_norm = register_module("final_layer_norm", torch::nn::LayerNorm(ln));
+}
+
+torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& encoder_out,
+                                            const torch::Tensor& encoder_padding) {
+  auto drop = [&](const torch::Tensor& t, double p) { return F::dropout(t, F::DropoutFuncOptions().p(p).training(is_training())); };
+  auto h = self_attn_layer_norm(x + drop(self_attn(x, x, torch::Tensor(), /*causal=*/true), dropout));
+  h = encoder_attn_layer_norm(h + drop(encoder_attn(h, encoder_out, encoder_padding, /*causal=*/false), dropout));
+  auto f = fc2(drop(torch::gelu(fc1(h)), activation_dropout));
+  return final_layer_norm(h + drop(f, dropout));
+}
+
+namespace {
+
+torch::Tensor embed(torch::nn::Embedding tokens, torch::nn::Embedding positions,
+                    torch::nn::LayerNorm norm, const torch::Tensor& ids, double dropout, bool training) {
+  const int64_t len = ids.size(1);
+  TORCH_CHECK_VALUE(len + kPositionOffset <= positions->weight.size(0), "BART: sequence length ", len,
+                    " exceeds max_position_embeddings ", positions->weight.size(0) - kPositionOffset);
+  const auto pos = torch::arange(kPositionOffset, len + kPositionOffset, torch::TensorOptions().dtype(torch::kLong));
+  auto h = norm(tokens(ids) + positions(pos).unsqueeze(0));
+  return F::dropout(h, F::DropoutFuncOptions().p(dropout).training(training));
+}
+
+}  // namespace
+
+BartEncoderImpl::BartEncoderImpl(const BartConfig& c, torch::nn::Embedding shared) : embed_tokens(shared), config(c) {
+  embed_positions = register_module("embed_positions",
+                                    torch::nn::Embedding(c.max_position_embeddings + kPositionOffset, c.d_model));
+  auto list = register_module("layers", torch::nn::ModuleList());  // names layers.0, layers.1, ...
+  for (int64_t i = 0; i < c.encoder_layers; ++i) {
+    layers.push_back(zeroshard::Sharded<BartEncoderLayer>(c));
+    list->push_back(layers.back());
+  }
+  layernorm_embedding = register_module("layernorm_embedding", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+}
+
+torch::Tensor BartEncoderImpl::forward(const torch::Tensor& ids) {
+  const auto padding = ids.eq(config.pad_token_id);
+  auto h = embed(embed_tokens, embed_positions, layernorm_embedding, ids, config.dropout, is_training());
+  for (auto& l : layers) h = l->forward(h, padding);
+  return h;
+}
+
+BartDecoderImpl::BartDecoderImpl(const BartConfig& c, torch::nn::Embedding shared) : embed_tokens(shared), config(c) {
+  embed_positions = register_module("embed_positions",
+                                    torch::nn::Embedding(c.max_position_embeddings + kPositionOffset, c.d_model));
+  auto list = register_module("layers", torch::nn::ModuleList());  // names layers.0, layers.1, ...
+  for (int64_t i = 0; i < c.decoder_layers; ++i) {
+    layers.push_back(zeroshard::Sharded<BartDecoderLayer>(c));
+    list->push_back(layers.back());
+  }
+  layernorm_embedding = register_module("layernorm_embedding", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+}
+
+torch::Tensor BartDecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& encoder_out,
+                                       const torch::Tensor& encoder_ids) {
+  const auto encoder_padding = encoder_ids.eq(config.pad_token_id);
+  auto h = embed(embed_tokens, embed_positions, layernorm_embedding, ids, config.dropout, is_training());
+  for (auto& l : layers) h = l->forward(h, encoder_out, encoder_padding);
+  return h;
+}
+
+BartModelImpl::BartModelImpl(const BartConfig& c) {
+  shared = register_module("shared", torch::nn::Embedding(torch::nn::EmbeddingOptions(c.vocab_size, c.d_model)));
+  encoder = register_module("encoder", BartEncoder(c, shared));
+  decoder = register_module("decoder", BartDecoder(c, shared));
+}
+
+BartForConditionalGenerationImpl::BartForConditionalGenerationImpl(const BartConfig& c) : config(c) {
+  model = register_module("model", BartModel(c));
+  final_logits_bias = register_buffer("final_logits_bias", torch::zeros({1, c.vocab_size}));
+  // Hugging Face's initialisation: normal(0, 0.02) weights, zero biases, the
+  // padding embedding zero; layer norms at 1 and 0.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const auto& name = item.key();
+    if (name.find("layer_norm") != std::string::npos || name.find("layernorm") != std::string::npos) continue;
+    if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
+      item.value().zero_();
+    } else {
+      item.value().normal_(0.0, 0.02);
+    }
+  }
+  model->shared->weight[c.pad_token_id].zero_();
+}
+
+torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& input_ids,
+                                                        const torch::Tensor& decoder_input_ids) {
+  const auto encoded = model->encoder->forward(input_ids);
+  const auto decoded = model->decoder->forward(decoder_input_ids, encoded, input_ids);
+  // The output projection is the shared embedding (tied).
+  return torch::matmul(decoded, model->shared->weight.t()) + final_logits_bias;
+}
+
+torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
+  const auto logits = forward(input_ids, shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id));
+  return F::cross_entropy(logits.reshape({-1, config.vocab_size}), labels.reshape(-1),
+                          F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id));
+}
+
+torch::Tensor shift_tokens_right(const torch::Tensor& labels, int64_t pad_token_id, int64_t decoder_start_token_id) {
+  auto out = torch::full_like(labels, pad_token_id);
+  out.slice(1, 1).copy_(labels.slice(1, 0, labels.size(1) - 1));
+  out.select(1, 0).fill_(decoder_start_token_id);
+  return out;
+}
+
+}  // namespace bart

@@ -1,0 +1,119 @@
+// bart_model.h — BART (Lewis et al., 2019) in LibTorch, as fairseq and Hugging
+// Face's BartForConditionalGeneration build it: learned positional embeddings
+// with BART's offset of 2, a layer norm on the embeddings, post-layer-norm
+// encoder and decoder layers with GELU, cross-attention, input and output
+// embeddings tied to `model.shared`, and `final_logits_bias`. Parameter names
+// are Hugging Face's ("model.encoder.layers.0.self_attn.q_proj.weight"), so
+// zeroshard-ckpt export/import --safetensors round-trips with HF checkpoints.
+//
+// Encoder and decoder layers are zeroshard::Sharded<> units: fully_shard()
+// shards each layer and puts the embeddings (and the tied head) in the root.
+#pragma once
+
+#include <zeroshard/fully_shard.h>
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace bart {
+
+struct BartConfig {
+  int64_t vocab_size = 50265;
+  int64_t d_model = 768;
+  int64_t encoder_layers = 6, decoder_layers = 6;
+  int64_t attention_heads = 12;
+  int64_t ffn_dim = 3072;
+  int64_t max_position_embeddings = 1024;
+  double dropout = 0.1, attention_dropout = 0.1, activation_dropout = 0.1;
+  int64_t pad_token_id = 1, bos_token_id = 0, eos_token_id = 2;
+  int64_t decoder_start_token_id = 2;
+
+  // "tiny" (tests and the demo), "base" (139.4M parameters), "large" (406.3M);
+  // or the path of a JSON file with Hugging Face's config.json keys.
+  static BartConfig named(const std::string& name_or_path);
+  int64_t head_dim() const { return d_model / attention_heads; }
+};
+
+// Multi-head attention with Hugging Face's q/k/v/out projections.
+struct BartAttentionImpl : torch::nn::Module {
+  BartAttentionImpl(const BartConfig& c);
+  // query [B, T, D], key_value [B, S, D]; key_padding [B, S] true at padding;
+  // causal: position t sees keys <= t only.
+  torch::Tensor forward(const torch::Tensor& query, const torch::Tensor& key_value, const torch::Tensor& key_padding,
+                        bool causal);
+  torch::nn::Linear k_proj{nullptr}, v_proj{nullptr}, q_proj{nullptr}, out_proj{nullptr};
+  int64_t heads, head_dim;
+  double dropout;
+};
+TORCH_MODULE(BartAttention);
+
+struct BartEncoderLayerImpl : torch::nn::Module {
+  explicit BartEncoderLayerImpl(const BartConfig& c);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& padding);
+  BartAttention self_attn{nullptr};
+  torch::nn::LayerNorm self_attn_layer_norm{nullptr}, final_layer_norm{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  double dropout, activation_dropout;
+};
+TORCH_MODULE(BartEncoderLayer);
+
+struct BartDecoderLayerImpl : torch::nn::Module {
+  explicit BartDecoderLayerImpl(const BartConfig& c);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& encoder_out, const torch::Tensor& encoder_padding);
+  BartAttention self_attn{nullptr}, encoder_attn{nullptr};
+  torch::nn::LayerNorm self_attn_layer_norm{nullptr}, encoder_attn_layer_norm{nullptr}, final_layer_norm{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  double dropout, activation_dropout;
+};
+TORCH_MODULE(BartDecoderLayer);
+
+struct BartEncoderImpl : torch::nn::Module {
+  BartEncoderImpl(const BartConfig& c, torch::nn::Embedding shared);
+  // ids [B, S] -> [B, S, D]
+  torch::Tensor forward(const torch::Tensor& ids);
+  torch::nn::Embedding embed_tokens{nullptr};  // model.shared, not registered here (tied)
+  torch::nn::Embedding embed_positions{nullptr};
+  torch::nn::LayerNorm layernorm_embedding{nullptr};
+  std::vector<zeroshard::Sharded<BartEncoderLayer>> layers;
+  BartConfig config;
+};
+TORCH_MODULE(BartEncoder);
+
+struct BartDecoderImpl : torch::nn::Module {
+  BartDecoderImpl(const BartConfig& c, torch::nn::Embedding shared);
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& encoder_out, const torch::Tensor& encoder_ids);
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::Embedding embed_positions{nullptr};
+  torch::nn::LayerNorm layernorm_embedding{nullptr};
+  std::vector<zeroshard::Sharded<BartDecoderLayer>> layers;
+  BartConfig config;
+};
+TORCH_MODULE(BartDecoder);
+
+struct BartModelImpl : torch::nn::Module {
+  explicit BartModelImpl(const BartConfig& c);
+  torch::nn::Embedding shared{nullptr};
+  BartEncoder encoder{nullptr};
+  BartDecoder decoder{nullptr};
+};
+TORCH_MODULE(BartModel);
+
+struct BartForConditionalGenerationImpl : torch::nn::Module {
+  explicit BartForConditionalGenerationImpl(const BartConfig& c);
+  // input_ids [B, S], decoder_input_ids [B, T] -> logits [B, T, vocab]
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& decoder_input_ids);
+  // Cross-entropy of the logits against `labels` (pad_token_id ignored); the
+  // decoder reads labels shifted right behind decoder_start_token_id.
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
+  BartModel model{nullptr};
+  torch::Tensor final_logits_bias;  // buffer [1, vocab]
+  BartConfig config;
+};
+TORCH_MODULE(BartForConditionalGeneration);
+
+// labels [B, T] -> decoder inputs: decoder_start_token_id, then labels[:, :-1]
+// (padding stays padding).
+torch::Tensor shift_tokens_right(const torch::Tensor& labels, int64_t pad_token_id, int64_t decoder_start_token_id);
+
+}  // namespace bart
