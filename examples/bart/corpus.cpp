@@ -1,0 +1,109 @@
+// corpus.cpp — reading, sentence splitting and packing.
+#include "corpus.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace bart {
+
+std::vector<std::string> read_texts(const std::string& dir) {
+  std::vector<fs::path> files;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_regular_file(ec)) files.push_back(it->path());
+  }
+  TORCH_CHECK_VALUE(!ec || !files.empty(), "corpus: cannot read '", dir, "': ", ec.message());
+  std::sort(files.begin(), files.end());
+  std::set<fs::path> seen;
+  std::vector<std::string> texts;
+  for (const auto& f : files) {
+    const auto real = fs::canonical(f, ec);
+    if (ec || !seen.insert(real).second) continue;  // a link to a file already read
+    std::ifstream in(f, std::ios::binary);
+    std::ostringstream os;
+    os << in.rdbuf();
+    if (in && !os.str().empty()) texts.push_back(os.str());
+  }
+  TORCH_CHECK_VALUE(!texts.empty(), "corpus: '", dir, "' holds no readable text file; pass a directory of text with --data");
+  return texts;
+}
+
+std::vector<std::string> split_sentences(const std::string& text) {
+  std::vector<std::string> out;
+  std::string cur;
+  bool pending_space = false;
+  auto flush = [&] {
+    if (!cur.empty()) out.push_back(cur);
+    cur.clear();
+    pending_space = false;
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    const bool space = c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+    if (space) {
+      if (c == '\n') {  // a blank line ends a paragraph
+        size_t j = i + 1;
+        while (j < text.size() && (text[j] == ' ' || text[j] == '\t' || text[j] == '\r')) ++j;
+        if (j < text.size() && text[j] == '\n') {
+          flush();
+          i = j;
+          continue;
+        }
+      }
+      pending_space = !cur.empty();
+      continue;
+    }
+    if (pending_space) cur += ' ';
+    pending_space = false;
+    cur += c;
+    const bool end = c == '.' || c == '!' || c == '?';
+    if (end && (i + 1 == text.size() || std::isspace(static_cast<unsigned char>(text[i + 1])))) flush();
+  }
+  flush();
+  return out;
+}
+
+Corpus build_corpus(const std::vector<std::string>& texts, const ByteLevelBpe& tokenizer, const CorpusOptions& o) {
+  TORCH_CHECK_VALUE(o.max_tokens >= 8, "corpus: max_tokens is ", o.max_tokens, "; use at least 8");
+  TORCH_CHECK_VALUE(o.validation_every >= 2, "corpus: validation_every is ", o.validation_every, "; use at least 2");
+  const int64_t budget = o.max_tokens - 2;  // bos, eos
+  Corpus corpus;
+  int64_t index = 0;
+  auto emit = [&](Example& ex) {
+    if (ex.empty()) return;
+    ((index % o.validation_every) == o.validation_every - 1 ? corpus.validation : corpus.train).push_back(std::move(ex));
+    ex.clear();
+    ++index;
+  };
+  for (const auto& text : texts) {
+    Example ex;
+    int64_t used = 0;
+    bool first = true;
+    for (const auto& s : split_sentences(text)) {
+      auto ids = tokenizer.encode(first ? s : " " + s);
+      first = false;
+      corpus.tokens += static_cast<int64_t>(ids.size());
+      for (size_t p = 0; p < ids.size();) {  // pieces of at most `budget`
+        const size_t take = std::min(ids.size() - p, static_cast<size_t>(budget));
+        if (used + static_cast<int64_t>(take) > budget) {
+          emit(ex);
+          used = 0;
+        }
+        ex.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(p), ids.begin() + static_cast<std::ptrdiff_t>(p + take));
+        used += static_cast<int64_t>(take);
+        p += take;
+      }
+    }
+    emit(ex);  // examples never span two texts
+  }
+  return corpus;
+}
+
+}  // namespace bart
