@@ -27,11 +27,21 @@ import time
 
 
 def children(pid):
-    try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return []
-    return [int(x) for x in out.split()]
+    """Child processes of pid, from /proc (no procps needed)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ')'
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
 
 
 def verify_latest(run_dir):
