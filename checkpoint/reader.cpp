@@ -2,6 +2,7 @@
 #include "reader.h"
 
 #include "checksum.h"
+#include "checkpointer_impl.h"
 #include "h5.h"
 
 #include <ATen/ATen.h>
@@ -22,29 +23,6 @@ c10::ScalarType dtype_named(const std::string& name) {
   TORCH_CHECK(false, "checkpoint: unknown dtype '", name, "'");
 }
 
-namespace {
-
-h5::Type storage_of(c10::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return h5::Type::kFloat32;
-    case at::kDouble: return h5::Type::kFloat64;
-    case at::kLong: return h5::Type::kInt64;
-    case at::kInt: return h5::Type::kInt32;
-    case at::kBFloat16:
-    case at::kHalf: return h5::Type::kUInt16;
-    default: return h5::Type::kUInt8;
-  }
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  TORCH_CHECK(in, "checkpoint: cannot read '", p.string(), "'");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
-}  // namespace
 
 int64_t ParamEntry::numel() const {
   int64_t n = 1;
@@ -54,22 +32,20 @@ int64_t ParamEntry::numel() const {
 
 fs::path resolve_step_dir(const fs::path& path, int64_t step) {
   if (step >= 0) {
-    char name[32];
-    std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(step));
-    const fs::path p = path / name;
+    const fs::path p = path / ckpt::step_dir_name(step);
     TORCH_CHECK(fs::exists(p / "manifest.json"), "checkpoint: '", p.string(), "' is not a committed checkpoint");
     return p;
   }
   if (fs::exists(path / "manifest.json")) return path;
   TORCH_CHECK(fs::exists(path / "latest"), "checkpoint: '", path.string(),
               "' is neither a run directory (no 'latest') nor a step directory (no manifest.json)");
-  std::string name = read_text(path / "latest");
+  std::string name = ckpt::read_text(path / "latest");
   name.erase(name.find_last_not_of(" \n\r\t") + 1);
   return path / name;
 }
 
 CheckpointReader::CheckpointReader(const fs::path& step_dir) : dir_(step_dir) {
-  manifest_ = json::parse(read_text(dir_ / "manifest.json"));
+  manifest_ = json::parse(ckpt::read_text(dir_ / "manifest.json"));
   TORCH_CHECK(manifest_.value("format", "") == "zeroshard-checkpoint", "checkpoint: '",
               (dir_ / "manifest.json").string(), "' is not a zeroshard checkpoint manifest");
   for (const auto& p : manifest_.at("params")) {
@@ -105,7 +81,7 @@ at::Tensor CheckpointReader::read_param(const ParamEntry& p, const std::string& 
 at::Tensor CheckpointReader::read_replicated(const ReplicatedEntry& r) {
   const auto dtype = dtype_named(r.dtype);
   auto t = at::empty(r.shape, at::TensorOptions().dtype(dtype));
-  file(0).read_all("/replicated/" + r.name, storage_of(dtype), t.data_ptr());
+  file(0).read_all("/replicated/" + r.name, ckpt::storage_type(dtype, r.name), t.data_ptr());
   return t;
 }
 

@@ -2,6 +2,7 @@
 // checkpoints. See docs/checkpoint-format.md and docs/checkpoints.md.
 #include "checksum.h"
 #include "h5.h"
+#include "checkpointer_impl.h"
 #include "reader.h"
 
 #include <ATen/ATen.h>
@@ -116,11 +117,7 @@ int consolidate(const std::string& path, int64_t step, const std::string& out, b
     const auto t = r.read_replicated(e).contiguous();
     std::vector<uint64_t> dims(e.shape.begin(), e.shape.end());
     if (dims.empty()) dims.push_back(1);
-    const auto dt = dtype_named(e.dtype);
-    const auto type = dt == at::kFloat ? h5::Type::kFloat32 : dt == at::kDouble ? h5::Type::kFloat64
-                      : dt == at::kLong ? h5::Type::kInt64 : dt == at::kInt ? h5::Type::kInt32
-                      : (dt == at::kBFloat16 || dt == at::kHalf) ? h5::Type::kUInt16 : h5::Type::kUInt8;
-    f.write("/" + e.name, type, dims, t.data_ptr());
+    f.write("/" + e.name, zeroshard::ckpt::storage_type(dtype_named(e.dtype), e.name), dims, t.data_ptr());
     f.set_attribute("/" + e.name, "dtype", e.dtype);
   }
   f.close();
@@ -203,20 +200,19 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   in.read(h.data(), static_cast<std::streamsize>(len));
   const auto header = json::parse(h);
   const auto data_start = static_cast<std::streamoff>(8 + len);
-  char name[32];
-  std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(step));
-  const fs::path final_dir = fs::path(run_dir) / name, tmp = final_dir.string() + ".tmp";
+  const fs::path final_dir = fs::path(run_dir) / zeroshard::ckpt::step_dir_name(step);
+  const fs::path tmp = final_dir.string() + ".tmp";
   fs::create_directories(tmp);
-  const std::string file = "rank-00000-of-00001.h5";
+  const std::string file = zeroshard::ckpt::rank_file_name(0, 1);
   auto f = h5::File::create((tmp / file).string());
-  f.set_attribute("/", "format", std::string("zeroshard-checkpoint"));
-  f.set_attribute("/", "format_version", int64_t{1});
+  f.set_attribute("/", "format", std::string(zeroshard::ckpt::kFormat));
+  f.set_attribute("/", "format_version", int64_t{zeroshard::ckpt::kFormatVersion});
   f.set_attribute("/", "rank", int64_t{0});
   f.set_attribute("/", "world_size", int64_t{1});
   f.set_attribute("/", "step", step);
   json m;
-  m["format"] = "zeroshard-checkpoint";
-  m["format_version"] = 1;
+  m["format"] = zeroshard::ckpt::kFormat;
+  m["format_version"] = zeroshard::ckpt::kFormatVersion;
   m["step"] = step;
   m["epoch"] = 0;
   m["extra"] = json::object();
@@ -258,8 +254,7 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
     } else {
       std::vector<uint64_t> dims(shape.begin(), shape.end());
       if (dims.empty()) dims.push_back(1);
-      const auto type = dt == at::kLong ? h5::Type::kInt64 : dt == at::kInt ? h5::Type::kInt32 : h5::Type::kUInt8;
-      f.write("/replicated/" + ours, type, dims, t.data_ptr());
+      f.write("/replicated/" + ours, zeroshard::ckpt::storage_type(dt, ours), dims, t.data_ptr());
       f.set_attribute("/replicated/" + ours, "dtype", std::string(c10::toString(dt)));
       m["replicated"].push_back({{"name", ours}, {"kind", "buffer"}, {"shape", shape}, {"dtype", c10::toString(dt)}});
     }
@@ -267,10 +262,10 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   f.close();
   const auto digest = digest_file((tmp / file).string());
   m["files"] = json::array({{{"name", file}, {"bytes", digest.bytes}, {"xxh3", to_hex(digest.xxh3)}}});
-  std::ofstream(tmp / "manifest.json") << m.dump(1);
+  zeroshard::ckpt::write_atomically(tmp / "manifest.json", m.dump(1));
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
-  std::ofstream(fs::path(run_dir) / "latest") << final_dir.filename().string() << "\n";
+  zeroshard::ckpt::write_atomically(fs::path(run_dir) / "latest", final_dir.filename().string() + "\n");
   std::cout << "imported " << m["params"].size() << " parameters from " << in_path << " into " << final_dir.string()
             << "; the run loads it as its latest checkpoint\n";
   return 0;

@@ -1,0 +1,160 @@
+// checkpointer_impl.h — the Checkpointer's internals, shared by its source
+// files: common.cpp (names, files, hashes), save.cpp (snapshot, rank files,
+// manifest, commit), load.cpp (verification, resharding reads) and
+// checkpoint.cpp (the public class).
+#pragma once
+
+#include "zeroshard/checkpoint.h"
+
+#include "checksum.h"
+#include "h5.h"
+
+#include <boost/asio/thread_pool.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace ckpt {
+
+constexpr int kFormatVersion = 1;
+constexpr const char* kFormat = "zeroshard-checkpoint";
+
+std::string step_dir_name(int64_t step);               // step-00001200
+std::string rank_file_name(int rank, int world);       // rank-00000-of-00004.h5
+void fsync_path(const fs::path& path, bool directory);
+// A crash leaves either the old file or the new one: temporary file, fsync,
+// rename, fsync of the directory.
+void write_atomically(const fs::path& path, const std::string& content);
+std::string read_text(const fs::path& path);
+// How a tensor dtype is stored (16-bit floats as uint16); throws naming the
+// tensor for dtypes checkpoints do not store.
+checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name);
+// Model identity: every parameter's and buffer's name, shape and dtype.
+std::string model_description(torch::nn::Module& model, const ShardedState& state,
+                              const std::vector<std::string>& names);
+std::string hash_hex(const std::string& s);
+// Names of the state's parameters as the module calls them.
+std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model);
+std::string message_of(const std::exception& e);
+
+struct Piece {
+  int rank;
+  int64_t begin, end;  // elements of the flattened parameter
+};
+
+// Everything one save writes, copied out of the live model and optimizer so
+// that training can go on while a background thread writes it.
+struct Snapshot {
+  TrainingProgress progress;
+  int rank = 0, world = 1, stage = 2;
+  std::vector<ParamInfo> params;    // the optimizer's, as the module names them
+  std::vector<std::string> names;
+  std::vector<int64_t> steps;
+  double loss_scale = 1;
+  int64_t loss_scale_clean_steps = 0;
+  struct Group {
+    FlatLayout layout;
+    std::vector<size_t> params;     // index into `params` per layout entry
+  };
+  std::vector<Group> groups;        // the flat layout (every rank's pieces follow from it)
+  struct Owned {                    // this rank's piece of one parameter
+    size_t param;
+    int64_t begin;                  // first element of the flattened parameter
+    at::Tensor master, exp_avg, exp_avg_sq;  // fp32 copies
+    at::Tensor grad;                // fp32 copy of the reduced gradient so far (when `gradients`)
+  };
+  bool gradients = false;           // saved in the middle of a step's accumulation
+  std::vector<char> had_grad;       // per parameter, any rank (when `gradients`)
+  std::vector<Owned> owned;         // copies, or (deferred) views of the live tensors until copy() runs
+  bool deferred = false;
+  // Replaces the views by copies (the writer thread does it for an async save,
+  // while the training thread runs the next forward and backward).
+  void copy() {
+    if (!deferred) return;
+    for (auto& o : owned) {
+      o.master = o.master.clone();
+      o.exp_avg = o.exp_avg.clone();
+      o.exp_avg_sq = o.exp_avg_sq.clone();
+    }
+    deferred = false;
+  }
+  struct Replicated {
+    std::string name, kind;
+    at::Tensor value;               // a copy (rank 0 only; others keep just the names)
+  };
+  std::vector<Replicated> replicated;
+  at::Tensor rng;
+  std::string model_hash;
+  double save_seconds = 0;          // writing the rank files, as measured by the slowest rank
+  int64_t bytes = 0;                // host memory the copies take
+};
+
+}  // namespace ckpt
+
+struct Checkpointer::Impl {
+  std::string dir;
+  std::shared_ptr<Communicator> comm;     // the training thread's
+  std::shared_ptr<Communicator> io_comm;  // the writer's: a split of the same ranks, so a background
+                                          // save's collectives never interleave with training's
+  CheckpointOptions options;
+  boost::asio::thread_pool pool{1};
+  std::future<std::string> pending;       // the save being written in the background
+  mutable std::mutex last_mu;             // `last` is written by the writer thread too
+  SaveTimes last;
+
+  // Every rank learns whether every rank succeeded at a phase; throws on all
+  // of them if not, with this rank's own error or the failing ranks' numbers.
+  static void agree(Communicator& c, const std::string& phase, const std::string& my_error) {
+    auto flags = torch::zeros({c.size()}, torch::kDouble);
+    if (!my_error.empty()) flags[c.rank()] = 1.0;
+    if (c.size() > 1) c.all_reduce(flags, ReduceOp::kMax)->wait();
+    std::vector<int> failed;
+    for (int r = 0; r < c.size(); ++r) {
+      if (flags[r].item<double>() > 0) failed.push_back(r);
+    }
+    if (failed.empty()) return;
+    std::string who;
+    for (int r : failed) who += (who.empty() ? "" : ", ") + std::to_string(r);
+    TORCH_CHECK(false, "checkpoint: ", phase, " failed on rank(s) ", who,
+                my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
+  }
+
+  // fence: registers a function the optimizer runs before its next update.
+  std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress,
+                   const std::function<void(std::function<void()>)>& fence);
+  // Blocks until the background save (if any) is committed; rethrows its error.
+  void wait_pending();
+  using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
+                                     const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
+  std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
+                                       const Restore& restore);
+  // defer_copies: keep views of the live master/moments (the caller copies
+  // before the optimizer's next update); otherwise copy now.
+  ckpt::Snapshot snapshot(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress,
+                    bool defer_copies = false);
+  // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
+  std::string write(const ckpt::Snapshot& snap);
+  void write_rank_file(const fs::path& path, const ckpt::Snapshot& snap);
+  json manifest(const ckpt::Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests);
+  void write_model_view(const fs::path& path, const ckpt::Snapshot& snap);
+  void commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
+  void retain(const fs::path& keep_dir);
+  // Committed checkpoints, newest first.
+  std::vector<fs::path> committed() const;
+  // Why this committed checkpoint cannot be trusted ("" when it can): the
+  // files this rank checks (every world-th one) against the manifest.
+  std::string verify_share(const fs::path& step_dir, const json& m) const;
+};
+
+}  // namespace zeroshard

@@ -1,0 +1,239 @@
+// load.cpp — verifying committed checkpoints and reading this rank's pieces (resharding).
+#include "checkpointer_impl.h"
+
+#include "reader.h"
+#include "zeroshard/log.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <map>
+#include <unordered_map>
+
+namespace zeroshard {
+
+using namespace ckpt;
+
+std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const json& m) const {
+  const auto& files = m.at("files");
+  for (size_t j = static_cast<size_t>(comm->rank()); j < files.size(); j += static_cast<size_t>(comm->size())) {
+    const fs::path p = step_dir / files[j].at("name").get<std::string>();
+    std::error_code ec;
+    if (!fs::exists(p, ec)) return "'" + p.string() + "' is missing";
+    const auto size = fs::file_size(p, ec);
+    const auto want = files[j].at("bytes").get<int64_t>();
+    if (ec || static_cast<int64_t>(size) != want) {
+      return "'" + p.string() + "' has " + std::to_string(size) + " bytes, the manifest says " + std::to_string(want) +
+             " (truncated?)";
+    }
+    const auto digest = checkpoint::digest_file(p.string());
+    if (checkpoint::to_hex(digest.xxh3) != files[j].at("xxh3").get<std::string>()) {
+      return "'" + p.string() + "' fails its checksum (xxh3 " + checkpoint::to_hex(digest.xxh3) +
+             ", the manifest says " + files[j].at("xxh3").get<std::string>() + "): the file is corrupt";
+    }
+  }
+  return "";
+}
+
+std::optional<TrainingProgress> Checkpointer::Impl::load(
+    ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
+    const Restore& restore) {
+  wait_pending();
+  torch::NoGradGuard no_grad;
+  const int rank = comm->rank();
+  const auto names = module_names(state, model);
+  // Candidates: the one asked for, or what `latest` names; then older committed ones.
+  std::vector<fs::path> candidates;
+  const fs::path root(dir);
+  if (step) {
+    candidates.push_back(root / step_dir_name(*step));
+  } else if (fs::exists(root / "latest")) {
+    std::string name = read_text(root / "latest");
+    name.erase(name.find_last_not_of(" \n\r\t") + 1);
+    candidates.push_back(root / name);
+  }
+  for (const auto& c : committed()) {
+    if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
+  }
+  if (candidates.empty()) return std::nullopt;
+  const std::string mine = model_description(model, state, names);
+  for (const auto& cand : candidates) {
+    // 1. manifest and files, checked by every rank (each a share of the files)
+    std::string why;
+    json m;
+    try {
+      if (!fs::exists(cand / "manifest.json")) {
+        why = "'" + cand.string() + "' has no manifest.json (never committed)";
+      } else {
+        m = json::parse(read_text(cand / "manifest.json"));
+        TORCH_CHECK(m.at("format") == kFormat && m.at("format_version").get<int>() == kFormatVersion,
+                    "unknown format");
+        why = verify_share(cand, m);
+      }
+    } catch (const std::exception& e) {
+      why = "'" + (cand / "manifest.json").string() + "' cannot be used: " +
+            message_of(e);
+    }
+    auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
+    if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
+    if (bad.item<double>() > 0) {
+      log_warn("checkpoint: not loading " + cand.string() + ": " +
+               (why.empty() ? std::string("another rank found a bad file (its log says which)") : why) +
+               "; trying the previous committed checkpoint");
+      if (step) {
+        TORCH_CHECK(false, "checkpoint: step ", *step, " in '", dir, "' cannot be loaded: ",
+                    why.empty() ? std::string("another rank found a bad file (its log says which)") : why);
+      }
+      continue;
+    }
+    // 2. the same model (a different one is an error, not a reason to fall back)
+    const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
+    if (!imported && m.at("model_hash").get<std::string>() != hash_hex(mine)) {
+      std::unordered_map<std::string, json> saved;
+      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = p;
+      std::string first;
+      for (size_t i = 0; i < names.size() && first.empty(); ++i) {
+        auto it = saved.find(names[i]);
+        if (it == saved.end()) {
+          first = "parameter '" + names[i] + "' is not in the checkpoint";
+        } else if (it->second.at("shape").get<std::vector<int64_t>>() != state.params[i].shape) {
+          first = "parameter '" + names[i] + "' has shape " + c10::str(c10::IntArrayRef(state.params[i].shape)) +
+                  " here and " + it->second.at("shape").dump() + " in the checkpoint";
+        }
+      }
+      TORCH_CHECK(false, "checkpoint: '", cand.string(), "' was saved from a different model (",
+                  first.empty() ? std::string("parameter or buffer names, shapes or dtypes differ") : first,
+                  "); load it into the model it was saved from");
+    }
+    // 3. this rank's pieces, from whichever old files hold them
+    try {
+      std::unordered_map<std::string, const json*> saved;
+      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
+      std::map<int, checkpoint::h5::File> open;
+      auto file = [&](int r) -> checkpoint::h5::File& {
+        auto it = open.find(r);
+        if (it == open.end()) {
+          it = open.emplace(r, checkpoint::h5::File::open_read(
+                                   (cand / m.at("files")[static_cast<size_t>(r)].at("name").get<std::string>()).string()))
+                   .first;
+        }
+        return it->second;
+      };
+      std::unordered_map<std::string, const json*> replicated;
+      for (const auto& r : m.at("replicated")) replicated[r.at("name").get<std::string>()] = &r;
+      // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), as fp32.
+      auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
+        const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
+        auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
+        file(0).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
+        return t;
+      };
+      // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
+      auto read_master = [&](const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
+        for (const auto& pc : saved.at(name)->at("pieces")) {
+          const int r = pc[0].get<int>();
+          const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
+          const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
+          if (lo >= hi) continue;
+          file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
+                       static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
+        }
+      };
+      std::vector<int64_t> steps(state.params.size(), 0);
+      for (size_t i = 0; i < names.size(); ++i) {
+        auto it = saved.find(names[i]);
+        if (it != saved.end()) {
+          TORCH_CHECK(it->second->at("shape").get<std::vector<int64_t>>() == state.params[i].shape, "parameter '",
+                      names[i], "' has shape ", c10::IntArrayRef(state.params[i].shape), " here and ",
+                      it->second->at("shape").dump(), " in the checkpoint");
+          steps[i] = it->second->at("step").get<int64_t>();
+        } else {
+          TORCH_CHECK(replicated.count(names[i]), "parameter '", names[i], "' is not in the checkpoint");
+        }
+      }
+      std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
+      for (const auto& b : state.buckets) {
+        for (const auto& seg : shard_segments(b.layout, rank)) {
+          const size_t pi = b.params[seg.param];
+          const std::string& name = names[pi];
+          const Range local = seg.local(b.layout, rank);
+          const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
+          if (saved.count(name)) {
+            read_master(name, "master", a, e, b.master.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg", a, e, b.exp_avg.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg_sq", a, e, b.exp_avg_sq.data_ptr<float>() + local.begin);
+          } else {  // saved in full and untrained: no moments
+            auto& full = full_replicated[name];
+            if (!full.defined()) full = read_replicated(name, state.params[pi].shape).to(at::kFloat).reshape(-1);
+            b.master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
+            b.exp_avg.slice(0, local.begin, local.end).zero_();
+            b.exp_avg_sq.slice(0, local.begin, local.end).zero_();
+          }
+        }
+      }
+      // The module's parameters the optimizer does not hold, and its buffers.
+      std::unordered_map<std::string, bool> in_state;
+      for (const auto& n : names) in_state[n] = true;
+      auto restore_full = [&](const std::string& name, const at::Tensor& target) {
+        if (imported && !replicated.count(name) && !saved.count(name)) {
+          log_info("checkpoint: '" + name + "' is not in the imported checkpoint; it keeps its value");
+          return;
+        }
+        if (replicated.count(name)) {
+          target.detach().copy_(read_replicated(name, target.sizes().vec()));
+        } else {
+          TORCH_CHECK(saved.count(name), "'", name, "' is not in the checkpoint");
+          auto full = torch::empty({target.numel()}, at::kFloat);
+          read_master(name, "master", 0, target.numel(), full.data_ptr<float>());
+          target.detach().copy_(full.view(target.sizes()));
+        }
+      };
+      for (const auto& item : model.named_parameters()) {
+        if (!in_state.count(item.key())) restore_full(item.key(), item.value());
+      }
+      for (const auto& item : model.named_buffers()) restore_full(item.key(), item.value());
+      if (m.at("world_size").get<int>() == comm->size() && file(rank).has("/rng/cpu")) {  // each resumes its own RNG stream
+        const auto dims = file(rank).dims("/rng/cpu");
+        auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
+        file(rank).read_all("/rng/cpu", checkpoint::h5::Type::kUInt8, rng.data_ptr());
+        auto gen = at::detail::getDefaultCPUGenerator();  // a handle on the process's generator
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(rng);
+      }
+      // An accumulation in progress: the reduced gradients so far, in this layout.
+      std::vector<at::Tensor> grad_shards;
+      std::vector<char> had_grad;
+      if (m.value("gradients", false)) {
+        for (const auto& b : state.buckets) {
+          auto g = at::zeros({b.shard.size()}, at::kFloat);
+          for (const auto& seg : shard_segments(b.layout, rank)) {
+            const std::string& name = names[b.params[seg.param]];
+            if (!saved.count(name)) continue;  // untrained when saved: no gradient
+            const Range local = seg.local(b.layout, rank);
+            read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
+          }
+          grad_shards.push_back(g);
+        }
+        for (const auto& n : names) had_grad.push_back(saved.count(n) && saved.at(n)->value("had_grad", false) ? 1 : 0);
+      }
+      why.clear();
+      restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(), grad_shards,
+              had_grad);
+    } catch (const std::exception& e) {
+      why = message_of(e);
+    }
+    agree(*comm, "loading " + cand.string(), why);
+    TrainingProgress progress;
+    progress.step = m.at("step").get<int64_t>();
+    progress.epoch = m.at("epoch").get<int64_t>();
+    progress.extra_json = m.at("extra").dump();
+    progress.save_seconds = m.value("save_seconds", 0.0);
+    log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
+             std::to_string(m.at("world_size").get<int>()) + " ranks, stage " + std::to_string(m.at("stage").get<int>()) +
+             ")");
+    return progress;
+  }
+  TORCH_CHECK(false, "checkpoint: no checkpoint in '", dir, "' can be loaded (each was skipped above, with the reason)");
+}
+
+}  // namespace zeroshard

@@ -1,0 +1,427 @@
+// save.cpp — snapshot, rank files, model.h5, manifest, the commit protocol and retention.
+#include "checkpointer_impl.h"
+
+#include "zeroshard/log.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <boost/asio/post.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <unordered_map>
+
+namespace zeroshard {
+
+using namespace ckpt;
+
+Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
+                                      const TrainingProgress& progress, bool defer_copies) {
+  torch::NoGradGuard no_grad;
+  // Gradients of an accumulation in progress: reduced ones (in the shards) are
+  // saved; unreduced ones (in p.grad()) cannot be resharded, so that is refused.
+  bool snapshot_gradients = false;
+  std::vector<char> snapshot_had_grad;
+  {
+    std::vector<double> flags{state.local_gradients_pending ? 1.0 : 0.0};
+    double any = 0;
+    for (char h : state.had_grad) any = std::max(any, h ? 1.0 : 0.0);
+    for (const auto& b : state.buckets) any = std::max(any, b.grad_shard.defined() ? 1.0 : 0.0);
+    flags.push_back(any);
+    for (char h : state.had_grad) flags.push_back(h ? 1.0 : 0.0);
+    auto t = torch::tensor(flags, torch::kDouble);
+    if (comm->size() > 1) comm->all_reduce(t, ReduceOp::kMax)->wait();
+    TORCH_CHECK_VALUE(t[0].item<double>() == 0, "checkpoint: this step's gradients are still in p.grad() on some rank "
+                      "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
+                      "them. Save after step(), or accumulate with reduced backwards (the default)");
+    snapshot_gradients = t[1].item<double>() > 0;
+    snapshot_had_grad.assign(state.had_grad.size(), 0);
+    for (size_t i = 0; i < state.had_grad.size(); ++i) snapshot_had_grad[i] = t[2 + static_cast<int64_t>(i)].item<double>() > 0;
+  }
+  Snapshot snap;
+  snap.gradients = snapshot_gradients;
+  snap.had_grad = snapshot_had_grad;
+  snap.progress = progress;
+  snap.rank = state.rank;
+  snap.world = state.world_size;
+  snap.stage = state.stage;
+  snap.names = module_names(state, model);
+  snap.params = state.params;
+  for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
+  snap.steps = state.param_steps;
+  snap.loss_scale = state.loss_scale;
+  snap.loss_scale_clean_steps = state.loss_scale_clean_steps;
+  snap.model_hash = hash_hex(model_description(model, state, snap.names));
+  for (const auto& b : state.buckets) {
+    snap.groups.push_back({b.layout, b.params});
+    for (const auto& seg : shard_segments(b.layout, state.rank)) {
+      const Range local = seg.local(b.layout, state.rank);
+      // Gradients are always copied now: the next backward adds into them.
+      const bool defer = defer_copies && !snap.gradients;
+      auto copy = [&](const at::Tensor& t) {
+        auto v = t.slice(0, local.begin, local.end);
+        return defer ? v : v.clone();
+      };
+      snap.deferred = defer;
+      at::Tensor grad;
+      if (snap.gradients) {
+        grad = b.grad_shard.defined() ? b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat).clone()
+                                      : at::zeros({local.size()}, at::kFloat);
+      }
+      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad});
+      snap.bytes += (snap.gradients ? 16 : 12) * local.size();
+    }
+  }
+  std::unordered_map<std::string, bool> trained;
+  for (const auto& n : snap.names) trained[n] = true;
+  auto add = [&](const std::string& name, const char* kind, const at::Tensor& t) {
+    storage_type(t.scalar_type(), name);  // refuse unsupported dtypes now, on every rank
+    Snapshot::Replicated r{name, kind, at::Tensor()};
+    if (state.rank == 0) {
+      r.value = t.detach().clone().contiguous();
+      snap.bytes += static_cast<int64_t>(r.value.nbytes());
+    } else {
+      r.value = torch::empty({0}, t.options());  // rank 0 writes these
+    }
+    snap.replicated.push_back(std::move(r));
+  };
+  for (const auto& item : model.named_parameters()) {
+    if (!trained.count(item.key())) add(item.key(), "parameter", item.value());
+  }
+  for (const auto& item : model.named_buffers()) add(item.key(), "buffer", item.value());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    snap.rng = gen.get_state();
+  }
+  return snap;
+}
+
+void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap) {
+  using checkpoint::h5::Type;
+  const auto start = std::chrono::steady_clock::now();
+  auto f = checkpoint::h5::File::create(path.string());
+  f.set_attribute("/", "format", std::string(kFormat));
+  f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
+  f.set_attribute("/", "rank", static_cast<int64_t>(snap.rank));
+  f.set_attribute("/", "world_size", static_cast<int64_t>(snap.world));
+  f.set_attribute("/", "step", snap.progress.step);
+  for (const auto& o : snap.owned) {
+    const std::string& name = snap.names[o.param];
+    const std::vector<uint64_t> dims{static_cast<uint64_t>(o.master.numel())};
+    for (const auto& [kind, t] : {std::pair<const char*, const at::Tensor&>{"master", o.master},
+                                  {"exp_avg", o.exp_avg}, {"exp_avg_sq", o.exp_avg_sq}}) {
+      const std::string ds = std::string("/") + kind + "/" + name;
+      f.write(ds, Type::kFloat32, dims, t.data_ptr<float>());
+      f.set_attribute(ds, "begin", o.begin);
+    }
+    if (snap.gradients) {
+      const std::string ds = "/grad/" + name;
+      f.write(ds, Type::kFloat32, dims, o.grad.data_ptr<float>());
+      f.set_attribute(ds, "begin", o.begin);
+    }
+  }
+  if (snap.rank == 0) {  // what every rank holds in full: buffers and untrained parameters
+    for (const auto& r : snap.replicated) {
+      std::vector<uint64_t> dims;
+      for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
+      if (dims.empty()) dims.push_back(1);
+      const std::string ds = "/replicated/" + r.name;
+      f.write(ds, storage_type(r.value.scalar_type(), r.name), dims, r.value.data_ptr());
+      f.set_attribute(ds, "dtype", std::string(c10::toString(r.value.scalar_type())));
+    }
+  }
+  f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  const auto c0 = std::chrono::steady_clock::now();
+  log_debug("checkpoint: datasets written in " + std::to_string(std::chrono::duration<double>(c0 - start).count()) + " s");
+  f.close();
+  const auto c1 = std::chrono::steady_clock::now();
+  fsync_path(path, false);
+  char msg[160];
+  std::snprintf(msg, sizeof(msg), "checkpoint: close %.3f s, fsync %.3f s", std::chrono::duration<double>(c1 - c0).count(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - c1).count());
+  log_debug(msg);
+}
+
+void Checkpointer::Impl::write_model_view(const fs::path& path, const Snapshot& snap) {
+  using checkpoint::h5::Type;
+  auto f = checkpoint::h5::File::create(path.string());
+  f.set_attribute("/", "format", std::string("zeroshard-checkpoint-view"));
+  f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
+  std::vector<std::vector<checkpoint::h5::File::VirtualPiece>> pieces(snap.params.size());
+  for (const auto& g : snap.groups) {
+    for (int r = 0; r < snap.world; ++r) {
+      for (const auto& seg : shard_segments(g.layout, r)) {
+        const size_t pi = g.params[seg.param];
+        pieces[pi].push_back({rank_file_name(r, snap.world), "", 0, static_cast<uint64_t>(seg.flat.size()),
+                              static_cast<uint64_t>(seg.param_offset)});
+      }
+    }
+  }
+  for (size_t i = 0; i < snap.params.size(); ++i) {
+    std::vector<uint64_t> dims(snap.params[i].shape.begin(), snap.params[i].shape.end());
+    for (const auto& [prefix, kind] : {std::pair<std::string, std::string>{"/", "master"},
+                                       {"/optimizer/exp_avg/", "exp_avg"}, {"/optimizer/exp_avg_sq/", "exp_avg_sq"}}) {
+      auto ps = pieces[i];
+      for (auto& p : ps) p.dataset = "/" + kind + "/" + snap.names[i];
+      f.write_virtual(prefix + snap.names[i], Type::kFloat32, dims, ps);
+    }
+  }
+  for (const auto& r : snap.replicated) {
+    std::vector<uint64_t> dims;
+    for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
+    uint64_t n = 1;
+    for (auto d : dims) n *= d;
+    if (dims.empty()) dims.push_back(1);  // stored as [1]
+    f.write_virtual("/" + r.name, storage_type(r.value.scalar_type(), r.name), dims,
+                    {{rank_file_name(0, snap.world), "/replicated/" + r.name, 0, n, 0, dims}});
+    f.set_attribute("/" + r.name, "dtype", std::string(c10::toString(r.value.scalar_type())));
+  }
+  f.close();
+  fsync_path(path, false);
+}
+
+json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests) {
+  const int world = snap.world;
+  std::vector<std::vector<Piece>> pieces(snap.params.size());
+  for (const auto& g : snap.groups) {
+    for (int r = 0; r < world; ++r) {
+      for (const auto& seg : shard_segments(g.layout, r)) {
+        pieces[g.params[seg.param]].push_back({r, seg.param_offset, seg.param_offset + seg.flat.size()});
+      }
+    }
+  }
+  json m;
+  m["format"] = kFormat;
+  m["format_version"] = kFormatVersion;
+  m["step"] = snap.progress.step;
+  m["epoch"] = snap.progress.epoch;
+  m["extra"] = json::parse(snap.progress.extra_json);
+  m["world_size"] = world;
+  m["stage"] = snap.stage;
+  m["model_hash"] = snap.model_hash;
+  m["save_seconds"] = snap.save_seconds;
+  m["gradients"] = snap.gradients;
+  m["loss_scale"] = snap.loss_scale;
+  m["loss_scale_clean_steps"] = snap.loss_scale_clean_steps;
+  m["params"] = json::array();
+  for (size_t i = 0; i < snap.params.size(); ++i) {
+    json p;
+    p["name"] = snap.names[i];
+    p["shape"] = snap.params[i].shape;
+    p["dtype"] = c10::toString(snap.params[i].dtype);
+    p["step"] = snap.steps[i];
+    if (snap.gradients) p["had_grad"] = snap.had_grad[i] != 0;
+    p["pieces"] = json::array();
+    for (const auto& pc : pieces[i]) p["pieces"].push_back({pc.rank, pc.begin, pc.end});
+    m["params"].push_back(std::move(p));
+  }
+  m["replicated"] = json::array();
+  for (const auto& r : snap.replicated) {
+    m["replicated"].push_back({{"name", r.name}, {"kind", r.kind}, {"shape", r.value.sizes().vec()},
+                               {"dtype", c10::toString(r.value.scalar_type())}});
+  }
+  m["groups"] = json::array();  // the saving run's flat layout (buckets or units), for tools
+  for (const auto& g : snap.groups) {
+    json j;
+    j["params"] = json::array();
+    for (size_t k = 0; k < g.params.size(); ++k) j["params"].push_back(snap.names[g.params[k]]);
+    j["offsets"] = g.layout.offsets;
+    j["padded_numel"] = g.layout.padded_numel;
+    j["dtype"] = c10::toString(g.layout.dtype);
+    m["groups"].push_back(std::move(j));
+  }
+  m["files"] = json::array();
+  for (int r = 0; r < world; ++r) {
+    m["files"].push_back({{"name", rank_file_name(r, world)},
+                          {"bytes", digests[static_cast<size_t>(r)].first},
+                          {"xxh3", checkpoint::to_hex(digests[static_cast<size_t>(r)].second)}});
+  }
+  return m;
+}
+
+void Checkpointer::Impl::commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest) {
+  write_atomically(tmp / "manifest.json", manifest.dump(1));
+  std::error_code ec;
+  fs::path replaced;
+  if (fs::exists(final_dir)) {  // the same step saved again (e.g. after a resume)
+    replaced = final_dir.string() + ".replaced.tmp";
+    fs::remove_all(replaced, ec);
+    fs::rename(final_dir, replaced, ec);
+    TORCH_CHECK(!ec, "checkpoint: cannot move the old '", final_dir.string(), "' aside: ", ec.message());
+  }
+  fs::rename(tmp, final_dir, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot rename '", tmp.string(), "' to '", final_dir.string(), "': ", ec.message());
+  fsync_path(final_dir.parent_path(), true);
+  write_atomically(final_dir.parent_path() / "latest", final_dir.filename().string() + "\n");
+  if (!replaced.empty()) fs::remove_all(replaced, ec);
+}
+
+std::vector<fs::path> Checkpointer::Impl::committed() const {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("step-", 0) != 0 || n.find(".tmp") != std::string::npos) continue;
+    if (!fs::exists(e.path() / "manifest.json")) continue;  // never committed
+    try {
+      found.emplace_back(std::stoll(n.substr(5)), e.path());
+    } catch (const std::exception&) {
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+void Checkpointer::Impl::retain(const fs::path& keep_dir) {
+  std::error_code ec;
+  // Directories a crash left behind: never committed, never loaded.
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    const bool leftover = n.rfind("step-", 0) == 0 &&
+                          (n.find(".tmp") != std::string::npos || !fs::exists(e.path() / "manifest.json"));
+    if (leftover && e.path() != keep_dir) fs::remove_all(e.path(), ec);
+  }
+  auto all = committed();
+  const size_t keep = static_cast<size_t>(std::max(options.keep, 2));
+  for (size_t i = keep; i < all.size(); ++i) {
+    if (all[i] != keep_dir) fs::remove_all(all[i], ec);
+  }
+}
+
+std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Module& model,
+                                     const TrainingProgress& progress,
+                                     const std::function<void(std::function<void()>)>& fence) {
+  TORCH_CHECK_VALUE(json::accept(progress.extra_json), "checkpoint: TrainingProgress::extra_json is not valid JSON: ",
+                    progress.extra_json.substr(0, 80));
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_pending();  // one save at a time; a failed background save throws here, on every rank
+  // Views of the live shards: a synchronous save writes them while the caller
+  // waits; an async one copies them on the writer thread (below).
+  auto snap = std::make_shared<Snapshot>(snapshot(state, model, progress, /*defer_copies=*/true));
+  const std::string step_dir = (fs::path(dir) / step_dir_name(progress.step)).string();
+  if (!options.async) {
+    write(*snap);
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return step_dir;
+  }
+  // The writer copies the shards first; the optimizer's next update waits for
+  // that copy, so the training loop's stall is only the metadata above.
+  auto copied = std::make_shared<std::promise<void>>();
+  std::shared_future<void> copied_future = copied->get_future().share();
+  if (snap->deferred) {
+    fence([this, copied_future] {
+      const auto w0 = std::chrono::steady_clock::now();
+      copied_future.wait();
+      std::lock_guard<std::mutex> lock(last_mu);  // the loop waited here too: part of the stall
+      last.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+    });
+  }
+  std::packaged_task<std::string()> task([this, snap, copied] {
+    try {
+      snap->copy();
+    } catch (...) {
+      copied->set_value();  // never leave the optimizer waiting; the error surfaces at wait()
+      throw;
+    }
+    copied->set_value();
+    return write(*snap);
+  });
+  pending = task.get_future();
+  boost::asio::post(pool, std::move(task));
+  const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.stall_seconds = stall;
+  }
+  char msg[200];
+  std::snprintf(msg, sizeof(msg),
+                "checkpoint: step %lld (%.1f MB) saving in the background (the caller waited %.3f s; the next "
+                "step() waits until the shards are copied)",
+                static_cast<long long>(progress.step), snap->bytes / 1e6, stall);
+  log_info(msg);
+  return step_dir;
+}
+
+void Checkpointer::Impl::wait_pending() {
+  if (!pending.valid()) return;
+  auto f = std::move(pending);
+  f.get();
+}
+
+std::string Checkpointer::Impl::write(const Snapshot& snap) {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& c = *io_comm;
+  const int rank = c.rank(), world = c.size();
+  const fs::path final_dir = fs::path(dir) / step_dir_name(snap.progress.step);
+  const fs::path tmp = final_dir.string() + ".tmp";
+  std::string err;
+  if (rank == 0) {
+    try {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp, ec);
+      TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
+    } catch (const std::exception& e) {
+      err = message_of(e);
+    }
+  }
+  agree(c, "creating " + tmp.string(), err);
+  const fs::path file = tmp / rank_file_name(rank, world);
+  checkpoint::FileDigest digest;
+  try {
+    const auto w0 = std::chrono::steady_clock::now();
+    write_rank_file(file, snap);
+    const auto w1 = std::chrono::steady_clock::now();
+    digest = checkpoint::digest_file(file.string());
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
+                  std::chrono::duration<double>(w1 - w0).count(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - w1).count());
+    log_debug(msg);
+  } catch (const std::exception& e) {
+    err = std::string("writing '") + file.string() + "': " + message_of(e);
+  }
+  agree(c, "writing rank files", err);
+  auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3)}, torch::kLong);
+  auto all = torch::empty({2 * world}, torch::kLong);
+  c.all_gather(all, d)->wait();
+  std::vector<std::pair<int64_t, uint64_t>> digests;
+  for (int r = 0; r < world; ++r) {
+    digests.emplace_back(all[2 * r].item<int64_t>(), static_cast<uint64_t>(all[2 * r + 1].item<int64_t>()));
+  }
+  auto took = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}, torch::kDouble);
+  if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
+  if (rank == 0) {
+    try {
+      Snapshot timed = snap;  // a shallow copy: tensors are shared
+      timed.save_seconds = took.item<double>();
+      if (options.write_model_view) write_model_view(tmp / "model.h5", snap);
+      commit(tmp, final_dir, manifest(timed, digests));
+    } catch (const std::exception& e) {
+      err = message_of(e);
+    }
+  }
+  agree(c, "committing " + final_dir.string(), err);
+  if (rank == 0) retain(final_dir);
+  c.barrier();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t bytes = 0;
+  for (const auto& dg : digests) bytes += dg.first;
+  {
+    std::lock_guard<std::mutex> lock(last_mu);
+    last.write_seconds = seconds;
+    last.bytes = bytes;
+  }
+  char msg[200];
+  std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %d files) in %.2f s",
+                static_cast<long long>(snap.progress.step), bytes / 1e6, world, seconds);
+  log_info(std::string(msg) + " to " + final_dir.string());
+  return final_dir.string();
+}
+
+}  // namespace zeroshard
