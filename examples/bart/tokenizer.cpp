@@ -59,6 +59,20 @@ bool is_letter(uint32_t c) {
 }
 bool is_digit(uint32_t c) { return c >= '0' && c <= '9'; }
 
+// Replaces every occurrence of the adjacent pair (a, b), left to right, by a+b.
+void merge_pair(std::vector<std::string>& sym, const std::string& a, const std::string& b) {
+  std::vector<std::string> merged;
+  for (size_t k = 0; k < sym.size(); ++k) {
+    if (k + 1 < sym.size() && sym[k] == a && sym[k + 1] == b) {
+      merged.push_back(a + b);
+      ++k;
+    } else {
+      merged.push_back(sym[k]);
+    }
+  }
+  sym = std::move(merged);
+}
+
 }  // namespace
 
 const std::vector<std::string>& ByteLevelBpe::byte_symbols() {
@@ -165,18 +179,8 @@ std::vector<std::string> ByteLevelBpe::bpe(const std::string& piece) const {
       }
     }
     if (best < 0) break;
-    // Merge every occurrence of this pair, left to right.
     const std::string a = sym[at], b = sym[at + 1];
-    std::vector<std::string> merged;
-    for (size_t k = 0; k < sym.size(); ++k) {
-      if (k + 1 < sym.size() && sym[k] == a && sym[k + 1] == b) {
-        merged.push_back(a + b);
-        ++k;
-      } else {
-        merged.push_back(sym[k]);
-      }
-    }
-    sym = std::move(merged);
+    merge_pair(sym, a, b);
   }
   return sym;
 }
@@ -302,16 +306,7 @@ ByteLevelBpe ByteLevelBpe::train(const std::vector<std::string>& texts, int64_t 
       for (size_t k = 0; k + 1 < sym.size() && !has; ++k) has = sym[k] == a && sym[k + 1] == b;
       if (!has) continue;
       for (size_t k = 0; k + 1 < sym.size(); ++k) pairs[{sym[k], sym[k + 1]}] -= freq[w];
-      std::vector<std::string> merged;
-      for (size_t k = 0; k < sym.size(); ++k) {
-        if (k + 1 < sym.size() && sym[k] == a && sym[k + 1] == b) {
-          merged.push_back(a + b);
-          ++k;
-        } else {
-          merged.push_back(sym[k]);
-        }
-      }
-      sym = std::move(merged);
+      merge_pair(sym, a, b);
       for (size_t k = 0; k + 1 < sym.size(); ++k) pairs[{sym[k], sym[k + 1]}] += freq[w];
     }
     pairs.erase({a, b});

@@ -83,13 +83,6 @@ bool any_half(const FullyShardedModel& model) {
   return false;
 }
 
-std::string describe(int g, const AdamWOptions& o) {
-  std::ostringstream os;
-  os << std::setprecision(17) << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
-     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
-  return os.str();
-}
-
 }  // namespace
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, AdamWOptions defaults,
@@ -111,7 +104,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
     const auto& o = static_cast<const AdamWOptions&>(param_groups()[g].options());
     TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: param group ", g,
                       " sets amsgrad(true), which is not supported (no max_exp_avg_sq is kept); use amsgrad(false)");
-    entries.push_back(describe(static_cast<int>(g), o));
+    entries.push_back(shard::describe_param_group(static_cast<int>(g), o));
     for (const auto& p : param_groups()[g].params()) group[p.unsafeGetTensorImpl()] = static_cast<int>(g);
   }
   for (const auto& u : model_->impl().units) {
@@ -122,12 +115,8 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
     }
   }
   std::ostringstream os;
-  os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm << " loss_scaling=" << scaling;
-  if (scaling) {
-    const auto& l = options.loss_scale;
-    os << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff " << l.backoff_factor
-       << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
-  }
+  os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm << " loss_scaling=" << scaling
+     << shard::describe_loss_scaling(options.loss_scale, scaling);
   entries.push_back(os.str());
   shard::check_same_on_all_ranks(model_->communicator(), entries, "FullyShardedAdamW param groups and options");
   steps_.assign(group_of_.size(), 0);

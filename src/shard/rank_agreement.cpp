@@ -1,5 +1,8 @@
 #include "shard/rank_agreement.h"
 
+#include <iomanip>
+#include <sstream>
+
 #include <c10/util/Exception.h>
 
 #include <xxhash.h>
@@ -71,6 +74,21 @@ void check_same_on_all_ranks(Communicator& comm, const std::vector<std::string>&
       << other << " has " << summary[2 * other + 1]
       << "); every rank must build the same model and pass the same options";
   TORCH_CHECK(false, msg.str());
+}
+
+std::string describe_param_group(int group, const torch::optim::AdamWOptions& o) {
+  std::ostringstream os;
+  os << std::setprecision(17) << "param group " << group << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
+     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
+  return os.str();
+}
+
+std::string describe_loss_scaling(const LossScaleOptions& l, bool scaling) {
+  if (!scaling) return "";
+  std::ostringstream os;
+  os << std::setprecision(17) << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff "
+     << l.backoff_factor << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
+  return os.str();
 }
 
 }  // namespace zeroshard::shard

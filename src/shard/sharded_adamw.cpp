@@ -28,19 +28,8 @@ std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
   std::ostringstream os;
   os << std::setprecision(17) << "options: stage=" << o.stage << " bucket_bytes=" << o.bucket_bytes
      << " max_inflight_buckets=" << o.max_inflight_buckets << " max_grad_norm=" << o.max_grad_norm
-     << " reduce_every_backward=" << o.reduce_every_backward << " loss_scaling=" << scaling;
-  if (scaling) {
-    const auto& l = o.loss_scale;
-    os << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff " << l.backoff_factor
-       << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
-  }
-  return os.str();
-}
-
-std::string describe_group(int g, const AdamWOptions& o) {
-  std::ostringstream os;
-  os << std::setprecision(17) << "param group " << g << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
-     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
+     << " reduce_every_backward=" << o.reduce_every_backward << " loss_scaling=" << scaling
+     << shard::describe_loss_scaling(o.loss_scale, scaling);
   return os.str();
 }
 
@@ -197,7 +186,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
     std::unordered_map<const void*, std::string> storage_owner;
     bool any_half = false;
     for (size_t g = 0; g < param_groups().size(); ++g) {
-      entries.push_back(describe_group(static_cast<int>(g), im.group_options(static_cast<int>(g))));
+      entries.push_back(shard::describe_param_group(static_cast<int>(g), im.group_options(static_cast<int>(g))));
       const auto& ps = param_groups()[g].params();
       im.group_sizes.push_back(ps.size());
       for (size_t j = 0; j < ps.size(); ++j) {
