@@ -2,6 +2,7 @@
 #include "checkpointer_impl.h"
 
 #include "zeroshard/log.h"
+#include "zeroshard/trace.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <boost/asio/post.hpp>
@@ -303,6 +304,7 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   auto snap = std::make_shared<Snapshot>(snapshot(state, model, progress, /*defer_copies=*/true));
   const std::string step_dir = (fs::path(dir) / step_dir_name(progress.step)).string();
   if (!options.async) {
+    trace::Span span("checkpoint", "checkpoint save step " + std::to_string(progress.step));
     write(*snap);
     std::lock_guard<std::mutex> lock(last_mu);
     last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -322,6 +324,7 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   }
   std::packaged_task<std::string()> task([this, snap, copied] {
     try {
+      trace::Span span("checkpoint", "checkpoint copy step " + std::to_string(snap->progress.step));
       snap->copy();
     } catch (...) {
       copied->set_value();  // never leave the optimizer waiting; the error surfaces at wait()
@@ -375,9 +378,15 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   checkpoint::FileDigest digest;
   try {
     const auto w0 = std::chrono::steady_clock::now();
-    write_rank_file(file, snap);
+    {
+      trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
+      write_rank_file(file, snap);
+    }
     const auto w1 = std::chrono::steady_clock::now();
-    digest = checkpoint::digest_file(file.string());
+    {
+      trace::Span span("checkpoint", "checkpoint checksum " + file.filename().string());
+      digest = checkpoint::digest_file(file.string());
+    }
     char msg[160];
     std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
                   std::chrono::duration<double>(w1 - w0).count(),
@@ -400,6 +409,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     try {
       Snapshot timed = snap;  // a shallow copy: tensors are shared
       timed.save_seconds = took.item<double>();
+      trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
       if (options.write_model_view) write_model_view(tmp / "model.h5", snap);
       commit(tmp, final_dir, manifest(timed, digests));
     } catch (const std::exception& e) {

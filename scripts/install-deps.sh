@@ -17,6 +17,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev xxhash python3 python3-h5py python3-numpy
   # the anchor of bench/zero_vs_ddp: PyTorch's own DDP + ZeroRedundancyOptimizer
   python3-torch
+  # loss-curve PNGs of training runs (zeroshard::plot_metrics)
+  gnuplot-nox
 )
 
 missing=()

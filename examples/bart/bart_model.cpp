@@ -212,6 +212,24 @@ torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_
                           F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id));
 }
 
+std::vector<int64_t> BartForConditionalGenerationImpl::generate(const torch::Tensor& input_ids, int64_t max_len) {
+  TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.size(0) == 1, "BART generate: input_ids must be [1, S], got ",
+                    input_ids.sizes());
+  torch::NoGradGuard no_grad;
+  const auto encoded = model->encoder->forward(input_ids);
+  std::vector<int64_t> out{config.decoder_start_token_id};
+  bool done = false;
+  for (int64_t i = 0; i < max_len; ++i) {
+    const auto ids = torch::tensor(out, torch::kLong).unsqueeze(0);
+    const auto decoded = model->decoder->forward(ids, encoded, input_ids);
+    const auto last = decoded.select(1, decoded.size(1) - 1);
+    const int64_t next = (torch::matmul(last, model->shared->weight.t()) + final_logits_bias).argmax(-1).item<int64_t>();
+    if (!done) out.push_back(next);  // after eos: passes run on, so every rank calls the same collectives
+    done = done || next == config.eos_token_id;
+  }
+  return std::vector<int64_t>(out.begin() + 1, out.end());
+}
+
 torch::Tensor shift_tokens_right(const torch::Tensor& labels, int64_t pad_token_id, int64_t decoder_start_token_id) {
   auto out = torch::full_like(labels, pad_token_id);
   out.slice(1, 1).copy_(labels.slice(1, 0, labels.size(1) - 1));

@@ -87,12 +87,9 @@ struct FullyShardedMemory {
   int64_t peak_gathered = 0;  // most bytes of units gathered at once since fully_shard()
 };
 
-// Communication the training thread waited for (exposed: not hidden behind
-// compute), in seconds since fully_shard().
-struct FullyShardedWaits {
-  double gathers = 0;     // unsharding a unit whose all-gather had not finished
-  double reductions = 0;  // waiting for gradient reduce-scatters (backward and step)
-};
+// Communication the training thread waited for (CommWaits: gathers, reductions),
+// in seconds since fully_shard().
+using FullyShardedWaits = CommWaits;
 
 namespace detail {
 

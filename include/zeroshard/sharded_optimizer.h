@@ -114,6 +114,14 @@ struct ShardedState {
   int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
 };
 
+// Communication the training thread waited for: exposed, not hidden behind
+// compute. Seconds, cumulative since construction.
+struct CommWaits {
+  double gathers = 0;     // all-gathers of parameters (ZeRO-3: unsharding a unit; ZeRO-1/2: after the update)
+  double reductions = 0;  // gradient reduce-scatters (in backward and in step())
+  double total() const { return gathers + reductions; }
+};
+
 // Bytes held by this rank, measured from the tensors' storages.
 struct ShardedMemory {
   int64_t params = 0;       // the model's (replicated) parameters
@@ -201,6 +209,8 @@ class ShardedAdamW : public torch::optim::Optimizer {
   // state changes: an async checkpoint finishes copying what it saves there.
   void call_before_next_update(std::function<void()> fn);
   ShardedMemory memory() const;
+  // Time the training thread waited for this optimizer's collectives.
+  CommWaits waits() const;
   const ShardedAdamWOptions& sharded_options() const;
   Communicator& communicator() const;
 

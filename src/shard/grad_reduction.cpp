@@ -21,6 +21,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
+
 namespace zeroshard {
 namespace {
 
@@ -176,7 +178,9 @@ void ShardedAdamW::Impl::flush_backward() {
 void ShardedAdamW::Impl::drain_oldest() {
   InFlight f = std::move(inflight.front());
   inflight.pop_front();
+  const auto t0 = std::chrono::steady_clock::now();
   f.work->wait();
+  waits.reductions += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   auto& b = buckets[f.bucket];
   if (!b.grad_shard.defined()) {
     b.grad_shard = f.out;  // adopt: no copy

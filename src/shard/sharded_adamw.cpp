@@ -10,6 +10,7 @@
 
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
 #include <cmath>
 #include <iomanip>
 #include <limits>
@@ -352,7 +353,9 @@ torch::Tensor ShardedAdamW::step(LossClosure closure) {
     }
     gathers.push_back(im.comm->all_gather(b.flat_params, b.flat_params.slice(0, b.shard.begin, b.shard.end)));
   }
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : gathers) w->wait();
+  im.waits.gathers += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   im.release_step_gradients();
   return loss;
 }
@@ -484,6 +487,11 @@ void ShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps
 void ShardedAdamW::call_before_next_update(std::function<void()> fn) {
   std::lock_guard<std::recursive_mutex> lock(impl_->target->mu);
   impl_->before_update.push_back(std::move(fn));
+}
+
+CommWaits ShardedAdamW::waits() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->target->mu);
+  return impl_->waits;
 }
 
 ShardedMemory ShardedAdamW::memory() const {

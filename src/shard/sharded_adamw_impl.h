@@ -78,6 +78,7 @@ struct ShardedAdamW::Impl {
     std::shared_ptr<Work> work;
   };
   std::deque<InFlight> inflight;       // reduce-scatters launched, in launch order
+  CommWaits waits;                     // exposed: the training thread blocked on collectives
   bool callback_queued = false;
   bool flushed_since_step = false;
   int no_sync_depth = 0;

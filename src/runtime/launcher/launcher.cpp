@@ -15,7 +15,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -114,8 +119,8 @@ struct Rank {
 // One attempt: start every local rank, supervise until all are gone.
 class Group {
  public:
-  Group(asio::io_context& io, const LaunchOptions& opt, int port, int attempt)
-      : io_(io), opt_(opt), port_(port), attempt_(attempt), kill_timer_(io) {}
+  Group(asio::io_context& io, const LaunchOptions& opt, int port, int attempt, std::string progress_dir)
+      : io_(io), opt_(opt), port_(port), attempt_(attempt), progress_dir_(std::move(progress_dir)), kill_timer_(io) {}
 
   void start() {
     const int world = opt_.nnodes * opt_.nproc_per_node;
@@ -143,12 +148,17 @@ class Group {
     base.push_back("MASTER_PORT=" + std::to_string(port_));
     base.push_back("ZS_RESTART_COUNT=" + std::to_string(attempt_));
     base.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt_));
+    base.erase(std::remove_if(base.begin(), base.end(),
+                              [](const std::string& kv) { return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0; }),
+               base.end());
 
     for (int local = 0; local < opt_.nproc_per_node; ++local) {
       Rank r;
       r.local_rank = local;
       r.global_rank = opt_.node_rank * opt_.nproc_per_node + local;
       auto env = base;
+      env.push_back("ZS_PROGRESS_FILE=" + progress_file(local));
+      ::unlink(progress_file(local).c_str());
       env.push_back("RANK=" + std::to_string(r.global_rank));
       env.push_back("LOCAL_RANK=" + std::to_string(local));
       SpawnedChild c = spawn_child(opt_.command, env);
@@ -229,6 +239,21 @@ class Group {
     }
   }
 
+  // Where local rank `local` writes its step (zeroshard::publish_step).
+  std::string progress_file(int local) const {
+    return progress_dir_ + "/rank-" + std::to_string(local) + ".step";
+  }
+  // The step local rank 0 last reported; -1 before any.
+  int64_t reported_step() const {
+    std::FILE* f = std::fopen(progress_file(0).c_str(), "r");
+    if (f == nullptr) return -1;
+    long long step = -1;
+    if (std::fscanf(f, "%lld", &step) != 1) step = -1;
+    std::fclose(f);
+    return step;
+  }
+  bool stopping() const { return stopping_; }
+
   int first_failure() const { return first_failure_; }
   int status_of(int global_rank) const {
     for (const auto& r : ranks_)
@@ -248,11 +273,29 @@ class Group {
   const LaunchOptions& opt_;
   const int port_;
   const int attempt_;
+  const std::string progress_dir_;
   std::vector<Rank> ranks_;
   asio::steady_timer kill_timer_;
   bool kill_armed_ = false;
   bool stopping_ = false;
   int first_failure_ = -1;
+};
+
+// A private directory for the ranks' progress files, removed at exit.
+struct ProgressDir {
+  std::string path;
+  ProgressDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/zeroshard-run.XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      throw std::runtime_error("cannot create a directory under " + pattern + ": " + std::strerror(errno));
+    }
+    path = pattern;
+  }
+  ~ProgressDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
 };
 
 }  // namespace
@@ -282,10 +325,11 @@ int run(const LaunchOptions& opt) {
   ::signal(SIGPIPE, SIG_IGN);
   int received_signal = 0;
   int exit_code = 0;
+  ProgressDir progress_dir;
 
   for (int attempt = 0; attempt <= opt.max_restarts; ++attempt) {
     const int port = opt.master_port != 0 ? opt.master_port : pick_free_port(opt.master_addr);
-    Group group(io, opt, port, attempt);
+    Group group(io, opt, port, attempt, progress_dir.path);
     bool all_exited = false;
     asio::steady_timer drain(io);
     bool draining = false;
@@ -340,10 +384,29 @@ int run(const LaunchOptions& opt) {
     };
     poll.expires_after(std::chrono::milliseconds(50));
     poll.async_wait(tick);
+    // The simulated spot preemption: SIGTERM to every rank at the reported step.
+    asio::steady_timer preempt(io);
+    std::function<void(boost::system::error_code)> watch = [&](boost::system::error_code ec) {
+      if (ec || group.stopping()) return;
+      const int64_t step = group.reported_step();
+      if (step >= opt.simulate_preemption_at_step) {
+        say("simulating a spot preemption: rank 0 reached step " + std::to_string(step) +
+            "; sending SIGTERM to every rank (" + seconds_str(opt.grace_period_s) + " s grace period)");
+        group.stop(SIGTERM);
+        return;
+      }
+      preempt.expires_after(std::chrono::milliseconds(20));
+      preempt.async_wait(watch);
+    };
+    if (opt.simulate_preemption_at_step > 0 && attempt == 0) {
+      preempt.expires_after(std::chrono::milliseconds(20));
+      preempt.async_wait(watch);
+    }
 
     io.restart();
     io.run();
     poll.cancel();
+    preempt.cancel();
     group.finish();
     signals.cancel();
     io.restart();

@@ -10,10 +10,13 @@
 // get SIGTERM, then SIGKILL after the grace period, and the whole group is
 // restarted up to max_restarts times. SIGTERM/SIGINT sent to the launcher are
 // forwarded to every rank (same grace period), and no restart follows.
+// Each rank gets ZS_PROGRESS_FILE, where zeroshard::publish_step() writes its
+// step; the launcher reads it for simulate_preemption_at_step.
 // The exit status is the first failing rank's (its code, or 128 + signal),
 // else 0. Single-threaded (Boost.Asio event loop).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -27,6 +30,11 @@ struct LaunchOptions {
   int master_port = 0;             // 0: pick a free port (single node only)
   int max_restarts = 0;            // group restarts after a failure
   double grace_period_s = 10.0;    // SIGTERM -> SIGKILL delay
+  // > 0: on the first attempt, when this node's first rank reports this step
+  // (zeroshard::publish_step, through ZS_PROGRESS_FILE), send every rank
+  // SIGTERM as a spot preemption notice would. Ranks that save and exit with
+  // kPreemptedExitCode are restarted like any failure (needs max_restarts >= 1).
+  int64_t simulate_preemption_at_step = 0;
   std::vector<std::string> command;  // program and its arguments
 };
 

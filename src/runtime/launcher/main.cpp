@@ -1,6 +1,6 @@
 // zeroshard-run: launch N local ranks of a training program (torchrun's conventions).
 //   zeroshard-run --nproc-per-node 4 [--nnodes 2 --node-rank 0 --master-addr HOST --master-port P]
-//                 [--max-restarts K] [--grace-period S] -- program args...
+//                 [--max-restarts K] [--grace-period S] [--simulate-preemption-at-step N] -- program args...
 #include "runtime/launcher/launcher.h"
 
 #include <CLI/CLI.hpp>
@@ -26,6 +26,10 @@ int main(int argc, char** argv) {
   app.add_option("--grace-period", opt.grace_period_s, "seconds between SIGTERM and SIGKILL")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  app.add_option("--simulate-preemption-at-step", opt.simulate_preemption_at_step,
+                 "first attempt only: send every rank SIGTERM (a spot notice) when rank 0 reports this step "
+                 "(zeroshard::publish_step); use with --max-restarts >= 1 to see the resume")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   app.add_option("command", opt.command, "the program and its arguments (after --)")->required();
   app.positionals_at_end();
   try {

@@ -1,0 +1,92 @@
+// bart_pretrain: BART denoising pretraining on zeroshard.
+//
+//   zeroshard-run --nproc-per-node 4 --max-restarts 3 -- bart_pretrain --config base --data DIR
+//       --run-dir runs/base --stage 3 --global-batch 64 --micro-batches 4 --max-steps 20000
+//   bart_pretrain train-tokenizer --data DIR --vocab-size 8000 --out tokenizer/
+//
+// Every rank reads the corpus, noises its share of each global batch (the
+// noise depends only on the example and epoch, so any world size sees the same
+// batch), and trains with ZeRO stage 1/2 (ShardedAdamW) or 3 (fully_shard +
+// FullyShardedAdamW). The run directory holds the tokenizer, the checkpoints,
+// metrics.jsonl, loss.png and (with --trace) trace-rank-N.json. Run again with
+// the same --run-dir and it resumes from the last checkpoint; SIGTERM (a spot
+// notice) makes every rank stop after the same step, save and exit with 75,
+// which zeroshard-run answers with a restart. Also runs alone (1 rank) or
+// under torchrun.
+#include "run.h"
+
+#include <zeroshard/log.h>
+
+#include <CLI/CLI.hpp>
+
+#include <exception>
+
+int main(int argc, char** argv) {
+  bart::RunOptions o;
+  CLI::App app{"bart_pretrain: BART denoising pretraining, sharded with zeroshard (ZeRO-1/2/3)"};
+  app.set_help_all_flag("--help-all", "every option, of the subcommands too");
+
+  auto* tok = app.add_subcommand("train-tokenizer", "learn a byte-level BPE vocabulary from a text directory");
+  std::string tok_out = "tokenizer";
+  tok->add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
+  tok->add_option("--vocab-size", o.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
+  tok->add_option("--out", tok_out, "writes vocab.json and merges.txt here")->capture_default_str();
+
+  app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
+  app.add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
+  app.add_option("--run-dir", o.run_dir, "tokenizer, checkpoints, metrics, plots, traces")->capture_default_str();
+  app.add_option("--tokenizer", o.tokenizer_dir,
+                 "directory with vocab.json + merges.txt (a real BART vocabulary works); default: "
+                 "RUN_DIR/tokenizer, trained from --data when missing");
+  app.add_option("--vocab-size", o.vocab_size, "size of a vocabulary trained from --data")->capture_default_str();
+  app.add_option("--max-tokens", o.max_tokens, "tokens per example, bos/eos included")->capture_default_str();
+  app.add_option("--validation-every", o.validation_every, "every n-th example is held out")->capture_default_str();
+  app.add_option("--global-batch", o.global_batch, "examples per optimizer step, all ranks")->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches, "gradient accumulation: forward/backward passes per step and rank")
+      ->capture_default_str();
+  app.add_option("--max-steps", o.max_steps, "optimizer steps of the whole run")->capture_default_str();
+  app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
+  app.add_option("--schedule", o.schedule, "constant, inverse-sqrt or cosine (after linear warmup)")
+      ->capture_default_str();
+  app.add_option("--warmup-steps", o.warmup_steps, "linear warmup")->capture_default_str();
+  app.add_option("--min-lr-ratio", o.min_lr_ratio, "cosine: final lr / peak")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--beta2", o.beta2, "AdamW beta2 (BART: 0.98)")->capture_default_str();
+  app.add_option("--max-grad-norm", o.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--dropout", o.dropout, "dropout of every layer (default: the config's)");
+  app.add_option("--stage", o.stage, "ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters (fully_shard)")
+      ->check(CLI::Range(1, 3))
+      ->capture_default_str();
+  app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints; 'none': no checkpoints)");
+  app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
+  app.add_flag("--async-save", o.async_save, "write checkpoints in the background");
+  app.add_option("--keep", o.keep, "committed checkpoints kept")->capture_default_str();
+  app.add_option("--eval-every", o.eval_every, "validation loss every n steps (and at start and end)")
+      ->capture_default_str();
+  app.add_option("--eval-batch", o.eval_batch, "validation examples per forward pass and rank")->capture_default_str();
+  app.add_option("--seed", o.seed, "initialisation, shuffling, noise and dropout")->capture_default_str();
+  app.add_option("--mask-ratio", o.noise.mask_ratio, "fraction of tokens in masked spans")->capture_default_str();
+  app.add_option("--poisson-lambda", o.noise.poisson_lambda, "mean masked span length")->capture_default_str();
+  app.add_option("--progress-interval", o.progress_interval, "seconds between progress lines")->capture_default_str();
+  app.add_flag("--trace", o.trace, "write RUN_DIR/trace-rank-N.json (Chrome trace; open in Perfetto)");
+  app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
+  app.add_flag("--no-sample", o.no_sample, "do not print a denoising sample at the end");
+  app.add_option("--save-logits", o.save_logits,
+                 "at the end, rank 0 writes the logits of the first validation batch here (raw float32, "
+                 "for comparing models)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
+    return bart::run_pretraining(o);
+  } catch (const std::exception& e) {
+    zeroshard::log_error(std::string("bart_pretrain: ") + e.what());
+    return 1;
+  }
+}

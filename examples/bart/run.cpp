@@ -1,0 +1,467 @@
+// run.cpp — bart_pretrain's training run: data, model, ZeRO stage, checkpoints,
+// preemption, metrics, and the closing summary.
+#include "run.h"
+
+#include "bart_model.h"
+#include "corpus.h"
+#include "summary.h"
+#include "tokenizer.h"
+#include "training.h"
+
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/comm.h>
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/log.h>
+#include <zeroshard/lr_schedule.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/preemption.h>
+#include <zeroshard/sampler.h>
+#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/trace.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+namespace bart {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }
+
+ByteLevelBpe load_tokenizer(const std::string& dir) {
+  return ByteLevelBpe::load((fs::path(dir) / "vocab.json").string(), (fs::path(dir) / "merges.txt").string());
+}
+
+// Trains into `dir` atomically (a temporary directory renamed), so a crash
+// never leaves half a vocabulary that a restart would load.
+void train_tokenizer_into(const std::vector<std::string>& texts, int64_t vocab_size, const std::string& dir) {
+  const auto t0 = Clock::now();
+  const auto tok = ByteLevelBpe::train(texts, vocab_size);
+  const fs::path tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  tok.save((tmp / "vocab.json").string(), (tmp / "merges.txt").string());
+  fs::remove_all(dir);
+  fs::rename(tmp, dir);
+  char msg[200];
+  std::snprintf(msg, sizeof(msg), "tokenizer: trained %lld entries in %.1f s into ", static_cast<long long>(tok.vocab_size()),
+                since(t0));
+  zeroshard::log_info(msg + dir);
+}
+
+// The same corpus on every rank (deterministic), or rank 0 trains the
+// tokenizer first when the run has none.
+ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string>& texts, zeroshard::Communicator& comm) {
+  if (!o.tokenizer_dir.empty()) {
+    TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(o.tokenizer_dir)), "--tokenizer '", o.tokenizer_dir,
+                      "' has no vocab.json; give a directory with vocab.json and merges.txt, or leave --tokenizer "
+                      "out to train one from --data");
+    return load_tokenizer(o.tokenizer_dir);
+  }
+  const std::string dir = (fs::path(o.run_dir) / "tokenizer").string();
+  std::string err;
+  if (comm.rank() == 0 && !fs::exists(tokenizer_files_in(dir))) {
+    try {
+      train_tokenizer_into(texts, o.vocab_size, dir);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  // The others wait here, for as long as the training takes: a barrier could time out.
+  auto failed = torch::tensor({err.empty() ? 0.0 : 1.0}, torch::kDouble);
+  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait(std::chrono::hours(1));
+  TORCH_CHECK(failed.item<double>() == 0, "tokenizer: training on rank 0 failed",
+              err.empty() ? std::string(" (its log says why)") : ": " + err);
+  return load_tokenizer(dir);
+}
+
+// The optimizer of the chosen stage, behind one face.
+struct Sharding {
+  std::shared_ptr<zeroshard::FullyShardedModel> model;  // stage 3
+  std::unique_ptr<zeroshard::FullyShardedAdamW> fsdp;   // stage 3
+  std::unique_ptr<zeroshard::ShardedAdamW> zero;        // stages 1, 2
+  std::shared_ptr<zeroshard::Communicator> comm;
+  int64_t numel = 0;
+
+  torch::optim::Optimizer& opt() { return fsdp ? static_cast<torch::optim::Optimizer&>(*fsdp) : *zero; }
+  double clip(double max_norm) { return fsdp ? fsdp->clip_grad_norm(max_norm) : zero->clip_grad_norm(max_norm); }
+  void step() { fsdp ? fsdp->step() : zero->step(); }
+  bool skipped() const { return fsdp ? fsdp->last_step_skipped() : zero->last_step_skipped(); }
+  double loss_scale() const { return fsdp ? fsdp->loss_scale() : zero->loss_scale(); }
+  double waited() const { return fsdp ? model->waits().total() : zero->waits().total(); }
+  int64_t bytes_sent() const {
+    return comm->stats().total().bytes_sent + (model ? model->reduction_stats().total().bytes_sent : 0);
+  }
+  // Parameters, gradients and AdamW states this rank holds (their peak at stages 1/2).
+  int64_t model_state_bytes() const {
+    if (zero) return zero->memory().peak_model_states;
+    const auto m = model->memory();
+    int64_t shard_numel = 0;
+    for (const auto& u : model->units()) shard_numel += u.shard.size();
+    return m.shards + m.master + m.root_params + fsdp->state_bytes() + 4 * shard_numel;
+  }
+  std::string save(zeroshard::Checkpointer& ck, torch::nn::Module& m, const zeroshard::TrainingProgress& p) {
+    return fsdp ? ck.save(*fsdp, m, p) : ck.save(*zero, m, p);
+  }
+  std::optional<zeroshard::TrainingProgress> load(zeroshard::Checkpointer& ck, torch::nn::Module& m) {
+    return fsdp ? ck.load(*fsdp, m) : ck.load(*zero, m);
+  }
+};
+
+// What the run carries across restarts (in the checkpoint's extra JSON).
+struct RunRecord {
+  int64_t tokens = 0;
+  double train_seconds = 0, checkpoint_stall_s = 0;
+  double first_loss = NAN, first_val_loss = NAN;
+  int64_t bytes_sent = 0;  // all ranks
+  json interruptions = json::array();
+  json to_json(const zeroshard::DistributedSampler& sampler) const {
+    return {{"sampler", json::parse(sampler.state_json())}, {"tokens", tokens}, {"train_seconds", train_seconds},
+            {"checkpoint_stall_s", checkpoint_stall_s}, {"first_loss", std::isfinite(first_loss) ? json(first_loss) : json()},
+            {"first_val_loss", std::isfinite(first_val_loss) ? json(first_val_loss) : json()},
+            {"bytes_sent", bytes_sent}, {"interruptions", interruptions}};
+  }
+  void from_json(const json& j, zeroshard::DistributedSampler& sampler) {
+    sampler.load_state_json(j.at("sampler").dump());
+    tokens = j.value("tokens", int64_t{0});
+    train_seconds = j.value("train_seconds", 0.0);
+    checkpoint_stall_s = j.value("checkpoint_stall_s", 0.0);
+    first_loss = j.contains("first_loss") && j["first_loss"].is_number() ? j["first_loss"].get<double>() : NAN;
+    first_val_loss = j.contains("first_val_loss") && j["first_val_loss"].is_number() ? j["first_val_loss"].get<double>() : NAN;
+    bytes_sent = j.value("bytes_sent", int64_t{0});
+    interruptions = j.value("interruptions", json::array());
+  }
+};
+
+// This rank's next `n` sample indices, continuing into the next epoch when
+// one ends; epochs[i] is the epoch of out[i] (it seeds the noise).
+std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_t n, std::vector<int64_t>& epochs) {
+  std::vector<int64_t> out;
+  epochs.clear();
+  while (static_cast<int64_t>(out.size()) < n) {
+    const auto got = sampler.next(n - static_cast<int64_t>(out.size()));
+    out.insert(out.end(), got.begin(), got.end());
+    epochs.insert(epochs.end(), got.size(), sampler.epoch());
+  }
+  return out;
+}
+
+double all_sum(zeroshard::Communicator& comm, double v) {
+  auto t = torch::tensor({v}, torch::kDouble);
+  comm.all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  return t.item<double>();
+}
+
+}  // namespace
+
+int train_tokenizer_command(const RunOptions& o, const std::string& out_dir) {
+  train_tokenizer_into(read_texts(o.data), o.vocab_size, out_dir);
+  return 0;
+}
+
+int run_pretraining(const RunOptions& o) {
+  const auto run_start = Clock::now();
+  auto comm = zeroshard::init_communicator();
+  const int rank = comm->rank(), world = comm->size();
+  TORCH_CHECK_VALUE(o.global_batch % world == 0, "--global-batch ", o.global_batch, " must divide by the ", world,
+                    " ranks (each takes an equal share)");
+  const int64_t local_batch = o.global_batch / world;
+  TORCH_CHECK_VALUE(o.micro_batches >= 1 && local_batch % o.micro_batches == 0, "--micro-batches ", o.micro_batches,
+                    " must divide the per-rank batch ", local_batch, " (--global-batch ", o.global_batch, " / ", world,
+                    " ranks)");
+  fs::create_directories(o.run_dir);
+  if (o.trace) zeroshard::trace::enable();
+
+  // Data: every rank builds the same corpus.
+  const auto texts = read_texts(o.data);
+  const auto tokenizer = obtain_tokenizer(o, texts, *comm);
+  CorpusOptions copts;
+  copts.max_tokens = o.max_tokens;
+  copts.validation_every = o.validation_every;
+  const auto corpus = build_corpus(texts, tokenizer, copts);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(corpus.train.size()) >= o.global_batch, "the corpus under '", o.data,
+                    "' has ", corpus.train.size(), " training examples, fewer than --global-batch ", o.global_batch);
+  NoiseOptions noise = o.noise;
+  noise.mask_id = tokenizer.mask_id();
+  noise.bos_id = tokenizer.id("<s>");
+  noise.eos_id = tokenizer.id("</s>");
+  const int64_t pad = tokenizer.pad_id();
+
+  // Model.
+  auto config = BartConfig::named(o.config);
+  config.vocab_size = tokenizer.vocab_size();
+  config.pad_token_id = pad;
+  config.bos_token_id = noise.bos_id;
+  config.eos_token_id = config.decoder_start_token_id = noise.eos_id;
+  config.max_position_embeddings = std::max(config.max_position_embeddings, o.max_tokens + 16);
+  if (o.dropout >= 0) config.dropout = config.attention_dropout = config.activation_dropout = o.dropout;
+  torch::manual_seed(o.seed);
+  BartForConditionalGeneration model(config);
+  int64_t numel = 0;
+  for (const auto& p : model->parameters()) numel += p.numel();
+  if (o.precision == "bf16") model->to(torch::kBFloat16);
+
+  Sharding sh;
+  sh.comm = comm;
+  sh.numel = numel;
+  auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
+  if (o.stage == 3) {
+    sh.model = zeroshard::fully_shard(model, comm);
+    zeroshard::FullyShardedAdamWOptions fo;
+    sh.fsdp = std::make_unique<zeroshard::FullyShardedAdamW>(sh.model, adamw, fo);
+  } else {
+    zeroshard::ShardedAdamWOptions so;
+    so.stage = o.stage;
+    sh.zero = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw, so);
+  }
+  zeroshard::LrSchedule::Options lo;
+  lo.kind = zeroshard::LrSchedule::parse_kind(o.schedule);
+  lo.warmup_steps = o.warmup_steps;
+  lo.total_steps = o.max_steps;
+  lo.min_ratio = o.min_lr_ratio;
+  zeroshard::LrSchedule schedule(lo);
+  schedule.attach(sh.opt());
+
+  // Where training stands: fresh, or resumed from the last checkpoint.
+  zeroshard::DistributedSampler sampler(static_cast<int64_t>(corpus.train.size()), rank, world, o.seed);
+  RunRecord record;
+  int64_t step = 0;
+  const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
+  std::unique_ptr<zeroshard::Checkpointer> ckpt;
+  json resumed = nullptr;
+  if (ckpt_dir != "none") {
+    zeroshard::CheckpointOptions co;
+    co.keep = o.keep;
+    co.async = o.async_save;
+    ckpt = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm, co);
+    const auto t0 = Clock::now();
+    if (auto progress = sh.load(*ckpt, *model)) {
+      step = progress->step;
+      const json extra = json::parse(progress->extra_json);
+      if (extra.contains("sampler")) {
+        record.from_json(extra, sampler);
+      } else {  // imported weights (zeroshard-ckpt import): a new run from them
+        zeroshard::log_info("checkpoint: step " + std::to_string(step) + " has no run record (imported); training "
+                            "starts at its step with a fresh data order");
+      }
+      resumed = {{"step", step}, {"load_s", since(t0)}, {"restart", std::getenv("ZS_RESTART_COUNT") ? std::atoi(std::getenv("ZS_RESTART_COUNT")) : 0}};
+      zeroshard::log_info("resumed from step " + std::to_string(step) + " of " + ckpt_dir + " (epoch " +
+                          std::to_string(sampler.epoch()) + ")");
+    }
+  }
+  zeroshard::PreemptionGuard guard(comm);
+
+  zeroshard::MetricsLog metrics;
+  if (rank == 0) metrics = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step);
+  if (rank == 0 && !resumed.is_null()) metrics.write_event("resume", step, resumed.dump());
+  zeroshard::ProgressLine progress(o.max_steps, o.progress_interval);
+  if (rank == 0 && step == 0) {
+    char msg[300];
+    std::snprintf(msg, sizeof(msg),
+                  "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
+                  "%d ranks, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
+                  o.config.c_str(), numel / 1e6, static_cast<long long>(config.vocab_size), corpus.train.size(),
+                  corpus.validation.size(), static_cast<long long>(corpus.tokens), world, o.stage, o.precision.c_str(),
+                  static_cast<long long>(o.global_batch), world, static_cast<long long>(o.micro_batches),
+                  static_cast<long long>(local_batch / o.micro_batches));
+    zeroshard::log_info(msg);
+  }
+  auto evaluate = [&](int64_t at) {
+    const auto t0 = Clock::now();
+    const auto v = validate(model, corpus.validation, noise, o.eval_batch, pad, *comm);
+    if (!std::isfinite(record.first_val_loss)) record.first_val_loss = v.loss;
+    metrics.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "step %lld: validation loss %.4f (%lld tokens, %.1f s)", static_cast<long long>(at),
+                  v.loss, static_cast<long long>(v.tokens), since(t0));
+    zeroshard::log_info(msg);
+    return v.loss;
+  };
+  double last_val = NAN;
+  if (step == 0) last_val = evaluate(0);
+
+  auto save = [&](int64_t at, const char* why) -> double {
+    const auto t0 = Clock::now();
+    zeroshard::TrainingProgress p;
+    p.step = at;
+    p.epoch = sampler.epoch();
+    json extra = record.to_json(sampler);
+    extra["bytes_sent"] = record.bytes_sent + static_cast<int64_t>(all_sum(*comm, static_cast<double>(sh.bytes_sent())));
+    p.extra_json = extra.dump();
+    sh.save(*ckpt, *model, p);
+    const double stall = since(t0);
+    record.checkpoint_stall_s += stall;
+    metrics.write_event("checkpoint", at, json{{"reason", why}, {"stall_s", stall}, {"async", o.async_save}}.dump());
+    return stall;
+  };
+
+  // The loop.
+  double loss_value = NAN;
+  int64_t bytes_before = sh.bytes_sent();
+  std::vector<int64_t> epochs;
+  while (step < o.max_steps) {
+    const auto t_step = Clock::now();
+    const double waited0 = sh.waited();
+    const auto indices = next_indices(sampler, local_batch, epochs);
+    std::vector<Batch> micro;
+    const int64_t per_micro = local_batch / o.micro_batches;
+    int64_t local_tokens = 0;
+    for (int64_t m = 0; m < o.micro_batches; ++m) {
+      const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
+      std::vector<int64_t> idx(indices.begin() + from, indices.begin() + to);
+      std::vector<int64_t> ep(epochs.begin() + from, epochs.begin() + to);  // a batch may straddle two epochs
+      Batch b = make_batch(corpus.train, idx, ep, noise, o.seed, pad);
+      local_tokens += b.target_tokens;
+      micro.push_back(std::move(b));
+    }
+    const double global_tokens = all_sum(*comm, static_cast<double>(local_tokens));
+    const double lr = schedule.apply(sh.opt(), step + 1);
+    const auto t_fb = Clock::now();
+    const double waited_fb0 = sh.waited();
+    double loss_sum = 0;
+    for (auto& b : micro) {
+      // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
+      auto l = summed_loss(model, b);
+      loss_sum += l.item<double>();
+      (l * (static_cast<double>(world) / global_tokens)).backward();
+    }
+    const double fb_s = since(t_fb), fb_wait = sh.waited() - waited_fb0;
+    const auto t_opt = Clock::now();
+    const double waited_opt0 = sh.waited();
+    const double grad_norm = sh.clip(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
+    sh.step();
+    const double opt_s = since(t_opt), opt_wait = sh.waited() - waited_opt0;
+    ++step;
+    const auto t_loss = Clock::now();
+    loss_value = all_sum(*comm, loss_sum) / global_tokens;
+    const double loss_comm = since(t_loss);
+    if (!std::isfinite(record.first_loss)) record.first_loss = loss_value;
+    record.tokens += static_cast<int64_t>(global_tokens);
+
+    double stall = 0;
+    const bool end = step == o.max_steps;
+    if (ckpt && (step % o.save_every == 0 || end)) stall = save(step, end ? "end" : "interval");
+    zeroshard::StepMetrics m;
+    m.step = step;
+    m.loss = loss_value;
+    m.lr = lr;
+    m.grad_norm = grad_norm;
+    m.tokens = static_cast<int64_t>(global_tokens);
+    m.seconds = since(t_step);
+    m.compute_seconds = fb_s - fb_wait;
+    m.exposed_comm_seconds = sh.waited() - waited0 + loss_comm;
+    m.optimizer_seconds = opt_s - opt_wait;
+    m.checkpoint_stall_seconds = stall;
+    m.other_seconds = std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds - stall);
+    m.peak_rss_bytes = zeroshard::peak_rss_bytes();
+    const int64_t bytes_now = sh.bytes_sent();
+    m.bytes_sent = bytes_now - bytes_before;
+    bytes_before = bytes_now;
+    m.loss_scale = sh.loss_scale();
+    m.skipped = sh.skipped();
+    record.train_seconds += m.seconds;
+    if (o.eval_every > 0 && (step % o.eval_every == 0 || end)) {
+      last_val = evaluate(step);
+      m.extra_json = json{{"val_loss", last_val}}.dump();
+    }
+    metrics.write(m);
+    progress.update(m);
+    zeroshard::publish_step(step);
+
+    if (!end && guard.should_stop()) {
+      record.interruptions.push_back({{"step", step}, {"signal", guard.signaled() ? "SIGTERM" : "notice"}});
+      if (!ckpt) {
+        zeroshard::log_warn("preempted at step " + std::to_string(step) + " with --ckpt-dir none: nothing saved");
+        return guard.exit_code();
+      }
+      const double s = save(step, "preemption");
+      ckpt->wait();
+      guard.check_save_fits(s);
+      if (o.trace) zeroshard::trace::write_chrome_trace((fs::path(o.run_dir) / ("trace-rank-" + std::to_string(rank) + ".json")).string(), rank);
+      zeroshard::log_info("preempted after step " + std::to_string(step) + ": checkpoint committed; exiting with " +
+                          std::to_string(guard.exit_code()) + " so the launcher restarts the run");
+      return guard.exit_code();
+    }
+  }
+  if (ckpt) ckpt->wait();
+  if (!o.save_logits.empty() && !corpus.validation.empty()) {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    std::vector<int64_t> idx;
+    for (int64_t i = 0; i < std::min<int64_t>(4, corpus.validation.size()); ++i) idx.push_back(i);
+    const auto b = make_batch(corpus.validation, idx, std::vector<int64_t>(idx.size(), 0), noise, 0, pad);
+    const auto logits = model->forward(b.input_ids, shift_tokens_right(b.labels, pad, config.decoder_start_token_id))
+                            .to(torch::kFloat).contiguous();
+    model->train();
+    if (rank == 0) {
+      std::ofstream out(o.save_logits, std::ios::binary | std::ios::trunc);
+      out.write(static_cast<const char*>(logits.data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
+      TORCH_CHECK(out.good(), "cannot write --save-logits '", o.save_logits, "'");
+    }
+  }
+
+  // The summary: figures from every rank, printed by rank 0.
+  Summary s;
+  s.config = o.config;
+  s.world = world;
+  s.stage = o.stage;
+  s.precision = o.precision;
+  s.params = numel;
+  s.steps = step;
+  s.first_loss = record.first_loss;
+  s.last_loss = loss_value;
+  s.first_val_loss = record.first_val_loss;
+  s.last_val_loss = last_val;
+  s.tokens = record.tokens;
+  s.train_seconds = record.train_seconds;
+  s.checkpoint_stall_s = record.checkpoint_stall_s;
+  s.interruptions = record.interruptions.dump();
+  s.resumed = resumed.is_null() ? "" : resumed.dump();
+  s.run_dir = o.run_dir;
+  s.wall_seconds = since(run_start);
+  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()), static_cast<double>(sh.model_state_bytes()),
+                                 static_cast<double>(sh.bytes_sent())}, torch::kDouble);
+  auto all = torch::empty({3 * world}, torch::kDouble);
+  comm->all_gather(all, per_rank)->wait();
+  for (int r = 0; r < world; ++r) {
+    s.peak_rss.push_back(static_cast<int64_t>(all[3 * r].item<double>()));
+    s.model_states.push_back(static_cast<int64_t>(all[3 * r + 1].item<double>()));
+    s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
+  }
+  s.bytes_sent += record.bytes_sent;  // earlier attempts'
+  if (!o.no_sample && !corpus.validation.empty()) {
+    s.sample = denoising_sample(model, corpus.validation, 0, noise, tokenizer);
+    s.has_sample = true;
+  }
+  if (o.trace) {
+    const auto path = (fs::path(o.run_dir) / ("trace-rank-" + std::to_string(rank) + ".json")).string();
+    zeroshard::trace::write_chrome_trace(path, rank);
+  }
+  if (rank == 0) {
+    if (!o.no_plot && metrics.enabled()) {
+      const auto png = (fs::path(o.run_dir) / "loss.png").string();
+      const auto why = zeroshard::plot_metrics(metrics.path(), png, "BART " + o.config + ", " + std::to_string(world) +
+                                                                         " ranks, ZeRO-" + std::to_string(o.stage));
+      if (why.empty()) s.plot = png; else zeroshard::log_warn("loss plot: " + why);
+    }
+    metrics.write_event("summary", step, s.to_json());
+    std::fputs(s.text().c_str(), stdout);
+    std::fflush(stdout);
+  }
+  comm->barrier();
+  return 0;
+}
+
+}  // namespace bart

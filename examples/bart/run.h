@@ -1,0 +1,54 @@
+// run.h — the bart_pretrain program: options, the training run, the summary.
+#pragma once
+
+#include "noise.h"
+
+#include <cstdint>
+#include <string>
+
+namespace bart {
+
+struct RunOptions {
+  std::string config = "tiny";
+  std::string data = "/usr/share/common-licenses";
+  std::string run_dir = "bart-run";
+  std::string tokenizer_dir;  // "": RUN_DIR/tokenizer, trained when missing
+  int64_t vocab_size = 2048;
+  int64_t max_tokens = 128;
+  int64_t validation_every = 20;
+  int64_t global_batch = 16;
+  int64_t micro_batches = 1;
+  int64_t max_steps = 300;
+  double lr = 1e-3;
+  std::string schedule = "inverse-sqrt";
+  int64_t warmup_steps = 30;
+  double min_lr_ratio = 0.1;
+  double weight_decay = 0.01;
+  double beta2 = 0.98;
+  double max_grad_norm = 1.0;
+  double dropout = -1;  // < 0: the config's
+  int stage = 3;
+  std::string precision = "fp32";
+  std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
+  int64_t save_every = 100;
+  bool async_save = false;
+  int keep = 3;
+  int64_t eval_every = 50;
+  int64_t eval_batch = 16;
+  uint64_t seed = 1;
+  NoiseOptions noise;
+  double progress_interval = 10;
+  bool trace = false;
+  bool no_plot = false;
+  bool no_sample = false;
+  std::string save_logits;
+};
+
+// `bart_pretrain train-tokenizer`: learns a vocabulary from o.data into out_dir.
+int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
+
+// The training run; returns the exit status (kPreemptedExitCode after a
+// preemption save). Collective: every rank calls it with the same options.
+int run_pretraining(const RunOptions& o);
+
+}  // namespace bart

@@ -1,0 +1,129 @@
+// summary.cpp — the closing report.
+#include "summary.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace bart {
+
+using json = nlohmann::json;
+
+namespace {
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+std::string per_rank(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? " / " : "") + mib(v[i]);
+  return out + " MiB";
+}
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+// Long text cut to one readable line.
+std::string line_of(std::string s, size_t max = 160) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  if (s.size() > max) s = s.substr(0, max - 3) + "...";
+  return s;
+}
+
+}  // namespace
+
+std::string Summary::text() const {
+  std::ostringstream o;
+  char buf[512];
+  const std::string rule(72, '=');
+  o << "\n" << rule << "\nBART pretraining summary\n" << rule << "\n";
+  std::snprintf(buf, sizeof(buf), "model        %s BART, %.2fM parameters; %d ranks, ZeRO stage %d, %s\n", config.c_str(),
+                params / 1e6, world, stage, precision.c_str());
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "training     %lld steps, %s target tokens in %.1f s of steps: %s tokens/s\n",
+                static_cast<long long>(steps), with_commas(tokens).c_str(), train_seconds,
+                with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "train loss   %.3f -> %.3f (first step -> last step)\n", first_loss, last_loss);
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "val loss     %.3f -> %.3f (before training -> end; %.0f%% lower)\n", first_val_loss,
+                last_val_loss, 100.0 * (1.0 - last_val_loss / first_val_loss));
+  o << buf;
+  o << "memory       peak RSS per rank: " << per_rank(peak_rss) << "\n";
+  int64_t biggest = 0;
+  for (auto b : model_states) biggest = std::max(biggest, b);
+  std::snprintf(buf, sizeof(buf), "             model states per rank (parameters, gradients, AdamW): %s\n", per_rank(model_states).c_str());
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "             unsharded (one process, 16 bytes/parameter): %s MiB, %.1fx a rank's\n",
+                mib(unsharded_model_states()).c_str(),
+                biggest > 0 ? static_cast<double>(unsharded_model_states()) / static_cast<double>(biggest) : 0.0);
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "comm         %.1f MB sent by all ranks (%.2f MB per step)\n", bytes_sent / 1e6,
+                steps > 0 ? bytes_sent / 1e6 / static_cast<double>(steps) : 0.0);
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "checkpoints  %.2f s of training stalled by saves, in total\n", checkpoint_stall_s);
+  o << buf;
+  const json ints = json::parse(interruptions);
+  if (ints.empty() && resumed.empty()) {
+    o << "interrupted  no\n";
+  } else {
+    for (const auto& i : ints) {
+      o << "interrupted  at step " << i.value("step", int64_t{0}) << " by " << i.value("signal", std::string("?"))
+        << " (a spot preemption notice): every rank stopped after that step, saved, exited 75\n";
+    }
+    if (!resumed.empty()) {
+      const json r = json::parse(resumed);
+      std::snprintf(buf, sizeof(buf), "resumed      from the step-%08lld checkpoint (restart %d, loaded in %.2f s), then ran to the end\n",
+                    static_cast<long long>(r.value("step", int64_t{0})), r.value("restart", 0), r.value("load_s", 0.0));
+      o << buf;
+    }
+  }
+  if (has_sample) {
+    o << "sample       masked input:   " << line_of(sample.masked) << "\n";
+    o << "             reconstruction: " << line_of(sample.reconstruction) << "\n";
+    o << "             original:       " << line_of(sample.original) << "\n";
+  }
+  o << "files        " << run_dir << "/metrics.jsonl";
+  if (!plot.empty()) o << ", " << plot;
+  o << ", " << run_dir << "/checkpoints/\n" << rule << "\n";
+  return o.str();
+}
+
+std::string Summary::to_json() const {
+  json j{{"config", config},
+         {"ranks", world},
+         {"stage", stage},
+         {"precision", precision},
+         {"params", params},
+         {"steps", steps},
+         {"tokens", tokens},
+         {"train_seconds", train_seconds},
+         {"tokens_per_s", train_seconds > 0 ? tokens / train_seconds : 0.0},
+         {"first_loss", first_loss},
+         {"last_loss", last_loss},
+         {"first_val_loss", first_val_loss},
+         {"last_val_loss", last_val_loss},
+         {"peak_rss_bytes", peak_rss},
+         {"model_state_bytes", model_states},
+         {"unsharded_model_state_bytes", unsharded_model_states()},
+         {"bytes_sent", bytes_sent},
+         {"checkpoint_stall_s", checkpoint_stall_s},
+         {"interruptions", json::parse(interruptions)}};
+  if (!resumed.empty()) j["resumed"] = json::parse(resumed);
+  if (has_sample) j["sample"] = {{"masked", sample.masked}, {"reconstruction", sample.reconstruction}, {"original", sample.original}};
+  for (auto& [k, v] : j.items()) {
+    if (v.is_number_float() && !std::isfinite(v.get<double>())) v = nullptr;
+  }
+  return j.dump();
+}
+
+}  // namespace bart

@@ -1,0 +1,32 @@
+// summary.h — the closing report of a bart_pretrain run, for a person (text)
+// and for tools (JSON, the last line of metrics.jsonl).
+#pragma once
+
+#include "training.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bart {
+
+struct Summary {
+  std::string config, precision, run_dir, plot;
+  int world = 1, stage = 3;
+  int64_t params = 0, steps = 0, tokens = 0, bytes_sent = 0;
+  double first_loss = 0, last_loss = 0, first_val_loss = 0, last_val_loss = 0;
+  double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0;
+  std::vector<int64_t> peak_rss, model_states;  // per rank
+  std::string interruptions = "[]";  // JSON array of {"step", "signal"}
+  std::string resumed;               // JSON {"step", "load_s", "restart"} when this process resumed; "" when not
+  bool has_sample = false;
+  DenoisingSample sample;
+
+  // Bytes a single process holds for the same model and AdamW: fp32
+  // parameters, gradients and the two moments (16 bytes per parameter).
+  int64_t unsharded_model_states() const { return 16 * params; }
+  std::string text() const;
+  std::string to_json() const;  // a JSON object
+};
+
+}  // namespace bart

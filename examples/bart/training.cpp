@@ -1,0 +1,107 @@
+// training.cpp — noised batches, the summed loss, validation, a denoising sample.
+#include "training.h"
+
+#include <algorithm>
+#include <random>
+
+namespace bart {
+
+namespace F = torch::nn::functional;
+
+NoisedExample noised_example(const std::vector<Example>& examples, int64_t index, const NoiseOptions& noise,
+                             uint64_t seed, int64_t epoch) {
+  TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(examples.size()), "BART data: example ", index,
+                    " of ", examples.size());
+  std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), static_cast<uint32_t>(epoch),
+                    static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32)};
+  std::mt19937_64 rng(seq);
+  return add_noise(examples[static_cast<size_t>(index)], noise, rng);
+}
+
+Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
+                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id) {
+  TORCH_CHECK_VALUE(!indices.empty(), "BART data: an empty batch");
+  TORCH_CHECK_VALUE(epochs.size() == indices.size(), "BART data: ", epochs.size(), " epochs for ", indices.size(),
+                    " examples");
+  std::vector<NoisedExample> noised;
+  size_t src_len = 0, tgt_len = 0;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    noised.push_back(noised_example(examples, indices[k], noise, seed, epochs[k]));
+    src_len = std::max(src_len, noised.back().source.size());
+    tgt_len = std::max(tgt_len, noised.back().target.size());
+  }
+  const auto b = static_cast<int64_t>(indices.size());
+  Batch out;
+  out.input_ids = torch::full({b, static_cast<int64_t>(src_len)}, pad_id, torch::kLong);
+  out.labels = torch::full({b, static_cast<int64_t>(tgt_len)}, pad_id, torch::kLong);
+  auto in = out.input_ids.accessor<int64_t, 2>();
+  auto lab = out.labels.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < b; ++r) {
+    const auto& n = noised[static_cast<size_t>(r)];
+    for (size_t j = 0; j < n.source.size(); ++j) in[r][static_cast<int64_t>(j)] = n.source[j];
+    for (size_t j = 0; j < n.target.size(); ++j) lab[r][static_cast<int64_t>(j)] = n.target[j];
+    out.target_tokens += static_cast<int64_t>(n.target.size());
+  }
+  return out;
+}
+
+torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch) {
+  const auto& c = model->config;
+  const auto logits = model->forward(batch.input_ids, shift_tokens_right(batch.labels, c.pad_token_id, c.decoder_start_token_id));
+  return F::cross_entropy(logits.reshape({-1, c.vocab_size}).to(torch::kFloat), batch.labels.reshape(-1),
+                          F::CrossEntropyFuncOptions().ignore_index(c.pad_token_id).reduction(torch::kSum));
+}
+
+Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm) {
+  TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the held-out split is empty (more data, or a smaller "
+                                         "--validation-every)");
+  const int rank = comm.rank(), world = comm.size();
+  const auto n = static_cast<int64_t>(validation.size());
+  const int64_t per_rank = (n + world - 1) / world;
+  const int64_t batches = (per_rank + batch_size - 1) / batch_size;
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double sum = 0;
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < batches; ++b) {
+    std::vector<int64_t> idx;
+    for (int64_t k = b * batch_size; k < std::min(per_rank, (b + 1) * batch_size); ++k) {
+      const int64_t i = k * world + rank;
+      if (i < n) idx.push_back(i);
+    }
+    const bool padding = idx.empty();  // this rank ran out: a pass that counts for nothing
+    if (padding) idx.push_back(0);
+    const auto batch = make_batch(validation, idx, std::vector<int64_t>(idx.size(), 0), noise, /*seed=*/0, pad_id);
+    const double l = summed_loss(model, batch).item<double>();
+    if (!padding) {
+      sum += l;
+      tokens += batch.target_tokens;
+    }
+  }
+  model->train();
+  auto t = torch::tensor({sum, static_cast<double>(tokens)}, torch::kDouble);
+  comm.all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  Validation v;
+  v.tokens = static_cast<int64_t>(t[1].item<double>());
+  v.loss = t[0].item<double>() / static_cast<double>(std::max<int64_t>(v.tokens, 1));
+  return v;
+}
+
+DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                                 int64_t index, const NoiseOptions& noise, const ByteLevelBpe& tokenizer) {
+  const auto n = noised_example(validation, index, noise, /*seed=*/0, /*epoch=*/0);
+  model->eval();
+  const auto input = torch::tensor(n.source, torch::kLong).unsqueeze(0);
+  const auto out = model->generate(input, static_cast<int64_t>(n.target.size()) + 8);
+  model->train();
+  DenoisingSample s;
+  s.original = tokenizer.decode(n.target);
+  // The masked text shows where spans went; bos/eos are left out.
+  std::vector<int64_t> src(n.source.begin() + 1, n.source.end() - 1);
+  s.masked = tokenizer.decode(src, /*keep_special=*/true);
+  s.reconstruction = tokenizer.decode(out);
+  return s;
+}
+
+}  // namespace bart

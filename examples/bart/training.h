@@ -1,0 +1,62 @@
+// training.h — the pieces of BART pretraining between the corpus and the
+// optimizer: noised batches, the token-weighted loss, validation across ranks
+// and a denoising sample.
+#pragma once
+
+#include "bart_model.h"
+#include "corpus.h"
+#include "noise.h"
+#include "tokenizer.h"
+
+#include <zeroshard/comm.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bart {
+
+struct Batch {
+  torch::Tensor input_ids;  // [B, S] noised, padded with pad_id
+  torch::Tensor labels;     // [B, T] original, padded with pad_id (ignored by the loss)
+  int64_t target_tokens = 0;  // labels that are not padding
+};
+
+// The noise of an example depends only on (seed, epoch, index), never on the
+// rank or the world size, so any number of ranks sees the same global batch and
+// a resumed run sees the same noise.
+NoisedExample noised_example(const std::vector<Example>& examples, int64_t index, const NoiseOptions& noise,
+                             uint64_t seed, int64_t epoch);
+
+// The examples at `indices` (epochs[i] is the epoch of indices[i]), noised and
+// padded to the longest in the batch.
+Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
+                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id);
+
+// Sum over target tokens of the cross-entropy (pad ignored), as a scalar
+// tensor with gradients.
+torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch);
+
+struct Validation {
+  double loss = 0;     // mean cross-entropy per target token, all ranks
+  int64_t tokens = 0;  // target tokens evaluated, all ranks
+};
+// The validation examples split over the ranks (index % world == rank), in
+// batches of `batch_size`; every rank runs the same number of forward passes
+// (ranks with fewer examples run padding batches that count for nothing), as
+// ZeRO-3 needs. Noise is fixed (seed 0, epoch 0), so values compare across steps.
+// Collective. Leaves the model in training mode.
+Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm);
+
+struct DenoisingSample {
+  std::string original, masked, reconstruction;
+};
+// Validation example `index` noised (seed 0), and the model's greedy
+// reconstruction. Collective under fully_shard (every rank decodes).
+DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                                 int64_t index, const NoiseOptions& noise, const ByteLevelBpe& tokenizer);
+
+}  // namespace bart

@@ -1,0 +1,111 @@
+// zeroshard/metrics.h — what a training run reports while it runs.
+//
+//   zeroshard::MetricsLog metrics(run_dir + "/metrics.jsonl", resumed_step);  // rank 0
+//   zeroshard::ProgressLine progress(max_steps);
+//   for (...) {
+//     ...one step...
+//     metrics.write(m);                      // one JSON object per line, flushed
+//     progress.update(m);                    // "step 120/400 (30%) | loss 5.214 | ... | ETA 1m58s"
+//     zeroshard::publish_step(m.step);       // for zeroshard-run (see below)
+//   }
+//   zeroshard::plot_metrics(run_dir + "/metrics.jsonl", run_dir + "/loss.png");
+//
+// The JSON lines are the run's record (docs/observability.md explains every
+// field); the plot is drawn from them with gnuplot.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+namespace zeroshard {
+
+// One optimizer step, as every rank saw it (figures "all ranks" are agreed by a
+// collective the trainer runs; the others are this rank's).
+struct StepMetrics {
+  int64_t step = 0;  // optimizer steps done, this one included (1 = the first)
+  double loss = std::numeric_limits<double>::quiet_NaN();       // mean per token, all ranks
+  double lr = 0;
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // global L2, before clipping
+  int64_t tokens = 0;              // target tokens of the step, all ranks
+  double seconds = 0;              // wall time of the step, data to data
+  double compute_seconds = 0;      // forward and backward, less the communication they waited for
+  double exposed_comm_seconds = 0; // the training thread blocked on collectives (not hidden by compute)
+  double optimizer_seconds = 0;    // step(), less its exposed communication
+  double checkpoint_stall_seconds = 0;  // a save's wait in this step (0 without one)
+  double other_seconds = 0;        // the rest: data, loss bookkeeping, logging
+  int64_t peak_rss_bytes = 0;      // this rank's peak resident memory so far
+  int64_t bytes_sent = 0;          // this rank's collective bytes in the step
+  double loss_scale = 1;           // dynamic loss scale (1 when off)
+  bool skipped = false;            // the update was skipped (gradient overflow)
+  std::string extra_json;          // a JSON object whose members join the line (e.g. {"val_loss": 3.2}); "" for none
+  double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
+};
+
+// JSON lines, one object per step (and per event). Opening drops the lines of
+// steps after `resume_step` (work a preempted run did after its last
+// checkpoint, which the resumed run redoes), so the file reads as one run.
+class MetricsLog {
+ public:
+  MetricsLog() = default;  // disabled: writes nothing
+  // Creates `path` (and its directory), or continues it. Throws naming the
+  // path when it cannot be written.
+  MetricsLog(const std::string& path, int64_t resume_step);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
+  MetricsLog(MetricsLog&& other) noexcept;
+  MetricsLog& operator=(MetricsLog&& other) noexcept;
+
+  // {"step":…, "loss":…, "lr":…, …, plus extra_json's members}. Flushed.
+  void write(const StepMetrics& m);
+  // Any other record: {"event": `event`, "step": step, plus `json_object`'s members}.
+  void write_event(const std::string& event, int64_t step, const std::string& json_object = "{}");
+  bool enabled() const { return file_ != nullptr; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* file_ = nullptr;
+  void line(const std::string& text);
+};
+
+// A one-line progress report for long runs, logged on rank 0 at most every
+// `interval_s` seconds and at the last step:
+//   step 120/400 (30%) | loss 5.214 | 3,456 tok/s | 0.42 s/step | ETA 1m58s
+// Rates and the ETA are over the steps since the first update() of this
+// process (a resumed run counts from where it resumed).
+class ProgressLine {
+ public:
+  explicit ProgressLine(int64_t total_steps, double interval_s = 10.0);
+  // Returns whether it printed.
+  bool update(const StepMetrics& m, const std::string& extra = "");
+  // "1h02m", "3m05s", "12s"
+  static std::string duration(double seconds);
+
+ private:
+  int64_t total_;
+  double interval_s_;
+  int64_t first_step_ = -1;
+  double start_ = 0, last_print_ = -1e300;
+  int64_t tokens_ = 0;
+};
+
+// This process's peak and current resident memory (VmHWM, VmRSS); 0 where /proc is absent.
+int64_t peak_rss_bytes();
+int64_t current_rss_bytes();
+
+// Tells the launcher how far this rank is: writes `step` to the file named by
+// ZS_PROGRESS_FILE (set by zeroshard-run; nothing happens without it).
+// zeroshard-run --simulate-preemption-at-step N sends the spot-style SIGTERM
+// when rank 0 reports step N. Cheap (a small write and a rename).
+void publish_step(int64_t step);
+
+// Draws the loss curve of a metrics file (train loss per step, and validation
+// loss where lines carry "val_loss") into a PNG with gnuplot. Returns "" on
+// success, else why not (no gnuplot on PATH, no steps in the file, gnuplot's error).
+std::string plot_metrics(const std::string& metrics_path, const std::string& png_path,
+                         const std::string& title = "training loss");
+
+}  // namespace zeroshard

@@ -1,0 +1,264 @@
+// metrics.cpp — JSON-lines metrics, the progress line, memory figures, the
+// launcher's progress file and the loss plot.
+#include "zeroshard/metrics.h"
+
+#include "zeroshard/log.h"
+
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace zeroshard {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// NaN and inf are not JSON: they become null.
+json number(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+void merge(json& into, const std::string& object, const char* what) {
+  if (object.empty()) return;
+  const json extra = json::parse(object, nullptr, /*allow_exceptions=*/false);
+  if (!extra.is_object()) throw std::invalid_argument(std::string("MetricsLog: ") + what + " is not a JSON object: " + object.substr(0, 80));
+  for (auto it = extra.begin(); it != extra.end(); ++it) into[it.key()] = it.value();
+}
+
+int64_t proc_status_kib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t n = std::strlen(field);
+  while (std::getline(in, line)) {
+    if (line.compare(0, n, field) == 0 && line.size() > n && line[n] == ':') return std::atoll(line.c_str() + n + 1);
+  }
+  return 0;
+}
+
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
+  return s;
+}
+
+}  // namespace
+
+MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(path) {
+  std::error_code ec;
+  if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path(), ec);
+  // Keep what the run logged up to the step it resumes from (and lines that are not JSON
+  // objects with a step: none are expected, but nothing is thrown away silently).
+  std::vector<std::string> kept;
+  int64_t dropped = 0;
+  {
+    std::ifstream in(path);
+    std::string text;
+    while (std::getline(in, text)) {
+      if (text.empty()) continue;
+      const json j = json::parse(text, nullptr, false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() > resume_step) {
+        ++dropped;
+        continue;
+      }
+      kept.push_back(text);
+    }
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    for (const auto& k : kept) out << k << "\n";
+    if (!out) throw std::runtime_error("MetricsLog: cannot write '" + tmp + "': " + std::strerror(errno));
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error("MetricsLog: cannot replace '" + path + "': " + ec.message());
+  file_ = std::fopen(path.c_str(), "a");
+  if (file_ == nullptr) throw std::runtime_error("MetricsLog: cannot open '" + path + "' for appending: " + std::strerror(errno));
+  if (dropped > 0) {
+    log_info("metrics: dropped " + std::to_string(dropped) + " lines after step " + std::to_string(resume_step) +
+             " from " + path + " (work redone after the resume)");
+  }
+}
+
+MetricsLog::~MetricsLog() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+MetricsLog::MetricsLog(MetricsLog&& other) noexcept : path_(std::move(other.path_)), file_(other.file_) {
+  other.file_ = nullptr;
+}
+
+MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
+  if (this != &other) {
+    if (file_ != nullptr) std::fclose(file_);
+    path_ = std::move(other.path_);
+    file_ = other.file_;
+    other.file_ = nullptr;
+  }
+  return *this;
+}
+
+void MetricsLog::line(const std::string& text) {
+  if (file_ == nullptr) return;
+  std::fputs(text.c_str(), file_);
+  std::fputc('\n', file_);
+  std::fflush(file_);
+}
+
+void MetricsLog::write(const StepMetrics& m) {
+  if (file_ == nullptr) return;
+  json j;
+  j["step"] = m.step;
+  j["loss"] = number(m.loss);
+  j["lr"] = number(m.lr);
+  j["grad_norm"] = number(m.grad_norm);
+  j["tokens"] = m.tokens;
+  j["tokens_per_s"] = number(m.tokens_per_second());
+  j["step_s"] = number(m.seconds);
+  j["compute_s"] = number(m.compute_seconds);
+  j["exposed_comm_s"] = number(m.exposed_comm_seconds);
+  j["optimizer_s"] = number(m.optimizer_seconds);
+  j["checkpoint_stall_s"] = number(m.checkpoint_stall_seconds);
+  j["other_s"] = number(m.other_seconds);
+  j["peak_rss_bytes"] = m.peak_rss_bytes;
+  j["bytes_sent"] = m.bytes_sent;
+  j["loss_scale"] = number(m.loss_scale);
+  if (m.skipped) j["skipped"] = true;
+  merge(j, m.extra_json, "StepMetrics::extra_json");
+  line(j.dump());
+}
+
+void MetricsLog::write_event(const std::string& event, int64_t step, const std::string& json_object) {
+  if (file_ == nullptr) return;
+  json j;
+  j["event"] = event;
+  j["step"] = step;
+  merge(j, json_object, "the event's JSON");
+  line(j.dump());
+}
+
+ProgressLine::ProgressLine(int64_t total_steps, double interval_s) : total_(total_steps), interval_s_(interval_s) {}
+
+std::string ProgressLine::duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<int64_t>(std::llround(seconds));
+  char buf[32];
+  if (s >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s % 3600 / 60));
+  } else if (s >= 60) {
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(s));
+  }
+  return buf;
+}
+
+bool ProgressLine::update(const StepMetrics& m, const std::string& extra) {
+  const double t = now_s();
+  if (first_step_ < 0) {  // the first step of this process: rates start after it (it warms up)
+    first_step_ = m.step;
+    start_ = t;
+    tokens_ = 0;
+  } else {
+    tokens_ += m.tokens;
+  }
+  const bool last = m.step >= total_;
+  if (!last && t - last_print_ < interval_s_) return false;
+  last_print_ = t;
+  const int64_t done = m.step - first_step_;
+  const double elapsed = t - start_;
+  const double per_step = done > 0 ? elapsed / static_cast<double>(done) : m.seconds;
+  const double tok_s = done > 0 && elapsed > 0 ? static_cast<double>(tokens_) / elapsed : m.tokens_per_second();
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "step %lld/%lld (%d%%) | loss %.4f | %s tok/s | %.2f s/step | ETA %s",
+                static_cast<long long>(m.step), static_cast<long long>(total_),
+                total_ > 0 ? static_cast<int>(100 * m.step / total_) : 100, m.loss,
+                with_commas(static_cast<int64_t>(tok_s)).c_str(), per_step,
+                duration(per_step * static_cast<double>(total_ - m.step)).c_str());
+  log_info(extra.empty() ? std::string(buf) : std::string(buf) + " | " + extra);
+  return true;
+}
+
+int64_t peak_rss_bytes() { return proc_status_kib("VmHWM") * 1024; }
+int64_t current_rss_bytes() { return proc_status_kib("VmRSS") * 1024; }
+
+void publish_step(int64_t step) {
+  static const char* path = std::getenv("ZS_PROGRESS_FILE");
+  if (path == nullptr || *path == '\0') return;
+  const std::string tmp = std::string(path) + ".tmp";
+  if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
+    std::fprintf(f, "%lld\n", static_cast<long long>(step));
+    std::fclose(f);
+    std::rename(tmp.c_str(), path);
+  }
+}
+
+std::string plot_metrics(const std::string& metrics_path, const std::string& png_path, const std::string& title) {
+  std::ifstream in(metrics_path);
+  if (!in) return "cannot read '" + metrics_path + "'";
+  // Steps with a loss, and the validation points, as gnuplot data blocks.
+  std::ostringstream train, val;
+  int64_t n_train = 0, n_val = 0;
+  std::string text;
+  while (std::getline(in, text)) {
+    const json j = json::parse(text, nullptr, false);
+    if (!j.is_object() || !j.contains("step")) continue;
+    const auto step = j["step"];
+    if (j.contains("loss") && j["loss"].is_number() && !j.contains("event")) {
+      train << step.dump() << " " << j["loss"].get<double>() << "\n";
+      ++n_train;
+    }
+    if (j.contains("val_loss") && j["val_loss"].is_number()) {
+      val << step.dump() << " " << j["val_loss"].get<double>() << "\n";
+      ++n_val;
+    }
+  }
+  if (n_train == 0) return "no step with a loss in '" + metrics_path + "'";
+  const std::string script_path = png_path + ".gp";
+  {
+    std::ofstream gp(script_path, std::ios::trunc);
+    std::string safe_title = title;
+    for (auto& c : safe_title)
+      if (c == '"' || c == '\\') c = '\'';
+    gp << "$train << EOD\n" << train.str() << "EOD\n";
+    if (n_val > 0) gp << "$val << EOD\n" << val.str() << "EOD\n";
+    gp << "set terminal pngcairo size 900,540 font ',10'\n"
+       << "set output '" << png_path << "'\n"
+       << "set title \"" << safe_title << "\"\n"
+       << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats per token)'\n"
+       << "set grid\nset key top right\n"
+       << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
+    if (n_val > 0) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
+    gp << "\n";
+    if (!gp) return "cannot write '" + script_path + "'";
+  }
+  const std::string command = "gnuplot '" + script_path + "' 2>&1";
+  std::FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return std::string("cannot run gnuplot: ") + std::strerror(errno);
+  std::string output;
+  char buf[512];
+  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) output += buf;
+  const int status = ::pclose(pipe);
+  if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 127) return "gnuplot is not installed (Debian: apt-get install gnuplot-nox)";
+    return "gnuplot failed: " + output.substr(0, 300);
+  }
+  std::error_code ec;
+  fs::remove(script_path, ec);
+  return "";
+}
+
+}  // namespace zeroshard
