@@ -105,7 +105,12 @@ void FullyShardedModel::Impl::on_forward(size_t unit) {
     forward_prefetch_off = false;
   }
   if (forward_prefetch_off || forward_order[forward_pos] != unit) {
-    if (!forward_prefetch_off && !warned_order) {
+    // Inference passes (generation, evaluation of part of a model) often take
+    // another order: said at debug level. Training passes: once, as a warning.
+    if (!forward_prefetch_off && !c10::GradMode::is_enabled()) {
+      log_debug("fully_shard: unit '" + units[unit]->name + "' ran out of the recorded forward order in a pass "
+                "without gradients; prefetch is off for this pass");
+    } else if (!forward_prefetch_off && !warned_order) {
       log_warn("fully_shard: unit '" + units[unit]->name + "' ran out of the recorded forward order; prefetch is "
                "off for this pass (results are unaffected). Shown once.");
       warned_order = true;
