@@ -1,5 +1,5 @@
 # zeroshard — the two commands a newcomer needs:
-#   make demo   install what is missing, build, and run the main job on 4 local ranks
+#   make demo   install what is missing, build, and pretrain tiny BART on 4 local ranks (DATA=dir for your text)
 #   make test   install what is missing, build, and run the whole test suite (ctest)
 # Other targets: make build, make bench, make clean. Variables: BUILD_DIR, JOBS.
 
@@ -24,7 +24,7 @@ test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
 
 demo: build
-	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/examples/zs_minimal --steps 300
+	@scripts/demo.sh $(BUILD_DIR)
 
 bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench

@@ -89,8 +89,20 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
 }
 
 DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t index, const NoiseOptions& noise, const ByteLevelBpe& tokenizer) {
-  const auto n = noised_example(validation, index, noise, /*seed=*/0, /*epoch=*/0);
+                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer) {
+  std::vector<Example> sentence;
+  for (size_t e = static_cast<size_t>(from); e < validation.size() && sentence.empty(); ++e) {
+    for (const auto& s : validation[e]) {
+      if (s.size() >= 12 && s.size() <= 40) {
+        sentence.push_back({s});
+        break;
+      }
+    }
+  }
+  if (sentence.empty()) sentence.push_back({validation.at(static_cast<size_t>(from)).front()});
+  NoiseOptions one = noise;
+  one.permute_sentences = false;
+  const auto n = noised_example(sentence, 0, one, /*seed=*/0, /*epoch=*/0);
   model->eval();
   const auto input = torch::tensor(n.source, torch::kLong).unsqueeze(0);
   const auto out = model->generate(input, static_cast<int64_t>(n.target.size()) + 8);

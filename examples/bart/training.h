@@ -54,9 +54,10 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
 struct DenoisingSample {
   std::string original, masked, reconstruction;
 };
-// Validation example `index` noised (seed 0), and the model's greedy
-// reconstruction. Collective under fully_shard (every rank decodes).
+// One sentence of the validation split (the first of 12 to 40 tokens, from
+// example `from` on), masked by text infilling (seed 0), and the model's
+// greedy reconstruction. Collective under fully_shard (every rank decodes).
 DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t index, const NoiseOptions& noise, const ByteLevelBpe& tokenizer);
+                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer);
 
 }  // namespace bart
