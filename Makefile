@@ -34,6 +34,7 @@ bench: build
 	@bench/zero3_bench.sh $(BUILD_DIR) 4
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/ckpt_bench --dir $(BUILD_DIR)/ckpt_bench
 	@bench/ckpt_resume.py $(BUILD_DIR)
+	@bench/bart_bench.sh $(BUILD_DIR) 4
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "initialisation, shuffling, noise and dropout")->capture_default_str();
   app.add_option("--mask-ratio", o.noise.mask_ratio, "fraction of tokens in masked spans")->capture_default_str();
   app.add_option("--poisson-lambda", o.noise.poisson_lambda, "mean masked span length")->capture_default_str();
+  bool no_permute = false;
+  app.add_flag("--no-permute", no_permute, "keep the sentences of an example in order (no sentence permutation)");
   app.add_option("--progress-interval", o.progress_interval, "seconds between progress lines")->capture_default_str();
   app.add_flag("--trace", o.trace, "write RUN_DIR/trace-rank-N.json (Chrome trace; open in Perfetto)");
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
@@ -82,6 +84,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  o.noise.permute_sentences = !no_permute;
   try {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
     return bart::run_pretraining(o);

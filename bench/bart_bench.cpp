@@ -1,0 +1,147 @@
+// bart_bench: BART training steps on N ranks, one sharding mode per run, and
+// this machine's matmul peak (the denominator of model-FLOPs utilisation).
+//
+//   bart_bench --mode peak                       # one process, every core: fp32 GEMM GFLOP/s
+//   zeroshard-run --nproc-per-node 4 -- bart_bench --mode zero3 --config base
+//
+// Modes: dp (replicated model and torch::optim::AdamW; gradients averaged by
+// one all-reduce after backward), zero2 (ShardedAdamW stage 2), zero3
+// (fully_shard + FullyShardedAdamW). Batches are random token ids (the cost of
+// a step does not depend on the text). Rank 0 prints "ROW | ... |" for
+// bench/bart_bench.sh, which runs every mode and prints the table.
+#include "bart_model.h"
+#include "bench_util.h"
+
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/log.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/sharded_optimizer.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// fp32 GEMM throughput with every core: the best of several timed rounds.
+double matmul_peak_gflops(int64_t n, double seconds) {
+  at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+  torch::mm_out(c, a, b);  // warm-up
+  double best = 0;
+  const auto start = Clock::now();
+  while (since(start) < seconds) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < 4; ++i) torch::mm_out(c, a, b);
+    best = std::max(best, 4 * 2.0 * n * n * n / since(t0) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = "zero3", config = "base";
+  int64_t batch = 2, src_len = 64, tgt_len = 64, steps = 3, warmup = 1, matmul_n = 2048;
+  CLI::App app{"bart_bench: BART training steps under dp / zero2 / zero3, and the matmul peak"};
+  app.add_option("--mode", mode, "peak, dp, zero2 or zero3")
+      ->check(CLI::IsMember({"peak", "dp", "zero2", "zero3"}))
+      ->capture_default_str();
+  app.add_option("--config", config, "tiny, base, large or a config.json")->capture_default_str();
+  app.add_option("--batch", batch, "sequences per rank and step")->capture_default_str();
+  app.add_option("--src-len", src_len, "encoder tokens per sequence")->capture_default_str();
+  app.add_option("--tgt-len", tgt_len, "decoder tokens per sequence")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
+  app.add_option("--matmul-n", matmul_n, "peak: square matrix size")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  if (mode == "peak") {
+    std::printf("ROW peak %.1f\n", matmul_peak_gflops(matmul_n, 3.0));
+    return 0;
+  }
+  auto comm = zeroshard::init_communicator();
+  const int rank = comm->rank(), world = comm->size();
+  auto cfg = bart::BartConfig::named(config);
+  cfg.dropout = cfg.attention_dropout = cfg.activation_dropout = 0.0;
+  torch::manual_seed(0);
+  bart::BartForConditionalGeneration model(cfg);
+  int64_t numel = 0;
+  for (const auto& p : model->parameters()) numel += p.numel();
+
+  std::shared_ptr<zeroshard::FullyShardedModel> sharded;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  zeroshard::ShardedAdamW* zero = nullptr;
+  zeroshard::FullyShardedAdamW* fsdp = nullptr;
+  const auto adamw = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
+  if (mode == "zero3") {
+    sharded = zeroshard::fully_shard(model, comm);
+    auto o = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+    fsdp = o.get();
+    opt = std::move(o);
+  } else if (mode == "zero2") {
+    auto o = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw);
+    zero = o.get();
+    opt = std::move(o);
+  } else {
+    // Plain data parallelism starts from rank 0's parameters too.
+    for (auto& p : model->parameters()) comm->broadcast(p.data(), 0)->wait();
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+  }
+  auto waited = [&] {
+    if (fsdp) return sharded->waits().total();
+    if (zero) return zero->waits().total();
+    return 0.0;
+  };
+
+  std::vector<double> times, exposed;
+  torch::manual_seed(1000 + rank);
+  for (int64_t s = 0; s < warmup + steps; ++s) {
+    const auto input = torch::randint(4, cfg.vocab_size, {batch, src_len}, torch::kLong);
+    const auto labels = torch::randint(4, cfg.vocab_size, {batch, tgt_len}, torch::kLong);
+    comm->barrier();  // every rank starts the step together: the slowest rank's time is the step's
+    const auto t0 = Clock::now();
+    const double w0 = waited();
+    opt->zero_grad();
+    model->loss(input, labels).backward();
+    double dp_wait = 0;
+    if (!zero && !fsdp) {
+      const auto a0 = Clock::now();
+      zeroshard::bench::average_gradients(*comm, model->parameters());
+      dp_wait = since(a0);
+    }
+    opt->step();
+    const double t = since(t0);
+    if (s >= warmup) {
+      times.push_back(t);
+      exposed.push_back(waited() - w0 + dp_wait);
+    }
+  }
+  std::sort(times.begin(), times.end());
+  std::sort(exposed.begin(), exposed.end());
+  // The slowest rank's median step and exposed communication, and every rank's peak memory.
+  const double model_states = fsdp ? static_cast<double>(sharded->memory().shards + sharded->memory().master +
+                                                         sharded->memory().root_params + fsdp->state_bytes())
+                              : zero ? static_cast<double>(zero->memory().peak_model_states)
+                                     : 16.0 * static_cast<double>(numel);
+  auto mine = torch::tensor({times[times.size() / 2], exposed[exposed.size() / 2],
+                             static_cast<double>(zeroshard::peak_rss_bytes()), model_states}, torch::kDouble);
+  comm->all_reduce(mine, zeroshard::ReduceOp::kMax)->wait();
+  const double step_s = mine[0].item<double>();
+  const double tokens_per_s = static_cast<double>(world * batch * tgt_len) / step_s;
+  if (rank == 0) {
+    // ROW mode ranks params step_s tokens/s model_tflops exposed_s peak_rss_mib model_states_mib
+    std::printf("ROW %s %d %lld %.3f %.1f %.4f %.3f %.0f %.0f\n", mode.c_str(), world, static_cast<long long>(numel),
+                step_s, tokens_per_s, 6.0 * static_cast<double>(numel) * tokens_per_s / 1e12, mine[1].item<double>(),
+                mine[2].item<double>() / (1 << 20), mine[3].item<double>() / (1 << 20));
+  }
+  comm->barrier();
+  return 0;
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# BART training step under plain data parallelism, ZeRO-2 and ZeRO-3 on NPROC
+# ranks, beside this machine's measured fp32 matmul peak, in one run.
+# MFU = 6 * parameters * target tokens/s / peak (with source length = target
+# length, 6N per target token counts the encoder and decoder work of the pair).
+# Usage: bench/bart_bench.sh [BUILD_DIR] [NPROC] [extra bart_bench args]
+set -euo pipefail
+build=${1:-build}
+nproc=${2:-4}
+shift $(( $# > 2 ? 2 : $# ))
+peak=$("$build/bench/bart_bench" --mode peak | sed -n 's/^ROW peak //p')
+echo "matmul peak (fp32 GEMM, every core, measured now): $peak GFLOP/s"
+echo
+echo "| mode | ranks | parameters | step s (median, slowest rank) | target tokens/s | MFU | exposed comm s (share) | peak RSS per rank (MiB) | model states per rank (MiB) |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+for mode in dp zero2 zero3; do
+  "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/bench/bart_bench" --mode "$mode" "$@" 2>&1 |
+    sed -n 's/^\[rank0\]: ROW //p' |
+    awk -v peak="$peak" '{ printf "| %s | %d | %.1fM | %.2f | %.0f | %.1f%% | %.2f (%.0f%%) | %d | %d |\n",
+                           $1, $2, $3 / 1e6, $4, $5, 100 * $6 * 1000 / peak, $7, 100 * $7 / $4, $8, $9 }'
+done
