@@ -158,6 +158,14 @@ std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_
   return out;
 }
 
+// trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
+std::string trace_path(const std::string& run_dir, int rank) {
+  const char* restart = std::getenv("ZS_RESTART_COUNT");
+  const int k = restart != nullptr ? std::atoi(restart) : 0;
+  return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
+                               ".json")).string();
+}
+
 double all_sum(zeroshard::Communicator& comm, double v) {
   auto t = torch::tensor({v}, torch::kDouble);
   comm.all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
@@ -389,7 +397,7 @@ int run_pretraining(const RunOptions& o) {
       const double s = save(step, "preemption");
       ckpt->wait();
       guard.check_save_fits(s);
-      if (o.trace) zeroshard::trace::write_chrome_trace((fs::path(o.run_dir) / ("trace-rank-" + std::to_string(rank) + ".json")).string(), rank);
+      if (o.trace) zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank), rank);
       zeroshard::log_info("preempted after step " + std::to_string(step) + ": checkpoint committed; exiting with " +
                           std::to_string(guard.exit_code()) + " so the launcher restarts the run");
       return guard.exit_code();
@@ -446,8 +454,7 @@ int run_pretraining(const RunOptions& o) {
     s.has_sample = true;
   }
   if (o.trace) {
-    const auto path = (fs::path(o.run_dir) / ("trace-rank-" + std::to_string(rank) + ".json")).string();
-    zeroshard::trace::write_chrome_trace(path, rank);
+    zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank), rank);
   }
   if (rank == 0) {
     if (!o.no_plot && metrics.enabled()) {

@@ -9,7 +9,10 @@
 // visible at a glance.
 //
 // Thread-safety: all functions may be called from any thread. Recording costs
-// one mutex-protected push per event, and nothing when tracing is off.
+// one mutex-protected copy into a fixed-size record (names are cut at 95
+// bytes), and nothing when tracing is off. The records live in memory mapped
+// for them, away from the heap the tensors use, so a long traced run keeps its
+// memory profile.
 #pragma once
 
 #include <chrono>

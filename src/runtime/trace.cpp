@@ -3,7 +3,11 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -11,8 +15,22 @@
 namespace zeroshard::trace {
 namespace {
 
-std::mutex mu;                // guards `recorded` and `next_thread`
-std::vector<Event> recorded;
+// Events are kept in fixed-size records, in chunks mapped straight from the
+// kernel. Keeping them as heap strings (one small allocation per event, alive
+// until the trace is written) scattered long-lived blocks among the freed
+// tensor buffers of every step, so glibc could not return those to the kernel:
+// a traced run's resident memory grew by megabytes per step.
+struct Record {
+  char name[96];
+  const char* category;  // a string literal
+  int thread;
+  double start_us, duration_us;
+};
+constexpr size_t kChunkRecords = 4096;  // about 500 KiB
+
+std::mutex mu;                // guards the records and `next_thread`
+std::vector<Record*> chunks;  // each kChunkRecords records
+size_t count = 0;
 int next_thread = 0;
 std::atomic<int> state{-1};   // -1: not decided yet (read ZS_TRACE), 0 off, 1 on
 
@@ -29,6 +47,18 @@ int thread_id() {
 
 double micros(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::micro>(t - origin).count();
+}
+
+// The next free record (caller holds `mu`); nullptr when memory cannot be mapped.
+Record* next_record() {
+  if (count == chunks.size() * kChunkRecords) {
+    void* p = ::mmap(nullptr, kChunkRecords * sizeof(Record), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;  // the trace loses events; training goes on
+    chunks.push_back(static_cast<Record*>(p));
+  }
+  Record* r = chunks[count / kChunkRecords] + count % kChunkRecords;
+  ++count;
+  return r;
 }
 
 }  // namespace
@@ -48,9 +78,17 @@ bool enabled() {
 void record(std::string name, const char* category, std::chrono::steady_clock::time_point start) {
   if (!enabled()) return;
   const auto end = std::chrono::steady_clock::now();
-  Event e{std::move(name), category, thread_id(), micros(start), micros(end) - micros(start)};
+  const int thread = thread_id();
   std::lock_guard<std::mutex> lock(mu);
-  recorded.push_back(std::move(e));
+  Record* r = next_record();
+  if (r == nullptr) return;
+  const size_t n = std::min(name.size(), sizeof(r->name) - 1);  // longer names are cut
+  std::memcpy(r->name, name.data(), n);
+  r->name[n] = '\0';
+  r->category = category;
+  r->thread = thread;
+  r->start_us = micros(start);
+  r->duration_us = micros(end) - r->start_us;
 }
 
 Span::Span(const char* category, std::string name)
@@ -62,12 +100,20 @@ Span::~Span() {
 
 std::vector<Event> events() {
   std::lock_guard<std::mutex> lock(mu);
-  return recorded;
+  std::vector<Event> out;
+  out.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    const Record& r = chunks[i / kChunkRecords][i % kChunkRecords];
+    out.push_back({r.name, r.category, r.thread, r.start_us, r.duration_us});
+  }
+  return out;
 }
 
 void clear() {
   std::lock_guard<std::mutex> lock(mu);
-  recorded.clear();
+  for (Record* c : chunks) ::munmap(c, kChunkRecords * sizeof(Record));
+  chunks.clear();
+  count = 0;
 }
 
 size_t write_chrome_trace(const std::string& path, int rank) {
