@@ -127,10 +127,17 @@ int main(int argc, char** argv) {
   std::sort(times.begin(), times.end());
   std::sort(exposed.begin(), exposed.end());
   // The slowest rank's median step and exposed communication, and every rank's peak memory.
-  const double model_states = fsdp ? static_cast<double>(sharded->memory().shards + sharded->memory().master +
-                                                         sharded->memory().root_params + fsdp->state_bytes())
-                              : zero ? static_cast<double>(zero->memory().peak_model_states)
-                                     : 16.0 * static_cast<double>(numel);
+  // Parameters, gradients and AdamW moments held: ZeRO-3's gradient shards are
+  // fp32 and as long as the unit shards (they exist between backward and step).
+  double model_states = 16.0 * static_cast<double>(numel);
+  if (fsdp) {
+    const auto m = sharded->memory();
+    int64_t shard_numel = 0;
+    for (const auto& u : sharded->units()) shard_numel += u.shard.size();
+    model_states = static_cast<double>(m.shards + m.master + m.root_params + fsdp->state_bytes() + 4 * shard_numel);
+  } else if (zero) {
+    model_states = static_cast<double>(zero->memory().peak_model_states);
+  }
   auto mine = torch::tensor({times[times.size() / 2], exposed[exposed.size() / 2],
                              static_cast<double>(zeroshard::peak_rss_bytes()), model_states}, torch::kDouble);
   comm->all_reduce(mine, zeroshard::ReduceOp::kMax)->wait();

@@ -155,7 +155,7 @@ void Checkpointer::Impl::write_model_view(const fs::path& path, const Snapshot& 
       for (const auto& seg : shard_segments(g.layout, r)) {
         const size_t pi = g.params[seg.param];
         pieces[pi].push_back({rank_file_name(r, snap.world), "", 0, static_cast<uint64_t>(seg.flat.size()),
-                              static_cast<uint64_t>(seg.param_offset)});
+                              static_cast<uint64_t>(seg.param_offset), {}});
       }
     }
   }

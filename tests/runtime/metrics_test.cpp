@@ -1,0 +1,244 @@
+// Metrics (JSON lines, resume truncation, progress line, memory, progress
+// file, plot), LR schedules (closed forms) and trace records.
+#include "test_util.h"
+
+#include <zeroshard/lr_schedule.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/trace.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+std::vector<json> read_lines(const std::string& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(json::parse(line));
+  return out;
+}
+
+std::string temp_dir(const std::string& name) {
+  const auto d = fs::temp_directory_path() / ("zs_metrics_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+TEST(Metrics, StepLinesCarryEveryFieldAndTheExtraOnes) {
+  const auto path = temp_dir("fields") + "/m.jsonl";
+  {
+    zeroshard::MetricsLog log(path, 0);
+    zeroshard::StepMetrics m;
+    m.step = 1;
+    m.loss = 2.5;
+    m.lr = 1e-3;
+    m.tokens = 1000;
+    m.seconds = 0.5;
+    m.exposed_comm_seconds = 0.1;
+    m.bytes_sent = 4096;
+    m.extra_json = R"({"val_loss": 3.25})";
+    log.write(m);
+    log.write_event("checkpoint", 1, R"({"stall_s": 0.2})");
+  }
+  const auto lines = read_lines(path);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0]["step"], 1);
+  EXPECT_EQ(lines[0]["loss"], 2.5);
+  EXPECT_EQ(lines[0]["tokens_per_s"], 2000.0);
+  EXPECT_EQ(lines[0]["bytes_sent"], 4096);
+  EXPECT_EQ(lines[0]["val_loss"], 3.25);
+  EXPECT_TRUE(lines[0]["grad_norm"].is_null()) << "NaN is not JSON: it is written as null";
+  for (const char* k : {"compute_s", "exposed_comm_s", "optimizer_s", "checkpoint_stall_s", "peak_rss_bytes", "lr"}) {
+    EXPECT_TRUE(lines[0].contains(k)) << k;
+  }
+  EXPECT_EQ(lines[1]["event"], "checkpoint");
+  EXPECT_EQ(lines[1]["stall_s"], 0.2);
+}
+
+TEST(Metrics, ResumingDropsTheStepsAfterTheCheckpoint) {
+  const auto path = temp_dir("resume") + "/m.jsonl";
+  {
+    zeroshard::MetricsLog log(path, 0);
+    for (int s = 1; s <= 8; ++s) {
+      zeroshard::StepMetrics m;
+      m.step = s;
+      m.loss = 10 - s;
+      log.write(m);
+    }
+    log.write_event("validation", 5, R"({"val_loss": 4})");
+    log.write_event("validation", 8, R"({"val_loss": 3})");
+  }
+  {
+    zeroshard::MetricsLog log(path, 5);  // the run resumes from the checkpoint of step 5
+    zeroshard::StepMetrics m;
+    m.step = 6;
+    m.loss = 42;
+    log.write(m);
+  }
+  std::vector<int64_t> steps;
+  for (const auto& j : read_lines(path)) steps.push_back(j["step"]);
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 5, 6}));
+  EXPECT_EQ(read_lines(path).back()["loss"], 42);
+}
+
+TEST(Metrics, BadExtraJsonIsRefusedNamingIt) {
+  const auto path = temp_dir("bad") + "/m.jsonl";
+  zeroshard::MetricsLog log(path, 0);
+  zeroshard::StepMetrics m;
+  m.extra_json = "[1, 2]";
+  try {
+    log.write(m);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("extra_json"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(zeroshard::MetricsLog("/proc/no/such/dir/m.jsonl", 0), std::exception);
+}
+
+TEST(Metrics, ProgressDurationsReadAtAGlance) {
+  EXPECT_EQ(zeroshard::ProgressLine::duration(12.4), "12s");
+  EXPECT_EQ(zeroshard::ProgressLine::duration(185), "3m05s");
+  EXPECT_EQ(zeroshard::ProgressLine::duration(3720), "1h02m");
+  EXPECT_EQ(zeroshard::ProgressLine::duration(-1), "?");
+  zeroshard::ProgressLine p(10, /*interval_s=*/3600);
+  zeroshard::StepMetrics m;
+  m.step = 1;
+  EXPECT_TRUE(p.update(m)) << "the first update prints";
+  m.step = 2;
+  EXPECT_FALSE(p.update(m)) << "within the interval it stays quiet";
+  m.step = 10;
+  EXPECT_TRUE(p.update(m)) << "the last step always prints";
+}
+
+TEST(Metrics, PeakRssCoversATouchedAllocation) {
+  const int64_t before = zeroshard::peak_rss_bytes();
+  ASSERT_GT(before, 0);
+  auto big = torch::ones({64 << 20}, torch::kByte);  // 64 MiB, touched
+  EXPECT_GE(zeroshard::peak_rss_bytes(), before + (48 << 20));
+  EXPECT_GE(zeroshard::peak_rss_bytes(), zeroshard::current_rss_bytes());
+}
+
+TEST(Metrics, PublishStepWritesTheLaunchersProgressFile) {
+  // zeroshard-run sets ZS_PROGRESS_FILE; publish_step() reads it at its first
+  // call (nothing else in this process calls it). bart_pretrain_resume covers
+  // the launcher reading it.
+  const std::string path = temp_dir("progress") + "/rank-0.step";
+  ::setenv("ZS_PROGRESS_FILE", path.c_str(), /*overwrite=*/0);
+  const std::string used = std::getenv("ZS_PROGRESS_FILE");
+  zeroshard::publish_step(17);
+  zeroshard::publish_step(18);
+  std::ifstream in(used);
+  int64_t step = 0;
+  in >> step;
+  EXPECT_EQ(step, 18);
+  EXPECT_FALSE(fs::exists(used + ".tmp")) << "written through a temporary file, renamed";
+}
+
+TEST(Metrics, PlotDrawsAPngFromTheMetrics) {
+  const auto dir = temp_dir("plot");
+  {
+    zeroshard::MetricsLog log(dir + "/m.jsonl", 0);
+    for (int s = 1; s <= 20; ++s) {
+      zeroshard::StepMetrics m;
+      m.step = s;
+      m.loss = 8.0 / s;
+      if (s % 10 == 0) m.extra_json = json{{"val_loss", 9.0 / s}}.dump();
+      log.write(m);
+    }
+  }
+  const auto why = zeroshard::plot_metrics(dir + "/m.jsonl", dir + "/loss.png", "a \"quoted\" title");
+  ASSERT_EQ(why, "");
+  std::ifstream png(dir + "/loss.png", std::ios::binary);
+  char sig[8] = {};
+  png.read(sig, 8);
+  EXPECT_EQ(std::string(sig + 1, 3), "PNG");
+  EXPECT_GT(fs::file_size(dir + "/loss.png"), 5000u);
+  // No steps: a reason, not a crash.
+  std::ofstream(dir + "/empty.jsonl") << R"({"event": "resume", "step": 3})" << "\n";
+  EXPECT_NE(zeroshard::plot_metrics(dir + "/empty.jsonl", dir + "/x.png").find("no step"), std::string::npos);
+}
+
+TEST(LrSchedule, ClosedForms) {
+  using S = zeroshard::LrSchedule;
+  S::Options o;
+  o.kind = S::kInverseSqrt;
+  o.warmup_steps = 100;
+  S isqrt(o);
+  EXPECT_DOUBLE_EQ(isqrt.factor(1), 0.01);
+  EXPECT_DOUBLE_EQ(isqrt.factor(50), 0.5);
+  EXPECT_DOUBLE_EQ(isqrt.factor(100), 1.0);
+  EXPECT_DOUBLE_EQ(isqrt.factor(400), 0.5);  // sqrt(100 / 400)
+  o.kind = S::kCosine;
+  o.total_steps = 1100;
+  o.min_ratio = 0.1;
+  S cosine(o);
+  EXPECT_DOUBLE_EQ(cosine.factor(100), 1.0);
+  EXPECT_NEAR(cosine.factor(600), 0.1 + 0.9 * 0.5, 1e-12);  // half-way through the decay
+  EXPECT_NEAR(cosine.factor(1100), 0.1, 1e-12);
+  EXPECT_NEAR(cosine.factor(5000), 0.1, 1e-12);
+  o.kind = S::kConstant;
+  EXPECT_DOUBLE_EQ(S(o).factor(7), 0.07);
+  EXPECT_DOUBLE_EQ(S(o).factor(700), 1.0);
+  EXPECT_EQ(S::parse_kind("cosine"), S::kCosine);
+  EXPECT_THROW(S::parse_kind("linear-ish"), c10::ValueError);
+  o.kind = S::kCosine;
+  o.total_steps = 50;
+  EXPECT_THROW(S{o}, c10::ValueError) << "cosine decay must end after the warmup";
+}
+
+TEST(LrSchedule, SetsEveryGroupRelativeToItsOwnPeak) {
+  auto a = torch::zeros({2}, torch::requires_grad()), b = torch::zeros({2}, torch::requires_grad());
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{a}, std::make_unique<torch::optim::AdamWOptions>(1e-3));
+  groups.emplace_back(std::vector<torch::Tensor>{b}, std::make_unique<torch::optim::AdamWOptions>(4e-3));
+  torch::optim::AdamW opt(std::move(groups));
+  zeroshard::LrSchedule::Options o;
+  o.warmup_steps = 4;
+  zeroshard::LrSchedule s(o);
+  s.attach(opt);
+  EXPECT_DOUBLE_EQ(s.apply(opt, 2), 0.5e-3);
+  auto lr = [&](int g) { return static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[g].options()).lr(); };
+  EXPECT_DOUBLE_EQ(lr(0), 0.5e-3);
+  EXPECT_DOUBLE_EQ(lr(1), 2e-3);
+  s.apply(opt, 16);  // sqrt(4 / 16) = 0.5 of each peak, not of the value the last apply left
+  EXPECT_DOUBLE_EQ(lr(0), 0.5e-3);
+  EXPECT_DOUBLE_EQ(lr(1), 2e-3);
+}
+
+TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
+  zeroshard::trace::clear();
+  zeroshard::trace::enable(true);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 5000; ++i) zeroshard::trace::record("event " + std::to_string(i), "compute", t0);  // > one chunk
+  { zeroshard::trace::Span span("checkpoint", std::string(200, 'x')); }
+  const auto ev = zeroshard::trace::events();
+  zeroshard::trace::enable(false);
+  ASSERT_EQ(ev.size(), 5001u);
+  EXPECT_EQ(ev[0].name, "event 0");
+  EXPECT_EQ(ev[4999].name, "event 4999");
+  EXPECT_EQ(ev[4999].category, "compute");
+  EXPECT_EQ(ev[5000].category, "checkpoint");
+  EXPECT_EQ(ev[5000].name, std::string(95, 'x')) << "long names are cut at 95 bytes";
+  EXPECT_GE(ev[5000].duration_us, 0);
+  const auto path = temp_dir("trace") + "/t.json";
+  EXPECT_EQ(zeroshard::trace::write_chrome_trace(path, 3), 5001u);
+  std::ifstream in(path);
+  const auto j = json::parse(in);
+  EXPECT_EQ(j["traceEvents"].size(), 5002u);  // plus the process name
+  EXPECT_EQ(j["traceEvents"][1]["pid"], 3);
+  zeroshard::trace::clear();
+  EXPECT_TRUE(zeroshard::trace::events().empty());
+}
+
+}  // namespace
