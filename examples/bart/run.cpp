@@ -336,6 +336,7 @@ int run_pretraining(const RunOptions& o) {
     }
     const double global_tokens = all_sum(*comm, static_cast<double>(local_tokens));
     const double lr = schedule.apply(sh.opt(), step + 1);
+    sh.opt().zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
     const auto t_fb = Clock::now();
     const double waited_fb0 = sh.waited();
     double loss_sum = 0;

@@ -5,7 +5,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   converge     tiny BART on the embedded corpus, 1 rank and 4 ranks (ZeRO-3):
                validation loss ends below VAL_DROP x its value before training
   equal_ranks  4-rank ZeRO-3 and 1-rank runs agree over the first 10 steps:
-               every step's loss (rel. 1e-5) and the parameters after step 10
+               every step's loss (rel. 1e-5) and the parameters after step 10;
+               4-rank ZeRO-1 and ZeRO-2 runs take the same steps too
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
@@ -82,11 +83,19 @@ def check_equal_ranks(build, work):
         if nproc:  # one tokenizer for both (training it is deterministic, but the test should not depend on it)
             shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
         pretrain(build, d, nproc, *common)
+    for stage in (1, 2):
+        d = dirs[f"stage{stage}"] = os.path.join(work, f"equal_np4_stage{stage}")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
+        pretrain(build, d, 4, *common, "--stage", str(stage), "--ckpt-dir", "none")
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
-    assert len(losses[0]) == 10 and len(losses[4]) == 10, losses
-    worst = max(abs(a - b) / abs(a) for a, b in zip(losses[0], losses[4]))
-    print(f"equal_ranks: per-step loss, 1 rank vs 4 ranks ZeRO-3, max relative difference {worst:.2e}")
-    assert worst < 1e-5, (losses[0], losses[4])
+    for n in dirs:
+        assert len(losses[n]) == 10, (n, losses[n])
+        worst = max(abs(a - b) / abs(a) for a, b in zip(losses[0], losses[n]))
+        what = "ZeRO-3" if n == 4 else "ZeRO-" + n[-1] if n else None
+        if what:
+            print(f"equal_ranks: per-step loss, 1 rank vs 4 ranks {what}, max relative difference {worst:.2e}")
+        assert worst < 1e-5, (n, losses[0], losses[n])
     _, p1 = exported(build, dirs[0], os.path.join(work, "equal_np0.safetensors"))
     _, p4 = exported(build, dirs[4], os.path.join(work, "equal_np4.safetensors"))
     assert p1.keys() == p4.keys()
