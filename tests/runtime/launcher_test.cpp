@@ -40,6 +40,36 @@ TEST(Launcher, SetsTheEnvProtocolAndPrefixesOutput) {
   EXPECT_NE(r.output.find("port=" + m[1].str(), first + 1), std::string::npos);
 }
 
+// Ranks report steps through ZS_PROGRESS_FILE (zeroshard::publish_step writes
+// it; a shell writes it the same way here).
+TEST(Launcher, NamesARankThatStopsMakingProgress) {
+  auto r = run_command(launcher() + " --nproc-per-node 2 --stall-timeout 1 -- bash -c "
+                       "'for s in 1 2 3 4 5 6 7 8; do echo $s > $ZS_PROGRESS_FILE; "
+                       "if [ $RANK = 1 ] && [ $s -ge 3 ]; then sleep 3; break; fi; sleep 0.3; done'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("has reported no progress for"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("still at step 3"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("rank 0 (pid"), std::string::npos) << "rank 0 kept reporting\n" << r.output;
+}
+
+TEST(Launcher, SimulatesASpotPreemptionAtAReportedStep) {
+  // Rank 0 reports steps; at step 3 every rank gets SIGTERM and exits 75
+  // (as a PreemptionGuard program does); the group is restarted once, and the
+  // second attempt runs to the end (no second preemption).
+  auto r = run_command(launcher() + " --nproc-per-node 2 --max-restarts 1 --simulate-preemption-at-step 3 -- bash -c "
+                       "'trap \"echo got-term; exit 75\" TERM; echo attempt=$ZS_RESTART_COUNT; "
+                       "for s in 1 2 3 4 5 6 7 8 9 10; do echo $s > $ZS_PROGRESS_FILE; sleep 0.2 & wait; done; echo done'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("simulating a spot preemption: rank 0 reached step 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank1]: got-term"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting all ranks (restart 1 of 1)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank0]: attempt=1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank0]: done"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("simulating", r.output.find("restarting all ranks")), std::string::npos)
+      << "the restarted attempt must not be preempted again\n" << r.output;
+}
+
 TEST(Launcher, KeepsTheUsersOmpNumThreads) {
   auto r = run_command("OMP_NUM_THREADS=7 " + launcher() +
                        " --nproc-per-node 2 -- bash -c 'echo omp=$OMP_NUM_THREADS'");

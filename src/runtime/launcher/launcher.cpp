@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -112,6 +114,9 @@ struct Rank {
   int global_rank = 0;
   pid_t pid = -1;
   bool running = false;
+  int64_t last_step = -1;  // from its progress file
+  std::chrono::steady_clock::time_point last_change{};
+  bool flagged = false;    // said to have stalled (until it moves again)
   int status = 0;
   std::shared_ptr<PrefixedPipe> out, err;
 };
@@ -244,8 +249,8 @@ class Group {
     return progress_dir_ + "/rank-" + std::to_string(local) + ".step";
   }
   // The step local rank 0 last reported; -1 before any.
-  int64_t reported_step() const {
-    std::FILE* f = std::fopen(progress_file(0).c_str(), "r");
+  int64_t reported_step(int local = 0) const {
+    std::FILE* f = std::fopen(progress_file(local).c_str(), "r");
     if (f == nullptr) return -1;
     long long step = -1;
     if (std::fscanf(f, "%lld", &step) != 1) step = -1;
@@ -253,6 +258,34 @@ class Group {
     return step;
   }
   bool stopping() const { return stopping_; }
+
+  // Flags every running rank whose reported step has not moved for
+  // stall_timeout_s since it last did (ranks that never report are left alone).
+  void check_progress() {
+    if (opt_.stall_timeout_s <= 0 || stopping_) return;
+    const auto now = std::chrono::steady_clock::now();
+    int64_t furthest = -1;
+    for (auto& r : ranks_) {
+      const int64_t step = reported_step(r.local_rank);
+      if (step != r.last_step) {
+        if (r.flagged) say("rank " + std::to_string(r.global_rank) + " is making progress again (step " + std::to_string(step) + ")");
+        r.last_step = step;
+        r.last_change = now;
+        r.flagged = false;
+      }
+      furthest = std::max(furthest, r.last_step);
+    }
+    for (auto& r : ranks_) {
+      if (!r.running || r.flagged || r.last_step < 0) continue;
+      const double idle = std::chrono::duration<double>(now - r.last_change).count();
+      if (idle < opt_.stall_timeout_s) continue;
+      r.flagged = true;
+      say("rank " + std::to_string(r.global_rank) + " (pid " + std::to_string(r.pid) + ") has reported no progress for " +
+          seconds_str(std::round(idle)) + " s: still at step " + std::to_string(r.last_step) +
+          (furthest > r.last_step ? " while another rank of this node is at step " + std::to_string(furthest) : "") +
+          " (a hang, or a step slower than --stall-timeout)");
+    }
+  }
 
   int first_failure() const { return first_failure_; }
   int status_of(int global_rank) const {
@@ -384,6 +417,18 @@ int run(const LaunchOptions& opt) {
     };
     poll.expires_after(std::chrono::milliseconds(50));
     poll.async_wait(tick);
+    // Ranks that stop making progress are flagged (once per stall).
+    asio::steady_timer stall(io);
+    std::function<void(boost::system::error_code)> stall_check = [&](boost::system::error_code ec) {
+      if (ec) return;
+      group.check_progress();
+      stall.expires_after(std::chrono::seconds(1));
+      stall.async_wait(stall_check);
+    };
+    if (opt.stall_timeout_s > 0) {
+      stall.expires_after(std::chrono::seconds(1));
+      stall.async_wait(stall_check);
+    }
     // The simulated spot preemption: SIGTERM to every rank at the reported step.
     asio::steady_timer preempt(io);
     std::function<void(boost::system::error_code)> watch = [&](boost::system::error_code ec) {
@@ -407,6 +452,7 @@ int run(const LaunchOptions& opt) {
     io.run();
     poll.cancel();
     preempt.cancel();
+    stall.cancel();
     group.finish();
     signals.cancel();
     io.restart();

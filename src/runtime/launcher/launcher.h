@@ -35,6 +35,10 @@ struct LaunchOptions {
   // SIGTERM as a spot preemption notice would. Ranks that save and exit with
   // kPreemptedExitCode are restarted like any failure (needs max_restarts >= 1).
   int64_t simulate_preemption_at_step = 0;
+  // > 0: a rank whose reported step (zeroshard::publish_step) has not moved
+  // for this many seconds is named on stderr, once per stall. Ranks that
+  // never report are not watched. Default: 600.
+  double stall_timeout_s = 600.0;
   std::vector<std::string> command;  // program and its arguments
 };
 

@@ -30,6 +30,10 @@ int main(int argc, char** argv) {
                  "first attempt only: send every rank SIGTERM (a spot notice) when rank 0 reports this step "
                  "(zeroshard::publish_step); use with --max-restarts >= 1 to see the resume")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
+  app.add_option("--stall-timeout", opt.stall_timeout_s,
+                 "seconds without a new step (zeroshard::publish_step) before a rank is named as stalled; 0: off")
+      ->check(CLI::Range(0.0, 1e9))
+      ->capture_default_str();
   app.add_option("command", opt.command, "the program and its arguments (after --)")->required();
   app.positionals_at_end();
   try {
