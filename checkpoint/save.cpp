@@ -324,6 +324,7 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   }
   std::packaged_task<std::string()> task([this, snap, copied] {
     try {
+      trace::set_thread_name("checkpoint writer");
       trace::Span span("checkpoint", "checkpoint copy step " + std::to_string(snap->progress.step));
       snap->copy();
     } catch (...) {

@@ -191,6 +191,7 @@ int run_pretraining(const RunOptions& o) {
                     " ranks)");
   fs::create_directories(o.run_dir);
   if (o.trace) zeroshard::trace::enable();
+  zeroshard::trace::set_thread_name("training");
 
   // Data: every rank builds the same corpus.
   const auto texts = read_texts(o.data);

@@ -51,6 +51,11 @@ class Span {
   bool on_;
 };
 
+// Names the calling thread's track in the trace ("training", "checkpoint
+// writer"); the communicators name their own threads. Cheap; works whether or
+// not tracing is on.
+void set_thread_name(const std::string& name);
+
 std::vector<Event> events();  // everything recorded so far
 void clear();
 // Writes {"traceEvents": [...]} with pid = rank. Returns the number of events.

@@ -237,6 +237,7 @@ void GlooCommunicator::set_failure(const std::string& message) {
 }
 
 void GlooCommunicator::worker_loop() {
+  trace::set_thread_name(prefix_.empty() ? "communicator" : "communicator " + prefix_);
   while (true) {
     Queued q;
     std::string failure;

@@ -32,6 +32,7 @@ std::mutex mu;                // guards the records and `next_thread`
 std::vector<Record*> chunks;  // each kChunkRecords records
 size_t count = 0;
 int next_thread = 0;
+std::vector<std::pair<int, std::string>> thread_names;  // guarded by `mu`
 std::atomic<int> state{-1};   // -1: not decided yet (read ZS_TRACE), 0 off, 1 on
 
 const std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
@@ -98,6 +99,18 @@ Span::~Span() {
   if (on_) record(std::move(name_), category_, start_);
 }
 
+void set_thread_name(const std::string& name) {
+  const int id = thread_id();
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& tn : thread_names) {
+    if (tn.first == id) {
+      tn.second = name;
+      return;
+    }
+  }
+  thread_names.emplace_back(id, name);
+}
+
 std::vector<Event> events() {
   std::lock_guard<std::mutex> lock(mu);
   std::vector<Event> out;
@@ -122,6 +135,12 @@ size_t write_chrome_trace(const std::string& path, int rank) {
   auto& list = out["traceEvents"];
   list = nlohmann::json::array();
   list.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& tn : thread_names) {
+      list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", tn.first}, {"args", {{"name", tn.second}}}});
+    }
+  }
   for (const auto& e : all) {
     list.push_back({{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"pid", rank}, {"tid", e.thread},
                     {"ts", e.start_us}, {"dur", e.duration_us}});

@@ -219,6 +219,7 @@ TEST(LrSchedule, SetsEveryGroupRelativeToItsOwnPeak) {
 TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
   zeroshard::trace::clear();
   zeroshard::trace::enable(true);
+  zeroshard::trace::set_thread_name("tester");
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 5000; ++i) zeroshard::trace::record("event " + std::to_string(i), "compute", t0);  // > one chunk
   { zeroshard::trace::Span span("checkpoint", std::string(200, 'x')); }
@@ -235,8 +236,15 @@ TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
   EXPECT_EQ(zeroshard::trace::write_chrome_trace(path, 3), 5001u);
   std::ifstream in(path);
   const auto j = json::parse(in);
-  EXPECT_EQ(j["traceEvents"].size(), 5002u);  // plus the process name
-  EXPECT_EQ(j["traceEvents"][1]["pid"], 3);
+  size_t complete = 0;
+  bool named = false;
+  for (const auto& e : j["traceEvents"]) {
+    EXPECT_EQ(e["pid"], 3);
+    if (e["ph"] == "X") ++complete;
+    if (e["name"] == "thread_name" && e["args"]["name"] == "tester") named = e["tid"] == ev[0].thread;
+  }
+  EXPECT_EQ(complete, 5001u);
+  EXPECT_TRUE(named) << "the calling thread's track carries its name";
   zeroshard::trace::clear();
   EXPECT_TRUE(zeroshard::trace::events().empty());
 }
