@@ -32,6 +32,14 @@ std::string with_commas(int64_t v) {
   return s;
 }
 
+// "n/a" for a loss that was not measured (no step ran, validation off).
+std::string loss_str(double v) {
+  if (!std::isfinite(v)) return "n/a";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3f", v);
+  return buf;
+}
+
 // Long text cut to one readable line.
 std::string line_of(std::string s, size_t max = 160) {
   std::replace(s.begin(), s.end(), '\n', ' ');
@@ -53,11 +61,13 @@ std::string Summary::text() const {
                 static_cast<long long>(steps), with_commas(tokens).c_str(), train_seconds,
                 with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
   o << buf;
-  std::snprintf(buf, sizeof(buf), "train loss   %.3f -> %.3f (first step -> last step)\n", first_loss, last_loss);
-  o << buf;
-  std::snprintf(buf, sizeof(buf), "val loss     %.3f -> %.3f (before training -> end; %.0f%% lower)\n", first_val_loss,
-                last_val_loss, 100.0 * (1.0 - last_val_loss / first_val_loss));
-  o << buf;
+  o << "train loss   " << loss_str(first_loss) << " -> " << loss_str(last_loss) << " (first step -> last step)\n";
+  o << "val loss     " << loss_str(first_val_loss) << " -> " << loss_str(last_val_loss) << " (before training -> end";
+  if (std::isfinite(first_val_loss) && std::isfinite(last_val_loss)) {
+    std::snprintf(buf, sizeof(buf), "; %.0f%% lower", 100.0 * (1.0 - last_val_loss / first_val_loss));
+    o << buf;
+  }
+  o << ")\n";
   o << "memory       peak RSS per rank: " << per_rank(peak_rss) << "\n";
   int64_t biggest = 0;
   for (auto b : model_states) biggest = std::max(biggest, b);
