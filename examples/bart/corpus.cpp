@@ -19,7 +19,7 @@ std::vector<std::string> read_texts(const std::string& dir) {
   for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (it->is_regular_file(ec)) files.push_back(it->path());
   }
-  TORCH_CHECK_VALUE(!ec || !files.empty(), "corpus: cannot read '", dir, "': ", ec.message());
+  TORCH_CHECK_VALUE(!ec || !files.empty(), "corpus: cannot read '", dir, "': ", ec.message(), "; pass a directory of text with --data");
   std::sort(files.begin(), files.end());
   std::set<fs::path> seen;
   std::vector<std::string> texts;

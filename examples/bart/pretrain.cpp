@@ -18,6 +18,7 @@
 #include <zeroshard/log.h>
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 
 #include <exception>
 
@@ -88,6 +89,9 @@ int main(int argc, char** argv) {
   try {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
     return bart::run_pretraining(o);
+  } catch (const c10::Error& e) {  // without LibTorch's C++ backtrace: the message says what to fix
+    zeroshard::log_error(std::string("bart_pretrain: ") + e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     zeroshard::log_error(std::string("bart_pretrain: ") + e.what());
     return 1;

@@ -9,6 +9,7 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                4-rank ZeRO-1 and ZeRO-2 runs take the same steps too
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
+  bad_input    wrong flags and data: one clear line naming the thing and the fix, exit 1, no backtrace
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -36,7 +37,8 @@ def run(cmd, expect=0, env=None):
 
 def pretrain(build, run_dir, nproc, *args, launcher_args=(), expect=0):
     exe = os.path.join(build, "examples", "bart_pretrain")
-    base = [exe, "--data", DATA, "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *args]
+    data = [] if "--data" in args else ["--data", DATA]
+    base = [exe, *data, "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *args]
     env = dict(os.environ, ZS_LOG_LEVEL="warn")
     if nproc == 0:  # alone, without the launcher
         return run(base, expect, env)
@@ -170,9 +172,29 @@ def check_safetensors(build, work):
     print(f"safetensors: {len(tensors)} tensors exported with Hugging Face names, re-imported: {a.size} logits identical")
 
 
+def check_bad_input(build, work):
+    d = os.path.join(work, "bad")
+    shutil.rmtree(d, ignore_errors=True)
+    cases = [
+        (["--data", "/nonexistent"], ["'/nonexistent'", "--data"]),
+        (["--config", "huge"], ["'huge'", "tiny, base nor large"]),
+        (["--tokenizer", work], ["no vocab.json", "--tokenizer"]),
+        (["--micro-batches", "3"], ["--micro-batches 3", "per-rank batch 16"]),
+        (["--schedule", "linear-ish"], ["'linear-ish'", "inverse-sqrt or cosine"]),
+    ]
+    for args, needles in cases:
+        out = pretrain(build, d, 0, "--max-steps", "1", *args, expect=1)
+        for n in needles:
+            assert n in out, f"{args}: '{n}' not in the error:\n{out}"
+        assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
+    out = pretrain(build, d, 3, "--global-batch", "16", expect=1)
+    assert "--global-batch 16 must divide by the 3 ranks" in out, out
+    print(f"bad_input: {len(cases) + 1} wrong inputs, each one named with its fix")
+
+
 if __name__ == "__main__":
     build, work, check = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"converge": check_converge, "equal_ranks": check_equal_ranks, "resume": check_resume,
-     "safetensors": check_safetensors}[check](build, work)
+     "safetensors": check_safetensors, "bad_input": check_bad_input}[check](build, work)
     print("OK")
