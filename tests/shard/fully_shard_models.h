@@ -75,4 +75,31 @@ inline std::vector<torch::optim::OptimizerParamGroup> two_groups(torch::nn::Modu
           torch::optim::OptimizerParamGroup(weights)};
 }
 
+// Six wide units (the memory and mixed-precision tests).
+struct WideBlockImpl : torch::nn::Module {
+  WideBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(256, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 256));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(WideBlock);
+
+struct WideImpl : torch::nn::Module {
+  WideImpl() {
+    embed = register_module("embed", torch::nn::Linear(16, 256));
+    for (int i = 0; i < 6; ++i) blocks.push_back(register_module("block" + std::to_string(i), Sharded<WideBlock>()));
+    head = register_module("head", torch::nn::Linear(256, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = embed(x);
+    for (auto& b : blocks) x = b->forward(x);
+    return head(x);
+  }
+  torch::nn::Linear embed{nullptr}, head{nullptr};
+  std::vector<Sharded<WideBlock>> blocks;
+};
+TORCH_MODULE(Wide);
+
 }  // namespace zeroshard::fsdp_test
