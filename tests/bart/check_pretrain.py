@@ -9,6 +9,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                4-rank ZeRO-1 and ZeRO-2 runs take the same steps too
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
+  bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): the first step's loss within bf16
+               rounding of fp32's, both stages agree, and the loss falls
   bad_input    wrong flags and data: one clear line naming the thing and the fix, exit 1, no backtrace
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
@@ -172,6 +174,27 @@ def check_safetensors(build, work):
     print(f"safetensors: {len(tensors)} tensors exported with Hugging Face names, re-imported: {a.size} logits identical")
 
 
+def check_bf16(build, work):
+    common = ["--max-steps", "30", "--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0"]
+    losses = {}
+    for name, extra in (("fp32", ["--stage", "3"]), ("bf16_stage3", ["--stage", "3", "--precision", "bf16"]),
+                        ("bf16_stage2", ["--stage", "2", "--precision", "bf16"])):
+        d = os.path.join(work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        if name != "fp32":
+            shutil.copytree(os.path.join(work, "fp32", "tokenizer"), os.path.join(d, "tokenizer"))
+        pretrain(build, d, 2, *common, *extra)
+        losses[name] = [r["loss"] for r in metrics(d) if "event" not in r]
+    f, b3, b2 = losses["fp32"], losses["bf16_stage3"], losses["bf16_stage2"]
+    first = abs(b3[0] - f[0]) / f[0]
+    stages = max(abs(x - y) / x for x, y in zip(b3, b2))
+    print(f"bf16: first loss {b3[0]:.4f} vs fp32 {f[0]:.4f} (rel. {first:.1e}); ZeRO-2 vs ZeRO-3 max rel. {stages:.1e}; "
+          f"loss {b3[0]:.3f} -> {b3[-1]:.3f} (fp32 {f[0]:.3f} -> {f[-1]:.3f})")
+    assert first < 1e-2, (b3[0], f[0])
+    assert stages < 1e-2, (b3, b2)
+    assert b3[-1] < 0.9 * b3[0] and abs(b3[-1] - f[-1]) / f[-1] < 0.05, (b3, f)
+
+
 def check_bad_input(build, work):
     d = os.path.join(work, "bad")
     shutil.rmtree(d, ignore_errors=True)
@@ -196,5 +219,6 @@ if __name__ == "__main__":
     build, work, check = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"converge": check_converge, "equal_ranks": check_equal_ranks, "resume": check_resume,
-     "safetensors": check_safetensors, "bad_input": check_bad_input}[check](build, work)
+     "safetensors": check_safetensors, "bad_input": check_bad_input,
+     "bf16": check_bf16}[check](build, work)
     print("OK")
