@@ -10,6 +10,7 @@ data=${DATA:-/usr/share/common-licenses}
 steps=${STEPS:-800}
 ranks=${RANKS:-4}
 run_dir=${RUN_DIR:-$build/demo-run}
+warmup=$(( steps * 3 / 40 > 1 ? steps * 3 / 40 : 1 ))  # 60 of the default 800 steps
 
 if [ ! -d "$data" ]; then
   echo "demo: the corpus directory '$data' does not exist; give one with DATA=/path/to/text" >&2
@@ -22,7 +23,7 @@ echo "demo: is restarted, resumes from its checkpoint and finishes. Run director
 echo
 "$build/zeroshard-run" --nproc-per-node "$ranks" --max-restarts 1 --simulate-preemption-at-step $((steps / 2)) -- \
   "$build/examples/bart_pretrain" --config tiny --data "$data" --run-dir "$run_dir" --stage 3 \
-  --max-steps "$steps" --global-batch 16 --lr 3e-3 --schedule cosine --warmup-steps 60 \
+  --max-steps "$steps" --global-batch 16 --lr 3e-3 --schedule cosine --warmup-steps "$warmup" \
   --eval-every 100 --save-every 200 --progress-interval 15 --trace
 echo
 echo "demo: per-step metrics: $run_dir/metrics.jsonl    loss curve: $run_dir/loss.png"
