@@ -23,7 +23,9 @@ build: configure
 test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600
 
-demo: build
+# The demo builds only what it runs (the launcher, the trainer, the checkpoint tool).
+demo: configure
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard-run bart_pretrain zeroshard-ckpt
 	@scripts/demo.sh $(BUILD_DIR)
 
 bench: build
