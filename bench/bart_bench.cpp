@@ -131,10 +131,7 @@ int main(int argc, char** argv) {
   // fp32 and as long as the unit shards (they exist between backward and step).
   double model_states = 16.0 * static_cast<double>(numel);
   if (fsdp) {
-    const auto m = sharded->memory();
-    int64_t shard_numel = 0;
-    for (const auto& u : sharded->units()) shard_numel += u.shard.size();
-    model_states = static_cast<double>(m.shards + m.master + m.root_params + fsdp->state_bytes() + 4 * shard_numel);
+    model_states = static_cast<double>(fsdp->model_state_bytes());
   } else if (zero) {
     model_states = static_cast<double>(zero->memory().peak_model_states);
   }

@@ -2,21 +2,16 @@
 #pragma once
 
 #include <zeroshard/comm.h>
+#include <zeroshard/metrics.h>
 
 #include <torch/torch.h>
-
-#include <sys/resource.h>
 
 #include <vector>
 
 namespace zeroshard::bench {
 
 // Peak resident set size of this process, MiB.
-inline double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_maxrss / 1024.0;  // KiB on Linux
-}
+inline double peak_rss_mib() { return static_cast<double>(peak_rss_bytes()) / (1 << 20); }
 
 // Plain data parallelism: averages every parameter's gradient over the ranks
 // with one all_reduce of the flattened gradients.

@@ -151,10 +151,8 @@ int main(int argc, char** argv) {
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
   double states_mib;
   if (sharded) {
-    const auto m = sharded->memory();
     const auto* z3 = static_cast<zeroshard::FullyShardedAdamW*>(opt.get());
-    // shards + master + root + moments; the reduced gradient shard (4Ψ/N) exists between backward and step
-    states_mib = (m.shards + m.master + m.root_params + z3->state_bytes() + 4.0 * psi / world) / 1048576.0;
+    states_mib = z3->model_state_bytes() / 1048576.0;
   } else if (zero2 != nullptr) {
     states_mib = zero2->memory().peak_model_states / 1048576.0;
   } else {

@@ -106,11 +106,7 @@ struct Sharding {
   }
   // Parameters, gradients and AdamW states this rank holds (their peak at stages 1/2).
   int64_t model_state_bytes() const {
-    if (zero) return zero->memory().peak_model_states;
-    const auto m = model->memory();
-    int64_t shard_numel = 0;
-    for (const auto& u : model->units()) shard_numel += u.shard.size();
-    return m.shards + m.master + m.root_params + fsdp->state_bytes() + 4 * shard_numel;
+    return zero ? zero->memory().peak_model_states : fsdp->model_state_bytes();
   }
   std::string save(zeroshard::Checkpointer& ck, torch::nn::Module& m, const zeroshard::TrainingProgress& p) {
     return fsdp ? ck.save(*fsdp, m, p) : ck.save(*zero, m, p);

@@ -288,6 +288,11 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
   bool last_step_skipped() const { return last_skipped_; }
   // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
   int64_t state_bytes() const;
+  // Parameters, gradients and AdamW states this rank holds for the model: the
+  // units' shards (and fp32 masters of 16-bit ones), the gathered root, the
+  // moments, and the fp32 gradient shards at full size (they exist from
+  // backward to step()). The ZeRO-3 counterpart of ShardedMemory::peak_model_states.
+  int64_t model_state_bytes() const;
   // This rank's part of the state, for checkpoints (stage 3; one "bucket" per
   // unit, root last). Tensors are the live ones: master is what the next
   // gather rounds from; exp_avg/exp_avg_sq are allocated here if no step ran yet.

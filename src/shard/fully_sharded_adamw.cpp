@@ -350,6 +350,13 @@ int64_t FullyShardedAdamW::state_bytes() const {
   return n;
 }
 
+int64_t FullyShardedAdamW::model_state_bytes() const {
+  const auto m = model_->memory();
+  int64_t shard_numel = 0;
+  for (const auto& u : model_->units()) shard_numel += u.shard.size();
+  return m.shards + m.master + m.root_params + state_bytes() + 4 * shard_numel;
+}
+
 void FullyShardedAdamW::save(torch::serialize::OutputArchive&) const {
   TORCH_CHECK(false, "FullyShardedAdamW::save: the state is sharded across ranks; use zeroshard checkpoints");
 }
