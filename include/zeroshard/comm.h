@@ -150,7 +150,7 @@ struct DistEnv {
 DistEnv read_dist_env();
 
 // Rendezvous through a c10d::TCPStore (rank 0 serves it at MASTER_ADDR:MASTER_PORT)
-// and connect every pair of ranks with Gloo over TCP.
+// and connect every pair of ranks over TCP (src/comm/tcp_mesh.h).
 std::shared_ptr<Communicator> init_communicator(const DistEnv& env, const CommOptions& options = {});
 // Same, from read_dist_env().
 std::shared_ptr<Communicator> init_communicator(const CommOptions& options = {});

@@ -1,17 +1,21 @@
 // Rendezvous from the environment (torchrun, Slurm, Open MPI) and creation of
 // the world communicator.
-#include "comm/gloo_communicator.h"
+#include "comm/tcp_communicator.h"
 #include "compat/torch_compat.h"
 #include "zeroshard/comm.h"
 #include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>
-#include <gloo/transport/tcp/device.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <optional>
 
@@ -52,6 +56,32 @@ int leading_int(const std::string& s, int fallback) {
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// The IPv4 address of network interface `name`.
+std::string interface_address(const std::string& name) {
+  ifaddrs* list = nullptr;
+  TORCH_CHECK(getifaddrs(&list) == 0, "getifaddrs failed: ", std::strerror(errno));
+  std::string found;
+  for (ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || name != i->ifa_name) continue;
+    char text[INET_ADDRSTRLEN] = {0};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+    found = text;
+  }
+  freeifaddrs(list);
+  TORCH_CHECK_VALUE(!found.empty(), "ZS_SOCKET_IFNAME='", name,
+                    "' names no network interface with an IPv4 address; set it to one that `ip addr` lists");
+  return found;
+}
+
+// The address this rank listens on for its peers.
+std::string listen_host(const DistEnv& e) {
+  if (auto iface = env("ZS_SOCKET_IFNAME")) return interface_address(*iface);
+  if (e.world_size == 1 || is_loopback(e.master_addr)) return "127.0.0.1";
+  char host[256] = {0};
+  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
+  return host;
 }
 
 }  // namespace
@@ -136,22 +166,11 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
                   "and port");
     }
   }
-  gloo::transport::tcp::attr attr;
-  if (auto iface = env("ZS_SOCKET_IFNAME")) {
-    attr.iface = *iface;
-  } else if (e.world_size == 1 || is_loopback(e.master_addr)) {
-    attr.hostname = "127.0.0.1";
-  } else {
-    char host[256] = {0};
-    TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
-    attr.hostname = host;
-  }
-  auto device = gloo::transport::tcp::CreateDevice(attr);
   std::vector<int> world(e.world_size);
   std::iota(world.begin(), world.end(), 0);
   const std::string prefix = "zs/r" + std::to_string(e.restart_count) + "/world/";
-  auto comm = std::make_shared<comm::GlooCommunicator>(e.rank, e.world_size, world, store, prefix,
-                                                       device, options);
+  auto comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix,
+                                                      listen_host(e), options);
   log_debug("communicator ready: rank " + std::to_string(e.rank) + " of " +
             std::to_string(e.world_size) + " via " + e.source + " (" + e.master_addr + ":" +
             std::to_string(e.master_port) + ")");

@@ -22,7 +22,7 @@ inline std::shared_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, u
   opts.port = port;
   opts.isServer = is_server;
   opts.numWorkers = static_cast<size_t>(world_size);
-  opts.waitWorkers = false;  // missing ranks are named by the Gloo rendezvous instead
+  opts.waitWorkers = false;  // missing ranks are named by the mesh's rendezvous instead
   opts.timeout = timeout;
   return std::make_shared<c10d::TCPStore>(host, opts);
 }

@@ -2,7 +2,7 @@
 // shared by all units (end-of-backward callback, reductions in a fixed order).
 #include "shard/unit.h"
 
-#include "shard/end_of_backward.h"
+#include "compat/autograd_hooks.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
 
@@ -56,8 +56,8 @@ void FullyShardedModel::Impl::begin_backward() {
       if (g->impl != nullptr) fn(*g->impl);
     }
   };
-  shard::on_end_of_backward([with_impl] { with_impl([](Impl& m) { m.end_backward(); }); },
-                            [with_impl] { with_impl([](Impl& m) { m.abandon_backward(); }); });
+  compat::on_end_of_backward([with_impl] { with_impl([](Impl& m) { m.end_backward(); }); },
+                             [with_impl] { with_impl([](Impl& m) { m.abandon_backward(); }); });
 }
 
 void FullyShardedModel::Impl::abandon_backward() {
@@ -353,7 +353,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   std::vector<std::string> entries;
   auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
     TORCH_CHECK_VALUE(p.device().is_cpu(), "fully_shard: parameter '", name, "' is on ", p.device(),
-                      " but the communicator is Gloo (CPU); move the model to the CPU");
+                      " but the communicator moves CPU tensors; move the model to the CPU");
     TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                       "fully_shard: parameter '", name, "' has dtype ", c10::toString(p.scalar_type()),
                       "; fully_shard shards Float, BFloat16 and Half parameters (16-bit ones keep an fp32 master)");

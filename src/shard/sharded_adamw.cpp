@@ -203,7 +203,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
         }
         group_seen.emplace(key, g);
         TORCH_CHECK_VALUE(p.device().is_cpu(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
-                          " but the communicator is Gloo (CPU); move the model to the CPU");
+                          " but the communicator moves CPU tensors; move the model to the CPU");
         TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
                           "' is sparse; only dense parameters can be sharded");
         const auto dt = p.scalar_type();

@@ -1,4 +1,4 @@
-#include "comm/gloo_wire.h"
+#include "comm/wire.h"
 
 #include <c10/util/Exception.h>
 
@@ -18,44 +18,41 @@ std::string join_ranks(const std::vector<int>& ranks, const std::vector<int>& wo
 }
 
 bool wait_one(Pending& p, std::chrono::milliseconds timeout) {
-  return p.is_recv ? p.buf->waitRecv(nullptr, timeout) : p.buf->waitSend(nullptr, timeout);
-}
-
-bool is_timeout(const std::string& cause) {
-  return cause.empty() || cause.find("Timed out") != std::string::npos ||
-         cause.find("Application timeout") != std::string::npos;
+  return p.is_recv ? p.buf->wait_recv(timeout) : p.buf->wait_send(timeout);
 }
 
 [[noreturn]] void fail_pending(const WaitScope& ex, std::vector<Pending>& pending, size_t failed,
                                const std::string& cause, const char* what) {
-  // Which peers are to blame? The failing entry's. Probe the others (Gloo
-  // answers at once: completed, or an error). After a timeout every peer still
-  // owing something is named; after a broken connection only peers whose
-  // connection broke too (a peer merely slower than the probe is alive).
-  const bool timed_out = is_timeout(cause);
+  // Which peers are to blame? After a timeout, the failing entry's and every
+  // other peer still owing something (probed: the transport answers at once).
+  // After a broken connection, the peer whose connection broke first: when a
+  // rank dies, the others give up and close theirs too.
+  const bool timed_out = cause.empty();  // a wait that ran out has no cause
+  if (!timed_out) {
+    std::vector<int> peers;
+    for (const auto& p : pending) peers.push_back(p.peer);
+    const auto [first, why] = pending[failed].buf->mesh().first_broken(peers);
+    const std::string ranks = join_ranks({first >= 0 ? first : pending[failed].peer}, ex.world_ranks);
+    TORCH_CHECK(false, ex.work.name(), " failed: the connection to rank(s) [", ranks,
+                "] broke while waiting for their ", what, " (", first >= 0 ? why : cause,
+                "). A rank probably died; its own output says why");
+  }
   std::vector<int> owed = {pending[failed].peer};
   for (size_t j = failed + 1; j < pending.size(); ++j) {
-    bool blame = false;
+    bool late = false;
     try {
       while (pending[j].count > 0 && wait_one(pending[j], std::chrono::milliseconds(1))) --pending[j].count;
-      blame = pending[j].count > 0 && timed_out;
-    } catch (const std::exception& e) {
-      blame = timed_out || !is_timeout(what_of(e));
+      late = pending[j].count > 0;
+    } catch (const std::exception&) {
+      late = true;
     }
-    if (blame && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end())
-      owed.push_back(pending[j].peer);
+    if (late && std::find(owed.begin(), owed.end(), pending[j].peer) == owed.end()) owed.push_back(pending[j].peer);
   }
   std::sort(owed.begin(), owed.end());
-  const std::string ranks = join_ranks(owed, ex.world_ranks);
-  if (timed_out) {
-    TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [", ranks,
-                "] never arrived (this rank was waiting for their ", what,
-                "). Every rank must issue the same operations in the same order; check that "
-                "those ranks are alive and not stuck");
-  }
-  TORCH_CHECK(false, ex.work.name(), " failed: the connection to rank(s) [", ranks,
-              "] broke while waiting for their ", what, " (", cause,
-              "). A rank probably died; its own output says why");
+  TORCH_CHECK(false, ex.work.name(), " timed out after ", ex.timeout.count(), " ms: rank(s) [",
+              join_ranks(owed, ex.world_ranks), "] never arrived (this rank was waiting for their ", what,
+              "). Every rank must issue the same operations in the same order; check that "
+              "those ranks are alive and not stuck");
 }
 
 }  // namespace
@@ -88,8 +85,8 @@ void wait_all(Exchange& ex, std::vector<Pending> pending, const char* what) {
   wait_all(WaitScope{ex.work, ex.world_ranks, ex.deadline, ex.timeout}, std::move(pending), what);
 }
 
-UBuf make_buffer(gloo::Context& ctx, const void* ptr, size_t bytes) {
-  return ctx.createUnboundBuffer(const_cast<void*>(ptr), bytes);
+UBuf make_buffer(TcpMesh& mesh, const void* ptr, size_t bytes) {
+  return std::make_unique<Buffer>(mesh, const_cast<void*>(ptr), bytes);
 }
 
 std::string what_of(const std::exception& e) {

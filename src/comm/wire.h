@@ -1,12 +1,9 @@
-// gloo_wire.h — what every operation over Gloo shares: message slots, the
-// header, transport buffers, and waiting on them with errors that name ranks.
+// wire.h — what every operation shares: message slots, the header, transport
+// buffers, and waiting on them with errors that name ranks.
 // Internal to src/comm. Functions run on a communicator's threads; none keeps state.
 #pragma once
 
-#include "comm/gloo_ops.h"
-
-#include <gloo/context.h>
-#include <gloo/transport/unbound_buffer.h>
+#include "comm/collectives.h"
 
 #include <chrono>
 #include <exception>
@@ -18,7 +15,7 @@ namespace zeroshard::comm {
 
 constexpr uint32_t kMagic = 0x5A534844;  // "ZSHD"
 
-// Message tags: the top byte of a Gloo slot. The slot also carries the
+// Message tags: the top byte of a transport slot. The slot also carries the
 // operation's sequence number (40 bits) and a sub-index (16 bits: segment).
 enum Tag : uint64_t {
   kCollHeader = 1,
@@ -34,10 +31,10 @@ inline uint64_t make_slot(Tag tag, uint64_t seq, uint64_t sub) {
          (sub & 0xFFFF);
 }
 
-using UBuf = std::unique_ptr<gloo::transport::UnboundBuffer>;
+using UBuf = std::unique_ptr<Buffer>;
 
-// A transport buffer over caller-owned memory (Gloo never writes a send buffer).
-UBuf make_buffer(gloo::Context& ctx, const void* ptr, size_t bytes);
+// A transport buffer over caller-owned memory (the transport never writes a send buffer).
+UBuf make_buffer(TcpMesh& mesh, const void* ptr, size_t bytes);
 
 // The message of an exception, without LibTorch's backtrace.
 std::string what_of(const std::exception& e);
@@ -49,12 +46,11 @@ struct WaitScope {
   std::chrono::milliseconds timeout;
 };
 
-// Operations posted on one buffer, all with the same peer. Gloo reports only
-// the last completing rank per buffer, so every buffer talks to one peer and
-// the buffer identifies the rank.
+// Operations posted on one buffer, all with the same peer, so that a failing
+// buffer identifies the rank to blame.
 struct Pending {
   int peer;
-  gloo::transport::UnboundBuffer* buf;
+  Buffer* buf;
   int count;  // posted operations still to complete
   bool is_recv;
 };

@@ -1,10 +1,10 @@
-#include "comm/gloo_communicator.h"
+#include "comm/tcp_communicator.h"
 
 #include "zeroshard/trace.h"
 
-#include "comm/gloo_wire.h"
+#include "comm/wire.h"
 #include "comm/reduce_kernels.h"
-#include "comm/store_adapter.h"
+#include "comm/store_wait.h"
 
 #include <c10/util/Exception.h>
 
@@ -32,35 +32,18 @@ std::string format_ranks(const std::vector<int>& ranks) {
 
 }  // namespace
 
-GlooCommunicator::GlooCommunicator(int rank, int size, std::vector<int> world_ranks,
-                                   std::shared_ptr<c10d::Store> store, std::string prefix,
-                                   std::shared_ptr<gloo::transport::Device> device,
-                                   CommOptions options)
+TcpCommunicator::TcpCommunicator(int rank, int size, std::vector<int> world_ranks,
+                                 std::shared_ptr<c10d::Store> store, std::string prefix, std::string host,
+                                 CommOptions options)
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), store_(std::move(store)),
-      prefix_(std::move(prefix)), device_(std::move(device)), options_(options),
+      prefix_(std::move(prefix)), host_(std::move(host)), options_(options),
+      mesh_(rank_, size_, host_, *store_, prefix_ + "mesh/", options_.rendezvous_timeout),
       send_seq_(size, 0), recv_seq_(size, 0) {
-  for (int direction = 0; direction < 2; ++direction) {
-    auto& ctx = contexts_[direction];
-    ctx = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
-    ctx->setTimeout(options_.rendezvous_timeout);  // operations pass their own timeouts
-    GlooStoreAdapter adapter(store_, prefix_ + "gloo" + std::to_string(direction) + "/",
-                             options_.rendezvous_timeout);
-    try {
-      auto device = device_;
-      ctx->connectFullMesh(adapter, device);
-    } catch (const c10::Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "connecting rank ", rank_, " of ", size_, " to its peers failed: ", e.what(),
-                  ". Check that every host can reach every other one over TCP (set ZS_SOCKET_IFNAME "
-                  "to pick the network interface)");
-    }
-  }
   worker_ = std::thread([this] { worker_loop(); });
   reaper_ = std::thread([this] { reaper_loop(); });
 }
 
-GlooCommunicator::~GlooCommunicator() {
+TcpCommunicator::~TcpCommunicator() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -75,11 +58,11 @@ GlooCommunicator::~GlooCommunicator() {
   reaper_.join();
 }
 
-void GlooCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t) const {
+void TcpCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t) const {
   TORCH_CHECK_VALUE(t.defined(), op, ": `", arg, "` is an undefined tensor; pass an allocated tensor");
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": `", arg, "` is on ", t.device(),
-                    " but this communicator is Gloo (CPU); move the tensor to CPU or use the NCCL "
-                    "backend");
+                    " but this communicator moves CPU tensors over TCP; move the tensor to CPU or use "
+                    "the NCCL backend");
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": `", arg, "` (sizes ", t.sizes(),
                     ", strides ", t.strides(), ") is not contiguous; pass t.contiguous()");
   TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), op, ": `", arg, "` has dtype ",
@@ -87,13 +70,13 @@ void GlooCommunicator::check_tensor(const char* op, const char* arg, const at::T
                     "; supported dtypes are float32, bfloat16, float16, float64, int32, int64");
 }
 
-void GlooCommunicator::check_peer(const char* op, const char* arg, int peer) const {
+void TcpCommunicator::check_peer(const char* op, const char* arg, int peer) const {
   TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, op, ": ", arg, " ", peer,
                     " must be another rank of this communicator (0..", size_ - 1,
                     ", not this rank ", rank_, ")");
 }
 
-std::shared_ptr<OpWork> GlooCommunicator::enqueue(OpKind kind, std::vector<at::Tensor> tensors,
+std::shared_ptr<OpWork> TcpCommunicator::enqueue(OpKind kind, std::vector<at::Tensor> tensors,
                                                   ReduceOp op, int peer) {
   std::shared_ptr<OpWork> work;
   {
@@ -123,7 +106,7 @@ std::shared_ptr<OpWork> GlooCommunicator::enqueue(OpKind kind, std::vector<at::T
   return work;
 }
 
-std::shared_ptr<Work> GlooCommunicator::all_gather(at::Tensor out, at::Tensor in) {
+std::shared_ptr<Work> TcpCommunicator::all_gather(at::Tensor out, at::Tensor in) {
   check_tensor("all_gather", "out", out);
   check_tensor("all_gather", "in", in);
   TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type(), "all_gather: `out` has dtype ",
@@ -141,7 +124,7 @@ std::shared_ptr<Work> GlooCommunicator::all_gather(at::Tensor out, at::Tensor in
   return enqueue(OpKind::kAllGather, {out, in}, ReduceOp::kSum, -1);
 }
 
-std::shared_ptr<Work> GlooCommunicator::reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) {
+std::shared_ptr<Work> TcpCommunicator::reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) {
   check_tensor("reduce_scatter", "out", out);
   check_tensor("reduce_scatter", "in", in);
   TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type(), "reduce_scatter: `out` has dtype ",
@@ -154,33 +137,33 @@ std::shared_ptr<Work> GlooCommunicator::reduce_scatter(at::Tensor out, at::Tenso
   return enqueue(OpKind::kReduceScatter, {out, in}, op, -1);
 }
 
-std::shared_ptr<Work> GlooCommunicator::all_reduce(at::Tensor t, ReduceOp op) {
+std::shared_ptr<Work> TcpCommunicator::all_reduce(at::Tensor t, ReduceOp op) {
   check_tensor("all_reduce", "t", t);
   return enqueue(OpKind::kAllReduce, {t}, op, -1);
 }
 
-std::shared_ptr<Work> GlooCommunicator::broadcast(at::Tensor t, int root) {
+std::shared_ptr<Work> TcpCommunicator::broadcast(at::Tensor t, int root) {
   check_tensor("broadcast", "t", t);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, "broadcast: root ", root,
                     " is not a rank of this communicator (size ", size_, ")");
   return enqueue(OpKind::kBroadcast, {t}, ReduceOp::kSum, root);
 }
 
-std::shared_ptr<Work> GlooCommunicator::send(at::Tensor t, int dst) {
+std::shared_ptr<Work> TcpCommunicator::send(at::Tensor t, int dst) {
   check_tensor("send", "t", t);
   check_peer("send", "dst", dst);
   return enqueue(OpKind::kSend, {t}, ReduceOp::kSum, dst);
 }
 
-std::shared_ptr<Work> GlooCommunicator::recv(at::Tensor t, int src) {
+std::shared_ptr<Work> TcpCommunicator::recv(at::Tensor t, int src) {
   check_tensor("recv", "t", t);
   check_peer("recv", "src", src);
   return enqueue(OpKind::kRecv, {t}, ReduceOp::kSum, src);
 }
 
-void GlooCommunicator::barrier() { enqueue(OpKind::kBarrier, {}, ReduceOp::kSum, -1)->wait(); }
+void TcpCommunicator::barrier() { enqueue(OpKind::kBarrier, {}, ReduceOp::kSum, -1)->wait(); }
 
-std::shared_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ranks) {
+std::shared_ptr<Communicator> TcpCommunicator::split(const std::vector<int>& ranks) {
   TORCH_CHECK_VALUE(!ranks.empty(), "split: `ranks` is empty; pass the ranks of the new group");
   for (size_t i = 0; i < ranks.size(); ++i) {
     TORCH_CHECK_VALUE(ranks[i] >= 0 && ranks[i] < size_, "split: ranks[", i, "] = ", ranks[i],
@@ -202,8 +185,7 @@ std::shared_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ra
   const bool member = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
   if (!member) return nullptr;
   for (int r : ranks) {
-    GlooStoreAdapter adapter(store_, key, options_.rendezvous_timeout);
-    adapter.wait({std::to_string(r)});
+    wait_for_keys(*store_, key, {std::to_string(r)}, options_.rendezvous_timeout);
     auto theirs = store_->get(key + std::to_string(r));
     std::string s(theirs.begin(), theirs.end());
     TORCH_CHECK_VALUE(s == mine, "split #", index, ": ", rank_label(r, world_ranks_), " passed ", s,
@@ -212,16 +194,16 @@ std::shared_ptr<Communicator> GlooCommunicator::split(const std::vector<int>& ra
   const int new_rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   std::vector<int> world;
   for (int r : ranks) world.push_back(world_ranks_[r]);
-  return std::make_shared<GlooCommunicator>(new_rank, static_cast<int>(ranks.size()), world, store_,
-                                            key + "comm/", device_, options_);
+  return std::make_shared<TcpCommunicator>(new_rank, static_cast<int>(ranks.size()), world, store_,
+                                            key + "comm/", host_, options_);
 }
 
-CommStats GlooCommunicator::stats() const {
+CommStats TcpCommunicator::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;
 }
 
-void GlooCommunicator::record(OpKind kind, const OpStats& s) {
+void TcpCommunicator::record(OpKind kind, const OpStats& s) {
   std::lock_guard<std::mutex> lock(stats_mu_);
   OpStats& t = stats_.by_kind[kind];
   t.calls += s.calls;
@@ -231,12 +213,12 @@ void GlooCommunicator::record(OpKind kind, const OpStats& s) {
   t.seconds += s.seconds;
 }
 
-void GlooCommunicator::set_failure(const std::string& message) {
+void TcpCommunicator::set_failure(const std::string& message) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failure_.empty()) failure_ = message;
 }
 
-void GlooCommunicator::worker_loop() {
+void TcpCommunicator::worker_loop() {
   trace::set_thread_name(prefix_.empty() ? "communicator" : "communicator " + prefix_);
   while (true) {
     Queued q;
@@ -255,7 +237,7 @@ void GlooCommunicator::worker_loop() {
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
-    Exchange ex{*contexts_[0], *contexts_[1], rank_, size_, world_ranks_, work, start + options_.timeout,
+    Exchange ex{mesh_, rank_, size_, world_ranks_, work, start + options_.timeout,
                 options_.timeout, OpStats{}, scratch_};
     ex.work.set_progress("running");
     ex.stats.calls = 1;
@@ -291,7 +273,7 @@ void GlooCommunicator::worker_loop() {
   }
 }
 
-void GlooCommunicator::reaper_loop() {
+void TcpCommunicator::reaper_loop() {
   while (true) {
     PostedSend posted;
     {

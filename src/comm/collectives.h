@@ -1,9 +1,9 @@
-// gloo_ops.h — the algorithms behind each operation, over Gloo's TCP transport.
+// collectives.h — the algorithms behind each operation, over the TCP mesh (tcp_mesh.h).
 //
 // Every collective exchanges a header with every peer (kind, sequence number,
 // numel, dtype, op/root) and refuses to move data when any rank disagrees,
 // naming it. Receives of up to 256 KiB are posted first, sized from this rank's
-// own arguments, so Gloo's ready notices travel while headers are checked; data
+// own arguments, so the transport's ready notices travel while headers are checked; data
 // is sent only after every header matched, so no rank ever sends a peer more
 // than it posted, and a mismatch moves no data at all. Payloads of at most
 // kInlineBytes ride inside the header message: one exchange instead of two.
@@ -20,11 +20,10 @@
 // Functions here run on a communicator's thread; they are not thread-safe.
 #pragma once
 
+#include "comm/tcp_mesh.h"
 #include "comm/work.h"
 #include "zeroshard/comm.h"
 
-#include <gloo/context.h>
-#include <gloo/transport/unbound_buffer.h>
 
 #include <chrono>
 #include <memory>
@@ -65,13 +64,7 @@ class Scratch {
 
 // One operation being executed.
 struct Exchange {
-  // Two connections per pair of ranks, one per direction of data: `up` carries
-  // data from the lower rank to the higher, `down` the reverse. Sending and
-  // receiving then never contend for the same socket.
-  gloo::Context& up;
-  gloo::Context& down;
-  gloo::Context& to(int peer) const { return rank < peer ? up : down; }
-  gloo::Context& from(int peer) const { return peer < rank ? up : down; }
+  TcpMesh& mesh;
   int rank;
   int size;
   const std::vector<int>& world_ranks;  // this communicator's rank -> world rank, for messages
@@ -92,8 +85,8 @@ void run_recv(Exchange& ex, uint64_t p2p_seq);
 struct PostedSend {
   std::shared_ptr<OpWork> work;
   std::vector<char> message;  // header, then the payload when inlined
-  std::unique_ptr<gloo::transport::UnboundBuffer> header_buf;
-  std::unique_ptr<gloo::transport::UnboundBuffer> data_buf;
+  std::unique_ptr<Buffer> header_buf;
+  std::unique_ptr<Buffer> data_buf;
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds timeout;
 };

@@ -1,4 +1,4 @@
-#include "comm/store_adapter.h"
+#include "comm/store_wait.h"
 
 #include <c10/util/Exception.h>
 
@@ -7,24 +7,8 @@
 
 namespace zeroshard::comm {
 
-GlooStoreAdapter::GlooStoreAdapter(std::shared_ptr<c10d::Store> store, std::string prefix,
-                                   std::chrono::milliseconds timeout)
-    : store_(std::move(store)), prefix_(std::move(prefix)), timeout_(timeout) {}
-
-void GlooStoreAdapter::set(const std::string& key, const std::vector<char>& data) {
-  store_->set(prefix_ + key, std::vector<uint8_t>(data.begin(), data.end()));
-}
-
-std::vector<char> GlooStoreAdapter::get(const std::string& key) {
-  wait({key});
-  auto value = store_->get(prefix_ + key);
-  return std::vector<char>(value.begin(), value.end());
-}
-
-void GlooStoreAdapter::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
-
-void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
-                            const std::chrono::milliseconds& timeout) {
+void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vector<std::string>& keys,
+                   std::chrono::milliseconds timeout) {
   // Poll with check() rather than Store::wait(), so that a timeout can say
   // exactly which keys (ranks) are missing.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -33,7 +17,7 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
   while (true) {
     missing.clear();
     for (const auto& k : keys) {
-      if (!store_->check({prefix_ + k})) missing.push_back(k);
+      if (!store.check({prefix + k})) missing.push_back(k);
     }
     if (missing.empty()) return;
     if (std::chrono::steady_clock::now() >= deadline) break;
@@ -42,7 +26,7 @@ void GlooStoreAdapter::wait(const std::vector<std::string>& keys,
   }
   std::ostringstream names;
   for (size_t i = 0; i < missing.size(); ++i) names << (i ? ", " : "") << missing[i];
-  TORCH_CHECK(false, "rendezvous timed out after ", timeout.count(), " ms (store prefix '", prefix_,
+  TORCH_CHECK(false, "rendezvous timed out after ", timeout.count(), " ms (store prefix '", prefix,
               "'): rank(s) [", names.str(),
               "] never published their address. Check that those ranks started, that every rank "
               "uses the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, and that they create the "

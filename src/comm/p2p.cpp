@@ -1,6 +1,6 @@
-// Point-to-point send/recv over Gloo: a header (with the payload inside when it
+// Point-to-point send/recv over the TCP mesh: a header (with the payload inside when it
 // is small), then the data; the receiver checks the header against its tensor.
-#include "comm/gloo_wire.h"
+#include "comm/wire.h"
 
 #include <c10/util/Exception.h>
 
@@ -19,11 +19,11 @@ PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_se
   ps.message.resize(sizeof(WireHeader) + h.inline_bytes);
   std::memcpy(ps.message.data(), &h, sizeof(WireHeader));
   if (h.inline_bytes > 0) std::memcpy(ps.message.data() + sizeof(WireHeader), t.data_ptr(), bytes);
-  ps.header_buf = make_buffer(ex.to(dst), ps.message.data(), ps.message.size());
+  ps.header_buf = make_buffer(ex.mesh, ps.message.data(), ps.message.size());
   ps.header_buf->send(dst, make_slot(kP2PHeader, p2p_seq, 0), 0, ps.message.size());
   ex.stats.control_bytes += sizeof(WireHeader);
   if (bytes > 0 && h.inline_bytes == 0) {
-    ps.data_buf = make_buffer(ex.to(dst), t.data_ptr(), bytes);
+    ps.data_buf = make_buffer(ex.mesh, t.data_ptr(), bytes);
     ps.data_buf->send(dst, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
   }
   ex.stats.bytes_sent += bytes;
@@ -45,7 +45,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
   at::Tensor t = w.tensors()[0];
   const int src = w.peer;
   std::vector<char> message(sizeof(WireHeader) + kInlineBytes);
-  auto hbuf = make_buffer(ex.from(src), message.data(), message.size());
+  auto hbuf = make_buffer(ex.mesh, message.data(), message.size());
   hbuf->recv(src, make_slot(kP2PHeader, p2p_seq, 0), 0, message.size());
   wait_all(ex, {{src, hbuf.get(), 1, true}}, "matching send");
   ex.stats.control_bytes += sizeof(WireHeader);
@@ -66,7 +66,7 @@ void run_recv(Exchange& ex, uint64_t p2p_seq) {
     std::memcpy(t.data_ptr(), message.data() + sizeof(WireHeader), bytes);
     return;
   }
-  auto dbuf = make_buffer(ex.from(src), t.data_ptr(), bytes);
+  auto dbuf = make_buffer(ex.mesh, t.data_ptr(), bytes);
   dbuf->recv(src, make_slot(kP2PData, p2p_seq, 0), 0, bytes);
   wait_all(ex, {{src, dbuf.get(), 1, true}}, "send data");
 }

@@ -1,6 +1,6 @@
-#include "comm/gloo_ops.h"
+#include "comm/collectives.h"
 
-#include "comm/gloo_wire.h"
+#include "comm/wire.h"
 #include "comm/reduce_kernels.h"
 
 #include <c10/util/Exception.h>
@@ -74,7 +74,7 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
   for (int k = 1; k < ex.size; ++k) {
     const int p = (ex.rank + k) % ex.size;
     got.from[p].resize(capacity);
-    bufs.push_back(make_buffer(ex.from(p), got.from[p].data(), capacity));
+    bufs.push_back(make_buffer(ex.mesh, got.from[p].data(), capacity));
     bufs.back()->recv(p, slot, 0, capacity);
     recvs.push_back({p, bufs.back().get(), 1, true});
 
@@ -87,7 +87,7 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
     msg.resize(sizeof(WireHeader) + payload.second);
     std::memcpy(msg.data(), &h, sizeof(WireHeader));
     if (payload.second > 0) std::memcpy(msg.data() + sizeof(WireHeader), payload.first, payload.second);
-    bufs.push_back(make_buffer(ex.to(p), msg.data(), msg.size()));
+    bufs.push_back(make_buffer(ex.mesh, msg.data(), msg.size()));
     bufs.back()->send(p, slot, 0, msg.size());
     sends.push_back({p, bufs.back().get(), 1, false});
     ex.stats.control_bytes += 2 * static_cast<int64_t>(sizeof(WireHeader));
@@ -176,7 +176,7 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
   if (my_count > 0) {
     for (int h = 0; h < kInflight; ++h)
       for (int p = 0; p < n; ++p)
-        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.from(p), stage(h, p), stride);
+        if (p != r) recv_bufs[h * n + p] = make_buffer(ex.mesh, stage(h, p), stride);
   }
   auto post = [&](int64_t s) {
     const int64_t len = std::min(seg, my_count - s * seg);
@@ -196,7 +196,7 @@ void reduce_scatter_v(Exchange& ex, void* out, const void* in, const Slices& sli
     const int64_t c = slices.counts[p];
     if (c == 0) continue;
     const int64_t pseg = segment_elems(c, es);
-    send_bufs.push_back(make_buffer(ex.to(p), in_bytes + slices.offsets[p] * es, c * es));
+    send_bufs.push_back(make_buffer(ex.mesh, in_bytes + slices.offsets[p] * es, c * es));
     int posted = 0;
     for (int64_t s = 0; s * pseg < c; ++s, ++posted) {
       const int64_t len = std::min(pseg, c - s * pseg);
@@ -249,7 +249,7 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   for (int k = 1; k < n; ++k) {
     const int p = (r + n - k) % n;
     if (slices.counts[p] == 0) continue;
-    bufs.push_back(make_buffer(ex.from(p), base + slices.offsets[p] * es, slices.counts[p] * es));
+    bufs.push_back(make_buffer(ex.mesh, base + slices.offsets[p] * es, slices.counts[p] * es));
     bufs.back()->recv(p, slot, 0, slices.counts[p] * es);
     recvs.push_back({p, bufs.back().get(), 1, true});
     ex.stats.bytes_received += slices.counts[p] * es;
@@ -258,7 +258,7 @@ void all_gather_v(Exchange& ex, void* out, const Slices& slices, c10::ScalarType
   if (slices.counts[r] > 0) {
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      bufs.push_back(make_buffer(ex.to(p), own, slices.counts[r] * es));
+      bufs.push_back(make_buffer(ex.mesh, own, slices.counts[r] * es));
       bufs.back()->send(p, slot, 0, slices.counts[r] * es);
       sends.push_back({p, bufs.back().get(), 1, false});
       ex.stats.bytes_sent += slices.counts[r] * es;
@@ -280,7 +280,7 @@ void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()
     before_sends();
     for (int k = 1; k < n; ++k) {
       const int p = (r + k) % n;
-      bufs.push_back(make_buffer(ex.to(p), t.data_ptr(), bytes));
+      bufs.push_back(make_buffer(ex.mesh, t.data_ptr(), bytes));
       bufs.back()->send(p, slot, 0, bytes);
       pending.push_back({p, bufs.back().get(), 1, false});
     }
@@ -289,7 +289,7 @@ void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()
   } else {
     const bool check_first = bytes > kPrepostBytes;
     if (check_first) before_sends();
-    bufs.push_back(make_buffer(ex.from(root), t.data_ptr(), bytes));
+    bufs.push_back(make_buffer(ex.mesh, t.data_ptr(), bytes));
     bufs.back()->recv(root, slot, 0, bytes);
     if (!check_first) before_sends();
     wait_all(ex, {{root, bufs.back().get(), 1, true}}, "broadcast data");

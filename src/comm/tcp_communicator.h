@@ -1,20 +1,18 @@
-// gloo_communicator.h — the Communicator over Gloo's TCP transport (CPU tensors).
+// tcp_communicator.h — the Communicator over TCP (CPU tensors).
 //
-// Owns two Gloo contexts (a TCP connection to every peer for each direction of
-// data, see Exchange), a thread that
-// executes queued operations in issue order, and a thread that waits for
+// Owns a TcpMesh (a connection to every peer, and the thread that moves their
+// bytes), a thread that executes queued operations in issue order, and a
+// thread that waits for
 // posted sends to be taken by their receivers. Arguments are checked when an
 // operation is issued (in the caller's thread); agreement between ranks is
 // checked when it executes. After any failure the communicator refuses further
 // work with the original error: collectives cannot resynchronise.
 #pragma once
 
-#include "comm/gloo_ops.h"
+#include "comm/collectives.h"
 #include "comm/work.h"
 #include "zeroshard/comm.h"
 
-#include <gloo/rendezvous/context.h>
-#include <gloo/transport/device.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <condition_variable>
@@ -27,17 +25,18 @@
 
 namespace zeroshard::comm {
 
-class GlooCommunicator final : public Communicator {
+class TcpCommunicator final : public Communicator {
  public:
   // Connects to every rank (blocks until all joined; a timeout names the missing ranks).
   // `world_ranks[i]` is the world rank of this communicator's rank i (for messages).
-  GlooCommunicator(int rank, int size, std::vector<int> world_ranks,
-                   std::shared_ptr<c10d::Store> store, std::string prefix,
-                   std::shared_ptr<gloo::transport::Device> device, CommOptions options);
+  // `host` is the address this rank listens on (its splits listen there too).
+  TcpCommunicator(int rank, int size, std::vector<int> world_ranks,
+                  std::shared_ptr<c10d::Store> store, std::string prefix, std::string host,
+                  CommOptions options);
   // Executes what is still queued, then joins both threads.
-  ~GlooCommunicator() override;
-  GlooCommunicator(const GlooCommunicator&) = delete;
-  GlooCommunicator& operator=(const GlooCommunicator&) = delete;
+  ~TcpCommunicator() override;
+  TcpCommunicator(const TcpCommunicator&) = delete;
+  TcpCommunicator& operator=(const TcpCommunicator&) = delete;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -72,10 +71,10 @@ class GlooCommunicator final : public Communicator {
   const std::vector<int> world_ranks_;
   const std::shared_ptr<c10d::Store> store_;
   const std::string prefix_;
-  const std::shared_ptr<gloo::transport::Device> device_;
+  const std::string host_;
   const CommOptions options_;
-  // [0]: data from lower to higher ranks, [1]: the reverse (see Exchange).
-  std::shared_ptr<gloo::rendezvous::Context> contexts_[2];
+  // Declared before everything that holds Buffers on it (posted_), so it is destroyed after them.
+  TcpMesh mesh_;
 
   std::mutex mu_;
   std::condition_variable cv_;

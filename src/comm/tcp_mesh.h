@@ -1,0 +1,137 @@
+// tcp_mesh.h — the TCP connections between the ranks of one communicator, and
+// the thread that moves their bytes (Boost.Asio). Internal to src/comm.
+//
+// A message is a 64-bit slot (composed by the algorithms, see wire.h) and its
+// bytes. Sends and receives are posted on a Buffer (caller-owned memory) and
+// matched by (peer, slot): they complete asynchronously, in any order across
+// slots, so one rank may receive slot B while its peer still waits for slot A.
+//
+// Messages of at most kEagerBytes are written at once; a receiver that posted
+// nothing for them yet keeps a copy until it does. Larger messages are
+// receiver-driven: posting the receive sends the peer a ready notice, and only
+// then does the sender write, straight into the posted memory. No large message
+// is ever staged, and no sender writes more than its receiver posted. Data is
+// written in chunks of kChunkBytes, and ready notices go out ahead of the next
+// chunk: a notice never waits behind a large message going the same way.
+//
+// Ownership: the mesh owns its sockets and its thread (joined by the destructor).
+// A Buffer's memory must outlive the Buffer; destroying a Buffer whose bytes are
+// still moving fails the mesh (closes every connection) first, so the thread
+// never touches freed memory. Thread-safety: Buffers may be created and used on
+// any thread; one Buffer's waits on one thread at a time.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace zeroshard::comm {
+
+class TcpMesh;
+
+// Caller-owned memory that sends and receives are posted on.
+class Buffer {
+ public:
+  Buffer(TcpMesh& mesh, void* ptr, size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  // Posts a send of bytes [offset, offset + nbytes) to `peer` under `slot`.
+  void send(int peer, uint64_t slot, size_t offset, size_t nbytes);
+  // Posts a receive from `peer` under `slot` into [offset, offset + nbytes); the
+  // sender may send fewer bytes (at most kEagerBytes then), never more.
+  void recv(int peer, uint64_t slot, size_t offset, size_t nbytes);
+
+  // Each returns once one posted send (receive) of this buffer completed: true;
+  // false when `timeout` passed first. Throws std::runtime_error with the cause
+  // when the connection carrying one of this buffer's operations broke.
+  bool wait_send(std::chrono::milliseconds timeout);
+  bool wait_recv(std::chrono::milliseconds timeout);
+
+  TcpMesh& mesh() const { return mesh_; }
+
+ private:
+  friend class TcpMesh;
+  bool wait(int& done, std::chrono::milliseconds timeout);
+
+  TcpMesh& mesh_;
+  char* const ptr_;
+  const size_t bytes_;
+  // Guarded by the mesh's mutex:
+  int sends_done_ = 0;
+  int recvs_done_ = 0;
+  std::string error_;
+  int pending_ = 0;  // posted operations not finished yet
+};
+
+class TcpMesh {
+ public:
+  // Sends up to this many bytes without waiting for the receiver (headers and
+  // inline payloads fit: at most 4 KiB + 40 bytes).
+  static constexpr size_t kEagerBytes = 8192;
+  // Data goes out in chunks of this many bytes, ready notices between them.
+  static constexpr size_t kChunkBytes = size_t(512) << 10;
+
+  // Listens on `host`, publishes its address in `store` under `prefix`, and
+  // connects to every other rank (blocks until all joined). A timeout names
+  // the ranks that never published their address or never connected.
+  TcpMesh(int rank, int size, const std::string& host, c10d::Store& store, const std::string& prefix,
+          std::chrono::milliseconds timeout);
+  // Closes every connection (pending operations fail) and joins the thread.
+  ~TcpMesh();
+  TcpMesh(const TcpMesh&) = delete;
+  TcpMesh& operator=(const TcpMesh&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Of `peers`, the one whose connection broke first, and why; {-1, ""} if
+  // none broke. (When one rank dies, the others may give up and close their
+  // connections too: the first break names the rank to blame.)
+  std::pair<int, std::string> first_broken(const std::vector<int>& peers);
+
+ private:
+  friend class Buffer;
+  struct Op;
+  struct Peer;
+
+  void post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t nbytes, bool is_recv);
+  void forget(Buffer& buf);
+  void connect_all(const std::string& host, c10d::Store& store, const std::string& prefix,
+                   std::chrono::milliseconds timeout);
+
+  // On the mesh's thread:
+  void read_frame(int peer);
+  void on_frame(int peer);
+  void write_next(int peer);
+
+  // Under mu_:
+  void notify_locked(int peer, uint64_t slot, size_t bytes);  // queue a ready notice
+  void clear_to_send_locked(int peer, Op* op);                 // queue a send's data
+  void kick_locked(int peer);
+  void finish_locked(Op* op, const std::string& error);
+  void break_locked(int peer, const std::string& cause);
+
+  const int rank_;
+  const int size_;
+  struct Io;
+  std::unique_ptr<Io> io_;  // io_context, acceptor and sockets; used on the mesh's thread
+
+  std::mutex mu_;
+  std::condition_variable cv_;             // notified when an operation finishes
+  std::vector<std::unique_ptr<Peer>> peers_;  // guarded by mu_ (sockets: the thread only)
+  std::list<std::unique_ptr<Op>> ops_;     // guarded by mu_; every posted, unfinished operation
+  uint64_t breaks_ = 0;                    // guarded by mu_; connections broken so far
+};
+
+}  // namespace zeroshard::comm
