@@ -1,9 +1,19 @@
 # zeroshard — the two commands a newcomer needs:
 #   make demo   install what is missing, build, and pretrain tiny BART on 4 local ranks (DATA=dir for your text)
 #   make test   install what is missing, build, and run the whole test suite (ctest)
-# Other targets: make build, make bench, make clean. Variables: BUILD_DIR, JOBS.
+# Other targets: make build, make bench, make clean.
+# Variables:
+#   TORCH=venv    (default) LibTorch 2.x: PyPI's torch wheel in the project's Python environment
+#   TORCH=system  Debian's libtorch-dev 1.13, built in build-system/
+#   BUILD_DIR, JOBS, VENV (where the Python environment lives)
 
+TORCH ?= venv
+VENV ?= $(CURDIR)/.venv
+ifeq ($(TORCH),system)
+BUILD_DIR ?= build-system
+else
 BUILD_DIR ?= build
+endif
 JOBS ?= 2
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
@@ -12,10 +22,12 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 all: build
 
 deps:
-	@scripts/install-deps.sh
+	@scripts/install-deps.sh $(VENV) $(TORCH)
 
 configure: deps
-	@cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS) > $(BUILD_DIR).configure.log 2>&1 || { cat $(BUILD_DIR).configure.log; exit 1; }
+	@cmake -S . -B $(BUILD_DIR) -DZS_TORCH=$(TORCH) -DZS_PYTHON=$(VENV)/bin/python $(CMAKE_FLAGS) \
+	  > $(BUILD_DIR).configure.log 2>&1 || { cat $(BUILD_DIR).configure.log; exit 1; }
+	@grep "^-- zeroshard" $(BUILD_DIR).configure.log || true
 
 build: configure
 	@cmake --build $(BUILD_DIR) -j$(JOBS)
@@ -32,7 +44,7 @@ bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/bench/optim_bench
-	@bench/zero_vs_ddp.sh $(BUILD_DIR) 4
+	@PYTHON=$(VENV)/bin/python bench/zero_vs_ddp.sh $(BUILD_DIR) 4
 	@bench/zero3_bench.sh $(BUILD_DIR) 4
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/ckpt_bench --dir $(BUILD_DIR)/ckpt_bench
 	@bench/ckpt_resume.py $(BUILD_DIR)

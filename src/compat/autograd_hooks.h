@@ -1,36 +1,50 @@
-// end_of_backward.h — run something when the current backward pass ends,
-// and something else if it ends with an exception instead.
+// autograd_hooks.h — the two moments of a backward pass the sharding code acts
+// on: "this parameter's gradient is complete" and "the backward pass ended".
+// Part of src/compat: how LibTorch exposes them differs between versions.
 //
-// Autograd's final callbacks run after the last node of a backward pass; when
-// backward throws, the callback is dropped without running. The token carried
-// by the callback notices that in its destructor. Both functions run with grad
-// mode off. REQUIRES: called during backward (from an autograd hook).
+// Gradient ready: a post hook on the parameter's gradient accumulator, which
+// LibTorch 1.13 and 2.x both offer (2.1's register_post_accumulate_grad_hook is
+// a single slot per tensor that replaces an earlier hook, so it is not used).
+// End of backward: an autograd final callback; when backward throws the
+// callback is dropped without running, which the token it carries notices.
+// Thread-safety: hooks and callbacks run on autograd's threads.
 #pragma once
 
-#include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/engine.h>
+#include "compat/autograd_node.h"
 
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
 #include <functional>
-#include <memory>
-#include <utility>
+#include <string>
 
-namespace zeroshard::shard {
+namespace zeroshard::compat {
 
-inline void on_end_of_backward(std::function<void()> on_end, std::function<void()> on_abandoned) {
-  struct Token {
-    std::function<void()> abandoned;
-    bool ran = false;
-    ~Token() {
-      if (!ran && abandoned) abandoned();
-    }
-  };
-  auto token = std::make_shared<Token>();
-  token->abandoned = std::move(on_abandoned);
-  torch::autograd::Engine::get_default_engine().queue_callback([token, end = std::move(on_end)] {
-    token->ran = true;
-    at::NoGradGuard no_grad;
-    end();
-  });
-}
+// Removes its hook when destroyed (or on remove()). Move-only.
+class GradReadyHook {
+ public:
+  GradReadyHook() = default;
+  // Runs `fn` (with grad mode off) each time a backward pass has accumulated
+  // `param`'s gradient. `what` names the parameter in the error thrown when
+  // it has no gradient accumulator (it is not a leaf that requires grad).
+  // The accumulator is created now, with the parameter's current shape.
+  GradReadyHook(const at::Tensor& param, std::function<void()> fn, const std::string& what);
+  ~GradReadyHook() { remove(); }
+  GradReadyHook(GradReadyHook&& other) noexcept;
+  GradReadyHook& operator=(GradReadyHook&& other) noexcept;
+  GradReadyHook(const GradReadyHook&) = delete;
+  GradReadyHook& operator=(const GradReadyHook&) = delete;
 
-}  // namespace zeroshard::shard
+  void remove();
+
+ private:
+  NodeRef node_;
+  uintptr_t key_ = 0;
+};
+
+// Runs `on_end` when the current backward pass ends, or `on_abandoned` if it
+// ends with an exception instead. Both run with grad mode off.
+// REQUIRES: called during backward (from an autograd hook).
+void on_end_of_backward(std::function<void()> on_end, std::function<void()> on_abandoned);
+
+}  // namespace zeroshard::compat

@@ -1,6 +1,8 @@
 // activation_checkpoint.cpp — a graph node that recomputes its forward in backward.
 #include "zeroshard/activation_checkpoint.h"
 
+#include "compat/autograd_node.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -66,7 +68,7 @@ bool detail::in_recompute() { return recompute_depth > 0; }
 
 TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
   if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);
-  auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(), torch::autograd::deleteNode);
+  auto node = compat::make_autograd_node<CheckpointBackward>();
   node->rng_state = at::detail::getDefaultCPUGenerator().get_state();
   TensorList outs;
   {

@@ -14,53 +14,28 @@
 // backward accumulates straight into it; step() reduce-scatters every bucket.
 #include "shard/sharded_adamw_impl.h"
 
-#include "shard/end_of_backward.h"
+#include "compat/autograd_hooks.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/log.h"
 
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
 
 namespace zeroshard {
-namespace {
-
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradReadyHook(std::weak_ptr<shard::HookTarget> target, size_t param)
-      : target_(std::move(target)), param_(param) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto t = target_.lock()) {
-      at::NoGradGuard no_grad;  // copies into buckets are never part of a graph (create_graph=true)
-      std::lock_guard<std::recursive_mutex> lock(t->mu);
-      if (t->impl != nullptr) t->impl->on_grad_ready(param_);
-    }
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<shard::HookTarget> target_;
-  size_t param_;
-};
-
-}  // namespace
 
 void ShardedAdamW::Impl::register_hooks() {
   for (size_t i = 0; i < params.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-    TORCH_CHECK(acc, "ShardedAdamW: parameter '", infos[i].name,
-                "' has no gradient accumulator; is it a leaf tensor that requires grad?");
-    const uintptr_t key = acc->add_post_hook(std::make_unique<GradReadyHook>(target, i));
-    hooks.emplace_back(std::move(acc), key);
+    std::weak_ptr<shard::HookTarget> weak = target;
+    hooks.emplace_back(params[i], [weak, i] {
+      if (auto t = weak.lock()) {
+        std::lock_guard<std::recursive_mutex> lock(t->mu);
+        if (t->impl != nullptr) t->impl->on_grad_ready(i);
+      }
+    }, "ShardedAdamW: parameter '" + infos[i].name + "'");
   }
 }
 
-void ShardedAdamW::Impl::remove_hooks() {
-  for (auto& [node, key] : hooks) node->del_post_hook(key);
-  hooks.clear();
-}
+void ShardedAdamW::Impl::remove_hooks() { hooks.clear(); }
 
 void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
   auto& p = params[param];
@@ -96,8 +71,8 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
         if (t->impl != nullptr) fn(*t->impl);
       }
     };
-    shard::on_end_of_backward([with_impl] { with_impl([](Impl& im) { im.end_backward(); }); },
-                              [with_impl] { with_impl([](Impl& im) { im.backward_aborted = true; }); });
+    compat::on_end_of_backward([with_impl] { with_impl([](Impl& im) { im.end_backward(); }); },
+                               [with_impl] { with_impl([](Impl& im) { im.backward_aborted = true; }); });
   }
   had_grad[param] = 1;
   if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)

@@ -6,7 +6,7 @@
 #include "optim/loss_scaler.h"
 #include "zeroshard/sharded_optimizer.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "compat/autograd_hooks.h"
 
 #include <deque>
 #include <mutex>
@@ -93,7 +93,7 @@ struct ShardedAdamW::Impl {
   }
 
   std::shared_ptr<shard::HookTarget> target;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  std::vector<compat::GradReadyHook> hooks;
 
   // grad_reduction.cpp
   void register_hooks();

@@ -7,34 +7,10 @@
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/trace.h"
 
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
 
 namespace zeroshard::detail {
-namespace {
-
-class UnitGradHook : public torch::autograd::FunctionPostHook {
- public:
-  UnitGradHook(std::weak_ptr<FullyShardedModel::Impl::Guard> guard, size_t unit, size_t param)
-      : guard_(std::move(guard)), unit_(unit), param_(param) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto g = guard_.lock()) {
-      at::NoGradGuard no_grad;
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->impl != nullptr) g->impl->units[unit_]->on_grad_ready(param_);
-    }
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<FullyShardedModel::Impl::Guard> guard_;
-  size_t unit_, param_;
-};
-
-}  // namespace
 
 Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, std::vector<std::string> names,
            std::vector<at::Tensor> params_, bool is_root_)
@@ -72,18 +48,17 @@ void Unit::register_hooks() {
     if (!trainable[i]) continue;
     // Created now, while the parameter has its full shape: the accumulator
     // records that shape, and gradients are checked against it.
-    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-    TORCH_CHECK(acc, "fully_shard: parameter '", layout.params[i].name, "' of unit '", name,
-                "' has no gradient accumulator; is it a leaf tensor?");
-    const uintptr_t key = acc->add_post_hook(std::make_unique<UnitGradHook>(model.guard, index, i));
-    hooks_.emplace_back(std::move(acc), key);
+    std::weak_ptr<FullyShardedModel::Impl::Guard> weak = model.guard;
+    hooks_.emplace_back(params[i], [weak, unit = index, i] {
+      if (auto g = weak.lock()) {
+        std::lock_guard<std::recursive_mutex> lock(g->mu);
+        if (g->impl != nullptr) g->impl->units[unit]->on_grad_ready(i);
+      }
+    }, "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
   }
 }
 
-void Unit::remove_hooks() {
-  for (auto& [node, key] : hooks_) node->del_post_hook(key);
-  hooks_.clear();
-}
+void Unit::remove_hooks() { hooks_.clear(); }
 
 void Unit::start_unshard() {
   if (is_gathered || gather_work_) return;

@@ -15,7 +15,7 @@
 
 #include "zeroshard/fully_shard.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "compat/autograd_hooks.h"
 
 #include <algorithm>
 #include <chrono>
@@ -90,7 +90,7 @@ class Unit {
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
   std::string label() const;
   at::Tensor rs_in_;                   // packed gradients, until launched
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::vector<compat::GradReadyHook> hooks_;
 };
 
 }  // namespace detail

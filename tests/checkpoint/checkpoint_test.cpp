@@ -489,7 +489,9 @@ TEST(CheckpointBadInput, UnwritableDirectoryIsNamed) {
   const auto bad = (fs::path(dir) / "file" / "run").string();
   const auto what = testing::error_of([&] { Checkpointer c(bad, world_ptr()); });
   EXPECT_NE(what.find("opening the run directory failed on rank(s) 0"), std::string::npos) << what;
-  if (world().rank() == 0) EXPECT_NE(what.find("'" + bad + "'"), std::string::npos) << what;
+  if (world().rank() == 0) {
+    EXPECT_NE(what.find("'" + bad + "'"), std::string::npos) << what;
+  }
 }
 
 // A full disk, as a file-size limit on the last rank: every rank throws, the
@@ -516,7 +518,9 @@ TEST(CheckpointBadInput, FullDiskFailsEveryRankAndKeepsLatest) {
   setrlimit(RLIMIT_FSIZE, &old);
   std::signal(SIGXFSZ, old_handler);
   EXPECT_NE(what.find("writing rank files failed on rank(s) " + std::to_string(last)), std::string::npos) << what;
-  if (world().rank() == last) EXPECT_NE(what.find("rank-"), std::string::npos) << what;
+  if (world().rank() == last) {
+    EXPECT_NE(what.find("rank-"), std::string::npos) << what;
+  }
   EXPECT_EQ(latest_of(dir), "step-00000002");
   EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000004"));
   Trainer fresh(3, 7);

@@ -253,7 +253,7 @@ TEST(ShardedAdamWBadInput, EachIsAClearError) {
   EXPECT_NE(msg.find("'encoder.scale' has dtype Double"), std::string::npos) << msg;
 
   auto meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta)).set_requires_grad(true);
-  named = {};
+  named = torch::OrderedDict<std::string, torch::Tensor>();
   named.insert("head.weight", meta);
   msg = error_of([&] { ShardedAdamW opt(named, world_ptr()); });
   EXPECT_NE(msg.find("'head.weight' is on meta"), std::string::npos) << msg;
