@@ -3,6 +3,7 @@
 //   zeroshard-run --nproc-per-node 4 --max-restarts 3 -- bart_pretrain --config base --data DIR
 //       --run-dir runs/base --stage 3 --global-batch 64 --micro-batches 4 --max-steps 20000
 //   bart_pretrain train-tokenizer --data DIR --vocab-size 8000 --out tokenizer/
+//   bart_pretrain encode --tokenizer tokenizer/ < texts.jsonl   (ids per line)
 //
 // Every rank reads the corpus, noises its share of each global batch (the
 // noise depends only on the example and epoch, so any world size sees the same
@@ -32,6 +33,10 @@ int main(int argc, char** argv) {
   tok->add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
   tok->add_option("--vocab-size", o.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
   tok->add_option("--out", tok_out, "writes vocab.json and merges.txt here")->capture_default_str();
+
+  auto* enc = app.add_subcommand("encode", "tokenize text: one JSON string per line on stdin -> its ids, a JSON "
+                                          "array per line on stdout");
+  enc->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
 
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
@@ -88,6 +93,7 @@ int main(int argc, char** argv) {
   o.noise.permute_sentences = !no_permute;
   try {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
+    if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
     return bart::run_pretraining(o);
   } catch (const c10::Error& e) {  // without LibTorch's C++ backtrace: the message says what to fix
     zeroshard::log_error(std::string("bart_pretrain: ") + e.what_without_backtrace());

@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 namespace bart {
 
@@ -172,6 +173,22 @@ double all_sum(zeroshard::Communicator& comm, double v) {
 
 int train_tokenizer_command(const RunOptions& o, const std::string& out_dir) {
   train_tokenizer_into(read_texts(o.data), o.vocab_size, out_dir);
+  return 0;
+}
+
+int encode_command(const std::string& tokenizer_dir) {
+  TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(tokenizer_dir)), "encode: --tokenizer '", tokenizer_dir,
+                    "' has no vocab.json; give a directory with vocab.json and merges.txt");
+  const auto tokenizer = load_tokenizer(tokenizer_dir);
+  std::string line;
+  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+    const json text = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    TORCH_CHECK_VALUE(text.is_string(), "encode: input line ", n, " is not a JSON string; give one per line, "
+                      "e.g. \"it's 10\\u00b5m\"");
+    std::cout << json(tokenizer.encode(text.get<std::string>())).dump() << '\n';
+  }
+  std::cout.flush();
+  TORCH_CHECK(std::cout.good(), "encode: writing the ids failed");
   return 0;
 }
 

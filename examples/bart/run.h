@@ -47,6 +47,11 @@ struct RunOptions {
 // `bart_pretrain train-tokenizer`: learns a vocabulary from o.data into out_dir.
 int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
 
+// `bart_pretrain encode --tokenizer DIR`: stdin holds one JSON string per line
+// (any text: "\t", "\n", "\u00e9" escapes); stdout gets, per line, the ids of
+// its encoding as a JSON array. For comparing the tokenizer with others.
+int encode_command(const std::string& tokenizer_dir);
+
 // The training run; returns the exit status (kPreemptedExitCode after a
 // preemption save). Collective: every rank calls it with the same options.
 int run_pretraining(const RunOptions& o);

@@ -1,11 +1,14 @@
 // tokenizer.cpp — byte-level BPE (see tokenizer.h).
 #include "tokenizer.h"
 
+#include "unicode_classes.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 
@@ -53,11 +56,25 @@ bool is_space(uint32_t c) {
          c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
          c == 0x3000;
 }
-bool is_letter(uint32_t c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= 0xC0 && c != 0xD7 && c != 0xF7 && c != 0xFFFD &&
-                                                                 !is_space(c));
+// Whether c lies in one of the sorted, disjoint ranges.
+template <size_t N>
+bool in_ranges(const unicode::CodeRange (&ranges)[N], uint32_t c) {
+  const auto* after = std::upper_bound(std::begin(ranges), std::end(ranges), c,
+                                       [](uint32_t x, const unicode::CodeRange& r) { return x < r.first; });
+  return after != std::begin(ranges) && c <= (after - 1)->last;
 }
-bool is_digit(uint32_t c) { return c >= '0' && c <= '9'; }
+// GPT-2's \p{L} and \p{N}: Unicode's letters (Lu Ll Lt Lm Lo) and numbers (Nd Nl
+// No), from the tables. Not "every code point from U+00C0 up": marks (U+0301),
+// symbols and emoji, punctuation (U+2019 ’, U+2014 —), the zero-width space are
+// neither, and ª µ º ² ½ ٣ ９ Ⅻ ① are letters or numbers.
+bool is_letter(uint32_t c) {
+  if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+  return in_ranges(unicode::kLetters, c);
+}
+bool is_number(uint32_t c) {
+  if (c < 0x80) return c >= '0' && c <= '9';
+  return in_ranges(unicode::kNumbers, c);
+}
 
 // Replaces every occurrence of the adjacent pair (a, b), left to right, by a+b.
 void merge_pair(std::vector<std::string>& sym, const std::string& a, const std::string& b) {
@@ -122,7 +139,7 @@ std::vector<std::string> ByteLevelBpe::pretokenize(const std::string& text) {
       }
     }
     if (!is_space(c)) {
-      auto cls = [](uint32_t x) { return is_letter(x) ? 0 : is_digit(x) ? 1 : 2; };
+      auto cls = [](uint32_t x) { return is_letter(x) ? 0 : is_number(x) ? 1 : 2; };
       const int k = cls(c);
       j += l;
       while (j < n) {

@@ -8,10 +8,10 @@
 // and the lowest-ranked merges are applied until none is left. Any byte
 // sequence round-trips through encode/decode.
 //
-// Approximation: GPT-2 splits with Unicode letter/number classes (\p{L},
-// \p{N}); here ASCII letters and every code point from U+00C0 up that is not
-// whitespace count as letters, and ASCII digits as numbers. ASCII text splits
-// exactly as GPT-2's regex does.
+// Letters and numbers are Unicode's \p{L} and \p{N} (unicode_classes.h, the
+// classes Hugging Face tokenizers uses), so any valid UTF-8 text splits exactly
+// as GPT-2's regex does in Hugging Face's ByteLevel pre-tokenizer
+// (tests/bart/check_hf.py tokenizer compares the ids).
 #pragma once
 
 #include <cstdint>

@@ -24,6 +24,16 @@ TEST(BartTokenizer, PreTokenizesLikeGpt2) {
   EXPECT_EQ(ByteLevelBpe::byte_symbols()['\n'], "\xC4\x8A");  // 'Ċ'
 }
 
+// Unicode's letter and number classes, not a byte-range approximation: U+00B5
+// (micro sign) is a letter below U+00C0, U+00BD (one half) a number, U+2019
+// (right single quote) and U+1F389 (party popper) are neither.
+TEST(BartTokenizer, PreTokenizesWithUnicodeClasses) {
+  EXPECT_EQ(ByteLevelBpe::pretokenize("5\xC2\xB5m 1\xC2\xBD"),
+            (std::vector<std::string>{"5", "\xC2\xB5m", " 1\xC2\xBD"}));
+  EXPECT_EQ(ByteLevelBpe::pretokenize("don\xE2\x80\x99t end\xF0\x9F\x8E\x89."),
+            (std::vector<std::string>{"don", "\xE2\x80\x99", "t", " end", "\xF0\x9F\x8E\x89."}));
+}
+
 // A hand-made vocabulary in the vocab.json/merges.txt format.
 TEST(BartTokenizer, KnownMergesGiveKnownIds) {
   const auto dir = zeroshard::testing::make_temp_dir("bpe");
