@@ -28,11 +28,14 @@ using asio::ip::tcp;
 namespace {
 
 constexpr uint32_t kFrameMagic = 0x5A535446;  // "ZSTF"
-enum FrameType : uint32_t { kData = 1, kReady = 2 };
+enum FrameType : uint32_t { kData = 1, kReady = 2, kClose = 3 };
+constexpr uint64_t kNoCulprit = ~uint64_t(0);
 
 // Precedes every frame on a connection (40 bytes). kData: bytes [offset,
 // offset + bytes) of a message of `total` bytes follow. kReady: the sender of
-// this frame posted a receive of `total` bytes for `slot`.
+// this frame posted a receive of `total` bytes for `slot`. kClose: the sender
+// closes the connection next; `slot` is the rank whose failure made it close
+// (kNoCulprit: it closed on its own).
 struct FrameHeader {
   uint32_t magic = kFrameMagic;
   uint32_t type = kData;
@@ -97,6 +100,9 @@ struct TcpMesh::Peer {
   std::unordered_map<uint64_t, Op*> waiting;               // large sends waiting for a ready notice
   std::string broken;                                      // why the connection failed; "" if healthy
   uint64_t broken_order = 0;                               // 1 for the mesh's first break, 2 next, ...
+  int culprit = -1;                                        // the rank the peer's kClose blamed
+  bool closing = false;                                    // write a kClose after the queued frames
+  uint64_t close_culprit = kNoCulprit;                     // what that kClose says
 };
 
 struct TcpMesh::Io {
@@ -151,11 +157,30 @@ TcpMesh::TcpMesh(int rank, int size, const std::string& host, c10d::Store& store
 }
 
 TcpMesh::~TcpMesh() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int p = 0; p < size_; ++p)
-      if (p != rank_) break_locked(p, "this rank closed the communicator");
+  // Closing gracefully: end this rank's side of every connection (the peer reads
+  // everything sent so far, then the end), and keep reading until each peer
+  // closed its side too, so no connection is reset with data in flight.
+  // The kClose frame tells each peer whom to blame when this close is the
+  // consequence of another rank's failure.
+  std::vector<int> others;
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_) others.push_back(p);
+  const int culprit = first_broken(others).first;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (int p : others) {
+    if (!peers_[p]->broken.empty()) continue;
+    peers_[p]->closing = true;
+    peers_[p]->close_culprit = culprit >= 0 ? static_cast<uint64_t>(culprit) : kNoCulprit;
+    kick_locked(p);
   }
+  cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_ && peers_[p]->broken.empty()) return false;
+    return true;
+  });
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_) break_locked(p, "this rank closed the communicator");
+  lock.unlock();
   io_->guard.reset();
   io_->thread.join();
 }
@@ -256,8 +281,8 @@ void TcpMesh::post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t n
   op->self = std::prev(ops_.end());
   ++buf.pending_;
   Peer& p = *peers_[peer];
-  if (!p.broken.empty()) return finish_locked(op, p.broken);
   if (is_recv) {
+    // A message that arrived before its sender closed the connection is still delivered.
     auto early = p.early.find(slot);
     if (early != p.early.end()) {
       std::vector<char> data = std::move(early->second);
@@ -269,11 +294,13 @@ void TcpMesh::post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t n
       std::memcpy(op->ptr, data.data(), data.size());
       return finish_locked(op, "");
     }
+    if (!p.broken.empty()) return finish_locked(op, p.broken);
     TORCH_INTERNAL_ASSERT(p.posted.count(slot) == 0, "two receives posted for slot ", slot);
     p.posted[slot] = op;
     if (nbytes > kEagerBytes) notify_locked(peer, slot, nbytes);
     return;
   }
+  if (!p.broken.empty()) return finish_locked(op, p.broken);
   const bool announced = p.ready.erase(slot) > 0;
   if (nbytes <= kEagerBytes || announced) return clear_to_send_locked(peer, op);
   p.waiting[slot] = op;
@@ -319,7 +346,7 @@ std::pair<int, std::string> TcpMesh::first_broken(const std::vector<int>& peers)
   for (int peer : peers) {
     const Peer& p = *peers_[peer];
     if (!p.broken.empty() && (first.first < 0 || p.broken_order < order)) {
-      first = {peer, p.broken};
+      first = {p.culprit >= 0 ? p.culprit : peer, p.broken};
       order = p.broken_order;
     }
   }
@@ -366,6 +393,7 @@ void TcpMesh::break_locked(int peer, const std::string& cause) {
   if (!p.broken.empty()) return;
   p.broken = cause;
   p.broken_order = ++breaks_;
+  cv_.notify_all();
   // A chunk moving right now is finished by its read's or write's handler.
   auto fail = [&](Op* op) {
     if (!op->active) finish_locked(op, cause);
@@ -377,8 +405,7 @@ void TcpMesh::break_locked(int peer, const std::string& cause) {
   p.waiting.clear();
   p.sends.clear();
   p.notices.clear();
-  p.early.clear();
-  p.ready.clear();
+  p.ready.clear();  // `early` stays: what arrived before the break is still delivered
   asio::post(io_->ctx, [this, peer] {
     boost::system::error_code ignored;
     peers_[peer]->socket->shutdown(tcp::socket::shutdown_both, ignored);
@@ -405,8 +432,14 @@ void TcpMesh::on_frame(int peer) {
   const FrameHeader h = p.in;
   const std::string from = "rank " + std::to_string(peer);
   std::unique_lock<std::mutex> lock(mu_);
-  if (h.magic != kFrameMagic || (h.type != kData && h.type != kReady))
+  if (h.magic != kFrameMagic || (h.type != kData && h.type != kReady && h.type != kClose))
     return break_locked(peer, "received a corrupt frame (is another program using this port?)");
+  if (h.type == kClose) {
+    if (h.slot != kNoCulprit && h.slot < static_cast<uint64_t>(size_) && h.slot != static_cast<uint64_t>(rank_))
+      p.culprit = static_cast<int>(h.slot);
+    lock.unlock();
+    return read_frame(peer);  // the end of the stream follows
+  }
   if (h.type == kReady) {
     auto w = p.waiting.find(h.slot);
     if (w == p.waiting.end()) {
@@ -490,8 +523,23 @@ void TcpMesh::on_frame(int peer) {
 void TcpMesh::write_next(int peer) {
   Peer& p = *peers_[peer];
   std::unique_lock<std::mutex> lock(mu_);
-  if (!p.broken.empty() || (p.notices.empty() && p.sends.empty())) {
+  if (!p.broken.empty() || (p.notices.empty() && p.sends.empty() && !p.closing)) {
     p.writing = false;
+    return;
+  }
+  if (p.notices.empty() && p.sends.empty()) {
+    // Closing: the kClose frame, then the end of this side of the stream.
+    p.closing = false;
+    p.out_header = FrameHeader{};
+    p.out_header.type = kClose;
+    p.out_header.slot = p.close_culprit;
+    lock.unlock();
+    asio::async_write(*p.socket, asio::buffer(&p.out_header, sizeof(FrameHeader)),
+                      [this, peer](const boost::system::error_code& ec, size_t) {
+                        boost::system::error_code ignored;
+                        if (!ec) peers_[peer]->socket->shutdown(tcp::socket::shutdown_send, ignored);
+                        write_next(peer);
+                      });
     return;
   }
   if (!p.notices.empty()) {

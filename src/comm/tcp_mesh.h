@@ -14,6 +14,11 @@
 // written in chunks of kChunkBytes, and ready notices go out ahead of the next
 // chunk: a notice never waits behind a large message going the same way.
 //
+// Closing is graceful: a rank ends its side of each connection with a close
+// frame (naming the rank whose failure made it close, if any) and reads on
+// until the peer closed too, so nothing sent before is lost, and a rank that
+// sees several connections break names the one that failed first.
+//
 // Ownership: the mesh owns its sockets and its thread (joined by the destructor).
 // A Buffer's memory must outlive the Buffer; destroying a Buffer whose bytes are
 // still moving fails the mesh (closes every connection) first, so the thread
