@@ -87,7 +87,9 @@ int main(int argc, char** argv) {
   auto params = model->parameters();
 
   std::vector<double> times;
+  int64_t sent = 0;  // payload bytes this rank sent in the timed steps (the timing all-reduce left out)
   for (int step = 0; step < warmup + steps; ++step) {
+    const int64_t sent_before = comm->stats().total().bytes_sent;
     torch::manual_seed(1000 * step + rank);
     auto ids = torch::randint(vocab, {batch, seq + 1}, torch::kLong);
     const auto start = std::chrono::steady_clock::now();
@@ -99,11 +101,14 @@ int main(int argc, char** argv) {
     opt->step();
     auto t = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
                            torch::kDouble);
+    if (step >= warmup) sent += comm->stats().total().bytes_sent - sent_before;
     comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();  // the step ends when the slowest rank's does
     if (step >= warmup) times.push_back(t.item<double>());
   }
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
+  auto sent_mib = torch::tensor({sent / 1048576.0 / steps}, torch::kDouble);  // mean over ranks, as the peer's
+  comm->all_reduce(sent_mib, zeroshard::ReduceOp::kAvg)->wait();
   auto rss = torch::tensor({zeroshard::bench::peak_rss_mib()}, torch::kDouble);
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
   double states_mib;
@@ -113,8 +118,9 @@ int main(int argc, char** argv) {
     states_mib = 20.0 * psi / 1048576.0;
   }
   if (rank == 0) {
-    std::printf("ROW | zeroshard (C++) | %s | %d | %.1fM | %.0f | %.0f | %.0f | %.0f |\n", mode.c_str(), world,
-                psi / 1e6, median * 1e3, batch * seq * world / median, rss.item<double>(), states_mib);
+    std::printf("ROW | zeroshard (C++) | %s | %d | %.1fM | %.0f | %.0f | %.0f | %.0f | %.1f |\n", mode.c_str(), world,
+                psi / 1e6, median * 1e3, batch * seq * world / median, rss.item<double>(), states_mib,
+                sent_mib.item<double>());
   }
   comm->barrier();
   return 0;
