@@ -160,6 +160,14 @@ class ShardedAdamW : public torch::optim::Optimizer {
   // all-gathers the parameters. Collective: every rank calls it.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
+  // Clears the gradients before the next backward. Stage 1 keeps p.grad() as
+  // views of its flat reduction buffers and zeroes them in place, whatever
+  // `set_to_none` says: LibTorch 2.x's default (none) would make every backward
+  // allocate fresh gradients and step() copy them in (Ψ more bytes at peak).
+  // Stage 2 sets them to none or zeroes them, as asked. (Hides, not overrides,
+  // the base class's: call it on a ShardedAdamW.)
+  void zero_grad(bool set_to_none = true);
+
   // Clips the mean gradient to `max_norm` (global L2 norm over all ranks and
   // parameters, after unscaling) and returns the norm before clipping.
   // Call between backward and step(). Collective.

@@ -295,6 +295,19 @@ ShardedAdamW::~ShardedAdamW() {
   impl_->remove_hooks();
 }
 
+void ShardedAdamW::zero_grad(bool set_to_none) {
+  at::NoGradGuard no_grad;
+  for (auto& p : impl_->params) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none && impl_->options.stage != 1) {
+      p.mutable_grad() = at::Tensor();
+    } else {
+      p.mutable_grad().detach_();
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
 torch::Tensor ShardedAdamW::step(LossClosure closure) {
   torch::Tensor loss;
   if (closure != nullptr) {
