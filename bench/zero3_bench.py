@@ -32,7 +32,6 @@ blocked on all-gathers and reduce-scatters, slowest rank, median step, and of
 it the all-gathers (ExposedComm says how it is measured).
 """
 import argparse
-import collections
 import statistics
 import sys
 import time
@@ -40,7 +39,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
     sys.exit(f"zero3_bench.py: torch {torch.__version__} at {torch.__file__} is too old (needs 2.6+ for FSDP2); "
@@ -48,6 +46,7 @@ if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6
 
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from peer_util import CommCounter, local_bytes, loopback_tx_bytes, peak_rss_mib  # noqa: E402
 
 MODES = ["fsdp2", "fsdp2-prefetch"]
 
@@ -69,62 +68,6 @@ class Lm(torch.nn.Module):
         for b in self.blocks:
             h = b(h)
         return self.head(h.transpose(0, 1))
-
-
-class CommCounter(TorchDispatchMode):
-    """Bytes this rank sends in the collectives it issues while active.
-
-    Every c10d collective goes through the dispatcher as a c10d op
-    (c10d::_allgather_base_, c10d::_reduce_scatter_base_, ...), so a dispatch
-    mode sees each one with its tensors (CommDebugMode works the same way but
-    counts calls, not bytes). Each op's tensor bytes S become the payload bytes
-    one rank sends under Gloo's algorithms, measured on this torch with the
-    loopback and per-socket TCP counters around single collectives (2-4 ranks):
-      all_reduce                  ring: 2(n-1)/n * S per rank
-      all_gather (S = output)     ring: (n-1)/n * S per rank
-      reduce_scatter (S = input)  2(n-1)/n * S per rank: Gloo reduces the whole
-                                  input like an all_reduce and keeps its slice,
-                                  twice a true reduce-scatter's (n-1)/n * S
-      broadcast                   binomial tree: (n-1)/n * S per rank on average
-    That is zeroshard's convention (CommStats::bytes_sent: payload, no headers).
-    Headers and the rendezvous store are not counted; the "wire check" line
-    prints what the loopback device carried. Only an extra, untimed step runs
-    under the mode (it costs Python time per op); every step issues the same
-    collectives.
-    """
-
-    def __init__(self, world):
-        super().__init__()
-        self.n = world
-        self.bytes = 0.0
-        self.calls = collections.Counter()
-
-    @staticmethod
-    def _nbytes(x):
-        if torch.is_tensor(x):
-            return x.numel() * x.element_size()
-        if isinstance(x, (list, tuple)):
-            return sum(CommCounter._nbytes(y) for y in x)
-        return 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._schema.name.split("::")[-1]
-            n = self.n
-            self.calls[name] += 1
-            if name in ("allreduce_", "allreduce_coalesced_"):
-                self.bytes += 2 * (n - 1) / n * self._nbytes(args[0])
-            elif name in ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "allgather_coalesced_"):
-                self.bytes += (n - 1) * self._nbytes(args[1])
-            elif name in ("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
-                self.bytes += 2 * (n - 1) / n * self._nbytes(args[1])
-            elif name == "broadcast_":
-                self.bytes += (n - 1) / n * self._nbytes(args[0])
-            elif name == "send":
-                self.bytes += self._nbytes(args[0])
-            elif name not in ("barrier", "recv_", "recv_any_source_", "monitored_barrier_"):
-                self.calls["uncounted " + name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class ExposedComm:
@@ -169,31 +112,6 @@ class ExposedComm:
             finally:
                 setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
         return wrapped
-
-
-def loopback_tx_bytes():
-    """Bytes the loopback device has sent (every process on this host)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    return 0
-
-
-def peak_rss_mib():
-    """VmHWM, as zeroshard::peak_rss_bytes() reads it."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
-def local_bytes(t):
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
 
 
 def label(a):
