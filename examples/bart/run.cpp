@@ -157,8 +157,7 @@ std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_
 
 // trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
 std::string trace_path(const std::string& run_dir, int rank) {
-  const char* restart = std::getenv("ZS_RESTART_COUNT");
-  const int k = restart != nullptr ? std::atoi(restart) : 0;
+  const int k = zeroshard::read_dist_env().restart_count;
   return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
                                ".json")).string();
 }
@@ -278,7 +277,7 @@ int run_pretraining(const RunOptions& o) {
         zeroshard::log_info("checkpoint: step " + std::to_string(step) + " has no run record (imported); training "
                             "starts at its step with a fresh data order");
       }
-      resumed = {{"step", step}, {"load_s", since(t0)}, {"restart", std::getenv("ZS_RESTART_COUNT") ? std::atoi(std::getenv("ZS_RESTART_COUNT")) : 0}};
+      resumed = {{"step", step}, {"load_s", since(t0)}, {"restart", zeroshard::read_dist_env().restart_count}};
       zeroshard::log_info("resumed from step " + std::to_string(step) + " of " + ckpt_dir + " (epoch " +
                           std::to_string(sampler.epoch()) + ")");
     }

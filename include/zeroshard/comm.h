@@ -137,7 +137,12 @@ struct DistEnv {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  int restart_count = 0;  // ZS_RESTART_COUNT, set by zeroshard-run on restarts
+  // Restarts of the group so far: ZS_RESTART_COUNT (zeroshard-run), else
+  // TORCHELASTIC_RESTART_COUNT (torchrun).
+  int restart_count = 0;
+  // torchrun's agent serves the rendezvous store at MASTER_ADDR:MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, is its client.
+  bool agent_store = false;
   std::string source;     // "torchrun", "slurm", "openmpi" or "single" (no variables)
 };
 

@@ -121,7 +121,10 @@ DistEnv read_dist_env() {
                     "; every rank must be in 0..WORLD_SIZE-1");
   TORCH_CHECK_VALUE(e.local_rank < e.local_world_size, "local rank ", e.local_rank,
                     " is not below the local world size ", e.local_world_size);
-  e.restart_count = int_env("ZS_RESTART_COUNT", 0, 0, "zeroshard-run sets it; unset it otherwise");
+  e.restart_count = env("ZS_RESTART_COUNT")
+                        ? int_env("ZS_RESTART_COUNT", 0, 0, "zeroshard-run sets it; unset it otherwise")
+                        : int_env("TORCHELASTIC_RESTART_COUNT", 0, 0, "torchrun sets it; unset it otherwise");
+  e.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
 
   auto addr = env("MASTER_ADDR");
   auto port = env("MASTER_PORT");
@@ -146,7 +149,7 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
   if (e.world_size == 1) {
     store = std::make_shared<c10d::HashStore>();
   } else {
-    const bool server = e.rank == 0;
+    const bool server = e.rank == 0 && !e.agent_store;
     try {
       store = compat::make_tcp_store(e.master_addr, static_cast<uint16_t>(e.master_port), server,
                                      e.world_size, options.rendezvous_timeout);
@@ -161,9 +164,11 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
                     "one when --master-port is omitted)");
       }
       TORCH_CHECK(false, "rank ", e.rank, " cannot reach the rendezvous store at ", e.master_addr,
-                  ":", e.master_port, " (", cause,
-                  "). Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT name its host "
-                  "and port");
+                  ":", e.master_port, " (", cause, "). ",
+                  e.agent_store ? "torchrun's agent serves it (TORCHELASTIC_USE_AGENT_STORE=True): check that the "
+                                  "agent is running and that MASTER_ADDR/MASTER_PORT are the ones it set"
+                                : "Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT name its host "
+                                  "and port");
     }
   }
   std::vector<int> world(e.world_size);

@@ -17,7 +17,7 @@
 #include <thread>
 
 namespace zeroshard {
-namespace {
+namespace failure_test {
 
 using namespace std::chrono_literals;
 
@@ -269,7 +269,8 @@ class DistEnvTest : public ::testing::Test {
     for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                           "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
                           "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "ZS_RESTART_COUNT"})
+                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "ZS_RESTART_COUNT",
+                          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"})
       unsetenv(v);
   }
   static std::string error_of() {
@@ -295,6 +296,29 @@ TEST_F(DistEnvTest, TorchrunVariables) {
   EXPECT_EQ(e.master_addr, "node0");
   EXPECT_EQ(e.master_port, 1234);
   EXPECT_EQ(e.restart_count, 2);
+  EXPECT_FALSE(e.agent_store);
+}
+
+// torchrun's own variables: its restart count (when zeroshard-run's is absent) and
+// its agent's store, of which rank 0 is a client too.
+TEST_F(DistEnvTest, TorchrunAgentStoreAndRestarts) {
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "29400", 1);
+  setenv("TORCHELASTIC_RESTART_COUNT", "1", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  auto e = read_dist_env();
+  EXPECT_EQ(e.restart_count, 1);
+  EXPECT_TRUE(e.agent_store);
+  setenv("ZS_RESTART_COUNT", "3", 1);  // zeroshard-run's wins
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+  e = read_dist_env();
+  EXPECT_EQ(e.restart_count, 3);
+  EXPECT_FALSE(e.agent_store);
+  setenv("TORCHELASTIC_RESTART_COUNT", "x", 1);
+  unsetenv("ZS_RESTART_COUNT");
+  EXPECT_NE(error_of().find("TORCHELASTIC_RESTART_COUNT='x'"), std::string::npos) << error_of();
 }
 
 TEST_F(DistEnvTest, SlurmAndOpenMpiFallbacks) {
@@ -343,5 +367,5 @@ TEST_F(DistEnvTest, MalformedOrMissingVariablesSayWhatToSet) {
   EXPECT_NE(error_of().find("only one of RANK and WORLD_SIZE is set"), std::string::npos) << error_of();
 }
 
-}  // namespace
+}  // namespace failure_test
 }  // namespace zeroshard
