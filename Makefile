@@ -24,8 +24,12 @@ all: build
 deps:
 	@scripts/install-deps.sh $(VENV) $(TORCH)
 
+# Ninja for a new build directory (it schedules every target's files at once; an
+# existing directory keeps the generator it was made with).
+GENERATOR = $(if $(wildcard $(BUILD_DIR)/CMakeCache.txt),,-G Ninja)
+
 configure: deps
-	@cmake -S . -B $(BUILD_DIR) -DZS_TORCH=$(TORCH) -DZS_PYTHON=$(VENV)/bin/python $(CMAKE_FLAGS) \
+	@cmake -S . -B $(BUILD_DIR) $(GENERATOR) -DZS_TORCH=$(TORCH) -DZS_PYTHON=$(VENV)/bin/python $(CMAKE_FLAGS) \
 	  > $(BUILD_DIR).configure.log 2>&1 || { cat $(BUILD_DIR).configure.log; exit 1; }
 	@grep "^-- zeroshard" $(BUILD_DIR).configure.log || true
 
@@ -43,10 +47,10 @@ demo: configure
 bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
-	@$(BUILD_DIR)/bench/optim_bench
+	@PYTHON=$(VENV)/bin/python bench/optim_bench.sh $(BUILD_DIR) "1 2"
 	@PYTHON=$(VENV)/bin/python bench/zero_vs_ddp.sh $(BUILD_DIR) 4
-	@bench/zero3_bench.sh $(BUILD_DIR) 4
-	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/ckpt_bench --dir $(BUILD_DIR)/ckpt_bench
+	@PYTHON=$(VENV)/bin/python bench/zero3_bench.sh $(BUILD_DIR) 4
+	@PYTHON=$(VENV)/bin/python bench/ckpt_bench.sh $(BUILD_DIR) 4 --repeats 3
 	@bench/ckpt_resume.py $(BUILD_DIR)
 	@bench/bart_bench.sh $(BUILD_DIR) 4
 

@@ -25,7 +25,7 @@
 #include <cstdio>
 #include <thread>
 
-namespace {
+namespace bart_bench {
 
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -45,9 +45,10 @@ double matmul_peak_gflops(int64_t n, double seconds) {
   return best;
 }
 
-}  // namespace
+}  // namespace bart_bench
 
-int main(int argc, char** argv) {
+int bart_bench_main(int argc, char** argv) {
+  using namespace bart_bench;
   std::string mode = "zero3", config = "base";
   int64_t batch = 2, src_len = 64, tgt_len = 64, steps = 3, warmup = 1, matmul_n = 2048;
   CLI::App app{"bart_bench: BART training steps under dp / zero2 / zero3, and the matmul peak"};

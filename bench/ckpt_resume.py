@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Resume time after a preemption: SIGTERM to zeroshard-run -> every rank
 saves and exits (stop), then a new zeroshard-run -> load -> first step done
-(start). Uses tests/soak/zs_soak_train at --width (2048: 50M parameters).
+(start). Uses tests/soak/soak_train (zs_tests --helper soak_train) at --width (2048: 50M parameters).
 
 Usage: bench/ckpt_resume.py BUILD_DIR [--nproc 4] [--width 2048] [--repeats 3]
 Prints one "ROW |...|" line per measurement and the medians.
@@ -25,7 +25,7 @@ def main():
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="zs-resume-", dir=args.build)
     cmd = [os.path.join(args.build, "zeroshard-run"), "--nproc-per-node", str(args.nproc), "--grace-period", "60", "--",
-           os.path.join(args.build, "tests", "zs_soak_train"), "--dir", os.path.join(work, "ckpt"), "--out",
+           os.path.join(args.build, "tests", "zs_tests"), "--helper", "soak_train", "--dir", os.path.join(work, "ckpt"), "--out",
            os.path.join(work, "out"), "--steps", "100000", "--save-every", "1000000", "--width", str(args.width)]
 
     def start():
@@ -34,7 +34,7 @@ def main():
         for line in p.stderr:
             if "first step of this run done" in line:
                 return p, time.time() - t0
-        raise SystemExit("zs_soak_train ended before its first step")
+        raise SystemExit("soak_train ended before its first step")
 
     stops, starts = [], []
     p, _ = start()  # a fresh run (nothing to resume yet)

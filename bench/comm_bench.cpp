@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-namespace {
+namespace comm_bench {
 
 using Clock = std::chrono::steady_clock;
 
@@ -134,9 +134,10 @@ std::string human(int64_t bytes) {
   return buf;
 }
 
-}  // namespace
+}  // namespace comm_bench
 
-int main(int argc, char** argv) {
+int comm_bench_main(int argc, char** argv) {
+  using namespace comm_bench;
   int64_t min_kib = 4, max_mib = 64;
   CLI::App app{"comm_bench: collective bandwidth beside a raw TCP ring"};
   app.add_option("--min-kib", min_kib, "smallest buffer, KiB")->capture_default_str();

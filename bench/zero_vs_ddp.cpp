@@ -22,7 +22,7 @@
 #include <chrono>
 #include <cstdio>
 
-namespace {
+namespace zero_vs_ddp {
 
 struct LmImpl : torch::nn::Module {
   LmImpl(int vocab, int seq, int d, int heads, int ff, int layers) {
@@ -47,9 +47,10 @@ struct LmImpl : torch::nn::Module {
 TORCH_MODULE(Lm);
 
 
-}  // namespace
+}  // namespace zero_vs_ddp
 
-int main(int argc, char** argv) {
+int zero_vs_ddp_main(int argc, char** argv) {
+  using namespace zero_vs_ddp;
   std::string mode = "zero2";
   int steps = 6, warmup = 2, batch = 2, seq = 64, vocab = 8192, d = 512, heads = 8, ff = 2048, layers = 7;
   CLI::App app{"~30M-parameter transformer LM: ShardedAdamW vs plain data parallelism"};

@@ -17,7 +17,7 @@ requirements="$here/requirements.txt"
 
 packages=(
   # toolchain
-  g++ make cmake ccache pkg-config git
+  g++ make cmake ninja-build ccache pkg-config git
   # Debian's LibTorch 1.13 (CPU, with c10d; `make test TORCH=system`) and a fast BLAS
   # for it: it calls the system BLAS, and the reference BLAS makes every matmul ~17x slower.
   libtorch-dev libopenblas0-openmp

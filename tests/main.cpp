@@ -13,6 +13,8 @@
 #include <iostream>
 #include <thread>
 
+int soak_train_main(int argc, char** argv);  // soak/soak_train.cpp
+
 namespace {
 
 // Every rank all-reduces 16 MiB repeatedly; rank 2 SIGKILLs itself while one is
@@ -68,6 +70,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
     if (std::strcmp(argv[2], "simd_level") == 0) return simd_level();
+    if (std::strcmp(argv[2], "soak_train") == 0) return soak_train_main(argc - 2, argv + 2);
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;
   }

@@ -1,5 +1,7 @@
 // zeroshard-ckpt: inspect, verify, consolidate, export and import zeroshard
-// checkpoints. See docs/checkpoint-format.md and docs/checkpoints.md.
+// checkpoints. See docs/checkpoint-format.md and docs/checkpoints.md. Part of the
+// checkpoint library (it compiles in the library's unity unit); tools/main.cpp
+// is the program.
 #include "checksum.h"
 #include "h5.h"
 #include "checkpointer_impl.h"
@@ -21,7 +23,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace zeroshard::checkpoint;
 
-namespace {
+namespace zeroshard_ckpt {
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
@@ -104,8 +106,10 @@ int consolidate(const std::string& path, int64_t step, const std::string& out, b
   auto f = h5::File::create(out);
   f.set_attribute("/", "step", r.manifest().at("step").get<int64_t>());
   for (const auto& e : r.params()) {  // one tensor at a time: memory bounded by the largest
-    std::vector<uint64_t> dims(e.shape.begin(), e.shape.end());
-    if (dims.empty()) dims.push_back(1);
+    // A scalar is stored as one element. (Not push_back onto the empty vector: GCC 12 reports a
+    // false -Wfree-nonheap-object there.)
+    const std::vector<uint64_t> dims =
+        e.shape.empty() ? std::vector<uint64_t>{1} : std::vector<uint64_t>(e.shape.begin(), e.shape.end());
     for (const std::string kind : {"master", "exp_avg", "exp_avg_sq"}) {
       if (kind != "master" && !moments) continue;
       const auto t = r.read_param(e, kind);
@@ -115,8 +119,10 @@ int consolidate(const std::string& path, int64_t step, const std::string& out, b
   }
   for (const auto& e : r.replicated()) {
     const auto t = r.read_replicated(e).contiguous();
-    std::vector<uint64_t> dims(e.shape.begin(), e.shape.end());
-    if (dims.empty()) dims.push_back(1);
+    // A scalar is stored as one element. (Not push_back onto the empty vector: GCC 12 reports a
+    // false -Wfree-nonheap-object there.)
+    const std::vector<uint64_t> dims =
+        e.shape.empty() ? std::vector<uint64_t>{1} : std::vector<uint64_t>(e.shape.begin(), e.shape.end());
     f.write("/" + e.name, zeroshard::ckpt::storage_type(dtype_named(e.dtype), e.name), dims, t.data_ptr());
     f.set_attribute("/" + e.name, "dtype", e.dtype);
   }
@@ -271,9 +277,10 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   return 0;
 }
 
-}  // namespace
+}  // namespace zeroshard_ckpt
 
-int main(int argc, char** argv) {
+int zeroshard_ckpt_main(int argc, char** argv) {
+  using namespace zeroshard_ckpt;
   CLI::App app{"zeroshard-ckpt: inspect, verify, consolidate, export and import zeroshard checkpoints"};
   app.require_subcommand(1);
   std::string path, out, dtype = "float32", name_map;

@@ -13,7 +13,8 @@
 // the same --run-dir and it resumes from the last checkpoint; SIGTERM (a spot
 // notice) makes every rank stop after the same step, save and exit with 75,
 // which zeroshard-run answers with a restart. Also runs alone (1 rank) or
-// under torchrun.
+// under torchrun. This file is part of the zs_bart library (it compiles in the
+// library's unity unit); main.cpp is the program.
 #include "run.h"
 
 #include <zeroshard/log.h>
@@ -23,7 +24,7 @@
 
 #include <exception>
 
-int main(int argc, char** argv) {
+int bart_pretrain_main(int argc, char** argv) {
   bart::RunOptions o;
   CLI::App app{"bart_pretrain: BART denoising pretraining, sharded with zeroshard (ZeRO-1/2/3)"};
   app.set_help_all_flag("--help-all", "every option, of the subcommands too");

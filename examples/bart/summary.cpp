@@ -1,6 +1,8 @@
 // summary.cpp — the closing report.
 #include "summary.h"
 
+#include <zeroshard/metrics.h>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -24,16 +26,6 @@ std::string per_rank(const std::vector<int64_t>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? " / " : "") + mib(v[i]);
   return out + " MiB";
-}
-
-std::string with_commas(int64_t v) {
-  const std::string digits = std::to_string(v);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && digits[i - 1] != '-' && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
 }
 
 // "n/a" for a loss that was not measured (no step ran, validation off).
@@ -62,8 +54,8 @@ std::string Summary::text() const {
                 params / 1e6, world, stage, precision.c_str());
   o << buf;
   std::snprintf(buf, sizeof(buf), "training     %lld steps, %s target tokens in %.1f s of steps: %s tokens/s\n",
-                static_cast<long long>(steps), with_commas(tokens).c_str(), train_seconds,
-                with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
+                static_cast<long long>(steps), zeroshard::with_commas(tokens).c_str(), train_seconds,
+                zeroshard::with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
   o << buf;
   o << "train loss   " << loss_str(first_loss) << " -> " << loss_str(last_loss) << " (first step -> last step)\n";
   o << "val loss     " << loss_str(first_val_loss) << " -> " << loss_str(last_val_loss) << " (before training -> end";

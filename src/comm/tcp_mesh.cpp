@@ -25,7 +25,9 @@ namespace zeroshard::comm {
 namespace asio = boost::asio;
 using asio::ip::tcp;
 
-namespace {
+// The frame format and helpers: a named namespace, not an anonymous one, since
+// TcpMesh::Peer (external linkage) holds FrameHeaders.
+namespace tcp_mesh_detail {
 
 constexpr uint32_t kFrameMagic = 0x5A535446;  // "ZSTF"
 enum FrameType : uint32_t { kData = 1, kReady = 2, kClose = 3 };
@@ -70,7 +72,8 @@ bool wait_readable(int fd, std::chrono::steady_clock::time_point deadline) {
   }
 }
 
-}  // namespace
+}  // namespace tcp_mesh_detail
+using namespace tcp_mesh_detail;
 
 struct TcpMesh::Op {
   Buffer* buf = nullptr;

@@ -7,7 +7,7 @@
 
 #include <map>
 
-namespace {
+namespace bart_model_test {
 
 using bart::BartConfig;
 using bart::BartForConditionalGeneration;
@@ -113,9 +113,9 @@ TEST(BartModel, ShiftTokensRight) {
   EXPECT_TRUE(torch::equal(bart::shift_tokens_right(labels, 1, 2), torch::tensor({{2, 10, 11, 12}}, torch::kLong)));
 }
 
-}  // namespace
+}  // namespace bart_model_test
 
-namespace {
+namespace bart_model_test {
 
 // Cross-attention works end to end: a small BART learns to copy random
 // sequences (which only attending to the encoder can do: the tokens are
@@ -156,4 +156,4 @@ TEST(BartModel, LearnsToCopyThroughCrossAttention) {
   EXPECT_EQ(out, want);
 }
 
-}  // namespace
+}  // namespace bart_model_test

@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-namespace {
+namespace corpus_test {
 
 TEST(BartCorpus, SplitsSentencesAndParagraphs) {
   const auto s = bart::split_sentences("Copyright (C) 2007 Free Software Foundation, Inc.  Everyone is\npermitted to copy it.\n\n"
@@ -41,4 +41,4 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   EXPECT_THROW(bart::read_texts("/nonexistent-zeroshard-dir"), c10::Error);
 }
 
-}  // namespace
+}  // namespace corpus_test

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <map>
 
-namespace {
+namespace noise_test {
 
 constexpr int64_t kMask = 9999;
 
@@ -93,4 +93,4 @@ TEST(BartNoise, DeterministicGivenTheSeed) {
   EXPECT_NE(a.source, c.source);
 }
 
-}  // namespace
+}  // namespace noise_test

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <random>
 
-namespace {
+namespace tokenizer_test {
 
 using bart::ByteLevelBpe;
 
@@ -91,4 +91,4 @@ TEST(BartTokenizer, TrainingIsDeterministicAndSaveLoadKeepsEncodings) {
   EXPECT_EQ(c.vocab_size(), 320);
 }
 
-}  // namespace
+}  // namespace tokenizer_test

@@ -27,7 +27,7 @@
 namespace fs = std::filesystem;
 
 namespace zeroshard {
-namespace {
+namespace checkpoint_test {
 
 using testing::world;
 using testing::world_ptr;
@@ -532,5 +532,5 @@ TEST(CheckpointBadInput, FullDiskFailsEveryRankAndKeepsLatest) {
   EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000004.tmp"));
 }
 
-}  // namespace
+}  // namespace checkpoint_test
 }  // namespace zeroshard

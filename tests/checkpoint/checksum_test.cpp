@@ -8,7 +8,7 @@
 #include <fstream>
 
 namespace zeroshard {
-namespace {
+namespace checksum_test {
 
 TEST(Checksum, MatchesXxhsumH3AcrossChunkBoundaries) {
   const auto dir = testing::make_temp_dir("xxh");
@@ -39,5 +39,5 @@ TEST(Checksum, MissingFileIsNamed) {
   }
 }
 
-}  // namespace
+}  // namespace checksum_test
 }  // namespace zeroshard

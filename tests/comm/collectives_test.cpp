@@ -10,7 +10,7 @@
 #include <numeric>
 
 namespace zeroshard {
-namespace {
+namespace collectives_test {
 
 using testing::pattern;
 using testing::world;
@@ -297,5 +297,5 @@ TEST(Collectives, DtypeOrOpMismatchBetweenRanksIsNamed) {
   c.barrier();
 }
 
-}  // namespace
+}  // namespace collectives_test
 }  // namespace zeroshard

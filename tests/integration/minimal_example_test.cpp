@@ -9,7 +9,7 @@
 #include <regex>
 
 namespace zeroshard {
-namespace {
+namespace minimal_example_test {
 
 double final_loss(const std::string& output) {
   std::smatch m;
@@ -50,5 +50,5 @@ TEST(MinimalExample, ConvergesAndMatchesAcrossWorldSizes) {
   std::filesystem::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace minimal_example_test
 }  // namespace zeroshard

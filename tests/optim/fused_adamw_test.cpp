@@ -10,7 +10,7 @@
 #include <random>
 
 namespace zeroshard::optim {
-namespace {
+namespace fused_adamw_test {
 
 std::vector<SimdLevel> available_levels() {
   std::vector<SimdLevel> out = {SimdLevel::kScalar};
@@ -210,5 +210,5 @@ TEST(FusedAdamW, BadInputIsRefused) {
   EXPECT_THROW(adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0, 0), c10::Error);
 }
 
-}  // namespace
+}  // namespace fused_adamw_test
 }  // namespace zeroshard::optim

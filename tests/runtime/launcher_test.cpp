@@ -8,7 +8,7 @@
 #include <regex>
 
 namespace zeroshard {
-namespace {
+namespace launcher_test {
 
 using testing::run_command;
 
@@ -201,5 +201,5 @@ TEST(Launcher, RankKilledMidCollective) {
   EXPECT_LT(r.seconds, 20.0) << r.output;
 }
 
-}  // namespace
+}  // namespace launcher_test
 }  // namespace zeroshard

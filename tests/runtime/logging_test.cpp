@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 namespace zeroshard {
-namespace {
+namespace logging_test {
 
 testing::CommandResult log_run(const std::string& level) {
   return testing::run_command((level.empty() ? "" : "ZS_LOG_LEVEL=" + level + " ") + testing::build_dir() +
@@ -44,5 +44,5 @@ TEST(Logging, LevelComesFromTheEnvironment) {
   EXPECT_NE(r.output.find("ZS_LOG_LEVEL='loud' is not a log level"), std::string::npos) << r.output;
 }
 
-}  // namespace
+}  // namespace logging_test
 }  // namespace zeroshard

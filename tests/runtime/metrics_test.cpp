@@ -15,7 +15,7 @@
 #include <filesystem>
 #include <fstream>
 
-namespace {
+namespace metrics_test {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -119,6 +119,15 @@ TEST(Metrics, ProgressDurationsReadAtAGlance) {
   EXPECT_FALSE(p.update(m)) << "within the interval it stays quiet";
   m.step = 10;
   EXPECT_TRUE(p.update(m)) << "the last step always prints";
+}
+
+TEST(Metrics, ThousandsSeparators) {
+  EXPECT_EQ(zeroshard::with_commas(0), "0");
+  EXPECT_EQ(zeroshard::with_commas(999), "999");
+  EXPECT_EQ(zeroshard::with_commas(1000), "1,000");
+  EXPECT_EQ(zeroshard::with_commas(1234567), "1,234,567");
+  EXPECT_EQ(zeroshard::with_commas(-123456), "-123,456");
+  EXPECT_EQ(zeroshard::with_commas(INT64_MIN), "-9,223,372,036,854,775,808");
 }
 
 TEST(Metrics, PeakRssCoversATouchedAllocation) {
@@ -249,4 +258,4 @@ TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
   EXPECT_TRUE(zeroshard::trace::events().empty());
 }
 
-}  // namespace
+}  // namespace metrics_test

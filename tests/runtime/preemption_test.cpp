@@ -17,7 +17,7 @@
 #include <thread>
 
 namespace zeroshard {
-namespace {
+namespace preemption_test {
 
 using testing::world;
 using testing::world_ptr;
@@ -173,5 +173,5 @@ TEST(Sampler, SavedPositionContinuesOnTheSameOrAnotherWorldSize) {
   EXPECT_NE(testing::error_of([&] { other.load_state_json(state); }).find("dataset_size"), std::string::npos);
 }
 
-}  // namespace
+}  // namespace preemption_test
 }  // namespace zeroshard

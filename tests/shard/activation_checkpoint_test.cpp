@@ -6,7 +6,7 @@
 #include <torch/torch.h>
 
 namespace zeroshard {
-namespace {
+namespace activation_checkpoint_test {
 
 struct Grads {
   torch::Tensor x, w, b;
@@ -55,5 +55,5 @@ TEST(ActivationCheckpoint, AnInputReturnedAsIsKeepsItsOwnGraph) {
   EXPECT_TRUE(torch::equal(x.grad(), torch::full({3}, 3.0f)));
 }
 
-}  // namespace
+}  // namespace activation_checkpoint_test
 }  // namespace zeroshard

@@ -8,7 +8,7 @@
 #include <set>
 
 namespace zeroshard {
-namespace {
+namespace flat_layout_test {
 
 ParamInfo P(std::string name, std::vector<int64_t> shape, c10::ScalarType dt = c10::ScalarType::Float) {
   return {std::move(name), std::move(shape), dt};
@@ -114,5 +114,5 @@ TEST(FlatLayout, BucketsSplitOnDtypeAndGroup) {
   EXPECT_EQ(seen.size(), ps.size());
 }
 
-}  // namespace
+}  // namespace flat_layout_test
 }  // namespace zeroshard

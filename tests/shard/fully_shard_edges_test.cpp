@@ -18,7 +18,7 @@
 #include <thread>
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 using testing::world;
@@ -80,11 +80,11 @@ TEST(FullyShardMixed, Bf16TracksFp32AndHalvesGatherBytes) {
   EXPECT_EQ(e16, e32);
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -125,11 +125,11 @@ TEST(FullyShardMisuse, ParameterOutsideItsUnitFailsNamingIt) {
   EXPECT_EQ(m->forward(torch::randn({3, kIn})).sizes(), (std::vector<int64_t>{3, kOut}));
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -193,11 +193,11 @@ TEST(FullyShardTrace, PrefetchedGathersOverlapTheCurrentUnitsForward) {
   EXPECT_GT(compute, 0);
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -236,11 +236,11 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
   EXPECT_GT(max_diff, 0.0) << "the bf16 reduction changed nothing: was it used?";
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -292,11 +292,11 @@ TEST(FullyShardUnused, ParametersUnusedOnSomeRanksOnly) {
   }
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -326,11 +326,11 @@ TEST(FullyShardDiscard, DiscardedGradientsChangeNothing) {
   EXPECT_FALSE(torch::equal(before, flat(m)));
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -366,11 +366,11 @@ TEST(FullyShardMisuse, BackwardAfterClipIsRefused) {
   for (const auto& u : sharded->units()) EXPECT_EQ(u.gathered, u.name.empty()) << u.name;
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
@@ -424,5 +424,5 @@ TEST(FullyShard, CheckpointedUnitRunTwiceMatchesAdamW) {
   EXPECT_LT(rel.mean().item<double>(), 1e-6);
 }
 
-}  // namespace
+}  // namespace fully_shard_edges_test
 }  // namespace zeroshard

@@ -17,7 +17,7 @@
 #include <thread>
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_runtime_test {
 
 using namespace fsdp_test;
 using testing::world;
@@ -107,11 +107,11 @@ TEST(FullyShardEval, NoGradForwardGathersAndReshards) {
   EXPECT_EQ(calls(OpKind::kAllGather), 3);  // one gather per unit
 }
 
-}  // namespace
+}  // namespace fully_shard_runtime_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_runtime_test {
 
 using namespace fsdp_test;
 
@@ -213,11 +213,11 @@ TEST(FullyShardOrder, DifferentOrderAcrossRanksIsNamed) {
   EXPECT_EQ(t[0].item<float>(), world().size());
 }
 
-}  // namespace
+}  // namespace fully_shard_runtime_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_runtime_test {
 
 using namespace fsdp_test;
 
@@ -283,11 +283,11 @@ TEST(FullyShardMemory, ModelStatesFollowTheFormula) {
   ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 * 1024), 1);
 }
 
-}  // namespace
+}  // namespace fully_shard_runtime_test
 }  // namespace zeroshard
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_runtime_test {
 
 using namespace fsdp_test;
 
@@ -391,5 +391,5 @@ TEST(FullyShardTransformer, EncoderDecoderWithTiedEmbeddingMatchesAdamW) {
   EXPECT_LT(rel.mean().item<double>(), 1e-6);
 }
 
-}  // namespace
+}  // namespace fully_shard_runtime_test
 }  // namespace zeroshard

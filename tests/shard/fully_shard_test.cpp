@@ -18,7 +18,7 @@
 #include <thread>
 
 namespace zeroshard {
-namespace {
+namespace fully_shard_test {
 
 using testing::world;
 using testing::world_ptr;
@@ -224,5 +224,5 @@ TEST(FullyShard, MatchesAdamWWithParamGroupsAndLrSchedule) {
   expect_matches_oracle(c);
 }
 
-}  // namespace
+}  // namespace fully_shard_test
 }  // namespace zeroshard

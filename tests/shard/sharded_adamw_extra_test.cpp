@@ -13,7 +13,7 @@
 #include <limits>
 
 namespace zeroshard {
-namespace {
+namespace sharded_adamw_extra_test {
 
 using testing::world;
 using testing::error_of;
@@ -23,7 +23,13 @@ using testing::world_ptr;
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl(int width, int depth) {
-    for (int i = 0; i < depth; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(width, width)));
+    // Appended, not "l" + std::to_string(i): GCC 12 flags that with a false -Wstringop-overflow
+    // (inside libstdc++'s string insert).
+    for (int i = 0; i < depth; ++i) {
+      std::string name = "l";
+      name += std::to_string(i);
+      layers.push_back(register_module(name, torch::nn::Linear(width, width)));
+    }
   }
   torch::Tensor forward(torch::Tensor x) {
     for (size_t i = 0; i < layers.size(); ++i) x = i + 1 < layers.size() ? torch::tanh(layers[i](x)) : layers[i](x);
@@ -399,5 +405,5 @@ TEST(ShardedAdamWBadInput, ModelDifferingAcrossRanksIsNamedOnEveryRank) {
   EXPECT_EQ(t[0].item<float>(), world().size());
 }
 
-}  // namespace
+}  // namespace sharded_adamw_extra_test
 }  // namespace zeroshard

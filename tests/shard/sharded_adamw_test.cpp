@@ -10,7 +10,7 @@
 #include <malloc.h>
 
 namespace zeroshard {
-namespace {
+namespace sharded_adamw_test {
 
 using testing::world;
 using testing::world_ptr;
@@ -273,5 +273,5 @@ TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesLocallyByOption) {
 INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(1, 2),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
 
-}  // namespace
+}  // namespace sharded_adamw_test
 }  // namespace zeroshard

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Kill-and-resume soak for zeroshard checkpoints.
 
-Runs tests/soak/soak_train under zeroshard-run once without interruption, then
+Runs tests/soak/soak_train (zs_tests --helper soak_train) under zeroshard-run once without interruption, then
 again while killing it at random moments, each time resuming, until it
 finishes. Kills rotate through:
   term      SIGTERM to the launcher (a preemption notice: ranks save, exit 75)
@@ -76,7 +76,7 @@ def main():
     args = ap.parse_args()
     rng = random.Random(args.seed)
     run = os.path.join(args.build, "zeroshard-run")
-    train = os.path.join(args.build, "tests", "zs_soak_train")
+    train = [os.path.join(args.build, "tests", "zs_tests"), "--helper", "soak_train"]
     work = tempfile.mkdtemp(prefix="zs-soak-")
     common = ["--steps", str(args.steps), "--save-every", "10", "--stage", str(args.stage), "--slow-ms", "3"]
     if args.use_async:
@@ -84,7 +84,7 @@ def main():
 
     def launch(tag, restarts):
         cmd = [run, "--nproc-per-node", str(args.nproc), "--max-restarts", str(restarts), "--grace-period", "5", "--",
-               train, "--dir", os.path.join(work, tag + "_ckpt"), "--out", os.path.join(work, tag)] + common
+               *train, "--dir", os.path.join(work, tag + "_ckpt"), "--out", os.path.join(work, tag)] + common
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     t0 = time.time()

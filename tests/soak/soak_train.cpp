@@ -1,5 +1,5 @@
-// soak_train: the program the kill-and-resume soak (soak.sh) runs under
-// zeroshard-run. It trains a small model with dropout (so the RNG state
+// soak_train: the program the kill-and-resume soak (soak.py) runs under
+// zeroshard-run, as `zs_tests --helper soak_train ARGS`. It trains a small model with dropout (so the RNG state
 // matters) on a fixed dataset in DistributedSampler order, checkpoints every
 // --save-every steps, resumes from `latest` by itself, stops cleanly on a
 // preemption signal (saving first, exit code 75), and at the end writes every
@@ -20,7 +20,7 @@
 #include <fstream>
 #include <thread>
 
-namespace {
+namespace soak_train {
 
 constexpr int kIn = 12, kOut = 5, kDataset = 240;
 int kWidth = 32;  // --width
@@ -53,9 +53,10 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-}  // namespace
+}  // namespace soak_train
 
-int main(int argc, char** argv) {
+int soak_train_main(int argc, char** argv) {
+  using namespace soak_train;
   std::string dir, out;
   int64_t steps = 200, save_every = 10, batch = 6;
   int stage = 3, slow_ms = 0;
