@@ -94,6 +94,8 @@ class ProgressLine {
 
 // This process's peak and current resident memory (VmHWM, VmRSS); 0 where /proc is absent.
 int64_t peak_rss_bytes();
+// 1234567 -> "1,234,567" (progress lines, run summaries).
+std::string with_commas(int64_t v);
 int64_t current_rss_bytes();
 
 // Tells the launcher how far this rank is: writes `step` to the file named by

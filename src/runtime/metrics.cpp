@@ -49,13 +49,17 @@ int64_t proc_status_kib(const char* field) {
   return 0;
 }
 
-std::string with_commas(int64_t v) {
-  std::string s = std::to_string(v);
-  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
-  return s;
-}
-
 }  // namespace
+
+std::string with_commas(int64_t v) {
+  const std::string digits = std::to_string(v);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && digits[i - 1] != '-' && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
 
 MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(path) {
   std::error_code ec;
