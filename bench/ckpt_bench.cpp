@@ -21,7 +21,7 @@
 
 #include <unistd.h>
 
-namespace {
+namespace ckpt_bench {
 
 struct StackImpl : torch::nn::Module {
   StackImpl(int layers, int width) {
@@ -42,9 +42,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-}  // namespace
+}  // namespace ckpt_bench
 
-int main(int argc, char** argv) {
+int ckpt_bench_main(int argc, char** argv) {
+  using namespace ckpt_bench;
   std::string dir = "build/ckpt_bench";
   int layers = 24, width = 2048, repeats = 5;
   CLI::App app{"sharded checkpoint save/load throughput vs dd, and the async save stall"};
@@ -154,18 +155,18 @@ int main(int argc, char** argv) {
     const double gb = bytes / 1e9;
     std::printf("ckpt_bench: %d ranks, %.1fM parameters, %.2f GB of checkpoint files per save, median of %d\n", world,
                 psi / 1e6, gb, repeats);
-    std::printf("ROW | save (sync, fsync) | %.2f s | %.2f GB/s | %.2f of dd |\n", median(save_s), gb / median(save_s),
+    std::printf("ROW | zeroshard save (sync, fsync) | %.2f s | %.2f GB/s | %.2f of dd |\n", median(save_s), gb / median(save_s),
                 (dd_bytes / 1e9 / median(dd_s)) > 0 ? (gb / median(save_s)) / (dd_bytes / 1e9 / median(dd_s)) : 0.0);
     std::printf("ROW | dd, same bytes, conv=fsync, one per rank | %.2f s | %.2f GB/s | 1 |\n", median(dd_s),
                 dd_bytes / 1e9 / median(dd_s));
-    std::printf("ROW | load (verify + read) | %.2f s | %.2f GB/s | - |\n", median(load_s), gb / median(load_s));
-    std::printf("ROW | async save: training loop stall (in save() + next step() waiting for the copy) | %.3f s | - | "
+    std::printf("ROW | zeroshard load (verify + read) | %.2f s | %.2f GB/s | - |\n", median(load_s), gb / median(load_s));
+    std::printf("ROW | zeroshard async save: training loop stall (in save() + next step() waiting for the copy) | %.3f s | - | "
                 "%.3f of the sync save |\n",
                 median(stall_s), median(stall_s) / median(save_s));
-    std::printf("ROW | async save: a training step (%.2f s alone) with the save running beside it | %.2f s | - | "
+    std::printf("ROW | zeroshard async save: a training step (%.2f s alone) with the save running beside it | %.2f s | - | "
                 "+%.2f s |\n",
                 median(step_s), median(step_with_save_s), median(step_with_save_s) - median(step_s));
-    std::printf("ROW | save with model.h5 | %.2f s | %.2f GB/s | - |\n", with_view, gb / with_view);
+    std::printf("ROW | zeroshard save with model.h5 | %.2f s | %.2f GB/s | - |\n", with_view, gb / with_view);
   }
   comm->barrier();
   if (rank == 0) std::filesystem::remove_all(dir);

@@ -1,14 +1,16 @@
-// optim_bench: one AdamW step over n fp32 elements, three ways, in one process:
-//   fused   zeroshard's fused kernel (SIMD path chosen at run time, at::parallel_for threads)
-//   torch   torch::optim::AdamW::step on one parameter of n elements
-//   triad   STREAM triad a = b + s*c over n floats (the machine's bandwidth anchor)
-// Bandwidth counts the bytes each algorithm must move, STREAM's convention:
-// AdamW 28 B/element (read p, g, m, v; write p, m, v), triad 12 B/element.
-// Triad's store to `a` also makes the CPU read `a` first (write-allocate), so
-// its real traffic is 16 B/element; that column is printed too. AdamW writes
-// only what it read, so its 28 B are its real traffic.
+// optim_bench: one AdamW step over n fp32 elements, in one process:
+//   ceiling  AdamW's memory traffic without its arithmetic: read p, g, m, v and
+//            write p, m, v (one XOR each, so nothing is elided), vectorized for
+//            the widest ISA the CPU has: the physical limit of the access pattern
+//   fused    zeroshard's fused kernel (SIMD path chosen at run time)
+//   torch    torch::optim::AdamW::step on one parameter of n elements (C++)
+//   triad    STREAM triad a = b + s*c (12 B/element counted, STREAM's convention)
+// All four use at::parallel_for with the fused kernel's grain. Bandwidth counts
+// 28 B/element for AdamW and the ceiling (their real traffic: they write only
+// what they read). Prints "ROW | threads | elements | stack | ms | GB/s |" lines,
+// which bench/optim_bench.sh puts beside PyTorch's (bench/optim_peer.py).
 //
-//   bench/optim_bench [--min-m 16] [--max-m 128] [--reps 7]
+//   bench/optim_bench [--min-m 16] [--max-m 128] [--reps 7] [--threads N]
 #include "optim/fused_adamw.h"
 
 #include <CLI/CLI.hpp>
@@ -17,12 +19,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <thread>
 #include <vector>
 
-namespace {
+namespace optim_bench {
 
 // STREAM's rule, for all three: the best of `reps` timed runs after one warm-up.
 double best_seconds(int reps, const std::function<void()>& f) {
@@ -36,60 +39,80 @@ double best_seconds(int reps, const std::function<void()>& f) {
   return *std::min_element(t.begin(), t.end());
 }
 
+// The ceiling (see the top): AdamW's reads and writes, one XOR per write.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void read4_write3(
+    uint32_t* __restrict p, const uint32_t* __restrict g, uint32_t* __restrict m, uint32_t* __restrict v,
+    int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t x = g[i];
+    p[i] ^= x;
+    m[i] ^= x;
+    v[i] ^= x;
+  }
+}
+
+void ceiling(float* p, const float* g, float* m, float* v, int64_t n) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    read4_write3(reinterpret_cast<uint32_t*>(p) + begin, reinterpret_cast<const uint32_t*>(g) + begin,
+                 reinterpret_cast<uint32_t*>(m) + begin, reinterpret_cast<uint32_t*>(v) + begin, end - begin);
+  });
+}
+
 void triad(float* __restrict a, const float* __restrict b, const float* __restrict c, float s, int64_t n) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
   });
 }
 
-}  // namespace
+}  // namespace optim_bench
 
-int main(int argc, char** argv) {
+int optim_bench_main(int argc, char** argv) {
+  using namespace optim_bench;
   int min_m = 16, max_m = 128, reps = 7;
   int threads = static_cast<int>(std::thread::hardware_concurrency());
-  CLI::App app{"AdamW step: fused kernel vs torch::optim::AdamW vs STREAM triad"};
+  CLI::App app{"AdamW step: fused kernel vs its memory-traffic ceiling, torch::optim::AdamW and STREAM triad"};
   app.add_option("--min-m", min_m, "smallest size, millions of elements (x 2^20)")->capture_default_str();
   app.add_option("--max-m", max_m, "largest size, millions of elements (x 2^20)")->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions (best reported, as STREAM does)")->capture_default_str();
-  app.add_option("--threads", threads, "threads for all three (default: every core)")->capture_default_str();
+  app.add_option("--threads", threads, "threads for all four (default: every core)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(std::max(1, threads));
+  threads = at::get_num_threads();
 
-  using zeroshard::optim::to_string;
-  std::printf("optim_bench: %d threads, SIMD %s, best of %d\n\n", at::get_num_threads(),
-              to_string(zeroshard::optim::default_simd()).c_str(), reps);
-  std::printf("| elements | triad GB/s (12 B) | triad GB/s (16 B) | fused ms | fused GB/s | fused / triad (12 B) | fused / triad (16 B) | torch AdamW ms | torch GB/s | fused speedup |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("optim_bench: %d threads, SIMD %s, best of %d\n", threads,
+              zeroshard::optim::to_string(zeroshard::optim::default_simd()).c_str(), reps);
+  auto row = [&](int m, const char* stack, double seconds, double bytes_per_element) {
+    const double gbs = bytes_per_element * (static_cast<double>(m) * (1 << 20)) / seconds / 1e9;
+    std::printf("ROW | %d | %dM | %s | %.1f | %.1f |\n", threads, m, stack, seconds * 1e3, gbs);
+    std::fflush(stdout);
+  };
   torch::NoGradGuard no_grad;
   for (int m = min_m; m <= max_m; m *= 2) {
     const int64_t n = static_cast<int64_t>(m) << 20;
-    double triad_s, fused_s, torch_s;
-    {
-      auto a = torch::zeros({n}), b = torch::rand({n}), c = torch::rand({n});
-      triad_s = best_seconds(reps, [&] { triad(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), 3.0f, n); });
-    }
     {
       auto p = torch::randn({n}), g = torch::randn({n}), mo = torch::zeros({n}), v = torch::zeros({n});
+      row(m, "ceiling: read p, g, m, v, write p, m, v (no arithmetic)", best_seconds(reps, [&] {
+            ceiling(p.data_ptr<float>(), g.data_ptr<float>(), mo.data_ptr<float>(), v.data_ptr<float>(), n);
+          }), 28);
       int64_t step = 0;
-      fused_s = best_seconds(reps, [&] {
-        const auto co = zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step);
-        zeroshard::optim::fused_adamw(co, p.data_ptr<float>(), g.data_ptr(), torch::kFloat, mo.data_ptr<float>(),
-                                      v.data_ptr<float>(), n);
-      });
+      row(m, "zeroshard fused AdamW", best_seconds(reps, [&] {
+            const auto co = zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step);
+            zeroshard::optim::fused_adamw(co, p.data_ptr<float>(), g.data_ptr(), torch::kFloat,
+                                          mo.data_ptr<float>(), v.data_ptr<float>(), n);
+          }), 28);
     }
     {
       auto p = torch::randn({n}).set_requires_grad(true);
       p.mutable_grad() = torch::randn({n});
       torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-      torch_s = best_seconds(reps, [&] { opt.step(); });
+      row(m, "torch::optim::AdamW (C++)", best_seconds(reps, [&] { opt.step(); }), 28);
     }
-    const double tri_gbs = 12.0 * n / triad_s / 1e9, fused_gbs = 28.0 * n / fused_s / 1e9,
-                 torch_gbs = 28.0 * n / torch_s / 1e9;
-    const double tri16 = tri_gbs * 16.0 / 12.0;
-    std::printf("| %dM | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.1fx |\n", m, tri_gbs, tri16,
-                fused_s * 1e3, fused_gbs, fused_gbs / tri_gbs, fused_gbs / tri16, torch_s * 1e3, torch_gbs,
-                torch_s / fused_s);
-    std::fflush(stdout);
+    {
+      auto a = torch::zeros({n}), b = torch::rand({n}), c = torch::rand({n});
+      row(m, "STREAM triad (12 B counted)", best_seconds(reps, [&] {
+            triad(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), 3.0f, n);
+          }), 12);
+    }
   }
   return 0;
 }

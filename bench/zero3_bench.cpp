@@ -10,7 +10,9 @@
 // backward.
 // Rank 0 prints a "ROW |...|" line: median step time (slowest rank), exposed
 // communication (time the training thread waited for gathers and reductions,
-// zero3 only), peak RSS (largest rank) and model-state bytes per rank.
+// zero3 only), peak RSS (largest rank), model-state bytes per rank, and MiB
+// sent per rank per step (payload, mean over ranks and timed steps; for zero3
+// the gathers' communicator plus the reduce-scatters' own).
 //
 //   zeroshard-run --nproc-per-node 4 -- bench/zero3_bench --mode zero3
 #include <zeroshard/comm.h>
@@ -27,7 +29,7 @@
 #include <chrono>
 #include <cstdio>
 
-namespace {
+namespace zero3_bench {
 
 struct LmImpl : torch::nn::Module {
   LmImpl(int vocab, int seq, int d, int heads, int ff, int layers, bool head_unit) : head_unit(head_unit) {
@@ -59,9 +61,10 @@ struct LmImpl : torch::nn::Module {
 TORCH_MODULE(Lm);
 
 
-}  // namespace
+}  // namespace zero3_bench
 
-int main(int argc, char** argv) {
+int zero3_bench_main(int argc, char** argv) {
+  using namespace zero3_bench;
   std::string mode = "zero3";
   int steps = 10, warmup = 2, batch = 2, seq = 64, vocab = 8192, d = 512, heads = 8, ff = 2048, layers = 7;
   CLI::App app{"~30M-parameter transformer LM: ZeRO-3 (fully_shard) vs ZeRO-2 vs data parallelism"};
@@ -111,8 +114,15 @@ int main(int argc, char** argv) {
   }
   auto params = model->parameters();
 
+  // Payload bytes this rank has sent so far: the given communicator's, plus, for
+  // zero3, the reduce-scatters' communicator of its own.
+  auto bytes_sent = [&] {
+    return comm->stats().total().bytes_sent + (sharded ? sharded->reduction_stats().total().bytes_sent : 0);
+  };
   std::vector<double> times, exposed, exposed_gathers;
+  int64_t sent = 0;  // in the timed steps (the timing all-reduce left out)
   for (int step = 0; step < warmup + steps; ++step) {
+    const int64_t sent_before = bytes_sent();
     torch::manual_seed(1000 * step + rank);
     auto ids = torch::randint(vocab, {batch, seq + 1}, torch::kLong);
     const auto waits_before = sharded ? sharded->waits() : zeroshard::FullyShardedWaits{};
@@ -134,6 +144,7 @@ int main(int argc, char** argv) {
       waited_gathers = w.gathers - waits_before.gathers;
       waited = waited_gathers + (w.reductions - waits_before.reductions);
     }
+    if (step >= warmup) sent += bytes_sent() - sent_before;
     auto t = torch::tensor({mine, waited, waited_gathers}, torch::kDouble);
     comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
     if (step >= warmup) {
@@ -149,6 +160,8 @@ int main(int argc, char** argv) {
   const double median = times[times.size() / 2];
   auto rss = torch::tensor({zeroshard::bench::peak_rss_mib()}, torch::kDouble);
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
+  auto sent_mib = torch::tensor({sent / 1048576.0 / steps}, torch::kDouble);  // mean over ranks, as the peer's
+  comm->all_reduce(sent_mib, zeroshard::ReduceOp::kAvg)->wait();
   double states_mib;
   if (sharded) {
     const auto* z3 = static_cast<zeroshard::FullyShardedAdamW*>(opt.get());
@@ -165,8 +178,8 @@ int main(int argc, char** argv) {
                       std::to_string(static_cast<int>(exposed_gathers[exposed_gathers.size() / 2] * 1e3 + 0.5)) + ")"
                 : "-";
     const std::string label = mode + (head_unit ? " (head a unit)" : "");
-    std::printf("ROW | %s | %d | %.1fM | %.0f | %s | %.0f | %.0f |\n", label.c_str(), world, psi / 1e6, median * 1e3,
-                exposed_col.c_str(), rss.item<double>(), states_mib);
+    std::printf("ROW | zeroshard %s | %d | %.1fM | %.0f | %s | %.0f | %.0f | %.1f |\n", label.c_str(), world, psi / 1e6,
+                median * 1e3, exposed_col.c_str(), rss.item<double>(), states_mib, sent_mib.item<double>());
   }
   comm->barrier();
   return 0;
