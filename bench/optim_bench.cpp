@@ -3,9 +3,11 @@
 //            write p, m, v (one XOR each, so nothing is elided), vectorized for
 //            the widest ISA the CPU has: the physical limit of the access pattern
 //   fused    zeroshard's fused kernel (SIMD path chosen at run time)
+//   PyTorch  at::_fused_adamw_, the kernel of torch.optim.AdamW(fused=True) (LibTorch 2.x)
 //   torch    torch::optim::AdamW::step on one parameter of n elements (C++)
 //   triad    STREAM triad a = b + s*c (12 B/element counted, STREAM's convention)
-// All four use at::parallel_for with the fused kernel's grain. Bandwidth counts
+// Ours use at::parallel_for with the fused kernel's grain. The kernels take turns
+// (best of --reps each), so they see the same memory bandwidth. Bandwidth counts
 // 28 B/element for AdamW and the ceiling (their real traffic: they write only
 // what they read). Prints "ROW | threads | elements | stack | ms | GB/s |" lines,
 // which bench/optim_bench.sh puts beside PyTorch's (bench/optim_peer.py).
@@ -16,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,16 +30,20 @@
 
 namespace optim_bench {
 
-// STREAM's rule, for all three: the best of `reps` timed runs after one warm-up.
-double best_seconds(int reps, const std::function<void()>& f) {
-  f();  // warm-up: page faults, thread pool start
-  std::vector<double> t;
+// STREAM's rule: the best of `reps` timed runs of each, after one warm-up each
+// (page faults, thread pool start). The kernels take turns, so a change in the
+// machine's memory bandwidth during the run reaches every kernel alike.
+std::vector<double> best_seconds(int reps, const std::vector<std::function<void()>>& kernels) {
+  for (const auto& f : kernels) f();
+  std::vector<double> best(kernels.size(), 1e30);
   for (int i = 0; i < reps; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    f();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    for (size_t k = 0; k < kernels.size(); ++k) {
+      const auto start = std::chrono::steady_clock::now();
+      kernels[k]();
+      best[k] = std::min(best[k], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   }
-  return *std::min_element(t.begin(), t.end());
+  return best;
 }
 
 // The ceiling (see the top): AdamW's reads and writes, one XOR per write.
@@ -89,30 +96,41 @@ int optim_bench_main(int argc, char** argv) {
   torch::NoGradGuard no_grad;
   for (int m = min_m; m <= max_m; m *= 2) {
     const int64_t n = static_cast<int64_t>(m) << 20;
-    {
-      auto p = torch::randn({n}), g = torch::randn({n}), mo = torch::zeros({n}), v = torch::zeros({n});
-      row(m, "ceiling: read p, g, m, v, write p, m, v (no arithmetic)", best_seconds(reps, [&] {
-            ceiling(p.data_ptr<float>(), g.data_ptr<float>(), mo.data_ptr<float>(), v.data_ptr<float>(), n);
-          }), 28);
-      int64_t step = 0;
-      row(m, "zeroshard fused AdamW", best_seconds(reps, [&] {
-            const auto co = zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step);
-            zeroshard::optim::fused_adamw(co, p.data_ptr<float>(), g.data_ptr(), torch::kFloat,
-                                          mo.data_ptr<float>(), v.data_ptr<float>(), n);
-          }), 28);
-    }
-    {
-      auto p = torch::randn({n}).set_requires_grad(true);
-      p.mutable_grad() = torch::randn({n});
-      torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-      row(m, "torch::optim::AdamW (C++)", best_seconds(reps, [&] { opt.step(); }), 28);
-    }
-    {
-      auto a = torch::zeros({n}), b = torch::rand({n}), c = torch::rand({n});
-      row(m, "STREAM triad (12 B counted)", best_seconds(reps, [&] {
-            triad(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), 3.0f, n);
-          }), 12);
-    }
+    // Each kernel its own arrays (the ceiling's XORs would turn AdamW's inputs into
+    // arbitrary bit patterns).
+    auto state = [n] { return std::vector<torch::Tensor>{torch::randn({n}), torch::randn({n}), torch::zeros({n}), torch::zeros({n})}; };
+    auto c = state(), z = state(), pt = state();
+    auto t = state();
+    t[0].set_requires_grad(true);
+    t[0].mutable_grad() = t[1];
+    torch::optim::AdamW opt({t[0]}, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    auto a = torch::zeros({n}), b = torch::rand({n}), tc = torch::rand({n});
+    int64_t step = 0;
+    std::vector<std::pair<std::string, double>> rows{{"ceiling: read p, g, m, v, write p, m, v (no arithmetic)", 28},
+                                                     {"zeroshard fused AdamW", 28}};
+    std::vector<std::function<void()>> kernels{
+        [&] { ceiling(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(), c[3].data_ptr<float>(), n); },
+        [&] {
+          const auto co = zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step);
+          zeroshard::optim::fused_adamw(co, z[0].data_ptr<float>(), z[1].data_ptr(), torch::kFloat,
+                                        z[2].data_ptr<float>(), z[3].data_ptr<float>(), n);
+        }};
+#if TORCH_VERSION_MAJOR >= 2
+    // PyTorch's fused CPU kernel, as torch.optim.AdamW(fused=True) calls it (LibTorch 2.x).
+    auto pt_step = torch::zeros({}, torch::kFloat);
+    rows.emplace_back("PyTorch's fused kernel (at::_fused_adamw_, what AdamW(fused=True) runs)", 28);
+    kernels.emplace_back([&] {
+      pt_step += 1;
+      at::_fused_adamw_({pt[0]}, {pt[1]}, {pt[2]}, {pt[3]}, {}, {pt_step}, 1e-3, 0.9, 0.999, 0.01, 1e-8,
+                        /*amsgrad=*/false, /*maximize=*/false);
+    });
+#endif
+    rows.emplace_back("torch::optim::AdamW (C++)", 28);
+    kernels.emplace_back([&] { opt.step(); });
+    rows.emplace_back("STREAM triad (12 B counted)", 12);
+    kernels.emplace_back([&] { triad(a.data_ptr<float>(), b.data_ptr<float>(), tc.data_ptr<float>(), 3.0f, n); });
+    const auto best = best_seconds(reps, kernels);
+    for (size_t k = 0; k < rows.size(); ++k) row(m, rows[k].first.c_str(), best[k], rows[k].second);
   }
   return 0;
 }
