@@ -12,7 +12,7 @@
 // what they read). Prints "ROW | threads | elements | stack | ms | GB/s |" lines,
 // which bench/optim_bench.sh puts beside PyTorch's (bench/optim_peer.py).
 //
-//   bench/optim_bench [--min-m 16] [--max-m 128] [--reps 7] [--threads N]
+//   bench/optim_bench [--min-m 16] [--max-m 128] [--reps 11] [--threads N]
 #include "optim/fused_adamw.h"
 
 #include <CLI/CLI.hpp>
@@ -75,7 +75,7 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
 
 int optim_bench_main(int argc, char** argv) {
   using namespace optim_bench;
-  int min_m = 16, max_m = 128, reps = 7;
+  int min_m = 16, max_m = 128, reps = 11;
   int threads = static_cast<int>(std::thread::hardware_concurrency());
   CLI::App app{"AdamW step: fused kernel vs its memory-traffic ceiling, torch::optim::AdamW and STREAM triad"};
   app.add_option("--min-m", min_m, "smallest size, millions of elements (x 2^20)")->capture_default_str();

@@ -9,7 +9,7 @@ at each thread count of --threads (torch.set_num_threads). Timing is
 optim_bench's (STREAM's) rule: best of --reps runs after one warm-up;
 bandwidth counts 28 B/element (reads p, g, m, v; writes p, m, v).
 
-  .venv/bin/python bench/optim_peer.py [--min-m 16] [--max-m 128] [--reps 7] [--threads 1,2]
+  .venv/bin/python bench/optim_peer.py [--min-m 16] [--max-m 128] [--reps 11] [--threads 1,2]
 
 Prints optim_bench's "ROW | threads | elements | stack | ms | GB/s |" lines
 (bench/optim_bench.sh puts them beside ours); a variant that fails says
@@ -47,7 +47,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-m", type=int, default=16, help="smallest size, millions of elements (x 2^20)")
     ap.add_argument("--max-m", type=int, default=128, help="largest size, millions of elements (x 2^20)")
-    ap.add_argument("--reps", type=int, default=7, help="timed repetitions (best reported, as STREAM does)")
+    ap.add_argument("--reps", type=int, default=11, help="timed repetitions (best reported, as STREAM does)")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     a = ap.parse_args()
 

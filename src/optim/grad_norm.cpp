@@ -5,31 +5,50 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace zeroshard::optim {
 namespace {
 
+// Elements per chunk. The chunks are fixed by n alone and their sums are added in
+// order, so the result is the same bits at every thread count (at::parallel_reduce
+// splits by thread count, which would change the last bits of the norm, and so the
+// clipped update, with OMP_NUM_THREADS).
+constexpr int64_t kChunk = int64_t{1} << 15;
+
+template <typename T>
+double chunk_sumsq(const T* p, int64_t n) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains keep the adds pipelined
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const double a0 = static_cast<float>(p[i]), a1 = static_cast<float>(p[i + 1]);
+    const double a2 = static_cast<float>(p[i + 2]), a3 = static_cast<float>(p[i + 3]);
+    s0 += a0 * a0;
+    s1 += a1 * a1;
+    s2 += a2 * a2;
+    s3 += a3 * a3;
+  }
+  for (; i < n; ++i) {
+    const double a = static_cast<float>(p[i]);
+    s0 += a * a;
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
 template <typename T>
 double sumsq(const T* p, int64_t n) {
-  return at::parallel_reduce(
-      int64_t{0}, n, int64_t{1} << 15, 0.0,
-      [p](int64_t b, int64_t e, double acc) {
-        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains keep the adds pipelined
-        int64_t i = b;
-        for (; i + 4 <= e; i += 4) {
-          const double a0 = static_cast<float>(p[i]), a1 = static_cast<float>(p[i + 1]);
-          const double a2 = static_cast<float>(p[i + 2]), a3 = static_cast<float>(p[i + 3]);
-          s0 += a0 * a0;
-          s1 += a1 * a1;
-          s2 += a2 * a2;
-          s3 += a3 * a3;
-        }
-        for (; i < e; ++i) {
-          const double a = static_cast<float>(p[i]);
-          s0 += a * a;
-        }
-        return acc + ((s0 + s1) + (s2 + s3));
-      },
-      [](double a, double b) { return a + b; });
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  if (chunks <= 1) return chunk_sumsq(p, n);
+  std::vector<double> partial(static_cast<size_t>(chunks));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      partial[static_cast<size_t>(c)] = chunk_sumsq(p + c * kChunk, std::min(kChunk, n - c * kChunk));
+    }
+  });
+  double sum = 0;
+  for (double s : partial) sum += s;
+  return sum;
 }
 
 }  // namespace

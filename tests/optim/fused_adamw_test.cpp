@@ -2,11 +2,13 @@
 // on every SIMD path this CPU has, with 16-bit gradients and parameter copies.
 #include "optim/adamw_kernel.h"
 #include "optim/fused_adamw.h"
+#include "optim/grad_norm.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <random>
 
 namespace zeroshard::optim {
@@ -145,6 +147,43 @@ TEST(FusedAdamW, ThreadsDoNotChangeResults) {
   at::set_num_threads(before);
   EXPECT_TRUE(torch::equal(one.p, two.p));
   EXPECT_TRUE(torch::equal(one.v, two.v));
+}
+
+// The library and its users are compiled with OpenMP: LibTorch's inline
+// at::parallel_for (the fused kernel's and the gradient norm's threads) runs
+// serially without it.
+TEST(FusedAdamW, ParallelForRunsOnSeveralThreads) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  std::atomic<int> most{0};
+  at::parallel_for(0, 1 << 20, 1 << 10, [&](int64_t, int64_t) {
+    int seen = most.load();
+    const int id = at::get_thread_num();
+    while (id > seen && !most.compare_exchange_weak(seen, id)) {
+    }
+  });
+  at::set_num_threads(before);
+  EXPECT_EQ(most.load(), 1) << "at::parallel_for ran on one thread: the build lost -fopenmp (CMakeLists.txt: OpenMP)";
+}
+
+TEST(GradNorm, SumOfSquaresMatchesTorchAndIgnoresThreadCount) {
+  torch::manual_seed(5);
+  const int64_t n = (int64_t{1} << 20) + 3;  // 33 chunks, the last one short
+  auto g = torch::randn({n});
+  const double want = g.to(torch::kDouble).pow(2).sum().item<double>();
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);
+  const double one = sum_of_squares(g.data_ptr(), g.scalar_type(), n);
+  at::set_num_threads(2);
+  const double two = sum_of_squares(g.data_ptr(), g.scalar_type(), n);
+  auto h = g.to(torch::kBFloat16);
+  const double half = sum_of_squares(h.data_ptr(), h.scalar_type(), n);
+  at::set_num_threads(before);
+  EXPECT_NEAR(one, want, 1e-12 * want);
+  EXPECT_EQ(one, two) << "the sum must not depend on the thread count";
+  EXPECT_NEAR(half, h.to(torch::kDouble).pow(2).sum().item<double>(), 1e-12 * want);
+  auto bad = torch::zeros({4}, torch::kInt);
+  EXPECT_THROW(sum_of_squares(bad.data_ptr(), bad.scalar_type(), 4), c10::ValueError);
 }
 
 TEST(FusedAdamW, ConversionsMatchLibTorch) {
