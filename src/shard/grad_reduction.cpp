@@ -50,6 +50,30 @@ void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
   p.mutable_grad() = at::Tensor();
 }
 
+// Stage 1 keeps gradients in the bucket's flat buffer, which backward adds into
+// and step() reduce-scatters in place. A gradient found elsewhere (the first
+// backward, or one after the gradients were set to None: Module::zero_grad(),
+// or torch::optim::Optimizer::zero_grad(), which is not virtual and so runs for a
+// caller holding the base class) is copied into its slot the moment it is
+// ready, and p.grad() becomes the slot; one parameter's gradient is the most
+// ever held twice. A parameter without a gradient gets a zeroed slot.
+void ShardedAdamW::Impl::grad_into_flat(size_t param) {
+  auto& b = buckets[location[param].first];
+  if (!b.flat_grads.defined()) b.flat_grads = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+  auto& p = params[param];
+  const int64_t off = b.layout.offsets[location[param].second];
+  auto slot = b.flat_grads.slice(0, off, off + infos[param].numel());
+  const auto& g = p.grad();
+  if (g.defined() && g.data_ptr() == slot.data_ptr()) return;  // already the slot
+  if (g.defined()) {
+    slot.view(p.sizes()).copy_(g);
+    had_grad[param] = 1;
+  } else {
+    slot.zero_();
+  }
+  p.mutable_grad() = shard::alias_of(b.flat_grads, off, p.sizes());
+}
+
 void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   if (backward_aborted) {
     recover_from_aborted_backward();
@@ -77,6 +101,7 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   had_grad[param] = 1;
   if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)
     if (options.stage == 2) local_grads_pending = true;
+    if (options.stage == 1) grad_into_flat(param);
     return;
   }
   if (ready[param]) return;
@@ -176,22 +201,8 @@ void ShardedAdamW::Impl::reduce_all() {
   if (options.stage == 1) {
     for (size_t index = 0; index < buckets.size(); ++index) {
       auto& b = buckets[index];
+      for (size_t param : b.params) grad_into_flat(param);
       if (!b.flat_grads.defined()) b.flat_grads = at::zeros({b.layout.padded_numel}, b.flat_params.options());
-      for (size_t entry = 0; entry < b.params.size(); ++entry) {
-        const size_t param = b.params[entry];
-        auto& p = params[param];
-        const int64_t off = b.layout.offsets[entry];
-        auto slot = b.flat_grads.slice(0, off, off + infos[param].numel());
-        const auto& g = p.grad();
-        const bool aliased = g.defined() && g.data_ptr() == slot.data_ptr();
-        if (g.defined() && !aliased) {  // a gradient created outside our buffer (first step, set_to_none)
-          slot.view(p.sizes()).copy_(g);
-          had_grad[param] = 1;
-        } else if (!g.defined()) {
-          slot.zero_();
-        }
-        if (!aliased) p.mutable_grad() = shard::alias_of(b.flat_grads, off, p.sizes());
-      }
       b.rs_in = b.flat_grads;
       launch(index);
     }

@@ -520,7 +520,7 @@ ShardedMemory ShardedAdamW::memory() const {
     m.moments += b.exp_avg.nbytes() + b.exp_avg_sq.nbytes();
     if (b.flat_grads.defined()) counted.insert(b.flat_grads.storage().data());
   }
-  for (const auto& p : im.params) {  // gradients outside our buffers (no_sync, before the first stage-1 step)
+  for (const auto& p : im.params) {  // gradients outside our buffers (stage 2: no_sync, local accumulation)
     const auto& g = p.grad();
     if (g.defined() && counted.insert(g.storage().data()).second) m.grads += g.storage().nbytes();
   }

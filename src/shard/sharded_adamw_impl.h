@@ -119,6 +119,7 @@ struct ShardedAdamW::Impl {
 
  private:
   void copy_grad_into(size_t param, shard::Bucket& b);
+  void grad_into_flat(size_t param);  // stage 1: p.grad() becomes its slot of the bucket's flat_grads
   void launch(size_t bucket);
   void launch_ready_in_order(bool force);
 };

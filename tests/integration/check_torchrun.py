@@ -75,8 +75,14 @@ def check_minimal(build, work):
     assert loss["torchrun"].group(1) == loss["zeroshard-run"].group(1), "the final losses differ"
     assert float(loss["torchrun"].group(1)) < 0.2, "torchrun's run did not train"
     ref_params, got_params = (saved_tensor_bytes(os.path.join(work, f)) for f in ("ref.pt", "torchrun.pt"))
-    assert len(ref_params) > 0 and ref_params == got_params, \
-        "the final parameters differ between torchrun and zeroshard-run"
+    assert len(ref_params) > 0
+    if ref_params != got_params:
+        import numpy as np
+        a, b = np.frombuffer(ref_params, np.float32), np.frombuffer(got_params, np.float32)
+        diff = np.flatnonzero(a != b) if a.shape == b.shape else []
+        raise AssertionError(f"the final parameters differ between torchrun and zeroshard-run: {len(diff)} of {a.size} "
+                             f"floats, max |difference| {np.abs(a - b).max() if len(diff) else 'n/a'}, first at "
+                             f"{diff[:8].tolist() if len(diff) else 'n/a'}")
     print("minimal: torchrun's run equals zeroshard-run's bit for bit")
 
 

@@ -83,6 +83,9 @@ struct Config {
   bool reduce_every_backward = true;
   bool no_sync_last = false;  // the last micro-batch (not the first ones) runs under no_sync()
   int fail_step = -1;         // at this step and the next, a first backward attempt throws part-way
+  // How gradients are cleared: 0 opt.zero_grad(); 1 Module::zero_grad(true) (to None);
+  // 2 through torch::optim::Optimizer& (its zero_grad is not virtual; 2.x sets None).
+  int zero_grad_via = 0;
 };
 
 struct Trajectory {
@@ -136,8 +139,16 @@ Trajectory run_sharded(const Config& c) {
   ShardedAdamW opt(groups_of(net, kLr), world_ptr(), torch::optim::AdamWOptions(kLr), o);
   Trajectory t;
   const int local = kBatch / n;
+  int64_t grad_bytes = -1;  // gradient bytes held after a step (stage 1: the flat buffers)
   for (int s = 0; s < c.steps; ++s) {
-    opt.zero_grad();
+    if (c.zero_grad_via == 1) {
+      net->zero_grad(/*set_to_none=*/true);
+    } else if (c.zero_grad_via == 2) {
+      torch::optim::Optimizer& base = opt;
+      base.zero_grad();
+    } else {
+      opt.zero_grad();
+    }
     for (int k = 0; k < c.micro; ++k) {
       auto [x, y] = batch(s, k);
       x = x.slice(0, r * local, (r + 1) * local);
@@ -162,8 +173,12 @@ Trajectory run_sharded(const Config& c) {
         loss.backward();
       }
     }
+    if (c.stage == 1 && grad_bytes >= 0) {  // stage 1 holds each gradient once, however they were cleared
+      EXPECT_EQ(opt.memory().grads, grad_bytes) << "step " << s << ": gradients held outside the flat buffers";
+    }
     if (c.clip_call > 0) t.norms.push_back(opt.clip_grad_norm(c.clip_call));
     opt.step();
+    grad_bytes = opt.memory().grads;
     for (auto& g : opt.param_groups()) {
       auto& go = static_cast<torch::optim::AdamWOptions&>(g.options());
       go.lr(go.lr() * 0.95);
@@ -268,6 +283,20 @@ TEST_P(ShardedAdamWStage, AccumulatesFourMicroBatchesLocallyByOption) {
   c.micro = 4;
   c.reduce_every_backward = false;
   expect_matches_oracle(c);
+}
+
+// Gradients cleared to None by the module, or by zero_grad() through the
+// torch::optim::Optimizer base class, train the same; stage 1 still holds each
+// gradient once (in its flat buffer), not a second copy per backward.
+TEST_P(ShardedAdamWStage, GradientsClearedToNoneOrThroughTheBaseClass) {
+  for (int via : {1, 2}) {
+    Config c;
+    c.stage = GetParam();
+    c.micro = 2;
+    c.steps = 8;
+    c.zero_grad_via = via;
+    expect_matches_oracle(c);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(1, 2),
