@@ -162,10 +162,11 @@ class ShardedAdamW : public torch::optim::Optimizer {
 
   // Clears the gradients before the next backward. Stage 1 keeps p.grad() as
   // views of its flat reduction buffers and zeroes them in place, whatever
-  // `set_to_none` says: LibTorch 2.x's default (none) would make every backward
-  // allocate fresh gradients and step() copy them in (Ψ more bytes at peak).
-  // Stage 2 sets them to none or zeroes them, as asked. (Hides, not overrides,
-  // the base class's: call it on a ShardedAdamW.)
+  // `set_to_none` says; stage 2 sets them to none or zeroes them, as asked.
+  // (Hides, not overrides, the base class's, which is not virtual. Clearing
+  // through the base class or Module::zero_grad() works too: with stage 1 a
+  // gradient backward allocates afresh is moved into the flat buffer as soon
+  // as it is complete.)
   void zero_grad(bool set_to_none = true);
 
   // Clips the mean gradient to `max_norm` (global L2 norm over all ranks and
