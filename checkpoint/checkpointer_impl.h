@@ -17,6 +17,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,11 +33,31 @@ constexpr const char* kFormat = "zeroshard-checkpoint";
 
 std::string step_dir_name(int64_t step);               // step-00001200
 std::string rank_file_name(int rank, int world);       // rank-00000-of-00004.h5
+// The step of a step directory's name ("step-" and digits only), or none.
+std::optional<int64_t> step_of_dir_name(const std::string& name);
+// The step directory `latest` names in a run directory. Throws, naming the file
+// and the fix, when it names anything but a step directory of this run (an
+// edited or corrupt `latest` must not lead outside it).
+fs::path latest_step_dir(const fs::path& run_dir);
 void fsync_path(const fs::path& path, bool directory);
 // A crash leaves either the old file or the new one: temporary file, fsync,
 // rename, fsync of the directory.
 void write_atomically(const fs::path& path, const std::string& content);
 std::string read_text(const fs::path& path);
+// manifest.json and its checksum, manifest.xxh3 (a file of its own, so a torn or
+// edited manifest cannot also fix up its checksum).
+void write_manifest(const fs::path& step_dir, const json& manifest);
+// The manifest of a step directory, verified: its checksum (checkpoints written
+// before manifest.xxh3 existed have none), its format, and pieces that cover
+// every parameter's elements exactly once. Throws saying what is wrong.
+json read_manifest(const fs::path& step_dir);
+// The ZeRO stage a manifest was saved at ("zero_stage"; older manifests say "stage").
+int zero_stage_of(const json& manifest);
+// The commit protocol: the manifest into the temporary step directory, the
+// directory renamed to its final name (a same-step one moved aside first),
+// fsync of the run directory, then `latest`. A crash at any point leaves the
+// previous commit loadable.
+void commit_step_dir(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
 // How a tensor dtype is stored (16-bit floats as uint16); throws naming the
 // tensor for dtypes checkpoints do not store.
 checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name);
@@ -148,7 +169,6 @@ struct Checkpointer::Impl {
   void write_rank_file(const fs::path& path, const ckpt::Snapshot& snap);
   json manifest(const ckpt::Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests);
   void write_model_view(const fs::path& path, const ckpt::Snapshot& snap);
-  void commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest);
   void retain(const fs::path& keep_dir);
   // Committed checkpoints, newest first.
   std::vector<fs::path> committed() const;

@@ -48,9 +48,11 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
   if (step) {
     candidates.push_back(root / step_dir_name(*step));
   } else if (fs::exists(root / "latest")) {
-    std::string name = read_text(root / "latest");
-    name.erase(name.find_last_not_of(" \n\r\t") + 1);
-    candidates.push_back(root / name);
+    try {
+      candidates.push_back(latest_step_dir(root));
+    } catch (const std::exception& e) {
+      log_warn(message_of(e) + "; loading the newest committed checkpoint instead");
+    }
   }
   for (const auto& c : committed()) {
     if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
@@ -65,9 +67,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       if (!fs::exists(cand / "manifest.json")) {
         why = "'" + cand.string() + "' has no manifest.json (never committed)";
       } else {
-        m = json::parse(read_text(cand / "manifest.json"));
-        TORCH_CHECK(m.at("format") == kFormat && m.at("format_version").get<int>() == kFormatVersion,
-                    "unknown format");
+        m = read_manifest(cand);
         why = verify_share(cand, m);
       }
     } catch (const std::exception& e) {
@@ -229,7 +229,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     progress.extra_json = m.at("extra").dump();
     progress.save_seconds = m.value("save_seconds", 0.0);
     log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
-             std::to_string(m.at("world_size").get<int>()) + " ranks, stage " + std::to_string(m.at("stage").get<int>()) +
+             std::to_string(m.at("world_size").get<int>()) + " ranks, ZeRO stage " + std::to_string(zero_stage_of(m)) +
              ")");
     return progress;
   }

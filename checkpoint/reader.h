@@ -55,8 +55,9 @@ class CheckpointReader {
   at::Tensor read_replicated(const ReplicatedEntry& r);
 
   // Every problem found ("" none): files missing, of the wrong size or
-  // checksum; datasets missing or of the wrong size; pieces that do not cover
-  // a parameter; model.h5 sources that are not the rank files.
+  // checksum; datasets missing or of the wrong size; model.h5 sources that are
+  // not the rank files. (A manifest that fails its checksum or whose pieces do
+  // not cover a parameter exactly once is refused by the constructor.)
   std::vector<std::string> verify();
 
  private:

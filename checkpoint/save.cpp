@@ -199,7 +199,7 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
   m["epoch"] = snap.progress.epoch;
   m["extra"] = json::parse(snap.progress.extra_json);
   m["world_size"] = world;
-  m["stage"] = snap.stage;
+  m["zero_stage"] = snap.stage;
   m["model_hash"] = snap.model_hash;
   m["save_seconds"] = snap.save_seconds;
   m["gradients"] = snap.gradients;
@@ -241,34 +241,13 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
   return m;
 }
 
-void Checkpointer::Impl::commit(const fs::path& tmp, const fs::path& final_dir, const json& manifest) {
-  write_atomically(tmp / "manifest.json", manifest.dump(1));
-  std::error_code ec;
-  fs::path replaced;
-  if (fs::exists(final_dir)) {  // the same step saved again (e.g. after a resume)
-    replaced = final_dir.string() + ".replaced.tmp";
-    fs::remove_all(replaced, ec);
-    fs::rename(final_dir, replaced, ec);
-    TORCH_CHECK(!ec, "checkpoint: cannot move the old '", final_dir.string(), "' aside: ", ec.message());
-  }
-  fs::rename(tmp, final_dir, ec);
-  TORCH_CHECK(!ec, "checkpoint: cannot rename '", tmp.string(), "' to '", final_dir.string(), "': ", ec.message());
-  fsync_path(final_dir.parent_path(), true);
-  write_atomically(final_dir.parent_path() / "latest", final_dir.filename().string() + "\n");
-  if (!replaced.empty()) fs::remove_all(replaced, ec);
-}
-
 std::vector<fs::path> Checkpointer::Impl::committed() const {
   std::vector<std::pair<int64_t, fs::path>> found;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind("step-", 0) != 0 || n.find(".tmp") != std::string::npos) continue;
-    if (!fs::exists(e.path() / "manifest.json")) continue;  // never committed
-    try {
-      found.emplace_back(std::stoll(n.substr(5)), e.path());
-    } catch (const std::exception&) {
-    }
+    const auto step = step_of_dir_name(e.path().filename().string());  // not step-N.tmp, not other files
+    if (!step || !fs::exists(e.path() / "manifest.json")) continue;       // never committed
+    found.emplace_back(*step, e.path());
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<fs::path> out;
@@ -412,7 +391,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
       timed.save_seconds = took.item<double>();
       trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
       if (options.write_model_view) write_model_view(tmp / "model.h5", snap);
-      commit(tmp, final_dir, manifest(timed, digests));
+      commit_step_dir(tmp, final_dir, manifest(timed, digests));
     } catch (const std::exception& e) {
       err = message_of(e);
     }

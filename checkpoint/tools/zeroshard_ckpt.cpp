@@ -57,7 +57,7 @@ int inspect(const std::string& path, int64_t step, bool params) {
     std::vector<std::string> steps;
     for (const auto& e : fs::directory_iterator(p)) {
       const auto n = e.path().filename().string();
-      if (n.rfind("step-", 0) == 0 && fs::exists(e.path() / "manifest.json")) steps.push_back(n);
+      if (zeroshard::ckpt::step_of_dir_name(n) && fs::exists(e.path() / "manifest.json")) steps.push_back(n);
     }
     std::sort(steps.begin(), steps.end());
     std::cout << "run directory " << path << ": " << steps.size() << " committed checkpoint(s)";
@@ -70,11 +70,11 @@ int inspect(const std::string& path, int64_t step, bool params) {
   int64_t elements = 0, bytes = 0;
   for (const auto& e : r.params()) elements += e.numel();
   for (const auto& f : m.at("files")) bytes += f.at("bytes").get<int64_t>();
-  std::printf("%s: step %lld, epoch %lld, saved by %d ranks at stage %d; %zu parameters (%lld elements), %zu "
+  std::printf("%s: step %lld, epoch %lld, saved by %d ranks at ZeRO stage %d; %zu parameters (%lld elements), %zu "
               "replicated tensors; %.1f MB in %zu files; saving took %.2f s\n",
               dir.string().c_str(), static_cast<long long>(m.at("step").get<int64_t>()),
               static_cast<long long>(m.at("epoch").get<int64_t>()), m.at("world_size").get<int>(),
-              m.at("stage").get<int>(), r.params().size(), static_cast<long long>(elements), r.replicated().size(),
+              zeroshard::ckpt::zero_stage_of(m), r.params().size(), static_cast<long long>(elements), r.replicated().size(),
               bytes / 1e6, m.at("files").size(), m.value("save_seconds", 0.0));
   if (params) {
     for (const auto& e : r.params()) {
@@ -91,7 +91,14 @@ int inspect(const std::string& path, int64_t step, bool params) {
 
 int verify(const std::string& path, int64_t step) {
   const auto dir = resolve_step_dir(path, step);
-  CheckpointReader r(dir);
+  std::unique_ptr<CheckpointReader> reader;
+  try {
+    reader = std::make_unique<CheckpointReader>(dir);
+  } catch (const c10::Error& e) {  // the manifest itself is bad
+    std::cout << "BAD " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+  auto& r = *reader;
   const auto problems = r.verify();
   for (const auto& p : problems) std::cout << "BAD " << p << "\n";
   if (problems.empty()) {
@@ -223,7 +230,7 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   m["epoch"] = 0;
   m["extra"] = json::object();
   m["world_size"] = 1;
-  m["stage"] = 2;
+  m["zero_stage"] = 2;
   m["model_hash"] = "";  // imported: parameters are matched by name and shape instead
   m["imported_from"] = fs::path(in_path).filename().string();
   m["loss_scale"] = 1.0;
@@ -268,10 +275,7 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   f.close();
   const auto digest = digest_file((tmp / file).string());
   m["files"] = json::array({{{"name", file}, {"bytes", digest.bytes}, {"xxh3", to_hex(digest.xxh3)}}});
-  zeroshard::ckpt::write_atomically(tmp / "manifest.json", m.dump(1));
-  fs::remove_all(final_dir);
-  fs::rename(tmp, final_dir);
-  zeroshard::ckpt::write_atomically(fs::path(run_dir) / "latest", final_dir.filename().string() + "\n");
+  zeroshard::ckpt::commit_step_dir(tmp, final_dir, m);
   std::cout << "imported " << m["params"].size() << " parameters from " << in_path << " into " << final_dir.string()
             << "; the run loads it as its latest checkpoint\n";
   return 0;

@@ -68,6 +68,20 @@ def main(build, run_dir):
         damage(d)
         out = ckpt(build, "verify", d, expect=1)
         assert "BAD" in out and rank0 in out and reason in out, (what, out)
+    # a hand-edited manifest (the first piece one element longer): its checksum fails; without
+    # manifest.xxh3 (older checkpoints) the pieces no longer cover the parameter exactly once
+    for what, drop_sum, reason in [("edited", False, "fails its checksum"), ("edited-nosum", True, "do not cover")]:
+        d = os.path.join(work, what)
+        shutil.copytree(step_dir, d)
+        with open(os.path.join(d, "manifest.json")) as f:
+            m = json.load(f)
+        m["params"][0]["pieces"][0][2] += 1
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            json.dump(m, f, indent=1)
+        if drop_sum:
+            os.remove(os.path.join(d, "manifest.xxh3"))
+        out = ckpt(build, "verify", d, expect=1)
+        assert "BAD" in out and reason in out, (what, out)
 
     # consolidate: every full parameter (and moment), read back by h5py
     cons = os.path.join(work, "full.h5")

@@ -23,6 +23,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <set>
 
 namespace fs = std::filesystem;
 
@@ -270,7 +272,35 @@ TEST(CheckpointSave, AtThisWorldSize) {
     Checkpointer ckpt(dir.string(), world_ptr());
     Trainer run(stage);
     run.train(0, kSaveAt);
-    run.save(ckpt, kSaveAt);
+    const fs::path step_dir = run.save(ckpt, kSaveAt);
+    {  // what was committed: one file per rank, a manifest saying who wrote it, `latest` naming it
+      EXPECT_EQ(step_dir.filename().string(), "step-00000006");
+      EXPECT_EQ(latest_of(dir.string()), "step-00000006");
+      nlohmann::json m;
+      std::ifstream(step_dir / "manifest.json") >> m;
+      EXPECT_EQ(m.at("world_size").get<int>(), n);
+      EXPECT_EQ(m.at("zero_stage").get<int>(), stage);
+      EXPECT_EQ(m.at("step").get<int64_t>(), kSaveAt);
+      ASSERT_EQ(m.at("files").size(), static_cast<size_t>(n));
+      for (int q = 0; q < n; ++q) {
+        const auto& f = m.at("files").at(static_cast<size_t>(q));
+        char name[48];
+        std::snprintf(name, sizeof(name), "rank-%05d-of-%05d.h5", q, n);
+        EXPECT_EQ(f.at("name").get<std::string>(), name);
+        EXPECT_EQ(static_cast<int64_t>(fs::file_size(step_dir / name)), f.at("bytes").get<int64_t>()) << name;
+      }
+      // The optimizer's parameters: every trained one (fully_shard also holds the frozen layer's).
+      std::set<std::string> listed;
+      for (const auto& p : m.at("params")) listed.insert(p.at("name").get<std::string>());
+      const auto named = run.net->named_parameters();
+      for (const auto& name : listed) EXPECT_TRUE(named.contains(name)) << name << " is not a parameter of the model";
+      for (const auto& item : named) {
+        if (item.value().requires_grad()) {
+          EXPECT_TRUE(listed.count(item.key())) << item.key() << " is not in the manifest";
+        }
+      }
+      EXPECT_TRUE(fs::exists(step_dir / "manifest.xxh3"));
+    }
     {  // what h5py must find in the files (tests/checkpoint/check_h5.py)
       std::optional<FullyShardedModel::FullParamsGuard> guard;
       if (run.sharded) guard.emplace(run.sharded->summon_full_params());
@@ -400,6 +430,38 @@ TEST(CheckpointCommit, KeepsTheLastKAndCleansLeftovers) {
             std::string::npos);
 }
 
+// A load into a fresh stage-2 trainer (other initial values): what it loaded,
+// the parameters it ends with, and what it logged.
+struct Loaded {
+  std::optional<TrainingProgress> progress;
+  torch::Tensor params;
+  std::string log;
+};
+Loaded load_fresh(Checkpointer& ckpt) {
+  Trainer fresh(2, 7);
+  ::testing::internal::CaptureStderr();
+  auto progress = fresh.load(ckpt);
+  auto log = ::testing::internal::GetCapturedStderr();
+  return {progress, fresh.flat(), log};
+}
+
+// Rewrites a step directory's manifest.json through `edit` (as a person with an
+// editor would: manifest.xxh3 is left as it was).
+void edit_manifest(const fs::path& step_dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json m;
+  std::ifstream(step_dir / "manifest.json") >> m;
+  edit(m);
+  std::ofstream(step_dir / "manifest.json", std::ios::trunc) << m.dump(1);
+}
+void bump_first_piece(nlohmann::json& m) {
+  auto& piece = m.at("params").at(0).at("pieces").at(0);
+  piece[2] = piece[2].get<int64_t>() + 1;
+}
+void bump_first_shape(nlohmann::json& m) {
+  auto& shape = m.at("params").at(0).at("shape");
+  shape[0] = shape[0].get<int64_t>() + 1;
+}
+
 // Damage to the newest checkpoint: the load says why and falls back to the
 // previous one.
 TEST(CheckpointBadInput, DamagedNewestFallsBackToThePrevious) {
@@ -419,8 +481,27 @@ TEST(CheckpointBadInput, DamagedNewestFallsBackToThePrevious) {
        }},
       {"missing rank file", [&](const fs::path& d) { fs::remove(d / file0); }},
       {"no manifest", [&](const fs::path& d) { fs::remove(d / "manifest.json"); }},
+      // The manifest edited by hand: the first piece ends one element later, or a shape changed.
+      {"edited piece", [&](const fs::path& d) { edit_manifest(d, [](nlohmann::json& m) { bump_first_piece(m); }); }},
+      {"edited shape", [&](const fs::path& d) { edit_manifest(d, [](nlohmann::json& m) { bump_first_shape(m); }); }},
+      // The same edits where no checksum can tell (checkpoints from before manifest.xxh3):
+      // the pieces no longer cover the parameter exactly once.
+      {"edited piece, no checksum",
+       [&](const fs::path& d) {
+         edit_manifest(d, [](nlohmann::json& m) { bump_first_piece(m); });
+         fs::remove(d / "manifest.xxh3");
+       }},
+      {"edited shape, no checksum",
+       [&](const fs::path& d) {
+         edit_manifest(d, [](nlohmann::json& m) { bump_first_shape(m); });
+         fs::remove(d / "manifest.xxh3");
+       }},
+      {"torn manifest", [&](const fs::path& d) { fs::resize_file(d / "manifest.json", fs::file_size(d / "manifest.json") / 2); }},
   };
-  const std::vector<std::string> reasons{"truncated", "checksum", "is missing", "no manifest.json"};
+  const std::vector<std::string> reasons{"truncated",        "checksum",         "is missing",
+                                         "no manifest.json", "fails its checksum", "fails its checksum",
+                                         "do not cover",     "do not cover",       "fails its checksum"};
+  ASSERT_EQ(reasons.size(), cases.size());
   for (size_t k = 0; k < cases.size(); ++k) {
     SCOPED_TRACE(cases[k].first);
     const auto dir = common_temp_dir("ckpt_damage");
@@ -432,19 +513,63 @@ TEST(CheckpointBadInput, DamagedNewestFallsBackToThePrevious) {
     const auto want = at4.flat();
     if (world().rank() == 0) cases[k].second(saved.steps.back());
     world().barrier();
-    Trainer fresh(2, 7);
-    ::testing::internal::CaptureStderr();
-    const auto progress = fresh.load(ckpt);
-    const auto log = ::testing::internal::GetCapturedStderr();
-    ASSERT_TRUE(progress.has_value());
-    EXPECT_EQ(progress->step, 4) << "fell back to the previous committed checkpoint";
-    EXPECT_TRUE(torch::equal(fresh.flat(), want));
+    const auto got = load_fresh(ckpt);
+    ASSERT_TRUE(got.progress.has_value());
+    EXPECT_EQ(got.progress->step, 4) << "fell back to the previous committed checkpoint";
+    EXPECT_TRUE(torch::equal(got.params, want));
     if (world().rank() == 0) {
-      EXPECT_NE(log.find("not loading " + saved.steps.back()), std::string::npos) << log;
-      EXPECT_NE(log.find(reasons[k]), std::string::npos) << log;
+      EXPECT_NE(got.log.find("not loading " + saved.steps.back()), std::string::npos) << got.log;
+      EXPECT_NE(got.log.find(reasons[k]), std::string::npos) << got.log;
     }
     EXPECT_EQ(latest_of(dir), "step-00000006") << "a load never rewrites latest";
   }
+}
+
+// `latest` is only ever a step directory's name: one naming a path outside the
+// run (edited, or corrupt) is not followed; the load says why and takes the
+// newest committed checkpoint.
+TEST(CheckpointBadInput, LatestNamingAnythingButAStepDirectoryIsNotFollowed) {
+  const auto dir = common_temp_dir("ckpt_latest");
+  Checkpointer ckpt(dir, world_ptr());
+  Trainer run(2);
+  three_checkpoints(run, ckpt);
+  const auto want = run.flat();
+  for (const std::string bad : {"../../../etc", "step-00000006/../../..", "step-00000004.tmp"}) {
+    SCOPED_TRACE(bad);
+    world().barrier();
+    if (world().rank() == 0) std::ofstream(fs::path(dir) / "latest") << bad << "\n";
+    world().barrier();
+    const auto got = load_fresh(ckpt);
+    ASSERT_TRUE(got.progress.has_value());
+    EXPECT_EQ(got.progress->step, 6) << "the newest committed checkpoint";
+    EXPECT_TRUE(torch::equal(got.params, want));
+    EXPECT_NE(got.log.find("names '" + bad + "', which is not a step directory of this run"), std::string::npos)
+        << got.log;
+  }
+}
+
+// A manifest from before manifest.xxh3 and "zero_stage" (it said "stage")
+// still loads, without a word about damage.
+TEST(CheckpointCommit, ManifestWithoutChecksumOrZeroStageStillLoads) {
+  const auto dir = common_temp_dir("ckpt_legacy");
+  Checkpointer ckpt(dir, world_ptr());
+  Trainer run(2);
+  const auto saved = three_checkpoints(run, ckpt);
+  const auto want = run.flat();
+  if (world().rank() == 0) {
+    const fs::path newest = saved.steps.back();
+    edit_manifest(newest, [](nlohmann::json& m) {
+      m["stage"] = m.at("zero_stage");
+      m.erase("zero_stage");
+    });
+    fs::remove(newest / "manifest.xxh3");
+  }
+  world().barrier();
+  const auto got = load_fresh(ckpt);
+  ASSERT_TRUE(got.progress.has_value());
+  EXPECT_EQ(got.progress->step, 6);
+  EXPECT_TRUE(torch::equal(got.params, want));
+  EXPECT_EQ(got.log.find("not loading"), std::string::npos) << got.log;
 }
 
 // Unreduced gradients (no_sync: full, per rank, in p.grad()) cannot be saved

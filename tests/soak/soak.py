@@ -53,15 +53,24 @@ def verify_latest(run_dir):
         step_dir = os.path.join(run_dir, f.read().strip())
     with open(os.path.join(step_dir, "manifest.json")) as f:
         manifest = json.load(f)
+    with open(os.path.join(step_dir, "manifest.xxh3")) as f:
+        want = f.read().strip()
+    got = xxh3(os.path.join(step_dir, "manifest.json"))
+    assert got == want, f"{step_dir}/manifest.json: xxh3 {got}, manifest.xxh3 says {want}"
     for e in manifest["files"]:
         path = os.path.join(step_dir, e["name"])
         size = os.path.getsize(path)
         assert size == e["bytes"], f"{path}: {size} bytes, manifest says {e['bytes']}"
-        # "XXH3 (path) = <hex>" (BSD style) or "XXH3_<hex>  path" (GNU style), by xxhsum version
-        out = subprocess.run(["xxhsum", "-H3", path], capture_output=True, text=True, check=True).stdout.strip()
-        digest = out.split("=")[-1].strip() if "=" in out else out.split()[0].split("_")[-1]
+        digest = xxh3(path)
         assert digest == e["xxh3"], f"{path}: xxh3 {digest}, manifest says {e['xxh3']}"
     return manifest["step"]
+
+
+def xxh3(path):
+    """xxhsum's XXH3-64 of a file, as hex: "XXH3 (path) = <hex>" (BSD style) or "XXH3_<hex>  path"
+    (GNU style), by xxhsum version."""
+    out = subprocess.run(["xxhsum", "-H3", path], capture_output=True, text=True, check=True).stdout.strip()
+    return out.split("=")[-1].strip() if "=" in out else out.split()[0].split("_")[-1]
 
 
 def main():
