@@ -153,6 +153,7 @@ TEST(Collectives, AllReduceOtherDtypes) {
 TEST(Collectives, SixteenBitReductionsAccumulateInFloat32) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
+  if (n < 3) GTEST_SKIP() << "below 3 ranks bf16 and fp32 accumulation give the same 256 (257 rounds to 256)";
   // 256 + 1 + 1 + ...: bf16 cannot hold 257, so summing in bf16 hop by hop stays at 256;
   // accumulating in fp32 and rounding once gives the bf16 nearest to 256 + (n-1).
   auto t = at::full({10}, r == 0 ? 256.0 : 1.0, at::TensorOptions(at::kBFloat16));

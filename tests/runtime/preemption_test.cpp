@@ -1,19 +1,14 @@
 // PreemptionGuard: a signal on one rank stops every rank after the same step.
-// DistributedSampler: every epoch is a permutation split across ranks, and its
-// saved position continues exactly, on the same or another number of ranks.
 #include "test_util.h"
 
 #include <zeroshard/preemption.h>
-#include <zeroshard/sampler.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
-#include <set>
 #include <thread>
 
 namespace zeroshard {
@@ -101,76 +96,6 @@ TEST(Preemption, WarnsWhenASaveWouldNotFitTheGracePeriod) {
   PreemptionGuard guard(world_ptr(), o);
   EXPECT_TRUE(guard.check_save_fits(1.5));
   EXPECT_FALSE(guard.check_save_fits(2.5));
-}
-
-TEST(Sampler, EachEpochIsAPermutationSplitAcrossRanks) {
-  constexpr int64_t kSize = 23;
-  for (int world_size : {1, 2, 3, 4}) {
-    std::vector<int64_t> seen;
-    std::vector<std::vector<int64_t>> epoch1(static_cast<size_t>(world_size));
-    for (int r = 0; r < world_size; ++r) {
-      DistributedSampler s(kSize, r, world_size, /*seed=*/5);
-      const auto e0 = s.next(1000);  // cut at the epoch's end
-      EXPECT_EQ(static_cast<int64_t>(e0.size()), (kSize + world_size - 1) / world_size);
-      seen.insert(seen.end(), e0.begin(), e0.end());
-      epoch1[static_cast<size_t>(r)] = s.next(1000);
-      EXPECT_EQ(s.epoch(), 1);
-    }
-    // Padding repeats the permutation's start: every index at least once, at most twice.
-    std::set<int64_t> distinct(seen.begin(), seen.end());
-    EXPECT_EQ(static_cast<int64_t>(distinct.size()), kSize) << world_size << " ranks";
-    EXPECT_EQ(static_cast<int64_t>(seen.size()), ((kSize + world_size - 1) / world_size) * world_size);
-  }
-  DistributedSampler a(kSize, 0, 1, 5), b(kSize, 0, 1, 5), c(kSize, 0, 1, 6);
-  const auto a0 = a.next(kSize), b0 = b.next(kSize), c0 = c.next(kSize);
-  EXPECT_EQ(a0, b0) << "deterministic";
-  EXPECT_NE(a0, c0) << "the seed matters";
-  EXPECT_NE(a0, a.next(kSize)) << "each epoch reshuffles";
-}
-
-TEST(Sampler, SavedPositionContinuesOnTheSameOrAnotherWorldSize) {
-  constexpr int64_t kSize = 48;
-  // Reference: two ranks, 5 batches of 3 each, then 3 more.
-  std::vector<int64_t> global_after;  // what all ranks see after the save point, in global order
-  std::string state;
-  {
-    DistributedSampler r0(kSize, 0, 2, 9), r1(kSize, 1, 2, 9);
-    for (int k = 0; k < 5; ++k) {
-      r0.next(3);
-      r1.next(3);
-    }
-    state = r0.state_json();
-    EXPECT_EQ(state, r1.state_json());
-    for (int k = 0; k < 3; ++k) {
-      for (auto i : r0.next(3)) global_after.push_back(i);
-      for (auto i : r1.next(3)) global_after.push_back(i);
-    }
-  }
-  // Same world size: exactly the same batches.
-  DistributedSampler s0(kSize, 0, 2, 9), s1(kSize, 1, 2, 9);
-  s0.load_state_json(state);
-  s1.load_state_json(state);
-  std::vector<int64_t> again;
-  for (int k = 0; k < 3; ++k) {
-    for (auto i : s0.next(3)) again.push_back(i);
-    for (auto i : s1.next(3)) again.push_back(i);
-  }
-  EXPECT_EQ(again, global_after);
-  // Three ranks (30 consumed divides by 3): the same samples come next.
-  std::multiset<int64_t> want(global_after.begin(), global_after.end()), got;
-  for (int r = 0; r < 3; ++r) {
-    DistributedSampler t(kSize, r, 3, 9);
-    t.load_state_json(state);
-    for (auto i : t.next(6)) got.insert(i);
-  }
-  EXPECT_EQ(got, want);
-  // Four ranks cannot split 30: refused, saying so.
-  DistributedSampler four(kSize, 0, 4, 9);
-  const auto what = testing::error_of([&] { four.load_state_json(state); });
-  EXPECT_NE(what.find("30 samples of this epoch were consumed, which 4 ranks cannot split evenly"), std::string::npos)
-      << what;
-  DistributedSampler other(kSize + 1, 0, 2, 9);
-  EXPECT_NE(testing::error_of([&] { other.load_state_json(state); }).find("dataset_size"), std::string::npos);
 }
 
 }  // namespace preemption_test

@@ -166,7 +166,7 @@ int overlapping_gathers(bool prefetch, const std::string& trace_path) {
   return overlaps;
 }
 
-TEST(FullyShardTrace, PrefetchedGathersOverlapTheCurrentUnitsForward) {
+TEST(FullyShardTrace, RecordsGathersAndForwardsOfEveryRank) {
   if (world().size() < 2) GTEST_SKIP() << "a 1-rank gather is a memory copy of microseconds";
   const auto dir = testing::make_temp_dir("trace");
   const std::string path = dir + "/rank" + std::to_string(world().rank()) + ".json";
@@ -176,8 +176,11 @@ TEST(FullyShardTrace, PrefetchedGathersOverlapTheCurrentUnitsForward) {
     std::printf("fully_shard trace: all-gathers overlapping a unit's forward: %d with prefetch, %d without\n", with,
                 without);
   }
-  EXPECT_GT(with, 0);
-  EXPECT_EQ(without, 0);  // on demand, a unit's gather always ends before its forward starts
+  // Whether a prefetched gather overlaps a forward in time is up to the scheduler
+  // (4 processes on 2 cores): printed, not asserted; FullyShardPrefetch.
+  // KeepsTheNextGathersInFlight asserts the prefetch itself. On demand the order
+  // is causal: a unit's gather ends before its forward starts.
+  EXPECT_EQ(without, 0);
   // the file is Chrome trace JSON: comm and compute events for this rank
   std::ifstream f(path);
   const auto json = nlohmann::json::parse(f);
