@@ -79,28 +79,23 @@ int bart_bench_main(int argc, char** argv) {
 
   std::shared_ptr<zeroshard::FullyShardedModel> sharded;
   std::unique_ptr<torch::optim::Optimizer> opt;
-  zeroshard::ShardedAdamW* zero = nullptr;
-  zeroshard::FullyShardedAdamW* fsdp = nullptr;
+  zeroshard::ShardedOptimizer* sharding = nullptr;  // ZeRO-2 or 3; null: plain data parallelism
   const auto adamw = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
   if (mode == "zero3") {
     sharded = zeroshard::fully_shard(model, comm);
     auto o = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
-    fsdp = o.get();
+    sharding = o.get();
     opt = std::move(o);
   } else if (mode == "zero2") {
     auto o = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw);
-    zero = o.get();
+    sharding = o.get();
     opt = std::move(o);
   } else {
     // Plain data parallelism starts from rank 0's parameters too.
     for (auto& p : model->parameters()) comm->broadcast(p.data(), 0)->wait();
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
   }
-  auto waited = [&] {
-    if (fsdp) return sharded->waits().total();
-    if (zero) return zero->waits().total();
-    return 0.0;
-  };
+  auto waited = [&] { return sharding != nullptr ? sharding->stats().waits.total() : 0.0; };
 
   std::vector<double> times, exposed;
   torch::manual_seed(1000 + rank);
@@ -113,7 +108,7 @@ int bart_bench_main(int argc, char** argv) {
     opt->zero_grad();
     model->loss(input, labels).backward();
     double dp_wait = 0;
-    if (!zero && !fsdp) {
+    if (sharding == nullptr) {
       const auto a0 = Clock::now();
       zeroshard::bench::average_gradients(*comm, model->parameters());
       dp_wait = since(a0);
@@ -128,14 +123,9 @@ int bart_bench_main(int argc, char** argv) {
   std::sort(times.begin(), times.end());
   std::sort(exposed.begin(), exposed.end());
   // The slowest rank's median step and exposed communication, and every rank's peak memory.
-  // Parameters, gradients and AdamW moments held: ZeRO-3's gradient shards are
-  // fp32 and as long as the unit shards (they exist between backward and step).
-  double model_states = 16.0 * static_cast<double>(numel);
-  if (fsdp) {
-    model_states = static_cast<double>(fsdp->model_state_bytes());
-  } else if (zero) {
-    model_states = static_cast<double>(zero->memory().peak_model_states);
-  }
+  // Parameters, gradients and AdamW moments held (plain data parallelism: 16 bytes per parameter).
+  const double model_states = sharding != nullptr ? static_cast<double>(sharding->stats().memory.peak_model_states)
+                                                  : 16.0 * static_cast<double>(numel);
   auto mine = torch::tensor({times[times.size() / 2], exposed[exposed.size() / 2],
                              static_cast<double>(zeroshard::peak_rss_bytes()), model_states}, torch::kDouble);
   comm->all_reduce(mine, zeroshard::ReduceOp::kMax)->wait();

@@ -97,27 +97,29 @@ int zero3_bench_main(int argc, char** argv) {
   const auto adamw = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::shared_ptr<zeroshard::FullyShardedModel> sharded;
-  zeroshard::ShardedAdamW* zero2 = nullptr;
+  zeroshard::ShardedOptimizer* sharding = nullptr;  // zero2, zero3; null: dp
   if (mode == "dp") {
     torch::NoGradGuard no_grad;
     for (auto& p : model->parameters()) comm->broadcast(p.data(), 0)->wait();
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
   } else if (mode == "zero2") {
     auto s = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw);
-    zero2 = s.get();
+    sharding = s.get();
     opt = std::move(s);
   } else {
     zeroshard::FullyShardOptions o = fso;
     o.prefetch = mode == "zero3";
     sharded = zeroshard::fully_shard(model, comm, o);
-    opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+    auto s = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+    sharding = s.get();
+    opt = std::move(s);
   }
   auto params = model->parameters();
 
   // Payload bytes this rank has sent so far: the given communicator's, plus, for
   // zero3, the reduce-scatters' communicator of its own.
   auto bytes_sent = [&] {
-    return comm->stats().total().bytes_sent + (sharded ? sharded->reduction_stats().total().bytes_sent : 0);
+    return (sharding != nullptr ? sharding->stats().traffic : comm->stats()).total().bytes_sent;
   };
   std::vector<double> times, exposed, exposed_gathers;
   int64_t sent = 0;  // in the timed steps (the timing all-reduce left out)
@@ -125,7 +127,7 @@ int zero3_bench_main(int argc, char** argv) {
     const int64_t sent_before = bytes_sent();
     torch::manual_seed(1000 * step + rank);
     auto ids = torch::randint(vocab, {batch, seq + 1}, torch::kLong);
-    const auto waits_before = sharded ? sharded->waits() : zeroshard::FullyShardedWaits{};
+    const auto waits_before = sharding != nullptr ? sharding->stats().waits : zeroshard::CommWaits{};
     if (step == warmup && !trace_path.empty()) {
       zeroshard::trace::clear();
       zeroshard::trace::enable();
@@ -139,8 +141,8 @@ int zero3_bench_main(int argc, char** argv) {
     opt->step();
     const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     double waited = 0, waited_gathers = 0;
-    if (sharded) {
-      const auto w = sharded->waits();
+    if (sharding != nullptr) {
+      const auto w = sharding->stats().waits;
       waited_gathers = w.gathers - waits_before.gathers;
       waited = waited_gathers + (w.reductions - waits_before.reductions);
     }
@@ -162,18 +164,11 @@ int zero3_bench_main(int argc, char** argv) {
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
   auto sent_mib = torch::tensor({sent / 1048576.0 / steps}, torch::kDouble);  // mean over ranks, as the peer's
   comm->all_reduce(sent_mib, zeroshard::ReduceOp::kAvg)->wait();
-  double states_mib;
-  if (sharded) {
-    const auto* z3 = static_cast<zeroshard::FullyShardedAdamW*>(opt.get());
-    states_mib = z3->model_state_bytes() / 1048576.0;
-  } else if (zero2 != nullptr) {
-    states_mib = zero2->memory().peak_model_states / 1048576.0;
-  } else {
-    states_mib = 20.0 * psi / 1048576.0;
-  }
+  const double states_mib =
+      (sharding != nullptr ? static_cast<double>(sharding->stats().memory.peak_model_states) : 20.0 * psi) / 1048576.0;
   if (rank == 0) {
     const std::string exposed_col =
-        sharded ? std::to_string(static_cast<int>(exposed[exposed.size() / 2] * 1e3 + 0.5)) + " (" +
+        sharding != nullptr ? std::to_string(static_cast<int>(exposed[exposed.size() / 2] * 1e3 + 0.5)) + " (" +
                       std::to_string(static_cast<int>(100 * exposed[exposed.size() / 2] / median + 0.5)) + "%; gathers " +
                       std::to_string(static_cast<int>(exposed_gathers[exposed_gathers.size() / 2] * 1e3 + 0.5)) + ")"
                 : "-";

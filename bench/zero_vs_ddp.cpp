@@ -80,7 +80,7 @@ int zero_vs_ddp_main(int argc, char** argv) {
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
   } else {
     zeroshard::ShardedAdamWOptions o;
-    o.stage = mode == "zero1" ? 1 : 2;
+    o.zero_stage = mode == "zero1" ? 1 : 2;
     auto s = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw, o);
     sharded = s.get();
     opt = std::move(s);
@@ -114,7 +114,7 @@ int zero_vs_ddp_main(int argc, char** argv) {
   comm->all_reduce(rss, zeroshard::ReduceOp::kMax)->wait();
   double states_mib;
   if (sharded != nullptr) {
-    states_mib = sharded->memory().peak_model_states / 1048576.0;
+    states_mib = sharded->stats().memory.peak_model_states / 1048576.0;
   } else {  // params + grads + exp_avg + exp_avg_sq, all full size, + the flat all-reduce buffer
     states_mib = 20.0 * psi / 1048576.0;
   }

@@ -22,9 +22,7 @@ Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, 
     if (ec) err = "cannot create the run directory '" + impl_->dir + "': " + ec.message();
   }
   Impl::agree(*impl_->comm, "opening the run directory", err);
-  std::vector<int> all(static_cast<size_t>(impl_->comm->size()));
-  for (int r = 0; r < impl_->comm->size(); ++r) all[static_cast<size_t>(r)] = r;
-  impl_->io_comm = impl_->comm->split(all);
+  impl_->io_comm = impl_->comm->dup();
 }
 
 Checkpointer::~Checkpointer() {
@@ -44,43 +42,18 @@ SaveTimes Checkpointer::last_save_times() const {
 
 const std::string& Checkpointer::dir() const { return impl_->dir; }
 
-namespace {
-
-// Both optimizers expose the same checkpoint hooks.
-template <typename Opt>
-std::string save_with(Checkpointer::Impl& impl, Opt& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return impl.save(opt.sharded_state(), model, progress,
-                   [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
+std::string Checkpointer::save(ShardedOptimizer& opt, torch::nn::Module& model, const TrainingProgress& progress) {
+  return impl_->save(opt.sharded_state(), model, progress,
+                     [&opt](std::function<void()> fn) { opt.call_before_next_update(std::move(fn)); });
 }
 
-template <typename Opt>
-std::optional<TrainingProgress> load_with(Checkpointer::Impl& impl, Opt& opt, torch::nn::Module& model,
-                                          std::optional<int64_t> step) {
-  return impl.load(opt.sharded_state(), model, step,
-                   [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
-                          const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
-                     opt.restore_sharded_state(s, scale, clean, grads, had);
-                   });
-}
-
-}  // namespace
-
-std::string Checkpointer::save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return save_with(*impl_, opt, model, progress);
-}
-
-std::string Checkpointer::save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress) {
-  return save_with(*impl_, opt, model, progress);
-}
-
-std::optional<TrainingProgress> Checkpointer::load(ShardedAdamW& opt, torch::nn::Module& model,
+std::optional<TrainingProgress> Checkpointer::load(ShardedOptimizer& opt, torch::nn::Module& model,
                                                    std::optional<int64_t> step) {
-  return load_with(*impl_, opt, model, step);
-}
-
-std::optional<TrainingProgress> Checkpointer::load(FullyShardedAdamW& opt, torch::nn::Module& model,
-                                                   std::optional<int64_t> step) {
-  return load_with(*impl_, opt, model, step);
+  return impl_->load(opt.sharded_state(), model, step,
+                     [&opt](const std::vector<int64_t>& s, double scale, int64_t clean,
+                            const std::vector<at::Tensor>& grads, const std::vector<char>& had) {
+                       opt.restore_sharded_state(s, scale, clean, grads, had);
+                     });
 }
 
 }  // namespace zeroshard

@@ -78,7 +78,7 @@ struct Piece {
 // that training can go on while a background thread writes it.
 struct Snapshot {
   TrainingProgress progress;
-  int rank = 0, world = 1, stage = 2;
+  int rank = 0, world = 1, zero_stage = 2;
   std::vector<ParamInfo> params;    // the optimizer's, as the module names them
   std::vector<std::string> names;
   std::vector<int64_t> steps;

@@ -45,7 +45,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   snap.progress = progress;
   snap.rank = state.rank;
   snap.world = state.world_size;
-  snap.stage = state.stage;
+  snap.zero_stage = state.zero_stage;
   snap.names = module_names(state, model);
   snap.params = state.params;
   for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
@@ -199,7 +199,7 @@ json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::p
   m["epoch"] = snap.progress.epoch;
   m["extra"] = json::parse(snap.progress.extra_json);
   m["world_size"] = world;
-  m["zero_stage"] = snap.stage;
+  m["zero_stage"] = snap.zero_stage;
   m["model_hash"] = snap.model_hash;
   m["save_seconds"] = snap.save_seconds;
   m["gradients"] = snap.gradients;

@@ -88,35 +88,6 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string
   return load_tokenizer(dir);
 }
 
-// The optimizer of the chosen stage, behind one face.
-struct Sharding {
-  std::shared_ptr<zeroshard::FullyShardedModel> model;  // stage 3
-  std::unique_ptr<zeroshard::FullyShardedAdamW> fsdp;   // stage 3
-  std::unique_ptr<zeroshard::ShardedAdamW> zero;        // stages 1, 2
-  std::shared_ptr<zeroshard::Communicator> comm;
-  int64_t numel = 0;
-
-  torch::optim::Optimizer& opt() { return fsdp ? static_cast<torch::optim::Optimizer&>(*fsdp) : *zero; }
-  double clip(double max_norm) { return fsdp ? fsdp->clip_grad_norm(max_norm) : zero->clip_grad_norm(max_norm); }
-  void step() { fsdp ? fsdp->step() : zero->step(); }
-  bool skipped() const { return fsdp ? fsdp->last_step_skipped() : zero->last_step_skipped(); }
-  double loss_scale() const { return fsdp ? fsdp->loss_scale() : zero->loss_scale(); }
-  double waited() const { return fsdp ? model->waits().total() : zero->waits().total(); }
-  int64_t bytes_sent() const {
-    return comm->stats().total().bytes_sent + (model ? model->reduction_stats().total().bytes_sent : 0);
-  }
-  // Parameters, gradients and AdamW states this rank holds (their peak at stages 1/2).
-  int64_t model_state_bytes() const {
-    return zero ? zero->memory().peak_model_states : fsdp->model_state_bytes();
-  }
-  std::string save(zeroshard::Checkpointer& ck, torch::nn::Module& m, const zeroshard::TrainingProgress& p) {
-    return fsdp ? ck.save(*fsdp, m, p) : ck.save(*zero, m, p);
-  }
-  std::optional<zeroshard::TrainingProgress> load(zeroshard::Checkpointer& ck, torch::nn::Module& m) {
-    return fsdp ? ck.load(*fsdp, m) : ck.load(*zero, m);
-  }
-};
-
 // What the run carries across restarts (in the checkpoint's extra JSON).
 struct RunRecord {
   int64_t tokens = 0;
@@ -234,26 +205,27 @@ int run_pretraining(const RunOptions& o) {
   for (const auto& p : model->parameters()) numel += p.numel();
   if (o.precision == "bf16") model->to(torch::kBFloat16);
 
-  Sharding sh;
-  sh.comm = comm;
-  sh.numel = numel;
   auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
+  std::shared_ptr<zeroshard::FullyShardedModel> sharded;  // stage 3
+  std::unique_ptr<zeroshard::ShardedOptimizer> opt;
   if (o.stage == 3) {
-    sh.model = zeroshard::fully_shard(model, comm);
-    zeroshard::FullyShardedAdamWOptions fo;
-    sh.fsdp = std::make_unique<zeroshard::FullyShardedAdamW>(sh.model, adamw, fo);
+    sharded = zeroshard::fully_shard(model, comm);
+    opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
   } else {
     zeroshard::ShardedAdamWOptions so;
-    so.stage = o.stage;
-    sh.zero = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw, so);
+    so.zero_stage = o.stage;
+    opt = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw, so);
   }
+  // Everything this rank sent: the optimizer's communicators carry all of the run's traffic.
+  const auto bytes_sent = [&opt] { return opt->stats().traffic.total().bytes_sent; };
+  const auto waited = [&opt] { return opt->stats().waits.total(); };
   zeroshard::LrSchedule::Options lo;
   lo.kind = zeroshard::LrSchedule::parse_kind(o.schedule);
   lo.warmup_steps = o.warmup_steps;
   lo.total_steps = o.max_steps;
   lo.min_ratio = o.min_lr_ratio;
   zeroshard::LrSchedule schedule(lo);
-  schedule.attach(sh.opt());
+  schedule.attach(*opt);
 
   // Where training stands: fresh, or resumed from the last checkpoint.
   zeroshard::DistributedSampler sampler(static_cast<int64_t>(corpus.train.size()), rank, world, o.seed);
@@ -268,7 +240,7 @@ int run_pretraining(const RunOptions& o) {
     co.async = o.async_save;
     ckpt = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm, co);
     const auto t0 = Clock::now();
-    if (auto progress = sh.load(*ckpt, *model)) {
+    if (auto progress = ckpt->load(*opt, *model)) {
       step = progress->step;
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
@@ -319,9 +291,9 @@ int run_pretraining(const RunOptions& o) {
     p.step = at;
     p.epoch = sampler.epoch();
     json extra = record.to_json(sampler);
-    extra["bytes_sent"] = record.bytes_sent + static_cast<int64_t>(all_sum(*comm, static_cast<double>(sh.bytes_sent())));
+    extra["bytes_sent"] = record.bytes_sent + static_cast<int64_t>(all_sum(*comm, static_cast<double>(bytes_sent())));
     p.extra_json = extra.dump();
-    sh.save(*ckpt, *model, p);
+    ckpt->save(*opt, *model, p);
     const double stall = since(t0);
     record.checkpoint_stall_s += stall;
     metrics.write_event("checkpoint", at, json{{"reason", why}, {"stall_s", stall}, {"async", o.async_save}}.dump());
@@ -330,11 +302,11 @@ int run_pretraining(const RunOptions& o) {
 
   // The loop.
   double loss_value = NAN;
-  int64_t bytes_before = sh.bytes_sent();
+  int64_t bytes_before = bytes_sent();
   std::vector<int64_t> epochs;
   while (step < o.max_steps) {
     const auto t_step = Clock::now();
-    const double waited0 = sh.waited();
+    const double waited0 = waited();
     const auto indices = next_indices(sampler, local_batch, epochs);
     std::vector<Batch> micro;
     const int64_t per_micro = local_batch / o.micro_batches;
@@ -348,10 +320,10 @@ int run_pretraining(const RunOptions& o) {
       micro.push_back(std::move(b));
     }
     const double global_tokens = all_sum(*comm, static_cast<double>(local_tokens));
-    const double lr = schedule.apply(sh.opt(), step + 1);
-    sh.opt().zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
+    const double lr = schedule.apply(*opt, step + 1);
+    opt->zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
     const auto t_fb = Clock::now();
-    const double waited_fb0 = sh.waited();
+    const double waited_fb0 = waited();
     double loss_sum = 0;
     for (auto& b : micro) {
       // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
@@ -359,12 +331,12 @@ int run_pretraining(const RunOptions& o) {
       loss_sum += l.item<double>();
       (l * (static_cast<double>(world) / global_tokens)).backward();
     }
-    const double fb_s = since(t_fb), fb_wait = sh.waited() - waited_fb0;
+    const double fb_s = since(t_fb), fb_wait = waited() - waited_fb0;
     const auto t_opt = Clock::now();
-    const double waited_opt0 = sh.waited();
-    const double grad_norm = sh.clip(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
-    sh.step();
-    const double opt_s = since(t_opt), opt_wait = sh.waited() - waited_opt0;
+    const double waited_opt0 = waited();
+    const double grad_norm = opt->clip_grad_norm(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
+    opt->step();
+    const double opt_s = since(t_opt), opt_wait = waited() - waited_opt0;
     ++step;
     const auto t_loss = Clock::now();
     loss_value = all_sum(*comm, loss_sum) / global_tokens;
@@ -383,16 +355,16 @@ int run_pretraining(const RunOptions& o) {
     m.tokens = static_cast<int64_t>(global_tokens);
     m.seconds = since(t_step);
     m.compute_seconds = fb_s - fb_wait;
-    m.exposed_comm_seconds = sh.waited() - waited0 + loss_comm;
+    m.exposed_comm_seconds = waited() - waited0 + loss_comm;
     m.optimizer_seconds = opt_s - opt_wait;
     m.checkpoint_stall_seconds = stall;
     m.other_seconds = std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds - stall);
     m.peak_rss_bytes = zeroshard::peak_rss_bytes();
-    const int64_t bytes_now = sh.bytes_sent();
+    const int64_t bytes_now = bytes_sent();
     m.bytes_sent = bytes_now - bytes_before;
     bytes_before = bytes_now;
-    m.loss_scale = sh.loss_scale();
-    m.skipped = sh.skipped();
+    m.loss_scale = opt->loss_scale();
+    m.skipped = opt->last_step_skipped();
     record.train_seconds += m.seconds;
     if (o.eval_every > 0 && (step % o.eval_every == 0 || end)) {
       last_val = evaluate(step);
@@ -453,8 +425,8 @@ int run_pretraining(const RunOptions& o) {
   s.resumed = resumed.is_null() ? "" : resumed.dump();
   s.run_dir = o.run_dir;
   s.wall_seconds = since(run_start);
-  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()), static_cast<double>(sh.model_state_bytes()),
-                                 static_cast<double>(sh.bytes_sent())}, torch::kDouble);
+  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()), static_cast<double>(opt->stats().memory.peak_model_states),
+                                 static_cast<double>(bytes_sent())}, torch::kDouble);
   auto all = torch::empty({3 * world}, torch::kDouble);
   comm->all_gather(all, per_rank)->wait();
   for (int r = 0; r < world; ++r) {

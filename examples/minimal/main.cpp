@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   torch::manual_seed(seed);
   MLP model(kFeatures, hidden);
   zeroshard::ShardedAdamWOptions sharding;
-  sharding.stage = stage;
+  sharding.zero_stage = stage;
   // The one line that differs from single-process training, which would say
   //   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
   zeroshard::ShardedAdamW opt(model->named_parameters(), comm, torch::optim::AdamWOptions(lr).weight_decay(0.01), sharding);

@@ -76,15 +76,12 @@ class Checkpointer {
   // does not train (and names parameters). Collective. On failure (unwritable
   // directory, full disk) every rank throws, naming the rank, file and reason;
   // `latest` still names the previous checkpoint.
-  std::string save(ShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress);
-  std::string save(FullyShardedAdamW& opt, torch::nn::Module& model, const TrainingProgress& progress);
+  std::string save(ShardedOptimizer& opt, torch::nn::Module& model, const TrainingProgress& progress);
 
   // Loads the checkpoint `latest` names (or, when `step` is given, that one),
   // falling back to older committed ones that verify. nullopt when the run
   // directory holds none. Collective.
-  std::optional<TrainingProgress> load(ShardedAdamW& opt, torch::nn::Module& model,
-                                       std::optional<int64_t> step = std::nullopt);
-  std::optional<TrainingProgress> load(FullyShardedAdamW& opt, torch::nn::Module& model,
+  std::optional<TrainingProgress> load(ShardedOptimizer& opt, torch::nn::Module& model,
                                        std::optional<int64_t> step = std::nullopt);
 
   // Blocks until a background save is committed; rethrows its error. Collective

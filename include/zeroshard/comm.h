@@ -28,6 +28,9 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -53,11 +56,13 @@ struct OpStats {
   int64_t bytes_received = 0;  // payload bytes this rank received
   int64_t control_bytes = 0;   // header bytes (size/dtype checks), sent + received
   double seconds = 0.0;        // time the communication thread spent executing
+  OpStats& operator+=(const OpStats& other);
 };
 
 struct CommStats {
   std::map<OpKind, OpStats> by_kind;
   OpStats total() const;
+  CommStats& operator+=(const CommStats& other);  // traffic of two communicators together
 };
 
 // A queued or running operation.
@@ -72,6 +77,14 @@ class Work {
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
   // True once the operation finished, successfully or not (wait() reports which).
   virtual bool is_completed() = 0;
+  // Makes work later queued on `stream` wait for this operation, without
+  // blocking the host (a device communicator records an event and makes the
+  // stream wait on it). For a communicator of CPU tensors there is no stream to
+  // order: it waits, as wait() does.
+  virtual void block(c10::Stream stream) {
+    (void)stream;
+    wait();
+  }
 };
 
 struct CommOptions {
@@ -90,6 +103,8 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Where the tensors this communicator moves live (CPU for the TCP one).
+  virtual c10::Device device() const = 0;
 
   // out = concatenation of every rank's `in`, in rank order.
   // REQUIRES: out.numel() == size() * in.numel(); same dtype and device; both contiguous;
@@ -110,9 +125,11 @@ class Communicator {
   virtual std::shared_ptr<Work> broadcast(at::Tensor t, int root) = 0;
 
   // Point to point. A send completes when `dst` has received it; sends and
-  // recvs between a pair match in issue order. A recv occupies the
-  // communication thread until the matching send's header arrives, so issue
-  // sends before recvs when both ranks do both.
+  // recvs between a pair match in issue order (per direction). Both are
+  // posted: neither waits for its peer on the communication thread, so they
+  // may be issued in any order on either side (rank 0 recv-then-send while
+  // rank 1 does recv-then-send too completes), and a recv whose sender has not
+  // arrived holds up no other operation.
   // REQUIRES: the receiver's tensor has the sender's numel and dtype.
   virtual std::shared_ptr<Work> send(at::Tensor t, int dst) = 0;
   virtual std::shared_ptr<Work> recv(at::Tensor t, int src) = 0;
@@ -125,8 +142,23 @@ class Communicator {
   // communicator whose rank i is ranks[i]; other ranks get nullptr. The new
   // communicator has its own thread, so it runs concurrently with this one.
   virtual std::shared_ptr<Communicator> split(const std::vector<int>& ranks) = 0;
+  // A communicator of the same ranks with a thread of its own: split() of every
+  // rank. Collective.
+  std::shared_ptr<Communicator> dup();
 
   virtual CommStats stats() const = 0;
+};
+
+// A data communicator and the communicator of its control plane: flags, norms,
+// checksums and votes, small host values that must not wait behind bulk or
+// device traffic. The control communicator is always a CPU one.
+struct ProcessGroup {
+  std::shared_ptr<Communicator> data;
+  std::shared_ptr<Communicator> control;
+  // For a CPU communicator both are `comm` (control values share its queue,
+  // in the order they were issued); a device communicator needs its CPU one
+  // named: ProcessGroup{device_comm, cpu_comm}.
+  static ProcessGroup of(std::shared_ptr<Communicator> comm);
 };
 
 // Where this process sits in the job, read from the environment.

@@ -239,15 +239,12 @@ class FullyShardedModel {
 
   struct Impl;
   explicit FullyShardedModel(std::unique_ptr<Impl> impl);
-  Impl& impl() const { return *impl_; }
 
  private:
+  friend class FullyShardedAdamW;  // updates the units' shards through Impl's optimizer interface
+  Impl& impl() const { return *impl_; }
   std::unique_ptr<Impl> impl_;
 };
-
-namespace optim {
-class LossScaler;
-}
 
 struct FullyShardedAdamWOptions {
   // > 0: step() clips the gradient to this global L2 norm unless
@@ -257,10 +254,11 @@ struct FullyShardedAdamWOptions {
   LossScaleOptions loss_scale;
 };
 
-// AdamW over a fully sharded model: the fused kernel runs on each unit's fp32
-// shard (this rank's 1/N of every parameter), which is where the next forward
-// gathers from. Collective.
-class FullyShardedAdamW : public torch::optim::Optimizer {
+// AdamW over a fully sharded model (ZeRO-3): the fused kernel runs on each
+// unit's shard (this rank's 1/N of every parameter), which is where the next
+// forward gathers from. step(), clip_grad_norm(), no_sync() (the model's),
+// checkpoint state and the rest are ShardedOptimizer's. Collective.
+class FullyShardedAdamW : public ShardedOptimizer {
  public:
   // One param group: every trainable parameter, with `defaults`.
   FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model,
@@ -275,66 +273,22 @@ class FullyShardedAdamW : public torch::optim::Optimizer {
                     FullyShardedAdamWOptions options = {});
   ~FullyShardedAdamW() override;
 
-  // Updates every unit's shard (skipped on every rank when loss scaling found
-  // an inf/NaN gradient on any rank). Collective.
-  torch::Tensor step(LossClosure closure = nullptr) override;
-  // Global L2 norm of the mean gradient (before clipping, after unscaling);
-  // clips it in the next step().
-  double clip_grad_norm(double max_norm);
-  // loss * loss_scale() when loss scaling is on, else loss.
-  torch::Tensor scale_loss(const torch::Tensor& loss) const;
-  double loss_scale() const;
-  // Whether the last step() was skipped because a gradient overflowed.
-  bool last_step_skipped() const { return last_skipped_; }
-  // Bytes of exp_avg and exp_avg_sq held on this rank (8Ψ/N once the first step ran).
-  int64_t state_bytes() const;
-  // Parameters, gradients and AdamW states this rank holds for the model: the
-  // units' shards (and fp32 masters of 16-bit ones), the gathered root, the
-  // moments, and the fp32 gradient shards at full size (they exist from
-  // backward to step()). The ZeRO-3 counterpart of ShardedMemory::peak_model_states.
-  int64_t model_state_bytes() const;
-  // This rank's part of the state, for checkpoints (stage 3; one "bucket" per
-  // unit, root last). Tensors are the live ones: master is what the next
-  // gather rounds from; exp_avg/exp_avg_sq are allocated here if no step ran yet.
-  ShardedState sharded_state();
-  // Runs `fn` once at the start of the next step() (or restore), before the
-  // state changes: an async checkpoint finishes copying what it saves there.
-  void call_before_next_update(std::function<void()> fn) { before_update_.push_back(std::move(fn)); }
-  // After a checkpoint load wrote into the tensors of sharded_state(): installs
-  // step counts (one per sharded_state().params entry) and the loss scale,
-  // drops pending gradients, and makes the next forward gather the loaded
-  // values (the root is all-gathered now). Collective.
-  void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                             int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
-                             const std::vector<char>& had_grad = {});
-  // Drops the gradients of this step (reduced or still in flight), e.g. to skip
-  // a step whose loss was not finite. zero_grad() cannot: the gradients already
-  // live in the shards, not in p.grad(). Collective (waits for in-flight reductions).
-  void discard_gradients();
-
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
  private:
   std::shared_ptr<FullyShardedModel> model_;
-  FullyShardedAdamWOptions options_;
-  std::unique_ptr<optim::LossScaler> scaler_;
-  bool last_skipped_ = false;
-  std::vector<int> group_of_;        // per parameter, all units in order: its param group (-1: frozen)
-  std::vector<std::function<void()>> before_update_;
-  void run_before_update() {
-    auto fns = std::move(before_update_);
-    before_update_.clear();
-    for (auto& fn : fns) fn();
-  }
-  std::vector<at::Tensor> moments_;  // exp_avg, exp_avg_sq of each unit's shard (fp32)
-  std::vector<int64_t> steps_;       // per parameter, all units in order
-  std::vector<double> flags_;        // ranks that had a gradient, per parameter, this step
-  double sumsq_ = -1;                // of this step's mean gradient, once computed
-  double clip_max_norm_ = 0;
-  bool agreed_ = false;
-  void agree(bool with_norm);
-  void ensure_moments();
+
+  void check_ready(const char* op) override;
+  void reduce_gradients() override;
+  void group_updated(size_t k, bool changed) override;
+  void finish_update() override;
+  void end_step() override;
+  void drop_unreduced_gradients() override;
+  void drain_reductions() override;
+  bool local_gradients_pending() const override;
+  void install_masters() override;
+  void accept_restored_gradients() override {}
+  void enter_no_sync() override;
+  void exit_no_sync() override;
+  void add_stats(ShardedStats& stats) const override;
 };
 
 }  // namespace zeroshard

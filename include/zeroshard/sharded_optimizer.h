@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -67,7 +68,7 @@ struct LossScaleOptions {
 
 struct ShardedAdamWOptions {
   // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2). Default: 2.
-  int stage = 2;
+  int zero_stage = 2;
   // Gradient bucket size: the unit of reduce-scatter and all-gather. Default: 16 MiB.
   int64_t bucket_bytes = int64_t{16} << 20;
   // Stage 2: reduce-scatters in flight during backward before backward waits
@@ -100,7 +101,7 @@ struct ShardedBucketState {
 struct ShardedState {
   int rank = 0;
   int world_size = 1;
-  int stage = 2;
+  int zero_stage = 2;  // 1, 2 or 3
   std::vector<ParamInfo> params;      // every parameter the optimizer trains, in model order
   std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
@@ -122,21 +123,192 @@ struct CommWaits {
   double total() const { return gathers + reductions; }
 };
 
-// Bytes held by this rank, measured from the tensors' storages.
+// Bytes held by this rank, measured from the tensors' storages. One type for
+// ZeRO-1, 2 and 3.
 struct ShardedMemory {
-  int64_t params = 0;       // the model's (replicated) parameters
-  int64_t grads = 0;        // full-size gradients (stage 1; stage 2 under no_sync)
-  int64_t grad_shards = 0;  // reduced gradient shards (stage 2)
-  int64_t master = 0;       // fp32 master shard when parameters are 16-bit (fp32 parameters are their own master)
-  int64_t moments = 0;      // exp_avg + exp_avg_sq shards
-  int64_t peak_transient = 0;  // most bytes of bucket buffers alive at once, since construction
+  int64_t params = 0;        // full-size parameters held now: ZeRO-1/2 the whole (replicated)
+                             // model; ZeRO-3 the root unit and the units gathered right now
+  int64_t param_shards = 0;  // ZeRO-3: the units' shards in the parameters' dtype (ZeRO-1/2's
+                             // shards are slices of `params`)
+  int64_t grads = 0;         // full-size gradients (stage 1; stages 2 and 3 under no_sync)
+  int64_t grad_shards = 0;   // reduced gradient shards (stages 2 and 3, between backward and step)
+  int64_t master = 0;        // fp32 master shard when parameters are 16-bit (fp32 parameters are their own master)
+  int64_t moments = 0;       // exp_avg + exp_avg_sq shards
+  // Most bytes of communication buffers alive at once since construction:
+  // ZeRO-1/2 gradient buckets being filled or reduced; ZeRO-3 units gathered
+  // (the root excluded).
+  int64_t peak_transient = 0;
   // Largest total() seen since construction; sampled inside step() once every
   // gradient is reduced, which is when all of the above exist together.
   int64_t peak_model_states = 0;
-  int64_t total() const { return params + grads + grad_shards + master + moments; }
+  int64_t total() const { return params + param_shards + grads + grad_shards + master + moments; }
 };
 
-class ShardedAdamW : public torch::optim::Optimizer {
+// What a sharded optimizer holds, waited for and sent.
+struct ShardedStats {
+  ShardedMemory memory;
+  CommWaits waits;
+  // Traffic of every communicator the sharding uses (ZeRO-3: the model's
+  // gathers and its reductions' own communicator), since construction.
+  CommStats traffic;
+};
+
+namespace shard {
+struct ShardGroup;  // src/shard/shard_group.h
+}
+
+// What ZeRO-1, 2 and 3 have in common: an AdamW over shard groups (ZeRO-1/2
+// buckets, ZeRO-3 units), each rank updating its 1/N of every group. The
+// front-ends (ShardedAdamW, FullyShardedAdamW) decide how gradients reach the
+// shards and how updated values reach the parameters; everything else is here,
+// once: the agreement on which parameters had gradients, clipping, loss
+// scaling, the update, discarding, checkpoint state.
+//
+// Collective: every rank calls step(), clip_grad_norm(), discard_gradients()
+// and restore_sharded_state() in the same order.
+class ShardedOptimizer : public torch::optim::Optimizer {
+ public:
+  ~ShardedOptimizer() override;
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  // Finishes the gradient reductions, updates this rank's shards (skipped on
+  // every rank when loss scaling found an inf/NaN gradient on any rank) and
+  // brings the parameters up to date. Collective.
+  torch::Tensor step(LossClosure closure = nullptr) final;
+
+  // Clips the mean gradient to `max_norm` in the next step() (global L2 norm
+  // over all ranks and parameters, after unscaling) and returns the norm
+  // before clipping. Call between the last backward and step(). Collective.
+  double clip_grad_norm(double max_norm);
+  // The same in two halves, for callers whose norm spans more than this
+  // optimizer's ranks (pipeline stages): local_sumsq() finishes this rank's
+  // reductions and returns the sum of squares of its shard of the mean
+  // gradient, unscaled (no communication beyond the reductions; the sum over
+  // the ranks of the communicator is the squared global norm). apply_clip()
+  // then clips the next step() to `max_norm` given the global norm the caller
+  // summed; an inf/NaN norm skips the step when loss scaling is on. The norm
+  // must be the same on every rank.
+  double local_sumsq();
+  void apply_clip(double max_norm, double global_norm);
+
+  // While the returned guard lives, backward does not communicate: gradients
+  // accumulate in full in p.grad() and are reduced by the first backward after
+  // the guard ends (or by step()). ZeRO-1 never communicates during backward,
+  // so there it changes nothing.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(ShardedOptimizer* opt);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    ShardedOptimizer* opt_;
+  };
+  NoSyncGuard no_sync();
+
+  // Drops this step's gradients, reduced or not (e.g. to skip a step whose loss
+  // was not finite). zero_grad() alone cannot with ZeRO-2 and 3: the gradients
+  // already live in the shards, not in p.grad(). Collective (waits for
+  // in-flight reductions).
+  void discard_gradients();
+
+  // loss * loss_scale() when loss scaling is on, else loss.
+  torch::Tensor scale_loss(const torch::Tensor& loss) const;
+  double loss_scale() const;
+  // Whether the last step() was skipped because a gradient overflowed.
+  bool last_step_skipped() const;
+  // 1, 2 or 3.
+  int zero_stage() const;
+  // Memory now (and its peaks), exposed communication, traffic.
+  ShardedStats stats() const;
+  // The data-parallel communicator the shards are split over.
+  Communicator& communicator() const;
+
+  // This rank's part of the state, for checkpoints. Tensors are the live ones
+  // (writing into them changes the optimizer); the moments are allocated here
+  // if no step ran yet. Waits for in-flight gradient reductions first, so
+  // grad_shard is complete.
+  ShardedState sharded_state();
+  // After a checkpoint load wrote into the master/exp_avg/exp_avg_sq tensors of
+  // sharded_state(): installs the step counts (one per sharded_state().params
+  // entry) and the loss scale, brings the parameters to the masters' values,
+  // and replaces this step's gradients with `grad_shards` (one per group, or
+  // undefined) and `had_grad` (per parameter; empty: none). Collective.
+  void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                             int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
+                             const std::vector<char>& had_grad = {});
+  // Runs `fn` once at the start of the next step() (or restore), before the
+  // state changes: an async checkpoint finishes copying what it saves there.
+  void call_before_next_update(std::function<void()> fn);
+
+  // torch::optim serialization would save nothing of the sharded state: refused.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  struct Core;
+
+ protected:
+  // `name` prefixes errors and logs ("ShardedAdamW").
+  ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults,
+                   std::string name, int zero_stage);
+
+  // Param group `g`'s options, checked to be AdamW's without amsgrad.
+  const torch::optim::AdamWOptions& adamw_options(size_t g);
+
+  // What a front-end hands the core once its shard groups exist.
+  struct Shards {
+    ProcessGroup process_group;  // data: the shards' collectives; control: the per-step agreement
+    std::recursive_mutex* mu = nullptr;          // the one the front-end's autograd hooks hold
+    std::vector<shard::ShardGroup*> groups;      // sharded_state() order
+    std::vector<size_t> update_order;            // order step() updates groups in (empty: as `groups`)
+    std::vector<ParamInfo> infos;                // per parameter (the index ShardGroup::params uses)
+    std::vector<at::Tensor> tensors;             // the live parameter tensors, as `infos`
+    std::vector<int> group_of;                   // param group per parameter; -1: never updated
+    double max_grad_norm = 0;
+    LossScaleOptions loss_scale;
+    bool loss_scaling = false;                   // resolved from loss_scale.enabled
+  };
+  void attach_shards(Shards shards);
+
+  // The front-end's part of each operation; all run under `mu`.
+  // Before step/clip/restore: throws if the gradients cannot be used now.
+  virtual void check_ready(const char* op) = 0;
+  // Every group's grad_shard holds this step's reduced gradient (and had_grad
+  // is complete); backward is refused afterwards until the step ends.
+  virtual void reduce_gradients() = 0;
+  // Group `k` was updated (`changed`: some entry of it was): start bringing
+  // its parameters up to date.
+  virtual void group_updated(size_t k, bool changed) = 0;
+  // After every group_updated(): wait for what they started.
+  virtual void finish_update() = 0;
+  // The step is over (or skipped): per-step state of the front-end.
+  virtual void end_step() = 0;
+  // discard_gradients(): wait for reductions in flight and drop every gradient
+  // not yet in a shard (buffers being filled, p.grad()).
+  virtual void drop_unreduced_gradients() = 0;
+  // Waits for reductions in flight, adding them into the shards.
+  virtual void drain_reductions() = 0;
+  // Gradients of this step that are not in the shards (full, in p.grad()).
+  virtual bool local_gradients_pending() const = 0;
+  // restore: the masters were loaded; make the parameters equal them.
+  virtual void install_masters() = 0;
+  // restore: the checkpoint holds reduced gradients of a step in progress; throws if they cannot be taken.
+  virtual void accept_restored_gradients() = 0;
+  virtual void enter_no_sync() = 0;
+  virtual void exit_no_sync() = 0;
+  // stats(): what the core does not know (params, param_shards, grads,
+  // peak_transient, waits, traffic).
+  virtual void add_stats(ShardedStats& stats) const = 0;
+
+ private:
+  std::unique_ptr<Core> core_;
+};
+
+// ZeRO-1/2 (see the top of this file).
+class ShardedAdamW : public ShardedOptimizer {
  public:
   // REQUIRES: comm non-null; every parameter on the CPU, Float/BFloat16/Half;
   //           every rank passes the same parameters (names, shapes, dtypes) and options.
@@ -153,12 +325,6 @@ class ShardedAdamW : public torch::optim::Optimizer {
                torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   ~ShardedAdamW() override;
-  ShardedAdamW(const ShardedAdamW&) = delete;
-  ShardedAdamW& operator=(const ShardedAdamW&) = delete;
-
-  // Reduces what is left of the gradients, updates this rank's shard and
-  // all-gathers the parameters. Collective: every rank calls it.
-  torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Clears the gradients before the next backward. Stage 1 keeps p.grad() as
   // views of its flat reduction buffers and zeroes them in place, whatever
@@ -169,63 +335,7 @@ class ShardedAdamW : public torch::optim::Optimizer {
   // as it is complete.)
   void zero_grad(bool set_to_none = true);
 
-  // Clips the mean gradient to `max_norm` (global L2 norm over all ranks and
-  // parameters, after unscaling) and returns the norm before clipping.
-  // Call between backward and step(). Collective.
-  double clip_grad_norm(double max_norm);
-
-  // While the returned guard lives, backward does not communicate: gradients
-  // accumulate in full in p.grad() and are reduced by the first backward after
-  // the guard ends (or by step()). Stage 1 never communicates during backward,
-  // so there it changes nothing.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(ShardedAdamW* opt);
-    ~NoSyncGuard();
-    NoSyncGuard(NoSyncGuard&& other) noexcept;
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
-   private:
-    ShardedAdamW* opt_;
-  };
-  NoSyncGuard no_sync();
-
-  // Drops this step's gradients, reduced or not (e.g. to skip a step whose loss
-  // was not finite). zero_grad() alone cannot with stage 2: the gradients
-  // already live in the shards, not in p.grad(). Collective (waits for
-  // in-flight reductions).
-  void discard_gradients();
-
-  // loss * loss_scale() when loss scaling is on, else loss.
-  torch::Tensor scale_loss(const torch::Tensor& loss) const;
-  double loss_scale() const;
-  // Whether the last step() was skipped because a gradient overflowed.
-  bool last_step_skipped() const;
-
-  // Waits for in-flight gradient reductions first, so grad_shard is complete.
-  ShardedState sharded_state() const;
-  // After a checkpoint load wrote into the master/exp_avg/exp_avg_sq tensors of
-  // sharded_state(): installs the step counts (one per sharded_state().params
-  // entry) and the loss scale, sets the model's parameters to the masters'
-  // values (all-gathered), and replaces this step's gradients with
-  // `grad_shards` (one per bucket, fp32, or undefined) and `had_grad` (per
-  // parameter; empty: none). Collective.
-  void restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                             int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards = {},
-                             const std::vector<char>& had_grad = {});
-  // Runs `fn` once at the start of the next step() (or restore), before the
-  // state changes: an async checkpoint finishes copying what it saves there.
-  void call_before_next_update(std::function<void()> fn);
-  ShardedMemory memory() const;
-  // Time the training thread waited for this optimizer's collectives.
-  CommWaits waits() const;
   const ShardedAdamWOptions& sharded_options() const;
-  Communicator& communicator() const;
-
-  // torch::optim serialization would save nothing of the sharded state: refused.
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
 
   struct Impl;
 
@@ -234,6 +344,20 @@ class ShardedAdamW : public torch::optim::Optimizer {
                torch::optim::AdamWOptions defaults, ShardedAdamWOptions options,
                const torch::OrderedDict<std::string, torch::Tensor>* names);
   std::unique_ptr<Impl> impl_;
+
+  void check_ready(const char* op) override;
+  void reduce_gradients() override;
+  void group_updated(size_t k, bool changed) override;
+  void finish_update() override;
+  void end_step() override;
+  void drop_unreduced_gradients() override;
+  void drain_reductions() override;
+  bool local_gradients_pending() const override;
+  void install_masters() override;
+  void accept_restored_gradients() override;
+  void enter_no_sync() override;
+  void exit_no_sync() override;
+  void add_stats(ShardedStats& stats) const override;
 };
 
 }  // namespace zeroshard

@@ -78,21 +78,29 @@ struct Exchange {
 // all_gather, reduce_scatter, all_reduce, broadcast, barrier.
 void run_collective(Exchange& ex);
 
-// recv: waits for the sender's header, checks it against the tensor, then the data.
-void run_recv(Exchange& ex, uint64_t p2p_seq);
-
-// A send posted to the transport; it completes when the receiver takes it.
-struct PostedSend {
+// A send or recv posted to the transport. Posting never waits; advance()
+// moves it on as far as the transport allows without blocking, so one thread
+// can carry any number of them and no receive holds up another operation.
+//   send: header (with the payload when small) written, then the data
+//         (receiver-driven: it moves once the receiver posted its memory).
+//   recv: header posted; once it arrived it is checked against the tensor,
+//         then the data receive is posted straight into the tensor.
+struct PostedP2P {
   std::shared_ptr<OpWork> work;
+  bool is_recv = false;
+  uint64_t p2p_seq = 0;
   std::vector<char> message;  // header, then the payload when inlined
   std::unique_ptr<Buffer> header_buf;
   std::unique_ptr<Buffer> data_buf;
+  bool header_done = false;
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds timeout;
 };
-PostedSend post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq);
-// Blocks until the receiver took the send; throws naming the receiver otherwise.
-void wait_send(PostedSend& send, const std::vector<int>& world_ranks);
+PostedP2P post_send(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq);
+PostedP2P post_recv(Exchange& ex, std::shared_ptr<OpWork> work, uint64_t p2p_seq);
+// True once the operation completed. Throws, naming the peer, when its
+// connection broke, its deadline passed, or (recv) the sender's tensor differs.
+bool advance(PostedP2P& op, TcpMesh& mesh, const std::vector<int>& world_ranks);
 
 // "rank 3", or "rank 3 (world rank 7)" inside a split communicator.
 std::string rank_label(int rank, const std::vector<int>& world_ranks);

@@ -25,16 +25,38 @@ std::string to_string(OpKind kind) {
   return "?";
 }
 
+std::shared_ptr<Communicator> Communicator::dup() {
+  std::vector<int> all(static_cast<size_t>(size()));
+  for (int r = 0; r < size(); ++r) all[static_cast<size_t>(r)] = r;
+  return split(all);
+}
+
+ProcessGroup ProcessGroup::of(std::shared_ptr<Communicator> comm) {
+  TORCH_CHECK_VALUE(comm != nullptr, "ProcessGroup::of: the communicator is null");
+  TORCH_CHECK_VALUE(comm->device().is_cpu(), "ProcessGroup::of: the communicator moves ", comm->device(),
+                    " tensors; its control plane needs a CPU communicator of the same ranks: "
+                    "ProcessGroup{device_comm, cpu_comm}");
+  return {comm, comm};
+}
+
+OpStats& OpStats::operator+=(const OpStats& other) {
+  calls += other.calls;
+  bytes_sent += other.bytes_sent;
+  bytes_received += other.bytes_received;
+  control_bytes += other.control_bytes;
+  seconds += other.seconds;
+  return *this;
+}
+
 OpStats CommStats::total() const {
   OpStats t;
-  for (const auto& [kind, s] : by_kind) {
-    t.calls += s.calls;
-    t.bytes_sent += s.bytes_sent;
-    t.bytes_received += s.bytes_received;
-    t.control_bytes += s.control_bytes;
-    t.seconds += s.seconds;
-  }
+  for (const auto& [kind, s] : by_kind) t += s;
   return t;
+}
+
+CommStats& CommStats::operator+=(const CommStats& other) {
+  for (const auto& [kind, s] : other.by_kind) by_kind[kind] += s;
+  return *this;
 }
 
 }  // namespace zeroshard

@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <list>
 #include <sstream>
 
 namespace zeroshard::comm {
@@ -244,19 +245,18 @@ void TcpCommunicator::worker_loop() {
     bool done = true;
     try {
       switch (work.kind()) {
-        case OpKind::kSend: {
-          PostedSend posted = post_send(ex, q.work, q.p2p_seq);
+        case OpKind::kSend:
+        case OpKind::kRecv: {
+          PostedP2P posted = work.kind() == OpKind::kSend ? post_send(ex, q.work, q.p2p_seq)
+                                                          : post_recv(ex, q.work, q.p2p_seq);
           {
             std::lock_guard<std::mutex> lock(reaper_mu_);
             posted_.push_back(std::move(posted));
           }
           reaper_cv_.notify_one();
-          done = false;  // the reaper completes it
+          done = false;  // the p2p thread completes it
           break;
         }
-        case OpKind::kRecv:
-          run_recv(ex, q.p2p_seq);
-          break;
         default:
           run_collective(ex);
       }
@@ -273,24 +273,36 @@ void TcpCommunicator::worker_loop() {
   }
 }
 
+// Carries every posted send and recv to completion, each on its own: one
+// waiting for its peer never holds up another (nor the collectives' thread).
 void TcpCommunicator::reaper_loop() {
+  std::list<PostedP2P> active;
   while (true) {
-    PostedSend posted;
     {
       std::unique_lock<std::mutex> lock(reaper_mu_);
-      reaper_cv_.wait(lock, [&] { return reaper_stopping_ || !posted_.empty(); });
-      if (posted_.empty()) return;
-      posted = std::move(posted_.front());
-      posted_.pop_front();
+      if (active.empty()) reaper_cv_.wait(lock, [&] { return reaper_stopping_ || !posted_.empty(); });
+      while (!posted_.empty()) {
+        active.push_back(std::move(posted_.front()));
+        posted_.pop_front();
+      }
+      if (active.empty()) return;  // stopping, and nothing left to finish
     }
-    try {
-      wait_send(posted, world_ranks_);
-      posted.work->complete();
-    } catch (const std::exception& e) {
-      const std::string message = what_of(e);
-      set_failure(message);
-      posted.work->fail(message);
+    const uint64_t seen = mesh_.events();
+    for (auto it = active.begin(); it != active.end();) {
+      bool done = false;
+      try {
+        done = advance(*it, mesh_, world_ranks_);
+        if (done) it->work->complete();
+      } catch (const std::exception& e) {
+        const std::string message = what_of(e);
+        set_failure(message);
+        it->work->fail(message);
+        done = true;
+      }
+      it = done ? active.erase(it) : std::next(it);
     }
+    // Until the transport moves (or a deadline may have passed, or more was posted).
+    if (!active.empty()) mesh_.wait_for_events(seen, std::chrono::milliseconds(20));
   }
 }
 

@@ -40,6 +40,7 @@ class TcpCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
 
   std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override;
   std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override;
@@ -88,7 +89,7 @@ class TcpCommunicator final : public Communicator {
 
   std::mutex reaper_mu_;
   std::condition_variable reaper_cv_;
-  std::deque<PostedSend> posted_;         // guarded by reaper_mu_
+  std::deque<PostedP2P> posted_;          // guarded by reaper_mu_; sends and recvs just posted
   bool reaper_stopping_ = false;          // guarded by reaper_mu_
 
   Scratch scratch_;                       // used by the worker thread only

@@ -388,7 +388,18 @@ void TcpMesh::finish_locked(Op* op, const std::string& error) {
   }
   --b.pending_;
   ops_.erase(op->self);
+  ++events_;
   cv_.notify_all();
+}
+
+uint64_t TcpMesh::events() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_;
+}
+
+void TcpMesh::wait_for_events(uint64_t seen, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [&] { return events_ != seen; });
 }
 
 void TcpMesh::break_locked(int peer, const std::string& cause) {
@@ -396,6 +407,7 @@ void TcpMesh::break_locked(int peer, const std::string& cause) {
   if (!p.broken.empty()) return;
   p.broken = cause;
   p.broken_order = ++breaks_;
+  ++events_;
   cv_.notify_all();
   // A chunk moving right now is finished by its read's or write's handler.
   auto fail = [&](Op* op) {

@@ -105,6 +105,12 @@ class TcpMesh {
   // connections too: the first break names the rank to blame.)
   std::pair<int, std::string> first_broken(const std::vector<int>& peers);
 
+  // Transport events so far (operations finished, connections broken), and a
+  // wait until there are more than `seen` (or `timeout` passed): how one thread
+  // advances many posted operations without blocking on any one of them.
+  uint64_t events();
+  void wait_for_events(uint64_t seen, std::chrono::milliseconds timeout);
+
  private:
   friend class Buffer;
   struct Op;
@@ -137,6 +143,7 @@ class TcpMesh {
   std::vector<std::unique_ptr<Peer>> peers_;  // guarded by mu_ (sockets: the thread only)
   std::list<std::unique_ptr<Op>> ops_;     // guarded by mu_; every posted, unfinished operation
   uint64_t breaks_ = 0;                    // guarded by mu_; connections broken so far
+  uint64_t events_ = 0;                    // guarded by mu_; operations finished + connections broken
 };
 
 }  // namespace zeroshard::comm

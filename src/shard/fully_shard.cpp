@@ -64,7 +64,7 @@ void FullyShardedModel::Impl::abandon_backward() {
   // The backward ended with an exception: drop what it reduced so far (the
   // Works keep their own tensors alive until they finish) and free what it gathered.
   in_backward = false;
-  inflight.clear();
+  reductions.clear();
   local_grads_pending = false;
   for (auto& u : units) {
     u->grad_shard = at::Tensor();
@@ -154,11 +154,9 @@ void FullyShardedModel::Impl::try_launch() {
 }
 
 void FullyShardedModel::Impl::launch(size_t unit) {
-  inflight.push_back(units[unit]->launch_reduction());
-  while (static_cast<int>(inflight.size()) > options.max_inflight_reductions) {
-    units[inflight.front().unit]->finish_reduction(inflight.front());
-    inflight.pop_front();
-  }
+  auto& u = *units[unit];
+  reductions.launch(*reduce_comm, u, u.take_packed_gradients(), u.label());
+  reductions.drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 
 void FullyShardedModel::Impl::end_backward() {
@@ -197,12 +195,7 @@ void FullyShardedModel::Impl::reduce_local_gradients() {
   local_grads_pending = false;
 }
 
-void FullyShardedModel::Impl::drain_all() {
-  while (!inflight.empty()) {
-    units[inflight.front().unit]->finish_reduction(inflight.front());
-    inflight.pop_front();
-  }
-}
+void FullyShardedModel::Impl::drain_all() { reductions.drain_all(); }
 
 FullyShardedModel::FullyShardedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -226,10 +219,10 @@ FullyShardedMemory FullyShardedModel::memory() const {
     if (u->is_root) {
       m.root_params += u->gathered.nbytes();
     } else {
-      m.shards += u->shard.nbytes();
-      m.gathered += u->gathered.storage().nbytes();
+      m.shards += u->values.nbytes();
+      if (!u->keeps_buffer()) m.gathered += u->gathered.storage().nbytes();
     }
-    if (!u->master.is_same(u->shard)) m.master += u->master.nbytes();
+    if (!u->master.is_same(u->values)) m.master += u->master.nbytes();
     if (u->grad_shard.defined()) m.grad_shards += u->grad_shard.nbytes();
   }
   m.peak_gathered = impl_->peak_gathered;
@@ -240,13 +233,13 @@ CommStats FullyShardedModel::reduction_stats() const { return impl_->reduce_comm
 
 FullyShardedWaits FullyShardedModel::waits() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
-  return {impl_->exposed_gather_seconds, impl_->exposed_reduce_seconds};
+  return {impl_->exposed_gather_seconds, impl_->reductions.waited_seconds()};
 }
 
 std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
   std::vector<UnitInfo> out;
-  for (const auto& u : impl_->units) out.push_back({u->name, u->layout, u->shard_range, u->is_gathered});
+  for (const auto& u : impl_->units) out.push_back({u->name, u->layout, u->shard, u->is_gathered});
   return out;
 }
 
@@ -305,11 +298,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
   impl->comm = comm;
-  {
-    std::vector<int> all(static_cast<size_t>(comm->size()));
-    for (int i = 0; i < comm->size(); ++i) all[static_cast<size_t>(i)] = i;
-    impl->reduce_comm = comm->split(all);
-  }
+  impl->reduce_comm = comm->dup();
   impl->options = options;
   impl->rank = comm->rank();
   impl->world = comm->size();
@@ -399,12 +388,16 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     for (auto& u : m.units) works.push_back(comm->broadcast(u->gathered, 0));
   }
   for (auto& w : works) w->wait();
+  size_t first_param = 0;  // each unit's parameters in FullyShardedAdamW's numbering: units in order
   for (auto& u : m.units) {
+    for (size_t i = 0; i < u->tensors.size(); ++i) u->params.push_back(first_param + i);
+    first_param += u->tensors.size();
     // The root never reshards: its shard is its slice of the gathered buffer
-    // (no second copy), and it is all-gathered in place.
-    auto mine = u->gathered.slice(0, u->shard_range.begin, u->shard_range.end);
-    u->shard = u->is_root ? mine : mine.clone();
-    u->master = u->shard.scalar_type() == at::kFloat ? u->shard : u->shard.to(at::kFloat);
+    // (no second copy), and it is all-gathered in place. At one rank every
+    // unit's shard is its whole gathered buffer.
+    auto mine = u->gathered.slice(0, u->shard.begin, u->shard.end);
+    u->values = u->keeps_buffer() ? mine : mine.clone();
+    u->master = u->values.scalar_type() == at::kFloat ? u->values : u->values.to(at::kFloat);
     u->register_hooks();
     u->reshard();
   }
@@ -422,7 +415,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   int64_t total = 0, mine = 0;
   for (auto& u : m.units) {
     total += u->layout.numel;
-    mine += u->shard_range.size();
+    mine += u->shard.size();
   }
   log_info("fully_shard: " + std::to_string(found.size()) + " units + root, " + std::to_string(total) +
            " parameters; this rank holds " + std::to_string(mine) + " of them");

@@ -1,22 +1,18 @@
-// fully_sharded_adamw.cpp — AdamW over the units of a fully sharded model.
+// fully_sharded_adamw.cpp — AdamW over the units of a fully sharded model: the
+// ZeRO-3 front-end of ShardedOptimizer, and the model's side of an update.
 //
-// Each unit's fp32 shard is both the parameters' master and the source of the
-// next gather, so the update is one fused pass per parameter piece and no
-// all-gather: the next forward gathers the new values. The root unit stays
-// gathered, so it is all-gathered here.
+// Each unit is a shard group; its shard is the source of the next gather, so
+// an update needs no all-gather: the next forward gathers the new values. The
+// root unit stays gathered, so it is all-gathered after its update (first, so
+// that the gather runs while the other units are updated).
 #include "shard/unit.h"
 
-#include "optim/fused_adamw.h"
-#include "optim/grad_norm.h"
-#include "optim/loss_scaler.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
 #include <chrono>
-#include <cmath>
 #include <iomanip>
-#include <limits>
 #include <sstream>
 #include <unordered_map>
 
@@ -26,26 +22,27 @@ namespace {
 using torch::optim::AdamWOptions;
 using torch::optim::OptimizerParamGroup;
 
-std::vector<torch::Tensor> trainable_params(const FullyShardedModel& model) {
+std::vector<torch::Tensor> trainable_params(const FullyShardedModel::Impl& model) {
   std::vector<torch::Tensor> out;
-  for (const auto& u : model.impl().units) {
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      if (u->trainable[i]) out.push_back(u->params[i]);
+  for (const auto& u : model.units) {
+    for (size_t i = 0; i < u->tensors.size(); ++i) {
+      if (u->trainable[i]) out.push_back(u->tensors[i]);
     }
   }
   return out;
 }
 
 // Every trainable parameter of the model in exactly one group, nothing else.
-std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel& model, std::vector<OptimizerParamGroup> groups) {
+std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel::Impl& model,
+                                               std::vector<OptimizerParamGroup> groups) {
   struct Known {
     std::string name;
     bool trainable;
   };
   std::unordered_map<const c10::TensorImpl*, Known> known;
-  for (const auto& u : model.impl().units) {
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      known[u->params[i].unsafeGetTensorImpl()] = {u->layout.params[i].name, u->trainable[i] != 0};
+  for (const auto& u : model.units) {
+    for (size_t i = 0; i < u->tensors.size(); ++i) {
+      known[u->tensors[i].unsafeGetTensorImpl()] = {u->layout.params[i].name, u->trainable[i] != 0};
     }
   }
   TORCH_CHECK_VALUE(!groups.empty(), "FullyShardedAdamW: no param groups given; pass at least one");
@@ -65,9 +62,9 @@ std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel& model, 
                         prev->second, " and ", g, "; put it in one");
     }
   }
-  for (const auto& u : model.impl().units) {  // in model order: the first missing one is named
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      TORCH_CHECK_VALUE(!u->trainable[i] || seen.count(u->params[i].unsafeGetTensorImpl()),
+  for (const auto& u : model.units) {  // in model order: the first missing one is named
+    for (size_t i = 0; i < u->tensors.size(); ++i) {
+      TORCH_CHECK_VALUE(!u->trainable[i] || seen.count(u->tensors[i].unsafeGetTensorImpl()),
                         "FullyShardedAdamW: parameter '", u->layout.params[i].name,
                         "' is in no param group; every trainable parameter must be in one (or freeze it before "
                         "fully_shard)");
@@ -76,8 +73,8 @@ std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel& model, 
   return groups;
 }
 
-bool any_half(const FullyShardedModel& model) {
-  for (const auto& u : model.impl().units) {
+bool any_half(const FullyShardedModel::Impl& model) {
+  for (const auto& u : model.units) {
     if (u->layout.dtype == at::kHalf) return true;
   }
   return false;
@@ -87,282 +84,137 @@ bool any_half(const FullyShardedModel& model) {
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, AdamWOptions defaults,
                                      FullyShardedAdamWOptions options)
-    : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(*model))}, defaults, options) {}
+    : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(model->impl()))}, defaults, options) {}
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<OptimizerParamGroup> groups,
                                      AdamWOptions defaults, FullyShardedAdamWOptions options)
-    : Optimizer(checked_groups(*model, std::move(groups)), std::make_unique<AdamWOptions>(defaults)),
-      model_(std::move(model)),
-      options_(options) {
+    : ShardedOptimizer(checked_groups(model->impl(), std::move(groups)), std::move(defaults), "FullyShardedAdamW", 3),
+      model_(std::move(model)) {
   TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "FullyShardedAdamW: max_grad_norm is ", options.max_grad_norm,
                     "; it must be >= 0 (0: no clipping)");
-  const bool scaling = options.loss_scale.enabled < 0 ? any_half(*model_) : options.loss_scale.enabled > 0;
-  scaler_ = std::make_unique<optim::LossScaler>(options.loss_scale, scaling);
+  auto& m = model_->impl();
+  Shards shards;
+  shards.process_group = ProcessGroup::of(m.comm);
+  shards.mu = &m.guard->mu;
+  shards.max_grad_norm = options.max_grad_norm;
+  shards.loss_scale = options.loss_scale;
+  shards.loss_scaling = options.loss_scale.enabled < 0 ? any_half(m) : options.loss_scale.enabled > 0;
   std::unordered_map<const c10::TensorImpl*, int> group;
   std::vector<std::string> entries;
   for (size_t g = 0; g < param_groups().size(); ++g) {
-    const auto& o = static_cast<const AdamWOptions&>(param_groups()[g].options());
-    TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: param group ", g,
-                      " sets amsgrad(true), which is not supported (no max_exp_avg_sq is kept); use amsgrad(false)");
-    entries.push_back(shard::describe_param_group(static_cast<int>(g), o));
+    entries.push_back(shard::describe_param_group(static_cast<int>(g), adamw_options(g)));
     for (const auto& p : param_groups()[g].params()) group[p.unsafeGetTensorImpl()] = static_cast<int>(g);
   }
-  for (const auto& u : model_->impl().units) {
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      const int g = u->trainable[i] ? group.at(u->params[i].unsafeGetTensorImpl()) : -1;
-      group_of_.push_back(g);
-      entries.push_back("'" + u->layout.params[i].name + "' in group " + std::to_string(g));
+  for (size_t k = 0; k < m.units.size(); ++k) {
+    auto& u = *m.units[k];
+    for (size_t i = 0; i < u.tensors.size(); ++i) {
+      const int g = u.trainable[i] ? group.at(u.tensors[i].unsafeGetTensorImpl()) : -1;
+      shards.group_of.push_back(g);
+      shards.infos.push_back(u.layout.params[i]);
+      shards.tensors.push_back(u.tensors[i]);
+      entries.push_back("'" + u.layout.params[i].name + "' in group " + std::to_string(g));
+    }
+    shards.groups.push_back(&u);
+    if (u.is_root) {
+      shards.update_order.insert(shards.update_order.begin(), k);
+    } else {
+      shards.update_order.push_back(k);
     }
   }
   std::ostringstream os;
-  os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm << " loss_scaling=" << scaling
-     << shard::describe_loss_scaling(options.loss_scale, scaling);
+  os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm
+     << " loss_scaling=" << shards.loss_scaling << shard::describe_loss_scaling(options.loss_scale, shards.loss_scaling);
   entries.push_back(os.str());
-  shard::check_same_on_all_ranks(model_->communicator(), entries, "FullyShardedAdamW param groups and options");
-  steps_.assign(group_of_.size(), 0);
+  shard::check_same_on_all_ranks(*m.comm, entries, "FullyShardedAdamW param groups and options");
+  attach_shards(std::move(shards));
 }
 
 FullyShardedAdamW::~FullyShardedAdamW() = default;
 
-torch::Tensor FullyShardedAdamW::scale_loss(const torch::Tensor& loss) const {
-  return scaler_->enabled() ? loss * scaler_->scale() : loss;
-}
+void FullyShardedAdamW::check_ready(const char* op) { model_->impl().check_not_in_backward(op); }
+void FullyShardedAdamW::reduce_gradients() { model_->impl().finish_reductions(); }
+void FullyShardedAdamW::group_updated(size_t k, bool) { model_->impl().publish_update(k); }
+void FullyShardedAdamW::finish_update() { model_->impl().finish_publish(); }
+void FullyShardedAdamW::end_step() { model_->impl().end_step(); }
+void FullyShardedAdamW::drop_unreduced_gradients() { model_->impl().drop_gradients(); }
+void FullyShardedAdamW::drain_reductions() { model_->impl().drain_all(); }
+bool FullyShardedAdamW::local_gradients_pending() const { return model_->impl().local_grads_pending; }
+void FullyShardedAdamW::install_masters() { model_->impl().install_masters(); }
+void FullyShardedAdamW::enter_no_sync() { ++model_->impl().no_sync_depth; }
+void FullyShardedAdamW::exit_no_sync() { --model_->impl().no_sync_depth; }
 
-double FullyShardedAdamW::loss_scale() const { return scaler_->scale(); }
-
-void FullyShardedAdamW::agree(bool with_norm) {
-  if (agreed_ && (!with_norm || sumsq_ >= 0)) return;
-  auto& m = model_->impl();
-  std::vector<double> ctrl{0.0};
-  for (const auto& u : m.units) {
-    if (with_norm && u->grad_shard.defined()) {
-      ctrl[0] += optim::sum_of_squares(u->grad_shard.data_ptr(), u->grad_shard.scalar_type(), u->grad_shard.numel());
-    }
-    for (char h : u->had_grad) ctrl.push_back(h ? 1.0 : 0.0);
-  }
-  auto t = at::tensor(ctrl, at::kDouble);
-  m.comm->all_reduce(t, ReduceOp::kSum)->wait();
-  const double* v = t.data_ptr<double>();
-  sumsq_ = with_norm ? v[0] : -1;
-  flags_.assign(v + 1, v + t.numel());
-  agreed_ = true;
-}
-
-double FullyShardedAdamW::clip_grad_norm(double max_norm) {
-  TORCH_CHECK_VALUE(max_norm > 0, "FullyShardedAdamW::clip_grad_norm: max_norm is ", max_norm, "; it must be positive");
-  torch::NoGradGuard no_grad;
-  auto& m = model_->impl();
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  m.reduce_local_gradients();
-  m.drain_all();
-  agree(true);
-  m.gradients_agreed = true;
-  clip_max_norm_ = max_norm;
-  return std::sqrt(sumsq_) / scaler_->scale();
-}
-
-torch::Tensor FullyShardedAdamW::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  torch::NoGradGuard no_grad;
-  auto& m = model_->impl();
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::step: called during backward");
-  run_before_update();
-  m.reduce_local_gradients();
-  m.drain_all();
-  const double max_norm = clip_max_norm_ > 0 ? clip_max_norm_ : options_.max_grad_norm;
-  agree(max_norm > 0 || scaler_->enabled());
-  const double scale = scaler_->scale();
-  last_skipped_ = scaler_->update(scaler_->enabled() && !std::isfinite(sumsq_));
-  if (last_skipped_) {
-    log_info("FullyShardedAdamW: gradient overflow, step skipped on every rank; loss scale now " +
-             std::to_string(scaler_->scale()));
-    discard_gradients();
-    return loss;
-  }
-  double multiplier = 1.0 / scale;
-  if (max_norm > 0) {
-    const double coef = max_norm / (std::sqrt(sumsq_) / scale + 1e-6);
-    if (coef < 1) multiplier *= coef;
-  }
-  ensure_moments();
-  // The root first: its all-gather (it stays gathered) then runs while the
-  // other units' shards are updated.
-  std::vector<size_t> order, bases(m.units.size(), 0);
-  for (size_t k = 0, b = 0; k < m.units.size(); b += m.units[k]->params.size(), ++k) {
-    bases[k] = b;
-    if (m.units[k]->is_root) order.insert(order.begin(), k); else order.push_back(k);
-  }
-  std::vector<std::shared_ptr<Work>> gathers;
-  for (const size_t k : order) {
-    auto& u = *m.units[k];
-    const size_t base = bases[k];
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      if (flags_[base + i] > 0) ++steps_[base + i];
-    }
-    if (u.grad_shard.defined()) {
-      for (const auto& seg : u.segments) {
-        const size_t gi = base + seg.param;
-        if (flags_[gi] == 0 || group_of_[gi] < 0) continue;
-        const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[group_of_[gi]].options());
-        TORCH_CHECK_VALUE(!o.amsgrad(), "FullyShardedAdamW: param group ", group_of_[gi],
-                          " sets amsgrad(true), which is not supported (no max_exp_avg_sq is kept); use amsgrad(false)");
-        const Range local = seg.local(u.layout, m.rank);
-        const auto c = optim::adamw_coeffs(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
-                                           o.weight_decay(), steps_[gi], multiplier);
-        const bool low = u.shard.scalar_type() != at::kFloat;  // 16-bit: write the rounded copy gathers send
-        optim::fused_adamw(c, u.master.data_ptr<float>() + local.begin,
-                           static_cast<const char*>(u.grad_shard.data_ptr()) + local.begin * u.grad_shard.element_size(),
-                           u.grad_shard.scalar_type(), moments_[2 * k].data_ptr<float>() + local.begin,
-                           moments_[2 * k + 1].data_ptr<float>() + local.begin, local.size(),
-                           low ? static_cast<char*>(u.shard.data_ptr()) + local.begin * 2 : nullptr,
-                           u.shard.scalar_type());
-      }
-    }
-    if (u.is_root) {
-      gathers.push_back(m.comm->all_gather(u.gathered, u.shard));  // in place: shard is its slice
-    } else {
-      u.reshard();  // a gathered copy would be stale now
-    }
-    u.grad_shard = at::Tensor();
-    std::fill(u.had_grad.begin(), u.had_grad.end(), 0);
-  }
-  m.prefetch_first_forward_unit();  // behind the root's gather; overlaps whatever precedes the next forward
-  const auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : gathers) w->wait();
-  m.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (trace::enabled() && !gathers.empty()) trace::record("wait for gather of (root) after the update", "wait", t0);
-  agreed_ = false;
-  m.gradients_agreed = false;
-  sumsq_ = -1;
-  clip_max_norm_ = 0;
-  return loss;
-}
-
-void FullyShardedAdamW::ensure_moments() {
-  const auto& m = model_->impl();
-  if (moments_.size() == 2 * m.units.size()) return;
-  moments_.clear();
-  for (const auto& u : m.units) {
-    moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
-    moments_.push_back(at::zeros({u->shard_range.size()}, at::kFloat));
-  }
-}
-
-ShardedState FullyShardedAdamW::sharded_state() {
-  auto& m = model_->impl();
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  ensure_moments();
-  ShardedState s;
-  s.rank = m.rank;
-  s.world_size = m.world;
-  s.stage = 3;
-  s.param_steps = steps_;
-  s.loss_scale = scaler_->scale();
-  s.loss_scale_clean_steps = scaler_->clean_steps();
-  m.drain_all();  // the gradient shards complete (waits only: every rank issued these)
-  s.local_gradients_pending = m.local_grads_pending;
-  for (const auto& u : m.units) s.had_grad.insert(s.had_grad.end(), u->had_grad.begin(), u->had_grad.end());
-  size_t base = 0;
-  for (size_t k = 0; k < m.units.size(); ++k) {
-    const auto& u = *m.units[k];
-    ShardedBucketState b;
-    b.layout = u.layout;
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      s.params.push_back(u.layout.params[i]);
-      s.param_tensors.push_back(u.params[i]);
-      b.params.push_back(base + i);
-      if (group_of_[base + i] > 0 && b.group == 0) b.group = group_of_[base + i];
-    }
-    b.shard = u.shard_range;
-    b.master = u.master;
-    b.exp_avg = moments_[2 * k];
-    b.exp_avg_sq = moments_[2 * k + 1];
-    b.grad_shard = u.grad_shard;
-    s.buckets.push_back(std::move(b));
-    base += u.params.size();
-  }
-  return s;
-}
-
-void FullyShardedAdamW::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
-                                              int64_t loss_scale_clean_steps, const std::vector<at::Tensor>& grad_shards,
-                                              const std::vector<char>& had_grad) {
-  torch::NoGradGuard no_grad;
-  auto& m = model_->impl();
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::restore_sharded_state: called during backward");
-  run_before_update();
-  TORCH_CHECK_VALUE(param_steps.size() == steps_.size(), "FullyShardedAdamW::restore_sharded_state: ",
-                    param_steps.size(), " step counts for ", steps_.size(), " parameters");
-  discard_gradients();
-  steps_ = param_steps;
-  scaler_->restore(loss_scale, loss_scale_clean_steps);
-  std::vector<std::shared_ptr<Work>> gathers;
-  for (auto& u : m.units) {
-    if (!u->master.is_same(u->shard)) u->shard.copy_(u->master);  // round to the unit's dtype
+void FullyShardedAdamW::add_stats(ShardedStats& s) const {
+  const auto& im = model_->impl();
+  auto& m = s.memory;
+  for (const auto& u : im.units) {
     if (u->is_root) {
-      gathers.push_back(m.comm->all_gather(u->gathered, u->shard));
+      m.params += u->gathered.nbytes();
+    } else if (!u->keeps_buffer()) {  // at one rank the gathered buffer is the shard, counted below
+      m.params += u->gathered.storage().nbytes();
+    }
+    if (!u->is_root) m.param_shards += u->values.nbytes();
+    for (const auto& p : u->tensors) {  // no_sync leftovers
+      if (p.grad().defined()) m.grads += p.grad().nbytes();
+    }
+  }
+  m.peak_transient = im.peak_gathered;
+  s.waits = {im.exposed_gather_seconds, im.reductions.waited_seconds()};
+  s.traffic = im.comm->stats();
+  s.traffic += im.reduce_comm->stats();
+}
+
+// The model's side of an update.
+
+void FullyShardedModel::Impl::check_not_in_backward(const char* op) const {
+  TORCH_CHECK(!in_backward, "FullyShardedAdamW::", op, ": called during backward");
+}
+
+void FullyShardedModel::Impl::finish_reductions() {
+  reduce_local_gradients();
+  drain_all();
+  gradients_agreed = true;
+}
+
+void FullyShardedModel::Impl::publish_update(size_t unit) {
+  auto& u = *units[unit];
+  if (u.is_root) {
+    // In place: values is its slice (at one rank all of it: nothing to do).
+    if (world > 1) update_gathers.push_back(comm->all_gather(u.gathered, u.values));
+  } else {
+    u.reshard();  // a gathered copy would be stale now
+  }
+}
+
+void FullyShardedModel::Impl::finish_publish() {
+  prefetch_first_forward_unit();  // behind the root's gather; overlaps whatever precedes the next forward
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : update_gathers) w->wait();
+  exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (trace::enabled() && !update_gathers.empty()) trace::record("wait for gather of (root) after the update", "wait", t0);
+  update_gathers.clear();
+}
+
+void FullyShardedModel::Impl::drop_gradients() {
+  check_not_in_backward("discard_gradients");
+  drain_all();
+  for (auto& u : units) {
+    u->clear_gradient();
+    for (auto& p : u->tensors) p.mutable_grad() = at::Tensor();  // no_sync leftovers
+  }
+  local_grads_pending = false;
+}
+
+void FullyShardedModel::Impl::install_masters() {
+  std::vector<std::shared_ptr<Work>> gathers;
+  for (auto& u : units) {
+    if (!u->master.is_same(u->values)) u->values.copy_(u->master);  // round to the unit's dtype
+    if (u->is_root) {
+      if (world > 1) gathers.push_back(comm->all_gather(u->gathered, u->values));
     } else {
       u->reshard();  // a gathered (or prefetched) copy would be stale
     }
   }
   for (auto& w : gathers) w->wait();
-  if (!had_grad.empty()) {  // a step's accumulation in progress: its reduced gradients so far
-    TORCH_CHECK_VALUE(had_grad.size() == steps_.size() && grad_shards.size() == m.units.size(),
-                      "FullyShardedAdamW::restore_sharded_state: gradients for ", grad_shards.size(), " units and ",
-                      had_grad.size(), " parameters; this model has ", m.units.size(), " and ", steps_.size());
-    size_t base = 0;
-    for (size_t k = 0; k < m.units.size(); ++k) {
-      auto& u = *m.units[k];
-      u.grad_shard = grad_shards[k];
-      std::copy(had_grad.begin() + static_cast<std::ptrdiff_t>(base),
-                had_grad.begin() + static_cast<std::ptrdiff_t>(base + u.params.size()), u.had_grad.begin());
-      base += u.params.size();
-    }
-  }
-}
-
-void FullyShardedAdamW::discard_gradients() {
-  auto& m = model_->impl();
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  TORCH_CHECK(!m.in_backward, "FullyShardedAdamW::discard_gradients: called during backward");
-  m.drain_all();
-  for (auto& u : m.units) {
-    u->grad_shard = at::Tensor();
-    std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
-    for (auto& p : u->params) p.mutable_grad() = at::Tensor();  // no_sync leftovers
-  }
-  m.local_grads_pending = false;
-  m.gradients_agreed = false;
-  agreed_ = false;
-  sumsq_ = -1;
-  clip_max_norm_ = 0;
-}
-
-int64_t FullyShardedAdamW::state_bytes() const {
-  int64_t n = 0;
-  for (const auto& t : moments_) n += t.nbytes();
-  return n;
-}
-
-int64_t FullyShardedAdamW::model_state_bytes() const {
-  const auto m = model_->memory();
-  int64_t shard_numel = 0;
-  for (const auto& u : model_->units()) shard_numel += u.shard.size();
-  return m.shards + m.master + m.root_params + state_bytes() + 4 * shard_numel;
-}
-
-void FullyShardedAdamW::save(torch::serialize::OutputArchive&) const {
-  TORCH_CHECK(false, "FullyShardedAdamW::save: the state is sharded across ranks; use zeroshard checkpoints");
-}
-
-void FullyShardedAdamW::load(torch::serialize::InputArchive&) {
-  TORCH_CHECK(false, "FullyShardedAdamW::load: the state is sharded across ranks; use zeroshard checkpoints");
 }
 
 }  // namespace zeroshard

@@ -19,7 +19,6 @@
 #include "zeroshard/log.h"
 
 
-#include <chrono>
 
 namespace zeroshard {
 
@@ -67,7 +66,7 @@ void ShardedAdamW::Impl::grad_into_flat(size_t param) {
   if (g.defined() && g.data_ptr() == slot.data_ptr()) return;  // already the slot
   if (g.defined()) {
     slot.view(p.sizes()).copy_(g);
-    had_grad[param] = 1;
+    had_grad(param) = 1;
   } else {
     slot.zero_();
   }
@@ -87,7 +86,7 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   if (!params[param].grad().defined()) return;  // an undefined gradient (a custom Function returned none)
   if (!callback_queued) {  // first gradient of this backward
     callback_queued = true;
-    sync_this_backward = options.stage == 2 && no_sync_depth == 0 && options.reduce_every_backward;
+    sync_this_backward = options.zero_stage == 2 && no_sync_depth == 0 && options.reduce_every_backward;
     std::weak_ptr<shard::HookTarget> weak = target;
     auto with_impl = [weak](void (*fn)(Impl&)) {
       if (auto t = weak.lock()) {
@@ -98,10 +97,10 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
     compat::on_end_of_backward([with_impl] { with_impl([](Impl& im) { im.end_backward(); }); },
                                [with_impl] { with_impl([](Impl& im) { im.backward_aborted = true; }); });
   }
-  had_grad[param] = 1;
+  had_grad(param) = 1;
   if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)
-    if (options.stage == 2) local_grads_pending = true;
-    if (options.stage == 1) grad_into_flat(param);
+    if (options.zero_stage == 2) local_grads_pending = true;
+    if (options.zero_stage == 1) grad_into_flat(param);
     return;
   }
   if (ready[param]) return;
@@ -120,7 +119,7 @@ void ShardedAdamW::Impl::recover_from_aborted_backward() {
   // The failed pass's gradients are partly in buckets (dropped here) and partly
   // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
   backward_aborted = false;
-  inflight.clear();  // each Work keeps its tensors until it finishes; its result is not wanted
+  reductions.clear();  // each Work keeps its tensors until it finishes; its result is not wanted
   transient_bytes = 0;
   for (auto& b : buckets) {
     b.rs_in = at::Tensor();
@@ -134,13 +133,18 @@ void ShardedAdamW::Impl::recover_from_aborted_backward() {
 
 void ShardedAdamW::Impl::launch(size_t index) {
   auto& b = buckets[index];
-  InFlight f{index, std::move(b.rs_in), at::Tensor(), nullptr};
+  at::Tensor in = std::move(b.rs_in);
   b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
-  f.out = at::empty({b.layout.shard_numel()}, b.flat_params.options());
-  track(f.out.nbytes());
-  f.work = comm->reduce_scatter(f.out, f.in, ReduceOp::kAvg);
-  inflight.push_back(std::move(f));
-  while (options.stage == 2 && static_cast<int>(inflight.size()) > options.max_inflight_buckets) drain_oldest();
+  track(reductions.launch(*comm, b, std::move(in), "bucket " + std::to_string(index)).nbytes());
+  if (options.zero_stage == 2) {
+    reductions.drain_to(static_cast<size_t>(options.max_inflight_buckets),
+                        [this](const shard::ReductionQueue::Entry& e) { untrack(e); });
+  }
+}
+
+void ShardedAdamW::Impl::untrack(const shard::ReductionQueue::Entry& e) {
+  track(-e.out.nbytes());  // from here on it counts as a gradient shard, or is gone
+  if (options.zero_stage == 2) track(-e.in.nbytes());  // stage 1's input is flat_grads itself
 }
 
 void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
@@ -152,7 +156,7 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
       // (accumulated under no_sync) goes in; otherwise the slot stays zero.
       for (size_t param : b.params) {
         if (!ready[param] && params[param].grad().defined()) {
-          had_grad[param] = 1;
+          had_grad(param) = 1;
           copy_grad_into(param, b);
         }
       }
@@ -175,30 +179,13 @@ void ShardedAdamW::Impl::flush_backward() {
   flushed_since_step = true;
 }
 
-void ShardedAdamW::Impl::drain_oldest() {
-  InFlight f = std::move(inflight.front());
-  inflight.pop_front();
-  const auto t0 = std::chrono::steady_clock::now();
-  f.work->wait();
-  waits.reductions += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  auto& b = buckets[f.bucket];
-  if (!b.grad_shard.defined()) {
-    b.grad_shard = f.out;  // adopt: no copy
-  } else {
-    if (b.grad_shard.scalar_type() != at::kFloat) b.grad_shard = b.grad_shard.to(at::kFloat);
-    b.grad_shard.add_(f.out);
-  }
-  track(-f.out.nbytes());  // from here on it counts as a gradient shard, or is gone
-  if (options.stage == 2) track(-f.in.nbytes());  // stage 1's input is flat_grads itself
-}
-
 void ShardedAdamW::Impl::drain_all() {
-  while (!inflight.empty()) drain_oldest();
+  reductions.drain_all([this](const shard::ReductionQueue::Entry& e) { untrack(e); });
 }
 
 void ShardedAdamW::Impl::reduce_all() {
   if (reduced) return;
-  if (options.stage == 1) {
+  if (options.zero_stage == 1) {
     for (size_t index = 0; index < buckets.size(); ++index) {
       auto& b = buckets[index];
       for (size_t param : b.params) grad_into_flat(param);
@@ -214,11 +201,8 @@ void ShardedAdamW::Impl::reduce_all() {
 }
 
 void ShardedAdamW::Impl::release_step_gradients() {
-  for (auto& b : buckets) b.grad_shard = at::Tensor();
-  std::fill(had_grad.begin(), had_grad.end(), 0);
+  for (auto& b : buckets) b.clear_gradient();
   reduced = false;
-  agreed = false;
-  clip_max_norm = 0;
   flushed_since_step = false;
 }
 

@@ -3,31 +3,23 @@
 // grad_reduction.cpp (backward hooks and the bucketed reduce-scatter).
 #pragma once
 
-#include "optim/loss_scaler.h"
+#include "shard/shard_group.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include "compat/autograd_hooks.h"
 
-#include <deque>
 #include <mutex>
 
 namespace zeroshard {
 namespace shard {
 
 // One bucket: a flat buffer of parameters of one dtype and one param group.
-struct Bucket {
-  FlatLayout layout;
-  std::vector<size_t> params;  // global parameter index of each layout entry
-  int group = 0;
-  Range shard;                 // this rank's elements of the flat buffer
-  std::vector<ShardSegment> segments;  // parameter pieces inside `shard`
-
+// Its shard group's `values` is flat_params' slice `shard`; `master` is that
+// same view when the dtype is Float.
+struct Bucket : ShardGroup {
+  int group = 0;           // param group
   at::Tensor flat_params;  // [padded_numel], the model's parameters alias it
-  at::Tensor master;       // fp32 [shard]; a view of flat_params when the dtype is Float
-  at::Tensor exp_avg, exp_avg_sq;  // fp32 [shard]
   at::Tensor flat_grads;   // stage 1: [padded_numel], p.grad() aliases it (created at the first step)
-  at::Tensor grad_shard;   // reduced gradient of `shard` (bucket dtype, or fp32 once accumulated)
-
   at::Tensor rs_in;        // stage 2: this backward's gradients, filling up
   size_t ready = 0;        // parameters whose gradient is in rs_in this backward
 };
@@ -54,17 +46,12 @@ struct ShardedAdamW::Impl {
   std::vector<std::pair<size_t, size_t>> location;  // parameter -> (bucket, layout entry)
   std::vector<shard::Bucket> buckets;               // backward order
   std::vector<size_t> group_sizes;                  // to notice param groups changed after construction
-  std::vector<int64_t> steps;                       // AdamW step count per parameter
 
   // Per optimizer step.
-  std::vector<char> had_grad;          // got a gradient on this rank since the last step
   bool reduced = false;                // every bucket's grad_shard holds this step's mean gradient
-  bool agreed = false;                 // `global_flags` and `global_sumsq` are current
-  std::vector<double> global_flags;    // ranks that had a gradient, per parameter
-  double global_sumsq = 0;             // of the (scaled) mean gradient; NaN when not computed
-  double clip_max_norm = 0;            // set by clip_grad_norm() for this step
-  bool last_skipped = false;
-  optim::LossScaler scaler;
+  // Got a gradient on this rank since the last step (kept in its bucket's had_grad).
+  char& had_grad(size_t param) { return buckets[location[param].first].had_grad[location[param].second]; }
+  bool any_had_grad() const;
 
   // Per backward.
   std::vector<char> ready;             // stage 2: gradient already in its bucket this backward
@@ -72,25 +59,15 @@ struct ShardedAdamW::Impl {
   bool sync_this_backward = false;     // this backward reduces (stage 2, not under no_sync)
   bool local_grads_pending = false;    // gradients left in p.grad() by a no_sync/local backward
   bool backward_aborted = false;       // a backward ended by an exception: per-backward state is stale
-  struct InFlight {
-    size_t bucket;
-    at::Tensor in, out;
-    std::shared_ptr<Work> work;
-  };
-  std::deque<InFlight> inflight;       // reduce-scatters launched, in launch order
-  CommWaits waits;                     // exposed: the training thread blocked on collectives
+  shard::ReductionQueue reductions;          // reduce-scatters launched, in launch order
+  double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
   bool callback_queued = false;
   bool flushed_since_step = false;
   int no_sync_depth = 0;
 
-  int64_t transient_bytes = 0, peak_transient = 0, peak_model_states = 0;
+  int64_t transient_bytes = 0, peak_transient = 0;
 
-  std::vector<std::function<void()>> before_update;  // call_before_next_update()
-  void run_before_update() {
-    auto fns = std::move(before_update);
-    before_update.clear();
-    for (auto& fn : fns) fn();
-  }
+  std::vector<std::shared_ptr<Work>> gathers;  // all-gathers of updated buckets, in flight
 
   std::shared_ptr<shard::HookTarget> target;
   std::vector<compat::GradReadyHook> hooks;
@@ -102,18 +79,15 @@ struct ShardedAdamW::Impl {
   void end_backward();                // autograd's final callback
   void flush_backward();              // launch what is left, zeros for missing gradients
   void reduce_all();                  // every bucket's mean gradient in grad_shard
-  void drain_oldest();                // wait for one reduce-scatter, add into grad_shard
-  void drain_all();
-  void release_step_gradients();
+  void drain_all();                   // every reduce-scatter in flight added into its grad_shard
+  void release_step_gradients();      // per-step state, once the step is over
   // After a backward that an exception ended part-way: drops this step's
   // reduced gradients and every per-backward record.
   void recover_from_aborted_backward();
   void check_params_in_place() const;
 
   // sharded_adamw.cpp
-  void agree(bool with_norm);
   void track(int64_t bytes);
-  torch::optim::AdamWOptions& group_options(int group) const;
   void check_groups_unchanged() const;
   void check_usable();  // before step/clip: recovers from an aborted backward (and throws), checks aliases
 
@@ -121,6 +95,7 @@ struct ShardedAdamW::Impl {
   void copy_grad_into(size_t param, shard::Bucket& b);
   void grad_into_flat(size_t param);  // stage 1: p.grad() becomes its slot of the bucket's flat_grads
   void launch(size_t bucket);
+  void untrack(const shard::ReductionQueue::Entry& e);  // a drained reduction's buffers are gone
   void launch_ready_in_order(bool force);
 };
 

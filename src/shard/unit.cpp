@@ -14,17 +14,17 @@ namespace zeroshard::detail {
 
 Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, std::vector<std::string> names,
            std::vector<at::Tensor> params_, bool is_root_)
-    : model(model_), index(index_), name(std::move(name_)), is_root(is_root_), params(std::move(params_)) {
+    : model(model_), index(index_), name(std::move(name_)), is_root(is_root_), tensors(std::move(params_)) {
   std::vector<ParamInfo> infos;
-  for (size_t i = 0; i < params.size(); ++i) infos.push_back({names[i], params[i].sizes().vec(), params[i].scalar_type()});
+  for (size_t i = 0; i < tensors.size(); ++i) infos.push_back({names[i], tensors[i].sizes().vec(), tensors[i].scalar_type()});
   layout = make_flat_layout(std::move(infos), model.world);
-  shard_range = layout.shard(model.rank);
+  shard = layout.shard(model.rank);
   segments = shard_segments(layout, model.rank);
   gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype));
-  if (!is_root) model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
+  if (!keeps_buffer()) model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < params.size(); ++i) {
-    auto& p = params[i];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto& p = tensors[i];
     const int64_t off = layout.offsets[i];
     gathered.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
     views_.push_back(shard::alias_of(gathered, off, p.sizes()));
@@ -34,22 +34,22 @@ Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, st
     trainable.push_back(p.requires_grad() ? 1 : 0);
     trainable_count_ += trainable.back();
   }
-  ready_.assign(params.size(), 0);
-  had_grad.assign(params.size(), 0);
+  ready_.assign(tensors.size(), 0);
+  had_grad.assign(tensors.size(), 0);
 }
 
 Unit::~Unit() {
   remove_hooks();
-  for (const auto& p : params) shard::forget_resharded_param(p);
+  for (const auto& p : tensors) shard::forget_resharded_param(p);
 }
 
 void Unit::register_hooks() {
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
     if (!trainable[i]) continue;
     // Created now, while the parameter has its full shape: the accumulator
     // records that shape, and gradients are checked against it.
     std::weak_ptr<FullyShardedModel::Impl::Guard> weak = model.guard;
-    hooks_.emplace_back(params[i], [weak, unit = index, i] {
+    hooks_.emplace_back(tensors[i], [weak, unit = index, i] {
       if (auto g = weak.lock()) {
         std::lock_guard<std::recursive_mutex> lock(g->mu);
         if (g->impl != nullptr) g->impl->units[unit]->on_grad_ready(i);
@@ -60,22 +60,26 @@ void Unit::register_hooks() {
 
 void Unit::remove_hooks() { hooks_.clear(); }
 
+bool Unit::keeps_buffer() const { return is_root || model.world == 1; }
+
 void Unit::start_unshard() {
-  if (is_gathered || gather_work_) return;
+  if (is_gathered || gather_work_ || keeps_buffer()) return;
   compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
   model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
-  gather_work_ = model.comm->all_gather(gathered, shard);
+  gather_work_ = model.comm->all_gather(gathered, values);
 }
 
 void Unit::unshard() {
   if (is_gathered) return;
   start_unshard();
-  const auto t0 = std::chrono::steady_clock::now();
-  gather_work_->wait();
-  model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
-  gather_work_.reset();
-  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(views_[i]);
+  if (gather_work_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gather_work_->wait();
+    model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
+    gather_work_.reset();
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].set_data(views_[i]);
   is_gathered = true;
 }
 
@@ -83,9 +87,11 @@ void Unit::reshard() {
   if (is_root) return;
   if (gather_work_) unshard();  // a prefetch in flight: let it land before freeing its buffer
   if (!is_gathered) return;
-  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(empties_[i]);
-  compat::resize_storage_bytes(gathered, 0);
-  model.track_gathered(-static_cast<int64_t>(gathered.nbytes()));
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].set_data(empties_[i]);
+  if (!keeps_buffer()) {
+    compat::resize_storage_bytes(gathered, 0);
+    model.track_gathered(-static_cast<int64_t>(gathered.nbytes()));
+  }
   is_gathered = false;
 }
 
@@ -144,14 +150,14 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t param) {
   model.begin_backward();
-  if (!params[param].grad().defined()) return;
+  if (!tensors[param].grad().defined()) return;
   if (complete_ && model.sync_this_backward) {
     // A gradient after the unit completed: it ran again within this backward
     // (a checkpointed unit used twice recomputes in a nested backward of its own).
     if (rs_in_.defined()) {  // packed, not launched yet: add it in
       const int64_t off = layout.offsets[param];
-      rs_in_.slice(0, off, off + layout.params[param].numel()).view(params[param].grad().sizes()).add_(params[param].grad());
-      params[param].mutable_grad() = at::Tensor();
+      rs_in_.slice(0, off, off + layout.params[param].numel()).view(tensors[param].grad().sizes()).add_(tensors[param].grad());
+      tensors[param].mutable_grad() = at::Tensor();
       had_grad[param] = 1;
       return;
     }
@@ -190,8 +196,8 @@ void Unit::complete_gradients() {
   // padding, parameters without a gradient) zeroed.
   rs_in_ = at::empty({layout.padded_numel}, gathered.options().dtype(reduce_dtype));
   int64_t pos = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    auto& p = params[i];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto& p = tensors[i];
     const int64_t off = layout.offsets[i], numel = layout.params[i].numel();
     if (off > pos) rs_in_.slice(0, pos, off).zero_();
     auto slot = rs_in_.slice(0, off, off + numel);
@@ -209,27 +215,10 @@ void Unit::complete_gradients() {
   reshard();
 }
 
-Unit::Reduction Unit::launch_reduction() {
-  Reduction r;
-  r.unit = index;
-  r.in = std::move(rs_in_);
+at::Tensor Unit::take_packed_gradients() {
+  at::Tensor in = std::move(rs_in_);
   rs_in_ = at::Tensor();
-  r.out = at::empty({layout.shard_numel()}, r.in.options());
-  r.work = model.reduce_comm->reduce_scatter(r.out, r.in, ReduceOp::kAvg);
-  return r;
-}
-
-void Unit::finish_reduction(Reduction& r) {
-  const auto t0 = std::chrono::steady_clock::now();
-  r.work->wait();
-  model.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (trace::enabled()) trace::record("wait for reduction of " + label(), "wait", t0);
-  if (!grad_shard.defined()) {
-    grad_shard = r.out;  // adopt (bf16 for bf16 reductions)
-  } else {
-    if (grad_shard.scalar_type() != at::kFloat) grad_shard = grad_shard.to(at::kFloat);  // accumulate in fp32
-    grad_shard.add_(r.out);
-  }
+  return in;
 }
 
 }  // namespace zeroshard::detail

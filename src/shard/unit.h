@@ -7,7 +7,7 @@
 //              kept, so views autograd saved during forward see the data again
 //              after the next gather) and each parameter tensor holds an empty
 //              tensor, so misuse fails instead of reading freed memory.
-// `shard` (this rank's 1/N, fp32) always exists; it is what the optimizer
+// `values` (this rank's 1/N) always exists; it is what the optimizer
 // updates and what the next gather reads.
 //
 // All methods run under the model's mutex (FullyShardedModel::Impl::mu).
@@ -16,20 +16,23 @@
 #include "zeroshard/fully_shard.h"
 
 #include "compat/autograd_hooks.h"
+#include "shard/shard_group.h"
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <mutex>
 
 namespace zeroshard {
 
 namespace detail {
 
-class Unit {
+// The unit's shard group (shard_group.h): its `values` are what gathers send
+// (the root's are a slice of its gathered buffer); `params` index the
+// parameters in the model's order over all units (FullyShardedAdamW's order).
+class Unit : public shard::ShardGroup {
  public:
   Unit(FullyShardedModel::Impl& model, size_t index, std::string name, std::vector<std::string> names,
-       std::vector<at::Tensor> params, bool is_root);
+       std::vector<at::Tensor> tensors, bool is_root);
   ~Unit();
 
   // Forward (from Sharded<>::forward).
@@ -44,16 +47,14 @@ class Unit {
   bool complete() const { return complete_; }
   bool late_round() const { return late_round_; }  // a second round of gradients is being collected
   void finish_round();                 // launch in order, or at once for a late round
-  // A reduce-scatter in flight; several of one unit may be (accumulation).
-  struct Reduction {
-    size_t unit = 0;
-    at::Tensor in, out;
-    std::shared_ptr<Work> work;
-  };
-  Reduction launch_reduction();        // reduce-scatter this backward's packed gradients
-  void finish_reduction(Reduction& r); // wait, add into grad_shard
+  at::Tensor take_packed_gradients();  // what complete_gradients() packed, for the reduce-scatter
+  std::string label() const;           // for logs and the trace: its name, "(root)" for the root
   void start_backward();               // reset per-backward state
 
+  // Its shard is a slice of `gathered`, which is never freed: the root, and
+  // every unit at one rank (where the shard is the whole buffer, so
+  // unsharding is only giving the parameters their views back: no copy).
+  bool keeps_buffer() const;
   void start_unshard();                // issue the all-gather (prefetch); unshard() finishes it
   void unshard();
   void reshard();
@@ -64,17 +65,9 @@ class Unit {
   const size_t index;
   const std::string name;
   const bool is_root;
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> tensors;     // the parameters, as layout.params
   std::vector<char> trainable;         // requires_grad at construction
-  FlatLayout layout;
-  Range shard_range;
-  std::vector<ShardSegment> segments;
-
   at::Tensor gathered;                 // [padded_numel]; storage 0 bytes while resharded
-  at::Tensor shard;                    // [shard_numel], parameter dtype: this rank's slice, what gathers send
-  at::Tensor master;                   // fp32 [shard_numel]: the update's master (== shard for Float)
-  at::Tensor grad_shard;               // fp32 [shard_numel]: mean gradient of this step, once reduced
-  std::vector<char> had_grad;          // per parameter, this step, this rank
   bool is_gathered = true;
 
  private:
@@ -88,7 +81,6 @@ class Unit {
   bool pre_backward_done_ = false;
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
-  std::string label() const;
   at::Tensor rs_in_;                   // packed gradients, until launched
   std::vector<compat::GradReadyHook> hooks_;
 };
@@ -127,8 +119,9 @@ struct FullyShardedModel::Impl {
   // After an update: start gathering the first unit of the recorded forward order.
   void prefetch_first_forward_unit();
 
-  // Time the training thread spent blocked on communication (not hidden behind compute).
-  double exposed_gather_seconds = 0, exposed_reduce_seconds = 0;
+  // Time the training thread spent blocked on all-gathers (not hidden behind
+  // compute); the reductions' is reductions.waited_seconds().
+  double exposed_gather_seconds = 0;
 
   // Bytes of non-root units gathered at once, now and at most.
   int64_t gathered_bytes = 0, peak_gathered = 0;
@@ -143,12 +136,21 @@ struct FullyShardedModel::Impl {
   bool local_grads_pending = false;    // full gradients left in p.grad() by a no_sync backward
   void reduce_local_gradients();       // step() after no_sync backwards: reduce them now
 
-  bool gradients_agreed = false;       // set by the optimizer's clip_grad_norm() until step()
+  // The optimizer's side (FullyShardedAdamW), under the mutex.
+  bool gradients_agreed = false;       // reduced for the step: backward is refused until the step ends
+  std::vector<std::shared_ptr<Work>> update_gathers;  // the root's all-gather after an update
+  void check_not_in_backward(const char* op) const;
+  void finish_reductions();            // every unit's grad_shard complete; freezes the step's gradients
+  void publish_update(size_t unit);    // its shard was updated: root all-gathered, others resharded
+  void finish_publish();               // waits for the root's gather, prefetches the first unit
+  void drop_gradients();               // reductions in flight, shards and p.grad() leftovers
+  void end_step() { gradients_agreed = false; }
+  void install_masters();              // after a load: shards from the masters, the root gathered
 
   // Per backward.
   bool in_backward = false;
   size_t next_launch = 0;
-  std::deque<detail::Unit::Reduction> inflight;
+  shard::ReductionQueue reductions;   // reduce-scatters in flight, in launch order
   // Reductions run on a communicator of their own (a split of the same ranks,
   // with its own thread): gathers and reductions then form two streams, each
   // in the same order on every rank even when ranks finish units' gradients

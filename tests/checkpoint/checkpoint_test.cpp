@@ -95,7 +95,7 @@ struct Trainer {
         if (item.value().requires_grad()) named.insert(item.key(), item.value());
       }
       ShardedAdamWOptions so;
-      so.stage = stage;  // 1 or 2
+      so.zero_stage = stage;  // 1 or 2
       zero2 = std::make_unique<ShardedAdamW>(named, world_ptr(), kAdamW, so);
     }
   }

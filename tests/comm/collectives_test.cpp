@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <numeric>
 
 namespace zeroshard {
@@ -204,6 +205,58 @@ TEST(Collectives, SendRecvBetweenEveryPair) {
   }
   for (auto& w : sends) w->wait();
   for (auto& w : sends) EXPECT_TRUE(w->is_completed());
+}
+
+// Receives are posted, not run on the communication thread: pairs of ranks
+// that each post a recv before their send complete, in both message sizes
+// (inline and receiver-driven), and a collective issued after a recv whose
+// sender comes later is not held up by it.
+TEST(Collectives, PostedRecvsNeverHoldTheQueue) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  if (r >= 2) {  // ranks 0 and 1 exchange; the rest only join the all-reduce
+    auto t = at::ones({8});
+    c.all_reduce(t, ReduceOp::kSum)->wait();
+    return;
+  }
+  const int peer = 1 - r;
+  for (const int64_t numel : {100, 300'000}) {
+    // The issue's order: rank 0 recv then send, rank 1 send then recv.
+    auto got = at::zeros({numel});
+    auto mine = pattern(r, numel, at::kFloat, 7);
+    std::shared_ptr<Work> a, b;
+    if (r == 0) {
+      a = c.recv(got, peer);
+      b = c.send(mine, peer);
+    } else {
+      b = c.send(mine, peer);
+      a = c.recv(got, peer);
+    }
+    a->wait(std::chrono::seconds(30));
+    b->wait(std::chrono::seconds(30));
+    EXPECT_TRUE(got.equal(pattern(peer, numel, at::kFloat, 7))) << numel;
+    // Both recv first: the order that blocks when a recv runs on the thread.
+    got.zero_();
+    a = c.recv(got, peer);
+    b = c.send(mine, peer);
+    a->wait(std::chrono::seconds(30));
+    b->wait(std::chrono::seconds(30));
+    EXPECT_TRUE(got.equal(pattern(peer, numel, at::kFloat, 7))) << numel;
+  }
+  // Rank 0 posts a recv whose send rank 1 issues only after an all-reduce that
+  // rank 0 issues after the recv: the all-reduce must not wait behind it.
+  auto late = at::zeros({1000});
+  std::shared_ptr<Work> pending;
+  if (r == 0) pending = c.recv(late, 1);
+  auto t = at::ones({8});
+  c.all_reduce(t, ReduceOp::kSum)->wait(std::chrono::seconds(30));
+  EXPECT_EQ(t[0].item<float>(), static_cast<float>(n));
+  if (r == 1) c.send(pattern(9, 1000, at::kFloat, 1), 0)->wait(std::chrono::seconds(30));
+  if (r == 0) {
+    pending->wait(std::chrono::seconds(30));
+    EXPECT_TRUE(late.equal(pattern(9, 1000, at::kFloat, 1)));
+  }
 }
 
 TEST(Collectives, SplitGroupsRunConcurrently) {

@@ -137,10 +137,12 @@ TEST(ShardedAdamWMixed, Fp16OverflowSkipsTheStepOnEveryRank) {
 // ZeRO model-state bytes per rank for Ψ parameters at N ranks (DESIGN.md section 4):
 //   stage 1: params + full grads + reduced grad shard + (master) + exp_avg + exp_avg_sq
 //   stage 2: params + reduced grad shard + (master) + exp_avg + exp_avg_sq
+// At one rank stage 1's reduced gradient is its gradient buffer itself (no copy).
 double formula_bytes(int stage, double psi, int n, int param_bytes) {
   const double master = param_bytes == 4 ? 0 : 4;  // fp32 parameters are their own master
   const double grads = stage == 1 ? param_bytes * psi : 0;
-  return param_bytes * psi + grads + (param_bytes + master + 8) * psi / n;
+  const double grad_shard = stage == 1 && n == 1 ? 0 : param_bytes;
+  return param_bytes * psi + grads + (grad_shard + master + 8) * psi / n;
 }
 
 int64_t mmapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
@@ -165,7 +167,7 @@ TEST_P(ShardedAdamWMemory, PeakModelStatesFollowTheFormula) {
     model->to(dtype);
     const double psi = 4.0 * (512 * 512 + 512);
     ShardedAdamWOptions o;
-    o.stage = stage;
+    o.zero_stage = stage;
     o.bucket_bytes = 1 << 20;
     ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(1e-3), o);
     for (int s = 0; s < 2; ++s) {
@@ -174,7 +176,7 @@ TEST_P(ShardedAdamWMemory, PeakModelStatesFollowTheFormula) {
       model->forward(x).to(torch::kFloat).pow(2).mean().backward();
       opt.step();
     }
-    const auto m = opt.memory();
+    const auto m = opt.stats().memory;
     const int pb = static_cast<int>(c10::elementSize(dtype));
     const double want = formula_bytes(stage, psi, n, pb);
     if (r == 0) {
@@ -185,7 +187,7 @@ TEST_P(ShardedAdamWMemory, PeakModelStatesFollowTheFormula) {
     }
     EXPECT_NEAR(static_cast<double>(m.peak_model_states), want, 0.05 * want);
     // The accounting is the heap's truth: after step() the mapped bytes held
-    // are exactly the states memory() reports (plus small tensors under 64 KiB).
+    // are exactly the states stats().memory reports (plus small tensors under 64 KiB).
     const int64_t held = mmapped_bytes() - baseline;
     EXPECT_NEAR(static_cast<double>(held), static_cast<double>(m.total()), 0.03 * m.total() + 256 * 1024)
         << "mapped " << held << " vs reported " << m.total();
@@ -206,7 +208,7 @@ TEST(ShardedAdamWBytes, ReduceScatterPlusAllGatherIsTwoNMinusOneOverNOfTheGradie
   Mlp model(40, 3);
   for (int stage : {1, 2}) {
     ShardedAdamWOptions o;
-    o.stage = stage;
+    o.zero_stage = stage;
     o.bucket_bytes = 4096;
     ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(1e-3), o);
     int64_t padded_bytes = 0, grad_bytes = 0;
@@ -246,10 +248,10 @@ TEST(ShardedAdamWBadInput, EachIsAClearError) {
   auto ok = torch::randn({4}).set_requires_grad(true);
   auto msg = error_of([&] {
     ShardedAdamWOptions o;
-    o.stage = 3;
+    o.zero_stage = 3;
     ShardedAdamW opt(std::vector<torch::Tensor>{ok}, world_ptr(), {}, o);
   });
-  EXPECT_NE(msg.find("stage is 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("zero_stage is 3"), std::string::npos) << msg;
   EXPECT_NE(msg.find("fully_shard"), std::string::npos) << msg;
 
   auto dbl = torch::randn({4}, torch::kDouble).set_requires_grad(true);
@@ -330,7 +332,7 @@ TEST(ShardedAdamWRobustness, UndefinedGradientLeavesThatParameterAlone) {
     auto w = torch::ones({5}).requires_grad_(true);
     auto v = torch::ones({5}).requires_grad_(true);
     ShardedAdamWOptions o;
-    o.stage = stage;
+    o.zero_stage = stage;
     ShardedAdamW opt(std::vector<torch::Tensor>{w, v}, world_ptr(), torch::optim::AdamWOptions(0.1), o);
     opt.zero_grad();
     NoGradForWeight::apply(v * 2, w).sum().backward();
@@ -361,7 +363,7 @@ TEST(ShardedAdamWRobustness, DiscardedGradientsChangeNothing) {
     torch::manual_seed(2);
     Mlp model(12, 2);
     ShardedAdamWOptions o;
-    o.stage = stage;
+    o.zero_stage = stage;
     ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1), o);
     auto before = flat_float(model);
     model->forward(torch::randn({4, 12})).pow(2).mean().backward();

@@ -132,7 +132,7 @@ Trajectory run_sharded(const Config& c) {
     net->fc1->weight.add_(torch::randn_like(net->fc1->weight));
   }
   ShardedAdamWOptions o;
-  o.stage = c.stage;
+  o.zero_stage = c.stage;
   o.bucket_bytes = c.bucket_bytes;
   o.max_grad_norm = c.clip_option;
   o.reduce_every_backward = c.reduce_every_backward;
@@ -174,11 +174,11 @@ Trajectory run_sharded(const Config& c) {
       }
     }
     if (c.stage == 1 && grad_bytes >= 0) {  // stage 1 holds each gradient once, however they were cleared
-      EXPECT_EQ(opt.memory().grads, grad_bytes) << "step " << s << ": gradients held outside the flat buffers";
+      EXPECT_EQ(opt.stats().memory.grads, grad_bytes) << "step " << s << ": gradients held outside the flat buffers";
     }
     if (c.clip_call > 0) t.norms.push_back(opt.clip_grad_norm(c.clip_call));
     opt.step();
-    grad_bytes = opt.memory().grads;
+    grad_bytes = opt.stats().memory.grads;
     for (auto& g : opt.param_groups()) {
       auto& go = static_cast<torch::optim::AdamWOptions&>(g.options());
       go.lr(go.lr() * 0.95);

@@ -1,0 +1,91 @@
+// shard_group.cpp — a shard group's gradient accumulation and its update.
+#include "shard/shard_group.h"
+
+#include "zeroshard/trace.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+
+namespace zeroshard::shard {
+
+void ShardGroup::ensure_moments() {
+  if (!exp_avg.defined()) exp_avg = at::zeros({shard.size()}, master.options());
+  if (!exp_avg_sq.defined()) exp_avg_sq = at::zeros({shard.size()}, master.options());
+}
+
+void ShardGroup::accumulate_gradient(const at::Tensor& reduced) {
+  if (!grad_shard.defined()) {
+    grad_shard = reduced;  // adopt: no copy (16-bit when reduced in 16 bits)
+    return;
+  }
+  if (grad_shard.scalar_type() != at::kFloat) grad_shard = grad_shard.to(at::kFloat);
+  grad_shard.add_(reduced);
+}
+
+void ShardGroup::clear_gradient() {
+  grad_shard = at::Tensor();
+  std::fill(had_grad.begin(), had_grad.end(), 0);
+}
+
+void update_shard(ShardGroup& group, const EntryCoefficients& coeffs) {
+  TORCH_INTERNAL_ASSERT(coeffs.size() == group.layout.params.size());
+  bool any = false;
+  for (const auto& c : coeffs) any = any || c.has_value();
+  if (!any) return;
+  TORCH_INTERNAL_ASSERT(group.grad_shard.defined(), "update_shard: no reduced gradient");
+  TORCH_CHECK(group.master.device().is_cpu(), "update_shard: the AdamW kernel for ", group.master.device(),
+              " tensors is not built into this zeroshard; keep the optimizer's state on the CPU");
+  group.ensure_moments();
+  const bool low = group.values.scalar_type() != at::kFloat;  // 16-bit: write the rounded copy gathers send
+  const auto gdt = group.grad_shard.scalar_type();
+  const size_t gsize = group.grad_shard.element_size();
+  const size_t vsize = group.values.element_size();
+  for (const auto& seg : group.segments) {
+    const auto& c = coeffs[seg.param];
+    if (!c) continue;
+    const int64_t begin = seg.flat.begin - group.shard.begin, n = seg.flat.size();
+    optim::fused_adamw(*c, group.master.data_ptr<float>() + begin,
+                       static_cast<const char*>(group.grad_shard.data_ptr()) + begin * gsize, gdt,
+                       group.exp_avg.data_ptr<float>() + begin, group.exp_avg_sq.data_ptr<float>() + begin, n,
+                       low ? static_cast<char*>(group.values.data_ptr()) + begin * vsize : nullptr,
+                       group.values.scalar_type());
+  }
+}
+
+const at::Tensor& ReductionQueue::launch(Communicator& comm, ShardGroup& group, at::Tensor in, std::string label) {
+  Entry e;
+  e.group = &group;
+  e.in = std::move(in);
+  if (comm.size() == 1) {
+    e.out = e.in;  // the mean over one rank is the input itself: no copy, nothing to wait for
+  } else {
+    e.out = at::empty({group.layout.shard_numel()}, e.in.options());
+    e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);
+  }
+  e.label = std::move(label);
+  inflight_.push_back(std::move(e));
+  return inflight_.back().out;
+}
+
+ReductionQueue::Entry ReductionQueue::drain_oldest() {
+  Entry e = std::move(inflight_.front());
+  inflight_.pop_front();
+  if (e.work) {
+    const auto t0 = std::chrono::steady_clock::now();
+    e.work->wait();
+    waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (trace::enabled()) trace::record("wait for reduction of " + e.label, "wait", t0);
+  }
+  e.group->accumulate_gradient(e.out);
+  return e;
+}
+
+void ReductionQueue::drain_to(size_t max_inflight, const std::function<void(const Entry&)>& drained) {
+  while (inflight_.size() > max_inflight) {
+    const Entry e = drain_oldest();
+    if (drained) drained(e);
+  }
+}
+
+}  // namespace zeroshard::shard

@@ -1,0 +1,90 @@
+// shard_group.h — the unit of sharded state both optimizers update: a ZeRO-1/2
+// bucket or a ZeRO-3 unit.
+//
+// A shard group is one flat buffer's worth of parameters (FlatLayout) of which
+// this rank owns the elements `shard`: their fp32 master, the AdamW moments and
+// the reduced gradient of this step. `values` is the same slice in the
+// parameters' dtype, which is what the all-gather after an update sends; for
+// fp32 parameters it is the master itself. update_shard() is the one place the
+// AdamW kernel is dispatched, by the tensors' device.
+#pragma once
+
+#include "optim/fused_adamw.h"
+#include "zeroshard/comm.h"
+#include "zeroshard/flat_layout.h"
+
+#include <ATen/ATen.h>
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeroshard::shard {
+
+struct ShardGroup {
+  FlatLayout layout;                   // the parameters and their offsets in the flat buffer
+  std::vector<size_t> params;          // the optimizer's index of each layout entry's parameter
+  Range shard;                         // the elements of the flat buffer this rank owns
+  std::vector<ShardSegment> segments;  // parameter pieces inside `shard`
+  at::Tensor values;                   // [shard.size()], parameter dtype: what gathers send
+  at::Tensor master;                   // fp32 [shard.size()]; the same tensor as `values` for fp32
+  at::Tensor exp_avg, exp_avg_sq;      // fp32 [shard.size()]; undefined until first needed
+  at::Tensor grad_shard;               // this step's reduced gradient of `shard` (undefined: none yet)
+  std::vector<char> had_grad;          // per layout entry: got a gradient on this rank this step
+
+  // Allocates exp_avg and exp_avg_sq (zeros) if they do not exist yet.
+  void ensure_moments();
+  // Adds a reduce-scatter's output into grad_shard: adopted when it is the
+  // first, else accumulated in fp32.
+  void accumulate_gradient(const at::Tensor& reduced);
+  // Drops this step's gradient.
+  void clear_gradient();
+};
+
+// Per layout entry: the kernel's coefficients, or nullopt to leave the entry
+// unchanged this step.
+using EntryCoefficients = std::vector<std::optional<optim::AdamWCoeffs>>;
+
+// Runs AdamW over every piece of `group.shard` whose entry has coefficients:
+// master and moments in place, and for 16-bit parameters the rounded value
+// into `values` in the same pass.
+// REQUIRES: coeffs.size() == group.layout.params.size(); grad_shard defined
+//           when any entry has coefficients.
+void update_shard(ShardGroup& group, const EntryCoefficients& coeffs);
+
+// Gradient reduce-scatters in flight, oldest first (ZeRO-1/2 buckets, ZeRO-3
+// units). Each is issued with kAvg into a fresh [shard] tensor and, when
+// drained, added into its group's grad_shard. Issue order is the caller's
+// (the same on every rank); draining is in issue order.
+class ReductionQueue {
+ public:
+  struct Entry {
+    ShardGroup* group = nullptr;
+    at::Tensor in, out;
+    std::shared_ptr<Work> work;
+    std::string label;  // for the trace: "wait for reduction of <label>"
+  };
+  // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`.
+  // Returns the output tensor (the caller may count its bytes).
+  const at::Tensor& launch(Communicator& comm, ShardGroup& group, at::Tensor in, std::string label);
+  // Waits for the oldest and adds it into its group; returns it (its tensors
+  // are freed when the caller drops it). The wait counts in waited_seconds().
+  Entry drain_oldest();
+  // Drains the oldest until at most `max_inflight` remain.
+  void drain_to(size_t max_inflight, const std::function<void(const Entry&)>& drained = nullptr);
+  void drain_all(const std::function<void(const Entry&)>& drained = nullptr) { drain_to(0, drained); }
+  // Forgets every reduction in flight (after a failed backward: the results are
+  // not wanted; each Work keeps its own tensors until it finishes).
+  void clear() { inflight_.clear(); }
+  size_t size() const { return inflight_.size(); }
+  double waited_seconds() const { return waited_; }
+
+ private:
+  std::deque<Entry> inflight_;
+  double waited_ = 0;
+};
+
+}  // namespace zeroshard::shard

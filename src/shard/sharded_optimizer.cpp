@@ -1,0 +1,323 @@
+// sharded_optimizer.cpp — the part of ZeRO-1, 2 and 3 that does not depend on
+// how gradients reach the shards: per-step agreement, clipping, loss scaling,
+// the update of every shard group, discarding and checkpoint state.
+#include "zeroshard/sharded_optimizer.h"
+
+#include "optim/grad_norm.h"
+#include "optim/loss_scaler.h"
+#include "shard/shard_group.h"
+#include "zeroshard/log.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace zeroshard {
+
+struct ShardedOptimizer::Core {
+  std::string name;
+  int zero_stage = 2;
+  Shards shards;
+  std::vector<int64_t> steps;         // AdamW step count per parameter
+  optim::LossScaler scaler{LossScaleOptions{}, false};
+  bool last_skipped = false;
+
+  // Per step.
+  bool agreed = false;                // `flags` is current
+  std::vector<double> flags;          // per parameter: ranks that had a gradient
+  bool norm_known = false;            // `global_sumsq` is current
+  double global_sumsq = 0;            // of the scaled mean gradient (inf/NaN: an overflow)
+  double clip_max_norm = 0;           // set by clip_grad_norm()/apply_clip() for this step
+  std::vector<std::function<void()>> before_update;
+  int64_t peak_model_states = 0;
+
+  std::recursive_mutex& mu() const { return *shards.mu; }
+  void run_before_update() {
+    auto fns = std::move(before_update);
+    before_update.clear();
+    for (auto& fn : fns) fn();
+  }
+  double local_sumsq() const {
+    double s = 0;
+    for (const auto* g : shards.groups) {
+      if (g->grad_shard.defined()) {
+        s += optim::sum_of_squares(g->grad_shard.data_ptr(), g->grad_shard.scalar_type(), g->grad_shard.numel());
+      }
+    }
+    return s;
+  }
+  // One all-reduce: which parameters had a gradient on any rank, and (when
+  // asked and not known yet) the squared norm of the mean gradient.
+  void agree(bool with_norm) {
+    with_norm = with_norm && !norm_known;
+    if (agreed && !with_norm) return;
+    const size_t n = shards.infos.size();
+    std::vector<double> ctrl(1 + n, 0.0);
+    if (with_norm) ctrl[0] = local_sumsq();
+    for (const auto* g : shards.groups) {
+      for (size_t e = 0; e < g->params.size(); ++e) ctrl[1 + g->params[e]] = g->had_grad[e] ? 1.0 : 0.0;
+    }
+    auto t = at::tensor(ctrl, at::kDouble);
+    shards.process_group.control->all_reduce(t, ReduceOp::kSum)->wait();
+    const double* v = t.data_ptr<double>();
+    if (with_norm) {
+      global_sumsq = v[0];
+      norm_known = true;
+    }
+    flags.assign(v + 1, v + 1 + n);
+    agreed = true;
+  }
+  void end_step_state() {
+    for (auto* g : shards.groups) g->clear_gradient();
+    agreed = false;
+    norm_known = false;
+    clip_max_norm = 0;
+  }
+};
+
+ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                                   torch::optim::AdamWOptions defaults, std::string name, int zero_stage)
+    : Optimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)),
+      core_(std::make_unique<Core>()) {
+  core_->name = std::move(name);
+  core_->zero_stage = zero_stage;
+}
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+const torch::optim::AdamWOptions& ShardedOptimizer::adamw_options(size_t g) {
+  auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&param_groups().at(g).options());
+  TORCH_CHECK_VALUE(o != nullptr, core_->name, ": param group ", g,
+                    " has options of another optimizer; give it torch::optim::AdamWOptions");
+  TORCH_CHECK_VALUE(!o->amsgrad(), core_->name, ": param group ", g, " sets amsgrad(true), which ", core_->name,
+                    " does not support (it keeps no max_exp_avg_sq); use amsgrad(false)");
+  return *o;
+}
+
+void ShardedOptimizer::attach_shards(Shards shards) {
+  auto& c = *core_;
+  c.shards = std::move(shards);
+  if (c.shards.update_order.empty()) {
+    for (size_t k = 0; k < c.shards.groups.size(); ++k) c.shards.update_order.push_back(k);
+  }
+  c.steps.assign(c.shards.infos.size(), 0);
+  c.scaler = optim::LossScaler(c.shards.loss_scale, c.shards.loss_scaling);
+}
+
+torch::Tensor ShardedOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  torch::NoGradGuard no_grad;
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.run_before_update();
+  check_ready("step");
+  const auto sample_memory = [&] { c.peak_model_states = std::max(c.peak_model_states, stats().memory.total()); };
+  sample_memory();
+  reduce_gradients();
+  for (auto* g : c.shards.groups) g->ensure_moments();
+  sample_memory();  // gradients reduced, moments allocated: every model state exists now
+  const double max_norm = c.clip_max_norm > 0 ? c.clip_max_norm : c.shards.max_grad_norm;
+  c.agree(max_norm > 0 || c.scaler.enabled());
+  const double scale = c.scaler.scale();
+  c.last_skipped = c.scaler.update(c.scaler.enabled() && !std::isfinite(c.global_sumsq));
+  if (c.last_skipped) {
+    log_info(c.name + ": gradient overflow, step skipped on every rank; loss scale now " +
+             std::to_string(c.scaler.scale()));
+    c.end_step_state();
+    end_step();
+    return loss;
+  }
+  double multiplier = 1.0 / scale;
+  if (max_norm > 0) {
+    const double coef = max_norm / (std::sqrt(c.global_sumsq) / scale + 1e-6);
+    if (coef < 1) multiplier *= coef;
+  }
+  for (size_t i = 0; i < c.steps.size(); ++i) {
+    if (c.flags[i] > 0) ++c.steps[i];
+  }
+  for (const size_t k : c.shards.update_order) {
+    auto& g = *c.shards.groups[k];
+    shard::EntryCoefficients coeffs(g.params.size());
+    bool changed = false;
+    for (size_t e = 0; e < g.params.size(); ++e) {
+      const size_t p = g.params[e];
+      if (c.flags[p] == 0 || c.shards.group_of[p] < 0) continue;
+      const auto& o = adamw_options(static_cast<size_t>(c.shards.group_of[p]));
+      coeffs[e] = optim::adamw_coeffs(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+                                      o.weight_decay(), c.steps[p], multiplier);
+      changed = true;
+    }
+    if (changed) shard::update_shard(g, coeffs);
+    group_updated(k, changed);
+  }
+  finish_update();
+  c.end_step_state();
+  end_step();
+  return loss;
+}
+
+double ShardedOptimizer::clip_grad_norm(double max_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, core_->name, "::clip_grad_norm: max_norm is ", max_norm, "; it must be positive");
+  torch::NoGradGuard no_grad;
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  check_ready("clip_grad_norm");
+  reduce_gradients();
+  c.agree(true);
+  c.clip_max_norm = max_norm;
+  return std::sqrt(c.global_sumsq) / c.scaler.scale();
+}
+
+double ShardedOptimizer::local_sumsq() {
+  torch::NoGradGuard no_grad;
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  check_ready("local_sumsq");
+  reduce_gradients();
+  const double scale = c.scaler.scale();
+  return c.local_sumsq() / (scale * scale);
+}
+
+void ShardedOptimizer::apply_clip(double max_norm, double global_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, core_->name, "::apply_clip: max_norm is ", max_norm, "; it must be positive");
+  TORCH_CHECK_VALUE(!(global_norm < 0), core_->name, "::apply_clip: global_norm is ", global_norm,
+                    "; a norm is >= 0 (inf or NaN mark an overflow)");
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  const double scaled = global_norm * c.scaler.scale();
+  c.global_sumsq = scaled * scaled;
+  c.norm_known = true;
+  c.clip_max_norm = max_norm;
+}
+
+ShardedOptimizer::NoSyncGuard::NoSyncGuard(ShardedOptimizer* opt) : opt_(opt) {
+  std::lock_guard<std::recursive_mutex> lock(opt_->core_->mu());
+  opt_->enter_no_sync();
+}
+
+ShardedOptimizer::NoSyncGuard::~NoSyncGuard() {
+  if (opt_ == nullptr) return;
+  std::lock_guard<std::recursive_mutex> lock(opt_->core_->mu());
+  opt_->exit_no_sync();
+}
+
+ShardedOptimizer::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : opt_(other.opt_) { other.opt_ = nullptr; }
+
+ShardedOptimizer::NoSyncGuard ShardedOptimizer::no_sync() { return NoSyncGuard(this); }
+
+void ShardedOptimizer::discard_gradients() {
+  torch::NoGradGuard no_grad;
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  drop_unreduced_gradients();
+  c.end_step_state();
+  end_step();
+}
+
+torch::Tensor ShardedOptimizer::scale_loss(const torch::Tensor& loss) const {
+  return core_->scaler.enabled() ? loss * core_->scaler.scale() : loss;
+}
+
+double ShardedOptimizer::loss_scale() const { return core_->scaler.scale(); }
+bool ShardedOptimizer::last_step_skipped() const { return core_->last_skipped; }
+int ShardedOptimizer::zero_stage() const { return core_->zero_stage; }
+
+ShardedStats ShardedOptimizer::stats() const {
+  const auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  ShardedStats s;
+  add_stats(s);
+  auto& m = s.memory;
+  for (const auto* g : c.shards.groups) {
+    if (g->grad_shard.defined()) m.grad_shards += g->grad_shard.nbytes();
+    if (!g->master.is_same(g->values)) m.master += g->master.nbytes();
+    if (g->exp_avg.defined()) m.moments += g->exp_avg.nbytes() + g->exp_avg_sq.nbytes();
+  }
+  m.peak_model_states = std::max(c.peak_model_states, m.total());
+  return s;
+}
+Communicator& ShardedOptimizer::communicator() const { return *core_->shards.process_group.data; }
+
+void ShardedOptimizer::call_before_next_update(std::function<void()> fn) {
+  std::lock_guard<std::recursive_mutex> lock(core_->mu());
+  core_->before_update.push_back(std::move(fn));
+}
+
+ShardedState ShardedOptimizer::sharded_state() {
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  drain_reductions();  // the gradient shards complete (waits only: every rank issued these)
+  ShardedState s;
+  s.rank = c.shards.process_group.data->rank();
+  s.world_size = c.shards.process_group.data->size();
+  s.zero_stage = c.zero_stage;
+  s.params = c.shards.infos;
+  s.param_tensors = c.shards.tensors;
+  s.param_steps = c.steps;
+  s.local_gradients_pending = local_gradients_pending();
+  s.had_grad.assign(c.shards.infos.size(), 0);
+  s.loss_scale = c.scaler.scale();
+  s.loss_scale_clean_steps = c.scaler.clean_steps();
+  for (auto* g : c.shards.groups) {
+    g->ensure_moments();
+    ShardedBucketState b;
+    b.layout = g->layout;
+    b.params = g->params;
+    for (size_t e = 0; e < g->params.size(); ++e) {
+      const size_t p = g->params[e];
+      s.had_grad[p] = g->had_grad[e];
+      if (c.shards.group_of[p] > 0 && b.group == 0) b.group = c.shards.group_of[p];
+    }
+    b.shard = g->shard;
+    b.master = g->master;
+    b.exp_avg = g->exp_avg;
+    b.exp_avg_sq = g->exp_avg_sq;
+    b.grad_shard = g->grad_shard;
+    s.buckets.push_back(std::move(b));
+  }
+  return s;
+}
+
+void ShardedOptimizer::restore_sharded_state(const std::vector<int64_t>& param_steps, double loss_scale,
+                                             int64_t loss_scale_clean_steps,
+                                             const std::vector<at::Tensor>& grad_shards,
+                                             const std::vector<char>& had_grad) {
+  torch::NoGradGuard no_grad;
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.run_before_update();
+  TORCH_CHECK_VALUE(param_steps.size() == c.steps.size(), c.name, "::restore_sharded_state: ", param_steps.size(),
+                    " step counts for ", c.steps.size(), " parameters");
+  drop_unreduced_gradients();
+  c.end_step_state();
+  end_step();
+  c.steps = param_steps;
+  c.scaler.restore(loss_scale, loss_scale_clean_steps);
+  install_masters();
+  if (had_grad.empty()) return;
+  // A step's accumulation in progress: its reduced gradients so far.
+  TORCH_CHECK_VALUE(had_grad.size() == c.steps.size() && grad_shards.size() == c.shards.groups.size(), c.name,
+                    "::restore_sharded_state: gradients for ", grad_shards.size(), " groups and ", had_grad.size(),
+                    " parameters; this optimizer has ", c.shards.groups.size(), " and ", c.steps.size());
+  accept_restored_gradients();
+  for (size_t k = 0; k < c.shards.groups.size(); ++k) {
+    auto& g = *c.shards.groups[k];
+    g.grad_shard = grad_shards[k];
+    for (size_t e = 0; e < g.params.size(); ++e) g.had_grad[e] = had_grad[g.params[e]];
+  }
+}
+
+void ShardedOptimizer::save(torch::serialize::OutputArchive&) const {
+  TORCH_CHECK(false, core_->name, "::save: torch::optim serialization would save none of the sharded state; "
+                                  "save sharded_state() of every rank (zeroshard checkpoints) instead");
+}
+
+void ShardedOptimizer::load(torch::serialize::InputArchive&) {
+  TORCH_CHECK(false, core_->name, "::load: the state is sharded across ranks; restore it through "
+                                  "sharded_state() (zeroshard checkpoints) instead");
+}
+
+}  // namespace zeroshard
