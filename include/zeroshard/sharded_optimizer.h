@@ -1,4 +1,5 @@
-// zeroshard/sharded_optimizer.h — ShardedAdamW, the drop-in ZeRO-1/2 optimizer.
+// zeroshard/sharded_optimizer.h — ShardedOptimizer, what ZeRO-1, 2 and 3 share,
+// and ShardedAdamW, the drop-in ZeRO-1/2 optimizer (ZeRO-3: fully_shard.h).
 //
 // Replace `torch::optim::AdamW opt(model->parameters(), AdamWOptions(3e-4));` by
 //   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
