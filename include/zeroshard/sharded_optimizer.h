@@ -273,6 +273,9 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     bool loss_scaling = false;                   // resolved from loss_scale.enabled
   };
   void attach_shards(Shards shards);
+  // Forgets this step's agreement and clipping (a front-end that dropped the
+  // step's gradients on its own, e.g. after a failed backward).
+  void forget_step();
 
   // The front-end's part of each operation; all run under `mu`.
   // Before step/clip/restore: throws if the gradients cannot be used now.

@@ -253,7 +253,8 @@ void TcpCommunicator::worker_loop() {
             std::lock_guard<std::mutex> lock(reaper_mu_);
             posted_.push_back(std::move(posted));
           }
-          reaper_cv_.notify_one();
+          reaper_cv_.notify_one();  // the p2p thread may be idle,
+          mesh_.signal_event();     // or waiting for the transport
           done = false;  // the p2p thread completes it
           break;
         }
@@ -278,6 +279,8 @@ void TcpCommunicator::worker_loop() {
 void TcpCommunicator::reaper_loop() {
   std::list<PostedP2P> active;
   while (true) {
+    // Read before taking newly posted operations: one posted after this wakes the wait below.
+    const uint64_t seen = mesh_.events();
     {
       std::unique_lock<std::mutex> lock(reaper_mu_);
       if (active.empty()) reaper_cv_.wait(lock, [&] { return reaper_stopping_ || !posted_.empty(); });
@@ -287,7 +290,6 @@ void TcpCommunicator::reaper_loop() {
       }
       if (active.empty()) return;  // stopping, and nothing left to finish
     }
-    const uint64_t seen = mesh_.events();
     for (auto it = active.begin(); it != active.end();) {
       bool done = false;
       try {
@@ -301,7 +303,7 @@ void TcpCommunicator::reaper_loop() {
       }
       it = done ? active.erase(it) : std::next(it);
     }
-    // Until the transport moves (or a deadline may have passed, or more was posted).
+    // Until the transport moves or more is posted (or a deadline may have passed).
     if (!active.empty()) mesh_.wait_for_events(seen, std::chrono::milliseconds(20));
   }
 }

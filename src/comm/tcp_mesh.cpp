@@ -397,6 +397,14 @@ uint64_t TcpMesh::events() {
   return events_;
 }
 
+void TcpMesh::signal_event() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++events_;
+  }
+  cv_.notify_all();
+}
+
 void TcpMesh::wait_for_events(uint64_t seen, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, timeout, [&] { return events_ != seen; });

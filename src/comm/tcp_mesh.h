@@ -110,6 +110,8 @@ class TcpMesh {
   // advances many posted operations without blocking on any one of them.
   uint64_t events();
   void wait_for_events(uint64_t seen, std::chrono::milliseconds timeout);
+  // Counts as an event: wakes wait_for_events() (after handing it more work).
+  void signal_event();
 
  private:
   friend class Buffer;

@@ -155,7 +155,7 @@ void FullyShardedModel::Impl::try_launch() {
 
 void FullyShardedModel::Impl::launch(size_t unit) {
   auto& u = *units[unit];
-  reductions.launch(*reduce_comm, u, u.take_packed_gradients(), u.label());
+  reductions.launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label());
   reductions.drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 

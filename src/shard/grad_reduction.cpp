@@ -129,13 +129,16 @@ void ShardedAdamW::Impl::recover_from_aborted_backward() {
   next_launch = 0;
   callback_queued = false;
   release_step_gradients();
+  owner.forget_step();  // an agreement or clip of this step (apply_clip before the failed backward) goes too
 }
 
 void ShardedAdamW::Impl::launch(size_t index) {
   auto& b = buckets[index];
   at::Tensor in = std::move(b.rs_in);
   b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
-  track(reductions.launch(*comm, b, std::move(in), "bucket " + std::to_string(index)).nbytes());
+  // Stage 2's input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
+  const auto& e = reductions.launch(*comm, b, std::move(in), options.zero_stage == 2, "bucket " + std::to_string(index));
+  if (!e.out.is_same(e.in)) track(e.out.nbytes());
   if (options.zero_stage == 2) {
     reductions.drain_to(static_cast<size_t>(options.max_inflight_buckets),
                         [this](const shard::ReductionQueue::Entry& e) { untrack(e); });
@@ -143,7 +146,7 @@ void ShardedAdamW::Impl::launch(size_t index) {
 }
 
 void ShardedAdamW::Impl::untrack(const shard::ReductionQueue::Entry& e) {
-  track(-e.out.nbytes());  // from here on it counts as a gradient shard, or is gone
+  if (!e.out.is_same(e.in)) track(-e.out.nbytes());  // from here on it counts as a gradient shard, or is gone
   if (options.zero_stage == 2) track(-e.in.nbytes());  // stage 1's input is flat_grads itself
 }
 

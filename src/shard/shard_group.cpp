@@ -53,19 +53,20 @@ void update_shard(ShardGroup& group, const EntryCoefficients& coeffs) {
   }
 }
 
-const at::Tensor& ReductionQueue::launch(Communicator& comm, ShardGroup& group, at::Tensor in, std::string label) {
+const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGroup& group, at::Tensor in,
+                                                    bool in_is_scratch, std::string label) {
   Entry e;
   e.group = &group;
   e.in = std::move(in);
-  if (comm.size() == 1) {
-    e.out = e.in;  // the mean over one rank is the input itself: no copy, nothing to wait for
+  if (comm.size() == 1) {  // the mean over one rank is the input itself: nothing to wait for
+    e.out = in_is_scratch ? e.in : e.in.clone();
   } else {
     e.out = at::empty({group.layout.shard_numel()}, e.in.options());
     e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);
   }
   e.label = std::move(label);
   inflight_.push_back(std::move(e));
-  return inflight_.back().out;
+  return inflight_.back();
 }
 
 ReductionQueue::Entry ReductionQueue::drain_oldest() {

@@ -68,8 +68,10 @@ class ReductionQueue {
     std::string label;  // for the trace: "wait for reduction of <label>"
   };
   // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`.
-  // Returns the output tensor (the caller may count its bytes).
-  const at::Tensor& launch(Communicator& comm, ShardGroup& group, at::Tensor in, std::string label);
+  // At one rank the mean is `in` itself: adopted as the output when the
+  // caller says `in` is scratch (nobody else writes it), else copied.
+  // Returns the entry (the caller may count its buffers' bytes).
+  const Entry& launch(Communicator& comm, ShardGroup& group, at::Tensor in, bool in_is_scratch, std::string label);
   // Waits for the oldest and adds it into its group; returns it (its tensors
   // are freed when the caller drops it). The wait counts in waited_seconds().
   Entry drain_oldest();

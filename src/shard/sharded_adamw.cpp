@@ -374,9 +374,7 @@ void ShardedAdamW::add_stats(ShardedStats& s) const {
   for (const auto& b : im.buckets) {
     m.params += b.flat_params.nbytes();
     if (b.flat_grads.defined()) {
-      // At one rank stage 1's reduced gradient is flat_grads itself: a gradient shard, counted by the core.
-      const bool is_shard = b.grad_shard.defined() && b.grad_shard.storage().data() == b.flat_grads.storage().data();
-      if (!is_shard) m.grads += b.flat_grads.nbytes();
+      m.grads += b.flat_grads.nbytes();
       counted.insert(b.flat_grads.storage().data());
     }
   }

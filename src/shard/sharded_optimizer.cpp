@@ -103,6 +103,8 @@ void ShardedOptimizer::attach_shards(Shards shards) {
   c.scaler = optim::LossScaler(c.shards.loss_scale, c.shards.loss_scaling);
 }
 
+void ShardedOptimizer::forget_step() { core_->end_step_state(); }
+
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;
   if (closure != nullptr) {

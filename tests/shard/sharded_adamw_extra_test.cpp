@@ -137,12 +137,10 @@ TEST(ShardedAdamWMixed, Fp16OverflowSkipsTheStepOnEveryRank) {
 // ZeRO model-state bytes per rank for Ψ parameters at N ranks (DESIGN.md section 4):
 //   stage 1: params + full grads + reduced grad shard + (master) + exp_avg + exp_avg_sq
 //   stage 2: params + reduced grad shard + (master) + exp_avg + exp_avg_sq
-// At one rank stage 1's reduced gradient is its gradient buffer itself (no copy).
 double formula_bytes(int stage, double psi, int n, int param_bytes) {
   const double master = param_bytes == 4 ? 0 : 4;  // fp32 parameters are their own master
   const double grads = stage == 1 ? param_bytes * psi : 0;
-  const double grad_shard = stage == 1 && n == 1 ? 0 : param_bytes;
-  return param_bytes * psi + grads + (grad_shard + master + 8) * psi / n;
+  return param_bytes * psi + grads + (param_bytes + master + 8) * psi / n;
 }
 
 int64_t mmapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
