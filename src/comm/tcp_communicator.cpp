@@ -206,12 +206,7 @@ CommStats TcpCommunicator::stats() const {
 
 void TcpCommunicator::record(OpKind kind, const OpStats& s) {
   std::lock_guard<std::mutex> lock(stats_mu_);
-  OpStats& t = stats_.by_kind[kind];
-  t.calls += s.calls;
-  t.bytes_sent += s.bytes_sent;
-  t.bytes_received += s.bytes_received;
-  t.control_bytes += s.control_bytes;
-  t.seconds += s.seconds;
+  stats_.by_kind[kind] += s;
 }
 
 void TcpCommunicator::set_failure(const std::string& message) {
