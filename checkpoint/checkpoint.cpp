@@ -12,6 +12,12 @@ Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, 
   TORCH_CHECK_VALUE(comm != nullptr, "Checkpointer: the communicator is null");
   TORCH_CHECK_VALUE(options.keep >= 2, "Checkpointer: keep is ", options.keep,
                     "; at least 2 committed checkpoints are kept (a crash while replacing one leaves the other)");
+  TORCH_CHECK_VALUE(options.pp_stages >= 1 && options.pp_stage >= 0 && options.pp_stage < options.pp_stages,
+                    "Checkpointer: pp_stage ", options.pp_stage, " of pp_stages ", options.pp_stages,
+                    "; the stages are numbered 0 to pp_stages - 1");
+  TORCH_CHECK_VALUE(comm->size() % options.pp_stages == 0, "Checkpointer: ", options.pp_stages,
+                    " pipeline stages do not divide the communicator's ", comm->size(),
+                    " ranks; pass the communicator of every rank of every stage");
   impl_->dir = std::move(dir);
   impl_->comm = std::move(comm);
   impl_->options = options;

@@ -18,6 +18,7 @@
 #include <future>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,24 +62,57 @@ void commit_step_dir(const fs::path& tmp, const fs::path& final_dir, const json&
 // How a tensor dtype is stored (16-bit floats as uint16); throws naming the
 // tensor for dtypes checkpoints do not store.
 checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name);
-// Model identity: every parameter's and buffer's name, shape and dtype.
-std::string model_description(torch::nn::Module& model, const ShardedState& state,
-                              const std::vector<std::string>& names);
+// Model identity: every parameter's and buffer's name, shape and dtype. The
+// optimizer's parameters take their shapes from its state (a resharded
+// fully_shard parameter holds no elements).
+struct ModelEntry {
+  bool buffer;
+  ParamInfo info;
+};
+std::vector<ModelEntry> model_entries(torch::nn::Module& model, const ShardedState& state,
+                                      const std::vector<std::string>& names);
+// The model a manifest describes (its parameters and replicated tensors), as
+// text: sorted by name, so it does not depend on how the ranks split the model.
+std::string manifest_model_description(const json& manifest);
 std::string hash_hex(const std::string& s);
 // Names of the state's parameters as the module calls them.
 std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model);
 std::string message_of(const std::exception& e);
 
-struct Piece {
-  int rank;
-  int64_t begin, end;  // elements of the flattened parameter
+// Where a rank sits when several data-parallel groups (pipeline stages) save
+// one checkpoint: world rank = any order, but every (pp_stage, dp_rank) once.
+struct Place {
+  int pp_stage = 0, pp_stages = 1;
+  int dp_rank = 0, dp_size = 1;  // the optimizer's group
 };
+// Collective over `world`: every rank's place must fit one grid (pp_stages
+// stages of dp_size ranks each, every (stage, dp rank) exactly once; throws on
+// every rank otherwise, naming the mismatch and the fix). Returns, for each
+// of `flags`, whether any rank set it.
+std::vector<char> agree_on_places(Communicator& world, const Place& mine, const std::vector<char>& flags);
+
+struct Snapshot;
+// What one rank saves, as JSON: its place, its optimizer's parameters with the
+// pieces it holds, and (the group's first rank) the replicated tensors and the
+// flat layouts. Every rank's record makes the manifest.
+json rank_record(const Snapshot& snap);
+// Every rank's record merged (each rank computes the same).
+struct Contents {
+  json params = json::array();      // the manifest's "params": pieces as [world rank, begin, end]
+  json replicated = json::array();  // with the world rank of the file holding each
+  json groups = json::array();
+  std::vector<std::pair<int, int>> places;  // (pp stage, dp rank) of each world rank
+  std::set<std::string> skip;       // names `my_rank` holds that a lower stage writes
+};
+Contents merge_records(const std::vector<std::string>& records, int my_rank);
+json build_manifest(const Snapshot& snap, Contents contents, const std::vector<std::pair<int64_t, uint64_t>>& digests);
 
 // Everything one save writes, copied out of the live model and optimizer so
 // that training can go on while a background thread writes it.
 struct Snapshot {
   TrainingProgress progress;
-  int rank = 0, world = 1, zero_stage = 2;
+  int rank = 0, world = 1, zero_stage = 2;  // rank and size of the Checkpointer's communicator
+  Place place;
   std::vector<ParamInfo> params;    // the optimizer's, as the module names them
   std::vector<std::string> names;
   std::vector<int64_t> steps;
@@ -96,7 +130,7 @@ struct Snapshot {
     at::Tensor grad;                // fp32 copy of the reduced gradient so far (when `gradients`)
   };
   bool gradients = false;           // saved in the middle of a step's accumulation
-  std::vector<char> had_grad;       // per parameter, any rank (when `gradients`)
+  std::vector<char> had_grad;       // per parameter, this rank (when `gradients`)
   std::vector<Owned> owned;         // copies, or (deferred) views of the live tensors until copy() runs
   bool deferred = false;
   // Replaces the views by copies (the writer thread does it for an async save,
@@ -112,12 +146,10 @@ struct Snapshot {
   }
   struct Replicated {
     std::string name, kind;
-    at::Tensor value;               // a copy (rank 0 only; others keep just the names)
+    at::Tensor value;               // a copy (the group's first rank only; others keep just the names)
   };
   std::vector<Replicated> replicated;
   at::Tensor rng;
-  std::string model_hash;
-  double save_seconds = 0;          // writing the rank files, as measured by the slowest rank
   int64_t bytes = 0;                // host memory the copies take
 };
 
@@ -166,12 +198,20 @@ struct Checkpointer::Impl {
                     bool defer_copies = false);
   // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
   std::string write(const ckpt::Snapshot& snap);
-  void write_rank_file(const fs::path& path, const ckpt::Snapshot& snap);
-  json manifest(const ckpt::Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests);
-  void write_model_view(const fs::path& path, const ckpt::Snapshot& snap);
+  // `skip`: names this rank holds that another stage writes (the lowest stage holding a name writes it).
+  void write_rank_file(const fs::path& path, const ckpt::Snapshot& snap, const std::set<std::string>& skip);
+  void write_model_view(const fs::path& path, const json& manifest);
+  // This rank's place: its stage (options) and its optimizer's group.
+  ckpt::Place place_of(const ShardedState& state) const {
+    return {options.pp_stage, options.pp_stages, state.rank, state.world_size};
+  }
   void retain(const fs::path& keep_dir);
   // Committed checkpoints, newest first.
   std::vector<fs::path> committed() const;
+  // Throws on every rank (collective) unless the ranks' models together are the
+  // model `m` was saved from: every tensor of `mine` in it with its kind, shape
+  // and dtype, and every tensor of it in some rank's model.
+  void check_same_model(const json& m, const std::vector<ckpt::ModelEntry>& mine, const fs::path& cand) const;
   // Why this committed checkpoint cannot be trusted ("" when it can): the
   // files this rank checks (every world-th one) against the manifest.
   std::string verify_share(const fs::path& step_dir, const json& m) const;

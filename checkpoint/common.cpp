@@ -1,4 +1,4 @@
-// common.cpp — checkpoint names, durable file writes, dtype storage, model identity.
+// common.cpp — checkpoint names, durable file writes, the commit, dtype storage, model identity.
 #include "checkpointer_impl.h"
 
 #include <xxhash.h>
@@ -85,81 +85,6 @@ std::string read_text(const fs::path& path) {
   return os.str();
 }
 
-void write_manifest(const fs::path& step_dir, const json& manifest) {
-  const std::string text = manifest.dump(1);
-  write_atomically(step_dir / "manifest.xxh3", hash_hex(text) + "\n");
-  write_atomically(step_dir / "manifest.json", text);
-}
-
-namespace {
-
-// "" when every parameter's pieces cover its elements exactly once, each from a
-// rank that wrote a file; else what is wrong.
-std::string pieces_problem(const json& m) {
-  const int64_t files = static_cast<int64_t>(m.at("files").size());
-  for (const auto& p : m.at("params")) {
-    const std::string name = p.at("name").get<std::string>();
-    int64_t numel = 1;
-    for (int64_t d : p.at("shape").get<std::vector<int64_t>>()) numel *= d;
-    std::vector<std::array<int64_t, 3>> pieces;  // begin, end, rank
-    for (const auto& pc : p.at("pieces")) pieces.push_back({pc.at(1).get<int64_t>(), pc.at(2).get<int64_t>(), pc.at(0).get<int64_t>()});
-    std::sort(pieces.begin(), pieces.end());
-    int64_t next = 0;
-    for (const auto& [begin, end, rank] : pieces) {
-      if (rank < 0 || rank >= files) {
-        return "a piece of '" + name + "' is on rank " + std::to_string(rank) + ", but " + std::to_string(files) +
-               " rank files were written";
-      }
-      if (begin != next || end < begin) {
-        return "the pieces of '" + name + "' do not cover its " + std::to_string(numel) +
-               " elements exactly once (element " + std::to_string(next) + " is followed by a piece [" +
-               std::to_string(begin) + ", " + std::to_string(end) + "))";
-      }
-      next = end;
-    }
-    if (next != numel) {
-      return "the pieces of '" + name + "' do not cover its " + std::to_string(numel) + " elements exactly once (they end at " +
-             std::to_string(next) + ")";
-    }
-  }
-  return "";
-}
-
-}  // namespace
-
-json read_manifest(const fs::path& step_dir) {
-  const fs::path path = step_dir / "manifest.json";
-  const std::string text = read_text(path);
-  const fs::path sum = step_dir / "manifest.xxh3";
-  if (fs::exists(sum)) {
-    std::string want = read_text(sum);
-    want.erase(want.find_last_not_of(" \n\r\t") + 1);
-    TORCH_CHECK(hash_hex(text) == want, "checkpoint: '", path.string(), "' fails its checksum (xxh3 ", hash_hex(text),
-                ", manifest.xxh3 says ", want, "): the manifest is corrupt or was edited");
-  }
-  json m;
-  try {
-    m = json::parse(text);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON (torn or edited): ", e.what());
-  }
-  TORCH_CHECK(m.is_object() && m.value("format", "") == kFormat && m.value("format_version", 0) == kFormatVersion,
-              "checkpoint: '", path.string(), "' is not a zeroshard checkpoint manifest of format version ",
-              kFormatVersion);
-  std::string bad;
-  try {
-    bad = pieces_problem(m);
-  } catch (const json::exception& e) {
-    bad = std::string("a parameter entry is malformed: ") + e.what();
-  }
-  TORCH_CHECK(bad.empty(), "checkpoint: '", path.string(), "': ", bad, ": the manifest is corrupt or was edited");
-  return m;
-}
-
-int zero_stage_of(const json& manifest) {
-  return manifest.contains("zero_stage") ? manifest.at("zero_stage").get<int>() : manifest.at("stage").get<int>();
-}
-
 void commit_step_dir(const fs::path& tmp, const fs::path& final_dir, const json& manifest) {
   write_manifest(tmp, manifest);
   std::error_code ec;
@@ -196,24 +121,20 @@ checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name) {
 }
 
 
-// Model identity: every parameter's and buffer's name, shape and dtype, in
-// module order. Shapes of the optimizer's parameters come from its state: a
-// resharded fully_shard parameter holds no elements.
-std::string model_description(torch::nn::Module& model, const ShardedState& state,
-                              const std::vector<std::string>& names) {
+std::vector<ModelEntry> model_entries(torch::nn::Module& model, const ShardedState& state,
+                                      const std::vector<std::string>& names) {
   std::unordered_map<std::string, const ParamInfo*> info;
   for (size_t i = 0; i < names.size(); ++i) info[names[i]] = &state.params[i];
-  std::string d;
+  std::vector<ModelEntry> out;
   for (const auto& item : model.named_parameters()) {
     auto it = info.find(item.key());
-    const ParamInfo p = it != info.end() ? ParamInfo{item.key(), it->second->shape, it->second->dtype}
-                                         : ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()};
-    d += "param " + p.describe() + "\n";
+    out.push_back({false, it != info.end() ? ParamInfo{item.key(), it->second->shape, it->second->dtype}
+                                           : ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}});
   }
   for (const auto& item : model.named_buffers()) {
-    d += "buffer " + ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}.describe() + "\n";
+    out.push_back({true, ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}});
   }
-  return d;
+  return out;
 }
 
 std::string hash_hex(const std::string& s) { return checkpoint::to_hex(XXH3_64bits(s.data(), s.size())); }

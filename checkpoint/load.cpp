@@ -35,12 +35,67 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
   return "";
 }
 
+void Checkpointer::Impl::check_same_model(const json& m, const std::vector<ModelEntry>& mine,
+                                          const fs::path& cand) const {
+  // Whether some rank's model holds each of the checkpoint's tensors, and which ranks found a difference.
+  std::unordered_map<std::string, std::pair<int64_t, const json*>> listed;  // name -> (index, entry)
+  int64_t n = 0;
+  for (const char* list : {"params", "replicated"}) {
+    for (const auto& e : m.at(list)) listed.emplace(e.at("name").get<std::string>(), std::make_pair(n++, &e));
+  }
+  const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: matched by name
+  auto held = torch::zeros({n + comm->size()}, torch::kDouble);
+  std::string first;
+  for (const auto& [buffer, info] : mine) {
+    const std::string what = std::string(buffer ? "buffer '" : "parameter '") + info.name + "'";
+    auto it = listed.find(info.name);
+    if (it == listed.end()) {
+      if (!imported && first.empty()) first = what + " is not in the checkpoint";
+      continue;
+    }
+    const json& e = *it->second.second;
+    held[it->second.first] = 1.0;
+    const bool saved_buffer = e.value("kind", "parameter") == "buffer";
+    const auto shape = e.at("shape").get<std::vector<int64_t>>();
+    if (!first.empty()) continue;
+    // An import (safetensors) knows no buffers and stores what it was given: names and shapes must match.
+    if (!imported && saved_buffer != buffer) {
+      first = what + " is a " + (saved_buffer ? "buffer" : "parameter") + " in the checkpoint";
+    } else if (shape != info.shape) {
+      first = what + " has shape " + c10::str(c10::IntArrayRef(info.shape)) + " here and " + e.at("shape").dump() +
+              " in the checkpoint";
+    } else if (!imported && e.at("dtype").get<std::string>() != c10::toString(info.dtype)) {
+      first = what + " is " + c10::toString(info.dtype) + " here and " + e.at("dtype").get<std::string>() +
+              " in the checkpoint";
+    }
+  }
+  if (!first.empty()) held[n + comm->rank()] = 1.0;
+  if (comm->size() > 1) comm->all_reduce(held, ReduceOp::kMax)->wait();
+  std::string differ;
+  for (int r = 0; r < comm->size(); ++r) {
+    if (held[n + r].item<double>() > 0) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (first.empty() && !differ.empty()) first = "rank(s) " + differ + " found a difference (their errors say which)";
+  if (first.empty() && !imported) {
+    for (const auto& [name, at] : listed) {
+      if (held[at.first].item<double>() == 0) {
+        first = "'" + name + "' is in the checkpoint but in no rank's model";
+        break;
+      }
+    }
+  }
+  TORCH_CHECK(first.empty(), "checkpoint: '", cand.string(), "' was saved from a different model (", first,
+              "); load it into the model it was saved from");
+}
+
 std::optional<TrainingProgress> Checkpointer::Impl::load(
     ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
     const Restore& restore) {
   wait_pending();
   torch::NoGradGuard no_grad;
   const int rank = comm->rank();
+  const Place place = place_of(state);
+  agree_on_places(*comm, place, {});
   const auto names = module_names(state, model);
   // Candidates: the one asked for, or what `latest` names; then older committed ones.
   std::vector<fs::path> candidates;
@@ -58,7 +113,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
   }
   if (candidates.empty()) return std::nullopt;
-  const std::string mine = model_description(model, state, names);
+  const auto mine = model_entries(model, state, names);
   for (const auto& cand : candidates) {
     // 1. manifest and files, checked by every rank (each a share of the files)
     std::string why;
@@ -87,25 +142,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       continue;
     }
     // 2. the same model (a different one is an error, not a reason to fall back)
-    const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
-    if (!imported && m.at("model_hash").get<std::string>() != hash_hex(mine)) {
-      std::unordered_map<std::string, json> saved;
-      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = p;
-      std::string first;
-      for (size_t i = 0; i < names.size() && first.empty(); ++i) {
-        auto it = saved.find(names[i]);
-        if (it == saved.end()) {
-          first = "parameter '" + names[i] + "' is not in the checkpoint";
-        } else if (it->second.at("shape").get<std::vector<int64_t>>() != state.params[i].shape) {
-          first = "parameter '" + names[i] + "' has shape " + c10::str(c10::IntArrayRef(state.params[i].shape)) +
-                  " here and " + it->second.at("shape").dump() + " in the checkpoint";
-        }
-      }
-      TORCH_CHECK(false, "checkpoint: '", cand.string(), "' was saved from a different model (",
-                  first.empty() ? std::string("parameter or buffer names, shapes or dtypes differ") : first,
-                  "); load it into the model it was saved from");
-    }
+    check_same_model(m, mine, cand);
     // 3. this rank's pieces, from whichever old files hold them
+    const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
     try {
       std::unordered_map<std::string, const json*> saved;
       for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
@@ -125,7 +164,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
         const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
         auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
-        file(0).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
+        file(replicated.at(name)->value("rank", 0)).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
         return t;
       };
       // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
@@ -143,9 +182,6 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       for (size_t i = 0; i < names.size(); ++i) {
         auto it = saved.find(names[i]);
         if (it != saved.end()) {
-          TORCH_CHECK(it->second->at("shape").get<std::vector<int64_t>>() == state.params[i].shape, "parameter '",
-                      names[i], "' has shape ", c10::IntArrayRef(state.params[i].shape), " here and ",
-                      it->second->at("shape").dump(), " in the checkpoint");
           steps[i] = it->second->at("step").get<int64_t>();
         } else {
           TORCH_CHECK(replicated.count(names[i]), "parameter '", names[i], "' is not in the checkpoint");
@@ -153,10 +189,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       }
       std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
       for (const auto& b : state.buckets) {
-        for (const auto& seg : shard_segments(b.layout, rank)) {
+        for (const auto& seg : shard_segments(b.layout, place.dp_rank)) {
           const size_t pi = b.params[seg.param];
           const std::string& name = names[pi];
-          const Range local = seg.local(b.layout, rank);
+          const Range local = seg.local(b.layout, place.dp_rank);
           const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
           if (saved.count(name)) {
             read_master(name, "master", a, e, b.master.data_ptr<float>() + local.begin);
@@ -192,7 +228,13 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         if (!in_state.count(item.key())) restore_full(item.key(), item.value());
       }
       for (const auto& item : model.named_buffers()) restore_full(item.key(), item.value());
-      if (m.at("world_size").get<int>() == comm->size() && file(rank).has("/rng/cpu")) {  // each resumes its own RNG stream
+      // The same place in the same topology: each rank resumes its own RNG stream.
+      const auto& saved_file = m.at("files").at(static_cast<size_t>(std::min(rank, static_cast<int>(m.at("files").size()) - 1)));
+      const bool same_place = m.at("world_size").get<int>() == comm->size() &&
+                              m.value("topology", json::object()).value("pp_stages", 1) == place.pp_stages &&
+                              saved_file.value("pp_stage", 0) == place.pp_stage &&
+                              saved_file.value("dp_rank", rank) == place.dp_rank;
+      if (same_place && file(rank).has("/rng/cpu")) {
         const auto dims = file(rank).dims("/rng/cpu");
         auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
         file(rank).read_all("/rng/cpu", checkpoint::h5::Type::kUInt8, rng.data_ptr());
@@ -206,10 +248,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       if (m.value("gradients", false)) {
         for (const auto& b : state.buckets) {
           auto g = at::zeros({b.shard.size()}, at::kFloat);
-          for (const auto& seg : shard_segments(b.layout, rank)) {
+          for (const auto& seg : shard_segments(b.layout, place.dp_rank)) {
             const std::string& name = names[b.params[seg.param]];
             if (!saved.count(name)) continue;  // untrained when saved: no gradient
-            const Range local = seg.local(b.layout, rank);
+            const Range local = seg.local(b.layout, place.dp_rank);
             read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
           }
           grad_shards.push_back(g);

@@ -50,7 +50,8 @@ CheckpointReader::CheckpointReader(const fs::path& step_dir) : dir_(step_dir) {
     params_.push_back(std::move(e));
   }
   for (const auto& r : manifest_.at("replicated")) {
-    replicated_.push_back({r.at("name"), r.at("kind"), r.at("dtype"), r.at("shape").get<std::vector<int64_t>>()});
+    replicated_.push_back({r.at("name"), r.at("kind"), r.at("dtype"), r.at("shape").get<std::vector<int64_t>>(),
+                           r.value("rank", 0)});
   }
 }
 
@@ -77,7 +78,7 @@ at::Tensor CheckpointReader::read_param(const ParamEntry& p, const std::string& 
 at::Tensor CheckpointReader::read_replicated(const ReplicatedEntry& r) {
   const auto dtype = dtype_named(r.dtype);
   auto t = at::empty(r.shape, at::TensorOptions().dtype(dtype));
-  file(0).read_all("/replicated/" + r.name, ckpt::storage_type(dtype, r.name), t.data_ptr());
+  file(r.rank).read_all("/replicated/" + r.name, ckpt::storage_type(dtype, r.name), t.data_ptr());
   return t;
 }
 

@@ -37,6 +37,7 @@ struct ParamEntry {
 struct ReplicatedEntry {
   std::string name, kind, dtype;
   std::vector<int64_t> shape;
+  int rank = 0;  // the rank file holding it
 };
 
 class CheckpointReader {

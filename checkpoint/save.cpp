@@ -21,30 +21,21 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   torch::NoGradGuard no_grad;
   // Gradients of an accumulation in progress: reduced ones (in the shards) are
   // saved; unreduced ones (in p.grad()) cannot be resharded, so that is refused.
-  bool snapshot_gradients = false;
-  std::vector<char> snapshot_had_grad;
-  {
-    std::vector<double> flags{state.local_gradients_pending ? 1.0 : 0.0};
-    double any = 0;
-    for (char h : state.had_grad) any = std::max(any, h ? 1.0 : 0.0);
-    for (const auto& b : state.buckets) any = std::max(any, b.grad_shard.defined() ? 1.0 : 0.0);
-    flags.push_back(any);
-    for (char h : state.had_grad) flags.push_back(h ? 1.0 : 0.0);
-    auto t = torch::tensor(flags, torch::kDouble);
-    if (comm->size() > 1) comm->all_reduce(t, ReduceOp::kMax)->wait();
-    TORCH_CHECK_VALUE(t[0].item<double>() == 0, "checkpoint: this step's gradients are still in p.grad() on some rank "
-                      "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
-                      "them. Save after step(), or accumulate with reduced backwards (the default)");
-    snapshot_gradients = t[1].item<double>() > 0;
-    snapshot_had_grad.assign(state.had_grad.size(), 0);
-    for (size_t i = 0; i < state.had_grad.size(); ++i) snapshot_had_grad[i] = t[2 + static_cast<int64_t>(i)].item<double>() > 0;
-  }
+  const Place place = place_of(state);
+  bool any_grad = false;
+  for (char h : state.had_grad) any_grad = any_grad || h;
+  for (const auto& b : state.buckets) any_grad = any_grad || b.grad_shard.defined();
+  const auto any = agree_on_places(*comm, place, {state.local_gradients_pending, any_grad});
+  TORCH_CHECK_VALUE(!any[0], "checkpoint: this step's gradients are still in p.grad() on some rank "
+                    "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
+                    "them. Save after step(), or accumulate with reduced backwards (the default)");
   Snapshot snap;
-  snap.gradients = snapshot_gradients;
-  snap.had_grad = snapshot_had_grad;
+  snap.gradients = any[1] != 0;
+  snap.had_grad = state.had_grad;
   snap.progress = progress;
-  snap.rank = state.rank;
-  snap.world = state.world_size;
+  snap.rank = comm->rank();
+  snap.world = comm->size();
+  snap.place = place;
   snap.zero_stage = state.zero_stage;
   snap.names = module_names(state, model);
   snap.params = state.params;
@@ -52,7 +43,6 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   snap.steps = state.param_steps;
   snap.loss_scale = state.loss_scale;
   snap.loss_scale_clean_steps = state.loss_scale_clean_steps;
-  snap.model_hash = hash_hex(model_description(model, state, snap.names));
   for (const auto& b : state.buckets) {
     snap.groups.push_back({b.layout, b.params});
     for (const auto& seg : shard_segments(b.layout, state.rank)) {
@@ -98,7 +88,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   return snap;
 }
 
-void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap) {
+void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip) {
   using checkpoint::h5::Type;
   const auto start = std::chrono::steady_clock::now();
   auto f = checkpoint::h5::File::create(path.string());
@@ -106,9 +96,12 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
   f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
   f.set_attribute("/", "rank", static_cast<int64_t>(snap.rank));
   f.set_attribute("/", "world_size", static_cast<int64_t>(snap.world));
+  f.set_attribute("/", "pp_stage", static_cast<int64_t>(snap.place.pp_stage));
+  f.set_attribute("/", "dp_rank", static_cast<int64_t>(snap.place.dp_rank));
   f.set_attribute("/", "step", snap.progress.step);
   for (const auto& o : snap.owned) {
     const std::string& name = snap.names[o.param];
+    if (skip.count(name)) continue;
     const std::vector<uint64_t> dims{static_cast<uint64_t>(o.master.numel())};
     for (const auto& [kind, t] : {std::pair<const char*, const at::Tensor&>{"master", o.master},
                                   {"exp_avg", o.exp_avg}, {"exp_avg_sq", o.exp_avg_sq}}) {
@@ -122,8 +115,9 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
       f.set_attribute(ds, "begin", o.begin);
     }
   }
-  if (snap.rank == 0) {  // what every rank holds in full: buffers and untrained parameters
+  if (snap.place.dp_rank == 0) {  // what the group's ranks hold in full: buffers and untrained parameters
     for (const auto& r : snap.replicated) {
+      if (skip.count(r.name)) continue;
       std::vector<uint64_t> dims;
       for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
       if (dims.empty()) dims.push_back(1);
@@ -144,101 +138,38 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
   log_debug(msg);
 }
 
-void Checkpointer::Impl::write_model_view(const fs::path& path, const Snapshot& snap) {
+void Checkpointer::Impl::write_model_view(const fs::path& path, const json& m) {
   using checkpoint::h5::Type;
   auto f = checkpoint::h5::File::create(path.string());
   f.set_attribute("/", "format", std::string("zeroshard-checkpoint-view"));
   f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
-  std::vector<std::vector<checkpoint::h5::File::VirtualPiece>> pieces(snap.params.size());
-  for (const auto& g : snap.groups) {
-    for (int r = 0; r < snap.world; ++r) {
-      for (const auto& seg : shard_segments(g.layout, r)) {
-        const size_t pi = g.params[seg.param];
-        pieces[pi].push_back({rank_file_name(r, snap.world), "", 0, static_cast<uint64_t>(seg.flat.size()),
-                              static_cast<uint64_t>(seg.param_offset), {}});
-      }
-    }
-  }
-  for (size_t i = 0; i < snap.params.size(); ++i) {
-    std::vector<uint64_t> dims(snap.params[i].shape.begin(), snap.params[i].shape.end());
+  auto file_name = [&](const json& rank) { return m.at("files").at(rank.get<size_t>()).at("name").get<std::string>(); };
+  for (const auto& p : m.at("params")) {
+    const auto name = p.at("name").get<std::string>();
+    const auto shape = p.at("shape").get<std::vector<uint64_t>>();
     for (const auto& [prefix, kind] : {std::pair<std::string, std::string>{"/", "master"},
                                        {"/optimizer/exp_avg/", "exp_avg"}, {"/optimizer/exp_avg_sq/", "exp_avg_sq"}}) {
-      auto ps = pieces[i];
-      for (auto& p : ps) p.dataset = "/" + kind + "/" + snap.names[i];
-      f.write_virtual(prefix + snap.names[i], Type::kFloat32, dims, ps);
+      std::vector<checkpoint::h5::File::VirtualPiece> pieces;
+      for (const auto& pc : p.at("pieces")) {
+        const auto begin = pc.at(1).get<uint64_t>(), end = pc.at(2).get<uint64_t>();
+        pieces.push_back({file_name(pc.at(0)), "/" + kind + "/" + name, 0, end - begin, begin, {}});
+      }
+      f.write_virtual(prefix + name, Type::kFloat32, shape, pieces);
     }
   }
-  for (const auto& r : snap.replicated) {
-    std::vector<uint64_t> dims;
-    for (auto d : r.value.sizes()) dims.push_back(static_cast<uint64_t>(d));
+  for (const auto& r : m.at("replicated")) {
+    const auto name = r.at("name").get<std::string>();
+    const auto dtype = r.at("dtype").get<std::string>();
+    std::vector<uint64_t> dims = r.at("shape").get<std::vector<uint64_t>>();
     uint64_t n = 1;
     for (auto d : dims) n *= d;
     if (dims.empty()) dims.push_back(1);  // stored as [1]
-    f.write_virtual("/" + r.name, storage_type(r.value.scalar_type(), r.name), dims,
-                    {{rank_file_name(0, snap.world), "/replicated/" + r.name, 0, n, 0, dims}});
-    f.set_attribute("/" + r.name, "dtype", std::string(c10::toString(r.value.scalar_type())));
+    f.write_virtual("/" + name, storage_type(checkpoint::dtype_named(dtype), name), dims,
+                    {{file_name(r.at("rank")), "/replicated/" + name, 0, n, 0, dims}});
+    f.set_attribute("/" + name, "dtype", dtype);
   }
   f.close();
   fsync_path(path, false);
-}
-
-json Checkpointer::Impl::manifest(const Snapshot& snap, const std::vector<std::pair<int64_t, uint64_t>>& digests) {
-  const int world = snap.world;
-  std::vector<std::vector<Piece>> pieces(snap.params.size());
-  for (const auto& g : snap.groups) {
-    for (int r = 0; r < world; ++r) {
-      for (const auto& seg : shard_segments(g.layout, r)) {
-        pieces[g.params[seg.param]].push_back({r, seg.param_offset, seg.param_offset + seg.flat.size()});
-      }
-    }
-  }
-  json m;
-  m["format"] = kFormat;
-  m["format_version"] = kFormatVersion;
-  m["step"] = snap.progress.step;
-  m["epoch"] = snap.progress.epoch;
-  m["extra"] = json::parse(snap.progress.extra_json);
-  m["world_size"] = world;
-  m["zero_stage"] = snap.zero_stage;
-  m["model_hash"] = snap.model_hash;
-  m["save_seconds"] = snap.save_seconds;
-  m["gradients"] = snap.gradients;
-  m["loss_scale"] = snap.loss_scale;
-  m["loss_scale_clean_steps"] = snap.loss_scale_clean_steps;
-  m["params"] = json::array();
-  for (size_t i = 0; i < snap.params.size(); ++i) {
-    json p;
-    p["name"] = snap.names[i];
-    p["shape"] = snap.params[i].shape;
-    p["dtype"] = c10::toString(snap.params[i].dtype);
-    p["step"] = snap.steps[i];
-    if (snap.gradients) p["had_grad"] = snap.had_grad[i] != 0;
-    p["pieces"] = json::array();
-    for (const auto& pc : pieces[i]) p["pieces"].push_back({pc.rank, pc.begin, pc.end});
-    m["params"].push_back(std::move(p));
-  }
-  m["replicated"] = json::array();
-  for (const auto& r : snap.replicated) {
-    m["replicated"].push_back({{"name", r.name}, {"kind", r.kind}, {"shape", r.value.sizes().vec()},
-                               {"dtype", c10::toString(r.value.scalar_type())}});
-  }
-  m["groups"] = json::array();  // the saving run's flat layout (buckets or units), for tools
-  for (const auto& g : snap.groups) {
-    json j;
-    j["params"] = json::array();
-    for (size_t k = 0; k < g.params.size(); ++k) j["params"].push_back(snap.names[g.params[k]]);
-    j["offsets"] = g.layout.offsets;
-    j["padded_numel"] = g.layout.padded_numel;
-    j["dtype"] = c10::toString(g.layout.dtype);
-    m["groups"].push_back(std::move(j));
-  }
-  m["files"] = json::array();
-  for (int r = 0; r < world; ++r) {
-    m["files"].push_back({{"name", rank_file_name(r, world)},
-                          {"bytes", digests[static_cast<size_t>(r)].first},
-                          {"xxh3", checkpoint::to_hex(digests[static_cast<size_t>(r)].second)}});
-  }
-  return m;
 }
 
 std::vector<fs::path> Checkpointer::Impl::committed() const {
@@ -342,6 +273,9 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   const int rank = c.rank(), world = c.size();
   const fs::path final_dir = fs::path(dir) / step_dir_name(snap.progress.step);
   const fs::path tmp = final_dir.string() + ".tmp";
+  // Every rank's record, merged the same way everywhere: which names this rank
+  // writes, and (rank 0) the manifest's contents.
+  auto contents = merge_records(all_gather_text(c, rank_record(snap).dump()), rank);
   std::string err;
   if (rank == 0) {
     try {
@@ -360,7 +294,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     const auto w0 = std::chrono::steady_clock::now();
     {
       trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
-      write_rank_file(file, snap);
+      write_rank_file(file, snap, contents.skip);
     }
     const auto w1 = std::chrono::steady_clock::now();
     {
@@ -387,11 +321,11 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
   if (rank == 0) {
     try {
-      Snapshot timed = snap;  // a shallow copy: tensors are shared
-      timed.save_seconds = took.item<double>();
       trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
-      if (options.write_model_view) write_model_view(tmp / "model.h5", snap);
-      commit_step_dir(tmp, final_dir, manifest(timed, digests));
+      json m = build_manifest(snap, std::move(contents), digests);
+      m["save_seconds"] = took.item<double>();  // writing the rank files, as measured by the slowest rank
+      if (options.write_model_view) write_model_view(tmp / "model.h5", m);
+      commit_step_dir(tmp, final_dir, m);
     } catch (const std::exception& e) {
       err = message_of(e);
     }

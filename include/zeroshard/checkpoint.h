@@ -3,19 +3,22 @@
 //   run_dir/
 //     latest                   names the last committed step directory (replaced atomically)
 //     step-00001200/
-//       manifest.json          written last: world size, stage, parameters and which rank holds
-//                              which piece, each file's size and xxh3, training progress
+//       manifest.json          written last: world size, ZeRO stage, topology (pipeline stages,
+//                              data-parallel size), parameters and which rank holds which piece,
+//                              each file's size and xxh3, training progress
 //       rank-00000-of-00004.h5 this rank's pieces: fp32 master, exp_avg, exp_avg_sq per parameter;
-//                              its RNG state; rank 0 also the buffers and untrained parameters
+//                              its RNG state; the first rank of each stage's data-parallel group
+//                              also that stage's buffers and untrained parameters
 //
 // Every rank writes its own file into step-N.tmp/, fsyncs it and reports its
 // size and checksum; rank 0 writes the manifest, fsyncs it, renames the
 // directory to step-N/ and then replaces `latest`. A crash at any instant
 // leaves the previous checkpoint loadable. A load verifies every file's size
 // and checksum against the manifest and falls back to the previous committed
-// checkpoint (saying why) when one does not match. Any world size and stage
-// can load any checkpoint of the same model: each rank reads only the pieces
-// it now owns (HDF5 hyperslab reads). Format: docs/checkpoint-format.md.
+// checkpoint (saying why) when one does not match. Any world size, ZeRO stage
+// and number of pipeline stages can load any checkpoint of the same model:
+// each rank reads only the pieces it now owns (HDF5 hyperslab reads), from
+// whichever files hold them. Format: docs/checkpoint-format.md.
 #pragma once
 
 #include "zeroshard/comm.h"
@@ -43,6 +46,14 @@ struct CheckpointOptions {
   // parameter (and its AdamW moments, under optimizer/) by name over the rank
   // files, for people and tools (h5py, h5dump). Loads never read it. Default: true.
   bool write_model_view = true;
+  // Pipelines: this rank's stage and how many there are. Each stage's
+  // optimizer shards that stage's parameters over its own data-parallel group;
+  // the Checkpointer's communicator holds every rank of every stage (pp_stages
+  // times the group's size), and together they save one checkpoint, which
+  // loads at any other (pipeline stages, data-parallel size, ZeRO stage).
+  // Default: no pipeline (the communicator is the optimizer's group).
+  int pp_stages = 1;
+  int pp_stage = 0;
 };
 
 // How long the last save took.
@@ -64,8 +75,10 @@ struct TrainingProgress {
 
 class Checkpointer {
  public:
-  // `dir`: the run directory (created when missing). Collective: every rank
-  // passes the same directory, on a file system they all see.
+  // `dir`: the run directory (created when missing). `comm`: every rank that
+  // saves the checkpoint: the optimizer's group, or with pipeline stages the
+  // ranks of all of them. Collective: every rank passes the same directory, on
+  // a file system they all see.
   Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, CheckpointOptions options = {});
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;

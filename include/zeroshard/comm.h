@@ -161,6 +161,11 @@ struct ProcessGroup {
   static ProcessGroup of(std::shared_ptr<Communicator> comm);
 };
 
+// Every rank's `text`, indexed by rank (two all-gathers: the lengths, then the
+// bytes packed into int64 words). Collective; for descriptions and small
+// records, not bulk data.
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
+
 // Where this process sits in the job, read from the environment.
 struct DistEnv {
   int rank = 0;

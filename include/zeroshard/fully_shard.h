@@ -176,7 +176,8 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 [[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                              std::shared_ptr<Communicator> comm,
                                                              FullyShardOptions options = {});
-template <typename Holder>
+// A module holder (TORCH_MODULE's `Net`, torch::nn::Linear, ...).
+template <typename Holder, typename = decltype(std::declval<Holder&>().ptr())>
 [[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, std::shared_ptr<Communicator> comm,
                                                FullyShardOptions options = {}) {
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(root.ptr()), std::move(comm), options);

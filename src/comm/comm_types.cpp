@@ -1,5 +1,8 @@
 #include "zeroshard/comm.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace zeroshard {
 
 std::string to_string(ReduceOp op) {
@@ -29,6 +32,25 @@ std::shared_ptr<Communicator> Communicator::dup() {
   std::vector<int> all(static_cast<size_t>(size()));
   for (int r = 0; r < size(); ++r) all[static_cast<size_t>(r)] = r;
   return split(all);
+}
+
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text) {
+  const int n = comm.size();
+  if (n == 1) return {text};
+  auto lengths = at::empty({n}, at::kLong);
+  comm.all_gather(lengths, at::tensor({static_cast<int64_t>(text.size())}, at::kLong))->wait();
+  const auto* len = lengths.data_ptr<int64_t>();
+  const int64_t words = (*std::max_element(len, len + n) + 7) / 8;
+  if (words == 0) return std::vector<std::string>(static_cast<size_t>(n));
+  auto mine = at::zeros({words}, at::kLong);  // the communicator moves no uint8 tensors
+  std::memcpy(mine.data_ptr(), text.data(), text.size());
+  auto all = at::empty({n * words}, at::kLong);
+  comm.all_gather(all, mine)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<int64_t>() + r * words), static_cast<size_t>(len[r]));
+  }
+  return out;
 }
 
 ProcessGroup ProcessGroup::of(std::shared_ptr<Communicator> comm) {

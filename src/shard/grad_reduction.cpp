@@ -203,8 +203,8 @@ void ShardedAdamW::Impl::reduce_all() {
   reduced = true;
 }
 
+// The buckets' gradient shards are the core's to clear (end_step_state, forget_step).
 void ShardedAdamW::Impl::release_step_gradients() {
-  for (auto& b : buckets) b.clear_gradient();
   reduced = false;
   flushed_since_step = false;
 }

@@ -8,7 +8,6 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cstring>
 #include <sstream>
 
 namespace zeroshard::shard {
@@ -60,14 +59,10 @@ void check_same_on_all_ranks(Communicator& comm, const std::vector<std::string>&
     }
   }
   // Exchange the text of that entry.
-  std::string text = index < static_cast<int64_t>(entries.size()) ? entries[static_cast<size_t>(index)] : "(none: only " + std::to_string(entries.size()) + " entries)";
-  std::vector<int64_t> packed(kTextBytes / 8, 0);
-  std::memcpy(packed.data(), text.data(), std::min(text.size(), kTextBytes - 1));
-  const auto texts = gather(comm, packed);
-  auto text_of = [&](int r) {
-    const char* p = reinterpret_cast<const char*>(texts.data() + static_cast<size_t>(r) * packed.size());
-    return std::string(p, strnlen(p, kTextBytes));
-  };
+  const auto texts = all_gather_text(
+      comm, index < static_cast<int64_t>(entries.size()) ? entries[static_cast<size_t>(index)].substr(0, kTextBytes)
+                                                         : "(none: only " + std::to_string(entries.size()) + " entries)");
+  auto text_of = [&](int r) { return texts[static_cast<size_t>(r)]; };
   std::ostringstream msg;
   msg << what << " differ between ranks: entry #" << index << " is " << text_of(0) << " on rank 0 but "
       << text_of(other) << " on rank " << other << " (rank 0 has " << summary[1] << " entries, rank "

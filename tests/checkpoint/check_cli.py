@@ -3,7 +3,7 @@
 JSON + numpy safetensors reader for export, and deliberately damaged copies
 for verify.
 
-Usage: check_cli.py BUILD_DIR RUN_DIR   (RUN_DIR: a checkpoint run with expected.json)
+Usage: check_cli.py BUILD_DIR RUN_DIR...   (each RUN_DIR: a checkpoint run with expected.json)
 """
 import json
 import os
@@ -131,4 +131,5 @@ def flip(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    for run in sys.argv[2:]:
+        main(sys.argv[1], run)

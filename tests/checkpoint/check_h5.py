@@ -23,6 +23,8 @@ def check(run_dir):
     assert manifest["format"] == "zeroshard-checkpoint" and manifest["format_version"] == 1
     for r, f in enumerate(files):
         assert f.attrs["rank"] == r and f.attrs["world_size"] == manifest["world_size"], f.filename
+        entry = manifest["files"][r]
+        assert (f.attrs["pp_stage"], f.attrs["dp_rank"]) == (entry["pp_stage"], entry["dp_rank"]), f.filename
         assert f["rng/cpu"].dtype == np.uint8 and f["rng/cpu"].shape[0] > 0, f.filename
     checked = 0
     for p in manifest["params"]:
@@ -41,7 +43,7 @@ def check(run_dir):
         checked += 1
     for rep in manifest["replicated"]:
         name = rep["name"]
-        ds = files[0]["replicated/" + name]
+        ds = files[rep.get("rank", 0)]["replicated/" + name]  # the first rank of the stage holding it
         dtype = ds.attrs["dtype"].decode() if isinstance(ds.attrs["dtype"], bytes) else ds.attrs["dtype"]
         assert dtype == rep["dtype"], (name, dtype)
         raw = ds[:].reshape(-1)
@@ -68,7 +70,8 @@ def check(run_dir):
                 f"model.h5 optimizer/{kind}/{name}")
         checked += 1
     for rep in manifest["replicated"]:
-        assert np.array_equal(view[rep["name"]][:].reshape(-1), files[0]["replicated/" + rep["name"]][:].reshape(-1))
+        assert np.array_equal(view[rep["name"]][:].reshape(-1),
+                              files[rep.get("rank", 0)]["replicated/" + rep["name"]][:].reshape(-1))
         checked += 1
     print(f"check_h5: {step_dir}: {checked} tensors over {len(files)} rank files and model.h5 match")
 
