@@ -79,19 +79,7 @@ SimdLevel default_simd() {
 AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
                          int64_t step, double grad_scale) {
   TORCH_CHECK_VALUE(step >= 1, "adamw_coeffs: step is ", step, "; the first step is 1");
-  AdamWCoeffs c;
-  c.decay = static_cast<float>(1 - lr * weight_decay);
-  c.beta1 = static_cast<float>(beta1);
-  c.one_minus_beta1 = static_cast<float>(1 - beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta2 = static_cast<float>(1 - beta2);
-  const double bc1 = 1 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1 - std::pow(beta2, static_cast<double>(step));
-  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-  c.eps = static_cast<float>(eps);
-  c.neg_step_size = static_cast<float>(-(lr / bc1));
-  c.grad_scale = static_cast<float>(grad_scale);
-  return c;
+  return kernel::coeffs_of_step({lr, beta1, beta2, eps, weight_decay}, static_cast<double>(step), grad_scale);
 }
 
 void fused_adamw(const AdamWCoeffs& c, float* param, const void* grad, c10::ScalarType grad_dtype,
@@ -104,8 +92,6 @@ void fused_adamw(const AdamWCoeffs& c, float* param, const void* grad, c10::Scal
     TORCH_CHECK_VALUE(ck != kernel::Half16::kNone, "fused_adamw: the parameter copy must be BFloat16 or Half");
   }
   TORCH_CHECK_VALUE(cpu_has(level), "fused_adamw: SIMD level ", to_string(level), " is not available on this CPU");
-  const kernel::Coeffs k{c.decay, c.beta1, c.one_minus_beta1, c.beta2, c.one_minus_beta2,
-                         c.bias_correction2_sqrt, c.eps, c.neg_step_size, c.grad_scale};
   const size_t gsize = gk == kernel::Half16::kNone ? 4 : 2;
   auto run = [&](int64_t begin, int64_t end) {
     const int64_t len = end - begin;
@@ -113,13 +99,13 @@ void fused_adamw(const AdamWCoeffs& c, float* param, const void* grad, c10::Scal
     void* copy = param_copy ? static_cast<char*>(param_copy) + begin * 2 : nullptr;
     switch (level) {
       case SimdLevel::kAvx512:
-        kernel::adamw_avx512(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
+        kernel::adamw_avx512(c, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
         break;
       case SimdLevel::kAvx2:
-        kernel::adamw_avx2(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
+        kernel::adamw_avx2(c, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, len, copy, ck);
         break;
       case SimdLevel::kScalar:
-        kernel::adamw_scalar(k, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, 0, len, copy, ck);
+        kernel::adamw_scalar(c, param + begin, g, gk, exp_avg + begin, exp_avg_sq + begin, 0, len, copy, ck);
         break;
     }
   };

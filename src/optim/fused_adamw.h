@@ -17,6 +17,8 @@
 // over chunks (at::get_num_threads(), i.e. OMP_NUM_THREADS).
 #pragma once
 
+#include "optim/adamw_math.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -33,15 +35,7 @@ SimdLevel detected_simd();
 SimdLevel default_simd();
 
 // Per-step scalars, computed once in double precision as torch::optim::AdamW does.
-struct AdamWCoeffs {
-  float decay = 1;            // 1 - lr * weight_decay
-  float beta1 = 0.9f, one_minus_beta1 = 0.1f;
-  float beta2 = 0.999f, one_minus_beta2 = 0.001f;
-  float bias_correction2_sqrt = 1;  // sqrt(1 - beta2^step)
-  float eps = 1e-8f;
-  float neg_step_size = 0;    // -lr / (1 - beta1^step)
-  float grad_scale = 1;
-};
+using AdamWCoeffs = kernel::Coeffs;
 // REQUIRES: step >= 1.
 AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
                          int64_t step, double grad_scale = 1.0);

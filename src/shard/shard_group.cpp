@@ -3,6 +3,10 @@
 
 #include "zeroshard/trace.h"
 
+#ifdef ZS_WITH_CUDA
+#include "optim/cuda/fused_adamw_cuda.h"
+#endif
+
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -34,10 +38,24 @@ void update_shard(ShardGroup& group, const EntryCoefficients& coeffs) {
   for (const auto& c : coeffs) any = any || c.has_value();
   if (!any) return;
   TORCH_INTERNAL_ASSERT(group.grad_shard.defined(), "update_shard: no reduced gradient");
-  TORCH_CHECK(group.master.device().is_cpu(), "update_shard: the AdamW kernel for ", group.master.device(),
-              " tensors is not built into this zeroshard; keep the optimizer's state on the CPU");
   group.ensure_moments();
   const bool low = group.values.scalar_type() != at::kFloat;  // 16-bit: write the rounded copy gathers send
+  if (group.master.is_cuda()) {
+#ifdef ZS_WITH_CUDA
+    std::vector<optim::AdamWPiece> pieces;
+    for (const auto& seg : group.segments) {
+      if (const auto& c = coeffs[seg.param]) pieces.push_back({seg.flat.begin - group.shard.begin, seg.flat.size(), *c});
+    }
+    optim::fused_adamw_cuda(pieces, group.master, group.grad_shard, group.exp_avg, group.exp_avg_sq,
+                            low ? group.values : at::Tensor());
+    return;
+#else
+    TORCH_CHECK(false, "update_shard: this zeroshard was built without CUDA (ZS_WITH_CUDA=OFF or a CPU LibTorch) "
+                "but the optimizer's state is on ", group.master.device(), "; rebuild against a CUDA LibTorch");
+#endif
+  }
+  TORCH_CHECK(group.master.device().is_cpu(), "update_shard: no AdamW kernel for ", group.master.device(),
+              " tensors; keep the optimizer's state on the CPU or a CUDA device");
   const auto gdt = group.grad_shard.scalar_type();
   const size_t gsize = group.grad_shard.element_size();
   const size_t vsize = group.values.element_size();

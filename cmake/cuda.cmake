@@ -1,0 +1,50 @@
+# The CUDA path: the kernels (nvcc) and NCCL, when LibTorch was built with CUDA.
+#
+# NCCL is the one LibTorch loads (the wheel's nvidia-nccl beside torch), headers
+# and library together: a process holds one libnccl.so.2, so the headers we
+# compile against must be its version. ZS_NCCL_ROOT overrides (a directory with
+# include/nccl.h and lib/libnccl.so*).
+#
+# Defines: zeroshard_cuda (the kernels), ZS_NCCL_INCLUDE_DIR, ZS_NCCL_LIBRARY.
+
+set(ZS_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING
+    "GPU code to build: sm_90 machine code and compute_90 PTX (JIT-compiled for newer GPUs)")
+set(ZS_NCCL_ROOT "" CACHE PATH "NCCL to build against (default: the one beside LibTorch, else the CUDA toolkit's)")
+
+include(CheckLanguage)
+check_language(CUDA)
+if(NOT CMAKE_CUDA_COMPILER)
+  message(FATAL_ERROR "zeroshard: LibTorch has CUDA but no nvcc was found; install the CUDA toolkit "
+                      "(or set CUDACXX), or build without the GPU path: -DZS_WITH_CUDA=OFF")
+endif()
+enable_language(CUDA)
+set(CMAKE_CUDA_FLAGS "${_zs_user_cuda_flags}")
+
+set(_zs_nccl_hints ${ZS_NCCL_ROOT})
+if(DEFINED _zs_torch_dir)
+  list(APPEND _zs_nccl_hints "${_zs_torch_dir}/../nvidia/nccl")
+endif()
+list(APPEND _zs_nccl_hints ${CUDAToolkit_LIBRARY_ROOT} /usr/local/cuda)
+find_path(ZS_NCCL_INCLUDE_DIR nccl.h HINTS ${_zs_nccl_hints} PATH_SUFFIXES include NO_DEFAULT_PATH)
+find_library(ZS_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_zs_nccl_hints} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+if(NOT ZS_NCCL_INCLUDE_DIR OR NOT ZS_NCCL_LIBRARY)
+  message(FATAL_ERROR "zeroshard: no NCCL found (looked in ${_zs_nccl_hints}); pass -DZS_NCCL_ROOT=<dir with "
+                      "include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
+endif()
+file(STRINGS "${ZS_NCCL_INCLUDE_DIR}/nccl.h" _zs_nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
+set(_zs_nccl_version "")
+foreach(_part MAJOR MINOR PATCH)
+  string(REGEX MATCH "NCCL_${_part} ([0-9]+)" _m "${_zs_nccl_defs}")
+  list(APPEND _zs_nccl_version ${CMAKE_MATCH_1})
+endforeach()
+string(JOIN "." _zs_nccl_version ${_zs_nccl_version})
+message(STATUS "zeroshard: NCCL ${_zs_nccl_version} (${ZS_NCCL_LIBRARY}), GPU code ${ZS_CUDA_ARCHITECTURES}")
+
+# The kernels: plain CUDA C++, no LibTorch headers (nvcc would spend minutes on them).
+add_library(zeroshard_cuda STATIC src/optim/cuda/adamw.cu)
+set_target_properties(zeroshard_cuda PROPERTIES
+  CUDA_ARCHITECTURES "${ZS_CUDA_ARCHITECTURES}" CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON
+  POSITION_INDEPENDENT_CODE ON UNITY_BUILD OFF)
+target_include_directories(zeroshard_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# No multiply-add contraction: the device computes the CPU kernel's bits (adamw_math.h).
+target_compile_options(zeroshard_cuda PRIVATE -fmad=false -Xcompiler=-Wall,-Wextra,-Wno-unused-parameter)
