@@ -1,0 +1,120 @@
+#include "comm/watchdog.h"
+
+#include <algorithm>
+
+namespace zeroshard::comm {
+
+std::string describe_missing(uint64_t seq, const std::vector<std::optional<uint64_t>>& issued,
+                             const std::vector<int>& world_ranks) {
+  std::string ranks, details;
+  for (size_t r = 0; r < issued.size(); ++r) {
+    if (issued[r] && *issued[r] > seq) continue;  // issued #seq (counts run from 1: #0 is the first)
+    const std::string name = std::to_string(r < world_ranks.size() ? world_ranks[r] : static_cast<int>(r));
+    ranks += (ranks.empty() ? "" : ", ") + name;
+    details += (details.empty() ? "" : "; ") + std::string("rank ") + name +
+               (!issued[r]       ? " never reported"
+                : *issued[r] == 0 ? " issued nothing"
+                                  : " issued up to #" + std::to_string(*issued[r] - 1));
+  }
+  if (ranks.empty()) return "";
+  return "rank(s) [" + ranks + "] never issued it (" + details + ")";
+}
+
+Watchdog::Watchdog(std::chrono::milliseconds timeout, Clock clock)
+    : timeout_(timeout), clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })) {}
+
+void Watchdog::add(std::shared_ptr<WatchedComm> comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.push_back(std::move(comm));
+}
+
+void Watchdog::forget(const WatchedComm* comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.erase(std::remove_if(comms_.begin(), comms_.end(), [&](const auto& c) { return c.get() == comm; }),
+               comms_.end());
+  in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(), [&](const auto& f) { return f.comm == comm; }),
+                   in_flight_.end());
+}
+
+void Watchdog::watch(WatchedComm* comm, std::shared_ptr<WatchedOp> op) {
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_.empty()) {
+      in_flight_.push_back({comm, std::move(op), clock_()});
+      return;
+    }
+    failed = failure_;
+  }
+  op->fail(failed);
+}
+
+std::string Watchdog::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+size_t Watchdog::poll() {
+  std::vector<InFlight> finished, in_flight;
+  std::vector<std::shared_ptr<WatchedComm>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty()) return 0;
+    in_flight = in_flight_;
+    comms = comms_;
+  }
+  // Device queries without the lock: an event query or an error query may take a while.
+  for (const auto& comm : comms) {
+    const std::string error = comm->async_error();
+    if (!error.empty()) {
+      std::string why = "the communicator reported an asynchronous error: " + error;
+      if (!in_flight.empty()) why = in_flight.front().op->name() + " failed: " + why;
+      fail_all(why, in_flight);
+      return 0;
+    }
+  }
+  const auto now = clock_();
+  std::vector<std::shared_ptr<WatchedOp>> done;
+  for (const auto& f : in_flight) {
+    if (f.op->finished_on_device()) {
+      done.push_back(f.op);
+    } else if (now - f.issued >= timeout_) {
+      const std::string missing = f.comm->missing_ranks(f.op->seq());
+      fail_all(f.op->name() + " did not complete within " + std::to_string(timeout_.count()) + " ms" +
+                   (missing.empty() ? "" : ": " + missing) +
+                   ". Every communicator was aborted; check that every rank issues the same operations in the "
+                   "same order, and the missing ranks' logs",
+               in_flight);
+      return 0;
+    }
+  }
+  for (const auto& op : done) op->complete();
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
+                                  [&](const InFlight& f) {
+                                    return std::find(done.begin(), done.end(), f.op) != done.end();
+                                  }),
+                   in_flight_.end());
+  return in_flight_.size();
+}
+
+void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight) {
+  std::vector<std::shared_ptr<WatchedComm>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty()) return;
+    failure_ = why;
+    comms = comms_;
+    // Operations watched since the caller's snapshot fail too.
+    for (const auto& f : in_flight_) {
+      if (std::none_of(in_flight.begin(), in_flight.end(), [&](const InFlight& g) { return g.op == f.op; })) {
+        in_flight.push_back(f);
+      }
+    }
+    in_flight_.clear();
+  }
+  for (const auto& comm : comms) comm->abort(why);
+  for (const auto& f : in_flight) f.op->fail(why);
+}
+
+}  // namespace zeroshard::comm
