@@ -166,6 +166,21 @@ struct ProcessGroup {
 // records, not bulk data.
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
 
+#ifdef ZS_WITH_CUDA
+// NCCL (a zeroshard built against a CUDA LibTorch): a communicator of CUDA
+// tensors on `device` for the ranks of `cpu`, paired with `cpu` as its control
+// plane. Collective over `cpu`, which must come from init_communicator (or a
+// split or dup of one): the NCCL unique id travels through its rendezvous
+// store. Every rank names its own device (usually cuda:LOCAL_RANK).
+// Its operations enqueue on their own stream after the caller's current stream
+// (nothing waits on the host); Work::block(stream) orders a stream after one.
+// Send and recv are posted, as for every communicator. A watchdog aborts every
+// communicator made from it (its splits too) when an operation fails or takes
+// longer than options.timeout, and the error names the ranks that never issued it.
+// NCCL before 2.30 refuses two ranks on one GPU.
+ProcessGroup init_nccl(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {});
+#endif
+
 // Where this process sits in the job, read from the environment.
 struct DistEnv {
   int rank = 0;

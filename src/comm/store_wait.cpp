@@ -8,7 +8,7 @@
 namespace zeroshard::comm {
 
 void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vector<std::string>& keys,
-                   std::chrono::milliseconds timeout) {
+                   std::chrono::milliseconds timeout, const std::string& what) {
   // Poll with check() rather than Store::wait(), so that a timeout can say
   // exactly which keys (ranks) are missing.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -28,7 +28,7 @@ void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vec
   for (size_t i = 0; i < missing.size(); ++i) names << (i ? ", " : "") << missing[i];
   TORCH_CHECK(false, "rendezvous timed out after ", timeout.count(), " ms (store prefix '", prefix,
               "'): rank(s) [", names.str(),
-              "] never published their address. Check that those ranks started, that every rank "
+              "] never published ", what, ". Check that those ranks started, that every rank "
               "uses the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, and that they create the "
               "same communicators in the same order");
 }

@@ -14,8 +14,8 @@
 namespace zeroshard::comm {
 
 // Returns once every key prefix + keys[i] exists; throws naming the missing
-// ones (they are rank numbers) after `timeout`.
+// ones (they are rank numbers) after `timeout`; `what` is what they publish.
 void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vector<std::string>& keys,
-                   std::chrono::milliseconds timeout);
+                   std::chrono::milliseconds timeout, const std::string& what = "their address");
 
 }  // namespace zeroshard::comm

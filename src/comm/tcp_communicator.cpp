@@ -199,6 +199,15 @@ std::shared_ptr<Communicator> TcpCommunicator::split(const std::vector<int>& ran
                                             key + "comm/", host_, options_);
 }
 
+TcpCommunicator::Meeting TcpCommunicator::meeting_point(const std::string& purpose) {
+  uint64_t index;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    index = split_count_++;
+  }
+  return {store_, prefix_ + purpose + "/" + std::to_string(index) + "/", world_ranks_};
+}
+
 CommStats TcpCommunicator::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

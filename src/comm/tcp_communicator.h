@@ -52,6 +52,17 @@ class TcpCommunicator final : public Communicator {
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks) override;
   CommStats stats() const override;
 
+  // Where a communicator made beside this one, of the same ranks (NCCL's),
+  // meets its peers: the rendezvous store, a key prefix unique to this call,
+  // and the world rank of each rank. Collective in the sense that every rank
+  // must call it in the same order (it counts calls, as split() does).
+  struct Meeting {
+    std::shared_ptr<c10d::Store> store;
+    std::string prefix;
+    std::vector<int> world_ranks;
+  };
+  Meeting meeting_point(const std::string& purpose);
+
  private:
   struct Queued {
     std::shared_ptr<OpWork> work;

@@ -65,6 +65,7 @@ size_t Watchdog::poll() {
   }
   // Device queries without the lock: an event query or an error query may take a while.
   for (const auto& comm : comms) {
+    comm->heartbeat();
     const std::string error = comm->async_error();
     if (!error.empty()) {
       std::string why = "the communicator reported an asynchronous error: " + error;
@@ -79,7 +80,7 @@ size_t Watchdog::poll() {
     if (f.op->finished_on_device()) {
       done.push_back(f.op);
     } else if (now - f.issued >= timeout_) {
-      const std::string missing = f.comm->missing_ranks(f.op->seq());
+      const std::string missing = f.op->missing_ranks();
       fail_all(f.op->name() + " did not complete within " + std::to_string(timeout_.count()) + " ms" +
                    (missing.empty() ? "" : ": " + missing) +
                    ". Every communicator was aborted; check that every rank issues the same operations in the "

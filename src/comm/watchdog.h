@@ -33,14 +33,15 @@ class WatchedOp {
   virtual ~WatchedOp() = default;
   // The operation's name for messages, e.g. "all_reduce #12 on rank 0 of 4".
   virtual const std::string& name() const = 0;
-  // Its sequence number on its communicator.
-  virtual uint64_t seq() const = 0;
   // True once the device finished it (its end event fired).
   virtual bool finished_on_device() = 0;
   // Finishes the host side: success releases its tensors; failure makes
   // wait() throw `message`. Each is called at most once, and only one of them.
   virtual void complete() = 0;
   virtual void fail(const std::string& message) = 0;
+  // Which ranks never issued it, for the timeout's message, e.g.
+  // "rank(s) [2] never issued it (rank 2 issued up to #10)"; "" if unknown.
+  virtual std::string missing_ranks() = 0;
 };
 
 // A communicator as the watchdog sees it.
@@ -51,9 +52,9 @@ class WatchedComm {
   virtual std::string async_error() = 0;
   // Aborts it: no operation in flight will finish; later ones fail with `why`.
   virtual void abort(const std::string& why) = 0;
-  // Which ranks never issued operation `seq`, for the timeout's message, e.g.
-  // "rank(s) [2] never issued it (rank 2 last issued #10)"; "" if unknown.
-  virtual std::string missing_ranks(uint64_t seq) = 0;
+  // Called on every poll: a communicator may publish its progress (rate-limited
+  // by itself) so that other ranks' timeouts can name the missing ranks.
+  virtual void heartbeat() = 0;
 };
 
 // The timeout message's account of who is missing, from the number of

@@ -16,15 +16,19 @@ using Time = std::chrono::steady_clock::time_point;
 struct FakeOp : WatchedOp {
   FakeOp(std::string n, uint64_t s) : name_(std::move(n)), seq_(s) {}
   const std::string& name() const override { return name_; }
-  uint64_t seq() const override { return seq_; }
   bool finished_on_device() override { return on_device; }
   void complete() override { ++completed; }
   void fail(const std::string& m) override {
     ++failed;
     message = m;
   }
+  std::string missing_ranks() override {
+    ++asked;
+    return "rank(s) [3] never issued #" + std::to_string(seq_);
+  }
   std::string name_;
   uint64_t seq_;
+  int asked = 0;
   bool on_device = false;
   int completed = 0, failed = 0;
   std::string message;
@@ -36,13 +40,9 @@ struct FakeComm : WatchedComm {
     ++aborts;
     why = w;
   }
-  std::string missing_ranks(uint64_t seq) override {
-    asked_seq = seq;
-    return missing;
-  }
-  std::string error, why, missing = "rank(s) [3] never issued it (rank 3 issued up to #4)";
-  int aborts = 0;
-  uint64_t asked_seq = 0;
+  void heartbeat() override { ++heartbeats; }
+  std::string error, why;
+  int aborts = 0, heartbeats = 0;
 };
 
 struct Fixture {
@@ -75,6 +75,7 @@ TEST(Watchdog, CompletesWhatTheDeviceFinishedAndKeepsTheRest) {
   EXPECT_EQ(f.dog.poll(), 0u);
   EXPECT_EQ(op2->completed, 1);
   EXPECT_EQ(f.a->aborts + f.b->aborts, 0);
+  EXPECT_EQ(f.a->heartbeats, 4) << "every poll gives each communicator a heartbeat";
 }
 
 TEST(Watchdog, TimesOutAtTheDeadlineNotBeforeAndAbortsEveryCommunicatorOnce) {
@@ -87,13 +88,14 @@ TEST(Watchdog, TimesOutAtTheDeadlineNotBeforeAndAbortsEveryCommunicatorOnce) {
   EXPECT_EQ(first->failed, 0);
   f.now += 1ms;
   EXPECT_EQ(f.dog.poll(), 0u);
-  EXPECT_EQ(f.a->asked_seq, 5u) << "the missing ranks were asked about another operation";
+  EXPECT_EQ(first->asked, 1) << "the timed-out operation was not asked who is missing";
+  EXPECT_EQ(later->asked, 0) << "an operation that did not time out was asked who is missing";
   for (auto* op : {first.get(), later.get()}) {
     EXPECT_EQ(op->failed, 1);
     EXPECT_EQ(op->completed, 0);
     EXPECT_NE(op->message.find("all_reduce #5 on rank 0 of 4 did not complete within 1000 ms"), std::string::npos)
         << op->message;
-    EXPECT_NE(op->message.find("rank(s) [3] never issued it"), std::string::npos) << op->message;
+    EXPECT_NE(op->message.find("rank(s) [3] never issued #5"), std::string::npos) << op->message;
   }
   EXPECT_EQ(f.a->aborts, 1);
   EXPECT_EQ(f.b->aborts, 1);
