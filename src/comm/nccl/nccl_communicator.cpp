@@ -279,6 +279,16 @@ void issue_on(CommState& state, NcclWork& work, const IssueFn& issue, std::chron
   work.mark_issued();
 }
 
+// A high-priority stream of its own on `device` (communication never queues behind compute).
+cudaStream_t make_stream(const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  int lo = 0, hi = 0;
+  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+  cudaStream_t stream = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, hi));
+  return stream;
+}
+
 ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
@@ -294,10 +304,7 @@ class NcclCommunicator final : public Communicator {
         issuer_(IssueThread::of(device.index())) {
     state_ = std::make_shared<CommState>(device.index(), rank, size, std::move(meeting));
     state_->self = state_;
-    const c10::cuda::CUDAGuard guard(device_);
-    int lo = 0, hi = 0;
-    C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    C10_CUDA_CHECK(cudaStreamCreateWithPriority(&state_->stream, cudaStreamNonBlocking, hi));
+    state_->stream = make_stream(device_);
     if (comm != nullptr) {
       state_->comm = comm;
     } else {
@@ -497,10 +504,7 @@ class NcclCommunicator final : public Communicator {
                                                                        {state_->meeting.world_ranks[src],
                                                                         state_->meeting.world_ranks[dst]}});
       ch->state->self = ch->state;
-      int lo = 0, hi = 0;
-      const c10::cuda::CUDAGuard guard(device_);
-      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&ch->state->stream, cudaStreamNonBlocking, hi));
+      ch->state->stream = make_stream(device_);
       family_->dog.add(ch->state);
     }
     return ch;
