@@ -13,7 +13,18 @@
 // which bench/optim_bench.sh puts beside PyTorch's (bench/optim_peer.py).
 //
 //   bench/optim_bench [--min-m 16] [--max-m 128] [--reps 11] [--threads N]
+//
+// With --device cuda (a CUDA build, on a GPU), the same step on the device:
+//   copy     a device-to-device copy of n fp32 (8 B/element: read + write), the
+//            bandwidth the goal is measured against
+//   fused    zeroshard's CUDA kernel: fp32 gradient (28 B), and fp32 master +
+//            bf16 gradient + bf16 parameter copy written in the same pass (28 B)
+//   PyTorch  at::_fused_adamw_ (fp32, 28 B), what torch.optim.AdamW(fused=True) runs
+// Each row also gives its GB/s divided by the copy's ("of copy").
 #include "optim/fused_adamw.h"
+#ifdef ZS_WITH_CUDA
+#include "optim/cuda/fused_adamw_cuda.h"
+#endif
 
 #include <CLI/CLI.hpp>
 #include <ATen/Parallel.h>
@@ -71,6 +82,63 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
   });
 }
 
+#ifdef ZS_WITH_CUDA
+// The device rows (see the top); every kernel synchronises before its clock stops.
+int run_cuda(int min_m, int max_m, int reps) {
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "optim_bench --device cuda: no CUDA device on this machine\n");
+    return 1;
+  }
+  std::printf("optim_bench: CUDA device 0, best of %d\n", reps);
+  torch::NoGradGuard no_grad;
+  const auto dev = torch::TensorOptions().device(torch::kCUDA);
+  for (int m = min_m; m <= max_m; m *= 2) {
+    const int64_t n = static_cast<int64_t>(m) << 20;
+    auto src = torch::randn({n}, dev), dst = torch::empty({n}, dev);
+    auto state = [&](c10::ScalarType gdt) {
+      return std::vector<torch::Tensor>{torch::randn({n}, dev), torch::randn({n}, dev).to(gdt),
+                                        torch::zeros({n}, dev), torch::zeros({n}, dev)};
+    };
+    auto z = state(torch::kFloat), zb = state(torch::kBFloat16), pt = state(torch::kFloat);
+    auto copy16 = torch::empty({n}, dev.dtype(torch::kBFloat16));
+    auto pt_step = torch::zeros({}, dev);
+    int64_t step = 0, step_b = 0;
+    auto sync = [](const std::function<void()>& f) { return [f] { f(); torch::cuda::synchronize(); }; };
+    const std::vector<std::pair<std::string, double>> rows{
+        {"device-to-device copy (8 B: read + write)", 8},
+        {"zeroshard CUDA AdamW, fp32 gradient", 28},
+        {"zeroshard CUDA AdamW, fp32 master + bf16 gradient + bf16 copy", 28},
+        {"PyTorch at::_fused_adamw_ (fp32)", 28}};
+    const std::vector<std::function<void()>> kernels{
+        sync([&] { dst.copy_(src); }),
+        sync([&] {
+          zeroshard::optim::fused_adamw_cuda({{0, n, zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step)}},
+                                             z[0], z[1], z[2], z[3]);
+        }),
+        sync([&] {
+          zeroshard::optim::fused_adamw_cuda(
+              {{0, n, zeroshard::optim::adamw_coeffs(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step_b)}}, zb[0], zb[1], zb[2],
+              zb[3], copy16);
+        }),
+        sync([&] {
+          pt_step += 1;
+          at::_fused_adamw_({pt[0]}, {pt[1]}, {pt[2]}, {pt[3]}, {}, {pt_step}, 1e-3, 0.9, 0.999, 0.01, 1e-8,
+                            /*amsgrad=*/false, /*maximize=*/false);
+        })};
+    torch::cuda::synchronize();
+    const auto best = best_seconds(reps, kernels);
+    const double copy_gbs = rows[0].second * static_cast<double>(n) / best[0] / 1e9;
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const double gbs = rows[k].second * static_cast<double>(n) / best[k] / 1e9;
+      std::printf("ROW | cuda | %dM | %s | %.3f | %.1f | %.2f of copy |\n", m, rows[k].first.c_str(), best[k] * 1e3,
+                  gbs, gbs / copy_gbs);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+#endif
+
 }  // namespace optim_bench
 
 int optim_bench_main(int argc, char** argv) {
@@ -82,7 +150,19 @@ int optim_bench_main(int argc, char** argv) {
   app.add_option("--max-m", max_m, "largest size, millions of elements (x 2^20)")->capture_default_str();
   app.add_option("--reps", reps, "timed repetitions (best reported, as STREAM does)")->capture_default_str();
   app.add_option("--threads", threads, "threads for all four (default: every core)")->capture_default_str();
+  std::string device = "cpu";
+  app.add_option("--device", device, "cpu, or cuda (the CUDA kernel against a device copy and PyTorch's)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (device == "cuda") {
+#ifdef ZS_WITH_CUDA
+    return run_cuda(min_m, max_m, reps);
+#else
+    std::fprintf(stderr, "optim_bench --device cuda: this zeroshard was built without CUDA\n");
+    return 1;
+#endif
+  }
   at::set_num_threads(std::max(1, threads));
   threads = at::get_num_threads();
 
