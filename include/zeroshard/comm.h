@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace zeroshard {
@@ -151,10 +152,21 @@ class Communicator {
 
 // A data communicator and the communicator of its control plane: flags, norms,
 // checksums and votes, small host values that must not wait behind bulk or
-// device traffic. The control communicator is always a CPU one.
+// device traffic. The control communicator is always a CPU one, of the same
+// ranks. What the optimizers and fully_shard take: a CPU communicator converts
+// to a group implicitly, a device communicator comes as one (init_nccl,
+// stage_through_host).
 struct ProcessGroup {
   std::shared_ptr<Communicator> data;
   std::shared_ptr<Communicator> control;
+
+  ProcessGroup() = default;
+  // REQUIRES: both non-null; control on the CPU, with data's rank and size.
+  ProcessGroup(std::shared_ptr<Communicator> data, std::shared_ptr<Communicator> control);
+  // ProcessGroup::of(comm).
+  template <class C, class = std::enable_if_t<std::is_base_of<Communicator, C>::value>>
+  ProcessGroup(std::shared_ptr<C> comm) : ProcessGroup(of(std::move(comm))) {}  // NOLINT: implicit on purpose
+
   // For a CPU communicator both are `comm` (control values share its queue,
   // in the order they were issued); a device communicator needs its CPU one
   // named: ProcessGroup{device_comm, cpu_comm}.
@@ -180,6 +192,22 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
 // NCCL before 2.30 refuses two ranks on one GPU.
 ProcessGroup init_nccl(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {});
 #endif
+
+// A communicator of `device` tensors that moves them through host memory over
+// `cpu` (a CPU communicator), paired with `cpu` as its control plane. For
+// several ranks on one GPU, which NCCL before 2.30 refuses (tests, debugging),
+// and for devices without a collective library; as fast as the host copies and
+// the CPU transport. Inputs are copied to the host when an operation is issued
+// (after the work queued before it on the current stream); results land on the
+// device when the Work is waited on (wait(): the current stream;
+// Work::block(stream): `stream`). Not collective: it makes no connection.
+ProcessGroup stage_through_host(std::shared_ptr<Communicator> cpu, c10::Device device);
+
+// The process group of a trainer whose model is on `device`: `cpu` itself for
+// the CPU; for CUDA, NCCL (init_nccl) when this node's ranks have a GPU each
+// (LOCAL_WORLD_SIZE <= the GPUs visible), else stage_through_host, with a
+// warning (NCCL before 2.30 refuses two ranks on one GPU). Collective over `cpu`.
+ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {});
 
 // Where this process sits in the job, read from the environment.
 struct DistEnv {

@@ -1,5 +1,9 @@
 #include "zeroshard/comm.h"
 
+#include "zeroshard/log.h"
+
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -51,6 +55,40 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
     out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<int64_t>() + r * words), static_cast<size_t>(len[r]));
   }
   return out;
+}
+
+ProcessGroup::ProcessGroup(std::shared_ptr<Communicator> data_, std::shared_ptr<Communicator> control_)
+    : data(std::move(data_)), control(std::move(control_)) {
+  TORCH_CHECK_VALUE(data != nullptr && control != nullptr, "ProcessGroup: the ", data ? "control" : "data",
+                    " communicator is null");
+  TORCH_CHECK_VALUE(control->device().is_cpu(), "ProcessGroup: the control communicator moves ", control->device(),
+                    " tensors; the control plane (flags, norms, votes) needs a CPU communicator (init_communicator)");
+  TORCH_CHECK_VALUE(control->size() == data->size() && control->rank() == data->rank(),
+                    "ProcessGroup: the data communicator is rank ", data->rank(), " of ", data->size(),
+                    " but the control communicator is rank ", control->rank(), " of ", control->size(),
+                    "; pair each device communicator with the CPU communicator it was made from");
+}
+
+ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options) {
+  TORCH_CHECK_VALUE(cpu != nullptr, "device_group: the CPU communicator is null; pass zeroshard::init_communicator()");
+  if (device.is_cpu()) return ProcessGroup::of(std::move(cpu));
+  TORCH_CHECK_VALUE(device.is_cuda(), "device_group: no collectives for ", device, " tensors; use cpu or cuda");
+  const int gpus = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
+  TORCH_CHECK_VALUE(gpus > 0, "device_group: ", device, " was asked for but no CUDA device is visible (",
+                    "CUDA_VISIBLE_DEVICES, or a zeroshard built against a CPU LibTorch); use cpu");
+  const int local = read_dist_env().local_world_size;
+  if (local > gpus) {
+    log_warn("device_group: " + std::to_string(local) + " ranks on this node share " + std::to_string(gpus) +
+             " GPU(s); their collectives go through host memory (stage_through_host), since NCCL refuses two "
+             "ranks on one GPU. Give each rank a GPU of its own for NCCL");
+    return stage_through_host(std::move(cpu), device);
+  }
+#ifdef ZS_WITH_CUDA
+  return init_nccl(std::move(cpu), device, options);
+#else
+  TORCH_CHECK_VALUE(false, "device_group: this zeroshard was built without NCCL (a CPU LibTorch); rebuild "
+                    "against a CUDA LibTorch for ", device);
+#endif
 }
 
 ProcessGroup ProcessGroup::of(std::shared_ptr<Communicator> comm) {

@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#ifdef ZS_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace zeroshard::comm {
 
 OpWork::OpWork(OpKind kind, uint64_t seq, std::string name, std::vector<at::Tensor> tensors)
@@ -50,5 +54,18 @@ void OpWork::set_progress(std::string progress) {
   std::lock_guard<std::mutex> lock(mu_);
   progress_ = std::move(progress);
 }
+
+c10::Stream current_stream(c10::Device device) {
+  if (device.is_cuda()) {
+#ifdef ZS_WITH_CUDA
+    return c10::cuda::getCurrentCUDAStream(device.index());
+#else
+    TORCH_CHECK(false, "current_stream: ", device, " needs a zeroshard built against a CUDA LibTorch");
+#endif
+  }
+  return c10::Stream(c10::Stream::DEFAULT, device);
+}
+
+void block_current(Work& work, c10::Device device) { work.block(current_stream(device)); }
 
 }  // namespace zeroshard::comm

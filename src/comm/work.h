@@ -52,4 +52,13 @@ class OpWork : public Work {
   std::string progress_;      // guarded by mu_
 };
 
+// The stream work on `device` is queued on now: CUDA's current stream of that
+// device; for the CPU a placeholder (Work::block on it waits on the host).
+c10::Stream current_stream(c10::Device device);
+
+// Makes what the caller queues next on `device` come after `work`:
+// Work::block on the current stream (a host wait for a CPU communicator).
+// Before an operation's output is used, and before its input is written again.
+void block_current(Work& work, c10::Device device);
+
 }  // namespace zeroshard::comm
