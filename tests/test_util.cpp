@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <torch/cuda.h>
+
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +33,44 @@ std::shared_ptr<Communicator> world_ptr() {
 }
 
 Communicator& world() { return *world_ptr(); }
+
+namespace {
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
+}
+std::string test_comm() { return env_or("ZS_TEST_COMM", test_device().is_cpu() ? "tcp" : "nccl"); }
+}  // namespace
+
+c10::Device test_device() {
+  static const c10::Device device = [] {
+    const std::string name = env_or("ZS_TEST_DEVICE", "cpu");
+    if (name == "cpu") return c10::Device(c10::kCPU);
+    if (name != "cuda") throw std::runtime_error("ZS_TEST_DEVICE is '" + name + "'; use cpu or cuda");
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    if (gpus < 1) throw std::runtime_error("ZS_TEST_DEVICE=cuda but no CUDA device is visible");
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(read_dist_env().local_rank % gpus));
+  }();
+  return device;
+}
+
+ProcessGroup& test_group() {
+  static ProcessGroup group = []() -> ProcessGroup {
+    const std::string comm = test_comm();
+    if (comm == "tcp") {
+      if (!test_device().is_cpu()) throw std::runtime_error("ZS_TEST_COMM=tcp moves CPU tensors only");
+      return world_ptr();
+    }
+    if (comm == "staged") return stage_through_host(world_ptr(), test_device());
+#ifdef ZS_WITH_CUDA
+    if (comm == "nccl") return init_nccl(world_ptr(), test_device());
+#endif
+    throw std::runtime_error("ZS_TEST_COMM is '" + comm + "'; use tcp, staged or nccl (nccl in a CUDA build)");
+  }();
+  return group;
+}
+
+std::string test_setup() { return test_device().str() + "/" + test_comm(); }
 
 std::string build_dir() {
   auto exe = std::filesystem::read_symlink("/proc/self/exe");

@@ -19,6 +19,19 @@ at::Tensor pattern(int rank, int64_t numel, at::ScalarType dtype, int salt = 0);
 Communicator& world();
 std::shared_ptr<Communicator> world_ptr();
 
+// Where the oracle tests of the sharded optimizers train, and what they shard
+// over, chosen by the environment (scripts/gpu-check.sh sets them):
+//   ZS_TEST_DEVICE  cpu (default) or cuda (this rank's cuda:LOCAL_RANK modulo
+//                   the GPUs present, so several ranks may share one GPU)
+//   ZS_TEST_COMM    tcp: the world itself (CPU only); staged: the world with
+//                   tensors staged through host memory (stage_through_host,
+//                   any device, any number of ranks per GPU); nccl: init_nccl.
+//                   Default: tcp on the CPU, nccl on cuda.
+c10::Device test_device();
+ProcessGroup& test_group();
+// "cpu/tcp", "cuda:0/nccl", ...: for the tests' printed lines.
+std::string test_setup();
+
 // Directory holding the build's executables (zeroshard-run, examples/...).
 std::string build_dir();
 

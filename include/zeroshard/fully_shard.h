@@ -166,7 +166,9 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 // (ranks exchange a hash of every unit's parameter names, shapes and dtypes and
 // refuse to start, naming the first difference, when they disagree). Rank 0's
 // parameter values are what every rank starts from.
-// REQUIRES: parameters on the CPU, Float, BFloat16 or Half (one dtype per unit;
+// `group`: a CPU communicator (init_communicator), or a device one with its
+// CPU control plane (init_nccl, stage_through_host).
+// REQUIRES: parameters on the group's device (group.data->device()), Float, BFloat16 or Half (one dtype per unit;
 //           16-bit units keep an fp32 master shard, and gather and reduce in
 //           their dtype; Half wants loss scaling, on by default in FullyShardedAdamW);
 //           a unit's parameters belong to it alone.
@@ -174,13 +176,12 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
 // Sharded<> wrappers pass-through again; resharded parameters stay empty, and
 // any use of them fails with an error).
 [[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
-                                                             std::shared_ptr<Communicator> comm,
-                                                             FullyShardOptions options = {});
+                                                             ProcessGroup group, FullyShardOptions options = {});
 // A module holder (TORCH_MODULE's `Net`, torch::nn::Linear, ...).
 template <typename Holder, typename = decltype(std::declval<Holder&>().ptr())>
-[[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, std::shared_ptr<Communicator> comm,
-                                               FullyShardOptions options = {}) {
-  return fully_shard(std::static_pointer_cast<torch::nn::Module>(root.ptr()), std::move(comm), options);
+[[nodiscard]] std::shared_ptr<FullyShardedModel> fully_shard(Holder& root, ProcessGroup group,
+                                                             FullyShardOptions options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(root.ptr()), std::move(group), options);
 }
 
 // The sharding state of a model: its units, in registration order (root last).

@@ -314,18 +314,21 @@ class ShardedOptimizer : public torch::optim::Optimizer {
 // ZeRO-1/2 (see the top of this file).
 class ShardedAdamW : public ShardedOptimizer {
  public:
-  // REQUIRES: comm non-null; every parameter on the CPU, Float/BFloat16/Half;
-  //           every rank passes the same parameters (names, shapes, dtypes) and options.
-  ShardedAdamW(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,
+  // `group`: a CPU communicator (init_communicator), or a device one with its
+  // CPU control plane (init_nccl, stage_through_host).
+  // REQUIRES: every parameter on the group's device (group.data->device()),
+  //           Float/BFloat16/Half; every rank passes the same parameters
+  //           (names, shapes, dtypes) and options.
+  ShardedAdamW(std::vector<torch::Tensor> params, ProcessGroup group,
                torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   // Param groups with their own AdamWOptions (lr, weight_decay, ...).
-  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
                torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   // From module->named_parameters(): errors and checkpoints use these names.
   ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
-               std::shared_ptr<Communicator> comm,
+               ProcessGroup group,
                torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   ~ShardedAdamW() override;
@@ -344,7 +347,7 @@ class ShardedAdamW : public ShardedOptimizer {
   struct Impl;
 
  private:
-  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+  ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
                torch::optim::AdamWOptions defaults, ShardedAdamWOptions options,
                const torch::OrderedDict<std::string, torch::Tensor>* names);
   std::unique_ptr<Impl> impl_;

@@ -6,6 +6,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
+#ifdef ZS_WITH_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -28,10 +32,15 @@ inline std::shared_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, u
 }
 
 // Re-sizes a tensor's storage in place, keeping its StorageImpl (views of it
-// stay valid and see the new memory). 0 frees the memory.
+// stay valid and see the new memory). 0 frees the memory. CUDA memory is
+// allocated and freed on the current stream (the caching allocator's order).
 inline void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
-  TORCH_CHECK(t.device().is_cpu(), "resize_storage_bytes: only CPU storage is supported here, got ", t.device());
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+  if (t.device().is_cpu()) return at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+#ifdef ZS_WITH_CUDA
+  if (t.device().is_cuda()) return at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), nbytes);
+#endif
+  TORCH_CHECK(false, "resize_storage_bytes: no storage resize for ", t.device(),
+              " tensors in this zeroshard (CPU, and CUDA when built against a CUDA LibTorch)");
 }
 
 // The dispatch key that marks the parameters of a resharded fully_shard unit

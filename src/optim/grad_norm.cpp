@@ -64,4 +64,10 @@ double sum_of_squares(const void* data, c10::ScalarType dtype, int64_t n) {
   }
 }
 
+double sum_of_squares(const at::Tensor& t) {
+  if (t.device().is_cpu()) return sum_of_squares(t.data_ptr(), t.scalar_type(), t.numel());
+  const double norm = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).item<double>();
+  return norm * norm;
+}
+
 }  // namespace zeroshard::optim

@@ -2,6 +2,7 @@
 // shared by all units (end-of-backward callback, reductions in a fixed order).
 #include "shard/unit.h"
 
+#include "comm/work.h"
 #include "compat/autograd_hooks.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
@@ -285,8 +286,9 @@ FullyShardedModel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : mode
 FullyShardedModel::NoSyncGuard FullyShardedModel::no_sync() { return NoSyncGuard(this); }
 
 std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
-                                               std::shared_ptr<Communicator> comm, FullyShardOptions options) {
+                                               ProcessGroup group, FullyShardOptions options) {
   TORCH_CHECK_VALUE(root != nullptr, "fully_shard: the module is null");
+  auto comm = group.data;
   TORCH_CHECK_VALUE(comm != nullptr, "fully_shard: the communicator is null; pass zeroshard::init_communicator()");
   TORCH_CHECK_VALUE(options.max_inflight_reductions >= 1, "fully_shard: max_inflight_reductions is ",
                     options.max_inflight_reductions, "; it must be >= 1 (Default: 2)");
@@ -297,6 +299,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     "fully_shard: reduce_dtype is ", c10::toString(rd),
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<FullyShardedModel::Impl>();
+  impl->group = group;
   impl->comm = comm;
   impl->reduce_comm = comm->dup();
   impl->options = options;
@@ -341,8 +344,9 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   // Checks, then agreement across ranks before any data moves.
   std::vector<std::string> entries;
   auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
-    TORCH_CHECK_VALUE(p.device().is_cpu(), "fully_shard: parameter '", name, "' is on ", p.device(),
-                      " but the communicator moves CPU tensors; move the model to the CPU");
+    TORCH_CHECK_VALUE(p.device() == comm->device(), "fully_shard: parameter '", name, "' is on ", p.device(),
+                      " but the communicator moves ", comm->device(), " tensors; move the model to ", comm->device(),
+                      " before fully_shard, or pass a communicator of ", p.device(), " (init_nccl for CUDA)");
     TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                       "fully_shard: parameter '", name, "' has dtype ", c10::toString(p.scalar_type()),
                       "; fully_shard shards Float, BFloat16 and Half parameters (16-bit ones keep an fp32 master)");
@@ -371,7 +375,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers) +
                     " keep_last_unit_for_backward=" + std::to_string(options.keep_last_unit_for_backward) +
                     " reduce_dtype=" + c10::toString(options.reduce_dtype));
-  shard::check_same_on_all_ranks(*comm, entries, "fully_shard units");
+  shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
 
   torch::NoGradGuard no_grad;
   auto& m = *impl;
@@ -387,7 +391,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   if (m.world > 1) {
     for (auto& u : m.units) works.push_back(comm->broadcast(u->gathered, 0));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works) comm::block_current(*w, comm->device());
   size_t first_param = 0;  // each unit's parameters in FullyShardedAdamW's numbering: units in order
   for (auto& u : m.units) {
     for (size_t i = 0; i < u->tensors.size(); ++i) u->params.push_back(first_param + i);

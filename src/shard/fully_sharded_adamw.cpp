@@ -7,6 +7,7 @@
 // that the gather runs while the other units are updated).
 #include "shard/unit.h"
 
+#include "comm/work.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
@@ -94,7 +95,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
                     "; it must be >= 0 (0: no clipping)");
   auto& m = model_->impl();
   Shards shards;
-  shards.process_group = ProcessGroup::of(m.comm);
+  shards.process_group = m.group;
   shards.mu = &m.guard->mu;
   shards.max_grad_norm = options.max_grad_norm;
   shards.loss_scale = options.loss_scale;
@@ -188,7 +189,7 @@ void FullyShardedModel::Impl::publish_update(size_t unit) {
 void FullyShardedModel::Impl::finish_publish() {
   prefetch_first_forward_unit();  // behind the root's gather; overlaps whatever precedes the next forward
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : update_gathers) w->wait();
+  for (auto& w : update_gathers) comm::block_current(*w, comm->device());
   exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (trace::enabled() && !update_gathers.empty()) trace::record("wait for gather of (root) after the update", "wait", t0);
   update_gathers.clear();
@@ -214,7 +215,7 @@ void FullyShardedModel::Impl::install_masters() {
       u->reshard();  // a gathered (or prefetched) copy would be stale
     }
   }
-  for (auto& w : gathers) w->wait();
+  for (auto& w : gathers) comm::block_current(*w, comm->device());
 }
 
 }  // namespace zeroshard

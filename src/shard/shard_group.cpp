@@ -1,6 +1,8 @@
 // shard_group.cpp — a shard group's gradient accumulation and its update.
 #include "shard/shard_group.h"
 
+#include "comm/work.h"
+
 #include "zeroshard/trace.h"
 
 #ifdef ZS_WITH_CUDA
@@ -92,7 +94,7 @@ ReductionQueue::Entry ReductionQueue::drain_oldest() {
   inflight_.pop_front();
   if (e.work) {
     const auto t0 = std::chrono::steady_clock::now();
-    e.work->wait();
+    comm::block_current(*e.work, e.out.device());  // on a device: orders the stream, no host wait
     waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (trace::enabled()) trace::record("wait for reduction of " + e.label, "wait", t0);
   }

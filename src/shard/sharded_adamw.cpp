@@ -2,6 +2,7 @@
 // The gradient side (hooks, bucketed reduce-scatter) is in grad_reduction.cpp.
 #include "shard/sharded_adamw_impl.h"
 
+#include "comm/work.h"
 #include "shard/rank_agreement.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/log.h"
@@ -72,9 +73,10 @@ void check_options(const ShardedAdamWOptions& options) {
 
 }  // namespace
 
-ShardedAdamW::Impl::Impl(ShardedAdamW& owner_, std::shared_ptr<Communicator> comm_, ShardedAdamWOptions options_)
+ShardedAdamW::Impl::Impl(ShardedAdamW& owner_, ProcessGroup group_, ShardedAdamWOptions options_)
     : owner(owner_),
-      comm(std::move(comm_)),
+      group(std::move(group_)),
+      comm(group.data),
       options(options_),
       target(std::make_shared<shard::HookTarget>()) {}
 
@@ -129,25 +131,25 @@ bool ShardedAdamW::Impl::any_had_grad() const {
   return false;
 }
 
-ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, std::shared_ptr<Communicator> comm,
+ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, ProcessGroup group,
                            AdamWOptions defaults, ShardedAdamWOptions options)
-    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))}, std::move(comm),
+    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))}, std::move(group),
                    std::move(defaults), std::move(options)) {}
 
 ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
-                           std::shared_ptr<Communicator> comm, AdamWOptions defaults, ShardedAdamWOptions options)
-    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(named_params.values())}, std::move(comm),
+                           ProcessGroup group, AdamWOptions defaults, ShardedAdamWOptions options)
+    : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(named_params.values())}, std::move(group),
                    std::move(defaults), std::move(options), &named_params) {}
 
-ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,
                            AdamWOptions defaults, ShardedAdamWOptions options)
-    : ShardedAdamW(std::move(groups), std::move(comm), std::move(defaults), std::move(options), nullptr) {}
+    : ShardedAdamW(std::move(groups), std::move(group), std::move(defaults), std::move(options), nullptr) {}
 
-ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_ptr<Communicator> comm,
+ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,
                            AdamWOptions defaults, ShardedAdamWOptions options, const Names* names)
     : ShardedOptimizer(checked(std::move(groups), names), std::move(defaults), "ShardedAdamW", options.zero_stage) {
-  TORCH_CHECK_VALUE(comm != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
-  impl_ = std::make_unique<Impl>(*this, std::move(comm), options);
+  TORCH_CHECK_VALUE(group.data != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
+  impl_ = std::make_unique<Impl>(*this, std::move(group), options);
   auto& im = *impl_;
   im.rank = im.comm->rank();
   im.world = im.comm->size();
@@ -180,8 +182,10 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
           continue;
         }
         group_seen.emplace(key, g);
-        TORCH_CHECK_VALUE(p.device().is_cpu(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
-                          " but the communicator moves CPU tensors; move the model to the CPU");
+        TORCH_CHECK_VALUE(p.device() == im.comm->device(), "ShardedAdamW: parameter '", name, "' is on ",
+                          p.device(), " but the communicator moves ", im.comm->device(), " tensors; move the model to ",
+                          im.comm->device(), " before constructing the optimizer, or pass a communicator of ",
+                          p.device(), " (init_nccl for CUDA)");
         TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
                           "' is sparse; only dense parameters can be sharded");
         const auto dt = p.scalar_type();
@@ -214,7 +218,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
   for (size_t i = 0; i < im.infos.size(); ++i) {
     entries.push_back("group " + std::to_string(im.group_of[i]) + " " + im.infos[i].describe());
   }
-  shard::check_same_on_all_ranks(*im.comm, entries, "ShardedAdamW parameters");
+  shard::check_same_on_all_ranks(*im.group.control, entries, "ShardedAdamW parameters");
   TORCH_CHECK_VALUE(local_error.empty(), local_error);
 
   // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
@@ -232,7 +236,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
     b.shard = b.layout.shard(im.rank);
     b.segments = shard_segments(b.layout, im.rank);
     b.had_grad.assign(members.size(), 0);
-    b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype));
+    b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype).device(im.comm->device()));
     for (size_t e = 0; e < members.size(); ++e) {
       auto& p = im.params[members[e]];
       const int64_t off = b.layout.offsets[e];
@@ -243,7 +247,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
     if (im.world > 1) broadcasts.push_back(im.comm->broadcast(b.flat_params, 0));
     im.buckets.push_back(std::move(b));
   }
-  for (auto& w : broadcasts) w->wait();
+  for (auto& w : broadcasts) comm::block_current(*w, im.comm->device());
   int64_t shard_elems = 0;
   Shards shards;
   for (auto& b : im.buckets) {
@@ -254,7 +258,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, std::shared_
     shards.groups.push_back(&b);
   }
   im.ready.assign(im.params.size(), 0);
-  shards.process_group = ProcessGroup::of(im.comm);
+  shards.process_group = im.group;
   shards.mu = &im.target->mu;
   shards.infos = im.infos;
   shards.tensors = im.params;
@@ -309,7 +313,7 @@ void ShardedAdamW::group_updated(size_t k, bool changed) {
 void ShardedAdamW::finish_update() {
   auto& im = *impl_;
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : im.gathers) w->wait();
+  for (auto& w : im.gathers) comm::block_current(*w, im.comm->device());
   im.gathers.clear();
   im.gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -350,7 +354,7 @@ void ShardedAdamW::install_masters() {
     if (b.layout.dtype != at::kFloat) b.values.copy_(b.master);  // round to the parameters' dtype
     if (impl_->world > 1) gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
   }
-  for (auto& w : gathers) w->wait();
+  for (auto& w : gathers) comm::block_current(*w, impl_->comm->device());
 }
 
 void ShardedAdamW::accept_restored_gradients() {

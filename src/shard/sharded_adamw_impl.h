@@ -33,10 +33,11 @@ struct HookTarget {
 }  // namespace shard
 
 struct ShardedAdamW::Impl {
-  Impl(ShardedAdamW& owner, std::shared_ptr<Communicator> comm, ShardedAdamWOptions options);
+  Impl(ShardedAdamW& owner, ProcessGroup group, ShardedAdamWOptions options);
 
   ShardedAdamW& owner;
-  std::shared_ptr<Communicator> comm;
+  ProcessGroup group;
+  std::shared_ptr<Communicator> comm;  // group.data: the shards' collectives
   ShardedAdamWOptions options;
   int rank = 0, world = 1;
 

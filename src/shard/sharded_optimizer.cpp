@@ -39,9 +39,7 @@ struct ShardedOptimizer::Core {
   double local_sumsq() const {
     double s = 0;
     for (const auto* g : shards.groups) {
-      if (g->grad_shard.defined()) {
-        s += optim::sum_of_squares(g->grad_shard.data_ptr(), g->grad_shard.scalar_type(), g->grad_shard.numel());
-      }
+      if (g->grad_shard.defined()) s += optim::sum_of_squares(g->grad_shard);
     }
     return s;
   }

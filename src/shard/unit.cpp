@@ -1,6 +1,7 @@
 // unit.cpp — gathering, resharding and gradient reduction of one ZeRO-3 unit.
 #include "shard/unit.h"
 
+#include "comm/work.h"
 #include "compat/torch_compat.h"
 #include "shard/resharded_param.h"
 #include "shard/tensor_alias.h"
@@ -20,7 +21,7 @@ Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, st
   layout = make_flat_layout(std::move(infos), model.world);
   shard = layout.shard(model.rank);
   segments = shard_segments(layout, model.rank);
-  gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype));
+  gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype).device(model.comm->device()));
   if (!keeps_buffer()) model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -74,7 +75,7 @@ void Unit::unshard() {
   start_unshard();
   if (gather_work_) {
     const auto t0 = std::chrono::steady_clock::now();
-    gather_work_->wait();
+    comm::block_current(*gather_work_, gathered.device());  // on a device: orders the stream, no host wait
     model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
     gather_work_.reset();

@@ -89,7 +89,8 @@ class Unit : public shard::ShardGroup {
 
 // Shared by the units of one fully_shard() call.
 struct FullyShardedModel::Impl {
-  std::shared_ptr<Communicator> comm;
+  ProcessGroup group;
+  std::shared_ptr<Communicator> comm;  // group.data: gathers, and the device of every buffer
   FullyShardOptions options;
   int rank = 0, world = 1;
   std::vector<std::shared_ptr<detail::Unit>> units;  // registration order, root last

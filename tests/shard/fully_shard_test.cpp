@@ -65,7 +65,9 @@ void expect_matches_oracle(const Config& c) {
   FullyShardOptions fo;
   fo.reshard_after_forward = c.reshard_after_forward;
   m->checkpoint = c.checkpoint;
-  auto sharded = fully_shard(m, world_ptr(), fo);
+  const auto device = testing::test_device();
+  m->to(device);
+  auto sharded = fully_shard(m, testing::test_group(), fo);
   ASSERT_EQ(sharded->units().size(), 4u);  // three blocks + root
   FullyShardedAdamW opt = c.groups ? FullyShardedAdamW(sharded, two_groups(*m), kAdamW) : FullyShardedAdamW(sharded, kAdamW);
   const int local = kBatch / n;
@@ -74,6 +76,8 @@ void expect_matches_oracle(const Config& c) {
     opt.zero_grad();
     for (int k = 0; k < c.micro; ++k) {
       auto [x, y] = batch(s, k);
+      x = x.to(device);
+      y = y.to(device);
       auto out = m->forward(x.slice(0, r * local, (r + 1) * local));
       if (c.reshard_after_forward) {
         // The root stays gathered; so does the last unit once the order is
@@ -105,7 +109,7 @@ void expect_matches_oracle(const Config& c) {
   {
     auto full = sharded->summon_full_params();  // every unit gathered while this lives
     EXPECT_EQ(m->blocks[1]->fc2->weight.numel(), kWidth * (kWidth + 6));
-    got = flat(m);
+    got = flat(m).cpu();
   }
   EXPECT_EQ(m->blocks[1]->fc2->weight.numel(), 0) << "resharded again after summon_full_params";
   // Tolerance. AdamW's first steps move each element by about lr * g / (|g| + eps),
@@ -115,7 +119,10 @@ void expect_matches_oracle(const Config& c) {
   // element within 2e-4, and the mean within 1e-6 (measured 1.2e-7 to 3.2e-7).
   const auto rel = (got - want).abs() / (want.abs() + 1e-2);
   const double err = rel.max().item<double>(), mean = rel.mean().item<double>();
-  if (r == 0) std::printf("fully_shard: relative difference from torch::optim::AdamW: max %.3g, mean %.3g\n", err, mean);
+  if (r == 0) {
+    std::printf("fully_shard %s: relative difference from torch::optim::AdamW: max %.3g, mean %.3g\n",
+                testing::test_setup().c_str(), err, mean);
+  }
   EXPECT_LT(err, 2e-4);
   EXPECT_LT(mean, 1e-6);
   // and the model did train
@@ -178,21 +185,24 @@ TEST(FullyShardMixed, Fp16WithLossScalingTracksFp32AndSkipsOverflowedSteps) {
   }
   FullyShardedAdamWOptions o;
   o.loss_scale.init_scale = 1024;
-  auto sharded = fully_shard(half, world_ptr());
+  const auto device = testing::test_device();
+  half->to(device);
+  auto sharded = fully_shard(half, testing::test_group());
   FullyShardedAdamW opt(sharded, kAdamW, o);
   EXPECT_EQ(opt.loss_scale(), 1024) << "on by default for Half units";
   torch::optim::AdamW reference(full->parameters(), kAdamW);
   auto read = [&] {
     auto g = sharded->summon_full_params();
     std::vector<torch::Tensor> ps;
-    for (auto& p : half->parameters()) ps.push_back(p.detach().to(torch::kFloat).reshape(-1));
+    for (auto& p : half->parameters()) ps.push_back(p.detach().to(torch::kFloat).reshape(-1).cpu());
     return torch::cat(ps);
   };
   for (int s = 0; s < kHalfSteps; ++s) {
     auto [x, y] = batch(s, 0);
     const auto before = read();
     opt.zero_grad();
-    auto loss = torch::mse_loss(half->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local));
+    auto loss = torch::mse_loss(half->forward(x.slice(0, r * local, (r + 1) * local).to(device)),
+                                y.slice(0, r * local, (r + 1) * local).to(device));
     if (s == kOverflowStep && r == n - 1) loss = loss * std::numeric_limits<float>::infinity();  // one rank overflows
     opt.scale_loss(loss).backward();
     opt.step();

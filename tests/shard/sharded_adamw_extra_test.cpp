@@ -267,7 +267,7 @@ TEST(ShardedAdamWBadInput, EachIsAClearError) {
   msg = error_of([&] { ShardedAdamW opt(std::vector<torch::Tensor>{ok}, world_ptr(), torch::optim::AdamWOptions().amsgrad(true)); });
   EXPECT_NE(msg.find("amsgrad"), std::string::npos) << msg;
 
-  msg = error_of([&] { ShardedAdamW opt(std::vector<torch::Tensor>{ok}, nullptr); });
+  msg = error_of([&] { ShardedAdamW opt(std::vector<torch::Tensor>{ok}, std::shared_ptr<Communicator>()); });
   EXPECT_NE(msg.find("communicator is null"), std::string::npos) << msg;
 
   auto frozen = torch::randn({4});

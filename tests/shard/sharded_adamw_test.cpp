@@ -131,12 +131,14 @@ Trajectory run_sharded(const Config& c) {
     torch::NoGradGuard no_grad;
     net->fc1->weight.add_(torch::randn_like(net->fc1->weight));
   }
+  const auto device = testing::test_device();
+  net->to(device);
   ShardedAdamWOptions o;
   o.zero_stage = c.stage;
   o.bucket_bytes = c.bucket_bytes;
   o.max_grad_norm = c.clip_option;
   o.reduce_every_backward = c.reduce_every_backward;
-  ShardedAdamW opt(groups_of(net, kLr), world_ptr(), torch::optim::AdamWOptions(kLr), o);
+  ShardedAdamW opt(groups_of(net, kLr), testing::test_group(), torch::optim::AdamWOptions(kLr), o);
   Trajectory t;
   const int local = kBatch / n;
   int64_t grad_bytes = -1;  // gradient bytes held after a step (stage 1: the flat buffers)
@@ -151,8 +153,8 @@ Trajectory run_sharded(const Config& c) {
     }
     for (int k = 0; k < c.micro; ++k) {
       auto [x, y] = batch(s, k);
-      x = x.slice(0, r * local, (r + 1) * local);
-      y = y.slice(0, r * local, (r + 1) * local);
+      x = x.slice(0, r * local, (r + 1) * local).to(device);
+      y = y.slice(0, r * local, (r + 1) * local).to(device);
       if (c.fail_step >= 0 && (s == c.fail_step || s == c.fail_step + 1) && k == 0) {  // an attempt that fails part-way, then a retry
         auto xf = FailInBackward::apply(x.clone().requires_grad_(true));
         EXPECT_THROW((torch::mse_loss(net->forward(xf, s), y) / c.micro).backward(), std::exception);
@@ -184,7 +186,7 @@ Trajectory run_sharded(const Config& c) {
       go.lr(go.lr() * 0.95);
     }
   }
-  t.params = flat(net);
+  t.params = flat(net).cpu();
   return t;
 }
 
@@ -207,7 +209,9 @@ void expect_matches_oracle(const Config& c) {
   ASSERT_EQ(got.params.numel(), want.params.numel());
   const double err = max_rel(got.params, want.params);
   EXPECT_LT(err, kTol) << "stage " << c.stage << " world " << world().size();
-  if (world().rank() == 0) std::printf("max relative difference from torch::optim::AdamW: %.3g\n", err);
+  if (world().rank() == 0) {
+    std::printf("%s: max relative difference from torch::optim::AdamW: %.3g\n", testing::test_setup().c_str(), err);
+  }
   if (c.clip_call + c.clip_option > 0) {
     Config no_clip = c;
     no_clip.clip_call = no_clip.clip_option = 0;
