@@ -8,6 +8,7 @@
 
 #include "checksum.h"
 #include "h5.h"
+#include "host_copy.h"
 
 #include <boost/asio/thread_pool.hpp>
 #include <nlohmann/json.hpp>
@@ -131,17 +132,20 @@ struct Snapshot {
   };
   bool gradients = false;           // saved in the middle of a step's accumulation
   std::vector<char> had_grad;       // per parameter, this rank (when `gradients`)
-  std::vector<Owned> owned;         // copies, or (deferred) views of the live tensors until copy() runs
+  std::vector<Owned> owned;         // host copies, or (deferred) views of the live tensors until copy() runs
   bool deferred = false;
-  // Replaces the views by copies (the writer thread does it for an async save,
-  // while the training thread runs the next forward and backward).
+  bool on_device = false;           // the views are device tensors: they must be copied to be written
+  std::shared_ptr<HostCopier> host; // made by the training thread (host_copy.h)
+  // Replaces the views by host copies (the writer thread does it for an async
+  // save, while the training thread runs the next forward and backward).
   void copy() {
     if (!deferred) return;
     for (auto& o : owned) {
-      o.master = o.master.clone();
-      o.exp_avg = o.exp_avg.clone();
-      o.exp_avg_sq = o.exp_avg_sq.clone();
+      o.master = host->copy(o.master);
+      o.exp_avg = host->copy(o.exp_avg);
+      o.exp_avg_sq = host->copy(o.exp_avg_sq);
     }
+    host->finish();
     deferred = false;
   }
   struct Replicated {

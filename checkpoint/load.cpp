@@ -189,22 +189,32 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       }
       std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
       for (const auto& b : state.buckets) {
+        // Reads land in host memory: the shards themselves on the CPU, else
+        // host copies of them that go to the device in one copy each.
+        const bool on_host = b.master.device().is_cpu();
+        const at::Tensor master = on_host ? b.master : b.master.cpu(), exp_avg = on_host ? b.exp_avg : b.exp_avg.cpu(),
+                         exp_avg_sq = on_host ? b.exp_avg_sq : b.exp_avg_sq.cpu();
         for (const auto& seg : shard_segments(b.layout, place.dp_rank)) {
           const size_t pi = b.params[seg.param];
           const std::string& name = names[pi];
           const Range local = seg.local(b.layout, place.dp_rank);
           const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
           if (saved.count(name)) {
-            read_master(name, "master", a, e, b.master.data_ptr<float>() + local.begin);
-            read_master(name, "exp_avg", a, e, b.exp_avg.data_ptr<float>() + local.begin);
-            read_master(name, "exp_avg_sq", a, e, b.exp_avg_sq.data_ptr<float>() + local.begin);
+            read_master(name, "master", a, e, master.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg", a, e, exp_avg.data_ptr<float>() + local.begin);
+            read_master(name, "exp_avg_sq", a, e, exp_avg_sq.data_ptr<float>() + local.begin);
           } else {  // saved in full and untrained: no moments
             auto& full = full_replicated[name];
             if (!full.defined()) full = read_replicated(name, state.params[pi].shape).to(at::kFloat).reshape(-1);
-            b.master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
-            b.exp_avg.slice(0, local.begin, local.end).zero_();
-            b.exp_avg_sq.slice(0, local.begin, local.end).zero_();
+            master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
+            exp_avg.slice(0, local.begin, local.end).zero_();
+            exp_avg_sq.slice(0, local.begin, local.end).zero_();
           }
+        }
+        if (!on_host) {
+          b.master.copy_(master);
+          b.exp_avg.copy_(exp_avg);
+          b.exp_avg_sq.copy_(exp_avg_sq);
         }
       }
       // The module's parameters the optimizer does not hold, and its buffers.
@@ -254,7 +264,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
             const Range local = seg.local(b.layout, place.dp_rank);
             read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
           }
-          grad_shards.push_back(g);
+          grad_shards.push_back(g.to(b.master.device()));
         }
         for (const auto& n : names) had_grad.push_back(saved.count(n) && saved.at(n)->value("had_grad", false) ? 1 : 0);
       }

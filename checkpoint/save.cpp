@@ -43,20 +43,28 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   snap.steps = state.param_steps;
   snap.loss_scale = state.loss_scale;
   snap.loss_scale_clean_steps = state.loss_scale_clean_steps;
+  // Device tensors are copied to host memory by a HostCopier, after the work
+  // queued so far on their devices (no synchronization of the training stream).
+  std::vector<at::Tensor> sources;
+  for (const auto& b : state.buckets) sources.insert(sources.end(), {b.master, b.grad_shard});
+  for (const auto& item : model.named_parameters()) sources.push_back(item.value());
+  for (const auto& item : model.named_buffers()) sources.push_back(item.value());
+  snap.host = std::make_shared<HostCopier>(sources);
+  for (const auto& s : sources) snap.on_device = snap.on_device || (s.defined() && !s.device().is_cpu());
   for (const auto& b : state.buckets) {
     snap.groups.push_back({b.layout, b.params});
     for (const auto& seg : shard_segments(b.layout, state.rank)) {
       const Range local = seg.local(b.layout, state.rank);
       // Gradients are always copied now: the next backward adds into them.
-      const bool defer = defer_copies && !snap.gradients;
+      const bool defer = (defer_copies || snap.on_device) && !snap.gradients;
       auto copy = [&](const at::Tensor& t) {
         auto v = t.slice(0, local.begin, local.end);
-        return defer ? v : v.clone();
+        return defer ? v : snap.host->copy(v);
       };
       snap.deferred = defer;
       at::Tensor grad;
       if (snap.gradients) {
-        grad = b.grad_shard.defined() ? b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat).clone()
+        grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat))
                                       : at::zeros({local.size()}, at::kFloat);
       }
       snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad});
@@ -69,10 +77,10 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     storage_type(t.scalar_type(), name);  // refuse unsupported dtypes now, on every rank
     Snapshot::Replicated r{name, kind, at::Tensor()};
     if (state.rank == 0) {
-      r.value = t.detach().clone().contiguous();
+      r.value = snap.host->copy(t.detach());
       snap.bytes += static_cast<int64_t>(r.value.nbytes());
     } else {
-      r.value = torch::empty({0}, t.options());  // rank 0 writes these
+      r.value = torch::empty({0}, t.options().device(at::kCPU));  // rank 0 writes these
     }
     snap.replicated.push_back(std::move(r));
   };
@@ -85,6 +93,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     std::lock_guard<std::mutex> lock(gen.mutex());
     snap.rng = gen.get_state();
   }
+  snap.host->finish();  // what was copied now (gradients, replicated tensors) is in host memory
   return snap;
 }
 
@@ -215,6 +224,7 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   const std::string step_dir = (fs::path(dir) / step_dir_name(progress.step)).string();
   if (!options.async) {
     trace::Span span("checkpoint", "checkpoint save step " + std::to_string(progress.step));
+    if (snap->on_device) snap->copy();  // device shards through pinned host memory
     write(*snap);
     std::lock_guard<std::mutex> lock(last_mu);
     last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -68,18 +68,22 @@ inline std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
   return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
 }
 
-// A model and its optimizer at stage 1 or 2 (ShardedAdamW) or 3 (fully_shard).
+// A model and its optimizer at stage 1 or 2 (ShardedAdamW) or 3 (fully_shard),
+// on the CPU over the world, or on `group`'s device.
 struct Trainer {
   Net net;
   std::shared_ptr<FullyShardedModel> sharded;
   std::unique_ptr<ShardedAdamW> zero2;
   std::unique_ptr<FullyShardedAdamW> zero3;
+  c10::Device device = c10::kCPU;
 
-  explicit Trainer(int stage, int seed = 1) {
+  explicit Trainer(int stage, int seed = 1) : Trainer(stage, seed, world_ptr()) {}
+  Trainer(int stage, int seed, const ProcessGroup& group) : device(group.data->device()) {
     torch::manual_seed(seed);
     net = Net();
+    net->to(device);
     if (stage == 3) {
-      sharded = fully_shard(net, world_ptr());
+      sharded = fully_shard(net, group);
       zero3 = std::make_unique<FullyShardedAdamW>(sharded, kAdamW);
     } else {
       std::vector<torch::Tensor> trained;
@@ -89,7 +93,7 @@ struct Trainer {
       }
       ShardedAdamWOptions so;
       so.zero_stage = stage;  // 1 or 2
-      zero2 = std::make_unique<ShardedAdamW>(named, world_ptr(), kAdamW, so);
+      zero2 = std::make_unique<ShardedAdamW>(named, group, kAdamW, so);
     }
   }
   torch::optim::Optimizer& opt() { return zero3 ? static_cast<torch::optim::Optimizer&>(*zero3) : *zero2; }
@@ -97,6 +101,8 @@ struct Trainer {
     const int n = world().size(), r = world().rank(), local = kBatch / n;
     for (int64_t s = from; s < to; ++s) {
       auto [x, y] = batch(s);
+      x = x.to(device);
+      y = y.to(device);
       opt().zero_grad();
       torch::mse_loss(net->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
           .backward();
@@ -118,8 +124,8 @@ struct Trainer {
     std::optional<FullyShardedModel::FullParamsGuard> guard;
     if (sharded) guard.emplace(sharded->summon_full_params());
     std::vector<torch::Tensor> ps;
-    for (auto& p : net->parameters()) ps.push_back(p.detach().to(torch::kFloat).reshape(-1).clone());
-    for (auto& b : net->buffers()) ps.push_back(b.detach().to(torch::kFloat).reshape(-1).clone());
+    for (auto& p : net->parameters()) ps.push_back(p.detach().to(torch::kFloat).reshape(-1).cpu().clone());
+    for (auto& b : net->buffers()) ps.push_back(b.detach().to(torch::kFloat).reshape(-1).cpu().clone());
     return torch::cat(ps);
   }
 };
