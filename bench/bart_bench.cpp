@@ -30,16 +30,20 @@ namespace bart_bench {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// fp32 GEMM throughput with every core: the best of several timed rounds.
-double matmul_peak_gflops(int64_t n, double seconds) {
+// GEMM throughput of `dtype` on `device` (on the CPU with every core): the
+// best of several timed rounds.
+double matmul_peak_gflops(int64_t n, double seconds, torch::Device device, torch::Dtype dtype) {
   at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+  const auto opts = torch::TensorOptions().device(device).dtype(dtype);
+  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts), c = torch::empty({n, n}, opts);
   torch::mm_out(c, a, b);  // warm-up
+  zeroshard::bench::sync_device(device);
   double best = 0;
   const auto start = Clock::now();
   while (since(start) < seconds) {
     const auto t0 = Clock::now();
     for (int i = 0; i < 4; ++i) torch::mm_out(c, a, b);
+    zeroshard::bench::sync_device(device);
     best = std::max(best, 4 * 2.0 * n * n * n / since(t0) / 1e9);
   }
   return best;
@@ -49,7 +53,7 @@ double matmul_peak_gflops(int64_t n, double seconds) {
 
 int bart_bench_main(int argc, char** argv) {
   using namespace bart_bench;
-  std::string mode = "zero3", config = "base";
+  std::string mode = "zero3", config = "base", device_name = "cpu", precision = "fp32";
   int64_t batch = 2, src_len = 64, tgt_len = 64, steps = 3, warmup = 1, matmul_n = 2048;
   CLI::App app{"bart_bench: BART training steps under dp / zero2 / zero3, and the matmul peak"};
   app.add_option("--mode", mode, "peak, dp, zero2 or zero3")
@@ -62,13 +66,29 @@ int bart_bench_main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--matmul-n", matmul_n, "peak: square matrix size")->capture_default_str();
+  app.add_option("--device", device_name, "cpu, or cuda (rank r on cuda:(LOCAL_RANK mod GPUs))")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--precision", precision, "fp32, or bf16 (bf16 weights, fp32 master and AdamW states; the peak "
+                                           "is bf16 GEMM)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
+  const auto dtype = precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  torch::Device device = torch::kCPU;
+  if (device_name == "cuda") {
+    const auto gpus = static_cast<int>(torch::cuda::device_count());
+    TORCH_CHECK_VALUE(gpus > 0, "bart_bench --device cuda: no CUDA device is visible");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(zeroshard::read_dist_env().local_rank % gpus));
+    c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+  }
   if (mode == "peak") {
-    std::printf("ROW peak %.1f\n", matmul_peak_gflops(matmul_n, 3.0));
+    std::printf("ROW peak %.1f\n", matmul_peak_gflops(matmul_n, 3.0, device, dtype));
     return 0;
   }
   auto comm = zeroshard::init_communicator();
+  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device);
   const int rank = comm->rank(), world = comm->size();
   auto cfg = bart::BartConfig::named(config);
   cfg.dropout = cfg.attention_dropout = cfg.activation_dropout = 0.0;
@@ -76,23 +96,25 @@ int bart_bench_main(int argc, char** argv) {
   bart::BartForConditionalGeneration model(cfg);
   int64_t numel = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
+  model->to(dtype);
+  model->to(device);
 
   std::shared_ptr<zeroshard::FullyShardedModel> sharded;
   std::unique_ptr<torch::optim::Optimizer> opt;
   zeroshard::ShardedOptimizer* sharding = nullptr;  // ZeRO-2 or 3; null: plain data parallelism
   const auto adamw = torch::optim::AdamWOptions(1e-4).weight_decay(0.01);
   if (mode == "zero3") {
-    sharded = zeroshard::fully_shard(model, comm);
+    sharded = zeroshard::fully_shard(model, group);
     auto o = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
     sharding = o.get();
     opt = std::move(o);
   } else if (mode == "zero2") {
-    auto o = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw);
+    auto o = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), group, adamw);
     sharding = o.get();
     opt = std::move(o);
   } else {
     // Plain data parallelism starts from rank 0's parameters too.
-    for (auto& p : model->parameters()) comm->broadcast(p.data(), 0)->wait();
+    for (auto& p : model->parameters()) group.data->broadcast(p.data(), 0)->wait();
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
   }
   auto waited = [&] { return sharding != nullptr ? sharding->stats().waits.total() : 0.0; };
@@ -100,8 +122,9 @@ int bart_bench_main(int argc, char** argv) {
   std::vector<double> times, exposed;
   torch::manual_seed(1000 + rank);
   for (int64_t s = 0; s < warmup + steps; ++s) {
-    const auto input = torch::randint(4, cfg.vocab_size, {batch, src_len}, torch::kLong);
-    const auto labels = torch::randint(4, cfg.vocab_size, {batch, tgt_len}, torch::kLong);
+    const auto input = torch::randint(4, cfg.vocab_size, {batch, src_len}, torch::kLong).to(device);
+    const auto labels = torch::randint(4, cfg.vocab_size, {batch, tgt_len}, torch::kLong).to(device);
+    zeroshard::bench::sync_device(device);
     comm->barrier();  // every rank starts the step together: the slowest rank's time is the step's
     const auto t0 = Clock::now();
     const double w0 = waited();
@@ -110,10 +133,11 @@ int bart_bench_main(int argc, char** argv) {
     double dp_wait = 0;
     if (sharding == nullptr) {
       const auto a0 = Clock::now();
-      zeroshard::bench::average_gradients(*comm, model->parameters());
+      zeroshard::bench::average_gradients(*group.data, model->parameters());
       dp_wait = since(a0);
     }
     opt->step();
+    zeroshard::bench::sync_device(device);
     const double t = since(t0);
     if (s >= warmup) {
       times.push_back(t);
@@ -127,12 +151,12 @@ int bart_bench_main(int argc, char** argv) {
   const double model_states = sharding != nullptr ? static_cast<double>(sharding->stats().memory.peak_model_states)
                                                   : 16.0 * static_cast<double>(numel);
   auto mine = torch::tensor({times[times.size() / 2], exposed[exposed.size() / 2],
-                             static_cast<double>(zeroshard::peak_rss_bytes()), model_states}, torch::kDouble);
+                             zeroshard::bench::peak_memory_mib(device) * (1 << 20), model_states}, torch::kDouble);
   comm->all_reduce(mine, zeroshard::ReduceOp::kMax)->wait();
   const double step_s = mine[0].item<double>();
   const double tokens_per_s = static_cast<double>(world * batch * tgt_len) / step_s;
   if (rank == 0) {
-    // ROW mode ranks params step_s tokens/s model_tflops exposed_s peak_rss_mib model_states_mib
+    // ROW mode ranks params step_s tokens/s model_tflops exposed_s peak_memory_mib model_states_mib
     std::printf("ROW %s %d %lld %.3f %.1f %.4f %.3f %.0f %.0f\n", mode.c_str(), world, static_cast<long long>(numel),
                 step_s, tokens_per_s, 6.0 * static_cast<double>(numel) * tokens_per_s / 1e12, mine[1].item<double>(),
                 mine[2].item<double>() / (1 << 20), mine[3].item<double>() / (1 << 20));

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # BART training step under plain data parallelism, ZeRO-2 and ZeRO-3 on NPROC
-# ranks, beside this machine's measured fp32 matmul peak, in one run.
+# ranks, beside this machine's measured matmul peak, in one run. Extra
+# arguments go to every bart_bench (the peak too): --device cuda --precision bf16
+# measures the GPU against its bf16 GEMM peak.
 # MFU = 6 * parameters * target tokens/s / peak (with source length = target
 # length, 6N per target token counts the encoder and decoder work of the pair).
 # Usage: bench/bart_bench.sh [BUILD_DIR] [NPROC] [extra bart_bench args]
@@ -8,10 +10,10 @@ set -euo pipefail
 build=${1:-build}
 nproc=${2:-4}
 shift $(( $# > 2 ? 2 : $# ))
-peak=$("$build/bench/bart_bench" --mode peak | sed -n 's/^ROW peak //p')
-echo "matmul peak (fp32 GEMM, every core, measured now): $peak GFLOP/s"
+peak=$("$build/bench/bart_bench" --mode peak "$@" | sed -n 's/^ROW peak //p')
+echo "matmul peak (GEMM of the run's precision on its device; every core on the CPU; measured now): $peak GFLOP/s"
 echo
-echo "| mode | ranks | parameters | step s (median, slowest rank) | target tokens/s | MFU | exposed comm s (share) | peak RSS per rank (MiB) | model states per rank (MiB) |"
+echo "| mode | ranks | parameters | step s (median, slowest rank) | target tokens/s | MFU | exposed comm s (share) | peak memory per rank (MiB; RSS on CPU, allocated on GPU) | model states per rank (MiB) |"
 echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 for mode in dp zero2 zero3; do
   "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/bench/bart_bench" --mode "$mode" "$@" 2>&1 |

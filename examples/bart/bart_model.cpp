@@ -130,7 +130,8 @@ torch::Tensor embed(torch::nn::Embedding tokens, torch::nn::Embedding positions,
   const int64_t len = ids.size(1);
   TORCH_CHECK_VALUE(len + kPositionOffset <= positions->weight.size(0), "BART: sequence length ", len,
                     " exceeds max_position_embeddings ", positions->weight.size(0) - kPositionOffset);
-  const auto pos = torch::arange(kPositionOffset, len + kPositionOffset, torch::TensorOptions().dtype(torch::kLong));
+  const auto pos = torch::arange(kPositionOffset, len + kPositionOffset,
+                                 torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
   auto h = norm(tokens(ids) + positions(pos).unsqueeze(0));
   return F::dropout(h, F::DropoutFuncOptions().p(dropout).training(training));
 }
@@ -220,7 +221,7 @@ std::vector<int64_t> BartForConditionalGenerationImpl::generate(const torch::Ten
   std::vector<int64_t> out{config.decoder_start_token_id};
   bool done = false;
   for (int64_t i = 0; i < max_len; ++i) {
-    const auto ids = torch::tensor(out, torch::kLong).unsqueeze(0);
+    const auto ids = torch::tensor(out, torch::kLong).unsqueeze(0).to(input_ids.device());
     const auto decoded = model->decoder->forward(ids, encoded, input_ids);
     const auto last = decoded.select(1, decoded.size(1) - 1);
     const int64_t next = (torch::matmul(last, model->shared->weight.t()) + final_logits_bias).argmax(-1).item<int64_t>();

@@ -67,6 +67,11 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu, or cuda: rank r trains on cuda:(LOCAL_RANK mod GPUs), with NCCL when every local rank has a "
+                 "GPU of its own")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints; 'none': no checkpoints)");
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
   app.add_flag("--async-save", o.async_save, "write checkpoints in the background");

@@ -19,7 +19,9 @@
 #include <zeroshard/sharded_optimizer.h>
 #include <zeroshard/trace.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <cmath>
@@ -38,6 +40,17 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
+torch::Device training_device(const std::string& name) {
+  if (name == "cpu") return torch::kCPU;
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  TORCH_CHECK_VALUE(gpus > 0, "--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, the driver, or a "
+                    "bart_pretrain built against a CPU LibTorch); use --device cpu");
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(zeroshard::read_dist_env().local_rank % gpus));
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+  return device;
+}
 
 std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }
 
@@ -204,17 +217,22 @@ int run_pretraining(const RunOptions& o) {
   int64_t numel = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
   if (o.precision == "bf16") model->to(torch::kBFloat16);
+  // The device: cpu, or this rank's GPU; the sharding's collectives follow it
+  // (agreement, validation sums and checkpoints stay on the CPU communicator).
+  const torch::Device device = training_device(o.device);
+  model->to(device);
+  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device);
 
   auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
   std::shared_ptr<zeroshard::FullyShardedModel> sharded;  // stage 3
   std::unique_ptr<zeroshard::ShardedOptimizer> opt;
   if (o.stage == 3) {
-    sharded = zeroshard::fully_shard(model, comm);
+    sharded = zeroshard::fully_shard(model, group);
     opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
   } else {
     zeroshard::ShardedAdamWOptions so;
     so.zero_stage = o.stage;
-    opt = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), comm, adamw, so);
+    opt = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), group, adamw, so);
   }
   // Everything this rank sent: the optimizer's communicators carry all of the run's traffic.
   const auto bytes_sent = [&opt] { return opt->stats().traffic.total().bytes_sent; };
@@ -264,16 +282,17 @@ int run_pretraining(const RunOptions& o) {
     char msg[300];
     std::snprintf(msg, sizeof(msg),
                   "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
-                  "%d ranks, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
+                  "%d ranks on %s, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
                   o.config.c_str(), numel / 1e6, static_cast<long long>(config.vocab_size), corpus.train.size(),
-                  corpus.validation.size(), static_cast<long long>(corpus.tokens), world, o.stage, o.precision.c_str(),
+                  corpus.validation.size(), static_cast<long long>(corpus.tokens), world, device.str().c_str(), o.stage,
+                  o.precision.c_str(),
                   static_cast<long long>(o.global_batch), world, static_cast<long long>(o.micro_batches),
                   static_cast<long long>(local_batch / o.micro_batches));
     zeroshard::log_info(msg);
   }
   auto evaluate = [&](int64_t at) {
     const auto t0 = Clock::now();
-    const auto v = validate(model, corpus.validation, noise, o.eval_batch, pad, *comm);
+    const auto v = validate(model, corpus.validation, noise, o.eval_batch, pad, *comm, device);
     if (!std::isfinite(record.first_val_loss)) record.first_val_loss = v.loss;
     metrics.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
     char msg[160];
@@ -315,7 +334,7 @@ int run_pretraining(const RunOptions& o) {
       const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
       std::vector<int64_t> idx(indices.begin() + from, indices.begin() + to);
       std::vector<int64_t> ep(epochs.begin() + from, epochs.begin() + to);  // a batch may straddle two epochs
-      Batch b = make_batch(corpus.train, idx, ep, noise, o.seed, pad);
+      Batch b = make_batch(corpus.train, idx, ep, noise, o.seed, pad, device);
       local_tokens += b.target_tokens;
       micro.push_back(std::move(b));
     }
@@ -395,9 +414,9 @@ int run_pretraining(const RunOptions& o) {
     model->eval();
     std::vector<int64_t> idx;
     for (int64_t i = 0; i < std::min<int64_t>(4, corpus.validation.size()); ++i) idx.push_back(i);
-    const auto b = make_batch(corpus.validation, idx, std::vector<int64_t>(idx.size(), 0), noise, 0, pad);
+    const auto b = make_batch(corpus.validation, idx, std::vector<int64_t>(idx.size(), 0), noise, 0, pad, device);
     const auto logits = model->forward(b.input_ids, shift_tokens_right(b.labels, pad, config.decoder_start_token_id))
-                            .to(torch::kFloat).contiguous();
+                            .to(torch::kFloat).cpu().contiguous();
     model->train();
     if (rank == 0) {
       std::ofstream out(o.save_logits, std::ios::binary | std::ios::trunc);
@@ -436,7 +455,7 @@ int run_pretraining(const RunOptions& o) {
   }
   s.bytes_sent += record.bytes_sent;  // earlier attempts'
   if (!o.no_sample && !corpus.validation.empty()) {
-    s.sample = denoising_sample(model, corpus.validation, 0, noise, tokenizer);
+    s.sample = denoising_sample(model, corpus.validation, 0, noise, tokenizer, device);
     s.has_sample = true;
   }
   if (o.trace) {

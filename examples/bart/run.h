@@ -29,6 +29,7 @@ struct RunOptions {
   double dropout = -1;  // < 0: the config's
   int stage = 3;
   std::string precision = "fp32";
+  std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
   int64_t save_every = 100;
   bool async_save = false;

@@ -19,7 +19,8 @@ NoisedExample noised_example(const std::vector<Example>& examples, int64_t index
 }
 
 Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
-                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id) {
+                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
+                 torch::Device device) {
   TORCH_CHECK_VALUE(!indices.empty(), "BART data: an empty batch");
   TORCH_CHECK_VALUE(epochs.size() == indices.size(), "BART data: ", epochs.size(), " epochs for ", indices.size(),
                     " examples");
@@ -42,6 +43,8 @@ Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t
     for (size_t j = 0; j < n.target.size(); ++j) lab[r][static_cast<int64_t>(j)] = n.target[j];
     out.target_tokens += static_cast<int64_t>(n.target.size());
   }
+  out.input_ids = out.input_ids.to(device);
+  out.labels = out.labels.to(device);
   return out;
 }
 
@@ -53,7 +56,8 @@ torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batc
 }
 
 Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm) {
+                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
+                    torch::Device device) {
   TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the held-out split is empty (more data, or a smaller "
                                          "--validation-every)");
   const int rank = comm.rank(), world = comm.size();
@@ -72,7 +76,8 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
     }
     const bool padding = idx.empty();  // this rank ran out: a pass that counts for nothing
     if (padding) idx.push_back(0);
-    const auto batch = make_batch(validation, idx, std::vector<int64_t>(idx.size(), 0), noise, /*seed=*/0, pad_id);
+    const auto batch =
+        make_batch(validation, idx, std::vector<int64_t>(idx.size(), 0), noise, /*seed=*/0, pad_id, device);
     const double l = summed_loss(model, batch).item<double>();
     if (!padding) {
       sum += l;
@@ -89,7 +94,8 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
 }
 
 DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer) {
+                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer,
+                                 torch::Device device) {
   std::vector<Example> sentence;
   for (size_t e = static_cast<size_t>(from); e < validation.size() && sentence.empty(); ++e) {
     for (const auto& s : validation[e]) {
@@ -104,7 +110,7 @@ DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std:
   one.permute_sentences = false;
   const auto n = noised_example(sentence, 0, one, /*seed=*/0, /*epoch=*/0);
   model->eval();
-  const auto input = torch::tensor(n.source, torch::kLong).unsqueeze(0);
+  const auto input = torch::tensor(n.source, torch::kLong).unsqueeze(0).to(device);
   const auto out = model->generate(input, static_cast<int64_t>(n.target.size()) + 8);
   model->train();
   DenoisingSample s;

@@ -31,9 +31,10 @@ NoisedExample noised_example(const std::vector<Example>& examples, int64_t index
                              uint64_t seed, int64_t epoch);
 
 // The examples at `indices` (epochs[i] is the epoch of indices[i]), noised and
-// padded to the longest in the batch.
+// padded to the longest in the batch, on `device`.
 Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
-                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id);
+                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
+                 torch::Device device = torch::kCPU);
 
 // Sum over target tokens of the cross-entropy (pad ignored), as a scalar
 // tensor with gradients.
@@ -47,9 +48,11 @@ struct Validation {
 // batches of `batch_size`; every rank runs the same number of forward passes
 // (ranks with fewer examples run padding batches that count for nothing), as
 // ZeRO-3 needs. Noise is fixed (seed 0, epoch 0), so values compare across steps.
-// Collective. Leaves the model in training mode.
+// Batches go to `device` (the model's). Collective over `comm` (a CPU one).
+// Leaves the model in training mode.
 Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm);
+                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
+                    torch::Device device = torch::kCPU);
 
 struct DenoisingSample {
   std::string original, masked, reconstruction;
@@ -58,6 +61,7 @@ struct DenoisingSample {
 // example `from` on), masked by text infilling (seed 0), and the model's
 // greedy reconstruction. Collective under fully_shard (every rank decodes).
 DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer);
+                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer,
+                                 torch::Device device = torch::kCPU);
 
 }  // namespace bart
