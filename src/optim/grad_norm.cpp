@@ -64,10 +64,25 @@ double sum_of_squares(const void* data, c10::ScalarType dtype, int64_t n) {
   }
 }
 
-double sum_of_squares(const at::Tensor& t) {
-  if (t.device().is_cpu()) return sum_of_squares(t.data_ptr(), t.scalar_type(), t.numel());
-  const double norm = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).item<double>();
-  return norm * norm;
+double sum_of_squares(const std::vector<at::Tensor>& tensors) {
+  double sum = 0;
+  std::vector<at::Tensor> on_device;  // one running sum per device
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    if (t.device().is_cpu()) {
+      sum += sum_of_squares(t.data_ptr(), t.scalar_type(), t.numel());
+      continue;
+    }
+    const auto sq = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).to(at::kDouble).square();
+    auto it = std::find_if(on_device.begin(), on_device.end(), [&](const at::Tensor& s) { return s.device() == t.device(); });
+    if (it == on_device.end()) {
+      on_device.push_back(sq);
+    } else {
+      *it = *it + sq;
+    }
+  }
+  for (const auto& s : on_device) sum += s.item<double>();
+  return sum;
 }
 
 }  // namespace zeroshard::optim

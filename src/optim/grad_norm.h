@@ -8,15 +8,17 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace zeroshard::optim {
 
 // REQUIRES: dtype is Float, BFloat16 or Half; data holds n elements of it.
 double sum_of_squares(const void* data, c10::ScalarType dtype, int64_t n);
 
-// Of a contiguous tensor on any device: on the CPU the function above; on a
-// device its norm in fp32 there (as torch.nn.utils.clip_grad_norm_), squared in
-// double. Waits for the device (the value goes to the control plane).
-double sum_of_squares(const at::Tensor& t);
+// Over several contiguous tensors on any devices (undefined ones skipped): CPU
+// ones by the function above; device ones as fp32 norms there (as
+// torch.nn.utils.clip_grad_norm_), squared and summed in double on the device,
+// read back once per device (the value goes to the control plane).
+double sum_of_squares(const std::vector<at::Tensor>& tensors);
 
 }  // namespace zeroshard::optim

@@ -37,11 +37,9 @@ struct ShardedOptimizer::Core {
     for (auto& fn : fns) fn();
   }
   double local_sumsq() const {
-    double s = 0;
-    for (const auto* g : shards.groups) {
-      if (g->grad_shard.defined()) s += optim::sum_of_squares(g->grad_shard);
-    }
-    return s;
+    std::vector<at::Tensor> grads;
+    for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
+    return optim::sum_of_squares(grads);
   }
   // One all-reduce: which parameters had a gradient on any rank, and (when
   // asked and not known yet) the squared norm of the mean gradient.
