@@ -2,6 +2,8 @@
 // Supported: LibTorch 1.13 (Debian's CPU build) and 2.x (CUDA builds).
 #pragma once
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
@@ -41,6 +43,18 @@ inline void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
 #endif
   TORCH_CHECK(false, "resize_storage_bytes: no storage resize for ", t.device(),
               " tensors in this zeroshard (CPU, and CUDA when built against a CUDA LibTorch)");
+}
+
+// The default random generator of `device` (a handle on it): the CPU's, or a
+// CUDA device's, whose accessor LibTorch 2.x renamed.
+inline at::Generator default_generator(c10::Device device) {
+  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
+  TORCH_CHECK(device.is_cuda(), "default_generator: no random generator for ", device, " here (CPU and CUDA)");
+#if TORCH_VERSION_MAJOR >= 2
+  return at::detail::getCUDAHooks().getDefaultGenerator(device.index());
+#else
+  return at::detail::getCUDAHooks().getDefaultCUDAGenerator(device.index());
+#endif
 }
 
 // The dispatch key that marks the parameters of a resharded fully_shard unit

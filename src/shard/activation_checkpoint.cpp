@@ -2,11 +2,13 @@
 #include "zeroshard/activation_checkpoint.h"
 
 #include "compat/autograd_node.h"
+#include "compat/torch_compat.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
 
 namespace zeroshard {
 namespace {
@@ -22,7 +24,10 @@ struct CheckpointBackward : torch::autograd::Node {
   std::function<TensorList(const TensorList&)> fn;
   TensorList inputs;  // detached: the values, no graph
   std::vector<bool> input_requires_grad;
-  at::Tensor rng_state;
+  // The random generators the first run drew from (the CPU's and each CUDA
+  // device's among the inputs), with their states then: the recomputation
+  // draws the same dropout masks.
+  std::vector<std::pair<at::Generator, at::Tensor>> rng;
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TensorList xs;
@@ -33,13 +38,16 @@ struct CheckpointBackward : torch::autograd::Node {
     {
       RecomputeScope scope;
       at::AutoGradMode enable_grad(true);
-      auto& gen = const_cast<at::Generator&>(at::detail::getDefaultCPUGenerator());
-      struct RestoreRng {  // also when fn throws
-        at::Generator& gen;
-        at::Tensor state;
-        ~RestoreRng() { gen.set_state(state); }
-      } restore{gen, gen.get_state()};
-      gen.set_state(rng_state);
+      struct RestoreRng {  // the generators' states of now, also when fn throws
+        std::vector<std::pair<at::Generator, at::Tensor>> saved;
+        ~RestoreRng() {
+          for (auto& [gen, state] : saved) gen.set_state(state);
+        }
+      } restore;
+      for (auto& [gen, state] : rng) {
+        restore.saved.emplace_back(gen, gen.get_state());
+        gen.set_state(state);
+      }
       ys = fn(xs);
     }
     TORCH_CHECK(ys.size() == grads.size(), "activation_checkpoint: the recomputed forward returned ", ys.size(),
@@ -69,7 +77,16 @@ bool detail::in_recompute() { return recompute_depth > 0; }
 TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
   if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);
   auto node = compat::make_autograd_node<CheckpointBackward>();
-  node->rng_state = at::detail::getDefaultCPUGenerator().get_state();
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  for (const auto& x : inputs) {
+    if (x.defined() && x.is_cuda() && std::find(devices.begin(), devices.end(), x.device()) == devices.end()) {
+      devices.push_back(x.device());
+    }
+  }
+  for (const auto& d : devices) {
+    auto gen = compat::default_generator(d);
+    node->rng.emplace_back(gen, gen.get_state());
+  }
   TensorList outs;
   {
     at::NoGradGuard no_grad;
