@@ -153,7 +153,8 @@ struct Snapshot {
     at::Tensor value;               // a copy (the group's first rank only; others keep just the names)
   };
   std::vector<Replicated> replicated;
-  at::Tensor rng;
+  at::Tensor rng;                   // the CPU generator's state
+  at::Tensor device_rng;            // the training device's generator (CUDA), when the state is there
   int64_t bytes = 0;                // host memory the copies take
 };
 

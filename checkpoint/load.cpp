@@ -1,6 +1,7 @@
 // load.cpp — verifying committed checkpoints and reading this rank's pieces (resharding).
 #include "checkpointer_impl.h"
 
+#include "compat/torch_compat.h"
 #include "reader.h"
 #include "zeroshard/log.h"
 
@@ -244,11 +245,16 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
                               m.value("topology", json::object()).value("pp_stages", 1) == place.pp_stages &&
                               saved_file.value("pp_stage", 0) == place.pp_stage &&
                               saved_file.value("dp_rank", rank) == place.dp_rank;
-      if (same_place && file(rank).has("/rng/cpu")) {
-        const auto dims = file(rank).dims("/rng/cpu");
+      // The CPU's generator, and the training device's when it is the one the saver used.
+      const c10::Device device = state.buckets.empty() ? c10::Device(c10::kCPU) : state.buckets.front().master.device();
+      std::vector<std::pair<std::string, c10::Device>> generators{{"/rng/cpu", c10::kCPU}};
+      if (device.is_cuda()) generators.emplace_back("/rng/cuda", device);
+      for (const auto& [ds, dev] : generators) {
+        if (!same_place || !file(rank).has(ds)) continue;
+        const auto dims = file(rank).dims(ds);
         auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
-        file(rank).read_all("/rng/cpu", checkpoint::h5::Type::kUInt8, rng.data_ptr());
-        auto gen = at::detail::getDefaultCPUGenerator();  // a handle on the process's generator
+        file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, rng.data_ptr());
+        auto gen = compat::default_generator(dev);  // a handle on the process's generator
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(rng);
       }

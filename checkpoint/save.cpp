@@ -1,6 +1,7 @@
 // save.cpp — snapshot, rank files, model.h5, manifest, the commit protocol and retention.
 #include "checkpointer_impl.h"
 
+#include "compat/torch_compat.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
@@ -93,6 +94,12 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     std::lock_guard<std::mutex> lock(gen.mutex());
     snap.rng = gen.get_state();
   }
+  const c10::Device device = state.buckets.empty() ? c10::Device(c10::kCPU) : state.buckets.front().master.device();
+  if (device.is_cuda()) {  // dropout on the GPU draws from the device's generator
+    auto dev_gen = compat::default_generator(device);
+    std::lock_guard<std::mutex> lock(dev_gen.mutex());
+    snap.device_rng = dev_gen.get_state();
+  }
   snap.host->finish();  // what was copied now (gradients, replicated tensors) is in host memory
   return snap;
 }
@@ -136,6 +143,9 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
     }
   }
   f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  if (snap.device_rng.defined()) {
+    f.write("/rng/cuda", Type::kUInt8, {static_cast<uint64_t>(snap.device_rng.numel())}, snap.device_rng.data_ptr());
+  }
   const auto c0 = std::chrono::steady_clock::now();
   log_debug("checkpoint: datasets written in " + std::to_string(std::chrono::duration<double>(c0 - start).count()) + " s");
   f.close();
