@@ -42,6 +42,46 @@ std::string env_or(const char* name, const std::string& fallback) {
 std::string test_comm() { return env_or("ZS_TEST_COMM", test_device().is_cpu() ? "tcp" : "nccl"); }
 }  // namespace
 
+// The data plane of ZS_TEST_COMM=staged: the staged communicator, refusing
+// what only the control plane may carry (int64 and float64 host values:
+// agreements, hashes, norms). With the CPU as the staged device, this is what
+// tells a control value sent on the data plane from one sent on the control
+// plane; on a GPU the device communicator itself would refuse the CPU tensor.
+class DataPlaneOnly final : public Communicator {
+ public:
+  explicit DataPlaneOnly(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  c10::Device device() const override { return inner_->device(); }
+  std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override {
+    return inner_->all_gather(check(out, "all_gather"), in);
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) override {
+    return inner_->reduce_scatter(check(out, "reduce_scatter"), in, op);
+  }
+  std::shared_ptr<Work> all_reduce(at::Tensor t, ReduceOp op) override {
+    return inner_->all_reduce(check(t, "all_reduce"), op);
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor t, int root) override { return inner_->broadcast(check(t, "broadcast"), root); }
+  std::shared_ptr<Work> send(at::Tensor t, int dst) override { return inner_->send(check(t, "send"), dst); }
+  std::shared_ptr<Work> recv(at::Tensor t, int src) override { return inner_->recv(check(t, "recv"), src); }
+  void barrier() override { inner_->barrier(); }
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks) override {
+    auto part = inner_->split(ranks);
+    return part ? std::make_shared<DataPlaneOnly>(std::move(part)) : nullptr;
+  }
+  CommStats stats() const override { return inner_->stats(); }
+
+ private:
+  static at::Tensor check(const at::Tensor& t, const char* op) {
+    const auto dt = t.scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "test data plane: ", op, " of a ",
+                c10::toString(dt), " tensor; host values (agreements, hashes, norms) belong on the control plane");
+    return t;
+  }
+  const std::shared_ptr<Communicator> inner_;
+};
+
 c10::Device test_device() {
   static const c10::Device device = [] {
     const std::string name = env_or("ZS_TEST_DEVICE", "cpu");
@@ -61,7 +101,10 @@ ProcessGroup& test_group() {
       if (!test_device().is_cpu()) throw std::runtime_error("ZS_TEST_COMM=tcp moves CPU tensors only");
       return world_ptr();
     }
-    if (comm == "staged") return stage_through_host(world_ptr(), test_device());
+    if (comm == "staged") {
+      return ProcessGroup{std::make_shared<DataPlaneOnly>(stage_through_host(world_ptr(), test_device()).data),
+                          world_ptr()};
+    }
 #ifdef ZS_WITH_CUDA
     if (comm == "nccl") return init_nccl(world_ptr(), test_device());
 #endif

@@ -25,7 +25,8 @@ std::shared_ptr<Communicator> world_ptr();
 //                   the GPUs present, so several ranks may share one GPU)
 //   ZS_TEST_COMM    tcp: the world itself (CPU only); staged: the world with
 //                   tensors staged through host memory (stage_through_host,
-//                   any device, any number of ranks per GPU); nccl: init_nccl.
+//                   any device, any number of ranks per GPU), whose data plane
+//                   refuses int64/float64 host values; nccl: init_nccl.
 //                   Default: tcp on the CPU, nccl on cuda.
 c10::Device test_device();
 ProcessGroup& test_group();

@@ -144,8 +144,7 @@ void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
 void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
   std::vector<std::string> entries;
   for (size_t u : order) entries.push_back("unit '" + (units[u]->is_root ? std::string("(root)") : units[u]->name) + "'");
-  // On the reductions' communicator, so that the gathers' one carries parameters only.
-  shard::check_same_on_all_ranks(*reduce_comm, entries, "fully_shard: the " + what + " orders of units (first step)");
+  shard::check_same_on_all_ranks(check_comm(), entries, "fully_shard: the " + what + " orders of units (first step)");
 }
 
 void FullyShardedModel::Impl::try_launch() {

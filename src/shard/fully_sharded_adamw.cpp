@@ -126,7 +126,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
   os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm
      << " loss_scaling=" << shards.loss_scaling << shard::describe_loss_scaling(options.loss_scale, shards.loss_scaling);
   entries.push_back(os.str());
-  shard::check_same_on_all_ranks(*m.comm, entries, "FullyShardedAdamW param groups and options");
+  shard::check_same_on_all_ranks(*m.group.control, entries, "FullyShardedAdamW param groups and options");
   attach_shards(std::move(shards));
 }
 

@@ -2,7 +2,6 @@
 #include "shard/shard_group.h"
 
 #include "comm/work.h"
-
 #include "zeroshard/trace.h"
 
 #ifdef ZS_WITH_CUDA

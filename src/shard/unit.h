@@ -157,6 +157,10 @@ struct FullyShardedModel::Impl {
   // in the same order on every rank even when ranks finish units' gradients
   // at different points of backward (unused parameters on some ranks).
   std::shared_ptr<Communicator> reduce_comm;
+  // Where agreements on host values go during training: the control plane
+  // when the group has one of its own; for a CPU communicator (its own control
+  // plane) the reductions' split, so that the gathers' carries parameters only.
+  Communicator& check_comm() const { return group.control == group.data ? *reduce_comm : *group.control; }
   void launch(size_t unit);
 
   void begin_backward();              // first hook of a backward: queue the end-of-backward callback
