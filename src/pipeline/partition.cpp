@@ -162,7 +162,11 @@ std::string to_layout(const std::vector<Block>& blocks, const Partition& partiti
       size_t run = 1;
       while (i + run < stage.size() && blocks[stage[i + run]].symbol == blocks[stage[i]].symbol) ++run;
       if (i > 0) out += " ";
-      out += blocks[stage[i]].symbol + (run > 1 ? "*" + std::to_string(run) : "");
+      out += blocks[stage[i]].symbol;
+      if (run > 1) {
+        out += '*';
+        out += std::to_string(run);
+      }
       i += run;
     }
   }
