@@ -35,7 +35,8 @@ PipelineGrid::PipelineGrid(ProcessGroup world, const GridOptions& options) : wor
         TORCH_CHECK_VALUE(tied[i] >= 0 && tied[i] < options.stages && (i == 0 || tied[i] > tied[i - 1]),
                           "PipelineGrid: tie ", k, " names stage ", tied[i],
                           "; stages are ascending, distinct and below ", options.stages);
-        entry += " " + std::to_string(tied[i]);
+        entry += ' ';
+        entry += std::to_string(tied[i]);
       }
       entries.push_back(entry);
     }
