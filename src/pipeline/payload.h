@@ -1,9 +1,6 @@
-// payload.h — named tensors crossing a stage boundary, and their check.
+// payload.h — payloads (zeroshard/pipeline_payload.h) crossing a stage boundary.
 //
-// A payload is what one stage hands the next for one microbatch (activations
-// forward, their gradients backward): named tensors in a fixed order. Both
-// sides compute its spec (names, shapes, dtypes) from the microbatch, so
-// nothing about shapes travels except a check: each message is a small int64
+// Nothing about shapes travels except a check: each message is a small int64
 // header, naming the send that made it and describing its tensors, followed
 // by the tensors, one transport message each, in order. A receive posts all
 // of them at once (posted receives hold up nothing) and its wait() compares
@@ -15,6 +12,7 @@
 #pragma once
 
 #include "zeroshard/comm.h"
+#include "zeroshard/pipeline_payload.h"
 #include "zeroshard/pipeline_schedule.h"
 
 #include <ATen/ATen.h>
@@ -25,23 +23,6 @@
 #include <vector>
 
 namespace zeroshard::pipeline {
-
-using Payload = std::vector<std::pair<std::string, at::Tensor>>;
-
-struct TensorSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-  c10::ScalarType dtype = c10::ScalarType::Float;
-  std::string describe() const;  // "hidden [4, 16, 64] Float"
-  bool operator==(const TensorSpec& o) const { return name == o.name && shape == o.shape && dtype == o.dtype; }
-};
-using PayloadSpec = std::vector<TensorSpec>;
-PayloadSpec spec_of(const Payload& payload);
-std::string describe(const PayloadSpec& spec);  // "{hidden [4, 16, 64] Float, mask [4, 16] Long}"
-
-// Throws unless `payload` has the spec `expected`, naming `what` ("stage 1's
-// output of microbatch 3") and the first tensor that differs.
-void check_payload(const Payload& payload, const PayloadSpec& expected, const std::string& what);
 
 // Sends `payload` (made by the action `send`, SEND_F or SEND_B) to rank `dst`
 // of `comm`: its header, then each tensor. The caller waits for every Work
