@@ -42,8 +42,8 @@ Checkpointer::~Checkpointer() {
 void Checkpointer::wait() { impl_->wait_pending(); }
 
 SaveTimes Checkpointer::last_save_times() const {
-  std::lock_guard<std::mutex> lock(impl_->last_mu);
-  return impl_->last;
+  std::lock_guard<std::mutex> lock(impl_->last->mu);
+  return impl_->last->times;
 }
 
 const std::string& Checkpointer::dir() const { return impl_->dir; }

@@ -168,8 +168,13 @@ struct Checkpointer::Impl {
   CheckpointOptions options;
   boost::asio::thread_pool pool{1};
   std::future<std::string> pending;       // the save being written in the background
-  mutable std::mutex last_mu;             // `last` is written by the writer thread too
-  SaveTimes last;
+  // The last save's times, written by the writer thread too, and by the fence
+  // the optimizer's next update runs, which may come after this Checkpointer is gone.
+  struct LastSave {
+    std::mutex mu;  // guards times
+    SaveTimes times;
+  };
+  std::shared_ptr<LastSave> last = std::make_shared<LastSave>();
 
   // Every rank learns whether every rank succeeded at a phase; throws on all
   // of them if not, with this rank's own error or the failing ranks' numbers.

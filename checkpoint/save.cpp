@@ -236,8 +236,8 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
     trace::Span span("checkpoint", "checkpoint save step " + std::to_string(progress.step));
     if (snap->on_device) snap->copy();  // device shards through pinned host memory
     write(*snap);
-    std::lock_guard<std::mutex> lock(last_mu);
-    last.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(last->mu);
+    last->times.stall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return step_dir;
   }
   // The writer copies the shards first; the optimizer's next update waits for
@@ -245,11 +245,11 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   auto copied = std::make_shared<std::promise<void>>();
   std::shared_future<void> copied_future = copied->get_future().share();
   if (snap->deferred) {
-    fence([this, copied_future] {
+    fence([last = last, copied_future] {  // not `this`: the Checkpointer may be gone by the next update
       const auto w0 = std::chrono::steady_clock::now();
       copied_future.wait();
-      std::lock_guard<std::mutex> lock(last_mu);  // the loop waited here too: part of the stall
-      last.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+      std::lock_guard<std::mutex> lock(last->mu);  // the loop waited here too: part of the stall
+      last->times.stall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
     });
   }
   std::packaged_task<std::string()> task([this, snap, copied] {
@@ -268,8 +268,8 @@ std::string Checkpointer::Impl::save(const ShardedState& state, torch::nn::Modul
   boost::asio::post(pool, std::move(task));
   const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
-    std::lock_guard<std::mutex> lock(last_mu);
-    last.stall_seconds = stall;
+    std::lock_guard<std::mutex> lock(last->mu);
+    last->times.stall_seconds = stall;
   }
   char msg[200];
   std::snprintf(msg, sizeof(msg),
@@ -357,9 +357,9 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   int64_t bytes = 0;
   for (const auto& dg : digests) bytes += dg.first;
   {
-    std::lock_guard<std::mutex> lock(last_mu);
-    last.write_seconds = seconds;
-    last.bytes = bytes;
+    std::lock_guard<std::mutex> lock(last->mu);
+    last->times.write_seconds = seconds;
+    last->times.bytes = bytes;
   }
   char msg[200];
   std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %d files) in %.2f s",
