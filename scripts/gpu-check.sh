@@ -18,7 +18,7 @@
 # world sizes of the staged multi-rank oracle tests on one GPU).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-cd "$here"
+cd "$here" || exit 2
 
 # Runtime libraries of the packages below, beyond what every Linux has (libc,
 # libstdc++, libgcc, zlib): HDF5 loads libcurl, which loads the rest.
@@ -45,13 +45,13 @@ dir=${1:-.gpu-deps}
 python=${PYTHON:-python3}
 jobs=${JOBS:-$(nproc)}
 ranks=${CHECK_RANKS:-2 3 4}
-build=build-gpu
-root=$(cd "$dir" 2>/dev/null && pwd)/root
+build="build-gpu"
 logs=$build/gpu-check-logs
 arch=x86_64-linux-gnu
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
 [ -d "$dir/debs" ] || die "no packages in $dir/debs; run 'scripts/gpu-check.sh fetch $dir' on a Debian machine with network first"
+root="$(cd "$dir" && pwd)/root"
 "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null ||
   die "$python has no torch that sees a GPU (set PYTHON)"
 for tool in nvcc g++ cmake ninja; do command -v "$tool" >/dev/null || die "$tool is not on PATH"; done
