@@ -46,6 +46,8 @@ struct Action {
 // The receive that takes what `send` (SEND_F or SEND_B) sends: RECV_F(s+1, m)
 // for SEND_F(s, m), RECV_B(s−1, m) for SEND_B(s, m).
 Action receive_for(const Action& send);
+// The send whose message `recv` (RECV_F or RECV_B) takes: the inverse of receive_for.
+Action send_for(const Action& recv);
 // "2F0", "1SEND_F3", "0REDUCE_GRAD": stage, op, microbatch (torch.distributed.pipelining's form).
 std::string to_string(const Action& action);
 // The inverse of to_string; throws naming the text on anything else.

@@ -97,8 +97,7 @@ Payload PayloadRecv::wait() {
   const auto* w = host.data_ptr<int64_t>();
   const std::string what = to_string(recv_) + " (from rank " + std::to_string(src_) + ")";
   TORCH_CHECK(w[0] == kMagic, what, ": the message is not a stage payload (its header is not one)");
-  const Action want = recv_.op == Op::kRecvF ? Action{recv_.stage - 1, Op::kSendF, recv_.microbatch}
-                                             : Action{recv_.stage + 1, Op::kSendB, recv_.microbatch};
+  const Action want = send_for(recv_);
   const Action sent{static_cast<int>(w[1]), static_cast<Op>(w[2]), static_cast<int>(w[3])};
   TORCH_CHECK(sent == want, what, " received what ", to_string(sent), " sent, not ", to_string(want),
               ": the sender's and the receiver's schedules disagree on this channel's order");

@@ -51,6 +51,12 @@ Action receive_for(const Action& send) {
                                : Action{send.stage - 1, Op::kRecvB, send.microbatch};
 }
 
+Action send_for(const Action& recv) {
+  TORCH_CHECK(recv.op == Op::kRecvF || recv.op == Op::kRecvB, "send_for: ", to_string(recv), " is not a receive");
+  return recv.op == Op::kRecvF ? Action{recv.stage - 1, Op::kSendF, recv.microbatch}
+                               : Action{recv.stage + 1, Op::kSendB, recv.microbatch};
+}
+
 std::string to_string(const Action& action) {
   std::string s = std::to_string(action.stage) + to_string(action.op);
   if (!per_step(action.op)) s += std::to_string(action.microbatch);

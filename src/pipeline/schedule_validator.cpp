@@ -216,10 +216,8 @@ Simulation validate(const Schedule& s, const PassCosts& costs) {
     if (pc[r] >= s.actions[r].size()) continue;
     stuck = true;
     const Action& a = s.actions[r][pc[r]];
-    const int from = s.rank_of(a.op == Op::kForward ? a.stage - 1 : a.stage + 1);
-    why[r] = "waits for rank " + std::to_string(from) + "'s " +
-             to_string(Action{a.op == Op::kForward ? a.stage - 1 : a.stage + 1,
-                              a.op == Op::kForward ? Op::kSendF : Op::kSendB, a.microbatch});
+    const Action send = send_for(Action{a.stage, a.op == Op::kForward ? Op::kRecvF : Op::kRecvB, a.microbatch});
+    why[r] = "waits for rank " + std::to_string(s.rank_of(send.stage)) + "'s " + to_string(send);
   }
   TORCH_CHECK_VALUE(!stuck, "pipeline schedule: deadlock: every unfinished rank waits for data that a waiting rank "
                     "would send. The rank x step grid, with each rank's waiting action [marked]:",

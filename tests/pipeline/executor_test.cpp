@@ -115,7 +115,10 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     // The last stage's loss, averaged over its data-parallel ranks: the oracle's.
     auto t = torch::tensor({loss}, torch::kDouble);
     grid.dp_group().control->all_reduce(t, ReduceOp::kAvg)->wait();
-    if (grid.stage() == last % pp) EXPECT_NEAR(t.item<double>(), want_losses[static_cast<size_t>(step)], 1e-6 * want_losses[static_cast<size_t>(step)]) << "step " << step;
+    if (grid.stage() == last % pp) {
+      const double want_loss = want_losses[static_cast<size_t>(step)];
+      EXPECT_NEAR(t.item<double>(), want_loss, 1e-6 * want_loss) << "step " << step;
+    }
   }
   // Every parameter this rank trained against the oracle's.
   size_t k = 0;
