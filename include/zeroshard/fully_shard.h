@@ -221,6 +221,25 @@ class FullyShardedModel {
   };
   FullParamsGuard summon_full_params();
 
+  // While the returned guard lives every unit stays gathered: one all-gather
+  // per unit when it is made, none in the forwards and backwards that run
+  // under it, and the units are resharded when it ends. For a pipeline stage,
+  // whose microbatches' forwards and backwards interleave within a step
+  // (memory: the stage's whole parameters instead of a few units). An update
+  // under it re-gathers the updated units. Collective. Not during backward.
+  class KeepGatheredGuard {
+   public:
+    explicit KeepGatheredGuard(FullyShardedModel* model);
+    ~KeepGatheredGuard();
+    KeepGatheredGuard(KeepGatheredGuard&& other) noexcept;
+    KeepGatheredGuard(const KeepGatheredGuard&) = delete;
+    KeepGatheredGuard& operator=(const KeepGatheredGuard&) = delete;
+
+   private:
+    FullyShardedModel* model_;
+  };
+  KeepGatheredGuard keep_gathered();
+
   // While the returned guard lives, backward does not communicate: each
   // parameter's gradient accumulates in full in p.grad() (memory: the full
   // gradient, like unsharded training). The next backward outside the guard,

@@ -10,9 +10,21 @@
 //   B                 wait for the output's gradient and run the backward from
 //                     the output (from the loss on the last stage), freeing the graph
 //   SEND_B            send the gradient of the input
-//   UNSHARD, RESHARD, REDUCE_GRAD
-//                     the stage's hooks (StageHooks), when given
+//   UNSHARD, RESHARD  a ZeRO-3 stage's units held gathered between them
+//   REDUCE_GRAD       a sharded stage's gradients reduced (see below)
 // Sends are posted; the executor waits for all of them at the end of the step.
+//
+// ZeRO inside each stage. Given each of its stages' StageShards (an optimizer
+// over the grid's data-parallel group), the executor makes run_step() one
+// optimizer step: every stage's gradients accumulate locally over the
+// microbatches and are reduce-scattered during the stage's last backward
+// (ZeRO-2 and 3; ZeRO-1 reduces at REDUCE_GRAD), so no data-parallel traffic
+// happens before it; a ZeRO-3 stage is gathered once per step when the
+// schedule has UNSHARD/RESHARD (LoweringOptions::unshard), else per pass. Then
+// one all-reduce over the world carries [sum of squares of every gradient
+// shard, loss]: every rank gets the loss, the global gradient norm and whether
+// anything was not finite, clips by the same factor and updates, or skips the
+// step everywhere.
 //
 // Before the first step the ranks of the pipeline group compare the
 // schedule's hash: a rank given another schedule is an error on every rank.
@@ -23,6 +35,8 @@
 #include "zeroshard/pipeline_grid.h"
 #include "zeroshard/pipeline_payload.h"
 #include "zeroshard/pipeline_schedule.h"
+#include "zeroshard/fully_shard.h"
+#include "zeroshard/sharded_optimizer.h"
 
 #include <functional>
 #include <memory>
@@ -41,23 +55,62 @@ struct StageFunctions {
   // On the last stage: the scalar loss of a microbatch from that stage's
   // output; its backward starts there.
   std::function<at::Tensor(int microbatch, const Payload& output)> loss;
-  // Optional: UNSHARD, RESHARD and REDUCE_GRAD of a stage.
+  // Optional: called at each UNSHARD, RESHARD and REDUCE_GRAD of a stage,
+  // after what the executor does for StageShards.
   std::function<void(Op op, int stage)> stage_hook;
+};
+
+// One of this rank's stages sharded over the grid's data-parallel group.
+struct StageShards {
+  // ShardedAdamW over the stage's parameters (ZeRO-1/2), or the
+  // FullyShardedAdamW of `model` (ZeRO-3).
+  std::shared_ptr<ShardedOptimizer> optimizer;
+  // ZeRO-3: the stage's module under fully_shard(), which UNSHARD gathers and RESHARD releases.
+  std::shared_ptr<FullyShardedModel> model;
+};
+
+struct ExecutorOptions {
+  // > 0: with StageShards, the mean gradient is clipped to this global L2
+  // norm (over every stage). Default: 0 (no clipping).
+  double max_grad_norm = 0;
+};
+
+struct StepResult {
+  // The last stage's losses, summed over the step's microbatches and averaged
+  // over its data-parallel ranks. The same on every rank.
+  double loss = 0;
+  // With StageShards: the global L2 norm of the mean gradient over every
+  // stage, before clipping (0 without).
+  double grad_norm = 0;
+  // The loss and the gradient norm were finite.
+  bool finite = true;
+  // With StageShards: every stage's optimizer updated. false: a non-finite
+  // loss or gradient skipped the step on every rank (gradients discarded; with
+  // loss scaling the scale shrinks).
+  bool updated = false;
 };
 
 class PipelineExecutor {
  public:
   // REQUIRES: `schedule` has grid.pp() ranks (validated here); grid's pipeline
   // group carries the payloads. Collective over the pipeline group.
-  PipelineExecutor(const PipelineGrid& grid, Schedule schedule, StageFunctions functions);
+  PipelineExecutor(const PipelineGrid& grid, Schedule schedule, StageFunctions functions,
+                   ExecutorOptions options = {});
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
 
-  // One step: this rank's actions, in order. Returns the sum of the losses
-  // computed on this rank (the last stage's; 0 elsewhere). Gradients
-  // accumulate into the stages' parameters as autograd leaves them.
-  double run_step();
+  // Makes `stage` (one of this rank's) a sharded stage. Either every stage on
+  // every rank has StageShards or none (checked at the first step).
+  // REQUIRES: the optimizer's communicator is the grid's data-parallel group.
+  void shard_stage(int stage, StageShards shards);
+
+  // One step: this rank's actions, in order, then the world all-reduce of the
+  // loss (and with StageShards the gradient norm, clipping and every stage's
+  // optimizer step; the gradients are cleared first). Without StageShards the
+  // gradients accumulate into the stages' parameters as autograd leaves them.
+  // Collective over the world.
+  StepResult run_step();
 
   const Schedule& schedule() const;
 

@@ -219,6 +219,8 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // loss * loss_scale() when loss scaling is on, else loss.
   torch::Tensor scale_loss(const torch::Tensor& loss) const;
   double loss_scale() const;
+  // Whether dynamic loss scaling is on (then an inf/NaN norm skips the step).
+  bool loss_scaling() const;
   // Whether the last step() was skipped because a gradient overflowed.
   bool last_step_skipped() const;
   // 1, 2 or 3.

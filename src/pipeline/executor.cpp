@@ -3,10 +3,14 @@
 
 #include "pipeline/payload.h"
 #include "shard/rank_agreement.h"
+#include "zeroshard/trace.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <chrono>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -16,7 +20,21 @@ struct PipelineExecutor::Impl {
   const PipelineGrid& grid;
   Schedule schedule;
   StageFunctions fns;
+  ExecutorOptions options;
   Communicator& pipe;  // the pipeline group's data plane: rank i is stage i mod pp
+
+  struct Sharding {  // a stage given StageShards
+    StageShards shards;
+    size_t last_backward = 0;  // index of the stage's last B in this rank's list
+    // Per step: gradients accumulate locally until the last backward; ZeRO-3
+    // units held gathered from UNSHARD to RESHARD; REDUCE_GRAD done.
+    std::optional<ShardedOptimizer::NoSyncGuard> local;
+    std::optional<FullyShardedModel::KeepGatheredGuard> gathered;
+    bool reduced = false;
+  };
+  std::map<int, Sharding> sharded;
+  double sumsq = 0;  // this rank's stages' gradient shards, this step
+  bool checked_shards = false;
 
   using Key = std::pair<int, int>;  // (stage, microbatch)
   std::map<Key, PayloadRecv> inputs, output_grads;  // posted receives
@@ -30,8 +48,10 @@ struct PipelineExecutor::Impl {
   std::vector<std::shared_ptr<Work>> sends;
   double loss_sum = 0;
 
-  Impl(const PipelineGrid& g, Schedule s, StageFunctions f)
-      : grid(g), schedule(std::move(s)), fns(std::move(f)), pipe(*g.pp_group().data) {}
+  Impl(const PipelineGrid& g, Schedule s, StageFunctions f, ExecutorOptions o)
+      : grid(g), schedule(std::move(s)), fns(std::move(f)), options(o), pipe(*g.pp_group().data) {}
+
+  const std::vector<Action>& my_actions() const { return schedule.actions[static_cast<size_t>(pipe.rank())]; }
 
   int last_stage() const { return schedule.stages - 1; }
   std::string name(int stage, int mb) const {
@@ -74,7 +94,8 @@ struct PipelineExecutor::Impl {
     Live l = std::move(it->second);
     live.erase(it);
     if (a.stage == last_stage()) {
-      l.loss.backward();
+      auto s = sharded.find(a.stage);
+      (s == sharded.end() ? l.loss : s->second.shards.optimizer->scale_loss(l.loss)).backward();
     } else {
       auto g = output_grads.find(key);
       TORCH_INTERNAL_ASSERT(g != output_grads.end(), "no posted receive for ", to_string(a));
@@ -129,35 +150,152 @@ struct PipelineExecutor::Impl {
       case Op::kUnshard:
       case Op::kReshard:
       case Op::kReduceGrad:
+        if (auto s = sharded.find(a.stage); s != sharded.end()) {
+          auto& sh = s->second;
+          if (a.op == Op::kReduceGrad) reduce(sh);
+          if (a.op == Op::kUnshard && sh.shards.model) sh.gathered.emplace(sh.shards.model->keep_gathered());
+          if (a.op == Op::kReshard) sh.gathered.reset();
+        }
         if (fns.stage_hook) fns.stage_hook(a.op, a.stage);
         break;
     }
   }
+
+  // The stage's gradients reduced over its data-parallel group: those of the
+  // backwards since the last one that did not communicate, ZeRO-1's all.
+  void reduce(Sharding& sh) {
+    if (sh.reduced) return;
+    sh.local.reset();
+    sumsq += sh.shards.optimizer->local_sumsq();
+    sh.reduced = true;
+  }
+
+  void begin_step() {
+    inputs.clear();
+    output_grads.clear();
+    live.clear();
+    to_send.clear();
+    sends.clear();
+    loss_sum = 0;
+    sumsq = 0;
+    for (auto& [stage, sh] : sharded) {
+      sh.gathered.reset();
+      sh.local.reset();
+      sh.shards.optimizer->zero_grad();
+      sh.local.emplace(sh.shards.optimizer->no_sync());
+      sh.reduced = false;
+    }
+  }
+
+  void run_actions() {
+    const auto& list = my_actions();
+    for (size_t i = 0; i < list.size(); ++i) {
+      const Action& a = list[i];
+      if (a.op == Op::kBackward) {  // the stage's last backward reduces its gradients
+        if (auto s = sharded.find(a.stage); s != sharded.end() && s->second.last_backward == i) s->second.local.reset();
+      }
+      const bool traced = trace::enabled() && (a.op == Op::kForward || a.op == Op::kBackward);
+      const auto t0 = std::chrono::steady_clock::now();
+      run(a);
+      if (traced) trace::record(to_string(a), "compute", t0);
+    }
+    for (auto& [stage, sh] : sharded) {
+      reduce(sh);
+      sh.gathered.reset();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& w : sends) w->wait();
+    if (trace::enabled() && !sends.empty()) trace::record("wait for sends", "wait", t0);
+    sends.clear();
+    TORCH_INTERNAL_ASSERT(live.empty() && to_send.empty() && inputs.empty() && output_grads.empty(),
+                          "pipeline: the step left work behind");
+  }
+
+  // One world all-reduce: [gradient sum of squares, loss, non-finite flag,
+  // sharded stages]; then every stage's update, or none.
+  StepResult finish_step() {
+    const double nonfinite = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
+    auto t = at::tensor({std::isfinite(sumsq) ? sumsq : 0.0, std::isfinite(loss_sum) ? loss_sum : 0.0, nonfinite,
+                         static_cast<double>(sharded.size())},
+                        at::kDouble);
+    grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
+    const double* v = t.data_ptr<double>();
+    StepResult r;
+    r.loss = v[1] / grid.dp();
+    r.finite = v[2] == 0;
+    if (!r.finite) r.loss = std::numeric_limits<double>::quiet_NaN();
+    if (!checked_shards) {
+      const int every = schedule.stages * grid.dp();
+      TORCH_CHECK_VALUE(v[3] == 0 || static_cast<int>(v[3]) == every, "PipelineExecutor: ", static_cast<int>(v[3]),
+                        " of the ", every, " (stage, data-parallel rank) pairs have StageShards; give every stage on "
+                        "every rank its StageShards (shard_stage), or none");
+      checked_shards = true;
+    }
+    if (sharded.empty()) return r;
+    r.grad_norm = r.finite ? std::sqrt(v[0]) : std::numeric_limits<double>::infinity();
+    const double max_norm = options.max_grad_norm > 0 ? options.max_grad_norm : std::numeric_limits<double>::infinity();
+    r.updated = true;
+    for (auto& [stage, sh] : sharded) {
+      auto& opt = *sh.shards.optimizer;
+      if (!r.finite && !opt.loss_scaling()) {  // no loss scaling to skip the step: drop the gradients
+        opt.discard_gradients();
+        r.updated = false;
+        continue;
+      }
+      opt.apply_clip(max_norm, r.grad_norm);  // an inf norm skips the step (and shrinks the loss scale)
+      opt.step();
+      r.updated = r.updated && !opt.last_step_skipped();
+    }
+    return r;
+  }
 };
 
-PipelineExecutor::PipelineExecutor(const PipelineGrid& grid, Schedule schedule, StageFunctions functions) {
+PipelineExecutor::PipelineExecutor(const PipelineGrid& grid, Schedule schedule, StageFunctions functions,
+                                   ExecutorOptions options) {
   TORCH_CHECK_VALUE(schedule.ranks == grid.pp(), "PipelineExecutor: the schedule has ", schedule.ranks,
                     " ranks but the pipeline has ", grid.pp(), " stages' ranks");
   TORCH_CHECK_VALUE(functions.forward && functions.input_spec && functions.loss,
                     "PipelineExecutor: StageFunctions needs forward, input_spec and loss");
   validate(schedule);
   shard::check_same_on_all_ranks(*grid.pp_group().control, {to_text(schedule)}, "pipeline schedules");
-  impl_ = std::make_unique<Impl>(grid, std::move(schedule), std::move(functions));
+  TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "PipelineExecutor: max_grad_norm is ", options.max_grad_norm,
+                    "; it must be >= 0 (0: no clipping)");
+  impl_ = std::make_unique<Impl>(grid, std::move(schedule), std::move(functions), options);
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
 
 const Schedule& PipelineExecutor::schedule() const { return impl_->schedule; }
 
-double PipelineExecutor::run_step() {
+void PipelineExecutor::shard_stage(int stage, StageShards shards) {
   auto& im = *impl_;
-  im.loss_sum = 0;
-  for (const auto& a : im.schedule.actions[static_cast<size_t>(im.pipe.rank())]) im.run(a);
-  for (auto& w : im.sends) w->wait();
-  im.sends.clear();
-  TORCH_INTERNAL_ASSERT(im.live.empty() && im.to_send.empty() && im.inputs.empty() && im.output_grads.empty(),
-                        "pipeline: the step left work behind");
-  return im.loss_sum;
+  TORCH_CHECK_VALUE(stage >= 0 && stage < im.schedule.stages && im.schedule.rank_of(stage) == im.pipe.rank(),
+                    "PipelineExecutor::shard_stage: stage ", stage, " is not one of this rank's (pipeline rank ",
+                    im.pipe.rank(), " of ", im.schedule.ranks, " holds the stages s with s % ", im.schedule.ranks,
+                    " == ", im.pipe.rank(), ")");
+  TORCH_CHECK_VALUE(shards.optimizer != nullptr, "PipelineExecutor::shard_stage: stage ", stage,
+                    "'s optimizer is null");
+  TORCH_CHECK_VALUE(shards.optimizer->communicator().size() == im.grid.dp(), "PipelineExecutor::shard_stage: stage ",
+                    stage, "'s optimizer shards over ", shards.optimizer->communicator().size(),
+                    " ranks but the grid's data-parallel group has ", im.grid.dp(), "; build it on grid.dp_group()");
+  TORCH_CHECK_VALUE(!shards.model || shards.optimizer->zero_stage() == 3, "PipelineExecutor::shard_stage: stage ",
+                    stage, " has a fully sharded model but a ZeRO-", shards.optimizer->zero_stage(),
+                    " optimizer; give the model's FullyShardedAdamW");
+  Impl::Sharding sh;
+  sh.shards = std::move(shards);
+  const auto& list = im.my_actions();
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (list[i].op == Op::kBackward && list[i].stage == stage) sh.last_backward = i;
+  }
+  im.sharded.erase(stage);
+  im.sharded.emplace(stage, std::move(sh));
+}
+
+StepResult PipelineExecutor::run_step() {
+  auto& im = *impl_;
+  im.begin_step();
+  im.run_actions();
+  return im.finish_step();
 }
 
 }  // namespace zeroshard::pipeline

@@ -267,6 +267,31 @@ FullyShardedModel::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noe
 
 FullyShardedModel::FullParamsGuard FullyShardedModel::summon_full_params() { return FullParamsGuard(this); }
 
+FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(FullyShardedModel* model) : model_(model) {
+  auto& m = *model_->impl_;
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  TORCH_CHECK(!m.in_backward, "keep_gathered: not during backward");
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) u->start_unshard();  // every gather in flight at once
+  for (auto& u : m.units) u->unshard();
+  ++m.keep_gathered_depth;
+}
+
+FullyShardedModel::KeepGatheredGuard::~KeepGatheredGuard() {
+  if (model_ == nullptr) return;
+  auto& m = *model_->impl_;
+  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  if (--m.keep_gathered_depth > 0) return;
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) u->reshard();
+}
+
+FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(KeepGatheredGuard&& other) noexcept : model_(other.model_) {
+  other.model_ = nullptr;
+}
+
+FullyShardedModel::KeepGatheredGuard FullyShardedModel::keep_gathered() { return KeepGatheredGuard(this); }
+
 FullyShardedModel::NoSyncGuard::NoSyncGuard(FullyShardedModel* model) : model_(model) {
   std::lock_guard<std::recursive_mutex> lock(model_->impl_->guard->mu);
   ++model_->impl_->no_sync_depth;

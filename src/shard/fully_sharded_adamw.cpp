@@ -178,8 +178,9 @@ void FullyShardedModel::Impl::finish_reductions() {
 
 void FullyShardedModel::Impl::publish_update(size_t unit) {
   auto& u = *units[unit];
-  if (u.is_root) {
-    // In place: values is its slice (at one rank all of it: nothing to do).
+  if (u.is_root || keep_gathered_depth > 0) {
+    // The root in place (values is its slice; at one rank all of it: nothing
+    // to do); a unit held gathered from its updated shard.
     if (world > 1) update_gathers.push_back(comm->all_gather(u.gathered, u.values));
   } else {
     u.reshard();  // a gathered copy would be stale now
@@ -209,7 +210,7 @@ void FullyShardedModel::Impl::install_masters() {
   std::vector<std::shared_ptr<Work>> gathers;
   for (auto& u : units) {
     if (!u->master.is_same(u->values)) u->values.copy_(u->master);  // round to the unit's dtype
-    if (u->is_root) {
+    if (u->is_root || keep_gathered_depth > 0) {  // in place; a unit held gathered from its shard
       if (world > 1) gathers.push_back(comm->all_gather(u->gathered, u->values));
     } else {
       u->reshard();  // a gathered (or prefetched) copy would be stale

@@ -219,6 +219,8 @@ torch::Tensor ShardedOptimizer::scale_loss(const torch::Tensor& loss) const {
   return core_->scaler.enabled() ? loss * core_->scaler.scale() : loss;
 }
 
+bool ShardedOptimizer::loss_scaling() const { return core_->scaler.enabled(); }
+
 double ShardedOptimizer::loss_scale() const { return core_->scaler.scale(); }
 bool ShardedOptimizer::last_step_skipped() const { return core_->last_skipped; }
 int ShardedOptimizer::zero_stage() const { return core_->zero_stage; }

@@ -85,7 +85,7 @@ void Unit::unshard() {
 }
 
 void Unit::reshard() {
-  if (is_root) return;
+  if (is_root || model.keep_gathered_depth > 0) return;
   if (gather_work_) unshard();  // a prefetch in flight: let it land before freeing its buffer
   if (!is_gathered) return;
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].set_data(empties_[i]);

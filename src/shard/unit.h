@@ -131,6 +131,9 @@ struct FullyShardedModel::Impl {
     peak_gathered = std::max(peak_gathered, gathered_bytes);
   }
 
+  // Units held gathered (keep_gathered): forwards and backwards do not reshard.
+  int keep_gathered_depth = 0;
+
   // Gradient accumulation without communication (no_sync).
   int no_sync_depth = 0;
   bool sync_this_backward = true;      // this backward reduces its gradients
