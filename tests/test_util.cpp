@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 #include <stdexcept>
 
 namespace zeroshard::testing {
@@ -147,6 +148,36 @@ int free_port() {
   }
   close(fd);
   return ntohs(a.sin_port);
+}
+
+DistEnv thread_env(int rank, int world, int port) {
+  DistEnv e;
+  e.rank = rank;
+  e.world_size = world;
+  e.local_rank = rank;
+  e.local_world_size = world;
+  e.master_addr = "127.0.0.1";
+  e.master_port = port;
+  e.source = "test";
+  return e;
+}
+
+std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (const c10::Error& e) {
+        errors[static_cast<size_t>(r)] = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
 }
 
 std::string make_temp_dir(const std::string& tag) {

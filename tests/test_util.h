@@ -7,8 +7,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace zeroshard::testing {
 
@@ -46,6 +48,13 @@ CommandResult run_command(const std::string& command);
 
 // A TCP port free on 127.0.0.1 right now.
 int free_port();
+
+// Ranks as threads of this process, each with its own communicator, so a test
+// controls exactly who arrives and who dies: the DistEnv of rank `rank` of
+// `world` with the store on 127.0.0.1:`port` (free_port()), and body(rank)
+// run on `world` threads, returning each thread's error text ("" if none).
+DistEnv thread_env(int rank, int world, int port);
+std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body);
 
 // A fresh empty directory under the system temp dir.
 std::string make_temp_dir(const std::string& tag);

@@ -22,7 +22,7 @@
 // happens before it; a ZeRO-3 stage is gathered once per step when the
 // schedule has UNSHARD/RESHARD (LoweringOptions::unshard), else per pass. Then
 // one all-reduce over the world carries [sum of squares of every gradient
-// shard, loss]: every rank gets the loss, the global gradient norm and whether
+// shard (a tied parameter's once, see tie()), loss]: every rank gets the loss, the global gradient norm and whether
 // anything was not finite, clips by the same factor and updates, or skips the
 // step everywhere.
 //
@@ -104,6 +104,18 @@ class PipelineExecutor {
   // every rank has StageShards or none (checked at the first step).
   // REQUIRES: the optimizer's communicator is the grid's data-parallel group.
   void shard_stage(int stage, StageShards shards);
+
+  // `param` is stage `stage`'s copy of the parameter tied across the grid's
+  // tie set `set` (GridOptions::ties[set]; one copy per stage of the set, used
+  // by each). The first step makes every copy equal the set's first stage's;
+  // each step then adds the copies' gradients on the shard each rank owns (an
+  // all-reduce of 1/dp of the parameter over the tie group), so the copies
+  // stay identical, and counts the tied gradient once in the norm.
+  // REQUIRES: shard_stage(stage) first, and `param` trained by that stage's
+  // optimizer in a layout that gives each data-parallel rank the same
+  // elements of it on every stage of the set: a param group of its own
+  // (ZeRO-1/2) or a unit of its own (ZeRO-3). Checked at the first step.
+  void tie(size_t set, int stage, const at::Tensor& param);
 
   // One step: this rank's actions, in order, then the world all-reduce of the
   // loss (and with StageShards the gradient norm, clipping and every stage's

@@ -48,10 +48,12 @@ class PipelineGrid {
   // The tie group of options.ties[k] when this rank's stage is in it; else an
   // empty group (null communicators). Rank i of it is the i-th stage of the set.
   const ProcessGroup& tie_group(size_t k) const { return ties_.at(k); }
+  const GridOptions& options() const { return options_; }
 
  private:
   ProcessGroup world_, dp_group_, pp_group_;
   std::vector<ProcessGroup> ties_;
+  GridOptions options_;
   int pp_ = 1, dp_ = 1, stage_ = 0, dp_rank_ = 0;
 };
 

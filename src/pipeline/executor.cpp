@@ -1,11 +1,14 @@
 // executor.cpp — one rank's actions of a pipeline schedule.
 #include "zeroshard/pipeline_executor.h"
 
+#include "comm/work.h"
+#include "optim/grad_norm.h"
 #include "pipeline/payload.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/trace.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
@@ -13,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 
 namespace zeroshard::pipeline {
 
@@ -35,6 +39,15 @@ struct PipelineExecutor::Impl {
   std::map<int, Sharding> sharded;
   double sumsq = 0;  // this rank's stages' gradient shards, this step
   bool checked_shards = false;
+
+  struct Tie {  // this rank's copy of a parameter tied across stages
+    size_t set;
+    int stage;
+    at::Tensor param;
+    ProcessGroup group;  // the set's tie group: rank i is its i-th stage
+  };
+  std::vector<Tie> ties;  // in set order
+  bool ties_synced = false;
 
   using Key = std::pair<int, int>;  // (stage, microbatch)
   std::map<Key, PayloadRecv> inputs, output_grads;  // posted receives
@@ -170,6 +183,77 @@ struct PipelineExecutor::Impl {
     sh.reduced = true;
   }
 
+  // The elements of a tied parameter this rank owns in its stage's shards.
+  struct Owned {
+    ShardedBucketState bucket;
+    Range piece;     // in the bucket's flat buffer
+    Range of_param;  // the same elements, counted in the parameter
+    at::Tensor slice(const at::Tensor& shard) const {
+      return shard.slice(0, piece.begin - bucket.shard.begin, piece.end - bucket.shard.begin);
+    }
+  };
+  Owned owned(const Tie& t) {
+    const ShardedState st = sharded.at(t.stage).shards.optimizer->sharded_state();
+    for (const auto& b : st.buckets) {
+      for (size_t e = 0; e < b.params.size(); ++e) {
+        if (!st.param_tensors[b.params[e]].is_same(t.param)) continue;
+        const Range whole = b.layout.param_range(e);
+        const Range piece = intersect(whole, b.shard);
+        return {b, piece, {piece.begin - whole.begin, piece.end - whole.begin}};
+      }
+    }
+    TORCH_CHECK_VALUE(false, "PipelineExecutor::tie: the parameter tied across set ", t.set, " is not trained by stage ",
+                      t.stage, "'s optimizer; tie one of the parameters given to shard_stage(", t.stage, ")");
+  }
+  std::string tie_name(const Tie& t) const {
+    return "the parameter tied across stages " + c10::Join(", ", grid_ties()[t.set]) + " (set " +
+           std::to_string(t.set) + ")";
+  }
+  const std::vector<std::vector<int>>& grid_ties() const { return grid.options().ties; }
+
+  // First step: every copy takes the set's first stage's values (collective
+  // over the tie group, then over each stage's data-parallel group).
+  void sync_ties() {
+    if (ties_synced) return;
+    ties_synced = true;
+    std::set<int> changed;
+    for (const auto& t : ties) {
+      const Owned o = owned(t);
+      shard::check_same_on_all_ranks(*t.group.control,
+                                     {"elements [" + std::to_string(o.of_param.begin) + ", " +
+                                      std::to_string(o.of_param.end) + ") of " + std::to_string(t.param.numel()) +
+                                      " on data-parallel rank " + std::to_string(grid.dp_rank())},
+                                     "the shard each stage's data-parallel rank owns of " + tie_name(t) +
+                                         " (give it a param group (ZeRO-1/2) or unit (ZeRO-3) of its own on every stage)");
+      if (!o.piece.empty()) comm::block_current(*t.group.data->broadcast(o.slice(o.bucket.master).contiguous(), 0), t.param.device());
+      changed.insert(t.stage);
+    }
+    for (int stage : changed) {  // the parameters from the masters
+      auto& opt = *sharded.at(stage).shards.optimizer;
+      const ShardedState st = opt.sharded_state();
+      opt.restore_sharded_state(st.param_steps, st.loss_scale, st.loss_scale_clean_steps);
+    }
+  }
+
+  // After every stage's reduction: each copy's owned gradient becomes the sum
+  // over the copies; the norm counts it on the set's first stage only.
+  void reduce_ties() {
+    for (const auto& t : ties) {
+      auto& opt = *sharded.at(t.stage).shards.optimizer;
+      const Owned o = owned(t);
+      if (o.piece.empty()) continue;
+      TORCH_CHECK(o.bucket.grad_shard.defined(), "pipeline: stage ", t.stage, "'s copy of ", tie_name(t),
+                  " got no gradient this step; every stage of a tie set must use its copy");
+      at::Tensor g = o.slice(o.bucket.grad_shard);
+      const double scale2 = opt.loss_scale() * opt.loss_scale();
+      sumsq -= optim::sum_of_squares({g}) / scale2;
+      at::Tensor sum = g.contiguous();
+      comm::block_current(*t.group.data->all_reduce(sum, ReduceOp::kSum), sum.device());
+      g.copy_(sum);
+      if (t.group.data->rank() == 0) sumsq += optim::sum_of_squares({sum}) / scale2;
+    }
+  }
+
   void begin_step() {
     inputs.clear();
     output_grads.clear();
@@ -178,6 +262,7 @@ struct PipelineExecutor::Impl {
     sends.clear();
     loss_sum = 0;
     sumsq = 0;
+    sync_ties();
     for (auto& [stage, sh] : sharded) {
       sh.gathered.reset();
       sh.local.reset();
@@ -196,13 +281,21 @@ struct PipelineExecutor::Impl {
       }
       const bool traced = trace::enabled() && (a.op == Op::kForward || a.op == Op::kBackward);
       const auto t0 = std::chrono::steady_clock::now();
-      run(a);
+      try {
+        run(a);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ",
+                    e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ", e.what());
+      }
       if (traced) trace::record(to_string(a), "compute", t0);
     }
     for (auto& [stage, sh] : sharded) {
       reduce(sh);
       sh.gathered.reset();
     }
+    reduce_ties();
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& w : sends) w->wait();
     if (trace::enabled() && !sends.empty()) trace::record("wait for sends", "wait", t0);
@@ -289,6 +382,29 @@ void PipelineExecutor::shard_stage(int stage, StageShards shards) {
   }
   im.sharded.erase(stage);
   im.sharded.emplace(stage, std::move(sh));
+}
+
+void PipelineExecutor::tie(size_t set, int stage, const at::Tensor& param) {
+  auto& im = *impl_;
+  const auto& sets = im.grid_ties();
+  TORCH_CHECK_VALUE(set < sets.size(), "PipelineExecutor::tie: set ", set, " is not one of the grid's ", sets.size(),
+                    " tie sets (GridOptions::ties)");
+  TORCH_CHECK_VALUE(im.sharded.count(stage), "PipelineExecutor::tie: stage ", stage,
+                    " has no StageShards; call shard_stage(", stage, ", ...) first");
+  const auto& members = sets[set];
+  TORCH_CHECK_VALUE(std::find(members.begin(), members.end(), stage % im.grid.pp()) != members.end() &&
+                        im.grid.tie_group(set).data != nullptr,
+                    "PipelineExecutor::tie: stage ", stage, " is on pipeline rank ", stage % im.grid.pp(),
+                    ", which is not in tie set ", set, " (", c10::Join(", ", members), ")");
+  for (const auto& t : im.ties) {
+    TORCH_CHECK_VALUE(t.set != set, "PipelineExecutor::tie: this rank already holds a copy of set ", set,
+                      " (stage ", t.stage, "); each stage of a set holds one copy");
+  }
+  Impl::Tie t{set, stage, param, im.grid.tie_group(set)};
+  (void)im.owned(t);  // the parameter is the stage's
+  im.ties.push_back(std::move(t));
+  std::sort(im.ties.begin(), im.ties.end(), [](const Impl::Tie& a, const Impl::Tie& b) { return a.set < b.set; });
+  im.ties_synced = false;
 }
 
 StepResult PipelineExecutor::run_step() {

@@ -15,7 +15,8 @@ ProcessGroup split_group(const ProcessGroup& group, const std::vector<int>& rank
   return ProcessGroup{std::move(data), std::move(control)};
 }
 
-PipelineGrid::PipelineGrid(ProcessGroup world, const GridOptions& options) : world_(std::move(world)) {
+PipelineGrid::PipelineGrid(ProcessGroup world, const GridOptions& options)
+    : world_(std::move(world)), options_(options) {
   TORCH_CHECK_VALUE(world_.data != nullptr, "PipelineGrid: the world's communicator is null");
   const int n = world_.data->size(), rank = world_.data->rank();
   // Local checks, whose failure still joins the agreement below, so that

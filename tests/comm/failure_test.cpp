@@ -21,36 +21,8 @@ namespace failure_test {
 
 using namespace std::chrono_literals;
 
-DistEnv thread_env(int rank, int world, int port) {
-  DistEnv e;
-  e.rank = rank;
-  e.world_size = world;
-  e.local_rank = rank;
-  e.local_world_size = world;
-  e.master_addr = "127.0.0.1";
-  e.master_port = port;
-  e.source = "test";
-  return e;
-}
-
-// Runs body(rank) on `world` threads and returns each thread's error text ("" if none).
-std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body) {
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (const c10::Error& e) {
-        errors[r] = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using testing::run_ranks;
+using testing::thread_env;
 
 TEST(CommFailure, MissingRankTimesOutNamingIt) {
   const int port = testing::free_port();
