@@ -12,6 +12,7 @@ int zero_vs_ddp_main(int argc, char** argv);
 int zero3_bench_main(int argc, char** argv);
 int ckpt_bench_main(int argc, char** argv);
 int bart_bench_main(int argc, char** argv);
+int pipe_bench_main(int argc, char** argv);
 
 namespace {
 
@@ -23,6 +24,7 @@ struct Benchmark {
 constexpr Benchmark kBenchmarks[] = {
     {"comm_bench", comm_bench_main},   {"optim_bench", optim_bench_main}, {"zero_vs_ddp", zero_vs_ddp_main},
     {"zero3_bench", zero3_bench_main}, {"ckpt_bench", ckpt_bench_main},   {"bart_bench", bart_bench_main},
+    {"pipe_bench", pipe_bench_main},
 };
 
 }  // namespace

@@ -88,6 +88,13 @@ struct StepResult {
   // loss or gradient skipped the step on every rank (gradients discarded; with
   // loss scaling the scale shrinks).
   bool updated = false;
+  // This rank: most (stage, microbatch) pairs forwarded and not yet
+  // backwarded at once (what its activation memory is proportional to); time
+  // spent in F and B passes, and the whole step. 1 − compute/step is its
+  // idle share (the trace shows the passes as "0F3", "0B3").
+  int peak_in_flight = 0;
+  double compute_seconds = 0;
+  double step_seconds = 0;
 };
 
 class PipelineExecutor {

@@ -11,6 +11,7 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -60,6 +61,9 @@ struct PipelineExecutor::Impl {
   std::map<Key, Payload> to_send;                    // results whose SEND comes next
   std::vector<std::shared_ptr<Work>> sends;
   double loss_sum = 0;
+  int peak_in_flight = 0;
+  double compute_seconds = 0;                           // in F and B, from their data's arrival
+  std::chrono::steady_clock::time_point pass_start;     // of the current F or B, its data arrived
 
   Impl(const PipelineGrid& g, Schedule s, StageFunctions f, ExecutorOptions o)
       : grid(g), schedule(std::move(s)), fns(std::move(f)), options(o), pipe(*g.pp_group().data) {}
@@ -83,6 +87,7 @@ struct PipelineExecutor::Impl {
         if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
       }
     }
+    pass_start = std::chrono::steady_clock::now();  // the input is here
     Live l;
     l.output = fns.forward(a.stage, a.microbatch, input);
     l.input = std::move(input);
@@ -98,6 +103,7 @@ struct PipelineExecutor::Impl {
       to_send[key] = std::move(out);
     }
     live.emplace(key, std::move(l));
+    peak_in_flight = std::max(peak_in_flight, static_cast<int>(live.size()));
   }
 
   void backward(const Action& a) {
@@ -106,6 +112,7 @@ struct PipelineExecutor::Impl {
     TORCH_INTERNAL_ASSERT(it != live.end(), "no forward for ", to_string(a));
     Live l = std::move(it->second);
     live.erase(it);
+    pass_start = std::chrono::steady_clock::now();
     if (a.stage == last_stage()) {
       auto s = sharded.find(a.stage);
       (s == sharded.end() ? l.loss : s->second.shards.optimizer->scale_loss(l.loss)).backward();
@@ -114,6 +121,7 @@ struct PipelineExecutor::Impl {
       TORCH_INTERNAL_ASSERT(g != output_grads.end(), "no posted receive for ", to_string(a));
       const Payload grads = g->second.wait();
       output_grads.erase(g);
+      pass_start = std::chrono::steady_clock::now();  // the gradient is here
       std::vector<at::Tensor> outs, gs;
       for (size_t i = 0; i < l.output.size(); ++i) {
         if (l.output[i].second.requires_grad()) {
@@ -261,6 +269,8 @@ struct PipelineExecutor::Impl {
     to_send.clear();
     sends.clear();
     loss_sum = 0;
+    peak_in_flight = 0;
+    compute_seconds = 0;
     sumsq = 0;
     sync_ties();
     for (auto& [stage, sh] : sharded) {
@@ -279,8 +289,7 @@ struct PipelineExecutor::Impl {
       if (a.op == Op::kBackward) {  // the stage's last backward reduces its gradients
         if (auto s = sharded.find(a.stage); s != sharded.end() && s->second.last_backward == i) s->second.local.reset();
       }
-      const bool traced = trace::enabled() && (a.op == Op::kForward || a.op == Op::kBackward);
-      const auto t0 = std::chrono::steady_clock::now();
+      const bool pass = a.op == Op::kForward || a.op == Op::kBackward;
       try {
         run(a);
       } catch (const c10::Error& e) {
@@ -289,7 +298,10 @@ struct PipelineExecutor::Impl {
       } catch (const std::exception& e) {
         TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ", e.what());
       }
-      if (traced) trace::record(to_string(a), "compute", t0);
+      if (pass) {  // the pass itself, not the wait for its input
+        compute_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - pass_start).count();
+        if (trace::enabled()) trace::record(to_string(a), "compute", pass_start);
+      }
     }
     for (auto& [stage, sh] : sharded) {
       reduce(sh);
@@ -314,6 +326,8 @@ struct PipelineExecutor::Impl {
     grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
     const double* v = t.data_ptr<double>();
     StepResult r;
+    r.peak_in_flight = peak_in_flight;
+    r.compute_seconds = compute_seconds;
     r.loss = v[1] / grid.dp();
     r.finite = v[2] == 0;
     if (!r.finite) r.loss = std::numeric_limits<double>::quiet_NaN();
@@ -409,9 +423,12 @@ void PipelineExecutor::tie(size_t set, int stage, const at::Tensor& param) {
 
 StepResult PipelineExecutor::run_step() {
   auto& im = *impl_;
+  const auto t0 = std::chrono::steady_clock::now();
   im.begin_step();
   im.run_actions();
-  return im.finish_step();
+  StepResult r = im.finish_step();
+  r.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
 }
 
 }  // namespace zeroshard::pipeline

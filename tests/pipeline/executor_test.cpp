@@ -160,6 +160,12 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     const int64_t gathered_at_start = bytes_of(grid, shards, OpKind::kAllGather);
     const StepResult r = ex.run_step();
     ASSERT_TRUE(r.finite && r.updated) << "step " << step;
+    // Microbatches in flight on this rank at most: the schedule's closed form.
+    const int q = grid.stage(), peak = kind == ScheduleKind::kGPipe ? microbatches * chunks
+                                       : kind == ScheduleKind::k1F1B ? std::min(pp - q, microbatches)
+                                                                      : std::min(2 * (pp - q - 1) + (chunks - 1) * pp + 1,
+                                                                                 chunks * microbatches);
+    EXPECT_EQ(r.peak_in_flight, peak) << "step " << step;
     const double want_loss = want.losses[static_cast<size_t>(step)], want_norm = want.norms[static_cast<size_t>(step)];
     EXPECT_NEAR(r.loss, want_loss, 1e-6 * want_loss) << "step " << step;
     EXPECT_NEAR(r.grad_norm, want_norm, 1e-5 * want_norm) << "step " << step;
