@@ -53,6 +53,7 @@ bench: build
 	@PYTHON=$(VENV)/bin/python bench/ckpt_bench.sh $(BUILD_DIR) 4 --repeats 3
 	@bench/ckpt_resume.py $(BUILD_DIR)
 	@bench/bart_bench.sh $(BUILD_DIR) 4
+	@bench/pipe_bench.sh $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log
