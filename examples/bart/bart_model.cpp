@@ -1,7 +1,9 @@
 // bart_model.cpp — BART modules (see bart_model.h).
 #include "bart_model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
+#include <xxhash.h>
 
 #include <cmath>
 #include <fstream>
@@ -123,20 +125,33 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, const torch:
   return final_layer_norm(h + drop(f, dropout));
 }
 
-namespace {
-
-torch::Tensor embed(torch::nn::Embedding tokens, torch::nn::Embedding positions,
-                    torch::nn::LayerNorm norm, const torch::Tensor& ids, double dropout, bool training) {
-  const int64_t len = ids.size(1);
+torch::Tensor embed_sequence(const torch::Tensor& token_vectors, torch::nn::Embedding positions,
+                             torch::nn::LayerNorm norm, double dropout, bool training) {
+  const int64_t len = token_vectors.size(1);
   TORCH_CHECK_VALUE(len + kPositionOffset <= positions->weight.size(0), "BART: sequence length ", len,
                     " exceeds max_position_embeddings ", positions->weight.size(0) - kPositionOffset);
   const auto pos = torch::arange(kPositionOffset, len + kPositionOffset,
-                                 torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
-  auto h = norm(tokens(ids) + positions(pos).unsqueeze(0));
+                                 torch::TensorOptions().dtype(torch::kLong).device(token_vectors.device()));
+  auto h = norm(token_vectors + positions(pos).unsqueeze(0));
   return F::dropout(h, F::DropoutFuncOptions().p(dropout).training(training));
 }
 
-}  // namespace
+void init_bart_parameters(torch::nn::Module& module, const BartConfig& c, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters()) {
+    const std::string name = item.key() == "lm_head.weight" ? "model.shared.weight" : item.key();
+    auto& p = item.value();
+    if (name.find("layer_norm") != std::string::npos || name.find("layernorm") != std::string::npos) {
+      (name.compare(name.size() - 5, 5, ".bias") == 0 ? p.zero_() : p.fill_(1.0));
+    } else if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
+      p.zero_();
+    } else {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(XXH64(name.data(), name.size(), seed));
+      p.copy_(torch::empty(p.sizes(), torch::kFloat).normal_(0.0, 0.02, gen));
+      if (name == "model.shared.weight") p[c.pad_token_id].zero_();
+    }
+  }
+}
 
 BartEncoderImpl::BartEncoderImpl(const BartConfig& c, torch::nn::Embedding shared) : embed_tokens(shared), config(c) {
   embed_positions = register_module("embed_positions",
@@ -151,7 +166,7 @@ BartEncoderImpl::BartEncoderImpl(const BartConfig& c, torch::nn::Embedding share
 
 torch::Tensor BartEncoderImpl::forward(const torch::Tensor& ids) {
   const auto padding = ids.eq(config.pad_token_id);
-  auto h = embed(embed_tokens, embed_positions, layernorm_embedding, ids, config.dropout, is_training());
+  auto h = embed_sequence(embed_tokens(ids), embed_positions, layernorm_embedding, config.dropout, is_training());
   for (auto& l : layers) h = l->forward(h, padding);
   return h;
 }
@@ -170,7 +185,7 @@ BartDecoderImpl::BartDecoderImpl(const BartConfig& c, torch::nn::Embedding share
 torch::Tensor BartDecoderImpl::forward(const torch::Tensor& ids, const torch::Tensor& encoder_out,
                                        const torch::Tensor& encoder_ids) {
   const auto encoder_padding = encoder_ids.eq(config.pad_token_id);
-  auto h = embed(embed_tokens, embed_positions, layernorm_embedding, ids, config.dropout, is_training());
+  auto h = embed_sequence(embed_tokens(ids), embed_positions, layernorm_embedding, config.dropout, is_training());
   for (auto& l : layers) h = l->forward(h, encoder_out, encoder_padding);
   return h;
 }
@@ -184,19 +199,9 @@ BartModelImpl::BartModelImpl(const BartConfig& c) {
 BartForConditionalGenerationImpl::BartForConditionalGenerationImpl(const BartConfig& c) : config(c) {
   model = register_module("model", BartModel(c));
   final_logits_bias = register_buffer("final_logits_bias", torch::zeros({1, c.vocab_size}));
-  // Hugging Face's initialisation: normal(0, 0.02) weights, zero biases, the
-  // padding embedding zero; layer norms at 1 and 0.
-  torch::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
-    const auto& name = item.key();
-    if (name.find("layer_norm") != std::string::npos || name.find("layernorm") != std::string::npos) continue;
-    if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
-      item.value().zero_();
-    } else {
-      item.value().normal_(0.0, 0.02);
-    }
-  }
-  model->shared->weight[c.pad_token_id].zero_();
+  // Hugging Face's initialisation, keyed by name from the default generator's
+  // seed (torch::manual_seed), so pipeline stages built alone get the same values.
+  init_bart_parameters(*this, c, at::detail::getDefaultCPUGenerator().current_seed());
 }
 
 torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& input_ids,

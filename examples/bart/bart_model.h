@@ -117,6 +117,19 @@ struct BartForConditionalGenerationImpl : torch::nn::Module {
 };
 TORCH_MODULE(BartForConditionalGeneration);
 
+// Hugging Face's initialisation, keyed by name: each weight normal(0, 0.02)
+// from a generator seeded by (seed, its name), biases zero, layer norms at 1
+// and 0, the padding row of the token embedding zero. A module holding any
+// subset of BART's parameters under their names (a pipeline stage) gets
+// exactly the values the whole model gets; lm_head.weight (a pipeline's copy
+// of the tied embedding) gets model.shared.weight's.
+void init_bart_parameters(torch::nn::Module& module, const BartConfig& c, uint64_t seed);
+
+// The embedding of a sequence: token vectors [B, L, D] plus learned positions
+// (BART's offset of 2), layer norm, dropout.
+torch::Tensor embed_sequence(const torch::Tensor& token_vectors, torch::nn::Embedding positions,
+                             torch::nn::LayerNorm norm, double dropout, bool training);
+
 // labels [B, T] -> decoder inputs: decoder_start_token_id, then labels[:, :-1]
 // (padding stays padding).
 torch::Tensor shift_tokens_right(const torch::Tensor& labels, int64_t pad_token_id, int64_t decoder_start_token_id);

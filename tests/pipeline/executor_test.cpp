@@ -406,7 +406,9 @@ TEST(PipelineExecutor, TiedCopiesLaidOutDifferentlyAreNamed) {
   if (grid.stage() == 0) {
     for (auto& p : model.hidden[0]->parameters()) params.push_back(p);
   }
-  ex.shard_stage(grid.stage(), {std::make_shared<ShardedAdamW>(params, grid.dp_group(), kAdamW)});
+  StageShards sh;
+  sh.optimizer = std::make_shared<ShardedAdamW>(params, grid.dp_group(), kAdamW);
+  ex.shard_stage(grid.stage(), sh);
   ex.tie(0, grid.stage(), tied->weight);
   const std::string err = testing::error_of([&] { ex.run_step(); });
   EXPECT_NE(err.find("the parameter tied across stages 0, 1 (set 0)"), std::string::npos) << err;
