@@ -204,10 +204,33 @@ BartForConditionalGenerationImpl::BartForConditionalGenerationImpl(const BartCon
   init_bart_parameters(*this, c, at::detail::getDefaultCPUGenerator().current_seed());
 }
 
+void reseed_for_block(const DropoutKey& key, size_t block) {
+  if (!key.set()) return;
+  const uint64_t words[3] = {static_cast<uint64_t>(key.step), static_cast<uint64_t>(key.microbatch), block};
+  torch::manual_seed(XXH64(words, sizeof(words), key.seed));
+}
+
 torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& input_ids,
                                                         const torch::Tensor& decoder_input_ids) {
-  const auto encoded = model->encoder->forward(input_ids);
-  const auto decoded = model->decoder->forward(decoder_input_ids, encoded, input_ids);
+  // In the pipeline's block order (bart_pipeline.h): both embeddings, the
+  // encoder layers, the decoder layers, the head.
+  auto& enc = *model->encoder;
+  auto& dec = *model->decoder;
+  reseed_for_block(dropout_key, 0);
+  auto encoded = embed_sequence(model->shared(input_ids), enc.embed_positions, enc.layernorm_embedding,
+                                config.dropout, is_training());
+  auto decoded = embed_sequence(model->shared(decoder_input_ids), dec.embed_positions, dec.layernorm_embedding,
+                                config.dropout, is_training());
+  const auto padding = input_ids.eq(config.pad_token_id);
+  size_t block = 1;
+  for (auto& l : enc.layers) {
+    reseed_for_block(dropout_key, block++);
+    encoded = l->forward(encoded, padding);
+  }
+  for (auto& l : dec.layers) {
+    reseed_for_block(dropout_key, block++);
+    decoded = l->forward(decoded, encoded, padding);
+  }
   // The output projection is the shared embedding (tied).
   return torch::matmul(decoded, model->shared->weight.t()) + final_logits_bias;
 }

@@ -35,6 +35,21 @@ struct BartConfig {
   int64_t head_dim() const { return d_model / attention_heads; }
 };
 
+// Dropout keyed by (seed, step, microbatch, block): with a key set, each
+// block of a forward first reseeds the default generators (CPU and CUDA) from
+// a hash of the key and the block's index in the pipeline order (0 the
+// embeddings, 1 + i encoder layer i, 1 + encoder_layers + i decoder layer i,
+// then the head), so a microbatch draws the same dropout masks whichever
+// stage, rank or partition runs the block. `microbatch` counts over the
+// global batch (the same on every data-parallel rank for the same examples).
+struct DropoutKey {
+  uint64_t seed = 0;
+  int64_t step = -1;        // < 0: not set (the generators run on)
+  int64_t microbatch = 0;
+  bool set() const { return step >= 0; }
+};
+void reseed_for_block(const DropoutKey& key, size_t block);
+
 // Multi-head attention with Hugging Face's q/k/v/out projections.
 struct BartAttentionImpl : torch::nn::Module {
   BartAttentionImpl(const BartConfig& c);
@@ -114,6 +129,7 @@ struct BartForConditionalGenerationImpl : torch::nn::Module {
   BartModel model{nullptr};
   torch::Tensor final_logits_bias;  // buffer [1, vocab]
   BartConfig config;
+  DropoutKey dropout_key;  // set per microbatch by a trainer; unset: plain dropout
 };
 TORCH_MODULE(BartForConditionalGeneration);
 

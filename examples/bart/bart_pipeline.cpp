@@ -104,6 +104,7 @@ zeroshard::pipeline::Payload BartStageImpl::forward(const zeroshard::pipeline::P
   auto encoder = encoder_layers.begin();
   auto decoder = decoder_layers.begin();
   for (size_t b : blocks) {
+    reseed_for_block(batch.dropout, b);
     switch (kind_of(config, b)) {
       case Kind::kEmbed:
         enc = embed_sequence(shared->forward(batch.input_ids), encoder_positions, encoder_norm, config.dropout,

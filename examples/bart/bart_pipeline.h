@@ -43,6 +43,7 @@ std::vector<zeroshard::pipeline::Block> bart_blocks(const BartConfig& c);
 struct StageBatch {
   torch::Tensor input_ids;          // [B, S]
   torch::Tensor decoder_input_ids;  // [B, T]
+  DropoutKey dropout;               // the microbatch's (bart_model.h)
 };
 
 // The embedding table as a module of its own: a unit for ZeRO-3.

@@ -102,5 +102,32 @@ TEST(BartPipeline, StagesOfEveryPartitionMatchTheWholeModel) {
   }
 }
 
+// Dropout on: keyed by (seed, step, microbatch, block), the stages of every
+// partition draw the whole model's masks, so the logits are the same bits;
+// another microbatch's key draws other masks.
+TEST(BartPipeline, KeyedDropoutGivesEveryPartitionTheSameMasks) {
+  const auto c = BartConfig::named("tiny");
+  ASSERT_GT(c.dropout, 0);
+  torch::manual_seed(3);
+  BartForConditionalGeneration whole(c);
+  torch::Tensor labels;
+  StageBatch batch = batch_of(c, labels);
+  batch.dropout = DropoutKey{5, 3, 1};
+  whole->dropout_key = batch.dropout;
+  const auto want = whole->forward(batch.input_ids, batch.decoder_input_ids);
+  whole->dropout_key.microbatch = 2;
+  EXPECT_FALSE(torch::equal(whole->forward(batch.input_ids, batch.decoder_input_ids), want)) << "the key is not used";
+  const auto blocks = bart_blocks(c);
+  for (int stages : {1, 2, 3, static_cast<int>(blocks.size())}) {
+    Payload x;
+    torch::manual_seed(3);
+    for (const auto& s : partition_uniform(blocks, stages).stages) {
+      torch::manual_seed(3);
+      x = BartStage(c, s)->forward(x, batch);
+    }
+    EXPECT_TRUE(torch::equal(x.at(0).second, want)) << stages << " stages";
+  }
+}
+
 }  // namespace
 }  // namespace bart
