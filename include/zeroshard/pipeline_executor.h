@@ -26,6 +26,10 @@
 // anything was not finite, clips by the same factor and updates, or skips the
 // step everywhere.
 //
+// A "forward" schedule (ScheduleKind::kForward) evaluates: each F runs
+// without gradients and keeps nothing, and run_step() returns the loss
+// function's sum over the microbatches (a validation loss, say), on every rank.
+//
 // Before the first step the ranks of the pipeline group compare the
 // schedule's hash: a rank given another schedule is an error on every rank.
 //

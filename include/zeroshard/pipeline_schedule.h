@@ -64,8 +64,8 @@ struct Schedule {
   }
 };
 
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
-// "gpipe", "1f1b", "interleaved-1f1b".
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kForward };
+// "gpipe", "1f1b", "interleaved-1f1b", "forward".
 std::string to_string(ScheduleKind kind);
 ScheduleKind parse_schedule_kind(const std::string& name);  // throws listing the names
 
@@ -76,10 +76,14 @@ ScheduleKind parse_schedule_kind(const std::string& name);  // throws listing th
 //   backward in turn, then the remaining backwards (PipeDream-Flush).
 // - interleaved 1F1B: the same with `chunks` (v) stages per rank, microbatches
 //   taken p at a time through each of a rank's stages in turn (Megatron-LM's).
+// - forward: forwards only, for evaluation: each rank runs microbatch after
+//   microbatch through its `chunks` stages; no backward, nothing kept.
 // REQUIRES (checked, the error names the argument and the fix): ranks >= 1,
-// microbatches >= 1; GPipe and 1F1B: chunks == 1; 1F1B: microbatches >= ranks;
+// microbatches >= 1, chunks >= 1; GPipe and 1F1B: chunks == 1; 1F1B: microbatches >= ranks;
 // interleaved: chunks >= 2 and microbatches a multiple of ranks.
 Schedule compute_schedule(ScheduleKind kind, int ranks, int microbatches, int chunks = 1);
+// Whether `schedule` has no backward at all (a "forward" schedule).
+bool forward_only(const Schedule& schedule);
 
 struct LoweringOptions {
   // UNSHARD each stage before its first pass and RESHARD it after its last

@@ -27,6 +27,7 @@ struct PipelineExecutor::Impl {
   StageFunctions fns;
   ExecutorOptions options;
   Communicator& pipe;  // the pipeline group's data plane: rank i is stage i mod pp
+  const bool training;  // the schedule has backwards (else: forwards without gradients, nothing kept)
 
   struct Sharding {  // a stage given StageShards
     StageShards shards;
@@ -66,7 +67,8 @@ struct PipelineExecutor::Impl {
   std::chrono::steady_clock::time_point pass_start;     // of the current F or B, its data arrived
 
   Impl(const PipelineGrid& g, Schedule s, StageFunctions f, ExecutorOptions o)
-      : grid(g), schedule(std::move(s)), fns(std::move(f)), options(o), pipe(*g.pp_group().data) {}
+      : grid(g), schedule(std::move(s)), fns(std::move(f)), options(o), pipe(*g.pp_group().data),
+        training(!forward_only(schedule)) {}
 
   const std::vector<Action>& my_actions() const { return schedule.actions[static_cast<size_t>(pipe.rank())]; }
 
@@ -84,10 +86,21 @@ struct PipelineExecutor::Impl {
       input = it->second.wait();
       inputs.erase(it);
       for (auto& [n, t] : input) {
-        if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
+        if (training && at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
       }
     }
     pass_start = std::chrono::steady_clock::now();  // the input is here
+    if (!training) {  // evaluation: no graph, nothing kept but what is sent
+      at::NoGradGuard no_grad;
+      Payload out = fns.forward(a.stage, a.microbatch, input);
+      if (a.stage == last_stage()) {
+        loss_sum += fns.loss(a.microbatch, out).item<double>();
+      } else {
+        check_payload(out, fns.input_spec(a.stage + 1, a.microbatch), name(a.stage, a.microbatch) + "'s output");
+        to_send[key] = std::move(out);
+      }
+      return;
+    }
     Live l;
     l.output = fns.forward(a.stage, a.microbatch, input);
     l.input = std::move(input);
@@ -382,6 +395,8 @@ void PipelineExecutor::shard_stage(int stage, StageShards shards) {
                     " == ", im.pipe.rank(), ")");
   TORCH_CHECK_VALUE(shards.optimizer != nullptr, "PipelineExecutor::shard_stage: stage ", stage,
                     "'s optimizer is null");
+  TORCH_CHECK_VALUE(im.training, "PipelineExecutor::shard_stage: this executor's schedule has no backward (an "
+                    "evaluation schedule); shard the stages of the executor that trains");
   TORCH_CHECK_VALUE(shards.optimizer->communicator().size() == im.grid.dp(), "PipelineExecutor::shard_stage: stage ",
                     stage, "'s optimizer shards over ", shards.optimizer->communicator().size(),
                     " ranks but the grid's data-parallel group has ", im.grid.dp(), "; build it on grid.dp_group()");

@@ -93,15 +93,26 @@ std::string to_string(ScheduleKind kind) {
     case ScheduleKind::kGPipe: return "gpipe";
     case ScheduleKind::k1F1B: return "1f1b";
     case ScheduleKind::kInterleaved1F1B: return "interleaved-1f1b";
+    case ScheduleKind::kForward: return "forward";
   }
   return "?";
 }
 
 ScheduleKind parse_schedule_kind(const std::string& name) {
-  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B}) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B, ScheduleKind::kForward}) {
     if (to_string(kind) == name) return kind;
   }
-  TORCH_CHECK_VALUE(false, "pipeline schedule: unknown schedule '", name, "'; use gpipe, 1f1b or interleaved-1f1b");
+  TORCH_CHECK_VALUE(false, "pipeline schedule: unknown schedule '", name,
+                    "'; use gpipe, 1f1b or interleaved-1f1b (or forward, for evaluation)");
+}
+
+bool forward_only(const Schedule& schedule) {
+  for (const auto& list : schedule.actions) {
+    for (const auto& a : list) {
+      if (a.op == Op::kBackward || a.op == Op::kSendB || a.op == Op::kRecvB || a.op == Op::kReduceGrad) return false;
+    }
+  }
+  return true;
 }
 
 std::string to_text(const Schedule& schedule) {

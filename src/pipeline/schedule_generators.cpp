@@ -40,6 +40,8 @@ Schedule compute_schedule(ScheduleKind kind, int ranks, int microbatches, int ch
     TORCH_CHECK_VALUE(m % p == 0, "pipeline schedule: interleaved-1f1b takes microbatches ", p,
                       " at a time through each of a rank's stages, so microbatches (", m,
                       ") must be a multiple of the ranks (", p, "); use ", (m / p + 1) * p);
+  } else if (kind == ScheduleKind::kForward) {
+    TORCH_CHECK_VALUE(chunks >= 1, "pipeline schedule: forward with ", chunks, " stages per rank; use at least 1");
   } else {
     TORCH_CHECK_VALUE(chunks == 1, "pipeline schedule: ", to_string(kind), " places one stage per rank, not ", chunks,
                       "; use interleaved-1f1b for several");
@@ -54,7 +56,11 @@ Schedule compute_schedule(ScheduleKind kind, int ranks, int microbatches, int ch
   s.actions.resize(static_cast<size_t>(p));
   for (int r = 0; r < p; ++r) {
     auto& out = s.actions[static_cast<size_t>(r)];
-    if (kind == ScheduleKind::kGPipe) {
+    if (kind == ScheduleKind::kForward) {
+      for (int mb = 0; mb < m; ++mb) {
+        for (int c = 0; c < chunks; ++c) out.push_back(pass(c * p + r, Op::kForward, mb));
+      }
+    } else if (kind == ScheduleKind::kGPipe) {
       for (int mb = 0; mb < m; ++mb) out.push_back(pass(r, Op::kForward, mb));
       for (int mb = 0; mb < m; ++mb) out.push_back(pass(r, Op::kBackward, mb));
     } else if (kind == ScheduleKind::k1F1B) {
@@ -129,13 +135,16 @@ Schedule lower(const Schedule& compute, const LoweringOptions& options) {
       }
       out.push_back(a);
     }
-    // Per stage, after its last backward: the reduction of its gradients, then the release.
+    // Per stage, after its last backward: the reduction of its gradients, then
+    // the release (a forward-only schedule: the release after its last forward).
+    const bool training = !forward_only(compute);
     for (int stage = static_cast<int>(r); stage < compute.stages; stage += compute.ranks) {
-      const auto last_b = std::find_if(out.rbegin(), out.rend(), [&](const Action& x) {
-        return (x.op == Op::kBackward || x.op == Op::kSendB) && x.stage == stage;
+      const auto last = std::find_if(out.rbegin(), out.rend(), [&](const Action& x) {
+        return x.stage == stage && (training ? x.op == Op::kBackward || x.op == Op::kSendB
+                                             : x.op == Op::kForward || x.op == Op::kSendF);
       });
-      auto at = last_b.base();  // after it
-      if (options.reduce_grad) at = out.insert(at, pass(stage, Op::kReduceGrad, -1)) + 1;
+      auto at = last.base();  // after it
+      if (options.reduce_grad && training) at = out.insert(at, pass(stage, Op::kReduceGrad, -1)) + 1;
       if (options.unshard) out.insert(at, pass(stage, Op::kReshard, -1));
     }
   }

@@ -65,6 +65,7 @@ void check_actions(const Schedule& s) {
 // needs has its send after it; per-step actions once, in their place.
 void check_passes(const Schedule& s) {
   const int last = s.stages - 1;
+  const bool training = !forward_only(s);
   for (int r = 0; r < s.ranks; ++r) {
     const auto& list = s.actions[static_cast<size_t>(r)];
     std::map<std::pair<Op, std::pair<int, int>>, size_t> seen;  // (op, (stage, microbatch)) -> step
@@ -95,6 +96,7 @@ void check_passes(const Schedule& s) {
     for (int stage = r; stage < s.stages; stage += s.ranks) {
       for (int mb = 0; mb < s.microbatches; ++mb) {
         for (Op op : {Op::kForward, Op::kBackward}) {
+          if (op == Op::kBackward && !training) continue;
           TORCH_CHECK_VALUE(seen.count({op, {stage, mb}}), "pipeline schedule: rank ", r, " never runs ",
                             to_string(Action{stage, op, mb}));
         }
@@ -102,7 +104,7 @@ void check_passes(const Schedule& s) {
           TORCH_CHECK_VALUE(seen.count({Op::kSendF, {stage, mb}}), "pipeline schedule: rank ", r,
                             " never sends the output of ", to_string(Action{stage, Op::kForward, mb}));
         }
-        if (stage > 0) {
+        if (stage > 0 && training) {
           TORCH_CHECK_VALUE(seen.count({Op::kSendB, {stage, mb}}), "pipeline schedule: rank ", r,
                             " never sends the input gradient of ", to_string(Action{stage, Op::kBackward, mb}));
         }
@@ -169,6 +171,7 @@ Simulation validate(const Schedule& s, const PassCosts& costs) {
   check_actions(s);
   check_passes(s);
   check_channels(s);
+  const bool training = !forward_only(s);
   const double chunk = static_cast<double>(s.ranks) / s.stages;  // an interleaved rank's stage: 1/v of the work
   const size_t p = static_cast<size_t>(s.ranks);
   std::vector<size_t> pc(p, 0);
@@ -196,10 +199,10 @@ Simulation validate(const Schedule& s, const PassCosts& costs) {
           clock[r] += cost;
           sim.busy[r] += cost;
           auto& live = in_flight[r];
-          if (a.op == Op::kForward) {
+          if (a.op == Op::kForward && training) {  // a forward-only pass keeps nothing
             live[{a.stage, a.microbatch}] = 1;
             sim.peak_in_flight[r] = std::max(sim.peak_in_flight[r], static_cast<int>(live.size()));
-          } else {
+          } else if (a.op == Op::kBackward) {
             live.erase({a.stage, a.microbatch});
           }
         } else if (is_send(a.op)) {

@@ -49,6 +49,7 @@ const auto kAdamW = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
 struct Oracle {
   std::vector<torch::Tensor> params;  // after kSteps
   std::vector<double> losses, norms;  // per step
+  double eval_loss = 0;               // after kSteps, of batch(kSteps), without gradients
 };
 
 // The whole model, the same microbatches, one process.
@@ -77,6 +78,13 @@ Oracle unpipelined(int microbatches) {
     o.losses.push_back(sum);
   }
   for (auto& p : params) o.params.push_back(p.detach().clone());
+  torch::NoGradGuard no_grad;
+  auto [x, y] = batch(kSteps);
+  for (int mb = 0; mb < microbatches; ++mb) {
+    auto h = x.slice(0, mb * rows, (mb + 1) * rows);
+    for (size_t i = 0; i < blocks.size(); ++i) h = apply(blocks[i], i, h);
+    o.eval_loss += (torch::mse_loss(h, y.slice(0, mb * rows, (mb + 1) * rows)) / microbatches).item<double>();
+  }
   return o;
 }
 
@@ -184,6 +192,13 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     }
   }
   EXPECT_GT(want.norms[0], kMaxNorm) << "the test means to clip";
+  // Evaluation through the stages: a forward schedule, no gradients.
+  std::tie(x, y) = batch(kSteps);
+  reduced_at_start = bytes_of(grid, shards, OpKind::kReduceScatter);
+  PipelineExecutor eval(grid, make_schedule(ScheduleKind::kForward, pp, microbatches, chunks), f);
+  const StepResult e = eval.run_step();
+  EXPECT_NEAR(e.loss, want.eval_loss, 1e-5 * want.eval_loss) << "evaluation";
+  EXPECT_EQ(e.peak_in_flight, 0) << "evaluation keeps nothing";
   // Every parameter this rank trained against the oracle's.
   std::vector<FullyShardedModel::FullParamsGuard> full;
   for (auto& [s, sh] : shards) {

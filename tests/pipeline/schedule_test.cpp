@@ -22,6 +22,7 @@ int peak_formula(ScheduleKind kind, int p, int m, int v, int r) {
     case ScheduleKind::kGPipe: return m;
     case ScheduleKind::k1F1B: return std::min(p - r, m);
     case ScheduleKind::kInterleaved1F1B: return std::min(2 * (p - r - 1) + (v - 1) * p + 1, v * m);
+    case ScheduleKind::kForward: return 0;
   }
   return -1;
 }
@@ -169,6 +170,31 @@ TEST(PipelineSchedule, MisplacedOrMissingPassesAreNamed) {
   auto& l0 = s.actions[0];
   l0.erase(l0.begin() + static_cast<std::ptrdiff_t>(find_step(s, 0, "0SEND_F0")));
   EXPECT_NE(testing::error_of([&] { validate(s); }).find("rank 0 never sends the output of 0F0"), std::string::npos);
+}
+
+// Forward schedules (evaluation): valid for every (p, m, v), no backward,
+// nothing in flight; with one stage per rank they fill and drain like GPipe,
+// so the bubble is (p−1)/(m+p−1).
+TEST(PipelineSchedule, ForwardSchedulesAreValidAndKeepNothing) {
+  for (int p : {1, 2, 3, 4}) {
+    for (int m = 1; m <= 8; ++m) {
+      for (int v = 1; v <= 3; ++v) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m) + " v=" + std::to_string(v));
+        LoweringOptions lo;
+        lo.unshard = v == 2;
+        const Schedule s = make_schedule(ScheduleKind::kForward, p, m, v, lo);
+        EXPECT_TRUE(forward_only(s));
+        const Simulation sim = validate(s, PassCosts{1, 2});
+        for (int r = 0; r < p; ++r) EXPECT_EQ(sim.peak_in_flight[static_cast<size_t>(r)], 0);
+        if (v == 1) {
+          EXPECT_NEAR(sim.bubble, static_cast<double>(p - 1) / (m + p - 1), 1e-12);
+        }
+        EXPECT_EQ(from_text(to_text(s)), s);
+      }
+    }
+  }
+  EXPECT_FALSE(forward_only(make_schedule(ScheduleKind::kGPipe, 2, 2)));
+  EXPECT_EQ(parse_schedule_kind("forward"), ScheduleKind::kForward);
 }
 
 }  // namespace schedule_test
