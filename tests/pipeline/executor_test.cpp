@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 
 namespace zeroshard::pipeline {
 namespace executor_test {
@@ -52,13 +53,11 @@ struct Oracle {
   double eval_loss = 0;               // after kSteps, of batch(kSteps), without gradients
 };
 
-// The whole model, the same microbatches, one process.
-Oracle unpipelined(int microbatches) {
-  auto blocks = make_blocks();
-  std::vector<torch::Tensor> params;
-  for (auto& b : blocks) {
-    for (auto& p : b->parameters()) params.push_back(p);
-  }
+// torch::optim::AdamW and clip_grad_norm_ on `params` for kSteps steps of
+// `microbatches` microbatches each; `loss(x, y)` is the loss of a
+// microbatch's rows of batch(step).
+using RowsLoss = std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& y)>;
+Oracle train_oracle(const std::vector<torch::Tensor>& params, int microbatches, const RowsLoss& loss_of) {
   torch::optim::AdamW opt(params, kAdamW);
   Oracle o;
   const int rows = kBatch / microbatches;
@@ -67,9 +66,7 @@ Oracle unpipelined(int microbatches) {
     opt.zero_grad();
     double sum = 0;
     for (int mb = 0; mb < microbatches; ++mb) {
-      auto h = x.slice(0, mb * rows, (mb + 1) * rows);
-      for (size_t i = 0; i < blocks.size(); ++i) h = apply(blocks[i], i, h);
-      auto loss = torch::mse_loss(h, y.slice(0, mb * rows, (mb + 1) * rows)) / microbatches;
+      auto loss = loss_of(x.slice(0, mb * rows, (mb + 1) * rows), y.slice(0, mb * rows, (mb + 1) * rows)) / microbatches;
       loss.backward();
       sum += loss.item<double>();
     }
@@ -81,11 +78,24 @@ Oracle unpipelined(int microbatches) {
   torch::NoGradGuard no_grad;
   auto [x, y] = batch(kSteps);
   for (int mb = 0; mb < microbatches; ++mb) {
-    auto h = x.slice(0, mb * rows, (mb + 1) * rows);
-    for (size_t i = 0; i < blocks.size(); ++i) h = apply(blocks[i], i, h);
-    o.eval_loss += (torch::mse_loss(h, y.slice(0, mb * rows, (mb + 1) * rows)) / microbatches).item<double>();
+    o.eval_loss += loss_of(x.slice(0, mb * rows, (mb + 1) * rows), y.slice(0, mb * rows, (mb + 1) * rows)).item<double>() /
+                   microbatches;
   }
   return o;
+}
+
+// The whole model, the same microbatches, one process.
+Oracle unpipelined(int microbatches) {
+  auto blocks = make_blocks();
+  std::vector<torch::Tensor> params;
+  for (auto& b : blocks) {
+    for (auto& p : b->parameters()) params.push_back(p);
+  }
+  return train_oracle(params, microbatches, [&](const torch::Tensor& x, const torch::Tensor& y) {
+    auto h = x;
+    for (size_t i = 0; i < blocks.size(); ++i) h = apply(blocks[i], i, h);
+    return torch::mse_loss(h, y);
+  });
 }
 
 // Bytes this rank sent over its data-parallel group: all-gathers of
@@ -269,26 +279,11 @@ Oracle unpipelined_tied(int microbatches) {
   for (auto& h : model.hidden) {
     for (auto& p : h->parameters()) params.push_back(p);
   }
-  torch::optim::AdamW opt(params, kAdamW);
-  Oracle o;
-  const int rows = kBatch / microbatches;
-  for (int s = 0; s < kSteps; ++s) {
-    auto [x, unused] = batch(s);
-    opt.zero_grad();
-    double sum = 0;
-    for (int mb = 0; mb < microbatches; ++mb) {
-      auto h = x.slice(0, mb * rows, (mb + 1) * rows);
-      for (size_t b = 0; b < kHidden + 2; ++b) h = model.apply(b, h, model.embed);
-      auto loss = torch::mse_loss(h, x.slice(0, mb * rows, (mb + 1) * rows).flip(1)) / microbatches;
-      loss.backward();
-      sum += loss.item<double>();
-    }
-    o.norms.push_back(torch::nn::utils::clip_grad_norm_(params, kMaxNorm));
-    opt.step();
-    o.losses.push_back(sum);
-  }
-  for (auto& p : params) o.params.push_back(p.detach().clone());
-  return o;
+  return train_oracle(params, microbatches, [&](const torch::Tensor& x, const torch::Tensor&) {
+    auto h = x;
+    for (size_t b = 0; b < kHidden + 2; ++b) h = model.apply(b, h, model.embed);
+    return torch::mse_loss(h, x.flip(1));
+  });
 }
 
 void expect_tied_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int chunks, int zero) {
