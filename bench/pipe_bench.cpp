@@ -89,7 +89,8 @@ int pipe_bench_main(int argc, char** argv) {
   };
   f.input_spec = [&](int, int) { return PayloadSpec{{"h", {rows, width}, torch::kFloat}}; };
   f.loss = [](int, const Payload& out) { return out.at(0).second.mean(); };
-  PipelineExecutor ex(grid, make_schedule(kind, p, microbatches, chunks), f);
+  const Schedule schedule_of_run = make_schedule(kind, p, microbatches, chunks);
+  PipelineExecutor ex(grid, schedule_of_run, f);
 
   ex.run_step();  // untimed: connections, allocations
   double bubble_sum = 0;
@@ -107,8 +108,7 @@ int pipe_bench_main(int argc, char** argv) {
   }
   if (rank == 0) {
     const double bubble = bubble_sum / steps;
-    const int vm = kind == ScheduleKind::kInterleaved1F1B ? chunks * microbatches : microbatches;
-    const double formula = static_cast<double>(p - 1) / (vm + p - 1);
+    const double formula = formula_bubble(schedule_of_run);
     std::ostringstream measured, expected;
     bool peaks_equal = true;
     for (int q = 0; q < p; ++q) {

@@ -70,14 +70,20 @@ struct ModelEntry {
   bool buffer;
   ParamInfo info;
 };
+// `names`: module_names()'s; `saved_names`: CheckpointOptions::saved_names.
 std::vector<ModelEntry> model_entries(torch::nn::Module& model, const ShardedState& state,
-                                      const std::vector<std::string>& names);
+                                      const std::vector<std::string>& names,
+                                      const std::map<std::string, std::string>& saved_names);
 // The model a manifest describes (its parameters and replicated tensors), as
 // text: sorted by name, so it does not depend on how the ranks split the model.
 std::string manifest_model_description(const json& manifest);
 std::string hash_hex(const std::string& s);
-// Names of the state's parameters as the module calls them.
-std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model);
+// The name a module's tensor has in checkpoints: its own, or its entry in
+// CheckpointOptions::saved_names.
+std::string saved_name(const std::map<std::string, std::string>& saved_names, const std::string& module_name);
+// Names of the state's parameters in checkpoints (as the module calls them, or saved_names' alias).
+std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model,
+                                      const std::map<std::string, std::string>& saved_names);
 std::string message_of(const std::exception& e);
 
 // Where a rank sits when several data-parallel groups (pipeline stages) save

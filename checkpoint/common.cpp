@@ -122,27 +122,37 @@ checkpoint::h5::Type storage_type(c10::ScalarType t, const std::string& name) {
 
 
 std::vector<ModelEntry> model_entries(torch::nn::Module& model, const ShardedState& state,
-                                      const std::vector<std::string>& names) {
+                                      const std::vector<std::string>& names,
+                                      const std::map<std::string, std::string>& saved_names) {
   std::unordered_map<std::string, const ParamInfo*> info;
   for (size_t i = 0; i < names.size(); ++i) info[names[i]] = &state.params[i];
   std::vector<ModelEntry> out;
   for (const auto& item : model.named_parameters()) {
-    auto it = info.find(item.key());
-    out.push_back({false, it != info.end() ? ParamInfo{item.key(), it->second->shape, it->second->dtype}
-                                           : ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}});
+    const std::string name = saved_name(saved_names, item.key());
+    auto it = info.find(name);
+    out.push_back({false, it != info.end() ? ParamInfo{name, it->second->shape, it->second->dtype}
+                                           : ParamInfo{name, item.value().sizes().vec(), item.value().scalar_type()}});
   }
   for (const auto& item : model.named_buffers()) {
-    out.push_back({true, ParamInfo{item.key(), item.value().sizes().vec(), item.value().scalar_type()}});
+    out.push_back({true, ParamInfo{saved_name(saved_names, item.key()), item.value().sizes().vec(),
+                                   item.value().scalar_type()}});
   }
   return out;
 }
 
 std::string hash_hex(const std::string& s) { return checkpoint::to_hex(XXH3_64bits(s.data(), s.size())); }
 
-// Names of the state's parameters as the module calls them.
-std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model) {
+std::string saved_name(const std::map<std::string, std::string>& saved_names, const std::string& module_name) {
+  const auto it = saved_names.find(module_name);
+  return it == saved_names.end() ? module_name : it->second;
+}
+
+std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model,
+                                      const std::map<std::string, std::string>& saved_names) {
   std::unordered_map<const c10::TensorImpl*, std::string> by_impl;
-  for (const auto& item : model.named_parameters()) by_impl.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  for (const auto& item : model.named_parameters()) {
+    by_impl.emplace(item.value().unsafeGetTensorImpl(), saved_name(saved_names, item.key()));
+  }
   std::vector<std::string> names;
   for (size_t i = 0; i < state.params.size(); ++i) {
     auto it = i < state.param_tensors.size() ? by_impl.find(state.param_tensors[i].unsafeGetTensorImpl()) : by_impl.end();

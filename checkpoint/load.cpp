@@ -97,7 +97,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
   const int rank = comm->rank();
   const Place place = place_of(state);
   agree_on_places(*comm, place, {});
-  const auto names = module_names(state, model);
+  const auto names = module_names(state, model, options.saved_names);
   // Candidates: the one asked for, or what `latest` names; then older committed ones.
   std::vector<fs::path> candidates;
   const fs::path root(dir);
@@ -114,7 +114,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
   }
   if (candidates.empty()) return std::nullopt;
-  const auto mine = model_entries(model, state, names);
+  const auto mine = model_entries(model, state, names, options.saved_names);
   for (const auto& cand : candidates) {
     // 1. manifest and files, checked by every rank (each a share of the files)
     std::string why;
@@ -236,9 +236,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         }
       };
       for (const auto& item : model.named_parameters()) {
-        if (!in_state.count(item.key())) restore_full(item.key(), item.value());
+        const std::string name = saved_name(options.saved_names, item.key());
+        if (!in_state.count(name)) restore_full(name, item.value());
       }
-      for (const auto& item : model.named_buffers()) restore_full(item.key(), item.value());
+      for (const auto& item : model.named_buffers()) restore_full(saved_name(options.saved_names, item.key()), item.value());
       // The same place in the same topology: each rank resumes its own RNG stream.
       const auto& saved_file = m.at("files").at(static_cast<size_t>(std::min(rank, static_cast<int>(m.at("files").size()) - 1)));
       const bool same_place = m.at("world_size").get<int>() == comm->size() &&

@@ -38,7 +38,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   snap.world = comm->size();
   snap.place = place;
   snap.zero_stage = state.zero_stage;
-  snap.names = module_names(state, model);
+  snap.names = module_names(state, model, options.saved_names);
   snap.params = state.params;
   for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
   snap.steps = state.param_steps;
@@ -86,9 +86,10 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     snap.replicated.push_back(std::move(r));
   };
   for (const auto& item : model.named_parameters()) {
-    if (!trained.count(item.key())) add(item.key(), "parameter", item.value());
+    const std::string name = saved_name(options.saved_names, item.key());
+    if (!trained.count(name)) add(name, "parameter", item.value());
   }
-  for (const auto& item : model.named_buffers()) add(item.key(), "buffer", item.value());
+  for (const auto& item : model.named_buffers()) add(saved_name(options.saved_names, item.key()), "buffer", item.value());
   auto gen = at::detail::getDefaultCPUGenerator();
   {
     std::lock_guard<std::mutex> lock(gen.mutex());

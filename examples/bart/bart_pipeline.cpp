@@ -53,7 +53,8 @@ torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) { return tor
 LmHeadImpl::LmHeadImpl(int64_t vocab, int64_t dim) { weight = register_parameter("weight", torch::zeros({vocab, dim})); }
 torch::Tensor LmHeadImpl::forward(const torch::Tensor& dec) { return torch::matmul(dec, weight.t()); }
 
-BartStageImpl::BartStageImpl(const BartConfig& c, std::vector<size_t> blocks_) : config(c), blocks(std::move(blocks_)) {
+BartStageImpl::BartStageImpl(const BartConfig& c, std::vector<size_t> blocks_, std::optional<uint64_t> seed)
+    : config(c), blocks(std::move(blocks_)) {
   const size_t total = static_cast<size_t>(2 + c.encoder_layers + c.decoder_layers);
   TORCH_CHECK_VALUE(!blocks.empty(), "BartStage: no blocks");
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -61,6 +62,9 @@ BartStageImpl::BartStageImpl(const BartConfig& c, std::vector<size_t> blocks_) :
                       "consecutive indices below ", total, " (E, ", c.encoder_layers, " e, ", c.decoder_layers,
                       " d, L); got ", c10::Join(", ", blocks));
   }
+  TORCH_CHECK_VALUE(blocks.front() != 0 || blocks.back() != total - 1, "BartStage: one stage holding every block, "
+                    "the embeddings and the head, is the whole model: use BartForConditionalGeneration (its head "
+                    "is the embedding itself), or at least two stages");
   const auto ln = torch::nn::LayerNormOptions({c.d_model});
   const int64_t positions = c.max_position_embeddings + 2;
   for (size_t b : blocks) {
@@ -94,7 +98,7 @@ BartStageImpl::BartStageImpl(const BartConfig& c, std::vector<size_t> blocks_) :
         break;
     }
   }
-  init_bart_parameters(*this, c, at::detail::getDefaultCPUGenerator().current_seed());
+  init_bart_parameters(*this, c, seed ? *seed : at::detail::getDefaultCPUGenerator().current_seed());
 }
 
 zeroshard::pipeline::Payload BartStageImpl::forward(const zeroshard::pipeline::Payload& in, const StageBatch& batch) {

@@ -30,6 +30,7 @@
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,8 +64,10 @@ struct LmHeadImpl : torch::nn::Module {
 TORCH_MODULE(LmHead);
 
 struct BartStageImpl : torch::nn::Module {
-  // Builds blocks `blocks` (indices into bart_blocks(c), consecutive).
-  BartStageImpl(const BartConfig& c, std::vector<size_t> blocks);
+  // Builds blocks `blocks` (indices into bart_blocks(c), consecutive; not
+  // both E and L: one stage holding both is the whole model), initialised by
+  // init_bart_parameters with `seed` (default: the default generator's seed).
+  BartStageImpl(const BartConfig& c, std::vector<size_t> blocks, std::optional<uint64_t> seed = std::nullopt);
   // The stage's blocks on a microbatch: `in` is empty for the stage holding E.
   // Returns {"enc", "dec"}, or {"logits"} from the stage holding L.
   zeroshard::pipeline::Payload forward(const zeroshard::pipeline::Payload& in, const StageBatch& batch);

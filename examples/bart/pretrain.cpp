@@ -49,7 +49,20 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--max-tokens", o.max_tokens, "tokens per example, bos/eos included")->capture_default_str();
   app.add_option("--validation-every", o.validation_every, "every n-th example is held out")->capture_default_str();
   app.add_option("--global-batch", o.global_batch, "examples per optimizer step, all ranks")->capture_default_str();
-  app.add_option("--micro-batches", o.micro_batches, "gradient accumulation: forward/backward passes per step and rank")
+  app.add_option("--micro-batches", o.micro_batches,
+                 "gradient accumulation: forward/backward passes per step and rank (with --pp: the pipeline's "
+                 "microbatches per step and data-parallel rank)")
+      ->capture_default_str();
+  app.add_option("--pp", o.pp, "pipeline stages: the ranks form pp x dp (rank = stage * dp + d); 1: no pipeline")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--schedule-pp", o.schedule_pp, "pipeline schedule: gpipe, 1f1b, or interleaved (with --chunks)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))
+      ->capture_default_str();
+  app.add_option("--chunks", o.chunks, "interleaved: stages per pipeline rank (2 or more)")->capture_default_str();
+  app.add_option("--partition", o.partition,
+                 "blocks per stage: uniform, balanced (by parameters), or a layout of the blocks E e d L, "
+                 "e.g. 'E e*6 | e*6 d*2 | d*10 L'")
       ->capture_default_str();
   app.add_option("--max-steps", o.max_steps, "optimizer steps of the whole run")->capture_default_str();
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();

@@ -4,6 +4,7 @@
 
 #include "bart_model.h"
 #include "corpus.h"
+#include "pipeline_training.h"
 #include "summary.h"
 #include "tokenizer.h"
 #include "training.h"
@@ -14,6 +15,7 @@
 #include <zeroshard/log.h>
 #include <zeroshard/lr_schedule.h>
 #include <zeroshard/metrics.h>
+#include <zeroshard/pipeline_schedule.h>
 #include <zeroshard/preemption.h>
 #include <zeroshard/sampler.h>
 #include <zeroshard/sharded_optimizer.h>
@@ -179,12 +181,17 @@ int run_pretraining(const RunOptions& o) {
   const auto run_start = Clock::now();
   auto comm = zeroshard::init_communicator();
   const int rank = comm->rank(), world = comm->size();
-  TORCH_CHECK_VALUE(o.global_batch % world == 0, "--global-batch ", o.global_batch, " must divide by the ", world,
-                    " ranks (each takes an equal share)");
-  const int64_t local_batch = o.global_batch / world;
+  TORCH_CHECK_VALUE(o.pp >= 1 && world % o.pp == 0, "--pp ", o.pp, " must divide the ", world, " ranks (each "
+                    "pipeline stage gets world / pp of them)");
+  // The grid: rank = stage * dp + data-parallel index (pipeline_grid.h); without a pipeline, dp = world.
+  const int dp = world / o.pp, dp_rank = rank % dp;
+  TORCH_CHECK_VALUE(o.global_batch % dp == 0, "--global-batch ", o.global_batch, " must divide by the ", dp,
+                    " data-parallel ranks (", world, " ranks / --pp ", o.pp, "; each takes an equal share)");
+  const int64_t local_batch = o.global_batch / dp;
   TORCH_CHECK_VALUE(o.micro_batches >= 1 && local_batch % o.micro_batches == 0, "--micro-batches ", o.micro_batches,
-                    " must divide the per-rank batch ", local_batch, " (--global-batch ", o.global_batch, " / ", world,
-                    " ranks)");
+                    " must divide the per-rank batch ", local_batch, " (--global-batch ", o.global_batch, " / ", dp,
+                    " data-parallel ranks)");
+  TORCH_CHECK_VALUE(o.pp == 1 || o.save_logits.empty(), "--save-logits runs the whole model: use it with --pp 1");
   fs::create_directories(o.run_dir);
   if (o.trace) zeroshard::trace::enable();
   zeroshard::trace::set_thread_name("training");
@@ -212,41 +219,77 @@ int run_pretraining(const RunOptions& o) {
   config.eos_token_id = config.decoder_start_token_id = noise.eos_id;
   config.max_position_embeddings = std::max(config.max_position_embeddings, o.max_tokens + 16);
   if (o.dropout >= 0) config.dropout = config.attention_dropout = config.activation_dropout = o.dropout;
-  torch::manual_seed(o.seed);
-  BartForConditionalGeneration model(config);
-  int64_t numel = 0;
-  for (const auto& p : model->parameters()) numel += p.numel();
-  if (o.precision == "bf16") model->to(torch::kBFloat16);
   // The device: cpu, or this rank's GPU; the sharding's collectives follow it
   // (agreement, validation sums and checkpoints stay on the CPU communicator).
   const torch::Device device = training_device(o.device);
-  model->to(device);
   const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device);
-
+  const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
   auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
-  std::shared_ptr<zeroshard::FullyShardedModel> sharded;  // stage 3
-  std::unique_ptr<zeroshard::ShardedOptimizer> opt;
-  if (o.stage == 3) {
-    sharded = zeroshard::fully_shard(model, group);
-    opt = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+  int64_t numel = 0;
+  BartForConditionalGeneration model{nullptr};  // without a pipeline
+  std::unique_ptr<PipelinedBart> pipe;          // with one: this rank's stages
+  std::vector<std::shared_ptr<zeroshard::ShardedOptimizer>> opts;  // every optimizer of this rank
+  torch::nn::Module* saved_module = nullptr;    // what checkpoints save with opts[0]
+  if (o.pp > 1) {
+    PipelineOptions po;
+    po.pp = o.pp;
+    po.schedule = o.schedule_pp;
+    po.chunks = o.chunks;
+    po.micro_batches = static_cast<int>(o.micro_batches);
+    po.partition = o.partition;
+    po.zero_stage = o.stage;
+    po.adamw = adamw;
+    po.max_grad_norm = o.max_grad_norm;
+    po.dtype = dtype;
+    po.device = device;
+    po.seed = o.seed;
+    pipe = std::make_unique<PipelinedBart>(group, config, po);
+    for (const auto& b : bart_blocks(config)) numel += b.params;
+    numel -= config.vocab_size * config.d_model;  // the head's copy of the embedding is the embedding
+    for (const auto& st : pipe->stages()) opts.push_back(st.optimizer);
+    saved_module = pipe->stages().front().module.ptr().get();
   } else {
-    zeroshard::ShardedAdamWOptions so;
-    so.zero_stage = o.stage;
-    opt = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), group, adamw, so);
+    torch::manual_seed(o.seed);
+    model = BartForConditionalGeneration(config);
+    for (const auto& p : model->parameters()) numel += p.numel();
+    model->to(device, dtype);
+    if (o.stage == 3) {
+      opts.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model, group), adamw));
+    } else {
+      zeroshard::ShardedAdamWOptions so;
+      so.zero_stage = o.stage;
+      opts.push_back(std::make_shared<zeroshard::ShardedAdamW>(model->named_parameters(), group, adamw, so));
+    }
+    saved_module = model.get();
   }
-  // Everything this rank sent: the optimizer's communicators carry all of the run's traffic.
-  const auto bytes_sent = [&opt] { return opt->stats().traffic.total().bytes_sent; };
-  const auto waited = [&opt] { return opt->stats().waits.total(); };
+  zeroshard::ShardedOptimizer* opt = opts.front().get();
+  // Everything this rank sent: the optimizers' communicators, and the pipeline's sends.
+  const auto bytes_sent = [&] {
+    int64_t b = pipe ? pipe->bytes_sent() : 0;
+    for (const auto& x : opts) b += x->stats().traffic.total().bytes_sent;
+    return b;
+  };
+  const auto peak_model_states = [&] {
+    int64_t b = 0;
+    for (const auto& x : opts) b += x->stats().memory.peak_model_states;
+    return b;
+  };
+  const auto waited = [&] {
+    double w = 0;
+    for (const auto& x : opts) w += x->stats().waits.total();
+    return w;
+  };
   zeroshard::LrSchedule::Options lo;
   lo.kind = zeroshard::LrSchedule::parse_kind(o.schedule);
   lo.warmup_steps = o.warmup_steps;
   lo.total_steps = o.max_steps;
   lo.min_ratio = o.min_lr_ratio;
-  zeroshard::LrSchedule schedule(lo);
-  schedule.attach(*opt);
+  std::vector<zeroshard::LrSchedule> schedules(opts.size(), zeroshard::LrSchedule(lo));  // one per optimizer
+  for (size_t i = 0; i < opts.size(); ++i) schedules[i].attach(*opts[i]);
 
-  // Where training stands: fresh, or resumed from the last checkpoint.
-  zeroshard::DistributedSampler sampler(static_cast<int64_t>(corpus.train.size()), rank, world, o.seed);
+  // Where training stands: fresh, or resumed from the last checkpoint. Every
+  // stage of a data-parallel index draws the same examples.
+  zeroshard::DistributedSampler sampler(static_cast<int64_t>(corpus.train.size()), dp_rank, dp, o.seed);
   RunRecord record;
   int64_t step = 0;
   const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
@@ -256,9 +299,9 @@ int run_pretraining(const RunOptions& o) {
     zeroshard::CheckpointOptions co;
     co.keep = o.keep;
     co.async = o.async_save;
-    ckpt = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm, co);
+    ckpt = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm, pipe ? pipe->checkpoint_options(co) : co);
     const auto t0 = Clock::now();
-    if (auto progress = ckpt->load(*opt, *model)) {
+    if (auto progress = ckpt->load(*opt, *saved_module)) {
       step = progress->step;
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
@@ -286,13 +329,20 @@ int run_pretraining(const RunOptions& o) {
                   o.config.c_str(), numel / 1e6, static_cast<long long>(config.vocab_size), corpus.train.size(),
                   corpus.validation.size(), static_cast<long long>(corpus.tokens), world, device.str().c_str(), o.stage,
                   o.precision.c_str(),
-                  static_cast<long long>(o.global_batch), world, static_cast<long long>(o.micro_batches),
+                  static_cast<long long>(o.global_batch), dp, static_cast<long long>(o.micro_batches),
                   static_cast<long long>(local_batch / o.micro_batches));
     zeroshard::log_info(msg);
+    if (pipe) {
+      zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp) +
+                          " data-parallel ranks, schedule " + o.schedule_pp +
+                          (o.chunks > 1 ? " (" + std::to_string(o.chunks) + " stages per rank)" : std::string()) +
+                          ", blocks '" + zeroshard::pipeline::to_layout(bart_blocks(config), pipe->partition()) + "'");
+    }
   }
   auto evaluate = [&](int64_t at) {
     const auto t0 = Clock::now();
-    const auto v = validate(model, corpus.validation, noise, o.eval_batch, pad, *comm, device);
+    const auto v = pipe ? validate(*pipe, corpus.validation, noise, o.eval_batch, pad, device)
+                        : validate(model, corpus.validation, noise, o.eval_batch, pad, *comm, device);
     if (!std::isfinite(record.first_val_loss)) record.first_val_loss = v.loss;
     metrics.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
     char msg[160];
@@ -312,7 +362,7 @@ int run_pretraining(const RunOptions& o) {
     json extra = record.to_json(sampler);
     extra["bytes_sent"] = record.bytes_sent + static_cast<int64_t>(all_sum(*comm, static_cast<double>(bytes_sent())));
     p.extra_json = extra.dump();
-    ckpt->save(*opt, *model, p);
+    ckpt->save(*opt, *saved_module, p);
     const double stall = since(t0);
     record.checkpoint_stall_s += stall;
     metrics.write_event("checkpoint", at, json{{"reason", why}, {"stall_s", stall}, {"async", o.async_save}}.dump());
@@ -338,28 +388,53 @@ int run_pretraining(const RunOptions& o) {
       local_tokens += b.target_tokens;
       micro.push_back(std::move(b));
     }
-    const double global_tokens = all_sum(*comm, static_cast<double>(local_tokens));
-    const double lr = schedule.apply(*opt, step + 1);
-    opt->zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
-    const auto t_fb = Clock::now();
-    const double waited_fb0 = waited();
-    double loss_sum = 0;
-    for (auto& b : micro) {
-      // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
-      auto l = summed_loss(model, b);
-      loss_sum += l.item<double>();
-      (l * (static_cast<double>(world) / global_tokens)).backward();
+    // Every stage of a data-parallel index counts the same tokens: the world's sum counts them pp times.
+    const double global_tokens = all_sum(*comm, static_cast<double>(local_tokens)) / o.pp;
+    double lr = 0;
+    for (size_t i = 0; i < opts.size(); ++i) lr = schedules[i].apply(*opts[i], step + 1);
+    // Dropout keyed by (seed, step, microbatch of the global batch, block): the same masks at any pp.
+    const auto key = [&](int64_t m) { return DropoutKey{o.seed, step, m * dp + dp_rank}; };
+    double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, grad_norm = 0, bubble_s = -1;
+    bool skipped = false;
+    if (pipe) {
+      std::vector<Microbatch> mbs;
+      for (size_t m = 0; m < micro.size(); ++m) mbs.push_back(pipeline_microbatch(micro[m], config, key(static_cast<int64_t>(m))));
+      const double waited0_fb = waited();
+      const auto r = pipe->train_step(std::move(mbs), global_tokens);
+      // The executor's step: its F and B passes, and the rest (waits for the
+      // neighbours, the step's reductions and update) as this rank's bubble.
+      fb_s = r.compute_seconds;
+      bubble_s = r.step_seconds - r.compute_seconds;
+      opt_wait = waited() - waited0_fb;
+      grad_norm = r.grad_norm;
+      skipped = !r.updated;
+      loss_value = r.loss;
+    } else {
+      opt->zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
+      const auto t_fb = Clock::now();
+      const double waited_fb0 = waited();
+      double loss_sum = 0;
+      for (size_t m = 0; m < micro.size(); ++m) {
+        // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
+        model->dropout_key = key(static_cast<int64_t>(m));
+        auto l = summed_loss(model, micro[m]);
+        loss_sum += l.item<double>();
+        (l * (static_cast<double>(world) / global_tokens)).backward();
+      }
+      fb_s = since(t_fb);
+      fb_wait = waited() - waited_fb0;
+      const auto t_opt = Clock::now();
+      const double waited_opt0 = waited();
+      grad_norm = opt->clip_grad_norm(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
+      opt->step();
+      opt_s = since(t_opt);
+      opt_wait = waited() - waited_opt0;
+      skipped = opt->last_step_skipped();
+      const auto t_loss = Clock::now();
+      loss_value = all_sum(*comm, loss_sum) / global_tokens;
+      loss_comm = since(t_loss);
     }
-    const double fb_s = since(t_fb), fb_wait = waited() - waited_fb0;
-    const auto t_opt = Clock::now();
-    const double waited_opt0 = waited();
-    const double grad_norm = opt->clip_grad_norm(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
-    opt->step();
-    const double opt_s = since(t_opt), opt_wait = waited() - waited_opt0;
     ++step;
-    const auto t_loss = Clock::now();
-    loss_value = all_sum(*comm, loss_sum) / global_tokens;
-    const double loss_comm = since(t_loss);
     if (!std::isfinite(record.first_loss)) record.first_loss = loss_value;
     record.tokens += static_cast<int64_t>(global_tokens);
 
@@ -375,7 +450,7 @@ int run_pretraining(const RunOptions& o) {
     m.seconds = since(t_step);
     m.compute_seconds = fb_s - fb_wait;
     m.exposed_comm_seconds = waited() - waited0 + loss_comm;
-    m.optimizer_seconds = opt_s - opt_wait;
+    m.optimizer_seconds = std::max(0.0, opt_s - opt_wait);
     m.checkpoint_stall_seconds = stall;
     m.other_seconds = std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds - stall);
     m.peak_rss_bytes = zeroshard::peak_rss_bytes();
@@ -383,12 +458,18 @@ int run_pretraining(const RunOptions& o) {
     m.bytes_sent = bytes_now - bytes_before;
     bytes_before = bytes_now;
     m.loss_scale = opt->loss_scale();
-    m.skipped = opt->last_step_skipped();
+    m.skipped = skipped;
     record.train_seconds += m.seconds;
+    json extra = json::object();
+    if (pipe) {  // this rank's (rank 0 writes the metrics: stage 0's), beside the schedule's formula
+      extra["bubble_s"] = bubble_s;
+      extra["bubble_formula"] = zeroshard::pipeline::formula_bubble(pipe->schedule());
+    }
     if (o.eval_every > 0 && (step % o.eval_every == 0 || end)) {
       last_val = evaluate(step);
-      m.extra_json = json{{"val_loss", last_val}}.dump();
+      extra["val_loss"] = last_val;
     }
+    if (!extra.empty()) m.extra_json = extra.dump();
     metrics.write(m);
     progress.update(m);
     zeroshard::publish_step(step);
@@ -430,6 +511,7 @@ int run_pretraining(const RunOptions& o) {
   s.config = o.config;
   s.world = world;
   s.stage = o.stage;
+  s.pp = o.pp;
   s.precision = o.precision;
   s.params = numel;
   s.steps = step;
@@ -444,7 +526,7 @@ int run_pretraining(const RunOptions& o) {
   s.resumed = resumed.is_null() ? "" : resumed.dump();
   s.run_dir = o.run_dir;
   s.wall_seconds = since(run_start);
-  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()), static_cast<double>(opt->stats().memory.peak_model_states),
+  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()), static_cast<double>(peak_model_states()),
                                  static_cast<double>(bytes_sent())}, torch::kDouble);
   auto all = torch::empty({3 * world}, torch::kDouble);
   comm->all_gather(all, per_rank)->wait();
@@ -454,7 +536,7 @@ int run_pretraining(const RunOptions& o) {
     s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
   }
   s.bytes_sent += record.bytes_sent;  // earlier attempts'
-  if (!o.no_sample && !corpus.validation.empty()) {
+  if (!o.no_sample && !pipe && !corpus.validation.empty()) {  // decoding runs the whole model
     s.sample = denoising_sample(model, corpus.validation, 0, noise, tokenizer, device);
     s.has_sample = true;
   }

@@ -18,6 +18,10 @@ struct RunOptions {
   int64_t validation_every = 20;
   int64_t global_batch = 16;
   int64_t micro_batches = 1;
+  int pp = 1;                          // pipeline stages; 1: the whole model on every rank
+  std::string schedule_pp = "1f1b";    // gpipe, 1f1b, interleaved
+  int chunks = 1;                      // interleaved: stages per pipeline rank
+  std::string partition = "uniform";   // uniform, balanced, or a layout string
   int64_t max_steps = 300;
   double lr = 1e-3;
   std::string schedule = "inverse-sqrt";

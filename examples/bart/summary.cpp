@@ -50,8 +50,10 @@ std::string Summary::text() const {
   char buf[512];
   const std::string rule(72, '=');
   o << "\n" << rule << "\nBART pretraining summary\n" << rule << "\n";
-  std::snprintf(buf, sizeof(buf), "model        %s BART, %.2fM parameters; %d ranks, ZeRO stage %d, %s\n", config.c_str(),
-                params / 1e6, world, stage, precision.c_str());
+  const std::string grid = pp > 1 ? " (" + std::to_string(pp) + " pipeline stages x " + std::to_string(world / pp) +
+                                        " data-parallel)" : std::string();
+  std::snprintf(buf, sizeof(buf), "model        %s BART, %.2fM parameters; %d ranks%s, ZeRO stage %d, %s\n",
+                config.c_str(), params / 1e6, world, grid.c_str(), stage, precision.c_str());
   o << buf;
   std::snprintf(buf, sizeof(buf), "training     %lld steps, %s target tokens in %.1f s of steps: %s tokens/s\n",
                 static_cast<long long>(steps), zeroshard::with_commas(tokens).c_str(), train_seconds,
@@ -108,6 +110,7 @@ std::string Summary::to_json() const {
   json j{{"config", config},
          {"ranks", world},
          {"stage", stage},
+         {"pp", pp},
          {"precision", precision},
          {"params", params},
          {"steps", steps},

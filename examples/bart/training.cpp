@@ -55,29 +55,37 @@ torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batc
                           F::CrossEntropyFuncOptions().ignore_index(c.pad_token_id).reduction(torch::kSum));
 }
 
-Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
-                    torch::Device device) {
+std::vector<ValidationBatch> validation_batches(const std::vector<Example>& validation, const NoiseOptions& noise,
+                                               int64_t batch_size, int64_t pad_id, int rank, int ranks,
+                                               torch::Device device) {
   TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the held-out split is empty (more data, or a smaller "
                                          "--validation-every)");
-  const int rank = comm.rank(), world = comm.size();
   const auto n = static_cast<int64_t>(validation.size());
-  const int64_t per_rank = (n + world - 1) / world;
+  const int64_t per_rank = (n + ranks - 1) / ranks;
   const int64_t batches = (per_rank + batch_size - 1) / batch_size;
-  torch::NoGradGuard no_grad;
-  model->eval();
-  double sum = 0;
-  int64_t tokens = 0;
+  std::vector<ValidationBatch> out;
   for (int64_t b = 0; b < batches; ++b) {
     std::vector<int64_t> idx;
     for (int64_t k = b * batch_size; k < std::min(per_rank, (b + 1) * batch_size); ++k) {
-      const int64_t i = k * world + rank;
+      const int64_t i = k * ranks + rank;
       if (i < n) idx.push_back(i);
     }
     const bool padding = idx.empty();  // this rank ran out: a pass that counts for nothing
     if (padding) idx.push_back(0);
-    const auto batch =
-        make_batch(validation, idx, std::vector<int64_t>(idx.size(), 0), noise, /*seed=*/0, pad_id, device);
+    out.push_back({make_batch(validation, idx, std::vector<int64_t>(idx.size(), 0), noise, /*seed=*/0, pad_id, device),
+                   padding});
+  }
+  return out;
+}
+
+Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                    const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
+                    torch::Device device) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double sum = 0;
+  int64_t tokens = 0;
+  for (const auto& [batch, padding] : validation_batches(validation, noise, batch_size, pad_id, comm.rank(), comm.size(), device)) {
     const double l = summed_loss(model, batch).item<double>();
     if (!padding) {
       sum += l;
@@ -91,6 +99,36 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
   v.tokens = static_cast<int64_t>(t[1].item<double>());
   v.loss = t[0].item<double>() / static_cast<double>(std::max<int64_t>(v.tokens, 1));
   return v;
+}
+
+Validation validate(PipelinedBart& pipe, const std::vector<Example>& validation, const NoiseOptions& noise,
+                    int64_t batch_size, int64_t pad_id, torch::Device device) {
+  const auto& grid = pipe.grid();
+  auto batches = validation_batches(validation, noise, batch_size, pad_id, grid.dp_rank(), grid.dp(), device);
+  int64_t local = 0;
+  for (const auto& b : batches) local += b.padding ? 0 : b.batch.target_tokens;
+  // Every stage of a data-parallel index holds the same batches: the world's sum counts them pp times.
+  auto t = torch::tensor({static_cast<double>(local)}, torch::kDouble);
+  grid.world().control->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  Validation v;
+  v.tokens = static_cast<int64_t>(t.item<double>()) / grid.pp();
+  std::vector<Microbatch> micro;
+  std::vector<double> weights;
+  for (auto& b : batches) {
+    micro.push_back(pipeline_microbatch(b.batch, pipe.config(), DropoutKey{}));
+    weights.push_back(b.padding ? 0.0 : 1.0 / static_cast<double>(std::max<int64_t>(v.tokens, 1)));
+  }
+  v.loss = pipe.evaluate(std::move(micro), weights);
+  return v;
+}
+
+Microbatch pipeline_microbatch(const Batch& b, const BartConfig& c, DropoutKey dropout) {
+  Microbatch m;
+  m.batch.input_ids = b.input_ids;
+  m.batch.decoder_input_ids = shift_tokens_right(b.labels, c.pad_token_id, c.decoder_start_token_id);
+  m.batch.dropout = dropout;
+  m.labels = b.labels;
+  return m;
 }
 
 DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,

@@ -6,6 +6,7 @@
 #include "bart_model.h"
 #include "corpus.h"
 #include "noise.h"
+#include "pipeline_training.h"
 #include "tokenizer.h"
 
 #include <zeroshard/comm.h>
@@ -53,6 +54,27 @@ struct Validation {
 Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
                     const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
                     torch::Device device = torch::kCPU);
+
+// The same split over `ranks` data-parallel ranks, as one rank's batches:
+// every rank gets the same number; a rank that ran out gets padding batches
+// (padding = true: an example that counts for nothing).
+struct ValidationBatch {
+  Batch batch;
+  bool padding = false;
+};
+std::vector<ValidationBatch> validation_batches(const std::vector<Example>& validation, const NoiseOptions& noise,
+                                               int64_t batch_size, int64_t pad_id, int rank, int ranks,
+                                               torch::Device device = torch::kCPU);
+
+// validate() through pipeline stages: the split over the data-parallel ranks,
+// each rank's batches as microbatches of a forward schedule. Collective over
+// the pipeline's world.
+Validation validate(PipelinedBart& pipe, const std::vector<Example>& validation, const NoiseOptions& noise,
+                    int64_t batch_size, int64_t pad_id, torch::Device device = torch::kCPU);
+
+// A batch as the pipeline's microbatch: the decoder's input is the labels
+// shifted right; dropout keyed by `dropout`.
+Microbatch pipeline_microbatch(const Batch& b, const BartConfig& c, DropoutKey dropout);
 
 struct DenoisingSample {
   std::string original, masked, reconstruction;

@@ -28,6 +28,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -54,6 +55,13 @@ struct CheckpointOptions {
   // Default: no pipeline (the communicator is the optimizer's group).
   int pp_stages = 1;
   int pp_stage = 0;
+  // Parameters saved under another name: module name -> name in the
+  // checkpoint. For a pipeline stage's copy of a parameter tied across stages
+  // (PipelineExecutor::tie): saved under the original's name, the checkpoint
+  // holds it once (written by the lowest stage holding it) and loads it into
+  // every copy, at any number of stages, or into an unpipelined model where
+  // the copies are one tensor. Default: none.
+  std::map<std::string, std::string> saved_names;
 };
 
 // How long the last save took.

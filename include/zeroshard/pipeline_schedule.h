@@ -84,6 +84,10 @@ ScheduleKind parse_schedule_kind(const std::string& name);  // throws listing th
 Schedule compute_schedule(ScheduleKind kind, int ranks, int microbatches, int chunks = 1);
 // Whether `schedule` has no backward at all (a "forward" schedule).
 bool forward_only(const Schedule& schedule);
+// The schedule's bubble by the formula, (p−1)/(v·m+p−1) with p ranks, m
+// microbatches and v = stages / p: the idle share of GPipe, 1F1B and
+// interleaved 1F1B when every pass costs the same and sends are free.
+double formula_bubble(const Schedule& schedule);
 
 struct LoweringOptions {
   // UNSHARD each stage before its first pass and RESHARD it after its last

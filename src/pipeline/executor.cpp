@@ -83,6 +83,7 @@ struct PipelineExecutor::Impl {
     if (a.stage > 0) {
       auto it = inputs.find(key);
       TORCH_INTERNAL_ASSERT(it != inputs.end(), "no posted receive for ", to_string(a));
+      trace::Span wait("wait", "input of " + to_string(a));
       input = it->second.wait();
       inputs.erase(it);
       for (auto& [n, t] : input) {
@@ -132,7 +133,9 @@ struct PipelineExecutor::Impl {
     } else {
       auto g = output_grads.find(key);
       TORCH_INTERNAL_ASSERT(g != output_grads.end(), "no posted receive for ", to_string(a));
+      std::optional<trace::Span> wait(std::in_place, "wait", "gradient of " + to_string(a));
       const Payload grads = g->second.wait();
+      wait.reset();
       output_grads.erase(g);
       pass_start = std::chrono::steady_clock::now();  // the gradient is here
       std::vector<at::Tensor> outs, gs;
@@ -177,6 +180,7 @@ struct PipelineExecutor::Impl {
         auto it = to_send.find({a.stage, a.microbatch});
         TORCH_INTERNAL_ASSERT(it != to_send.end(), "nothing to send for ", to_string(a), " on rank ", rank);
         const int dst = schedule.rank_of(a.op == Op::kSendF ? a.stage + 1 : a.stage - 1);
+        trace::Span post("comm", to_string(a) + " to rank " + std::to_string(dst));
         for (auto& w : send_payload(pipe, dst, a, it->second)) sends.push_back(std::move(w));
         to_send.erase(it);
         break;

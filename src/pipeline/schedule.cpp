@@ -106,6 +106,11 @@ ScheduleKind parse_schedule_kind(const std::string& name) {
                     "'; use gpipe, 1f1b or interleaved-1f1b (or forward, for evaluation)");
 }
 
+double formula_bubble(const Schedule& s) {
+  const int v = s.stages / s.ranks;
+  return static_cast<double>(s.ranks - 1) / (v * s.microbatches + s.ranks - 1);
+}
+
 bool forward_only(const Schedule& schedule) {
   for (const auto& list : schedule.actions) {
     for (const auto& a : list) {

@@ -6,6 +6,7 @@
 // stage and pipeline depth that divides the world size (2 x 1, 3 x 1, 2 x 2,
 // 4 x 1 at 2, 3 and 4 ranks), 20 steps each.
 #include "bart_pipeline.h"
+#include "pipeline_training.h"
 #include "test_util.h"
 
 #include <zeroshard/fully_shard.h>
@@ -103,70 +104,33 @@ void expect_pipelined_matches(int pp, ScheduleKind kind, int chunks, int zero, c
   SCOPED_TRACE(to_string(kind) + " pp=" + std::to_string(pp) + " v=" + std::to_string(chunks) + " ZeRO-" +
                std::to_string(zero));
   const auto c = BartConfig::named("tiny");
-  GridOptions go;
-  go.stages = pp;
-  go.ties = {{0, pp - 1}};
-  const PipelineGrid grid(world_ptr(), go);
-  const int dp = grid.dp(), stages = pp * chunks;
-  const Partition part = partition_uniform(bart_blocks(c), stages);
-  std::map<int, BartStage> mine;  // this rank's stages
-  GlobalBatch g;
-  int step = 0;
-  auto batch = [&](int mb, torch::Tensor* labels) { return rows_of(g, step, mb, grid.dp_rank(), dp, labels); };
-  StageFunctions f;
-  f.forward = [&](int stage, int mb, const Payload& in) {
-    torch::Tensor labels;
-    return mine.at(stage)->forward(in, batch(mb, &labels));
-  };
-  f.input_spec = [&](int, int mb) {
-    torch::Tensor labels;
-    return BartStageImpl::input_spec(c, batch(mb, &labels), torch::kFloat);
-  };
-  f.loss = [&](int mb, const Payload& out) {
-    torch::Tensor labels;
-    batch(mb, &labels);
-    return summed_ce(c, out.at(0).second, labels) * (dp / g.tokens);
-  };
-  ExecutorOptions eo;
-  eo.max_grad_norm = kMaxNorm;
-  LoweringOptions lo;
-  lo.unshard = zero == 3;
-  PipelineExecutor ex(grid, make_schedule(kind, pp, kMicrobatches, chunks, lo), f, eo);
-  std::vector<std::shared_ptr<zeroshard::FullyShardedModel>> sharded;
-  for (int s = grid.stage(); s < stages; s += pp) {
-    torch::manual_seed(kSeed);
-    BartStage stage(c, part.stages[static_cast<size_t>(s)]);
-    mine.emplace(s, stage);
-    StageShards sh;
-    if (zero == 3) {
-      sh.model = zeroshard::fully_shard(stage, grid.dp_group());
-      sh.optimizer = std::make_shared<zeroshard::FullyShardedAdamW>(sh.model, kAdamW);
-      sharded.push_back(sh.model);
-    } else {
-      std::vector<torch::Tensor> rest;
-      for (const auto& p : stage->parameters()) {
-        if (!p.is_same(stage->tied_weight())) rest.push_back(p);
-      }
-      std::vector<torch::optim::OptimizerParamGroup> groups;
-      if (!rest.empty()) groups.emplace_back(rest);
-      if (stage->tied_weight().defined()) groups.emplace_back(std::vector<torch::Tensor>{stage->tied_weight()});
-      zeroshard::ShardedAdamWOptions so;
-      so.zero_stage = zero;
-      sh.optimizer = std::make_shared<zeroshard::ShardedAdamW>(groups, grid.dp_group(), kAdamW, so);
-    }
-    ex.shard_stage(s, sh);
-    if (stage->tied_weight().defined() && pp > 1) ex.tie(0, s, stage->tied_weight());
-  }
+  PipelineOptions po;
+  po.pp = pp;
+  po.schedule = to_string(kind);
+  po.chunks = chunks;
+  po.micro_batches = kMicrobatches;
+  po.zero_stage = zero;
+  po.adamw = kAdamW;
+  po.max_grad_norm = kMaxNorm;
+  po.seed = kSeed;
+  PipelinedBart pipe(world_ptr(), c, po);
+  const int dp = pipe.grid().dp();
   double worst = 0;
-  for (step = 0; step < kSteps; ++step) {
-    g = global_batch(c, step);
-    const StepResult r = ex.run_step();
+  for (int step = 0; step < kSteps; ++step) {
+    const GlobalBatch g = global_batch(c, step);
+    std::vector<Microbatch> micro(kMicrobatches);
+    for (int mb = 0; mb < kMicrobatches; ++mb) {
+      micro[static_cast<size_t>(mb)].batch = rows_of(g, step, mb, pipe.grid().dp_rank(), dp, &micro[static_cast<size_t>(mb)].labels);
+    }
+    const StepResult r = pipe.train_step(std::move(micro), g.tokens);
     const double w = want.losses[static_cast<size_t>(step)];
     worst = std::max(worst, std::abs(r.loss - w) / w);
     EXPECT_NEAR(r.loss, w, 1e-5 * w) << "step " << step;
   }
   std::vector<zeroshard::FullyShardedModel::FullParamsGuard> full;
-  for (auto& m : sharded) full.push_back(m->summon_full_params());
+  for (const auto& st : pipe.stages()) {
+    if (st.sharded) full.push_back(st.sharded->summon_full_params());
+  }
   // Parameters against the oracle's: float rounding of other summation
   // orders (the data-parallel mean, the tied gradient's two halves, the
   // clipping factor), amplified by AdamW where a gradient is small; the worst
@@ -175,8 +139,8 @@ void expect_pipelined_matches(int pp, ScheduleKind kind, int chunks, int zero, c
   // biases, whose gradient is zero in exact arithmetic (softmax ignores a
   // shift shared by every key), so AdamW follows their rounding noise.
   double worst_param = 0, worst_mean = 0;
-  for (auto& [s, stage] : mine) {
-    for (const auto& item : stage->named_parameters()) {
+  for (const auto& st : pipe.stages()) {
+    for (const auto& item : st.module->named_parameters()) {
       if (item.key().find("k_proj.bias") != std::string::npos) continue;
       const std::string name = item.key() == "lm_head.weight" ? "model.shared.weight" : item.key();
       const auto& w = want.params[name];
@@ -188,7 +152,7 @@ void expect_pipelined_matches(int pp, ScheduleKind kind, int chunks, int zero, c
       EXPECT_LT(mean, 3e-5) << item.key();
     }
   }
-  if (grid.world().data->rank() == 0) {
+  if (pipe.grid().world().data->rank() == 0) {
     std::printf("  %s pp=%d dp=%d v=%d ZeRO-%d: loss within %.1e relative; parameters %.1e worst, %.1e mean\n",
                 to_string(kind).c_str(), pp, dp, chunks, zero, worst, worst_param, worst_mean);
   }

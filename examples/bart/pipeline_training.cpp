@@ -1,0 +1,178 @@
+// pipeline_training.cpp — BART's pipeline stages, their optimizers and executors.
+#include "pipeline_training.h"
+
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/sharded_optimizer.h>
+
+namespace bart {
+
+namespace F = torch::nn::functional;
+using namespace zeroshard::pipeline;
+
+namespace {
+
+Partition make_partition(const BartConfig& c, const std::string& how, int stages) {
+  const auto blocks = bart_blocks(c);
+  TORCH_CHECK_VALUE(stages <= static_cast<int>(blocks.size()), "--pp x chunks = ", stages, " stages, but BART ",
+                    "has ", blocks.size(), " blocks (E, ", c.encoder_layers, " e, ", c.decoder_layers,
+                    " d, L): use fewer stages");
+  if (how == "uniform") return partition_uniform(blocks, stages);
+  if (how == "balanced") return partition_balanced(blocks, stages);
+  Partition p = partition_by_layout(blocks, how);
+  TORCH_CHECK_VALUE(static_cast<int>(p.stages.size()) == stages, "--partition '", how, "' has ", p.stages.size(),
+                    " stages; the pipeline has ", stages, " (--pp x chunks); give one '|'-separated group per stage");
+  return p;
+}
+
+}  // namespace
+
+struct PipelinedBart::Impl {
+  BartConfig config;
+  PipelineOptions options;
+  std::unique_ptr<PipelineGrid> grid;
+  Partition partition;
+  std::vector<Stage> stages;
+  std::map<int, BartStage> by_index;
+  std::unique_ptr<PipelineExecutor> train;
+  std::map<int, std::unique_ptr<PipelineExecutor>> eval;  // by microbatch count
+  std::vector<Microbatch> micro;  // the step's (the executors' callbacks read them)
+  std::vector<double> weight;     // each microbatch's loss factor
+
+  StageFunctions functions() {
+    StageFunctions f;
+    f.forward = [this](int stage, int mb, const Payload& in) {
+      return by_index.at(stage)->forward(in, micro.at(static_cast<size_t>(mb)).batch);
+    };
+    f.input_spec = [this](int, int mb) {
+      return BartStageImpl::input_spec(config, micro.at(static_cast<size_t>(mb)).batch, options.dtype);
+    };
+    f.loss = [this](int mb, const Payload& out) {
+      const auto& m = micro.at(static_cast<size_t>(mb));
+      const auto ce = F::cross_entropy(out.at(0).second.reshape({-1, config.vocab_size}).to(torch::kFloat),
+                                       m.labels.reshape(-1),
+                                       F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id).reduction(torch::kSum));
+      return ce * weight.at(static_cast<size_t>(mb));
+    };
+    return f;
+  }
+
+  void set_micro(std::vector<Microbatch> m, const char* what) {
+    TORCH_CHECK_VALUE(!m.empty(), "PipelinedBart::", what, ": no microbatches");
+    micro = std::move(m);
+  }
+};
+
+PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& config, const PipelineOptions& o)
+    : impl_(std::make_unique<Impl>()) {
+  auto& I = *impl_;
+  I.config = config;
+  I.options = o;
+  TORCH_CHECK_VALUE(o.pp >= 2, "--pp ", o.pp, ": a pipeline has at least 2 stages (--pp 1 trains the whole model)");
+  TORCH_CHECK_VALUE(world.data->size() % o.pp == 0, "--pp ", o.pp, " must divide the ", world.data->size(),
+                    " ranks (each stage gets world / pp of them)");
+  const ScheduleKind kind = parse_schedule_kind(o.schedule);
+  TORCH_CHECK_VALUE(kind != ScheduleKind::kForward, "--schedule-pp forward only evaluates; train with gpipe, 1f1b "
+                    "or interleaved");
+  TORCH_CHECK_VALUE(kind == ScheduleKind::kInterleaved1F1B ? o.chunks >= 2 : o.chunks == 1, "--schedule-pp ",
+                    o.schedule, " with ", o.chunks, " stage(s) per rank: interleaved takes 2 or more (--chunks), ",
+                    "gpipe and 1f1b one");
+  TORCH_CHECK_VALUE(o.zero_stage >= 1 && o.zero_stage <= 3, "ZeRO stage ", o.zero_stage, ": 1, 2 or 3");
+  const int total = o.pp * o.chunks;
+  I.partition = make_partition(config, o.partition, total);
+  GridOptions go;
+  go.stages = o.pp;
+  go.ties = {{0, o.pp - 1}};  // the embedding (stage 0, on rank 0) and the head's copy (the last, on rank pp-1)
+  I.grid = std::make_unique<PipelineGrid>(std::move(world), go);
+  LoweringOptions lo;
+  lo.unshard = o.zero_stage == 3 && o.unshard_per_step;
+  ExecutorOptions eo;
+  eo.max_grad_norm = o.max_grad_norm;
+  I.train = std::make_unique<PipelineExecutor>(*I.grid, make_schedule(kind, o.pp, o.micro_batches, o.chunks, lo),
+                                               I.functions(), eo);
+  for (int s = I.grid->stage(); s < total; s += o.pp) {
+    Stage st;
+    st.index = s;
+    st.module = BartStage(config, I.partition.stages[static_cast<size_t>(s)], o.seed);
+    st.module->to(o.device, o.dtype);
+    const auto& dp = I.grid->dp_group();
+    if (o.zero_stage == 3) {
+      st.sharded = zeroshard::fully_shard(st.module, dp);
+      st.optimizer = std::make_shared<zeroshard::FullyShardedAdamW>(st.sharded, o.adamw);
+    } else {  // the tied weight in a group of its own: the same shard on every stage (PipelineExecutor::tie)
+      const auto tied = st.module->tied_weight();
+      std::vector<torch::Tensor> rest;
+      for (const auto& p : st.module->parameters()) {
+        if (!tied.defined() || !p.is_same(tied)) rest.push_back(p);
+      }
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      if (!rest.empty()) groups.emplace_back(rest);
+      if (tied.defined()) groups.emplace_back(std::vector<torch::Tensor>{tied});
+      zeroshard::ShardedAdamWOptions so;
+      so.zero_stage = o.zero_stage;
+      st.optimizer = std::make_shared<zeroshard::ShardedAdamW>(groups, dp, o.adamw, so);
+    }
+    I.train->shard_stage(s, StageShards{st.optimizer, st.sharded});
+    if (st.module->tied_weight().defined()) I.train->tie(0, s, st.module->tied_weight());
+    I.by_index.emplace(s, st.module);
+    I.stages.push_back(std::move(st));
+  }
+}
+
+PipelinedBart::~PipelinedBart() = default;
+
+StepResult PipelinedBart::train_step(std::vector<Microbatch> micro, double global_tokens) {
+  auto& I = *impl_;
+  TORCH_CHECK_VALUE(static_cast<int>(micro.size()) == I.options.micro_batches, "PipelinedBart::train_step: ",
+                    micro.size(), " microbatches; the schedule has ", I.options.micro_batches);
+  TORCH_CHECK_VALUE(global_tokens > 0, "PipelinedBart::train_step: the global batch has no target tokens");
+  I.set_micro(std::move(micro), "train_step");
+  I.weight.assign(I.micro.size(), I.grid->dp() / global_tokens);
+  return I.train->run_step();
+}
+
+double PipelinedBart::evaluate(std::vector<Microbatch> micro, const std::vector<double>& weights) {
+  auto& I = *impl_;
+  TORCH_CHECK_VALUE(weights.size() == micro.size(), "PipelinedBart::evaluate: ", weights.size(), " weights for ",
+                    micro.size(), " microbatches");
+  const int m = static_cast<int>(micro.size());
+  I.set_micro(std::move(micro), "evaluate");
+  // The executor averages over data-parallel ranks; the weights make it a sum.
+  I.weight.clear();
+  for (double w : weights) I.weight.push_back(w * I.grid->dp());
+  auto& ex = I.eval[m];
+  if (!ex) {
+    ex = std::make_unique<PipelineExecutor>(
+        *I.grid, make_schedule(ScheduleKind::kForward, I.options.pp, m, I.options.chunks), I.functions());
+  }
+  for (auto& s : I.stages) s.module->eval();
+  const auto r = ex->run_step();
+  for (auto& s : I.stages) s.module->train();
+  return r.loss;
+}
+
+const BartConfig& PipelinedBart::config() const { return impl_->config; }
+const PipelineGrid& PipelinedBart::grid() const { return *impl_->grid; }
+const Partition& PipelinedBart::partition() const { return impl_->partition; }
+const Schedule& PipelinedBart::schedule() const { return impl_->train->schedule(); }
+const std::vector<PipelinedBart::Stage>& PipelinedBart::stages() const { return impl_->stages; }
+
+int64_t PipelinedBart::bytes_sent() const {
+  const auto& g = *impl_->grid;
+  int64_t b = g.pp_group().data->stats().total().bytes_sent;
+  for (size_t k = 0; k < g.options().ties.size(); ++k) {
+    if (g.tie_group(k).data) b += g.tie_group(k).data->stats().total().bytes_sent;
+  }
+  return b;
+}
+
+zeroshard::CheckpointOptions PipelinedBart::checkpoint_options(zeroshard::CheckpointOptions base) const {
+  TORCH_CHECK_VALUE(impl_->options.chunks == 1, "checkpoints of interleaved pipelines (", impl_->options.chunks,
+                    " stages per rank) are not supported: train with gpipe or 1f1b, whose checkpoints load at any "
+                    "pp, dp and ZeRO stage, or run with --ckpt-dir none");
+  base.pp_stages = impl_->options.pp;
+  base.pp_stage = impl_->grid->stage();
+  base.saved_names["lm_head.weight"] = "model.shared.weight";
+  return base;
+}
+
+}  // namespace bart

@@ -1,0 +1,94 @@
+// pipeline_training.h — BART trained as pipeline stages with ZeRO inside each.
+//
+// PipelinedBart holds what one rank of a pipelined run needs: the grid
+// (pp × dp over the world), this rank's stages (bart_pipeline.h) of the
+// chosen partition with their sharded optimizers, the training executor and
+// the evaluation executors (forward schedules), and the checkpoint options
+// that save every stage as one model (the head's copy of the tied embedding
+// under model.shared.weight), loadable by any other (pp, dp, ZeRO stage) or
+// by the whole model.
+//
+// Every rank of a data-parallel index builds the same microbatches from the
+// data (ids, masks and labels never travel); stage 0 embeds them, the last
+// stage takes the loss.
+#pragma once
+
+#include "bart_pipeline.h"
+
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/pipeline_executor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace bart {
+
+struct PipelineOptions {
+  int pp = 2;                          // pipeline ranks (dp = world / pp). REQUIRES: >= 2
+  std::string schedule = "1f1b";       // gpipe, 1f1b or interleaved
+  int chunks = 1;                      // stages per pipeline rank: 1, or >= 2 with interleaved
+  int micro_batches = 4;               // per step and data-parallel rank
+  std::string partition = "uniform";   // uniform, balanced (parameters), or a layout over "E e d L"
+  int zero_stage = 2;                  // inside each stage, over its data-parallel group
+  bool unshard_per_step = true;        // ZeRO-3: gather each stage once per step (false: per pass)
+  torch::optim::AdamWOptions adamw{1e-3};
+  double max_grad_norm = 0;            // > 0: clip the global norm (every stage) to it
+  torch::ScalarType dtype = torch::kFloat;
+  torch::Device device = torch::kCPU;
+  uint64_t seed = 1;                   // parameter initialisation (init_bart_parameters)
+};
+
+// A microbatch of this data-parallel rank, as every stage rebuilds it.
+struct Microbatch {
+  StageBatch batch;
+  torch::Tensor labels;  // [B, T], pad_token_id ignored by the loss
+};
+
+class PipelinedBart {
+ public:
+  // Collective over `world`. Throws naming the option for a pipeline that
+  // cannot be built (pp not dividing the world, a partition with another
+  // number of stages, interleaving without chunks, ...).
+  PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& config, const PipelineOptions& options);
+  ~PipelinedBart();
+
+  // One optimizer step over this data-parallel rank's micro_batches
+  // microbatches; each one's summed token loss is scaled by dp /
+  // global_tokens, so the step's loss is the mean over the global batch's
+  // target tokens. Collective over the world.
+  zeroshard::pipeline::StepResult train_step(std::vector<Microbatch> micro, double global_tokens);
+
+  // Evaluation through the stages (a forward schedule, dropout off): the
+  // summed token loss of every microbatch with weight[i] != 0, times its
+  // weight, over every data-parallel rank. The same number of microbatches
+  // on every rank. Collective over the world.
+  double evaluate(std::vector<Microbatch> micro, const std::vector<double>& weights);
+
+  const BartConfig& config() const;
+  const zeroshard::pipeline::PipelineGrid& grid() const;
+  const zeroshard::pipeline::Partition& partition() const;
+  const zeroshard::pipeline::Schedule& schedule() const;
+  // This rank's stages (pipeline stage index, module, optimizer), ascending.
+  struct Stage {
+    int index = 0;
+    BartStage module{nullptr};
+    std::shared_ptr<zeroshard::ShardedOptimizer> optimizer;
+    std::shared_ptr<zeroshard::FullyShardedModel> sharded;  // ZeRO-3
+  };
+  const std::vector<Stage>& stages() const;
+  // Bytes this rank sent between stages (activations, their gradients, the
+  // tied parameter's reductions) since construction; the optimizers count
+  // their own.
+  int64_t bytes_sent() const;
+  // A Checkpointer's options for this rank's stage. REQUIRES: chunks == 1
+  // (one stage, one optimizer per rank).
+  zeroshard::CheckpointOptions checkpoint_options(zeroshard::CheckpointOptions base = {}) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bart
