@@ -72,9 +72,9 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
                     " ranks (each stage gets world / pp of them)");
   const ScheduleKind kind = parse_schedule_kind(o.schedule);
   TORCH_CHECK_VALUE(kind != ScheduleKind::kForward, "--schedule-pp forward only evaluates; train with gpipe, 1f1b "
-                    "or interleaved");
+                    "or interleaved-1f1b");
   TORCH_CHECK_VALUE(kind == ScheduleKind::kInterleaved1F1B ? o.chunks >= 2 : o.chunks == 1, "--schedule-pp ",
-                    o.schedule, " with ", o.chunks, " stage(s) per rank: interleaved takes 2 or more (--chunks), ",
+                    o.schedule, " with ", o.chunks, " stage(s) per rank: interleaved-1f1b takes 2 or more (--chunks), ",
                     "gpipe and 1f1b one");
   TORCH_CHECK_VALUE(o.zero_stage >= 1 && o.zero_stage <= 3, "ZeRO stage ", o.zero_stage, ": 1, 2 or 3");
   const int total = o.pp * o.chunks;

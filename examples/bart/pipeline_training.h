@@ -27,8 +27,8 @@ namespace bart {
 
 struct PipelineOptions {
   int pp = 2;                          // pipeline ranks (dp = world / pp). REQUIRES: >= 2
-  std::string schedule = "1f1b";       // gpipe, 1f1b or interleaved
-  int chunks = 1;                      // stages per pipeline rank: 1, or >= 2 with interleaved
+  std::string schedule = "1f1b";       // gpipe, 1f1b or interleaved-1f1b
+  int chunks = 1;                      // stages per pipeline rank: 1, or >= 2 with interleaved-1f1b
   int micro_batches = 4;               // per step and data-parallel rank
   std::string partition = "uniform";   // uniform, balanced (parameters), or a layout over "E e d L"
   int zero_stage = 2;                  // inside each stage, over its data-parallel group

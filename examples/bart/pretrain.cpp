@@ -56,10 +56,10 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--pp", o.pp, "pipeline stages: the ranks form pp x dp (rank = stage * dp + d); 1: no pipeline")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--schedule-pp", o.schedule_pp, "pipeline schedule: gpipe, 1f1b, or interleaved (with --chunks)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))
+  app.add_option("--schedule-pp", o.schedule_pp, "pipeline schedule: gpipe, 1f1b, or interleaved-1f1b (with --chunks)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b"}))
       ->capture_default_str();
-  app.add_option("--chunks", o.chunks, "interleaved: stages per pipeline rank (2 or more)")->capture_default_str();
+  app.add_option("--chunks", o.chunks, "interleaved-1f1b: stages per pipeline rank (2 or more)")->capture_default_str();
   app.add_option("--partition", o.partition,
                  "blocks per stage: uniform, balanced (by parameters), or a layout of the blocks E e d L, "
                  "e.g. 'E e*6 | e*6 d*2 | d*10 L'")

@@ -19,8 +19,8 @@ struct RunOptions {
   int64_t global_batch = 16;
   int64_t micro_batches = 1;
   int pp = 1;                          // pipeline stages; 1: the whole model on every rank
-  std::string schedule_pp = "1f1b";    // gpipe, 1f1b, interleaved
-  int chunks = 1;                      // interleaved: stages per pipeline rank
+  std::string schedule_pp = "1f1b";    // gpipe, 1f1b, interleaved-1f1b
+  int chunks = 1;                      // interleaved-1f1b: stages per pipeline rank
   std::string partition = "uniform";   // uniform, balanced, or a layout string
   int64_t max_steps = 300;
   double lr = 1e-3;

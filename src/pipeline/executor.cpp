@@ -180,7 +180,7 @@ struct PipelineExecutor::Impl {
         auto it = to_send.find({a.stage, a.microbatch});
         TORCH_INTERNAL_ASSERT(it != to_send.end(), "nothing to send for ", to_string(a), " on rank ", rank);
         const int dst = schedule.rank_of(a.op == Op::kSendF ? a.stage + 1 : a.stage - 1);
-        trace::Span post("comm", to_string(a) + " to rank " + std::to_string(dst));
+        trace::Span post("comm", to_string(a) + " to pipeline rank " + std::to_string(dst));
         for (auto& w : send_payload(pipe, dst, a, it->second)) sends.push_back(std::move(w));
         to_send.erase(it);
         break;

@@ -11,6 +11,11 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
   bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): the first step's loss within bf16
                rounding of fp32's, both stages agree, and the loss falls
+  pipeline     --pp: pp x dp runs (every schedule, ZeRO-1/2/3, uniform and balanced partitions) take the
+               unpipelined run's steps at the same dp, losses and validation losses within 1e-6
+               relative; a SIGTERM stops every stage after the same step and the restart resumes
+               bit-exact; the pipelined checkpoint resumes without a pipeline; metrics carry the bubble,
+               traces each stage's passes and sends
   bad_input    wrong flags and data: one clear line naming the thing and the fix, exit 1, no backtrace
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
@@ -195,6 +200,87 @@ def check_bf16(build, work):
     assert b3[-1] < 0.9 * b3[0] and abs(b3[-1] - f[-1]) / f[-1] < 0.05, (b3, f)
 
 
+def check_pipeline(build, work):
+    common = ["--max-steps", "12", "--global-batch", "8", "--micro-batches", "4", "--save-every", "6",
+              "--eval-every", "6", "--no-sample"]
+    dirs = {}
+
+    def train(name, nproc, *extra, launcher_args=(), fresh=True):
+        d = dirs[name] = os.path.join(work, "pipe_" + name)
+        if fresh:
+            shutil.rmtree(d, ignore_errors=True)
+            if len(dirs) > 1:
+                shutil.copytree(os.path.join(dirs["flat2"], "tokenizer"), os.path.join(d, "tokenizer"))
+        return pretrain(build, d, nproc, *common, *extra, launcher_args=launcher_args)
+
+    def losses(name, kind="loss"):
+        rows = metrics(dirs[name])
+        if kind == "loss":
+            return {r["step"]: r["loss"] for r in rows if "event" not in r}
+        return {r["step"]: r["val_loss"] for r in rows if r.get("event") == "validation"}
+
+    # The same data parallelism, so the same microbatches and dropout keys: dp 2, then dp 1.
+    train("flat2", 2, "--stage", "2")
+    train("pp2_1f1b", 4, "--pp", "2", "--stage", "3", "--trace")
+    train("pp2_gpipe", 4, "--pp", "2", "--schedule-pp", "gpipe", "--stage", "1", "--partition", "balanced",
+          "--ckpt-dir", "none")
+    train("pp2_interleaved", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2", "--stage", "2",
+          "--ckpt-dir", "none")
+    train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
+    train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
+    for base, runs in (("flat2", ("pp2_1f1b", "pp2_gpipe", "pp2_interleaved")), ("flat1", ("pp4",))):
+        for kind in ("loss", "val_loss"):
+            want = losses(base, kind)
+            assert len(want) == (12 if kind == "loss" else 3), (base, kind, want)
+            for name in runs:
+                got = losses(name, kind)
+                assert got.keys() == want.keys(), (name, kind, got, want)
+                worst = max(abs(got[k] - want[k]) / want[k] for k in want)
+                print(f"pipeline: {name} vs {base}: {kind} of {len(want)} steps within {worst:.1e} relative")
+                assert worst < 1e-6, (name, kind, got, want)
+    # Metrics: this rank's bubble beside the formula (p-1)/(v*m+p-1).
+    for name, formula in (("pp2_1f1b", 1 / 5), ("pp2_interleaved", 1 / 9), ("pp4", 3 / 7)):
+        rows = [r for r in metrics(dirs[name]) if "event" not in r]
+        assert all(r["bubble_s"] >= 0 and abs(r["bubble_formula"] - formula) < 1e-12 for r in rows), (name, rows[0])
+    summary = [r for r in metrics(dirs["pp2_1f1b"]) if r.get("event") == "summary"][-1]
+    assert summary["pp"] == 2 and summary["ranks"] == 4, summary
+    # Traces: each rank its stage's passes and sends ("1F3", "1SEND_B3 to pipeline rank 0").
+    for rank, stage in ((0, 0), (3, 1)):
+        with open(os.path.join(dirs["pp2_1f1b"], f"trace-rank-{rank}.json")) as f:
+            names = {e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"}
+        send = "SEND_F" if stage == 0 else "SEND_B"
+        for want in (f"{stage}F3", f"{stage}B3", f"{stage}{send}3 to pipeline rank {1 - stage}"):
+            assert want in names, (rank, want, sorted(names)[:40])
+    # A preemption: every stage stops after the same step; the restart resumes bit-exact.
+    out = train("pp2_cut", 4, "--pp", "2", "--stage", "3",
+                launcher_args=["--max-restarts", "1", "--simulate-preemption-at-step", "4"])
+    assert "simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:]
+    summary = [r for r in metrics(dirs["pp2_cut"]) if r.get("event") == "summary"][-1]
+    stop = summary["interruptions"][0]["step"]
+    assert 4 <= stop < 12 and summary["resumed"]["step"] == stop, summary
+    assert losses("pp2_cut") == losses("pp2_1f1b"), (losses("pp2_cut"), losses("pp2_1f1b"))
+    _, a = exported(build, dirs["pp2_1f1b"], os.path.join(work, "pipe_ref.safetensors"), "--buffers")
+    _, b = exported(build, dirs["pp2_cut"], os.path.join(work, "pipe_cut.safetensors"), "--buffers")
+    assert a.keys() == b.keys() and "lm_head.weight" not in a, sorted(a)[:5]
+    for k in a:
+        assert np.array_equal(a[k][1], b[k][1]), f"{k} differs after the interruption at step {stop}"
+    # The pipelined checkpoint of step 6 resumed without a pipeline (ZeRO-1, 2 ranks).
+    d = os.path.join(work, "pipe_unpipelined")
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(dirs["pp2_1f1b"], d)
+    shutil.rmtree(os.path.join(d, "checkpoints", "step-00000012"))
+    with open(os.path.join(d, "checkpoints", "latest"), "w") as f:
+        f.write("step-00000006\n")
+    dirs["unpipelined"] = d
+    train("unpipelined", 2, "--stage", "1", fresh=False)
+    got, want = losses("unpipelined"), losses("pp2_1f1b")
+    assert sorted(got) == list(range(1, 13)), got
+    worst = max(abs(got[k] - want[k]) / want[k] for k in range(7, 13))
+    assert worst < 1e-6, (got, want)
+    print(f"pipeline: SIGTERM at step {stop}, every stage stopped there and resumed: losses and {len(a)} parameters "
+          f"bit-identical; the pp=2 checkpoint of step 6 resumed at pp=1 ZeRO-1: losses within {worst:.1e}")
+
+
 def check_bad_input(build, work):
     d = os.path.join(work, "bad")
     shutil.rmtree(d, ignore_errors=True)
@@ -211,14 +297,28 @@ def check_bad_input(build, work):
             assert n in out, f"{args}: '{n}' not in the error:\n{out}"
         assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
     out = pretrain(build, d, 3, "--global-batch", "16", expect=1)
-    assert "--global-batch 16 must divide by the 3 ranks" in out, out
-    print(f"bad_input: {len(cases) + 1} wrong inputs, each one named with its fix")
+    assert "--global-batch 16 must divide by the 3 data-parallel ranks" in out, out
+    pipeline_cases = [
+        (["--pp", "3"], ["--pp 3 must divide the 2 ranks"]),
+        (["--pp", "2", "--partition", "E e | d*2 L"], ["model.encoder.layers.1", "'E e | d*2 L'"]),
+        (["--pp", "2", "--partition", "E e*2 | d | d L"], ["3 stages", "--pp x chunks"]),
+        (["--pp", "2", "--schedule-pp", "interleaved-1f1b"], ["interleaved-1f1b takes 2 or more (--chunks)"]),
+        (["--pp", "2", "--save-logits", os.path.join(work, "x.f32")], ["--save-logits", "--pp 1"]),
+        (["--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2"], ["interleaved pipelines", "--ckpt-dir none"]),
+    ]
+    for args, needles in pipeline_cases:
+        out = pretrain(build, d, 2, "--max-steps", "1", "--global-batch", "4", "--micro-batches", "2", *args,
+                       expect=1)
+        for n in needles:
+            assert n in out, f"{args}: '{n}' not in the error:\n{out[-3000:]}"
+        assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
+    print(f"bad_input: {len(cases) + 1 + len(pipeline_cases)} wrong inputs, each one named with its fix")
 
 
 if __name__ == "__main__":
     build, work, check = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"converge": check_converge, "equal_ranks": check_equal_ranks, "resume": check_resume,
-     "safetensors": check_safetensors, "bad_input": check_bad_input,
+     "safetensors": check_safetensors, "bad_input": check_bad_input, "pipeline": check_pipeline,
      "bf16": check_bf16}[check](build, work)
     print("OK")
