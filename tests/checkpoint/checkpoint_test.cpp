@@ -283,7 +283,9 @@ TEST(CheckpointCommit, KeepsTheLastKAndCleansLeftovers) {
   EXPECT_TRUE(fs::exists(fs::path(dir) / "step-00000004" / "manifest.json"));
   EXPECT_FALSE(fs::exists(fs::path(dir) / "step-00000001.tmp")) << "an uncommitted leftover is cleaned up";
   world().barrier();
-  EXPECT_NE(testing::error_of([] { Checkpointer("x", world_ptr(), CheckpointOptions{1}); })
+  CheckpointOptions keep_one;
+  keep_one.keep = 1;
+  EXPECT_NE(testing::error_of([&] { Checkpointer("x", world_ptr(), keep_one); })
                 .find("at least 2 committed checkpoints are kept"),
             std::string::npos);
 }
