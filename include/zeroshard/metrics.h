@@ -97,6 +97,10 @@ int64_t peak_rss_bytes();
 // 1234567 -> "1,234,567" (progress lines, run summaries).
 std::string with_commas(int64_t v);
 int64_t current_rss_bytes();
+// Bytes malloc has handed out and not taken back, every arena and mapping
+// (glibc's mallinfo2): what LibTorch's CPU tensors hold, unlike the resident
+// set, which keeps freed pages. 0 where the C library does not say.
+int64_t heap_bytes_in_use();
 
 // Tells the launcher how far this rank is: writes `step` to the file named by
 // ZS_PROGRESS_FILE (set by zeroshard-run; nothing happens without it).

@@ -77,6 +77,12 @@ struct ExecutorOptions {
   // > 0: with StageShards, the mean gradient is clipped to this global L2
   // norm (over every stage). Default: 0 (no clipping).
   double max_grad_norm = 0;
+  // Optional: the bytes this rank holds now, by its allocator's count (e.g.
+  // zeroshard::heap_bytes_in_use() on the CPU, the caching allocator's on a
+  // GPU), less whatever the caller does not want counted (gradients, say).
+  // run_step() samples it before the step and after each forward pass, and
+  // reports the largest rise: what the step's in-flight microbatches hold.
+  std::function<int64_t()> memory_probe;
 };
 
 struct StepResult {
@@ -97,6 +103,8 @@ struct StepResult {
   // spent in F and B passes, and the whole step. 1 − compute/step is its
   // idle share (the trace shows the passes as "0F3", "0B3").
   int peak_in_flight = 0;
+  // With ExecutorOptions::memory_probe: its largest rise over the step's start, after a forward pass.
+  int64_t peak_memory_bytes = 0;
   double compute_seconds = 0;
   double step_seconds = 0;
 };

@@ -63,6 +63,7 @@ struct PipelineExecutor::Impl {
   std::vector<std::shared_ptr<Work>> sends;
   double loss_sum = 0;
   int peak_in_flight = 0;
+  int64_t memory_base = 0, memory_peak = 0;  // ExecutorOptions::memory_probe's, this step
   double compute_seconds = 0;                           // in F and B, from their data's arrival
   std::chrono::steady_clock::time_point pass_start;     // of the current F or B, its data arrived
 
@@ -118,6 +119,7 @@ struct PipelineExecutor::Impl {
     }
     live.emplace(key, std::move(l));
     peak_in_flight = std::max(peak_in_flight, static_cast<int>(live.size()));
+    if (options.memory_probe) memory_peak = std::max(memory_peak, options.memory_probe() - memory_base);
   }
 
   void backward(const Action& a) {
@@ -197,6 +199,14 @@ struct PipelineExecutor::Impl {
         if (fns.stage_hook) fns.stage_hook(a.op, a.stage);
         break;
     }
+  }
+
+  // Sends that finished: their errors surface now and their buffers go,
+  // rather than at the end of the step.
+  void retire_sends() {
+    const auto done = std::partition(sends.begin(), sends.end(), [](const auto& w) { return !w->is_completed(); });
+    for (auto it = done; it != sends.end(); ++it) (*it)->wait();
+    sends.erase(done, sends.end());
   }
 
   // The stage's gradients reduced over its data-parallel group: those of the
@@ -287,6 +297,8 @@ struct PipelineExecutor::Impl {
     sends.clear();
     loss_sum = 0;
     peak_in_flight = 0;
+    memory_peak = 0;
+    if (options.memory_probe) memory_base = options.memory_probe();
     compute_seconds = 0;
     sumsq = 0;
     sync_ties();
@@ -307,6 +319,7 @@ struct PipelineExecutor::Impl {
         if (auto s = sharded.find(a.stage); s != sharded.end() && s->second.last_backward == i) s->second.local.reset();
       }
       const bool pass = a.op == Op::kForward || a.op == Op::kBackward;
+      if (pass) retire_sends();
       try {
         run(a);
       } catch (const c10::Error& e) {
@@ -344,6 +357,7 @@ struct PipelineExecutor::Impl {
     const double* v = t.data_ptr<double>();
     StepResult r;
     r.peak_in_flight = peak_in_flight;
+    r.peak_memory_bytes = memory_peak;
     r.compute_seconds = compute_seconds;
     r.loss = v[1] / grid.dp();
     r.finite = v[2] == 0;

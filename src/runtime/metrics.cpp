@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <malloc.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -198,6 +199,15 @@ bool ProgressLine::update(const StepMetrics& m, const std::string& extra) {
 
 int64_t peak_rss_bytes() { return proc_status_kib("VmHWM") * 1024; }
 int64_t current_rss_bytes() { return proc_status_kib("VmRSS") * 1024; }
+
+int64_t heap_bytes_in_use() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);  // in-use chunks of every arena, and mmapped blocks
+#else
+  return 0;
+#endif
+}
 
 void publish_step(int64_t step) {
   static const char* path = std::getenv("ZS_PROGRESS_FILE");
