@@ -54,6 +54,8 @@ bench: build
 	@bench/ckpt_resume.py $(BUILD_DIR)
 	@bench/bart_bench.sh $(BUILD_DIR) 4
 	@bench/pipe_bench.sh $(BUILD_DIR)
+	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
+	@bench/bart_pipe_bench.sh $(BUILD_DIR) 4
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log

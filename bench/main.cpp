@@ -13,6 +13,7 @@ int zero3_bench_main(int argc, char** argv);
 int ckpt_bench_main(int argc, char** argv);
 int bart_bench_main(int argc, char** argv);
 int pipe_bench_main(int argc, char** argv);
+int bart_pipe_bench_main(int argc, char** argv);
 
 namespace {
 
@@ -24,7 +25,7 @@ struct Benchmark {
 constexpr Benchmark kBenchmarks[] = {
     {"comm_bench", comm_bench_main},   {"optim_bench", optim_bench_main}, {"zero_vs_ddp", zero_vs_ddp_main},
     {"zero3_bench", zero3_bench_main}, {"ckpt_bench", ckpt_bench_main},   {"bart_bench", bart_bench_main},
-    {"pipe_bench", pipe_bench_main},
+    {"pipe_bench", pipe_bench_main},   {"bart_pipe_bench", bart_pipe_bench_main},
 };
 
 }  // namespace

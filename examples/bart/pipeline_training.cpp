@@ -4,6 +4,11 @@
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/sharded_optimizer.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <chrono>
+
 namespace bart {
 
 namespace F = torch::nn::functional;
@@ -11,13 +16,74 @@ using namespace zeroshard::pipeline;
 
 namespace {
 
-Partition make_partition(const BartConfig& c, const std::string& how, int stages) {
+// bart_blocks() with each block's cost in microseconds instead of its
+// parameters: one block of each kind (E, e, d, L) built alone and run forward
+// and backward on a microbatch of o.timing_rows sequences of
+// o.timing_length tokens (the best of 3), averaged over the world's ranks so
+// that every rank partitions alike. Collective over `world`.
+std::vector<Block> timed_blocks(const BartConfig& c, const PipelineOptions& o, const zeroshard::ProcessGroup& world) {
+  auto blocks = bart_blocks(c);
+  TORCH_CHECK_VALUE(c.encoder_layers >= 1 && c.decoder_layers >= 1, "--partition timed: BART needs an encoder and a "
+                    "decoder layer to time");
+  const size_t kinds[4] = {0, 1, static_cast<size_t>(1 + c.encoder_layers), blocks.size() - 1};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);  // not the default generator: training's
+  const auto ids = [&] {
+    return torch::randint(4, c.vocab_size, {o.timing_rows, o.timing_length}, gen, torch::kLong).to(o.device);
+  };
+  StageBatch batch;
+  batch.input_ids = ids();
+  batch.decoder_input_ids = ids();
+  auto seconds = torch::zeros({4}, torch::kDouble);
+  const c10::impl::VirtualGuardImpl guard(o.device.type());
+  for (int k = 0; k < 4; ++k) {
+    BartStage stage(c, std::vector<size_t>{kinds[k]}, o.seed);
+    stage->to(o.device, o.dtype);
+    Payload in;
+    if (k > 0) {
+      for (const auto& t : BartStageImpl::input_spec(c, batch, o.dtype)) {
+        in.emplace_back(t.name, torch::randn(t.shape, gen, torch::kFloat).to(o.device, o.dtype).requires_grad_(true));
+      }
+    }
+    double best = 1e30;
+    for (int r = 0; r < 3; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto out = stage->forward(in, batch);
+      torch::Tensor loss;
+      if (k == 3) {  // the head's stage also takes the loss
+        loss = F::cross_entropy(out.at(0).second.reshape({-1, c.vocab_size}).to(torch::kFloat),
+                                batch.decoder_input_ids.reshape(-1), F::CrossEntropyFuncOptions().reduction(torch::kSum));
+      } else {
+        loss = torch::zeros({}, torch::TensorOptions(torch::kFloat).device(o.device));
+        for (const auto& [name, t] : out) loss = loss + t.to(torch::kFloat).sum();
+      }
+      loss.backward();
+      guard.getStream(o.device).synchronize();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    seconds[k] = best;
+  }
+  world.control->all_reduce(seconds, zeroshard::ReduceOp::kSum)->wait();
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const int k = b == 0 ? 0 : b + 1 == blocks.size() ? 3 : static_cast<int64_t>(b) <= c.encoder_layers ? 1 : 2;
+    blocks[b].params = std::max<int64_t>(1, static_cast<int64_t>(1e6 * seconds[k].item<double>() / world.control->size()));
+  }
+  return blocks;
+}
+
+Partition make_partition(const BartConfig& c, const PipelineOptions& o, const zeroshard::ProcessGroup& world,
+                         std::vector<Block>* timed) {
+  const std::string& how = o.partition;
+  const int stages = o.pp * o.chunks;
   const auto blocks = bart_blocks(c);
   TORCH_CHECK_VALUE(stages <= static_cast<int>(blocks.size()), "--pp x chunks = ", stages, " stages, but BART ",
                     "has ", blocks.size(), " blocks (E, ", c.encoder_layers, " e, ", c.decoder_layers,
                     " d, L): use fewer stages");
   if (how == "uniform") return partition_uniform(blocks, stages);
   if (how == "balanced") return partition_balanced(blocks, stages);
+  if (how == "timed") {
+    *timed = timed_blocks(c, o, world);
+    return partition_balanced(*timed, stages);
+  }
   Partition p = partition_by_layout(blocks, how);
   TORCH_CHECK_VALUE(static_cast<int>(p.stages.size()) == stages, "--partition '", how, "' has ", p.stages.size(),
                     " stages; the pipeline has ", stages, " (--pp x chunks); give one '|'-separated group per stage");
@@ -32,6 +98,7 @@ struct PipelinedBart::Impl {
   std::unique_ptr<PipelineGrid> grid;
   Partition partition;
   std::vector<Stage> stages;
+  std::vector<Block> timed;  // --partition timed: the blocks with their measured costs
   std::map<int, BartStage> by_index;
   std::unique_ptr<PipelineExecutor> train;
   std::map<int, std::unique_ptr<PipelineExecutor>> eval;  // by microbatch count
@@ -78,7 +145,7 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
                     "gpipe and 1f1b one");
   TORCH_CHECK_VALUE(o.zero_stage >= 1 && o.zero_stage <= 3, "ZeRO stage ", o.zero_stage, ": 1, 2 or 3");
   const int total = o.pp * o.chunks;
-  I.partition = make_partition(config, o.partition, total);
+  I.partition = make_partition(config, o, world, &I.timed);
   GridOptions go;
   go.stages = o.pp;
   go.ties = {{0, o.pp - 1}};  // the embedding (stage 0, on rank 0) and the head's copy (the last, on rank pp-1)
@@ -87,6 +154,7 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
   lo.unshard = o.zero_stage == 3 && o.unshard_per_step;
   ExecutorOptions eo;
   eo.max_grad_norm = o.max_grad_norm;
+  eo.memory_probe = o.memory_probe;
   I.train = std::make_unique<PipelineExecutor>(*I.grid, make_schedule(kind, o.pp, o.micro_batches, o.chunks, lo),
                                                I.functions(), eo);
   for (int s = I.grid->stage(); s < total; s += o.pp) {
@@ -153,6 +221,7 @@ double PipelinedBart::evaluate(std::vector<Microbatch> micro, const std::vector<
 const BartConfig& PipelinedBart::config() const { return impl_->config; }
 const PipelineGrid& PipelinedBart::grid() const { return *impl_->grid; }
 const Partition& PipelinedBart::partition() const { return impl_->partition; }
+const std::vector<Block>& PipelinedBart::timed_blocks() const { return impl_->timed; }
 const Schedule& PipelinedBart::schedule() const { return impl_->train->schedule(); }
 const std::vector<PipelinedBart::Stage>& PipelinedBart::stages() const { return impl_->stages; }
 

@@ -18,6 +18,7 @@
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/pipeline_executor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,7 +31,11 @@ struct PipelineOptions {
   std::string schedule = "1f1b";       // gpipe, 1f1b or interleaved-1f1b
   int chunks = 1;                      // stages per pipeline rank: 1, or >= 2 with interleaved-1f1b
   int micro_batches = 4;               // per step and data-parallel rank
-  std::string partition = "uniform";   // uniform, balanced (parameters), or a layout over "E e d L"
+  // uniform, balanced (by parameters), timed (by the measured forward +
+  // backward time of each kind of block on a timing_rows x timing_length
+  // microbatch), or a layout over "E e d L"
+  std::string partition = "uniform";
+  int64_t timing_rows = 2, timing_length = 64;
   int zero_stage = 2;                  // inside each stage, over its data-parallel group
   bool unshard_per_step = true;        // ZeRO-3: gather each stage once per step (false: per pass)
   torch::optim::AdamWOptions adamw{1e-3};
@@ -38,6 +43,7 @@ struct PipelineOptions {
   torch::ScalarType dtype = torch::kFloat;
   torch::Device device = torch::kCPU;
   uint64_t seed = 1;                   // parameter initialisation (init_bart_parameters)
+  std::function<int64_t()> memory_probe;  // ExecutorOptions::memory_probe
 };
 
 // A microbatch of this data-parallel rank, as every stage rebuilds it.
@@ -69,6 +75,9 @@ class PipelinedBart {
   const BartConfig& config() const;
   const zeroshard::pipeline::PipelineGrid& grid() const;
   const zeroshard::pipeline::Partition& partition() const;
+  // partition "timed": every block with its measured cost in microseconds (in
+  // Block::params); else empty.
+  const std::vector<zeroshard::pipeline::Block>& timed_blocks() const;
   const zeroshard::pipeline::Schedule& schedule() const;
   // This rank's stages (pipeline stage index, module, optimizer), ascending.
   struct Stage {

@@ -61,8 +61,8 @@ int bart_pretrain_main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--chunks", o.chunks, "interleaved-1f1b: stages per pipeline rank (2 or more)")->capture_default_str();
   app.add_option("--partition", o.partition,
-                 "blocks per stage: uniform, balanced (by parameters), or a layout of the blocks E e d L, "
-                 "e.g. 'E e*6 | e*6 d*2 | d*10 L'")
+                 "blocks per stage: uniform, balanced (by parameters), timed (by each kind of block's measured "
+                 "forward + backward time), or a layout of the blocks E e d L, e.g. 'E e*6 | e*6 d*2 | d*10 L'")
       ->capture_default_str();
   app.add_option("--max-steps", o.max_steps, "optimizer steps of the whole run")->capture_default_str();
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();

@@ -237,6 +237,8 @@ int run_pretraining(const RunOptions& o) {
     po.chunks = o.chunks;
     po.micro_batches = static_cast<int>(o.micro_batches);
     po.partition = o.partition;
+    po.timing_rows = local_batch / o.micro_batches;  // a microbatch's sequences, at the longest
+    po.timing_length = o.max_tokens;
     po.zero_stage = o.stage;
     po.adamw = adamw;
     po.max_grad_norm = o.max_grad_norm;
@@ -337,6 +339,13 @@ int run_pretraining(const RunOptions& o) {
                           " data-parallel ranks, schedule " + o.schedule_pp +
                           (o.chunks > 1 ? " (" + std::to_string(o.chunks) + " stages per rank)" : std::string()) +
                           ", blocks '" + zeroshard::pipeline::to_layout(bart_blocks(config), pipe->partition()) + "'");
+      if (!pipe->timed_blocks().empty()) {
+        const auto& t = pipe->timed_blocks();
+        zeroshard::log_info("pipeline: blocks timed forward + backward (us): E " + std::to_string(t.front().params) +
+                            ", e " + std::to_string(t[1].params) + ", d " +
+                            std::to_string(t[static_cast<size_t>(1 + config.encoder_layers)].params) + ", L " +
+                            std::to_string(t.back().params));
+      }
     }
   }
   auto evaluate = [&](int64_t at) {

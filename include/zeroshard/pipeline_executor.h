@@ -107,6 +107,10 @@ struct StepResult {
   int64_t peak_memory_bytes = 0;
   double compute_seconds = 0;
   double step_seconds = 0;
+  // From the step's start to the end of this rank's last F or B: over a
+  // pipeline group started together, 1 − Σ compute / (pp · the largest) is
+  // the schedule's bubble as it ran (the reductions and update after it excluded).
+  double passes_seconds = 0;
 };
 
 class PipelineExecutor {

@@ -64,6 +64,7 @@ struct PipelineExecutor::Impl {
   double loss_sum = 0;
   int peak_in_flight = 0;
   int64_t memory_base = 0, memory_peak = 0;  // ExecutorOptions::memory_probe's, this step
+  std::chrono::steady_clock::time_point step_start, passes_end;
   double compute_seconds = 0;                           // in F and B, from their data's arrival
   std::chrono::steady_clock::time_point pass_start;     // of the current F or B, its data arrived
 
@@ -299,6 +300,7 @@ struct PipelineExecutor::Impl {
     peak_in_flight = 0;
     memory_peak = 0;
     if (options.memory_probe) memory_base = options.memory_probe();
+    step_start = passes_end = std::chrono::steady_clock::now();
     compute_seconds = 0;
     sumsq = 0;
     sync_ties();
@@ -329,7 +331,8 @@ struct PipelineExecutor::Impl {
         TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ", e.what());
       }
       if (pass) {  // the pass itself, not the wait for its input
-        compute_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - pass_start).count();
+        passes_end = std::chrono::steady_clock::now();
+        compute_seconds += std::chrono::duration<double>(passes_end - pass_start).count();
         if (trace::enabled()) trace::record(to_string(a), "compute", pass_start);
       }
     }
@@ -358,6 +361,7 @@ struct PipelineExecutor::Impl {
     StepResult r;
     r.peak_in_flight = peak_in_flight;
     r.peak_memory_bytes = memory_peak;
+    r.passes_seconds = std::chrono::duration<double>(passes_end - step_start).count();
     r.compute_seconds = compute_seconds;
     r.loss = v[1] / grid.dp();
     r.finite = v[2] == 0;

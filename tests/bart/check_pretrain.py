@@ -11,7 +11,7 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
   bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): the first step's loss within bf16
                rounding of fp32's, both stages agree, and the loss falls
-  pipeline     --pp: pp x dp runs (every schedule, ZeRO-1/2/3, uniform and balanced partitions) take the
+  pipeline     --pp: pp x dp runs (every schedule, ZeRO-1/2/3, uniform, balanced, timed partitions) take the
                unpipelined run's steps at the same dp, losses and validation losses within 1e-6
                relative; a SIGTERM stops every stage after the same step and the restart resumes
                bit-exact; the pipelined checkpoint resumes without a pipeline; metrics carry the bubble,
@@ -225,7 +225,7 @@ def check_pipeline(build, work):
     train("pp2_gpipe", 4, "--pp", "2", "--schedule-pp", "gpipe", "--stage", "1", "--partition", "balanced",
           "--ckpt-dir", "none")
     train("pp2_interleaved", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2", "--stage", "2",
-          "--ckpt-dir", "none")
+          "--partition", "timed", "--ckpt-dir", "none")
     train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
     train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
     for base, runs in (("flat2", ("pp2_1f1b", "pp2_gpipe", "pp2_interleaved")), ("flat1", ("pp4",))):
