@@ -62,4 +62,110 @@ std::optional<TrainingProgress> Checkpointer::load(ShardedOptimizer& opt, torch:
                      });
 }
 
+namespace {
+
+// Every part's optimizer state as one: parameters, steps and flags
+// concatenated, the buckets' parameter indices shifted past the parts before.
+ShardedState merged_state(const std::vector<Checkpointer::Part>& parts, std::vector<size_t>* params_per_part,
+                          std::vector<size_t>* buckets_per_part) {
+  ShardedState out;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TORCH_CHECK_VALUE(parts[i].optimizer != nullptr && parts[i].model != nullptr, "checkpoint: part ", i,
+                      " has no optimizer or no module");
+    ShardedState s = parts[i].optimizer->sharded_state();
+    if (i == 0) {
+      out.rank = s.rank;
+      out.world_size = s.world_size;
+      out.zero_stage = s.zero_stage;
+      out.loss_scale = s.loss_scale;
+      out.loss_scale_clean_steps = s.loss_scale_clean_steps;
+    }
+    TORCH_CHECK_VALUE(s.rank == out.rank && s.world_size == out.world_size && s.zero_stage == out.zero_stage,
+                      "checkpoint: part ", i, "'s optimizer is rank ", s.rank, " of ", s.world_size, " at ZeRO stage ",
+                      s.zero_stage, ", part 0's rank ", out.rank, " of ", out.world_size, " at ZeRO stage ",
+                      out.zero_stage, "; a rank's stages shard over one group at one ZeRO stage");
+    const size_t offset = out.params.size();
+    for (auto& b : s.buckets) {
+      for (auto& p : b.params) p += offset;
+      out.buckets.push_back(std::move(b));
+    }
+    out.params.insert(out.params.end(), s.params.begin(), s.params.end());
+    out.param_tensors.insert(out.param_tensors.end(), s.param_tensors.begin(), s.param_tensors.end());
+    out.param_steps.insert(out.param_steps.end(), s.param_steps.begin(), s.param_steps.end());
+    out.had_grad.insert(out.had_grad.end(), s.had_grad.begin(), s.had_grad.end());
+    out.local_gradients_pending = out.local_gradients_pending || s.local_gradients_pending;
+    params_per_part->push_back(s.params.size());
+    buckets_per_part->push_back(s.buckets.size());
+  }
+  return out;
+}
+
+// One module presenting every part's parameters and buffers under their own
+// names: the same tensors, registered along their dotted paths.
+std::shared_ptr<torch::nn::Module> merged_module(const std::vector<Checkpointer::Part>& parts) {
+  auto root = std::make_shared<torch::nn::Module>();
+  auto place = [&](const std::string& name, const at::Tensor& t, bool buffer) {
+    torch::nn::Module* m = root.get();
+    size_t from = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; from = dot + 1, dot = name.find('.', from)) {
+      const std::string key = name.substr(from, dot - from);
+      const auto children = m->named_children();
+      const auto* child = children.find(key);
+      m = child != nullptr ? child->get() : m->register_module(key, std::make_shared<torch::nn::Module>()).get();
+    }
+    const std::string leaf = name.substr(from);
+    TORCH_CHECK_VALUE(m->named_parameters(false).find(leaf) == nullptr && m->named_buffers(false).find(leaf) == nullptr,
+                      "checkpoint: two stages on this rank both hold '", name, "'; a rank's stages must hold "
+                      "different tensors");
+    if (buffer) {
+      m->register_buffer(leaf, t);
+    } else {
+      m->register_parameter(leaf, t, t.requires_grad());
+    }
+  };
+  for (const auto& part : parts) {
+    for (const auto& item : part.model->named_parameters()) place(item.key(), item.value(), false);
+    for (const auto& item : part.model->named_buffers()) place(item.key(), item.value(), true);
+  }
+  return root;
+}
+
+}  // namespace
+
+std::string Checkpointer::save(const std::vector<Part>& parts, const TrainingProgress& progress) {
+  TORCH_CHECK_VALUE(!parts.empty(), "checkpoint: save() with no parts");
+  if (parts.size() == 1) return save(*parts[0].optimizer, *parts[0].model, progress);
+  std::vector<size_t> params, buckets;
+  const ShardedState state = merged_state(parts, &params, &buckets);
+  const auto model = merged_module(parts);
+  return impl_->save(state, *model, progress, [&parts](std::function<void()> fn) {
+    for (const auto& p : parts) p.optimizer->call_before_next_update(fn);  // the first update waits; the rest find it done
+  });
+}
+
+std::optional<TrainingProgress> Checkpointer::load(const std::vector<Part>& parts, std::optional<int64_t> step) {
+  TORCH_CHECK_VALUE(!parts.empty(), "checkpoint: load() with no parts");
+  if (parts.size() == 1) return load(*parts[0].optimizer, *parts[0].model, step);
+  std::vector<size_t> params, buckets;
+  const ShardedState state = merged_state(parts, &params, &buckets);
+  const auto model = merged_module(parts);
+  return impl_->load(state, *model, step,
+                     [&](const std::vector<int64_t>& s, double scale, int64_t clean, const std::vector<at::Tensor>& grads,
+                         const std::vector<char>& had) {
+                       size_t p0 = 0, b0 = 0;
+                       for (size_t i = 0; i < parts.size(); ++i) {
+                         const auto p1 = p0 + params[i], b1 = b0 + buckets[i];
+                         const auto slice = [](const auto& v, size_t from, size_t to) {
+                           using V = std::decay_t<decltype(v)>;
+                           return v.empty() ? V{} : V(v.begin() + static_cast<std::ptrdiff_t>(from),
+                                                      v.begin() + static_cast<std::ptrdiff_t>(to));
+                         };
+                         parts[i].optimizer->restore_sharded_state(slice(s, p0, p1), scale, clean, slice(grads, b0, b1),
+                                                                   slice(had, p0, p1));
+                         p0 = p1;
+                         b0 = b1;
+                       }
+                     });
+}
+
 }  // namespace zeroshard

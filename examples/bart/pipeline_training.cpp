@@ -235,13 +235,16 @@ int64_t PipelinedBart::bytes_sent() const {
 }
 
 zeroshard::CheckpointOptions PipelinedBart::checkpoint_options(zeroshard::CheckpointOptions base) const {
-  TORCH_CHECK_VALUE(impl_->options.chunks == 1, "checkpoints of interleaved pipelines (", impl_->options.chunks,
-                    " stages per rank) are not supported: train with gpipe or 1f1b, whose checkpoints load at any "
-                    "pp, dp and ZeRO stage, or run with --ckpt-dir none");
   base.pp_stages = impl_->options.pp;
   base.pp_stage = impl_->grid->stage();
   base.saved_names["lm_head.weight"] = "model.shared.weight";
   return base;
+}
+
+std::vector<zeroshard::Checkpointer::Part> PipelinedBart::checkpoint_parts() const {
+  std::vector<zeroshard::Checkpointer::Part> parts;
+  for (const auto& st : impl_->stages) parts.push_back({st.optimizer.get(), st.module.ptr().get()});
+  return parts;
 }
 
 }  // namespace bart

@@ -91,9 +91,11 @@ class PipelinedBart {
   // tied parameter's reductions) since construction; the optimizers count
   // their own.
   int64_t bytes_sent() const;
-  // A Checkpointer's options for this rank's stage. REQUIRES: chunks == 1
-  // (one stage, one optimizer per rank).
+  // A Checkpointer's options for this rank (pp_stages: the pipeline's ranks,
+  // pp_stage: this one; the head's copy of the embedding saved as
+  // model.shared.weight), and what it saves: every stage of this rank.
   zeroshard::CheckpointOptions checkpoint_options(zeroshard::CheckpointOptions base = {}) const;
+  std::vector<zeroshard::Checkpointer::Part> checkpoint_parts() const;
 
  private:
   struct Impl;

@@ -229,7 +229,7 @@ int run_pretraining(const RunOptions& o) {
   BartForConditionalGeneration model{nullptr};  // without a pipeline
   std::unique_ptr<PipelinedBart> pipe;          // with one: this rank's stages
   std::vector<std::shared_ptr<zeroshard::ShardedOptimizer>> opts;  // every optimizer of this rank
-  torch::nn::Module* saved_module = nullptr;    // what checkpoints save with opts[0]
+  torch::nn::Module* saved_module = nullptr;    // without a pipeline: the model checkpoints save
   if (o.pp > 1) {
     PipelineOptions po;
     po.pp = o.pp;
@@ -249,7 +249,6 @@ int run_pretraining(const RunOptions& o) {
     for (const auto& b : bart_blocks(config)) numel += b.params;
     numel -= config.vocab_size * config.d_model;  // the head's copy of the embedding is the embedding
     for (const auto& st : pipe->stages()) opts.push_back(st.optimizer);
-    saved_module = pipe->stages().front().module.ptr().get();
   } else {
     torch::manual_seed(o.seed);
     model = BartForConditionalGeneration(config);
@@ -265,6 +264,9 @@ int run_pretraining(const RunOptions& o) {
     saved_module = model.get();
   }
   zeroshard::ShardedOptimizer* opt = opts.front().get();
+  // What checkpoints save: every stage of this rank, or the whole model.
+  const std::vector<zeroshard::Checkpointer::Part> parts =
+      pipe ? pipe->checkpoint_parts() : std::vector<zeroshard::Checkpointer::Part>{{opt, saved_module}};
   // Everything this rank sent: the optimizers' communicators, and the pipeline's sends.
   const auto bytes_sent = [&] {
     int64_t b = pipe ? pipe->bytes_sent() : 0;
@@ -303,7 +305,7 @@ int run_pretraining(const RunOptions& o) {
     co.async = o.async_save;
     ckpt = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm, pipe ? pipe->checkpoint_options(co) : co);
     const auto t0 = Clock::now();
-    if (auto progress = ckpt->load(*opt, *saved_module)) {
+    if (auto progress = ckpt->load(parts)) {
       step = progress->step;
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
@@ -371,7 +373,7 @@ int run_pretraining(const RunOptions& o) {
     json extra = record.to_json(sampler);
     extra["bytes_sent"] = record.bytes_sent + static_cast<int64_t>(all_sum(*comm, static_cast<double>(bytes_sent())));
     p.extra_json = extra.dump();
-    ckpt->save(*opt, *saved_module, p);
+    ckpt->save(parts, p);
     const double stall = since(t0);
     record.checkpoint_stall_s += stall;
     metrics.write_event("checkpoint", at, json{{"reason", why}, {"stall_s", stall}, {"async", o.async_save}}.dump());

@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace zeroshard {
 
@@ -104,6 +105,19 @@ class Checkpointer {
   // directory holds none. Collective.
   std::optional<TrainingProgress> load(ShardedOptimizer& opt, torch::nn::Module& model,
                                        std::optional<int64_t> step = std::nullopt);
+
+  // A rank holding several pipeline stages (interleaved schedules): each
+  // stage's optimizer and module, saved and loaded together as this rank's
+  // part of the checkpoint. CheckpointOptions::pp_stages and pp_stage then
+  // count the pipeline's ranks, and every part's optimizer shards over the
+  // same group. The stages' tensor names must not collide (the whole model's
+  // names, as BART's stages have). Otherwise as save() and load() above.
+  struct Part {
+    ShardedOptimizer* optimizer = nullptr;
+    torch::nn::Module* model = nullptr;
+  };
+  std::string save(const std::vector<Part>& parts, const TrainingProgress& progress);
+  std::optional<TrainingProgress> load(const std::vector<Part>& parts, std::optional<int64_t> step = std::nullopt);
 
   // Blocks until a background save is committed; rethrows its error. Collective
   // in effect (the save it waits for is).

@@ -1,7 +1,9 @@
 // Checkpoints of pipelined BART: saved at one (pipeline stages, data-parallel
 // size, ZeRO stage), loaded at every (pp, dp, ZeRO) of {1, 2, 4}² × {1, 2, 3}
-// (pp = 1: the whole model), the masters and AdamW moments each rank holds
-// after the load are bit-identical to the saved ones.
+// (pp = 1: the whole model) and as interleaved stages (two per rank), the
+// masters and AdamW moments each rank holds after the load are bit-identical
+// to the saved ones. Saved pipelined (pp 4 x dp 2, ZeRO-3), interleaved
+// (pp 2 x dp 2, two stages per rank, ZeRO-2) and unpipelined (dp 2, ZeRO-1).
 //
 // The ranks are threads of one process (up to 16), so the oracle is plain
 // memory: every saving rank copies its shards of every parameter's master and
@@ -33,8 +35,10 @@ const auto kAdamW = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);
 
 struct Shape {
   int pp, dp, zero;
+  int chunks = 1;  // stages per pipeline rank (interleaved 1F1B when 2 or more)
   std::string str() const {
-    return "pp=" + std::to_string(pp) + " dp=" + std::to_string(dp) + " ZeRO-" + std::to_string(zero);
+    return "pp=" + std::to_string(pp) + " dp=" + std::to_string(dp) + " ZeRO-" + std::to_string(zero) +
+           (chunks > 1 ? " v=" + std::to_string(chunks) : "");
   }
 };
 
@@ -66,7 +70,8 @@ struct RankRun {
     if (shape.pp > 1) {
       PipelineOptions o;
       o.pp = shape.pp;
-      o.schedule = "gpipe";
+      o.schedule = shape.chunks > 1 ? "interleaved-1f1b" : "gpipe";
+      o.chunks = shape.chunks;
       o.micro_batches = kMicrobatches;
       o.zero_stage = shape.zero;
       o.adamw = kAdamW;
@@ -84,8 +89,10 @@ struct RankRun {
     }
   }
   int dp_rank() const { return pipe ? pipe->grid().dp_rank() : comm->rank(); }
-  ShardedOptimizer& optimizer() { return pipe ? *pipe->stages().at(0).optimizer : *whole_opt; }
-  torch::nn::Module& module() { return pipe ? static_cast<torch::nn::Module&>(*pipe->stages().at(0).module.ptr()) : *whole; }
+  // What the checkpoint holds of this rank: every stage's optimizer and module.
+  std::vector<Checkpointer::Part> parts() const {
+    return pipe ? pipe->checkpoint_parts() : std::vector<Checkpointer::Part>{{whole_opt.get(), whole.ptr().get()}};
+  }
   CheckpointOptions options() const { return pipe ? pipe->checkpoint_options() : CheckpointOptions{}; }
 
   void train(int steps) {
@@ -119,13 +126,14 @@ struct Piece {
 };
 std::vector<Piece> pieces_of(RankRun& run) {
   const auto saved_names = run.options().saved_names;
+  std::vector<Piece> out;
+  for (const auto& part : run.parts()) {
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
-  for (const auto& item : run.module().named_parameters()) {
+  for (const auto& item : part.model->named_parameters()) {
     const auto alias = saved_names.find(item.key());
     name_of[item.value().unsafeGetTensorImpl()] = alias == saved_names.end() ? item.key() : alias->second;
   }
-  const ShardedState state = run.optimizer().sharded_state();
-  std::vector<Piece> out;
+  const ShardedState state = part.optimizer->sharded_state();
   for (const auto& b : state.buckets) {
     for (const auto& seg : shard_segments(b.layout, state.rank)) {
       const Range local = seg.local(b.layout, state.rank);
@@ -134,6 +142,7 @@ std::vector<Piece> pieces_of(RankRun& run) {
       out.push_back({name_of.at(state.param_tensors.at(i).unsafeGetTensorImpl()), state.params.at(i).numel(),
                      seg.param_offset, slice(b.master), slice(b.exp_avg), slice(b.exp_avg_sq)});
     }
+  }
   }
   return out;
 }
@@ -180,7 +189,7 @@ void expect_loads_everywhere(const Shape& from) {
     Checkpointer ckpt(dir, run.comm, run.options());
     TrainingProgress progress;
     progress.step = kSaveAt;
-    ckpt.save(run.optimizer(), run.module(), progress);
+    ckpt.save(run.parts(), progress);
   });
   ASSERT_EQ(save_error, "") << "saving at " << from.str();
   int64_t elements = 0;
@@ -189,15 +198,21 @@ void expect_loads_everywhere(const Shape& from) {
     elements += f[0].numel();
   }
   EXPECT_EQ(saved.full.count("lm_head.weight"), 0u) << "the head's copy is saved under the embedding's name";
+  std::vector<Shape> shapes;
   for (int pp : {1, 2, 4}) {
     for (int dp : {1, 2, 4}) {
-      for (int zero : {1, 2, 3}) {
-        const Shape to{pp, dp, zero};
+      for (int zero : {1, 2, 3}) shapes.push_back({pp, dp, zero});
+    }
+  }
+  for (int zero : {1, 3}) shapes.push_back({2, 2, zero, /*chunks=*/2});  // two stages per rank
+  {
+    {
+      for (const Shape& to : shapes) {
         std::mutex mu;
         int64_t compared = 0;
         const std::string error = on_ranks(to, [&](RankRun& run) {
           Checkpointer ckpt(dir, run.comm, run.options());
-          const auto progress = ckpt.load(run.optimizer(), run.module());
+          const auto progress = ckpt.load(run.parts());
           TORCH_CHECK(progress && progress->step == kSaveAt, "no checkpoint of step ", kSaveAt, " loaded");
           for (const auto& p : pieces_of(run)) {
             const auto& f = saved.full.at(p.name);
@@ -211,14 +226,16 @@ void expect_loads_everywhere(const Shape& from) {
             std::lock_guard<std::mutex> lock(mu);
             compared += n;
           }
-          for (int64_t s : run.optimizer().sharded_state().param_steps) {
-            TORCH_CHECK(s == kSaveAt, "a parameter's AdamW step is ", s, " after the load, not ", kSaveAt);
+          for (const auto& part : run.parts()) {
+            for (int64_t s : part.optimizer->sharded_state().param_steps) {
+              TORCH_CHECK(s == kSaveAt, "a parameter's AdamW step is ", s, " after the load, not ", kSaveAt);
+            }
           }
         });
         EXPECT_EQ(error, "") << "saved at " << from.str() << ", loaded at " << to.str();
         // Every element once per stage holding it: the tied embedding twice when pipelined.
         const int64_t tied = saved.full.at("model.shared.weight")[0].numel();
-        EXPECT_EQ(compared, elements + (pp > 1 ? tied : 0)) << "loaded at " << to.str();
+        EXPECT_EQ(compared, elements + (to.pp > 1 ? tied : 0)) << "loaded at " << to.str();
       }
     }
   }
@@ -228,6 +245,11 @@ void expect_loads_everywhere(const Shape& from) {
 TEST(BartPipelineCheckpoint, SavedPipelinedLoadsBitExactAtEveryShape) {
   if (zeroshard::testing::world().size() != 1) GTEST_SKIP() << "runs its ranks as threads, once";
   expect_loads_everywhere({4, 2, 3});
+}
+
+TEST(BartPipelineCheckpoint, SavedInterleavedLoadsBitExactAtEveryShape) {
+  if (zeroshard::testing::world().size() != 1) GTEST_SKIP() << "runs its ranks as threads, once";
+  expect_loads_everywhere({2, 2, 2, /*chunks=*/2});
 }
 
 TEST(BartPipelineCheckpoint, SavedUnpipelinedLoadsBitExactAtEveryShape) {
