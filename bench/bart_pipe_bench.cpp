@@ -45,14 +45,14 @@ int64_t grad_bytes(const std::vector<torch::Tensor>& params) {
 struct StepSample {
   double step = 0, compute = 0, passes = 0;
   int in_flight = 0;
-  int64_t memory = 0;
+  int64_t memory = 0, bytes = 0;
 };
 
 }  // namespace bart_pipe_bench
 
 int bart_pipe_bench_main(int argc, char** argv) {
   using namespace bart_pipe_bench;
-  std::string config = "tiny", schedule = "1f1b", partition = "timed";
+  std::string config = "tiny", schedule = "1f1b", partition = "timed", gather = "step";
   int pp = 2, chunks = 1, zero = 1;
   int64_t global_batch = 16, micro_rows = 2, src_len = 64, tgt_len = 64, steps = 4, warmup = 1;
   CLI::App app{"bart_pipe_bench: BART as pipeline stages (pp x dp) or ZeRO-3 over every rank"};
@@ -61,6 +61,9 @@ int bart_pipe_bench_main(int argc, char** argv) {
   app.add_option("--chunks", chunks, "interleaved-1f1b: stages per rank")->capture_default_str();
   app.add_option("--partition", partition, "uniform, balanced, timed or a layout")->capture_default_str();
   app.add_option("--zero", zero, "ZeRO stage inside each pipeline stage")->capture_default_str();
+  app.add_option("--gather", gather, "ZeRO-3 stages: gather once per step (step) or per pass (pass)")
+      ->check(CLI::IsMember({"step", "pass"}))
+      ->capture_default_str();
   app.add_option("--config", config, "tiny, base, large or a config.json")->capture_default_str();
   app.add_option("--global-batch", global_batch, "sequences per step, all ranks")->capture_default_str();
   app.add_option("--micro-rows", micro_rows, "sequences per microbatch")->capture_default_str();
@@ -96,6 +99,7 @@ int bart_pipe_bench_main(int argc, char** argv) {
     o.micro_batches = m;
     o.partition = partition;
     o.zero_stage = zero;
+    o.unshard_per_step = gather == "step";
     o.adamw = adamw;
     o.memory_probe = probe;
     o.timing_rows = micro_rows;
@@ -114,6 +118,14 @@ int bart_pipe_bench_main(int argc, char** argv) {
     opt = std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(whole, comm), adamw);
   }
   const int d = pipe ? pipe->grid().dp_rank() : rank;
+  // Everything this rank sent: the optimizers' communicators, and between stages.
+  const auto bytes_sent = [&] {
+    int64_t b = pipe ? pipe->bytes_sent() : opt->stats().traffic.total().bytes_sent;
+    if (pipe) {
+      for (const auto& st : pipe->stages()) b += st.optimizer->stats().traffic.total().bytes_sent;
+    }
+    return b;
+  };
   const double tokens = static_cast<double>(global_batch * tgt_len);
 
   std::vector<StepSample> samples;
@@ -129,6 +141,7 @@ int bart_pipe_bench_main(int argc, char** argv) {
     }
     comm->barrier();  // every rank starts the step together
     const auto t0 = Clock::now();
+    const int64_t bytes0 = bytes_sent();
     StepSample x;
     if (pipe) {
       const auto r = pipe->train_step(std::move(micro), tokens);
@@ -151,17 +164,19 @@ int bart_pipe_bench_main(int argc, char** argv) {
       x.passes = x.compute;
       x.in_flight = 1;
     }
+    x.bytes = bytes_sent() - bytes0;
     if (s >= warmup) samples.push_back(x);
   }
   // Per rank: the median step's numbers (by step time); then every rank's.
   std::sort(samples.begin(), samples.end(), [](const StepSample& a, const StepSample& b) { return a.step < b.step; });
   const StepSample& med = samples[samples.size() / 2];
   auto mine = torch::tensor({med.step, med.compute, med.passes, static_cast<double>(med.in_flight),
-                             static_cast<double>(med.memory)}, torch::kDouble);
-  auto all = torch::empty({5 * world}, torch::kDouble);
+                             static_cast<double>(med.memory), static_cast<double>(med.bytes)}, torch::kDouble);
+  auto all = torch::empty({6 * world}, torch::kDouble);
   comm->all_gather(all, mine)->wait();
   if (rank == 0) {
-    const auto a = all.view({world, 5});
+    const auto a = all.view({world, 6});
+    const double mb_sent = a.select(1, 5).max().item<double>() / 1e6;
     const double step_s = a.select(1, 0).max().item<double>();
     // The bubble over data-parallel index 0's pipeline (ranks 0, dp, 2·dp, ...).
     double busy = 0, span = 0;
@@ -184,13 +199,14 @@ int bart_pipe_bench_main(int argc, char** argv) {
     for (int s = 0; s < pp; ++s) slowest = std::max(slowest, a[s * dp][1].item<double>());
     const double vm = static_cast<double>(chunks * m);
     const double uneven = pp > 1 ? 1 - (busy / pp) / (slowest * (vm + pp - 1) / vm) : 0;
-    std::printf("ROW | %s | %d x %d | %s | %d | %.1fM | %.2f | %.0f | %s | %.3f | %.3f | %.3f | %s | %s |\n",
+    std::printf("ROW | %s | %d x %d | %s | %d | %.1fM | %.2f | %.0f | %.1f | %s | %.3f | %.3f | %.3f | %s | %s |\n",
                 pp > 1 ? "pipeline" : "ZeRO-3", pp, dp,
                 pp > 1 ? (schedule + (chunks > 1 ? " v=" + std::to_string(chunks) : "") + ", ZeRO-" +
-                          std::to_string(zero) + ", " + partition + " '" +
+                          std::to_string(zero) + (zero == 3 ? " gathered per " + gather : std::string()) + ", " +
+                          partition + " '" +
                           zeroshard::pipeline::to_layout(bart::bart_blocks(cfg), pipe->partition()) + "'").c_str()
                        : "accumulation",
-                m, numel / 1e6, step_s, tokens / step_s, busy_of.str().c_str(), bubble, formula, uneven,
+                m, numel / 1e6, step_s, tokens / step_s, mb_sent, busy_of.str().c_str(), bubble, formula, uneven,
                 in_flight.str().c_str(),
                 memory.str().c_str());
   }

@@ -21,8 +21,8 @@ row() {
   "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/bench/bart_pipe_bench" --config "$config" --steps 6 "$@" 2>&1 |
     sed -n 's/^\[rank0\]: ROW //p'
 }
-echo "| model | pp x dp | schedule | microbatches per dp rank | parameters | step s (median, slowest rank) | target tokens/s | F + B s per stage | bubble as it ran | formula | formula with the stages' F + B | in flight per stage | MiB they held per stage |"
-echo "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|---|"
+echo "| model | pp x dp | schedule | microbatches per dp rank | parameters | step s (median, slowest rank) | target tokens/s | MB sent per step (busiest rank) | F + B s per stage | bubble as it ran | formula | formula with the stages' F + B | in flight per stage | MiB they held per stage |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"
 row --pp 1 "$@"
 for pp in 2 4; do
   (( nproc % pp == 0 )) || continue
@@ -31,3 +31,7 @@ for pp in 2 4; do
   row --pp "$pp" --schedule 1f1b --partition balanced "$@"
 done
 (( nproc % 2 == 0 )) && row --pp 2 --schedule interleaved-1f1b --chunks 2 "$@"
+if (( nproc >= 4 && nproc % 2 == 0 )); then  # ZeRO-3 inside the stages: gathered once per step, or per pass
+  row --pp 2 --schedule 1f1b --zero 3 --gather step "$@"
+  row --pp 2 --schedule 1f1b --zero 3 --gather pass "$@"
+fi

@@ -59,6 +59,11 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--schedule-pp", o.schedule_pp, "pipeline schedule: gpipe, 1f1b, or interleaved-1f1b (with --chunks)")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b"}))
       ->capture_default_str();
+  app.add_option("--pp-gather", o.pp_gather,
+                 "with --stage 3: gather each stage's parameters once per step (step; memory for speed) or for "
+                 "every forward and backward pass (pass)")
+      ->check(CLI::IsMember({"step", "pass"}))
+      ->capture_default_str();
   app.add_option("--chunks", o.chunks, "interleaved-1f1b: stages per pipeline rank (2 or more)")->capture_default_str();
   app.add_option("--partition", o.partition,
                  "blocks per stage: uniform, balanced (by parameters), timed (by each kind of block's measured "

@@ -240,6 +240,7 @@ int run_pretraining(const RunOptions& o) {
     po.timing_rows = local_batch / o.micro_batches;  // a microbatch's sequences, at the longest
     po.timing_length = o.max_tokens;
     po.zero_stage = o.stage;
+    po.unshard_per_step = o.pp_gather == "step";
     po.adamw = adamw;
     po.max_grad_norm = o.max_grad_norm;
     po.dtype = dtype;

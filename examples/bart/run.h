@@ -21,7 +21,8 @@ struct RunOptions {
   int pp = 1;                          // pipeline stages; 1: the whole model on every rank
   std::string schedule_pp = "1f1b";    // gpipe, 1f1b, interleaved-1f1b
   int chunks = 1;                      // interleaved-1f1b: stages per pipeline rank
-  std::string partition = "uniform";   // uniform, balanced, or a layout string
+  std::string partition = "uniform";   // uniform, balanced, timed, or a layout string
+  std::string pp_gather = "step";      // ZeRO-3 stages: gather once per step, or per pass
   int64_t max_steps = 300;
   double lr = 1e-3;
   std::string schedule = "inverse-sqrt";

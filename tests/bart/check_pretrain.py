@@ -222,13 +222,15 @@ def check_pipeline(build, work):
     # The same data parallelism, so the same microbatches and dropout keys: dp 2, then dp 1.
     train("flat2", 2, "--stage", "2")
     train("pp2_1f1b", 4, "--pp", "2", "--stage", "3", "--trace")
+    train("pp2_1f1b_gather_per_pass", 4, "--pp", "2", "--stage", "3", "--pp-gather", "pass", "--ckpt-dir", "none")
     train("pp2_gpipe", 4, "--pp", "2", "--schedule-pp", "gpipe", "--stage", "1", "--partition", "balanced",
           "--ckpt-dir", "none")
     train("pp2_interleaved", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2", "--stage", "2",
           "--partition", "timed")
     train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
     train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
-    for base, runs in (("flat2", ("pp2_1f1b", "pp2_gpipe", "pp2_interleaved")), ("flat1", ("pp4",))):
+    for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_gpipe", "pp2_interleaved")),
+                       ("flat1", ("pp4",))):
         for kind in ("loss", "val_loss"):
             want = losses(base, kind)
             assert len(want) == (12 if kind == "loss" else 3), (base, kind, want)
