@@ -50,6 +50,10 @@ struct RunOptions {
   std::string save_logits;
 };
 
+// Throws, naming the option, its value and what it may be, for any option out
+// of range, before a run does any work. run_pretraining calls it first.
+void check_options(const RunOptions& o);
+
 // `bart_pretrain train-tokenizer`: learns a vocabulary from o.data into out_dir.
 int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
 

@@ -45,7 +45,8 @@ def run(cmd, expect=0, env=None):
 def pretrain(build, run_dir, nproc, *args, launcher_args=(), expect=0, env_extra=None):
     exe = os.path.join(build, "examples", "bart_pretrain")
     data = [] if "--data" in args else ["--data", DATA]
-    base = [exe, *data, "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *args]
+    progress = [] if "--progress-interval" in args else ["--progress-interval", "1000"]
+    base = [exe, *data, "--run-dir", run_dir, "--no-plot", *progress, *args]
     env = dict(os.environ, ZS_LOG_LEVEL="warn", **(env_extra or {}))
     if nproc == 0:  # alone, without the launcher
         return run(base, expect, env)
@@ -317,11 +318,38 @@ def check_bad_input(build, work):
         (["--micro-batches", "3"], ["--micro-batches 3", "per-rank batch 16"]),
         (["--schedule", "linear-ish"], ["'linear-ish'", "inverse-sqrt or cosine"]),
     ]
+    # Every option out of range, named with its value and range before any work (no tokenizer trained).
+    cases += [
+        (["--lr", "-1"], ["--lr -1: must be a positive number"]),
+        (["--global-batch", "0"], ["--global-batch 0: must be at least 1"]),
+        (["--max-steps", "-5"], ["--max-steps -5: must be at least 1"]),
+        (["--vocab-size", "100"], ["--vocab-size 100: must be at least 262"]),
+        (["--max-tokens", "4"], ["--max-tokens 4: must be at least 8"]),
+        (["--validation-every", "1"], ["--validation-every 1: must be at least 2"]),
+        (["--micro-batches", "0"], ["--micro-batches 0: must be at least 1"]),
+        (["--warmup-steps", "-1"], ["--warmup-steps -1: must be 0 or more"]),
+        (["--min-lr-ratio", "2"], ["--min-lr-ratio 2: must be between 0 and 1"]),
+        (["--weight-decay", "-0.1"], ["--weight-decay -0.1: must be 0 or more"]),
+        (["--beta2", "1"], ["--beta2 1: must be between 0 and 1"]),
+        (["--max-grad-norm", "-1"], ["--max-grad-norm -1: must be 0"]),
+        (["--dropout", "1.5"], ["--dropout 1.5: must be in [0, 1)"]),
+        (["--save-every", "0"], ["--save-every 0: must be at least 1"]),
+        (["--keep", "1"], ["--keep 1: must be at least 2"]),
+        (["--eval-every", "-1"], ["--eval-every -1: must be 0"]),
+        (["--eval-batch", "0"], ["--eval-batch 0: must be at least 1"]),
+        (["--mask-ratio", "1"], ["--mask-ratio 1: must be in [0, 1)"]),
+        (["--poisson-lambda", "0"], ["--poisson-lambda 0: must be a positive number"]),
+        (["--progress-interval", "0"], ["--progress-interval 0: must be a positive number"]),
+        (["--chunks", "0"], ["--chunks 0: must be at least 1"]),
+    ]
     for args, needles in cases:
-        out = pretrain(build, d, 0, "--max-steps", "1", *args, expect=1)
+        shutil.rmtree(d, ignore_errors=True)
+        steps = [] if "--max-steps" in args else ["--max-steps", "1"]
+        out = pretrain(build, d, 0, *steps, *args, expect=1)
         for n in needles:
             assert n in out, f"{args}: '{n}' not in the error:\n{out}"
         assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
+        assert not os.path.exists(os.path.join(d, "tokenizer")), f"{args}: a tokenizer was trained before the error"
     out = pretrain(build, d, 3, "--global-batch", "16", expect=1)
     assert "--global-batch 16 must divide by the 3 data-parallel ranks" in out, out
     pipeline_cases = [
