@@ -52,6 +52,7 @@ int formula_peak(ScheduleKind kind, int p, int r, int m, int v) {
     case ScheduleKind::kGPipe: return m;
     case ScheduleKind::k1F1B: return std::min(p - r, m);
     case ScheduleKind::kInterleaved1F1B: return std::min(2 * (p - r - 1) + (v - 1) * p + 1, v * m);
+    case ScheduleKind::kForward: return 0;  // evaluation keeps nothing
   }
   return 0;
 }
