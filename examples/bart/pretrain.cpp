@@ -17,12 +17,59 @@
 // library's unity unit); main.cpp is the program.
 #include "run.h"
 
+#include "bart_model.h"
+
 #include <zeroshard/log.h>
+#include <zeroshard/lr_schedule.h>
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <exception>
+#include <filesystem>
+
+namespace bart {
+
+void check_options(const RunOptions& o) {
+  // "--name value: must be ..." for the first option out of range.
+  const auto need = [](bool ok, const char* name, const auto& value, const char* what) {
+    TORCH_CHECK_VALUE(ok, name, " ", value, ": must be ", what);
+  };
+  need(std::filesystem::is_directory(o.data), "--data", "'" + o.data + "'", "a directory of text files");
+  (void)BartConfig::named(o.config);  // names the config it cannot read
+  need(o.vocab_size >= 262 && o.vocab_size <= (int64_t{1} << 31), "--vocab-size", o.vocab_size,
+       "at least 262 (the 5 specials, 256 bytes and a merge) and below 2^31");
+  need(o.max_tokens >= 8, "--max-tokens", o.max_tokens, "at least 8 (bos, eos and some text)");
+  need(o.validation_every >= 2, "--validation-every", o.validation_every,
+       "at least 2 (every n-th example is held out)");
+  need(o.global_batch >= 1, "--global-batch", o.global_batch, "at least 1");
+  need(o.micro_batches >= 1, "--micro-batches", o.micro_batches, "at least 1");
+  need(o.max_steps >= 1, "--max-steps", o.max_steps, "at least 1");
+  need(std::isfinite(o.lr) && o.lr > 0, "--lr", o.lr, "a positive number (the peak learning rate)");
+  (void)zeroshard::LrSchedule::parse_kind(o.schedule);  // names the kinds
+  need(o.warmup_steps >= 0, "--warmup-steps", o.warmup_steps, "0 or more");
+  need(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1, "--min-lr-ratio", o.min_lr_ratio, "between 0 and 1");
+  need(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "--weight-decay", o.weight_decay, "0 or more");
+  need(o.beta2 > 0 && o.beta2 < 1, "--beta2", o.beta2, "between 0 and 1, both excluded");
+  need(std::isfinite(o.max_grad_norm) && o.max_grad_norm >= 0, "--max-grad-norm", o.max_grad_norm,
+       "0 (no clipping) or more");
+  need(o.dropout == -1 || (o.dropout >= 0 && o.dropout < 1), "--dropout", o.dropout, "in [0, 1)");
+  need(o.stage >= 1 && o.stage <= 3, "--stage", o.stage, "1, 2 or 3");
+  need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
+  need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
+  need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
+  need(o.eval_batch >= 1, "--eval-batch", o.eval_batch, "at least 1");
+  need(o.noise.mask_ratio >= 0 && o.noise.mask_ratio < 1, "--mask-ratio", o.noise.mask_ratio, "in [0, 1)");
+  need(o.noise.poisson_lambda > 0 && std::isfinite(o.noise.poisson_lambda), "--poisson-lambda",
+       o.noise.poisson_lambda, "a positive number (the mean masked span length)");
+  need(o.progress_interval > 0, "--progress-interval", o.progress_interval, "a positive number of seconds");
+  need(o.pp >= 1, "--pp", o.pp, "at least 1");
+  need(o.chunks >= 1, "--chunks", o.chunks, "at least 1");
+  need(!o.partition.empty(), "--partition", "''", "uniform, balanced, timed or a layout");
+}
+
+}  // namespace bart
 
 int bart_pretrain_main(int argc, char** argv) {
   bart::RunOptions o;
