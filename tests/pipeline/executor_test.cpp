@@ -483,7 +483,9 @@ TEST(PipelineExecutor, MemoryProbeSeesWhatTheInFlightMicrobatchesHold) {
       EXPECT_LT(r.peak_memory_bytes, (r.peak_in_flight + 1) * kHeld) << to_string(kind);
     }
   }
-  if (grid.stage() == 1) EXPECT_LT(peak[ScheduleKind::kGPipe], kHeld) << "stage 1 keeps nothing that large";
+  if (grid.stage() == 1) {
+    EXPECT_LT(peak[ScheduleKind::kGPipe], kHeld) << "stage 1 keeps nothing that large";
+  }
 }
 
 // A rank that dies in the middle of a step (its thread unwinds: its
