@@ -92,6 +92,11 @@ struct StepResult {
   // With StageShards: the global L2 norm of the mean gradient over every
   // stage, before clipping (0 without).
   double grad_norm = 0;
+  // With StageShards: the gradient noise sample of the whole model
+  // (sharded_optimizer.h), from the same all-reduce as grad_norm. A parameter
+  // tied across stages enters the small norm as each stage's part of its
+  // gradient, without the cross terms between the parts.
+  GradientNoiseSample noise;
   // The loss and the gradient norm were finite.
   bool finite = true;
   // With StageShards: every stage's optimizer updated. false: a non-finite

@@ -47,6 +47,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -154,6 +155,28 @@ struct ShardedStats {
   CommStats traffic;
 };
 
+// The two squared gradient norms a step's gradient noise scale is estimated
+// from (noise_scale.h), measured by every step() with no collective of its
+// own: the reduction inputs are summed before they are reduced, and both
+// norms ride on the all-reduce step() runs anyway (the agreement on which
+// parameters had gradients). Unscaled (loss scaling divided out).
+struct GradientNoiseSample {
+  // |G_big|²: the step's mean gradient (all ranks, every backward), this optimizer's parameters.
+  double big_sumsq = std::numeric_limits<double>::quiet_NaN();
+  // |G_small|²: the mean, over the ranks and their reductions, of the squared
+  // norm of what one rank reduced once, rescaled to a mean over its own
+  // examples (× `rounds`): a batch of step batch / parts().
+  double small_sumsq = std::numeric_limits<double>::quiet_NaN();
+  int ranks = 0;   // of the communicator
+  // How often each rank reduced its gradients in the step: ZeRO-1 once;
+  // ZeRO-2/3 once per backward (once in all under no_sync or
+  // reduce_every_backward = false). Assumes equal parts of the rank's batch.
+  int rounds = 0;
+  // The step's batch over the small one; the estimate needs parts() > 1 (at
+  // one rank: several backwards that each reduce).
+  int parts() const { return ranks * rounds; }
+};
+
 namespace shard {
 struct ShardGroup;  // src/shard/shard_group.h
 }
@@ -192,6 +215,13 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // must be the same on every rank.
   double local_sumsq();
   void apply_clip(double max_norm, double global_norm);
+  // The same split for the gradient noise sample: after local_sumsq(), this
+  // rank's reductions × the squared norms of what it fed them this step
+  // (unscaled), and its most reductions of one group (the sample's rounds).
+  double unreduced_sumsq();
+  int reduction_rounds() const;
+  // What the last step() measured (NaNs before the first).
+  GradientNoiseSample last_gradient_noise() const;
 
   // While the returned guard lives, backward does not communicate: gradients
   // accumulate in full in p.grad() and are reduced by the first backward after

@@ -40,6 +40,8 @@ struct PipelineExecutor::Impl {
   };
   std::map<int, Sharding> sharded;
   double sumsq = 0;  // this rank's stages' gradient shards, this step
+  double unreduced_sumsq = 0;  // what this rank's stages fed their reductions (the noise sample's small norm)
+  int rounds = 0;              // the most reductions of a stage's group this step
   bool checked_shards = false;
 
   struct Tie {  // this rank's copy of a parameter tied across stages
@@ -215,7 +217,10 @@ struct PipelineExecutor::Impl {
   void reduce(Sharding& sh) {
     if (sh.reduced) return;
     sh.local.reset();
-    sumsq += sh.shards.optimizer->local_sumsq();
+    auto& opt = *sh.shards.optimizer;
+    sumsq += opt.local_sumsq();
+    unreduced_sumsq += opt.unreduced_sumsq();
+    rounds = std::max(rounds, opt.reduction_rounds());
     sh.reduced = true;
   }
 
@@ -302,13 +307,17 @@ struct PipelineExecutor::Impl {
     if (options.memory_probe) memory_base = options.memory_probe();
     step_start = passes_end = std::chrono::steady_clock::now();
     compute_seconds = 0;
-    sumsq = 0;
+    sumsq = unreduced_sumsq = 0;
+    rounds = 0;
     sync_ties();
     for (auto& [stage, sh] : sharded) {
       sh.gathered.reset();
       sh.local.reset();
       sh.shards.optimizer->zero_grad();
-      sh.local.emplace(sh.shards.optimizer->no_sync());
+      // Alone in its data-parallel group a stage's reductions cost nothing, so
+      // ZeRO-2/3 reduce every backward: each microbatch's gradient is then a
+      // small batch of the gradient noise sample.
+      if (grid.dp() > 1 || sh.shards.optimizer->zero_stage() == 1) sh.local.emplace(sh.shards.optimizer->no_sync());
       sh.reduced = false;
     }
   }
@@ -350,11 +359,12 @@ struct PipelineExecutor::Impl {
   }
 
   // One world all-reduce: [gradient sum of squares, loss, non-finite flag,
-  // sharded stages]; then every stage's update, or none.
+  // sharded stages, the noise sample's unreduced sum of squares and rounds];
+  // then every stage's update, or none.
   StepResult finish_step() {
     const double nonfinite = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
     auto t = at::tensor({std::isfinite(sumsq) ? sumsq : 0.0, std::isfinite(loss_sum) ? loss_sum : 0.0, nonfinite,
-                         static_cast<double>(sharded.size())},
+                         static_cast<double>(sharded.size()), unreduced_sumsq, static_cast<double>(rounds)},
                         at::kDouble);
     grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
     const double* v = t.data_ptr<double>();
@@ -375,6 +385,10 @@ struct PipelineExecutor::Impl {
     }
     if (sharded.empty()) return r;
     r.grad_norm = r.finite ? std::sqrt(v[0]) : std::numeric_limits<double>::infinity();
+    r.noise.ranks = grid.dp();
+    r.noise.rounds = static_cast<int>(std::lround(v[5] / grid.world().control->size()));
+    r.noise.big_sumsq = r.finite ? v[0] : std::numeric_limits<double>::quiet_NaN();
+    r.noise.small_sumsq = v[4] / grid.dp();  // each stage's ranks hold 1/dp of the sample
     const double max_norm = options.max_grad_norm > 0 ? options.max_grad_norm : std::numeric_limits<double>::infinity();
     r.updated = true;
     for (auto& [stage, sh] : sharded) {

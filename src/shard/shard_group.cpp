@@ -2,6 +2,7 @@
 #include "shard/shard_group.h"
 
 #include "comm/work.h"
+#include "optim/grad_norm.h"
 #include "zeroshard/trace.h"
 
 #ifdef ZS_WITH_CUDA
@@ -28,9 +29,28 @@ void ShardGroup::accumulate_gradient(const at::Tensor& reduced) {
   grad_shard.add_(reduced);
 }
 
+void ShardGroup::note_unreduced(const at::Tensor& in) {
+  ++reductions;
+  if (in.device().is_cpu()) {
+    unreduced_host_sumsq += optim::sum_of_squares(in.contiguous().data_ptr(), in.scalar_type(), in.numel());
+    return;
+  }
+  const auto sq = at::linalg_vector_norm(in, 2, c10::nullopt, false, at::kFloat).to(at::kDouble).square();
+  unreduced_device_sumsq = unreduced_device_sumsq.defined() ? unreduced_device_sumsq + sq : sq;
+}
+
+double ShardGroup::unreduced_sumsq() const {
+  double s = unreduced_host_sumsq;
+  if (unreduced_device_sumsq.defined()) s += unreduced_device_sumsq.item<double>();
+  return static_cast<double>(reductions) * s;
+}
+
 void ShardGroup::clear_gradient() {
   grad_shard = at::Tensor();
   std::fill(had_grad.begin(), had_grad.end(), 0);
+  reductions = 0;
+  unreduced_host_sumsq = 0;
+  unreduced_device_sumsq = at::Tensor();
 }
 
 void update_shard(ShardGroup& group, const EntryCoefficients& coeffs) {
@@ -77,6 +97,7 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
   Entry e;
   e.group = &group;
   e.in = std::move(in);
+  group.note_unreduced(e.in);
   if (comm.size() == 1) {  // the mean over one rank is the input itself: nothing to wait for
     e.out = in_is_scratch ? e.in : e.in.clone();
   } else {

@@ -34,13 +34,26 @@ struct ShardGroup {
   at::Tensor exp_avg, exp_avg_sq;      // fp32 [shard.size()]; undefined until first needed
   at::Tensor grad_shard;               // this step's reduced gradient of `shard` (undefined: none yet)
   std::vector<char> had_grad;          // per layout entry: got a gradient on this rank this step
+  // What this rank fed the group's reductions this step, before reducing (the
+  // gradient noise measurement, noise_scale.h): how many inputs, and the sum
+  // of their squared norms (CPU inputs summed here; device ones on the device,
+  // read only by unreduced_sumsq(), so backward never waits for the host).
+  int reductions = 0;
+  double unreduced_host_sumsq = 0;
+  at::Tensor unreduced_device_sumsq;
 
   // Allocates exp_avg and exp_avg_sq (zeros) if they do not exist yet.
   void ensure_moments();
   // Adds a reduce-scatter's output into grad_shard: adopted when it is the
   // first, else accumulated in fp32.
   void accumulate_gradient(const at::Tensor& reduced);
-  // Drops this step's gradient.
+  // Counts one reduction input: its squared norm joins this step's sum.
+  void note_unreduced(const at::Tensor& in);
+  // reductions × the sum of the inputs' squared norms: with `reductions` equal
+  // parts of a rank's batch, the mean squared norm of one part's gradient
+  // taken as a mean over its own examples (each input is 1/reductions of one).
+  double unreduced_sumsq() const;
+  // Drops this step's gradient (and its measurement).
   void clear_gradient();
 };
 

@@ -27,6 +27,7 @@ struct ShardedOptimizer::Core {
   bool norm_known = false;            // `global_sumsq` is current
   double global_sumsq = 0;            // of the scaled mean gradient (inf/NaN: an overflow)
   double clip_max_norm = 0;           // set by clip_grad_norm()/apply_clip() for this step
+  GradientNoiseSample noise;          // of the step agreed last
   std::vector<std::function<void()>> before_update;
   int64_t peak_model_states = 0;
 
@@ -41,25 +42,43 @@ struct ShardedOptimizer::Core {
     for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
     return optim::sum_of_squares(grads);
   }
-  // One all-reduce: which parameters had a gradient on any rank, and (when
-  // asked and not known yet) the squared norm of the mean gradient.
-  void agree(bool with_norm) {
-    with_norm = with_norm && !norm_known;
-    if (agreed && !with_norm) return;
+  // this rank's Σ over groups of reductions × their inputs' squared norms (scaled), and the most reductions of a group
+  double unreduced_sumsq() const {
+    double s = 0;
+    for (const auto* g : shards.groups) s += g->unreduced_sumsq();
+    return s;
+  }
+  int rounds() const {
+    int r = 0;
+    for (const auto* g : shards.groups) r = std::max(r, g->reductions);
+    return r;
+  }
+  // One all-reduce per step: which parameters had a gradient on any rank, and
+  // the squared norms of the gradient noise sample (the mean gradient, which
+  // is also what clipping uses unless apply_clip() gave a wider norm, and the
+  // ranks' unreduced inputs).
+  void agree() {
+    if (agreed) return;
     const size_t n = shards.infos.size();
-    std::vector<double> ctrl(1 + n, 0.0);
-    if (with_norm) ctrl[0] = local_sumsq();
+    std::vector<double> ctrl(2 + n, 0.0);
+    ctrl[0] = local_sumsq();
+    ctrl[1] = unreduced_sumsq();
     for (const auto* g : shards.groups) {
-      for (size_t e = 0; e < g->params.size(); ++e) ctrl[1 + g->params[e]] = g->had_grad[e] ? 1.0 : 0.0;
+      for (size_t e = 0; e < g->params.size(); ++e) ctrl[2 + g->params[e]] = g->had_grad[e] ? 1.0 : 0.0;
     }
     auto t = at::tensor(ctrl, at::kDouble);
     shards.process_group.control->all_reduce(t, ReduceOp::kSum)->wait();
     const double* v = t.data_ptr<double>();
-    if (with_norm) {
+    if (!norm_known) {
       global_sumsq = v[0];
       norm_known = true;
     }
-    flags.assign(v + 1, v + 1 + n);
+    const double scale2 = scaler.scale() * scaler.scale();
+    noise.ranks = shards.process_group.control->size();
+    noise.rounds = rounds();
+    noise.big_sumsq = v[0] / scale2;
+    noise.small_sumsq = v[1] / noise.ranks / scale2;
+    flags.assign(v + 2, v + 2 + n);
     agreed = true;
   }
   void end_step_state() {
@@ -118,7 +137,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   for (auto* g : c.shards.groups) g->ensure_moments();
   sample_memory();  // gradients reduced, moments allocated: every model state exists now
   const double max_norm = c.clip_max_norm > 0 ? c.clip_max_norm : c.shards.max_grad_norm;
-  c.agree(max_norm > 0 || c.scaler.enabled());
+  c.agree();
   const double scale = c.scaler.scale();
   c.last_skipped = c.scaler.update(c.scaler.enabled() && !std::isfinite(c.global_sumsq));
   if (c.last_skipped) {
@@ -164,7 +183,7 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   check_ready("clip_grad_norm");
   reduce_gradients();
-  c.agree(true);
+  c.agree();
   c.clip_max_norm = max_norm;
   return std::sqrt(c.global_sumsq) / c.scaler.scale();
 }
@@ -177,6 +196,23 @@ double ShardedOptimizer::local_sumsq() {
   reduce_gradients();
   const double scale = c.scaler.scale();
   return c.local_sumsq() / (scale * scale);
+}
+
+double ShardedOptimizer::unreduced_sumsq() {
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  const double scale = c.scaler.scale();
+  return c.unreduced_sumsq() / (scale * scale);
+}
+
+int ShardedOptimizer::reduction_rounds() const {
+  std::lock_guard<std::recursive_mutex> lock(core_->mu());
+  return core_->rounds();
+}
+
+GradientNoiseSample ShardedOptimizer::last_gradient_noise() const {
+  std::lock_guard<std::recursive_mutex> lock(core_->mu());
+  return core_->noise;
 }
 
 void ShardedOptimizer::apply_clip(double max_norm, double global_norm) {

@@ -22,6 +22,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+
 #include <mutex>
 
 namespace bart {
