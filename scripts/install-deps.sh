@@ -30,6 +30,8 @@ packages=(
   python3 python3-venv python3-h5py python3-numpy
   # loss-curve PNGs of training runs (zeroshard::plot_metrics)
   gnuplot-nox
+  # make demo's corpus: 2.6 MB of short, varied English text (/usr/share/games/fortunes)
+  fortunes
 )
 
 missing=()

@@ -241,22 +241,29 @@ torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_
                           F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id));
 }
 
-std::vector<int64_t> BartForConditionalGenerationImpl::generate(const torch::Tensor& input_ids, int64_t max_len) {
-  TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.size(0) == 1, "BART generate: input_ids must be [1, S], got ",
+std::vector<std::vector<int64_t>> BartForConditionalGenerationImpl::generate(const torch::Tensor& input_ids,
+                                                                            int64_t max_len) {
+  TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.size(0) >= 1, "BART generate: input_ids must be [B, S], got ",
                     input_ids.sizes());
   torch::NoGradGuard no_grad;
+  const int64_t b = input_ids.size(0);
   const auto encoded = model->encoder->forward(input_ids);
-  std::vector<int64_t> out{config.decoder_start_token_id};
-  bool done = false;
+  auto ids = torch::full({b, 1}, config.decoder_start_token_id, input_ids.options());
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(b));
+  std::vector<char> done(static_cast<size_t>(b), 0);
   for (int64_t i = 0; i < max_len; ++i) {
-    const auto ids = torch::tensor(out, torch::kLong).unsqueeze(0).to(input_ids.device());
     const auto decoded = model->decoder->forward(ids, encoded, input_ids);
     const auto last = decoded.select(1, decoded.size(1) - 1);
-    const int64_t next = (torch::matmul(last, model->shared->weight.t()) + final_logits_bias).argmax(-1).item<int64_t>();
-    if (!done) out.push_back(next);  // after eos: passes run on, so every rank calls the same collectives
-    done = done || next == config.eos_token_id;
+    const auto next = (torch::matmul(last, model->shared->weight.t()) + final_logits_bias).argmax(-1).to(torch::kCPU);
+    const auto* n = next.data_ptr<int64_t>();
+    for (int64_t r = 0; r < b; ++r) {  // after eos a sequence's passes run on (causal: they change nothing before)
+      if (done[static_cast<size_t>(r)]) continue;
+      out[static_cast<size_t>(r)].push_back(n[r]);
+      done[static_cast<size_t>(r)] = n[r] == config.eos_token_id;
+    }
+    ids = torch::cat({ids, next.to(ids.device()).unsqueeze(1)}, 1);
   }
-  return std::vector<int64_t>(out.begin() + 1, out.end());
+  return out;
 }
 
 torch::Tensor shift_tokens_right(const torch::Tensor& labels, int64_t pad_token_id, int64_t decoder_start_token_id) {

@@ -121,11 +121,12 @@ struct BartForConditionalGenerationImpl : torch::nn::Module {
   // Cross-entropy of the logits against `labels` (pad_token_id ignored); the
   // decoder reads labels shifted right behind decoder_start_token_id.
   torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
-  // Greedy decoding of one sequence: input_ids [1, S] -> the decoder's tokens
-  // after decoder_start_token_id, up to and including eos (at most max_len).
-  // Runs exactly max_len decoder passes whatever it produces, so under
-  // fully_shard every rank makes the same collective calls. No gradients.
-  std::vector<int64_t> generate(const torch::Tensor& input_ids, int64_t max_len);
+  // Greedy decoding of a batch: input_ids [B, S] (padded with pad_token_id)
+  // -> per sequence, the decoder's tokens after decoder_start_token_id, up to
+  // and including eos (at most max_len). Runs exactly max_len decoder passes
+  // whatever it produces, so under fully_shard every rank makes the same
+  // collective calls. No gradients.
+  std::vector<std::vector<int64_t>> generate(const torch::Tensor& input_ids, int64_t max_len);
   BartModel model{nullptr};
   torch::Tensor final_logits_bias;  // buffer [1, vocab]
   BartConfig config;

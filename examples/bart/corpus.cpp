@@ -29,7 +29,8 @@ std::vector<std::string> read_texts(const std::string& dir) {
     std::ifstream in(f, std::ios::binary);
     std::ostringstream os;
     os << in.rdbuf();
-    if (in && !os.str().empty()) texts.push_back(os.str());
+    // Binary files (a NUL byte: fortune's .dat indexes, images) are not text.
+    if (in && !os.str().empty() && os.str().find('\0') == std::string::npos) texts.push_back(os.str());
   }
   TORCH_CHECK_VALUE(!texts.empty(), "corpus: '", dir, "' holds no readable text file; pass a directory of text with --data");
   return texts;

@@ -11,7 +11,8 @@
 namespace bart {
 
 // The contents of every regular file under `dir` (recursively, by sorted
-// path; links to a file already read are skipped). Throws naming the directory
+// path; links to a file already read and binary files, those holding a NUL
+// byte, are skipped). Throws naming the directory
 // when it holds no readable file.
 std::vector<std::string> read_texts(const std::string& dir);
 

@@ -54,6 +54,10 @@ void check_options(const RunOptions& o) {
   need(o.beta2 > 0 && o.beta2 < 1, "--beta2", o.beta2, "between 0 and 1, both excluded");
   need(std::isfinite(o.max_grad_norm) && o.max_grad_norm >= 0, "--max-grad-norm", o.max_grad_norm,
        "0 (no clipping) or more");
+  need(std::isfinite(o.reference_batch) && o.reference_batch > 0, "--reference-batch", o.reference_batch,
+       "a positive number of sequences (statistical efficiency is relative to it)");
+  need(o.noise_smoothing >= 0 && o.noise_smoothing < 1, "--noise-smoothing", o.noise_smoothing,
+       "in [0, 1) (the moving averages' weight of the past)");
   need(o.dropout == -1 || (o.dropout >= 0 && o.dropout < 1), "--dropout", o.dropout, "in [0, 1)");
   need(o.stage >= 1 && o.stage <= 3, "--stage", o.stage, "1, 2 or 3");
   need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
@@ -63,6 +67,7 @@ void check_options(const RunOptions& o) {
   need(o.noise.mask_ratio >= 0 && o.noise.mask_ratio < 1, "--mask-ratio", o.noise.mask_ratio, "in [0, 1)");
   need(o.noise.poisson_lambda > 0 && std::isfinite(o.noise.poisson_lambda), "--poisson-lambda",
        o.noise.poisson_lambda, "a positive number (the mean masked span length)");
+  need(o.sample_sentences >= 1, "--sample-sentences", o.sample_sentences, "at least 1 (or --no-sample)");
   need(o.progress_interval > 0, "--progress-interval", o.progress_interval, "a positive number of seconds");
   need(o.pp >= 1, "--pp", o.pp, "at least 1");
   need(o.chunks >= 1, "--chunks", o.chunks, "at least 1");
@@ -125,6 +130,11 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   app.add_option("--beta2", o.beta2, "AdamW beta2 (BART: 0.98)")->capture_default_str();
   app.add_option("--max-grad-norm", o.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--reference-batch", o.reference_batch,
+                 "sequences; statistical efficiency E = (noise scale + this) / (noise scale + global batch)")
+      ->capture_default_str();
+  app.add_option("--noise-smoothing", o.noise_smoothing, "weight of the past in the gradient noise scale's averages")
+      ->capture_default_str();
   app.add_option("--dropout", o.dropout, "dropout of every layer (default: the config's)");
   app.add_option("--stage", o.stage, "ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters (fully_shard)")
       ->check(CLI::Range(1, 3))
@@ -152,7 +162,9 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--progress-interval", o.progress_interval, "seconds between progress lines")->capture_default_str();
   app.add_flag("--trace", o.trace, "write RUN_DIR/trace-rank-N.json (Chrome trace; open in Perfetto)");
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
-  app.add_flag("--no-sample", o.no_sample, "do not print a denoising sample at the end");
+  app.add_flag("--no-sample", o.no_sample, "skip the closing denoising check (greedy reconstruction of held-out sentences)");
+  app.add_option("--sample-sentences", o.sample_sentences, "held-out sentences the closing denoising check decodes")
+      ->capture_default_str();
   app.add_option("--save-logits", o.save_logits,
                  "at the end, rank 0 writes the logits of the first validation batch here (raw float32, "
                  "for comparing models)");

@@ -15,6 +15,7 @@
 #include <zeroshard/log.h>
 #include <zeroshard/lr_schedule.h>
 #include <zeroshard/metrics.h>
+#include <zeroshard/noise_scale.h>
 #include <zeroshard/pipeline_schedule.h>
 #include <zeroshard/preemption.h>
 #include <zeroshard/sampler.h>
@@ -110,8 +111,13 @@ struct RunRecord {
   double first_loss = NAN, first_val_loss = NAN;
   int64_t bytes_sent = 0;  // all ranks
   json interruptions = json::array();
+  zeroshard::GradientNoiseScale noise;
+  double efficient_tokens = 0;  // Σ tokens × statistical efficiency, over the steps that had one
+  double efficient_seconds = 0; // and their time
   json to_json(const zeroshard::DistributedSampler& sampler) const {
     return {{"sampler", json::parse(sampler.state_json())}, {"tokens", tokens}, {"train_seconds", train_seconds},
+            {"noise_scale", json::parse(noise.to_json())}, {"efficient_tokens", efficient_tokens},
+            {"efficient_seconds", efficient_seconds},
             {"checkpoint_stall_s", checkpoint_stall_s}, {"first_loss", std::isfinite(first_loss) ? json(first_loss) : json()},
             {"first_val_loss", std::isfinite(first_val_loss) ? json(first_val_loss) : json()},
             {"bytes_sent", bytes_sent}, {"interruptions", interruptions}};
@@ -125,6 +131,9 @@ struct RunRecord {
     first_val_loss = j.contains("first_val_loss") && j["first_val_loss"].is_number() ? j["first_val_loss"].get<double>() : NAN;
     bytes_sent = j.value("bytes_sent", int64_t{0});
     interruptions = j.value("interruptions", json::array());
+    if (j.contains("noise_scale")) noise.from_json(j["noise_scale"].dump());
+    efficient_tokens = j.value("efficient_tokens", 0.0);
+    efficient_seconds = j.value("efficient_seconds", 0.0);
   }
 };
 
@@ -146,6 +155,29 @@ std::string trace_path(const std::string& run_dir, int rank) {
   const int k = zeroshard::read_dist_env().restart_count;
   return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
                                ".json")).string();
+}
+
+// A step's gradient noise sample into the run's estimate, and what it gives
+// at this step's batch (in target tokens).
+struct Efficiency {
+  double noise_scale = NAN, efficiency = NAN;
+  std::string progress() const {  // "noise scale 1,234 tok | efficiency 0.62"
+    if (!std::isfinite(efficiency)) return "";
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "noise scale %s tok | efficiency %.2f",
+                  std::isfinite(noise_scale) ? zeroshard::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
+                  efficiency);
+    return buf;
+  }
+};
+Efficiency statistical_efficiency(RunRecord& record, const zeroshard::GradientNoiseSample& n, double tokens,
+                                  double reference_tokens) {
+  if (n.parts() > 1) record.noise.update(n.small_sumsq, tokens / n.parts(), n.big_sumsq, tokens);
+  Efficiency e;
+  if (record.noise.steps() == 0) return e;
+  e.noise_scale = record.noise.noise_scale();
+  e.efficiency = record.noise.efficiency(tokens, reference_tokens);
+  return e;
 }
 
 double all_sum(zeroshard::Communicator& comm, double v) {
@@ -297,6 +329,7 @@ int run_pretraining(const RunOptions& o) {
   // stage of a data-parallel index draws the same examples.
   zeroshard::DistributedSampler sampler(static_cast<int64_t>(corpus.train.size()), dp_rank, dp, o.seed);
   RunRecord record;
+  record.noise = zeroshard::GradientNoiseScale(o.noise_smoothing);
   int64_t step = 0;
   const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
   std::unique_ptr<zeroshard::Checkpointer> ckpt;
@@ -408,6 +441,7 @@ int run_pretraining(const RunOptions& o) {
     // Dropout keyed by (seed, step, microbatch of the global batch, block): the same masks at any pp.
     const auto key = [&](int64_t m) { return DropoutKey{o.seed, step, m * dp + dp_rank}; };
     double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, grad_norm = 0, bubble_s = -1;
+    zeroshard::GradientNoiseSample noise_sample;
     bool skipped = false;
     if (pipe) {
       std::vector<Microbatch> mbs;
@@ -420,6 +454,7 @@ int run_pretraining(const RunOptions& o) {
       bubble_s = r.step_seconds - r.compute_seconds;
       opt_wait = waited() - waited0_fb;
       grad_norm = r.grad_norm;
+      noise_sample = r.noise;
       skipped = !r.updated;
       loss_value = r.loss;
     } else {
@@ -443,6 +478,7 @@ int run_pretraining(const RunOptions& o) {
       opt_s = since(t_opt);
       opt_wait = waited() - waited_opt0;
       skipped = opt->last_step_skipped();
+      noise_sample = opt->last_gradient_noise();
       const auto t_loss = Clock::now();
       loss_value = all_sum(*comm, loss_sum) / global_tokens;
       loss_comm = since(t_loss);
@@ -450,6 +486,8 @@ int run_pretraining(const RunOptions& o) {
     ++step;
     if (!std::isfinite(record.first_loss)) record.first_loss = loss_value;
     record.tokens += static_cast<int64_t>(global_tokens);
+    // Before a save, so that a resumed run goes on from the averages this step made.
+    const auto eff = statistical_efficiency(record, noise_sample, global_tokens, o.reference_batch * global_tokens / o.global_batch);
 
     double stall = 0;
     const bool end = step == o.max_steps;
@@ -478,13 +516,20 @@ int run_pretraining(const RunOptions& o) {
       extra["bubble_s"] = bubble_s;
       extra["bubble_formula"] = zeroshard::pipeline::formula_bubble(pipe->schedule());
     }
-    if (o.eval_every > 0 && (step % o.eval_every == 0 || end)) {
+    if (std::isfinite(eff.efficiency)) {
+      record.efficient_tokens += eff.efficiency * global_tokens;
+      record.efficient_seconds += m.seconds;
+      extra["noise_scale"] = eff.noise_scale;
+      extra["efficiency"] = eff.efficiency;
+      extra["goodput"] = eff.efficiency * m.tokens_per_second();
+    }
+    if ((o.eval_every > 0 && step % o.eval_every == 0) || end) {
       last_val = evaluate(step);
       extra["val_loss"] = last_val;
     }
     if (!extra.empty()) m.extra_json = extra.dump();
     metrics.write(m);
-    progress.update(m);
+    progress.update(m, eff.progress());
     zeroshard::publish_step(step);
 
     if (!end && guard.should_stop()) {
@@ -536,6 +581,13 @@ int run_pretraining(const RunOptions& o) {
   s.train_seconds = record.train_seconds;
   s.checkpoint_stall_s = record.checkpoint_stall_s;
   s.interruptions = record.interruptions.dump();
+  s.noise_scale = record.noise.noise_scale();
+  s.reference_batch = o.reference_batch;
+  s.efficiency = record.noise.steps() > 0 ? record.noise.efficiency(static_cast<double>(record.tokens) / std::max<int64_t>(step, 1),
+                                                                   o.reference_batch * static_cast<double>(record.tokens) /
+                                                                       static_cast<double>(std::max<int64_t>(step, 1) * o.global_batch))
+                                          : NAN;
+  s.goodput = record.efficient_seconds > 0 ? record.efficient_tokens / record.efficient_seconds : NAN;
   s.resumed = resumed.is_null() ? "" : resumed.dump();
   s.run_dir = o.run_dir;
   s.wall_seconds = since(run_start);
@@ -550,8 +602,9 @@ int run_pretraining(const RunOptions& o) {
   }
   s.bytes_sent += record.bytes_sent;  // earlier attempts'
   if (!o.no_sample && !pipe && !corpus.validation.empty()) {  // decoding runs the whole model
-    s.sample = denoising_sample(model, corpus.validation, 0, noise, tokenizer, device);
-    s.has_sample = true;
+    s.denoising = denoising_accuracy(model, corpus.validation, o.sample_sentences, std::min<int64_t>(o.max_tokens - 2, 60),
+                                     noise, tokenizer, device);
+    s.has_sample = s.denoising.sentences > 0;
   }
   if (o.trace) {
     zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank), rank);

@@ -32,6 +32,8 @@ struct RunOptions {
   double beta2 = 0.98;
   double max_grad_norm = 1.0;
   double dropout = -1;  // < 0: the config's
+  double reference_batch = 1;    // sequences: statistical efficiency's reference batch (noise_scale.h)
+  double noise_smoothing = 0.95; // the gradient noise scale's moving averages
   int stage = 3;
   std::string precision = "fp32";
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
@@ -47,6 +49,7 @@ struct RunOptions {
   bool trace = false;
   bool no_plot = false;
   bool no_sample = false;
+  int64_t sample_sentences = 64;  // held-out sentences the closing denoising check decodes
   std::string save_logits;
 };
 

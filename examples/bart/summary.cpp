@@ -66,6 +66,16 @@ std::string Summary::text() const {
     o << buf;
   }
   o << ")\n";
+  if (std::isfinite(efficiency)) {
+    std::snprintf(buf, sizeof(buf), "efficiency   gradient noise scale %s target tokens; statistical efficiency %.2f of a "
+                  "%g-sequence batch's; goodput %s tokens/s\n",
+                  std::isfinite(noise_scale) ? zeroshard::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
+                  efficiency, reference_batch, zeroshard::with_commas(static_cast<int64_t>(goodput)).c_str());
+  } else {
+    std::snprintf(buf, sizeof(buf), "efficiency   n/a: the gradient noise scale needs two batch sizes (more than one "
+                  "rank, or ZeRO-2/3 with --micro-batches > 1)\n");
+  }
+  o << buf;
   o << "memory       peak RSS per rank: " << per_rank(peak_rss) << "\n";
   int64_t biggest = 0;
   for (auto b : model_states) biggest = std::max(biggest, b);
@@ -96,9 +106,15 @@ std::string Summary::text() const {
     }
   }
   if (has_sample) {
-    o << "sample       masked input:   " << line_of(sample.masked) << "\n";
-    o << "             reconstruction: " << line_of(sample.reconstruction) << "\n";
-    o << "             original:       " << line_of(sample.original) << "\n";
+    const auto& d = denoising;
+    std::snprintf(buf, sizeof(buf), "denoising    %lld held-out sentences, greedy decoding: %.1f%% of %s unmasked tokens "
+                  "reproduced, %.1f%% of %s masked ones recovered, %lld exact\n",
+                  static_cast<long long>(d.sentences), 100 * d.unmasked_accuracy(), zeroshard::with_commas(d.unmasked).c_str(),
+                  100 * d.masked_accuracy(), zeroshard::with_commas(d.masked).c_str(), static_cast<long long>(d.exact));
+    o << buf;
+    o << "sample       masked input:   " << line_of(d.sample.masked) << "\n";
+    o << "             reconstruction: " << line_of(d.sample.reconstruction) << "\n";
+    o << "             original:       " << line_of(d.sample.original) << "\n";
   }
   o << "files        " << run_dir << "/metrics.jsonl";
   if (!plot.empty()) o << ", " << plot;
@@ -126,9 +142,19 @@ std::string Summary::to_json() const {
          {"unsharded_model_state_bytes", unsharded_model_states()},
          {"bytes_sent", bytes_sent},
          {"checkpoint_stall_s", checkpoint_stall_s},
+         {"noise_scale", noise_scale},
+         {"efficiency", efficiency},
+         {"goodput", goodput},
+         {"reference_batch", reference_batch},
          {"interruptions", json::parse(interruptions)}};
   if (!resumed.empty()) j["resumed"] = json::parse(resumed);
-  if (has_sample) j["sample"] = {{"masked", sample.masked}, {"reconstruction", sample.reconstruction}, {"original", sample.original}};
+  if (has_sample) {
+    const auto& d = denoising;
+    j["sample"] = {{"masked", d.sample.masked}, {"reconstruction", d.sample.reconstruction}, {"original", d.sample.original}};
+    j["denoising"] = {{"sentences", d.sentences}, {"unmasked_tokens", d.unmasked}, {"unmasked_reproduced", d.unmasked_right},
+                      {"unmasked_accuracy", d.unmasked_accuracy()}, {"masked_tokens", d.masked},
+                      {"masked_recovered", d.masked_right}, {"masked_accuracy", d.masked_accuracy()}, {"exact", d.exact}};
+  }
   for (auto& [k, v] : j.items()) {
     if (v.is_number_float() && !std::isfinite(v.get<double>())) v = nullptr;
   }

@@ -4,6 +4,7 @@
 
 #include "training.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,11 +17,16 @@ struct Summary {
   int64_t params = 0, steps = 0, tokens = 0, bytes_sent = 0;
   double first_loss = 0, last_loss = 0, first_val_loss = 0, last_val_loss = 0;
   double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0;
+  // The gradient noise scale at the end (target tokens), the statistical
+  // efficiency of the mean step's batch against `reference_batch` sequences,
+  // and goodput (target tokens/s × efficiency) over the steps that had one.
+  // NaN when no step could measure it (one rank, one reduction per step).
+  double noise_scale = NAN, efficiency = NAN, goodput = NAN, reference_batch = 1;
   std::vector<int64_t> peak_rss, model_states;  // per rank
   std::string interruptions = "[]";  // JSON array of {"step", "signal"}
   std::string resumed;               // JSON {"step", "load_s", "restart"} when this process resumed; "" when not
   bool has_sample = false;
-  DenoisingSample sample;
+  DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 
   // Bytes a single process holds for the same model and AdamW: fp32
   // parameters, gradients and the two moments (16 bytes per parameter).

@@ -131,33 +131,88 @@ Microbatch pipeline_microbatch(const Batch& b, const BartConfig& c, DropoutKey d
   return m;
 }
 
-DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer,
-                                 torch::Device device) {
-  std::vector<Example> sentence;
-  for (size_t e = static_cast<size_t>(from); e < validation.size() && sentence.empty(); ++e) {
-    for (const auto& s : validation[e]) {
-      if (s.size() >= 12 && s.size() <= 40) {
-        sentence.push_back({s});
-        break;
+std::vector<char> aligned_in(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  const size_t n = a.size(), m = b.size();
+  std::vector<std::vector<int32_t>> len(n + 1, std::vector<int32_t>(m + 1, 0));  // LCS of a[i:], b[j:]
+  for (size_t i = n; i-- > 0;) {
+    for (size_t j = m; j-- > 0;) {
+      len[i][j] = a[i] == b[j] ? len[i + 1][j + 1] + 1 : std::max(len[i + 1][j], len[i][j + 1]);
+    }
+  }
+  std::vector<char> out(n, 0);
+  for (size_t i = 0, j = 0; i < n && j < m;) {
+    if (a[i] == b[j] && len[i][j] == len[i + 1][j + 1] + 1) {
+      out[i] = 1;
+      ++i;
+      ++j;
+    } else if (len[i + 1][j] >= len[i][j + 1]) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return out;
+}
+
+DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                                     int64_t count, int64_t max_len, const NoiseOptions& noise,
+                                     const ByteLevelBpe& tokenizer, torch::Device device, int64_t batch) {
+  std::vector<Example> sentences;
+  for (const auto& e : validation) {
+    for (const auto& s : e) {
+      if (static_cast<int64_t>(sentences.size()) < count && s.size() >= 12 && static_cast<int64_t>(s.size()) <= max_len) {
+        sentences.push_back({s});
       }
     }
   }
-  if (sentence.empty()) sentence.push_back({validation.at(static_cast<size_t>(from)).front()});
   NoiseOptions one = noise;
   one.permute_sentences = false;
-  const auto n = noised_example(sentence, 0, one, /*seed=*/0, /*epoch=*/0);
+  const int64_t pad = model->config.pad_token_id;
+  DenoisingAccuracy acc;
   model->eval();
-  const auto input = torch::tensor(n.source, torch::kLong).unsqueeze(0).to(device);
-  const auto out = model->generate(input, static_cast<int64_t>(n.target.size()) + 8);
+  for (size_t from = 0; from < sentences.size(); from += static_cast<size_t>(batch)) {
+    const size_t to = std::min(sentences.size(), from + static_cast<size_t>(batch));
+    std::vector<NoisedExample> noised;
+    size_t src_len = 0, tgt_len = 0;
+    for (size_t i = from; i < to; ++i) {
+      noised.push_back(noised_example(sentences, static_cast<int64_t>(i), one, /*seed=*/0, /*epoch=*/0));
+      src_len = std::max(src_len, noised.back().source.size());
+      tgt_len = std::max(tgt_len, noised.back().target.size());
+    }
+    auto input = torch::full({static_cast<int64_t>(noised.size()), static_cast<int64_t>(src_len)}, pad, torch::kLong);
+    for (size_t r = 0; r < noised.size(); ++r) {
+      const auto& src = noised[r].source;
+      input[static_cast<int64_t>(r)].slice(0, 0, static_cast<int64_t>(src.size())).copy_(torch::tensor(src, torch::kLong));
+    }
+    const auto decoded = model->generate(input.to(device), static_cast<int64_t>(tgt_len) + 8);
+    for (size_t r = 0; r < noised.size(); ++r) {
+      const auto& n = noised[r];
+      // Without bos and eos: the original, what the input kept of it, and the reconstruction.
+      const std::vector<int64_t> original(n.target.begin() + 1, n.target.end() - 1);
+      std::vector<int64_t> kept;
+      for (size_t j = 1; j + 1 < n.source.size(); ++j) {
+        if (n.source[j] != noise.mask_id) kept.push_back(n.source[j]);
+      }
+      std::vector<int64_t> out = decoded[r];  // bos, the text, eos when it stopped in time
+      if (!out.empty() && out.back() == model->config.eos_token_id) out.pop_back();
+      if (!out.empty() && out.front() == n.target.front()) out.erase(out.begin());
+      const auto unmasked = aligned_in(original, kept), right = aligned_in(original, out);
+      for (size_t j = 0; j < original.size(); ++j) {
+        (unmasked[j] ? acc.unmasked : acc.masked) += 1;
+        (unmasked[j] ? acc.unmasked_right : acc.masked_right) += right[j];
+      }
+      acc.exact += out == original;
+      ++acc.sentences;
+      if (from + r == 0) {
+        acc.sample.original = tokenizer.decode(n.target);
+        acc.sample.masked = tokenizer.decode(std::vector<int64_t>(n.source.begin() + 1, n.source.end() - 1),
+                                             /*keep_special=*/true);  // shows where spans went
+        acc.sample.reconstruction = tokenizer.decode(decoded[r]);
+      }
+    }
+  }
   model->train();
-  DenoisingSample s;
-  s.original = tokenizer.decode(n.target);
-  // The masked text shows where spans went; bos/eos are left out.
-  std::vector<int64_t> src(n.source.begin() + 1, n.source.end() - 1);
-  s.masked = tokenizer.decode(src, /*keep_special=*/true);
-  s.reconstruction = tokenizer.decode(out);
-  return s;
+  return acc;
 }
 
 }  // namespace bart

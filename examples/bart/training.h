@@ -79,11 +79,30 @@ Microbatch pipeline_microbatch(const Batch& b, const BartConfig& c, DropoutKey d
 struct DenoisingSample {
   std::string original, masked, reconstruction;
 };
-// One sentence of the validation split (the first of 12 to 40 tokens, from
-// example `from` on), masked by text infilling (seed 0), and the model's
-// greedy reconstruction. Collective under fully_shard (every rank decodes).
-DenoisingSample denoising_sample(BartForConditionalGeneration& model, const std::vector<Example>& validation,
-                                 int64_t from, const NoiseOptions& noise, const ByteLevelBpe& tokenizer,
-                                 torch::Device device = torch::kCPU);
+// How well greedy decoding reconstructs held-out sentences: each sentence of
+// the validation split with 12 to `max_len` tokens (the first `count`), masked
+// by text infilling (seed 0, example i: noise epoch 0, index i), decoded
+// greedily in batches of `batch`. Scored by aligning token sequences (a
+// longest common subsequence): the original's unmasked tokens are those the
+// masked input kept; one counts as reproduced when the alignment of the
+// reconstruction with the original pairs it with the same token; likewise the
+// masked ones. Collective under fully_shard (every rank decodes).
+struct DenoisingAccuracy {
+  int64_t sentences = 0;
+  int64_t unmasked = 0, unmasked_right = 0;  // tokens the input kept, and how many the decoding reproduced
+  int64_t masked = 0, masked_right = 0;      // tokens inside masked spans, and how many it recovered
+  int64_t exact = 0;                         // sentences reconstructed exactly
+  double unmasked_accuracy() const { return unmasked > 0 ? static_cast<double>(unmasked_right) / unmasked : 0.0; }
+  double masked_accuracy() const { return masked > 0 ? static_cast<double>(masked_right) / masked : 0.0; }
+  DenoisingSample sample;  // the first sentence, as text
+};
+DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+                                     int64_t count, int64_t max_len, const NoiseOptions& noise,
+                                     const ByteLevelBpe& tokenizer, torch::Device device = torch::kCPU,
+                                     int64_t batch = 16);
+
+// Per element of `a`: whether a longest common subsequence of `a` and `b`
+// pairs it with an equal element of `b` (dynamic programming, |a|·|b|).
+std::vector<char> aligned_in(const std::vector<int64_t>& a, const std::vector<int64_t>& b);
 
 }  // namespace bart

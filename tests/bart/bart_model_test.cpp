@@ -150,10 +150,14 @@ TEST(BartModel, LearnsToCopyThroughCrossAttention) {
   std::printf("copy task: loss %.3f -> %.4f (chance: ln 20 = %.3f)\n", first, last, std::log(20.0));
   EXPECT_LT(last, 0.05) << "a working encoder-decoder copies; chance is ln(20) = 3.0";
   m->eval();
-  const auto x = sequences(1);
-  const auto out = m->generate(x, 12);
-  std::vector<int64_t> want(x.data_ptr<int64_t>(), x.data_ptr<int64_t>() + x.numel());
-  EXPECT_EQ(out, want);
+  const auto x = sequences(3);
+  const auto out = m->generate(x, 12);  // a batch decodes each sequence as alone
+  ASSERT_EQ(out.size(), 3u);
+  for (int64_t r = 0; r < 3; ++r) {
+    std::vector<int64_t> want(x[r].data_ptr<int64_t>(), x[r].data_ptr<int64_t>() + x.size(1));
+    EXPECT_EQ(out[static_cast<size_t>(r)], want) << "sequence " << r;
+    EXPECT_EQ(m->generate(x.slice(0, r, r + 1), 12).at(0), want) << "sequence " << r << " alone";
+  }
 }
 
 }  // namespace bart_model_test

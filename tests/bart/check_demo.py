@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """scripts/demo.sh (what `make demo` runs), shortened to 40 steps: it must
 interrupt the run half-way through the launcher, restart and resume it, and end
-with a summary a person can read, plus the files it promises.
+with a summary a person can read (the denoising accuracies among it), plus the
+files it promises.
 
 Usage: check_demo.py SOURCE_DIR BUILD_DIR
 """
@@ -19,10 +20,12 @@ p = subprocess.run([os.path.join(src, "scripts", "demo.sh"), build], capture_out
 out = p.stdout + p.stderr
 assert p.returncode == 0, f"demo.sh exited {p.returncode}\n{out[-5000:]}"
 for needle in ("simulating a spot preemption: rank 0 reached step 20", "restarting all ranks (restart 1 of 1)",
-               "BART pretraining summary", "4 ranks, ZeRO stage 3", "interrupted  at step", "resumed      from the step-",
-               "masked input:", "reconstruction:", "original:", "unsharded (one process, 16 bytes/parameter)"):
+               "BART pretraining summary", "2 ranks, ZeRO stage 3", "interrupted  at step", "resumed      from the step-",
+               "denoising    64 held-out sentences, greedy decoding:", "unmasked tokens reproduced",
+               "masked ones recovered", "masked input:", "reconstruction:", "original:",
+               "unsharded (one process, 16 bytes/parameter)", "efficiency   gradient noise scale"):
     assert needle in out, f"'{needle}' missing from the demo's output:\n{out[-5000:]}"
-for f in ("metrics.jsonl", "loss.png", "trace-rank-0.json", "trace-rank-3.json", "trace-rank-0.restart-1.json",
+for f in ("metrics.jsonl", "loss.png", "trace-rank-0.json", "trace-rank-1.json", "trace-rank-0.restart-1.json",
           "checkpoints/latest"):
     assert os.path.exists(os.path.join(run_dir, f)), f"the demo promised {f}"
 with open(os.path.join(run_dir, "trace-rank-0.restart-1.json")) as f:
@@ -30,5 +33,17 @@ with open(os.path.join(run_dir, "trace-rank-0.restart-1.json")) as f:
 assert "training" in names and any(n.startswith("communicator") for n in names), names
 steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"event"' not in line]
 assert steps == list(range(1, 41)), steps
-print("demo: interrupted at step 20 through the launcher, restarted, resumed, summary and files present")
+summary = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"summary"' in line][-1]
+d = summary["denoising"]
+assert d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_tokens"] > 64, d
+for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_recovered")):
+    assert 0 <= d[right] <= d[kind + "_tokens"], d
+    assert abs(d[kind + "_accuracy"] - d[right] / d[kind + "_tokens"]) < 1e-12, d
+# The masked share is the noise's: 30% of the tokens in spans (the last span trimmed to land on it).
+share = d["masked_tokens"] / (d["masked_tokens"] + d["unmasked_tokens"])
+assert 0.25 < share < 0.35, share
+assert summary["sample"]["original"] and summary["sample"]["masked"].count("<mask>") >= 1, summary["sample"]
+print("demo: interrupted at step 20 through the launcher, restarted, resumed, summary and files present; "
+      f"after 40 steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
+      f"{100 * d['masked_accuracy']:.1f}% of {d['masked_tokens']} masked recovered")
 print("OK")

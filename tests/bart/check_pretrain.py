@@ -99,6 +99,14 @@ def check_equal_ranks(build, work):
         shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
         pretrain(build, d, 4, *common, "--stage", str(stage), "--ckpt-dir", "none")
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
+    # Goodput in every run: 1 rank reduces each of its 2 micro-batches (ZeRO-3), 4 ranks reduce theirs.
+    for n, d in dirs.items():
+        steps = [r for r in metrics(d) if "event" not in r]
+        for r in steps:
+            assert (r["noise_scale"] is None or r["noise_scale"] >= 0) and 0 < r["efficiency"] <= 1, (n, r)  # None: inf
+            assert abs(r["goodput"] - r["efficiency"] * r["tokens_per_s"]) <= 1e-6 * r["goodput"] + 1e-9, (n, r)
+        summary = [r for r in metrics(d) if r.get("event") == "summary"][-1]
+        assert 0 < summary["efficiency"] <= 1 and summary["goodput"] <= summary["tokens_per_s"], (n, summary)
     for n in dirs:
         assert len(losses[n]) == 10, (n, losses[n])
         worst = max(abs(a - b) / abs(a) for a, b in zip(losses[0], losses[n]))
@@ -150,6 +158,11 @@ def check_resume(build, work):
     assert any(n.startswith("optimizer/") for n in names), names[:10]
     for n in names:
         assert np.array_equal(files[0][n][()], files[1][n][()]), f"{n} differs after the interruption"
+    # The gradient noise scale's averages travel in the checkpoint: the resumed run goes on from them.
+    noise = [[(r["step"], r.get("noise_scale"), r.get("efficiency")) for r in metrics(d) if "event" not in r]
+             for d in (ref, cut)]
+    assert all(e is not None for _, _, e in noise[0]), noise[0][:3]
+    assert noise[0] == noise[1], [(a, b) for a, b in zip(*noise) if a != b][:3]
     print(f"resume: SIGTERM at step {stop} of 40 through zeroshard-run, restart, resume: {len(a)} parameters and "
           f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run")
 
@@ -341,6 +354,9 @@ def check_bad_input(build, work):
         (["--poisson-lambda", "0"], ["--poisson-lambda 0: must be a positive number"]),
         (["--progress-interval", "0"], ["--progress-interval 0: must be a positive number"]),
         (["--chunks", "0"], ["--chunks 0: must be at least 1"]),
+        (["--reference-batch", "0"], ["--reference-batch 0: must be a positive number of sequences"]),
+        (["--noise-smoothing", "1"], ["--noise-smoothing 1: must be in [0, 1)"]),
+        (["--sample-sentences", "0"], ["--sample-sentences 0: must be at least 1"]),
     ]
     for args, needles in cases:
         shutil.rmtree(d, ignore_errors=True)

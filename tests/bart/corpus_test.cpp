@@ -1,8 +1,13 @@
 // BART corpus: sentences split, packed within max_tokens, every token kept
 // exactly once, a deterministic held-out split; the default corpus is there.
 #include "corpus.h"
+#include "test_util.h"
+#include "training.h"
 
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 
 namespace corpus_test {
 
@@ -39,6 +44,30 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   const auto again = bart::build_corpus(texts, tok, o);
   EXPECT_EQ(again.validation, corpus.validation);
   EXPECT_THROW(bart::read_texts("/nonexistent-zeroshard-dir"), c10::Error);
+}
+
+TEST(BartCorpus, SkipsBinaryFiles) {
+  const auto dir = zeroshard::testing::make_temp_dir("corpus-binary");
+  std::ofstream(dir + "/a.txt") << "Some text. More text.";
+  std::ofstream(dir + "/a.dat", std::ios::binary) << std::string("\x02\x00\x00\x00index", 9);
+  const auto texts = bart::read_texts(dir);
+  ASSERT_EQ(texts.size(), 1u) << "a file holding a NUL byte is not text";
+  EXPECT_EQ(texts[0], "Some text. More text.");
+  std::filesystem::remove_all(dir);
+}
+
+// The alignment the denoising check scores with, against sequences whose
+// longest common subsequence is known.
+TEST(BartCorpus, AlignedInMarksALongestCommonSubsequence) {
+  using V = std::vector<int64_t>;
+  using C = std::vector<char>;
+  EXPECT_EQ(bart::aligned_in({1, 2, 3, 4, 5}, {1, 2, 3, 4, 5}), C(5, 1));
+  EXPECT_EQ(bart::aligned_in({1, 2, 3, 4, 5}, {1, 9, 3, 5}), (C{1, 0, 1, 0, 1}));  // a substitution and a drop
+  EXPECT_EQ(bart::aligned_in({1, 2, 3}, {7, 1, 2, 8, 3, 9}), C(3, 1));           // insertions cost nothing
+  EXPECT_EQ(bart::aligned_in({1, 2, 3}, {}), C(3, 0));
+  EXPECT_EQ(bart::aligned_in({}, V{1}), C{});
+  const auto shifted = bart::aligned_in({5, 6, 7, 8}, {6, 7, 8, 5});  // one token moved: 3 of 4 stay aligned
+  EXPECT_EQ(std::count(shifted.begin(), shifted.end(), 1), 3);
 }
 
 }  // namespace corpus_test
