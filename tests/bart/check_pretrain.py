@@ -260,6 +260,15 @@ def check_pipeline(build, work):
         assert all(r["bubble_s"] >= 0 and abs(r["bubble_formula"] - formula) < 1e-12 for r in rows), (name, rows[0])
     summary = [r for r in metrics(dirs["pp2_1f1b"]) if r.get("event") == "summary"][-1]
     assert summary["pp"] == 2 and summary["ranks"] == 4, summary
+    # Goodput through the stages: every pipelined run measures the noise sample (pp4: dp 1, so each
+    # microbatch's reduction is a small batch, as in the 1-rank run with 4 micro-batches it is set beside).
+    for name in ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_gpipe", "pp2_interleaved", "pp4"):
+        rows = [r for r in metrics(dirs[name]) if "event" not in r]
+        assert all(0 < r["efficiency"] <= 1 and r["goodput"] > 0 for r in rows), (name, rows[0])
+    phi = {n: [r for r in metrics(dirs[n]) if "event" not in r][-1]["noise_scale"] for n in ("flat1", "pp4")}
+    phi = {n: "inf" if v is None else f"{v:,.0f}" for n, v in phi.items()}
+    print(f"pipeline: noise scale after 12 steps, pp4 {phi['pp4']} vs 1 rank {phi['flat1']} target tokens "
+          f"(the tied embedding's parts enter pp4's small-batch norm separately)")
     # Traces: each rank its stage's passes and sends ("1F3", "1SEND_B3 to pipeline rank 0").
     for rank, stage in ((0, 0), (3, 1)):
         with open(os.path.join(dirs["pp2_1f1b"], f"trace-rank-{rank}.json")) as f:

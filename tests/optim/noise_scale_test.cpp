@@ -200,7 +200,9 @@ TEST_P(ShardedOptimizerNoise, EstimateMatchesTheKnownCovariance) {
   const double batch = static_cast<double>(kPerMicro) * micros * n;
   for (int s = 0; s < 300; ++s) {
     const auto got = run.step(s);
-    if (got.parts() > 1) ASSERT_TRUE(gns.update(got.small_sumsq, batch / got.parts(), got.big_sumsq, batch));
+    if (got.parts() > 1) {
+      ASSERT_TRUE(gns.update(got.small_sumsq, batch / got.parts(), got.big_sumsq, batch));
+    }
   }
   if (stage == 1 && n == 1) {  // one rank, one reduction per step: one batch size only
     EXPECT_EQ(gns.steps(), 0);
