@@ -5,6 +5,7 @@
 #include "bart_model.h"
 #include "corpus.h"
 #include "pipeline_training.h"
+#include "run_record.h"
 #include "summary.h"
 #include "tokenizer.h"
 #include "training.h"
@@ -15,7 +16,6 @@
 #include <zeroshard/log.h>
 #include <zeroshard/lr_schedule.h>
 #include <zeroshard/metrics.h>
-#include <zeroshard/noise_scale.h>
 #include <zeroshard/pipeline_schedule.h>
 #include <zeroshard/preemption.h>
 #include <zeroshard/sampler.h>
@@ -104,39 +104,6 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string
   return load_tokenizer(dir);
 }
 
-// What the run carries across restarts (in the checkpoint's extra JSON).
-struct RunRecord {
-  int64_t tokens = 0;
-  double train_seconds = 0, checkpoint_stall_s = 0;
-  double first_loss = NAN, first_val_loss = NAN;
-  int64_t bytes_sent = 0;  // all ranks
-  json interruptions = json::array();
-  zeroshard::GradientNoiseScale noise;
-  double efficient_tokens = 0;  // Σ tokens × statistical efficiency, over the steps that had one
-  double efficient_seconds = 0; // and their time
-  json to_json(const zeroshard::DistributedSampler& sampler) const {
-    return {{"sampler", json::parse(sampler.state_json())}, {"tokens", tokens}, {"train_seconds", train_seconds},
-            {"noise_scale", json::parse(noise.to_json())}, {"efficient_tokens", efficient_tokens},
-            {"efficient_seconds", efficient_seconds},
-            {"checkpoint_stall_s", checkpoint_stall_s}, {"first_loss", std::isfinite(first_loss) ? json(first_loss) : json()},
-            {"first_val_loss", std::isfinite(first_val_loss) ? json(first_val_loss) : json()},
-            {"bytes_sent", bytes_sent}, {"interruptions", interruptions}};
-  }
-  void from_json(const json& j, zeroshard::DistributedSampler& sampler) {
-    sampler.load_state_json(j.at("sampler").dump());
-    tokens = j.value("tokens", int64_t{0});
-    train_seconds = j.value("train_seconds", 0.0);
-    checkpoint_stall_s = j.value("checkpoint_stall_s", 0.0);
-    first_loss = j.contains("first_loss") && j["first_loss"].is_number() ? j["first_loss"].get<double>() : NAN;
-    first_val_loss = j.contains("first_val_loss") && j["first_val_loss"].is_number() ? j["first_val_loss"].get<double>() : NAN;
-    bytes_sent = j.value("bytes_sent", int64_t{0});
-    interruptions = j.value("interruptions", json::array());
-    if (j.contains("noise_scale")) noise.from_json(j["noise_scale"].dump());
-    efficient_tokens = j.value("efficient_tokens", 0.0);
-    efficient_seconds = j.value("efficient_seconds", 0.0);
-  }
-};
-
 // This rank's next `n` sample indices, continuing into the next epoch when
 // one ends; epochs[i] is the epoch of out[i] (it seeds the noise).
 std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_t n, std::vector<int64_t>& epochs) {
@@ -155,29 +122,6 @@ std::string trace_path(const std::string& run_dir, int rank) {
   const int k = zeroshard::read_dist_env().restart_count;
   return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
                                ".json")).string();
-}
-
-// A step's gradient noise sample into the run's estimate, and what it gives
-// at this step's batch (in target tokens).
-struct Efficiency {
-  double noise_scale = NAN, efficiency = NAN;
-  std::string progress() const {  // "noise scale 1,234 tok | efficiency 0.62"
-    if (!std::isfinite(efficiency)) return "";
-    char buf[96];
-    std::snprintf(buf, sizeof(buf), "noise scale %s tok | efficiency %.2f",
-                  std::isfinite(noise_scale) ? zeroshard::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
-                  efficiency);
-    return buf;
-  }
-};
-Efficiency statistical_efficiency(RunRecord& record, const zeroshard::GradientNoiseSample& n, double tokens,
-                                  double reference_tokens) {
-  if (n.parts() > 1) record.noise.update(n.small_sumsq, tokens / n.parts(), n.big_sumsq, tokens);
-  Efficiency e;
-  if (record.noise.steps() == 0) return e;
-  e.noise_scale = record.noise.noise_scale();
-  e.efficiency = record.noise.efficiency(tokens, reference_tokens);
-  return e;
 }
 
 double all_sum(zeroshard::Communicator& comm, double v) {
