@@ -56,6 +56,7 @@ bench: build
 	@bench/pipe_bench.sh $(BUILD_DIR)
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 4
+	@PYTHON=$(VENV)/bin/python bench/strategies.sh $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(BUILD_DIR).configure.log
