@@ -195,10 +195,11 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         const bool on_host = b.master.device().is_cpu();
         const at::Tensor master = on_host ? b.master : b.master.cpu(), exp_avg = on_host ? b.exp_avg : b.exp_avg.cpu(),
                          exp_avg_sq = on_host ? b.exp_avg_sq : b.exp_avg_sq.cpu();
-        for (const auto& seg : shard_segments(b.layout, place.dp_rank)) {
+        const int shard = b.layout.shard_of_rank(place.dp_rank);
+        for (const auto& seg : shard_segments(b.layout, shard)) {
           const size_t pi = b.params[seg.param];
           const std::string& name = names[pi];
-          const Range local = seg.local(b.layout, place.dp_rank);
+          const Range local = seg.local(b.layout, shard);
           const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
           if (saved.count(name)) {
             read_master(name, "master", a, e, master.data_ptr<float>() + local.begin);
@@ -265,10 +266,11 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       if (m.value("gradients", false)) {
         for (const auto& b : state.buckets) {
           auto g = at::zeros({b.shard.size()}, at::kFloat);
-          for (const auto& seg : shard_segments(b.layout, place.dp_rank)) {
+          const int shard = b.layout.shard_of_rank(place.dp_rank);
+          for (const auto& seg : shard_segments(b.layout, shard)) {
             const std::string& name = names[b.params[seg.param]];
             if (!saved.count(name)) continue;  // untrained when saved: no gradient
-            const Range local = seg.local(b.layout, place.dp_rank);
+            const Range local = seg.local(b.layout, shard);
             read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
           }
           grad_shards.push_back(g.to(b.master.device()));

@@ -54,8 +54,11 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   for (const auto& s : sources) snap.on_device = snap.on_device || (s.defined() && !s.device().is_cpu());
   for (const auto& b : state.buckets) {
     snap.groups.push_back({b.layout, b.params});
-    for (const auto& seg : shard_segments(b.layout, state.rank)) {
-      const Range local = seg.local(b.layout, state.rank);
+    // A replicated group (stage 0) is saved once, by the first rank of its data-parallel group.
+    const int shard = b.layout.shard_of_rank(state.rank);
+    if (shard != state.rank) continue;
+    for (const auto& seg : shard_segments(b.layout, shard)) {
+      const Range local = seg.local(b.layout, shard);
       // Gradients are always copied now: the next backward adds into them.
       const bool defer = (defer_copies || snap.on_device) && !snap.gradients;
       auto copy = [&](const at::Tensor& t) {

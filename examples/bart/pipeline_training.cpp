@@ -143,7 +143,7 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
   TORCH_CHECK_VALUE(kind == ScheduleKind::kInterleaved1F1B ? o.chunks >= 2 : o.chunks == 1, "--schedule-pp ",
                     o.schedule, " with ", o.chunks, " stage(s) per rank: interleaved-1f1b takes 2 or more (--chunks), ",
                     "gpipe and 1f1b one");
-  TORCH_CHECK_VALUE(o.zero_stage >= 1 && o.zero_stage <= 3, "ZeRO stage ", o.zero_stage, ": 1, 2 or 3");
+  TORCH_CHECK_VALUE(o.zero_stage >= 0 && o.zero_stage <= 3, "ZeRO stage ", o.zero_stage, ": 0, 1, 2 or 3");
   const int total = o.pp * o.chunks;
   I.partition = make_partition(config, o, world, &I.timed);
   GridOptions go;

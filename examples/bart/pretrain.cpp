@@ -7,8 +7,8 @@
 //
 // Every rank reads the corpus, noises its share of each global batch (the
 // noise depends only on the example and epoch, so any world size sees the same
-// batch), and trains with ZeRO stage 1/2 (ShardedAdamW) or 3 (fully_shard +
-// FullyShardedAdamW). The run directory holds the tokenizer, the checkpoints,
+// batch), and trains with ZeRO stage 1/2 (ShardedAdamW), 3 (fully_shard +
+// FullyShardedAdamW) or 0 (ShardedAdamW replicating everything, as DDP). The run directory holds the tokenizer, the checkpoints,
 // metrics.jsonl, loss.png and (with --trace) trace-rank-N.json. Run again with
 // the same --run-dir and it resumes from the last checkpoint; SIGTERM (a spot
 // notice) makes every rank stop after the same step, save and exit with 75,
@@ -59,7 +59,7 @@ void check_options(const RunOptions& o) {
   need(o.noise_smoothing >= 0 && o.noise_smoothing < 1, "--noise-smoothing", o.noise_smoothing,
        "in [0, 1) (the moving averages' weight of the past)");
   need(o.dropout == -1 || (o.dropout >= 0 && o.dropout < 1), "--dropout", o.dropout, "in [0, 1)");
-  need(o.stage >= 1 && o.stage <= 3, "--stage", o.stage, "1, 2 or 3");
+  need(o.stage >= 0 && o.stage <= 3, "--stage", o.stage, "0, 1, 2 or 3");
   need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
   need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
   need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
@@ -136,8 +136,8 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--noise-smoothing", o.noise_smoothing, "weight of the past in the gradient noise scale's averages")
       ->capture_default_str();
   app.add_option("--dropout", o.dropout, "dropout of every layer (default: the config's)");
-  app.add_option("--stage", o.stage, "ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters (fully_shard)")
-      ->check(CLI::Range(1, 3))
+  app.add_option("--stage", o.stage, "ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters (fully_shard); "
+                 "0 shards nothing (DDP-style replication)")
       ->capture_default_str();
   app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
       ->check(CLI::IsMember({"fp32", "bf16"}))

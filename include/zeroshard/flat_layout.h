@@ -62,6 +62,10 @@ struct FlatLayout {
   Range shard(int rank) const;
   // The elements params[i] occupies.
   Range param_range(size_t i) const { return {offsets[i], offsets[i] + params[i].numel()}; }
+  // The shard rank `rank` of the communicator holds: its own, or shard 0 (the
+  // whole buffer) when the layout is for one rank, which every rank then
+  // holds whole (ZeRO stage 0, replication).
+  int shard_of_rank(int rank) const { return world_size == 1 ? 0 : rank; }
 };
 
 // Lays out `params` in the given order.

@@ -6,8 +6,11 @@
 // and keep the loop (zero_grad, backward, step). Every rank holds the whole
 // model; each keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) only for
 // its 1/N slice of the parameters (stage 1), and with stage 2 also only its
-// slice of the gradients. The result equals torch::optim::AdamW on the global
-// batch (the mean of the ranks' gradients), to float rounding.
+// slice of the gradients. Stage 0 shards nothing (DDP-style replication: every
+// rank holds the whole state and runs the whole update), for comparison and
+// for models small enough that memory is no concern. The result equals
+// torch::optim::AdamW on the global batch (the mean of the ranks' gradients),
+// to float rounding.
 //
 // How it works. At construction the parameters are grouped into buckets (in
 // backward order, `bucket_bytes` each) and each bucket becomes one flat buffer
@@ -24,8 +27,11 @@
 //            at once, during backward, in bucket order on every rank. Each
 //            backward adds its reduced slice into the rank's gradient shard, so
 //            accumulating micro-batches keeps gradient memory sharded.
+//   stage 0: as stage 2, but each bucket is laid out for one rank and
+//            all-reduced: every rank gets the whole mean gradient.
 // step() then runs the fused AdamW kernel on the rank's slice of each bucket and
-// all-gathers the updated parameters into the model's own tensors.
+// all-gathers the updated parameters into the model's own tensors (stage 0:
+// the slice is the whole bucket, and there is nothing to gather).
 //
 // Semantics kept from torch::optim::AdamW: a parameter is updated only when it
 // had a gradient this step on at least one rank (its step count advances only
@@ -69,14 +75,16 @@ struct LossScaleOptions {
 };
 
 struct ShardedAdamWOptions {
-  // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2). Default: 2.
+  // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2).
+  // 0: shard nothing (DDP-style: gradients all-reduced, every rank updates
+  // everything). Default: 2.
   int zero_stage = 2;
   // Gradient bucket size: the unit of reduce-scatter and all-gather. Default: 16 MiB.
   int64_t bucket_bytes = int64_t{16} << 20;
-  // Stage 2: reduce-scatters in flight during backward before backward waits
+  // Stages 2 and 0: reductions in flight during backward before backward waits
   // for the oldest (bounds the transient memory to about this many buckets). Default: 2.
   int max_inflight_buckets = 2;
-  // Stage 2 gradient accumulation. true: every backward reduce-scatters its
+  // Stage 2 (and 0) gradient accumulation. true: every backward reduces its
   // gradients and adds them into this rank's fp32 shard (gradient memory stays
   // sharded; one reduce-scatter per micro-batch). false: gradients accumulate
   // in full in p.grad() and step() reduces them once, as if every backward ran
@@ -94,7 +102,7 @@ struct ShardedBucketState {
   FlatLayout layout;           // the bucket's parameters and their offsets
   std::vector<size_t> params;  // index into the optimizer's parameter list, per layout entry
   int group = 0;               // param group
-  Range shard;                 // the elements of the flat buffer this rank owns
+  Range shard;                 // the elements of the flat buffer this rank owns (stage 0: all)
   at::Tensor master;           // fp32 [shard.size()]: the parameters' master values
   at::Tensor exp_avg;          // fp32 [shard.size()]
   at::Tensor exp_avg_sq;       // fp32 [shard.size()]
@@ -103,7 +111,9 @@ struct ShardedBucketState {
 struct ShardedState {
   int rank = 0;
   int world_size = 1;
-  int zero_stage = 2;  // 1, 2 or 3
+  // 1, 2 or 3; 0: replicated (every rank holds every bucket whole, laid out
+  // for one rank: layout.shard(0)).
+  int zero_stage = 2;
   std::vector<ParamInfo> params;      // every parameter the optimizer trains, in model order
   std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
@@ -115,6 +125,8 @@ struct ShardedState {
   std::vector<char> had_grad;         // per parameter: got a gradient on this rank since the last step
   double loss_scale = 1;              // current dynamic loss scale (1 when off)
   int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
+  // Ranks holding each element: world_size when replicated (stage 0), else 1.
+  int replicas() const { return zero_stage == 0 ? world_size : 1; }
 };
 
 // Communication the training thread waited for: exposed, not hidden behind
@@ -253,7 +265,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   bool loss_scaling() const;
   // Whether the last step() was skipped because a gradient overflowed.
   bool last_step_skipped() const;
-  // 1, 2 or 3.
+  // 0 (replicated), 1, 2 or 3.
   int zero_stage() const;
   // Memory now (and its peaks), exposed communication, traffic.
   ShardedStats stats() const;

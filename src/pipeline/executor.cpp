@@ -229,6 +229,7 @@ struct PipelineExecutor::Impl {
     ShardedBucketState bucket;
     Range piece;     // in the bucket's flat buffer
     Range of_param;  // the same elements, counted in the parameter
+    int replicas = 1;  // data-parallel ranks holding the same elements (ZeRO stage 0: all)
     at::Tensor slice(const at::Tensor& shard) const {
       return shard.slice(0, piece.begin - bucket.shard.begin, piece.end - bucket.shard.begin);
     }
@@ -240,7 +241,7 @@ struct PipelineExecutor::Impl {
         if (!st.param_tensors[b.params[e]].is_same(t.param)) continue;
         const Range whole = b.layout.param_range(e);
         const Range piece = intersect(whole, b.shard);
-        return {b, piece, {piece.begin - whole.begin, piece.end - whole.begin}};
+        return {b, piece, {piece.begin - whole.begin, piece.end - whole.begin}, st.replicas()};
       }
     }
     TORCH_CHECK_VALUE(false, "PipelineExecutor::tie: the parameter tied across set ", t.set, " is not trained by stage ",
@@ -286,7 +287,8 @@ struct PipelineExecutor::Impl {
       TORCH_CHECK(o.bucket.grad_shard.defined(), "pipeline: stage ", t.stage, "'s copy of ", tie_name(t),
                   " got no gradient this step; every stage of a tie set must use its copy");
       at::Tensor g = o.slice(o.bucket.grad_shard);
-      const double scale2 = opt.loss_scale() * opt.loss_scale();
+      // local_sumsq() counted a replicated piece 1/replicas on each rank.
+      const double scale2 = opt.loss_scale() * opt.loss_scale() * o.replicas;
       sumsq -= optim::sum_of_squares({g}) / scale2;
       at::Tensor sum = g.contiguous();
       comm::block_current(*t.group.data->all_reduce(sum, ReduceOp::kSum), sum.device());

@@ -10,6 +10,9 @@
 // zeros). At most `max_inflight_buckets` reductions are outstanding: launching
 // one more first drains the oldest (adds its result into the gradient shard).
 //
+// Stage 0 is stage 2 with buckets laid out for one rank: the same path
+// all-reduces them (ReductionQueue), so every rank gets the whole mean.
+//
 // Stage 1: p.grad() is a slice of the bucket's flat gradient buffer, so
 // backward accumulates straight into it; step() reduce-scatters every bucket.
 #include "shard/sharded_adamw_impl.h"
@@ -86,7 +89,7 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   if (!params[param].grad().defined()) return;  // an undefined gradient (a custom Function returned none)
   if (!callback_queued) {  // first gradient of this backward
     callback_queued = true;
-    sync_this_backward = options.zero_stage == 2 && no_sync_depth == 0 && options.reduce_every_backward;
+    sync_this_backward = reduce_in_backward() && no_sync_depth == 0 && options.reduce_every_backward;
     std::weak_ptr<shard::HookTarget> weak = target;
     auto with_impl = [weak](void (*fn)(Impl&)) {
       if (auto t = weak.lock()) {
@@ -99,8 +102,11 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   }
   had_grad(param) = 1;
   if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)
-    if (options.zero_stage == 2) local_grads_pending = true;
-    if (options.zero_stage == 1) grad_into_flat(param);
+    if (reduce_in_backward()) {
+      local_grads_pending = true;
+    } else {
+      grad_into_flat(param);
+    }
     return;
   }
   if (ready[param]) return;
@@ -136,10 +142,10 @@ void ShardedAdamW::Impl::launch(size_t index) {
   auto& b = buckets[index];
   at::Tensor in = std::move(b.rs_in);
   b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
-  // Stage 2's input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
-  const auto& e = reductions.launch(*comm, b, std::move(in), options.zero_stage == 2, "bucket " + std::to_string(index));
+  // Stage 2's (and 0's) input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
+  const auto& e = reductions.launch(*comm, b, std::move(in), reduce_in_backward(), "bucket " + std::to_string(index));
   if (!e.out.is_same(e.in)) track(e.out.nbytes());
-  if (options.zero_stage == 2) {
+  if (reduce_in_backward()) {
     reductions.drain_to(static_cast<size_t>(options.max_inflight_buckets),
                         [this](const shard::ReductionQueue::Entry& e) { untrack(e); });
   }
@@ -147,7 +153,7 @@ void ShardedAdamW::Impl::launch(size_t index) {
 
 void ShardedAdamW::Impl::untrack(const shard::ReductionQueue::Entry& e) {
   if (!e.out.is_same(e.in)) track(-e.out.nbytes());  // from here on it counts as a gradient shard, or is gone
-  if (options.zero_stage == 2) track(-e.in.nbytes());  // stage 1's input is flat_grads itself
+  if (reduce_in_backward()) track(-e.in.nbytes());  // stage 1's input is flat_grads itself
 }
 
 void ShardedAdamW::Impl::launch_ready_in_order(bool force) {

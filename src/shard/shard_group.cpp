@@ -100,6 +100,9 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
   group.note_unreduced(e.in);
   if (comm.size() == 1) {  // the mean over one rank is the input itself: nothing to wait for
     e.out = in_is_scratch ? e.in : e.in.clone();
+  } else if (group.layout.world_size == 1) {  // replicated: the whole mean on every rank
+    e.out = in_is_scratch ? e.in : e.in.clone();
+    e.work = comm.all_reduce(e.out, ReduceOp::kAvg);
   } else {
     e.out = at::empty({group.layout.shard_numel()}, e.in.options());
     e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);

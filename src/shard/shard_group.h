@@ -25,7 +25,10 @@
 namespace zeroshard::shard {
 
 struct ShardGroup {
-  FlatLayout layout;                   // the parameters and their offsets in the flat buffer
+  // The parameters and their offsets in the flat buffer. Laid out for one
+  // rank on a communicator of more, the group is replicated (ZeRO stage 0):
+  // every rank owns the whole buffer and its reductions are all-reduces.
+  FlatLayout layout;
   std::vector<size_t> params;          // the optimizer's index of each layout entry's parameter
   Range shard;                         // the elements of the flat buffer this rank owns
   std::vector<ShardSegment> segments;  // parameter pieces inside `shard`
@@ -68,10 +71,11 @@ using EntryCoefficients = std::vector<std::optional<optim::AdamWCoeffs>>;
 //           when any entry has coefficients.
 void update_shard(ShardGroup& group, const EntryCoefficients& coeffs);
 
-// Gradient reduce-scatters in flight, oldest first (ZeRO-1/2 buckets, ZeRO-3
-// units). Each is issued with kAvg into a fresh [shard] tensor and, when
-// drained, added into its group's grad_shard. Issue order is the caller's
-// (the same on every rank); draining is in issue order.
+// Gradient reductions in flight, oldest first (ZeRO-1/2 buckets, ZeRO-3
+// units): reduce-scatters with kAvg into a fresh [shard] tensor (all-reduces
+// for a replicated group), each added into its group's grad_shard when
+// drained. Issue order is the caller's (the same on every rank); draining is
+// in issue order.
 class ReductionQueue {
  public:
   struct Entry {
@@ -80,9 +84,10 @@ class ReductionQueue {
     std::shared_ptr<Work> work;
     std::string label;  // for the trace: "wait for reduction of <label>"
   };
-  // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`.
-  // At one rank the mean is `in` itself: adopted as the output when the
-  // caller says `in` is scratch (nobody else writes it), else copied.
+  // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`,
+  // or all-reduces it when the group is replicated. At one rank the mean is
+  // `in` itself, and in place the all-reduce's output is `in`: adopted when
+  // the caller says `in` is scratch (nobody else writes it), else copied.
   // Returns the entry (the caller may count its buffers' bytes).
   const Entry& launch(Communicator& comm, ShardGroup& group, at::Tensor in, bool in_is_scratch, std::string label);
   // Waits for the oldest and adds it into its group; returns it (its tensors

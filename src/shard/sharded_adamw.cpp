@@ -59,10 +59,10 @@ std::vector<OptimizerParamGroup> checked(std::vector<OptimizerParamGroup> groups
 }
 
 void check_options(const ShardedAdamWOptions& options) {
-  TORCH_CHECK_VALUE(options.zero_stage == 1 || options.zero_stage == 2, "ShardedAdamW: zero_stage is ",
+  TORCH_CHECK_VALUE(options.zero_stage >= 0 && options.zero_stage <= 2, "ShardedAdamW: zero_stage is ",
                     options.zero_stage,
-                    "; ShardedAdamW implements stage 1 (optimizer states) and 2 (also gradients); "
-                    "for stage 3 use zeroshard::fully_shard");
+                    "; ShardedAdamW implements stage 1 (optimizer states), 2 (also gradients) and 0 (nothing "
+                    "sharded: DDP-style replication); for stage 3 use zeroshard::fully_shard");
   TORCH_CHECK_VALUE(options.bucket_bytes > 0, "ShardedAdamW: bucket_bytes is ", options.bucket_bytes,
                     "; it must be positive (Default: 16 MiB)");
   TORCH_CHECK_VALUE(options.max_inflight_buckets >= 1, "ShardedAdamW: max_inflight_buckets is ",
@@ -224,17 +224,19 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
   torch::NoGradGuard no_grad;
   const auto plan = plan_buckets(im.infos, im.group_of, options.bucket_bytes);
+  // Stage 0 lays every bucket out for one rank: each rank holds all of it.
+  const int layout_world = options.zero_stage == 0 ? 1 : im.world;
   im.location.resize(im.params.size());
   std::vector<std::shared_ptr<Work>> broadcasts;
   for (const auto& members : plan) {
     shard::Bucket b;
     std::vector<ParamInfo> infos;
     for (size_t i : members) infos.push_back(im.infos[i]);
-    b.layout = make_flat_layout(std::move(infos), im.world);
+    b.layout = make_flat_layout(std::move(infos), layout_world);
     b.params = members;
     b.group = im.group_of[members.front()];
-    b.shard = b.layout.shard(im.rank);
-    b.segments = shard_segments(b.layout, im.rank);
+    b.shard = b.layout.shard(b.layout.shard_of_rank(im.rank));
+    b.segments = shard_segments(b.layout, b.layout.shard_of_rank(im.rank));
     b.had_grad.assign(members.size(), 0);
     b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype).device(im.comm->device()));
     for (size_t e = 0; e < members.size(); ++e) {
@@ -272,7 +274,8 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
 
   int64_t total = 0;
   for (const auto& info : im.infos) total += info.numel();
-  log_info("ShardedAdamW: stage " + std::to_string(options.zero_stage) + ", " + std::to_string(im.params.size()) +
+  log_info("ShardedAdamW: stage " + std::to_string(options.zero_stage) +
+           (options.zero_stage == 0 ? " (replicated)" : "") + ", " + std::to_string(im.params.size()) +
            " parameters (" + std::to_string(total) + " elements) in " + std::to_string(im.buckets.size()) +
            " buckets; this rank holds the optimizer state of " + std::to_string(shard_elems) + " elements" +
            (scaling ? "; dynamic loss scaling on" : ""));
@@ -303,10 +306,11 @@ void ShardedAdamW::check_ready(const char*) { impl_->check_usable(); }
 void ShardedAdamW::reduce_gradients() { impl_->reduce_all(); }
 
 void ShardedAdamW::group_updated(size_t k, bool changed) {
-  // Every rank agrees whether anything in this bucket changed; at one rank the
-  // shard is the whole flat buffer, already updated in place.
-  if (!changed || impl_->world == 1) return;
+  // Every rank agrees whether anything in this bucket changed; laid out for
+  // one rank (one rank, or stage 0) the shard is the whole flat buffer,
+  // already updated in place.
   auto& b = impl_->buckets[k];
+  if (!changed || b.layout.world_size == 1) return;
   impl_->gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
 }
 
@@ -352,21 +356,21 @@ void ShardedAdamW::install_masters() {
   std::vector<std::shared_ptr<Work>> gathers;
   for (auto& b : impl_->buckets) {
     if (b.layout.dtype != at::kFloat) b.values.copy_(b.master);  // round to the parameters' dtype
-    if (impl_->world > 1) gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
+    if (b.layout.world_size > 1) gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
   }
   for (auto& w : gathers) comm::block_current(*w, impl_->comm->device());
 }
 
 void ShardedAdamW::accept_restored_gradients() {
-  TORCH_CHECK_VALUE(impl_->options.zero_stage == 2, "ShardedAdamW::restore_sharded_state: gradients of an "
-                    "accumulation in progress need stage 2 (stage 1 keeps them unreduced in p.grad())");
+  TORCH_CHECK_VALUE(impl_->reduce_in_backward(), "ShardedAdamW::restore_sharded_state: gradients of an "
+                    "accumulation in progress need stage 2 or 0 (stage 1 keeps them unreduced in p.grad())");
   impl_->flushed_since_step = true;  // nothing of this step is left in p.grad()
 }
 
 void ShardedAdamW::enter_no_sync() {
   ++impl_->no_sync_depth;
   // Decided here, not by which hooks fire, so every rank agrees that step() must reduce.
-  if (impl_->options.zero_stage == 2) impl_->local_grads_pending = true;
+  if (impl_->reduce_in_backward()) impl_->local_grads_pending = true;
 }
 
 void ShardedAdamW::exit_no_sync() { --impl_->no_sync_depth; }

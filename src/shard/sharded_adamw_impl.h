@@ -20,7 +20,7 @@ struct Bucket : ShardGroup {
   int group = 0;           // param group
   at::Tensor flat_params;  // [padded_numel], the model's parameters alias it
   at::Tensor flat_grads;   // stage 1: [padded_numel], p.grad() aliases it (created at the first step)
-  at::Tensor rs_in;        // stage 2: this backward's gradients, filling up
+  at::Tensor rs_in;        // stages 2 and 0: this backward's gradients, filling up
   size_t ready = 0;        // parameters whose gradient is in rs_in this backward
 };
 
@@ -40,6 +40,9 @@ struct ShardedAdamW::Impl {
   std::shared_ptr<Communicator> comm;  // group.data: the shards' collectives
   ShardedAdamWOptions options;
   int rank = 0, world = 1;
+  // Stages 2 and 0 move gradients out of p.grad() into buckets that backward
+  // reduces; stage 1 leaves them there until step().
+  bool reduce_in_backward() const { return options.zero_stage != 1; }
 
   std::vector<torch::Tensor> params;  // trained parameters, model order
   std::vector<ParamInfo> infos;
@@ -55,12 +58,12 @@ struct ShardedAdamW::Impl {
   bool any_had_grad() const;
 
   // Per backward.
-  std::vector<char> ready;             // stage 2: gradient already in its bucket this backward
+  std::vector<char> ready;             // stages 2 and 0: gradient already in its bucket this backward
   size_t next_launch = 0;              // buckets launch strictly in order
-  bool sync_this_backward = false;     // this backward reduces (stage 2, not under no_sync)
+  bool sync_this_backward = false;     // this backward reduces (stage 2 or 0, not under no_sync)
   bool local_grads_pending = false;    // gradients left in p.grad() by a no_sync/local backward
   bool backward_aborted = false;       // a backward ended by an exception: per-backward state is stale
-  shard::ReductionQueue reductions;          // reduce-scatters launched, in launch order
+  shard::ReductionQueue reductions;          // reductions launched, in launch order
   double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
   bool callback_queued = false;
   bool flushed_since_step = false;

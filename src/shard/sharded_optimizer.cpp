@@ -37,11 +37,14 @@ struct ShardedOptimizer::Core {
     before_update.clear();
     for (auto& fn : fns) fn();
   }
+  // This rank's part of the squared norm of the mean gradient: summed over the
+  // ranks, the whole (a replicated shard counts 1/replicas on each).
   double local_sumsq() const {
     std::vector<at::Tensor> grads;
     for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
-    return optim::sum_of_squares(grads);
+    return optim::sum_of_squares(grads) / replicas();
   }
+  int replicas() const { return zero_stage == 0 ? shards.process_group.data->size() : 1; }
   // this rank's Σ over groups of reductions × their inputs' squared norms (scaled), and the most reductions of a group
   double unreduced_sumsq() const {
     double s = 0;

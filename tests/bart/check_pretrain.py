@@ -93,7 +93,7 @@ def check_equal_ranks(build, work):
         if nproc:  # one tokenizer for both (training it is deterministic, but the test should not depend on it)
             shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
         pretrain(build, d, nproc, *common)
-    for stage in (1, 2):
+    for stage in (0, 1, 2):
         d = dirs[f"stage{stage}"] = os.path.join(work, f"equal_np4_stage{stage}")
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
@@ -229,25 +229,28 @@ def check_pipeline(build, work):
 
     def losses(name, kind="loss"):
         rows = metrics(dirs[name])
-        if kind == "loss":
-            return {r["step"]: r["loss"] for r in rows if "event" not in r}
+        if kind in ("loss", "grad_norm"):
+            return {r["step"]: r[kind] for r in rows if "event" not in r}
         return {r["step"]: r["val_loss"] for r in rows if r.get("event") == "validation"}
 
     # The same data parallelism, so the same microbatches and dropout keys: dp 2, then dp 1.
     train("flat2", 2, "--stage", "2")
     train("pp2_1f1b", 4, "--pp", "2", "--stage", "3", "--trace")
     train("pp2_1f1b_gather_per_pass", 4, "--pp", "2", "--stage", "3", "--pp-gather", "pass", "--ckpt-dir", "none")
+    train("pp2_1f1b_replicated", 4, "--pp", "2", "--stage", "0", "--ckpt-dir", "none")
     train("pp2_gpipe", 4, "--pp", "2", "--schedule-pp", "gpipe", "--stage", "1", "--partition", "balanced",
           "--ckpt-dir", "none")
     train("pp2_interleaved", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2", "--stage", "2",
           "--partition", "timed")
     train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
     train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
-    for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_gpipe", "pp2_interleaved")),
+    for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_gpipe",
+                                  "pp2_interleaved")),
                        ("flat1", ("pp4",))):
-        for kind in ("loss", "val_loss"):
+        # The global gradient norm too: the tied embedding's gradient counted once, however it is split.
+        for kind in ("loss", "val_loss", "grad_norm"):
             want = losses(base, kind)
-            assert len(want) == (12 if kind == "loss" else 3), (base, kind, want)
+            assert len(want) == (3 if kind == "val_loss" else 12), (base, kind, want)
             for name in runs:
                 got = losses(name, kind)
                 assert got.keys() == want.keys(), (name, kind, got, want)
@@ -262,7 +265,7 @@ def check_pipeline(build, work):
     assert summary["pp"] == 2 and summary["ranks"] == 4, summary
     # Goodput through the stages: every pipelined run measures the noise sample (pp4: dp 1, so each
     # microbatch's reduction is a small batch, as in the 1-rank run with 4 micro-batches it is set beside).
-    for name in ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_gpipe", "pp2_interleaved", "pp4"):
+    for name in ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_gpipe", "pp2_interleaved", "pp4"):
         rows = [r for r in metrics(dirs[name]) if "event" not in r]
         assert all(0 < r["efficiency"] <= 1 and r["goodput"] > 0 for r in rows), (name, rows[0])
     phi = {n: [r for r in metrics(dirs[n]) if "event" not in r][-1]["noise_scale"] for n in ("flat1", "pp4")}
@@ -366,6 +369,7 @@ def check_bad_input(build, work):
         (["--reference-batch", "0"], ["--reference-batch 0: must be a positive number of sequences"]),
         (["--noise-smoothing", "1"], ["--noise-smoothing 1: must be in [0, 1)"]),
         (["--sample-sentences", "0"], ["--sample-sentences 0: must be at least 1"]),
+        (["--stage", "4"], ["--stage 4: must be 0, 1, 2 or 3"]),
     ]
     for args, needles in cases:
         shutil.rmtree(d, ignore_errors=True)

@@ -68,7 +68,7 @@ inline std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
   return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
 }
 
-// A model and its optimizer at stage 1 or 2 (ShardedAdamW) or 3 (fully_shard),
+// A model and its optimizer at stage 0, 1 or 2 (ShardedAdamW) or 3 (fully_shard),
 // on the CPU over the world, or on `group`'s device.
 struct Trainer {
   Net net;
@@ -92,7 +92,7 @@ struct Trainer {
         if (item.value().requires_grad()) named.insert(item.key(), item.value());
       }
       ShardedAdamWOptions so;
-      so.zero_stage = stage;  // 1 or 2
+      so.zero_stage = stage;  // 0, 1 or 2
       zero2 = std::make_unique<ShardedAdamW>(named, group, kAdamW, so);
     }
   }
@@ -161,12 +161,12 @@ inline std::string latest_of(const std::string& dir) {
 }
 
 // The checkpoints CheckpointSave writes into shared_dir(): at N = 1..4 ranks,
-// ZeRO stage 2 and 3 ("n3_stage2"), and as two pipeline stages at N = 2 and 4
+// ZeRO stage 0, 2 and 3 ("n3_stage2"), and as two pipeline stages at N = 2 and 4
 // ("pp2_n4_stage3").
 inline std::vector<std::string> saved_runs() {
   std::vector<std::string> out;
   for (int n = 1; n <= 4; ++n) {
-    for (int s : {2, 3}) {
+    for (int s : {0, 2, 3}) {
       out.push_back("n" + std::to_string(n) + "_stage" + std::to_string(s));
       if (n % 2 == 0) out.push_back("pp2_n" + std::to_string(n) + "_stage" + std::to_string(s));
     }

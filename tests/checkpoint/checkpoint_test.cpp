@@ -1,10 +1,10 @@
-// Sharded checkpoints: round trips, resharding N -> M across stages 2 and 3,
+// Sharded checkpoints: round trips, resharding N -> M across stages 0 to 3,
 // the commit protocol and bad input.
 //
 // CheckpointSave (run at N = 1..4 ranks, ctest fixture) trains the test model
-// kSaveAt steps at stage 2 and at stage 3, saves, trains on to kEnd and writes
+// kSaveAt steps at stages 0, 2 and 3, saves, trains on to kEnd and writes
 // the uninterrupted run's parameters; CheckpointResume (at M = 1..4 ranks)
-// loads every N's checkpoints into both stages and must reach the same
+// loads every N's checkpoints into every stage and must reach the same
 // parameters to float rounding. ZS_CKPT_TEST_DIR names the shared directory.
 #include "checkpoint/checkpoint_models.h"
 #include "test_util.h"
@@ -61,7 +61,7 @@ TEST_P(CheckpointRoundTrip, ResumeIsBitIdentical) {
   b.train(kSaveAt, kEnd);
   EXPECT_TRUE(torch::equal(b.flat(), want)) << "max diff " << (b.flat() - want).abs().max().item<double>();
 }
-INSTANTIATE_TEST_SUITE_P(Stages, CheckpointRoundTrip, ::testing::Values(2, 3),
+INSTANTIATE_TEST_SUITE_P(Stages, CheckpointRoundTrip, ::testing::Values(0, 2, 3),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
 
 // Async: save() returns after copying the state; training goes on while the
@@ -129,7 +129,7 @@ TEST_P(CheckpointRoundTrip, MidAccumulationResumeIsBitIdentical) {
 // runs' final parameters.
 TEST(CheckpointSave, AtThisWorldSize) {
   const int n = world().size();
-  for (int stage : {2, 3}) {
+  for (int stage : {0, 2, 3}) {
     const fs::path dir = fs::path(shared_dir()) / ("n" + std::to_string(n) + "_stage" + std::to_string(stage));
     if (world().rank() == 0) fs::remove_all(dir);
     world().barrier();
@@ -158,6 +158,11 @@ TEST(CheckpointSave, AtThisWorldSize) {
       for (const auto& p : m.at("params")) listed.insert(p.at("name").get<std::string>());
       const auto named = run.net->named_parameters();
       for (const auto& name : listed) EXPECT_TRUE(named.contains(name)) << name << " is not a parameter of the model";
+      if (stage == 0) {  // replicated state is written once, by rank 0
+        for (const auto& p : m.at("params")) {
+          for (const auto& pc : p.at("pieces")) EXPECT_EQ(pc.at(0).get<int>(), 0) << p.at("name");
+        }
+      }
       for (const auto& item : named) {
         if (item.value().requires_grad()) {
           EXPECT_TRUE(listed.count(item.key())) << item.key() << " is not in the manifest";
@@ -186,13 +191,13 @@ TEST(CheckpointSave, AtThisWorldSize) {
   }
 }
 
-// At M ranks: every checkpoint of the fixture (N ranks, ZeRO stage 2 or 3,
-// with or without pipeline stages), loaded into ZeRO stage 1, 2 or 3, trained
+// At M ranks: every checkpoint of the fixture (N ranks, ZeRO stage 0, 2 or 3,
+// with or without pipeline stages), loaded into ZeRO stage 0, 1, 2 or 3, trained
 // to kEnd, matches the run that saved it to float rounding.
 TEST(CheckpointResume, FromEveryWorldSizeAndStage) {
   const int m = world().size();
   for (const auto& name : saved_runs()) {
-    for (int stage : {1, 2, 3}) {
+    for (int stage : {0, 1, 2, 3}) {
       SCOPED_TRACE(name + " resumed at " + std::to_string(m) + " ranks, stage " + std::to_string(stage));
       const fs::path dir = fs::path(shared_dir()) / name;
       ASSERT_TRUE(fs::exists(dir / "latest")) << dir << ": run checkpoint_save_np* first";

@@ -154,7 +154,7 @@ nlohmann::json by_name(const torch::Tensor& flat, const std::vector<std::pair<st
 TEST(CheckpointSave, AsTwoPipelineStages) {
   const int n = world().size();
   if (n % kStages != 0) GTEST_SKIP() << "two pipeline stages need an even number of ranks";
-  for (int zero_stage : {2, 3}) {
+  for (int zero_stage : {0, 2, 3}) {
     SCOPED_TRACE("ZeRO stage " + std::to_string(zero_stage));
     const fs::path dir = fs::path(shared_dir()) / ("pp2_n" + std::to_string(n) + "_stage" + std::to_string(zero_stage));
     if (world().rank() == 0) fs::remove_all(dir);
@@ -204,6 +204,7 @@ TEST(CheckpointSave, AsTwoPipelineStages) {
           const bool first_stage = name.rfind("embed.", 0) == 0 || name.rfind("frozen.", 0) == 0 ||
                                    name.rfind("block0.", 0) == 0;
           EXPECT_EQ(pc.at(0).get<int>() / run.dp, first_stage ? 0 : 1) << name;
+          if (zero_stage == 0) EXPECT_EQ(pc.at(0).get<int>() % run.dp, 0) << name << ": replicated, saved by dp rank 0";
         }
       }
       for (const auto& item : run.net->named_parameters()) {
@@ -232,13 +233,13 @@ TEST(CheckpointSave, AsTwoPipelineStages) {
 }
 
 // At M ranks (even): every checkpoint of the fixture, pipelined or not, loaded
-// into two stages at ZeRO stage 1, 2 or 3, trained to kEnd, matches the run
+// into two stages at ZeRO stage 0, 1, 2 or 3, trained to kEnd, matches the run
 // that saved it.
 TEST(CheckpointResume, IntoTwoPipelineStages) {
   const int m = world().size();
   if (m % kStages != 0) GTEST_SKIP() << "two pipeline stages need an even number of ranks";
   for (const auto& name : saved_runs()) {
-    for (int zero_stage : {1, 2, 3}) {
+    for (int zero_stage : {0, 1, 2, 3}) {
       SCOPED_TRACE(name + " resumed as two stages of " + std::to_string(m / kStages) + " ranks, ZeRO stage " +
                    std::to_string(zero_stage));
       const fs::path dir = fs::path(shared_dir()) / name;

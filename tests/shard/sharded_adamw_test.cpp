@@ -303,7 +303,7 @@ TEST_P(ShardedAdamWStage, GradientsClearedToNoneOrThroughTheBaseClass) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(0, 1, 2),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
 
 }  // namespace sharded_adamw_test

@@ -120,7 +120,7 @@ TEST_P(ShardedOptimizerStages, StatsCountTheMomentsAndTheTraffic) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerStages, ::testing::Values(1, 2, 3),
+INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerStages, ::testing::Values(0, 1, 2, 3),
                          [](const ::testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
 
 TEST(ShardedOptimizerBadInput, ForeignGroupOptionsAreAClearError) {
