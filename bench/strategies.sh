@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The same BART, batch, data and seed trained for the same number of steps
-# (so the same tokens) under each way of splitting it over NPROC ranks: ZeRO-1,
-# ZeRO-2 and ZeRO-3 over every rank, pipeline stages (1F1B) with ZeRO-2 inside,
+# (so the same tokens) under each way of splitting it over NPROC ranks: DDP-style
+# replication (ZeRO stage 0), ZeRO-1, ZeRO-2 and ZeRO-3 over every rank,
+# pipeline stages (1F1B) with ZeRO-2 inside,
 # and pipeline stages with ZeRO-3 inside. One markdown table (bench/strategies.py
 # explains each column) and one plot of validation loss against training time.
 # Usage: bench/strategies.sh [BUILD_DIR] [OUT_DIR]
@@ -31,6 +32,7 @@ common=(--config tiny "${data[@]}" --tokenizer "$out/tokenizer" --max-steps "$st
         --eval-every "$every" --ckpt-dir none --no-sample --no-plot --progress-interval 1000 --seed 1)
 # name | bart_pretrain arguments
 strategies=(
+  "DDP-style (replicated)|--stage 0"
   "ZeRO-1|--stage 1"
   "ZeRO-2|--stage 2"
   "ZeRO-3|--stage 3"
