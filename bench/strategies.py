@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The strategies table and plot, from the run directories bench/strategies.sh made.
 
-Usage: strategies.py --cores C --ranks N [--plot PNG] NAME=RUN_DIR ...
+Usage: strategies.py --cores C --ranks N [--plot PNG] NAME=RUN_DIR[,RUN_DIR...] ...
+
+Several run directories of one strategy are rounds of the same training: the
+row is the round of median runtime, and the runtime column adds the range.
 
 Columns, per strategy (every figure from the run's metrics.jsonl, except
 utilisation):
@@ -51,21 +54,30 @@ def main():
     ap.add_argument("--cores", type=int, required=True)
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--plot", default="")
-    ap.add_argument("runs", nargs="+", help="NAME=RUN_DIR")
+    ap.add_argument("runs", nargs="+", help="NAME=RUN_DIR[,RUN_DIR...]")
     a = ap.parse_args()
     runs = []
     for spec in a.runs:
-        name, run_dir = spec.split("=", 1)
-        steps, summary, val = read(run_dir)
-        with open(run_dir + ".time") as f:
-            wall, user, system = map(float, f.read().split()[-3:])
-        runs.append(dict(name=name, dir=run_dir, steps=steps, summary=summary, val=val,
-                         busy=(user + system) / (wall * a.cores)))
+        name, run_dirs = spec.split("=", 1)
+        rounds = []
+        for run_dir in run_dirs.split(","):
+            steps, summary, val = read(run_dir)
+            with open(run_dir + ".time") as f:
+                wall, user, system = map(float, f.read().split()[-3:])
+            rounds.append(dict(name=name, dir=run_dir, steps=steps, summary=summary, val=val,
+                               busy=(user + system) / (wall * a.cores)))
+        rounds.sort(key=lambda r: r["summary"]["train_seconds"])
+        median = dict(rounds[(len(rounds) - 1) // 2])
+        median["range"] = (rounds[0]["summary"]["train_seconds"], rounds[-1]["summary"]["train_seconds"])
+        median["rounds"] = len(rounds)
+        runs.append(median)
     t_equal = min(r["val"][-1][0] for r in runs)
     tokens = {r["summary"]["tokens"] for r in runs}
+    n_rounds = runs[0]["rounds"]
     print(f"{len(runs[0]['steps'])} steps of the same global batches ({'/'.join(map(str, sorted(tokens)))} target "
           f"tokens), {a.ranks} ranks on {a.cores} cores; val @ T: at T = {t_equal:.1f} s of training, the shortest "
-          "runtime\n")
+          f"runtime" + (f"; each row the median of {n_rounds} rounds (runtime: its range)" if n_rounds > 1 else "") +
+          "\n")
     print("| strategy | runtime s | tokens/s | val loss | val @ T | cores busy | exposed comm | bubble | "
           "peak RSS MiB | efficiency | goodput tokens/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -76,7 +88,9 @@ def main():
         bubble = (f"{sum(x['bubble_s'] for x in st) / step_s:.1%}" if "bubble_s" in st[0] else "—")
         eff = "—" if s.get("efficiency") is None else f"{s['efficiency']:.2f}"
         goodput = "—" if s.get("goodput") is None else f"{s['goodput']:,.0f}"
-        print(f"| {r['name']} | {s['train_seconds']:.1f} | {s['tokens_per_s']:,.0f} | {s['last_val_loss']:.3f} | "
+        lo, hi = r["range"]
+        runtime = f"{s['train_seconds']:.1f}" + (f" ({lo:.1f}–{hi:.1f})" if r["rounds"] > 1 else "")
+        print(f"| {r['name']} | {runtime} | {s['tokens_per_s']:,.0f} | {s['last_val_loss']:.3f} | "
               f"{at_time(r['val'], t_equal):.3f} | {r['busy']:.0%} | {comm:.1%} | {bubble} | "
               f"{max(s['peak_rss_bytes']) / 2**20:.0f} | {eff} | {goodput} |")
     if a.plot:

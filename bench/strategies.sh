@@ -8,7 +8,9 @@
 # Usage: bench/strategies.sh [BUILD_DIR] [OUT_DIR]
 #   env: NPROC (4), STEPS (300), BATCH (global batch, 16), MICRO (microbatches
 #        per data-parallel rank for the pipelines, 4), EVAL (validate every
-#        EVAL steps, 25), DATA (a directory of text; default the trainer's)
+#        EVAL steps, 25), DATA (a directory of text; default the trainer's),
+#        REPEAT (rounds, 1: every strategy runs once per round, in turn, and
+#        the table gives the median round and the spread)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=${1:-build}
@@ -18,6 +20,7 @@ steps=${STEPS:-300}
 batch=${BATCH:-16}
 micro=${MICRO:-4}
 every=${EVAL:-25}
+repeat=${REPEAT:-1}
 data=()
 [ -n "${DATA:-}" ] && data=(--data "$DATA")
 python=${PYTHON:-$here/../.venv/bin/python}
@@ -44,16 +47,25 @@ done
 (( nproc % 2 == 0 && nproc >= 4 )) &&
   strategies+=("pp 2 x dp $((nproc / 2)), 1F1B, ZeRO-3|--pp 2 --schedule-pp 1f1b --stage 3 --micro-batches $micro")
 
+# Rounds of every strategy in turn, so that a slow spell of the machine falls
+# on several strategies rather than on all runs of one.
+declare -A dirs
+for (( round = 1; round <= repeat; round++ )); do
+  for i in "${!strategies[@]}"; do
+    s=${strategies[$i]}
+    name=${s%%|*}
+    read -r -a args <<< "${s#*|}"
+    dir="$out/run$(( i + 1 ))_round$round"
+    # CPU seconds of every rank (the launcher's children) over the run's wall time: core utilisation.
+    TIMEFORMAT="%R %U %S"
+    { time "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/examples/bart_pretrain" "${common[@]}" \
+        --run-dir "$dir" "${args[@]}" > "$dir.log" 2>&1; } 2> "$dir.time" ||
+      { echo "strategies: '$name' failed; its log: $dir.log" >&2; tail -20 "$dir.log" >&2; exit 1; }
+    dirs[$i]="${dirs[$i]:+${dirs[$i]},}$dir"
+  done
+done
 runs=()
-for s in "${strategies[@]}"; do
-  name=${s%%|*}
-  read -r -a args <<< "${s#*|}"
-  dir="$out/run$(( ${#runs[@]} + 1 ))"
-  # CPU seconds of every rank (the launcher's children) over the run's wall time: core utilisation.
-  TIMEFORMAT="%R %U %S"
-  { time "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/examples/bart_pretrain" "${common[@]}" \
-      --run-dir "$dir" "${args[@]}" > "$dir.log" 2>&1; } 2> "$dir.time" ||
-    { echo "strategies: '$name' failed; its log: $dir.log" >&2; tail -20 "$dir.log" >&2; exit 1; }
-  runs+=("$name=$dir")
+for i in "${!strategies[@]}"; do
+  runs+=("${strategies[$i]%%|*}=${dirs[$i]}")
 done
 "$python" "$here/strategies.py" --cores "$(nproc)" --ranks "$nproc" --plot "$out/strategies.png" "${runs[@]}"
