@@ -8,7 +8,8 @@
 // Every rank reads the corpus, noises its share of each global batch (the
 // noise depends only on the example and epoch, so any world size sees the same
 // batch), and trains with ZeRO stage 1/2 (ShardedAdamW), 3 (fully_shard +
-// FullyShardedAdamW) or 0 (ShardedAdamW replicating everything, as DDP). The run directory holds the tokenizer, the checkpoints,
+// FullyShardedAdamW) or 0 (ShardedAdamW replicating everything, as DDP).
+// The run directory holds the tokenizer, the checkpoints,
 // metrics.jsonl, loss.png and (with --trace) trace-rank-N.json. Run again with
 // the same --run-dir and it resumes from the last checkpoint; SIGTERM (a spot
 // notice) makes every rank stop after the same step, save and exit with 75,
