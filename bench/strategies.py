@@ -11,7 +11,7 @@ utilisation):
   runtime        seconds of training steps (rank 0's step_s summed; start-up and validation excluded)
   tokens/s       target tokens over that time
   val loss       after the last step
-  val @ T        validation loss at T, the shortest runtime of all strategies,
+  val @ T        validation loss at T, the shortest runtime of all rows,
                  interpolated linearly in training time between validations
   cores busy     CPU seconds of every rank (user + system, the whole process
                  life: start-up and validation included) over wall seconds x cores

@@ -2,15 +2,15 @@
 # The same BART, batch, data and seed trained for the same number of steps
 # (so the same tokens) under each way of splitting it over NPROC ranks: DDP-style
 # replication (ZeRO stage 0), ZeRO-1, ZeRO-2 and ZeRO-3 over every rank,
-# pipeline stages (1F1B) with ZeRO-2 inside,
-# and pipeline stages with ZeRO-3 inside. One markdown table (bench/strategies.py
+# pipeline stages (1F1B) with ZeRO-2 inside, and pipeline stages with ZeRO-3
+# inside. One markdown table (bench/strategies.py
 # explains each column) and one plot of validation loss against training time.
 # Usage: bench/strategies.sh [BUILD_DIR] [OUT_DIR]
 #   env: NPROC (4), STEPS (300), BATCH (global batch, 16), MICRO (microbatches
 #        per data-parallel rank for the pipelines, 4), EVAL (validate every
 #        EVAL steps, 25), DATA (a directory of text; default the trainer's),
-#        REPEAT (rounds, 1: every strategy runs once per round, in turn, and
-#        the table gives the median round and the spread)
+#        REPEAT (rounds, default 1; each round runs every strategy once, in
+#        turn, and the table gives each strategy's median round and the range)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=${1:-build}
