@@ -11,20 +11,25 @@ set(ZS_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING
     "GPU code to build: sm_90 machine code and compute_90 PTX (JIT-compiled for newer GPUs)")
 set(ZS_NCCL_ROOT "" CACHE PATH "NCCL to build against (default: the one beside LibTorch, else the CUDA toolkit's)")
 
-include(CheckLanguage)
-check_language(CUDA)
-if(NOT CMAKE_CUDA_COMPILER)
-  message(FATAL_ERROR "zeroshard: LibTorch has CUDA but no nvcc was found; install the CUDA toolkit "
-                      "(or set CUDACXX), or build without the GPU path: -DZS_WITH_CUDA=OFF")
-endif()
+# The compiler is the nvcc CMakeLists.txt found (ZS_NVCC, cmake/find_nvcc.cmake), also
+# when it is not on PATH. The architectures are ours: CMake's default-architecture probe
+# is skipped, and an empty CMAKE_CUDA_ARCHITECTURES left in the cache by a failed
+# configure cannot stop this one.
+set(CMAKE_CUDA_COMPILER "${ZS_NVCC}" CACHE FILEPATH "The CUDA compiler (nvcc)" FORCE)
+set(CMAKE_CUDA_ARCHITECTURES ${ZS_CUDA_ARCHITECTURES})
 enable_language(CUDA)
 set(CMAKE_CUDA_FLAGS "${_zs_user_cuda_flags}")
+# torch::cudart is the wheel's libcudart (cmake/torch.cmake); our C++ files that include
+# CUDA headers take the toolkit's, the ones nvcc compiles the kernels with.
+if(TARGET torch::cudart AND ZS_TORCH STREQUAL "venv")
+  set_property(TARGET torch::cudart APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
+endif()
 
 set(_zs_nccl_hints ${ZS_NCCL_ROOT})
 if(DEFINED _zs_torch_dir)
   list(APPEND _zs_nccl_hints "${_zs_torch_dir}/../nvidia/nccl")
 endif()
-list(APPEND _zs_nccl_hints ${CUDAToolkit_LIBRARY_ROOT} /usr/local/cuda)
+list(APPEND _zs_nccl_hints ${CMAKE_CUDA_COMPILER_TOOLKIT_ROOT} /usr/local/cuda)
 find_path(ZS_NCCL_INCLUDE_DIR nccl.h HINTS ${_zs_nccl_hints} PATH_SUFFIXES include NO_DEFAULT_PATH)
 find_library(ZS_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_zs_nccl_hints} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
 if(NOT ZS_NCCL_INCLUDE_DIR OR NOT ZS_NCCL_LIBRARY)
