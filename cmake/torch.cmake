@@ -61,6 +61,10 @@ if(ZS_TORCH STREQUAL "venv")
     endif()
     add_library(torch::cudart INTERFACE IMPORTED)
     set_property(TARGET torch::cudart PROPERTY INTERFACE_LINK_LIBRARIES "${_zs_cudart}")
+    # Left in the cache by that file in a build tree configured before: the toolkit's
+    # libnvrtc, whose directory (holding the toolkit's libcudart too) TorchConfig would
+    # put on the programs' RUNPATH ahead of the wheel's.
+    unset(CUDA_NVRTC_LIB CACHE)
   else()
     set(ZS_TORCH_HAS_CUDA OFF)
   endif()
