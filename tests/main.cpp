@@ -2,6 +2,9 @@
 // tests start through zeroshard-run (`zs_tests --helper NAME`).
 #include "optim/fused_adamw.h"
 #include "test_util.h"
+#ifdef ZS_WITH_CUDA
+#include "comm/nccl/nccl_api.h"
+#endif
 #include "zeroshard/log.h"
 
 #include <gtest/gtest.h>
@@ -80,5 +83,13 @@ int main(int argc, char** argv) {
   // after a 512x512 layer's backward). Off for the tests, unless set.
   setenv("MKL_DISABLE_FAST_MM", "1", 0);
   ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
+  const int status = RUN_ALL_TESTS();
+#ifdef ZS_WITH_CUDA
+  // What the GPU run counts per row (scripts/gpu-check.sh): a row of NCCL tests
+  // that issued nothing through NCCL proved nothing about it.
+  const auto issued = zeroshard::comm::nccl::cuda_nccl_issued();
+  std::cout << "zs-test: NCCL operations issued: " << issued.collectives + issued.point_to_point << " (collectives "
+            << issued.collectives << ", point-to-point " << issued.point_to_point << ")" << std::endl;
+#endif
+  return status;
 }

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
 #include <array>
@@ -24,12 +25,19 @@ at::Tensor pattern(int rank, int64_t numel, at::ScalarType dtype, int salt) {
   return v.to(dtype).contiguous();
 }
 
+CommOptions test_comm_options() {
+  CommOptions opt;
+  opt.timeout = std::chrono::seconds(60);
+  if (const char* s = std::getenv("ZS_TEST_TIMEOUT_S"); s != nullptr && *s != '\0') {
+    const int seconds = std::atoi(s);
+    if (seconds <= 0) throw std::runtime_error(std::string("ZS_TEST_TIMEOUT_S is '") + s + "'; use whole seconds > 0");
+    opt.timeout = std::chrono::seconds(seconds);
+  }
+  return opt;
+}
+
 std::shared_ptr<Communicator> world_ptr() {
-  static std::shared_ptr<Communicator> comm = [] {
-    CommOptions opt;
-    opt.timeout = std::chrono::seconds(60);
-    return init_communicator(opt);
-  }();
+  static std::shared_ptr<Communicator> comm = init_communicator(test_comm_options());
   return comm;
 }
 
@@ -90,7 +98,9 @@ c10::Device test_device() {
     if (name != "cuda") throw std::runtime_error("ZS_TEST_DEVICE is '" + name + "'; use cpu or cuda");
     const int gpus = static_cast<int>(torch::cuda::device_count());
     if (gpus < 1) throw std::runtime_error("ZS_TEST_DEVICE=cuda but no CUDA device is visible");
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(read_dist_env().local_rank % gpus));
+    const c10::Device cuda(c10::kCUDA, static_cast<c10::DeviceIndex>(read_dist_env().local_rank % gpus));
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(cuda);  // this rank's GPU is the current one
+    return cuda;
   }();
   return device;
 }
@@ -107,7 +117,7 @@ ProcessGroup& test_group() {
                           world_ptr()};
     }
 #ifdef ZS_WITH_CUDA
-    if (comm == "nccl") return init_nccl(world_ptr(), test_device());
+    if (comm == "nccl") return init_nccl(world_ptr(), test_device(), test_comm_options());
 #endif
     throw std::runtime_error("ZS_TEST_COMM is '" + comm + "'; use tcp, staged or nccl (nccl in a CUDA build)");
   }();

@@ -17,7 +17,12 @@ namespace zeroshard::testing {
 // f(rank, i) = ((rank*31 + i*7 + salt*3) mod 17) - 8: small integers, exact in every dtype.
 at::Tensor pattern(int rank, int64_t numel, at::ScalarType dtype, int salt = 0);
 
-// The world communicator of this process (created on first use from the env, 60 s timeout).
+// The tests' communicator options: a timeout of ZS_TEST_TIMEOUT_S seconds
+// (default 60), so that a hang fails the test within a minute.
+CommOptions test_comm_options();
+
+// The world communicator of this process (created on first use from the env,
+// test_comm_options()).
 Communicator& world();
 std::shared_ptr<Communicator> world_ptr();
 

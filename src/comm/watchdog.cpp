@@ -28,12 +28,17 @@ void Watchdog::add(std::shared_ptr<WatchedComm> comm) {
   comms_.push_back(std::move(comm));
 }
 
-void Watchdog::forget(const WatchedComm* comm) {
+std::vector<std::shared_ptr<WatchedOp>> Watchdog::forget(const WatchedComm* comm) {
   std::lock_guard<std::mutex> lock(mu_);
   comms_.erase(std::remove_if(comms_.begin(), comms_.end(), [&](const auto& c) { return c.get() == comm; }),
                comms_.end());
+  std::vector<std::shared_ptr<WatchedOp>> forgotten;
+  for (const auto& f : in_flight_) {
+    if (f.comm == comm) forgotten.push_back(f.op);
+  }
   in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(), [&](const auto& f) { return f.comm == comm; }),
                    in_flight_.end());
+  return forgotten;
 }
 
 void Watchdog::watch(WatchedComm* comm, std::shared_ptr<WatchedOp> op) {

@@ -73,7 +73,10 @@ class Watchdog {
 
   // Watches `comm` (until forget()); its operations are added with watch().
   void add(std::shared_ptr<WatchedComm> comm);
-  void forget(const WatchedComm* comm);
+  // Stops watching `comm`; returns its operations still in flight, which the
+  // caller keeps (and with them their tensors) until the device is done with
+  // them. A poll already under way may still look at them once.
+  std::vector<std::shared_ptr<WatchedOp>> forget(const WatchedComm* comm);
   // Watches `op` of `comm` from now; after the watchdog has failed, fails it at once.
   void watch(WatchedComm* comm, std::shared_ptr<WatchedOp> op);
 

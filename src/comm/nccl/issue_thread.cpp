@@ -1,9 +1,10 @@
 #include "comm/nccl/issue_thread.h"
 
+#include "comm/nccl/nccl_api.h"
+#include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
 #include <c10/util/Exception.h>
-#include <cuda_runtime_api.h>
 
 #include <exception>
 #include <future>
@@ -12,16 +13,16 @@
 
 namespace zeroshard::comm::nccl {
 
-IssueThread& IssueThread::of(int device) {
+IssueThread& IssueThread::of(NcclApi& api, int device) {
   static std::mutex mu;
-  static std::map<int, std::unique_ptr<IssueThread>> threads;  // joined at exit
+  static std::map<std::pair<NcclApi*, int>, std::unique_ptr<IssueThread>> threads;  // joined at exit
   std::lock_guard<std::mutex> lock(mu);
-  auto& t = threads[device];
-  if (!t) t = std::make_unique<IssueThread>(device);
+  auto& t = threads[{&api, device}];
+  if (!t) t = std::make_unique<IssueThread>(api, device);
   return *t;
 }
 
-IssueThread::IssueThread(int device) : device_(device) {
+IssueThread::IssueThread(NcclApi& api, int device) : api_(api), device_(device) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -57,9 +58,28 @@ void IssueThread::run(const std::function<void()>& fn) {
   result.get();
 }
 
+namespace {
+// Runs a task; one that throws is dropped (its works are failed by the task
+// itself, or by the watchdog's timeout), never the thread.
+bool run_task(IssueThread::Task& task) {
+  try {
+    return task();
+  } catch (const c10::Error& e) {
+    log_error(std::string("NCCL issue thread: a task failed: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    log_error(std::string("NCCL issue thread: a task failed: ") + e.what());
+  }
+  return true;
+}
+}  // namespace
+
 void IssueThread::loop() {
   trace::set_thread_name("nccl issue cuda:" + std::to_string(device_));
-  cudaSetDevice(device_);
+  try {
+    api_.set_device(device_);
+  } catch (const std::exception& e) {
+    log_error("NCCL issue thread: cannot make device " + std::to_string(device_) + " current: " + e.what());
+  }
   while (true) {
     std::deque<Task> batch;
     {
@@ -73,12 +93,12 @@ void IssueThread::loop() {
       batch.swap(tasks_);
     }
     for (auto& task : batch) {
-      if (!task()) retries_.push_back(std::move(task));
+      if (!run_task(task)) retries_.push_back(std::move(task));
     }
     for (size_t n = retries_.size(); n > 0; --n) {
       Task task = std::move(retries_.front());
       retries_.pop_front();
-      if (!task()) retries_.push_back(std::move(task));
+      if (!run_task(task)) retries_.push_back(std::move(task));
     }
   }
 }

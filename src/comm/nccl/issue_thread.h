@@ -6,12 +6,14 @@
 // trainer's, autograd's device thread running gradient hooks), so each device
 // has one IssueThread: tasks run on it in the order they were posted.
 //
-// A task returns true when done; false means "not yet" (a point-to-point
-// channel whose peer has not arrived): it is run again after the tasks posted
-// since, so it holds up nothing.
+// A task returns true when done; false means "not yet" (a communicator whose
+// launch NCCL is still working on, a channel whose peer has not arrived): it is
+// run again after the tasks posted since, so it holds up nothing. A task that
+// throws is dropped with an error in the log; tasks catch what their works
+// must see (the thread itself never ends on an exception).
 //
 // Thread-safety: post() and run() from any thread. The thread lives as long as
-// the process (of(device) returns a static), and is joined at exit.
+// the process (of() returns a static), and is joined at exit.
 #pragma once
 
 #include <condition_variable>
@@ -22,14 +24,17 @@
 
 namespace zeroshard::comm::nccl {
 
+class NcclApi;
+
 class IssueThread {
  public:
   using Task = std::function<bool()>;
 
-  // The thread of CUDA device `device` (created on first use).
-  static IssueThread& of(int device);
+  // The thread of device `device` of `api` (created on first use; it makes
+  // `device` current before its first task).
+  static IssueThread& of(NcclApi& api, int device);
 
-  explicit IssueThread(int device);
+  IssueThread(NcclApi& api, int device);
   ~IssueThread();
   IssueThread(const IssueThread&) = delete;
   IssueThread& operator=(const IssueThread&) = delete;
@@ -41,6 +46,7 @@ class IssueThread {
  private:
   void loop();
 
+  NcclApi& api_;
   const int device_;
   std::mutex mu_;
   std::condition_variable cv_;
