@@ -17,6 +17,11 @@ set(ZS_NCCL_ROOT "" CACHE PATH "NCCL to build against (default: the one beside L
 # configure cannot stop this one.
 set(CMAKE_CUDA_COMPILER "${ZS_NVCC}" CACHE FILEPATH "The CUDA compiler (nvcc)" FORCE)
 set(CMAKE_CUDA_ARCHITECTURES ${ZS_CUDA_ARCHITECTURES})
+# The shared CUDA runtime: CMake's default is cudart_static, which a program linking
+# zeroshard_cuda would carry beside the libcudart.so.N that LibTorch loads. The runtime a
+# program links follows the program's CUDA_RUNTIME_LIBRARY (initialized from this
+# variable), not the library's, so it is set for every target created from here on.
+set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
 enable_language(CUDA)
 set(CMAKE_CUDA_FLAGS "${_zs_user_cuda_flags}")
 # torch::cudart is the wheel's libcudart (cmake/torch.cmake); our C++ files that include
@@ -49,7 +54,7 @@ message(STATUS "zeroshard: NCCL ${_zs_nccl_version} (${ZS_NCCL_LIBRARY}), GPU co
 add_library(zeroshard_cuda STATIC src/optim/cuda/adamw.cu)
 set_target_properties(zeroshard_cuda PROPERTIES
   CUDA_ARCHITECTURES "${ZS_CUDA_ARCHITECTURES}" CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON
-  POSITION_INDEPENDENT_CODE ON UNITY_BUILD OFF)
+  CUDA_RUNTIME_LIBRARY Shared POSITION_INDEPENDENT_CODE ON UNITY_BUILD OFF)
 target_include_directories(zeroshard_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # No multiply-add contraction: the device computes the CPU kernel's bits (adamw_math.h).
 target_compile_options(zeroshard_cuda PRIVATE -fmad=false -Xcompiler=-Wall,-Wextra,-Wno-unused-parameter)
