@@ -162,7 +162,9 @@ TEST(NcclHost, ALaunchThatNeverEndsFailsBlockAndAbortsTheCommunicator) {
 // An operation still in flight when its communicator is destroyed keeps its
 // tensors until NCCL has flushed or aborted the communicator, then fails.
 TEST(NcclHost, DestroyKeepsInFlightTensorsUntilTheCommunicatorIsClosed) {
-  FakeNccl fake;
+  FakeNccl::Options o;
+  o.lazy_connect = false;  // the launch ends at once: the operation waits on the stream, for rank 1
+  FakeNccl fake(o);
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
   std::atomic<int> alive_at_teardown{0}, teardowns{0};
   fake.on_teardown([&](const std::string& call) {
