@@ -148,6 +148,12 @@ int bart_pretrain_main(int argc, char** argv) {
                  "GPU of its own")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--device-comm", o.device_comm,
+                 "with --device cuda, the ranks' collectives: auto (NCCL when every local rank has a GPU of its own, "
+                 "else staged through host memory), nccl (always; ranks sharing a GPU need NCCL 2.30's "
+                 "NCCL_MULTI_RANK_GPU_ENABLE=1, or a NCCL_HOSTID of their own each), or staged")
+      ->check(CLI::IsMember({"auto", "nccl", "staged"}))
+      ->capture_default_str();
   app.add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints; 'none': no checkpoints)");
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
   app.add_flag("--async-save", o.async_save, "write checkpoints in the background");

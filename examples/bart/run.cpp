@@ -199,7 +199,10 @@ int run_pretraining(const RunOptions& o) {
   // The device: cpu, or this rank's GPU; the sharding's collectives follow it
   // (agreement, validation sums and checkpoints stay on the CPU communicator).
   const torch::Device device = training_device(o.device);
-  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device);
+  const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
+                         : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
+                                                     : zeroshard::DeviceTransport::kAuto;
+  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device, {}, transport);
   const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
   auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
   int64_t numel = 0;

@@ -37,6 +37,7 @@ struct RunOptions {
   int stage = 3;
   std::string precision = "fp32";
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
+  std::string device_comm = "auto";  // cuda: auto, nccl or staged (zeroshard::DeviceTransport)
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
   int64_t save_every = 100;
   bool async_save = false;

@@ -203,11 +203,22 @@ ProcessGroup init_nccl(std::shared_ptr<Communicator> cpu, c10::Device device, co
 // Work::block(stream): `stream`). Not collective: it makes no connection.
 ProcessGroup stage_through_host(std::shared_ptr<Communicator> cpu, c10::Device device);
 
+// How device_group moves a GPU's tensors.
+enum class DeviceTransport {
+  kAuto,    // NCCL when this node's ranks have a GPU each, else staged through host memory
+  kNccl,    // NCCL always: several ranks on one GPU need NCCL 2.30's NCCL_MULTI_RANK_GPU_ENABLE or,
+            // before it, a NCCL_HOSTID of their own per process (then NCCL's socket transport on lo)
+  kStaged,  // stage_through_host always
+};
+std::string to_string(DeviceTransport transport);
+
 // The process group of a trainer whose model is on `device`: `cpu` itself for
-// the CPU; for CUDA, NCCL (init_nccl) when this node's ranks have a GPU each
-// (LOCAL_WORLD_SIZE <= the GPUs visible), else stage_through_host, with a
-// warning (NCCL before 2.30 refuses two ranks on one GPU). Collective over `cpu`.
-ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {});
+// the CPU; for CUDA, by `transport`: with kAuto NCCL (init_nccl) when this
+// node's ranks have a GPU each (LOCAL_WORLD_SIZE <= the GPUs visible), else
+// stage_through_host, with a warning (NCCL before 2.30 refuses two ranks on one
+// GPU). Collective over `cpu`.
+ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {},
+                          DeviceTransport transport = DeviceTransport::kAuto);
 
 // Where this process sits in the job, read from the environment.
 struct DistEnv {

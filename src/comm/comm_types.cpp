@@ -69,7 +69,17 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Communicator> data_, std::shared_ptr<
                     "; pair each device communicator with the CPU communicator it was made from");
 }
 
-ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options) {
+std::string to_string(DeviceTransport transport) {
+  switch (transport) {
+    case DeviceTransport::kAuto: return "auto";
+    case DeviceTransport::kNccl: return "nccl";
+    case DeviceTransport::kStaged: return "staged";
+  }
+  return "?";
+}
+
+ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options,
+                          DeviceTransport transport) {
   TORCH_CHECK_VALUE(cpu != nullptr, "device_group: the CPU communicator is null; pass zeroshard::init_communicator()");
   if (device.is_cpu()) return ProcessGroup::of(std::move(cpu));
   TORCH_CHECK_VALUE(device.is_cuda(), "device_group: no collectives for ", device, " tensors; use cpu or cuda");
@@ -77,7 +87,8 @@ ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device,
   TORCH_CHECK_VALUE(gpus > 0, "device_group: ", device, " was asked for but no CUDA device is visible (",
                     "CUDA_VISIBLE_DEVICES, or a zeroshard built against a CPU LibTorch); use cpu");
   const int local = read_dist_env().local_world_size;
-  if (local > gpus) {
+  if (transport == DeviceTransport::kStaged) return stage_through_host(std::move(cpu), device);
+  if (transport == DeviceTransport::kAuto && local > gpus) {
     log_warn("device_group: " + std::to_string(local) + " ranks on this node share " + std::to_string(gpus) +
              " GPU(s); their collectives go through host memory (stage_through_host), since NCCL refuses two "
              "ranks on one GPU. Give each rank a GPU of its own for NCCL");
