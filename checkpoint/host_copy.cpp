@@ -27,16 +27,16 @@ HostCopier::Device& HostCopier::of(c10::Device device) {
   TORCH_INTERNAL_ASSERT(false, "HostCopier: no mark was recorded for ", device);
 }
 
-at::Tensor HostCopier::copy(const at::Tensor& t) {
-  if (t.device().is_cpu()) return t.clone().contiguous();
+at::Tensor HostCopier::copy(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.device().is_cpu()) return t.to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
   auto& d = of(t.device());
   if (!d.side) {
     const c10::impl::VirtualGuardImpl guard(d.device.type());
     d.side = guard.getStreamFromGlobalPool(d.device);
     d.ready->block(*d.side);
   }
-  auto host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  c10::StreamGuard on(*d.side);
+  auto host = at::empty(t.sizes(), t.options().dtype(dtype).device(at::kCPU).pinned_memory(true));
+  c10::StreamGuard on(*d.side);  // a dtype conversion runs on the side stream too
   host.copy_(t, /*non_blocking=*/true);
   sources_.push_back(t);  // a temporary would go back to its stream's pool while the side stream reads it
   return host;

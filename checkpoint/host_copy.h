@@ -28,7 +28,12 @@ class HostCopier {
   explicit HostCopier(const std::vector<at::Tensor>& tensors);
 
   // A contiguous host copy of `t` (queued on the side stream for a device tensor).
-  at::Tensor copy(const at::Tensor& t);
+  at::Tensor copy(const at::Tensor& t) { return copy(t, t.scalar_type()); }
+  // The same, converted to `dtype`. On a device the conversion runs on the side
+  // stream too, after the recorded position: never convert on the producer's
+  // stream first (t.to(dtype) there would be queued after the position the
+  // side stream waits for, and the copy could read it before it is written).
+  at::Tensor copy(const at::Tensor& t, at::ScalarType dtype);
   // Waits until every copy of a device tensor has landed in host memory.
   void finish();
 

@@ -68,7 +68,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
       snap.deferred = defer;
       at::Tensor grad;
       if (snap.gradients) {
-        grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end).to(at::kFloat))
+        grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end), at::kFloat)
                                       : at::zeros({local.size()}, at::kFloat);
       }
       snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad});
