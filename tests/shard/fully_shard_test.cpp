@@ -32,21 +32,24 @@ void schedule(torch::optim::Optimizer& opt, int step) {
   }
 }
 
+// On the tests' device, as the sharded run (a GPU run compares cuBLAS with cuBLAS).
 torch::Tensor oracle(int micro, double clip, bool groups = false) {
   torch::manual_seed(9);
   Tiny m;
+  const auto device = testing::test_device();
+  m->to(device);
   torch::optim::AdamW opt = groups ? torch::optim::AdamW(two_groups(*m), kAdamW) : torch::optim::AdamW(m->parameters(), kAdamW);
   for (int s = 0; s < kSteps; ++s) {
     if (groups) schedule(opt, s);
     for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
     for (int k = 0; k < micro; ++k) {
       auto [x, y] = batch(s, k);
-      (torch::mse_loss(m->forward(x), y) / micro).backward();
+      (torch::mse_loss(m->forward(x.to(device)), y.to(device)) / micro).backward();
     }
     if (clip > 0) torch::nn::utils::clip_grad_norm_(m->parameters(), clip);
     opt.step();
   }
-  return flat(m);
+  return flat(m).cpu();
 }
 
 struct Config {

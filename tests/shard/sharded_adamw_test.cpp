@@ -95,16 +95,19 @@ struct Trajectory {
 
 const double kLr = 1e-2;
 
+// On the tests' device, as the sharded run (a GPU run compares cuBLAS with cuBLAS).
 Trajectory run_oracle(const Config& c) {
   torch::manual_seed(42);
   Net net;
+  const auto device = testing::test_device();
+  net->to(device);
   torch::optim::AdamW opt(groups_of(net, kLr));
   Trajectory t;
   for (int s = 0; s < c.steps; ++s) {
     for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // set_to_none
     for (int k = 0; k < c.micro; ++k) {
       auto [x, y] = batch(s, k);
-      (torch::mse_loss(net->forward(x, s), y) / c.micro).backward();
+      (torch::mse_loss(net->forward(x.to(device), s), y.to(device)) / c.micro).backward();
     }
     const double max_norm = c.clip_call > 0 ? c.clip_call : c.clip_option;
     if (max_norm > 0) {
@@ -119,7 +122,7 @@ Trajectory run_oracle(const Config& c) {
       o.lr(o.lr() * 0.95);
     }
   }
-  t.params = flat(net);
+  t.params = flat(net).cpu();
   return t;
 }
 
