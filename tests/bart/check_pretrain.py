@@ -370,7 +370,7 @@ def check_bad_input(build, work):
         (["--noise-smoothing", "1"], ["--noise-smoothing 1: must be in [0, 1)"]),
         (["--sample-sentences", "0"], ["--sample-sentences 0: must be at least 1"]),
         (["--stage", "4"], ["--stage 4: must be 0, 1, 2 or 3"]),
-        (["--device-comm", "gloo"], ["--device-comm: gloo not in {auto,nccl,staged}"]),
+        (["--device-comm", "gloo"], ["--device-comm 'gloo': must be auto, nccl or staged"]),
     ]
     for args, needles in cases:
         shutil.rmtree(d, ignore_errors=True)
