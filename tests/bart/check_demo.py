@@ -12,37 +12,40 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+
 src, build = sys.argv[1], os.path.abspath(sys.argv[2])
 run_dir = os.path.join(build, "demo_script_run")
 shutil.rmtree(run_dir, ignore_errors=True)
 env = dict(os.environ, STEPS="40", RUN_DIR=run_dir)
 p = subprocess.run([os.path.join(src, "scripts", "demo.sh"), build], capture_output=True, text=True, env=env, cwd=src)
 out = p.stdout + p.stderr
-assert p.returncode == 0, f"demo.sh exited {p.returncode}\n{out[-5000:]}"
+check(p.returncode == 0, f"demo.sh exited {p.returncode}\n{out[-5000:]}")
 for needle in ("simulating a spot preemption: rank 0 reached step 20", "restarting all ranks (restart 1 of 1)",
                "BART pretraining summary", "2 ranks, ZeRO stage 3", "interrupted  at step", "resumed      from the step-",
                "denoising    64 held-out sentences, greedy decoding:", "unmasked tokens reproduced",
                "masked ones recovered", "masked input:", "reconstruction:", "original:",
                "unsharded (one process, 16 bytes/parameter)", "efficiency   gradient noise scale"):
-    assert needle in out, f"'{needle}' missing from the demo's output:\n{out[-5000:]}"
+    check(needle in out, f"'{needle}' missing from the demo's output:\n{out[-5000:]}")
 for f in ("metrics.jsonl", "loss.png", "trace-rank-0.json", "trace-rank-1.json", "trace-rank-0.restart-1.json",
           "checkpoints/latest"):
-    assert os.path.exists(os.path.join(run_dir, f)), f"the demo promised {f}"
+    check(os.path.exists(os.path.join(run_dir, f)), f"the demo promised {f}")
 with open(os.path.join(run_dir, "trace-rank-0.restart-1.json")) as f:
     names = {e["args"]["name"] for e in json.load(f)["traceEvents"] if e["name"] == "thread_name"}
-assert "training" in names and any(n.startswith("communicator") for n in names), names
+check("training" in names and any(n.startswith("communicator") for n in names), names)
 steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"event"' not in line]
-assert steps == list(range(1, 41)), steps
+check(steps == list(range(1, 41)), steps)
 summary = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"summary"' in line][-1]
 d = summary["denoising"]
-assert d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_tokens"] > 64, d
+check(d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_tokens"] > 64, d)
 for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_recovered")):
-    assert 0 <= d[right] <= d[kind + "_tokens"], d
-    assert abs(d[kind + "_accuracy"] - d[right] / d[kind + "_tokens"]) < 1e-12, d
+    check(0 <= d[right] <= d[kind + "_tokens"], d)
+    check(abs(d[kind + "_accuracy"] - d[right] / d[kind + "_tokens"]) < 1e-12, d)
 # The masked share is the noise's: 30% of the tokens in spans (the last span trimmed to land on it).
 share = d["masked_tokens"] / (d["masked_tokens"] + d["unmasked_tokens"])
-assert 0.25 < share < 0.35, share
-assert summary["sample"]["original"] and summary["sample"]["masked"].count("<mask>") >= 1, summary["sample"]
+check(0.25 < share < 0.35, share)
+check(summary["sample"]["original"] and summary["sample"]["masked"].count("<mask>") >= 1, summary["sample"])
 print("demo: interrupted at step 20 through the launcher, restarted, resumed, summary and files present; "
       f"after 40 steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
       f"{100 * d['masked_accuracy']:.1f}% of {d['masked_tokens']} masked recovered")

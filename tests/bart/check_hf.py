@@ -25,6 +25,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -180,7 +183,7 @@ def logits_batch(tokenizer_dir, bos, eos, pad):
     tok = ByteLevelBPETokenizer(os.path.join(tokenizer_dir, "vocab.json"), os.path.join(tokenizer_dir, "merges.txt"),
                                 add_prefix_space=False)
     examples = validation_examples(read_texts(DATA), lambda b: tok.encode(b.decode("utf-8")).ids, LOGITS_BATCH)
-    assert len(examples) == LOGITS_BATCH, f"the corpus under {DATA} has {len(examples)} validation examples"
+    check(len(examples) == LOGITS_BATCH, f"the corpus under {DATA} has {len(examples)} validation examples")
     rows = [[bos, *e, eos] for e in examples]
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), pad, dtype=torch.long)
@@ -215,11 +218,13 @@ def hf_logits(model, ids, mask, decoder):
 def compare_logits(what, ours_path, theirs, vocab):
     ours = np.fromfile(ours_path, dtype=np.float32)
     ref = theirs["sdpa"]
-    assert ours.size == ref.size, (
+    check(ours.size == ref.size, (
         f"{what}: --save-logits wrote {ours.size} floats, the rebuilt batch gives {list(ref.shape)} = {ref.size}: "
-        f"the batch rebuilt here is not the one run.cpp evaluates (corpus.cpp or the tokenizer changed?)")
+        f"the batch rebuilt here is not the one run.cpp evaluates (corpus.cpp or the tokenizer changed?)"))
     ours = ours.reshape(ref.shape)
-    assert ref.shape[-1] == vocab and np.isfinite(ours).all()
+    check(ref.shape[-1] == vocab and np.isfinite(ours).all(),
+          lambda: f"{what}: {ref.shape[-1]} logits per position for a vocabulary of {vocab}; "
+                  f"{int((~np.isfinite(ours)).sum())} of our {ours.size} logits not finite")
     scale = float(np.max(np.abs(ref)))
     exact = theirs["fp64"]
     report = {"ours_vs_fp64": float(np.abs(ours - exact).max()) / scale,
@@ -230,10 +235,10 @@ def compare_logits(what, ours_path, theirs, vocab):
         worst = float(diff.max())
         at = np.unravel_index(int(diff.argmax()), diff.shape)
         report[impl] = worst
-        assert worst <= FP32_BOUND * scale, (
+        check(worst <= FP32_BOUND * scale, (
             f"{what}: logits differ from Hugging Face's ({impl} attention): max |diff| {worst:.3e} at (example, "
             f"position, token) {tuple(int(x) for x in at)}: ours {ours[at]:.6f}, HF {t[at]:.6f}; bound "
-            f"{FP32_BOUND} x max |logit| {scale:.3f} = {FP32_BOUND * scale:.3e}")
+            f"{FP32_BOUND} x max |logit| {scale:.3f} = {FP32_BOUND * scale:.3e}"))
     return list(ref.shape), scale, report
 
 
@@ -270,7 +275,7 @@ def check_export(build, work):
     run([os.path.join(build, "zeroshard-ckpt"), "export", os.path.join(d, "checkpoints"), st, "--safetensors",
          "--buffers"])
     tensors = read_safetensors(st)
-    assert "final_logits_bias" in tensors, "--buffers did not export final_logits_bias"
+    check("final_logits_bias" in tensors, "--buffers did not export final_logits_bias")
     # config.json: nothing of ours writes one (neither zeroshard-ckpt export nor bart_pretrain), so it is made
     # here from the tiny config's numbers, each shape checked against the exported tensors.
     vocab_json, bos, eos, pad = special_ids(os.path.join(d, "tokenizer"))
@@ -280,20 +285,20 @@ def check_export(build, work):
     ffn = tensors["model.encoder.layers.0.fc1.weight"].shape[0]
     positions = tensors["model.encoder.embed_positions.weight"].shape[0] - 2  # BART's offset of 2
     got = dict(d_model=d_model, layers=layers, heads=TINY["heads"], ffn_dim=ffn, max_position_embeddings=positions)
-    assert got == TINY and dec_layers == layers, (f"the export is not the tiny config: {got}, "
-                                                  f"{dec_layers} decoder layers")
-    assert vocab == max(vocab_json.values()) + 1, (vocab, len(vocab_json))
+    check(got == TINY and dec_layers == layers, f"the export is not the tiny config: {got}, "
+                                                f"{dec_layers} decoder layers")
+    check(vocab == max(vocab_json.values()) + 1, (vocab, len(vocab_json)))
     hf_config(vocab, pad, bos, eos, d_model, layers, TINY["heads"], ffn, positions).save_pretrained(hf_dir)
     model, info = BartForConditionalGeneration.from_pretrained(hf_dir, output_loading_info=True)
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        assert not info[k], f"from_pretrained({hf_dir}): {k} {sorted(info[k])[:10]}"
+        check(not info[k], lambda: f"from_pretrained({hf_dir}): {k} {sorted(info[k])[:10]}")
     # Every tensor as exported, the head and both token embeddings tied to model.shared.
     state = model.state_dict()
     for name, t in tensors.items():
-        assert np.array_equal(state[name].numpy(), t), f"{name} differs after from_pretrained"
+        check(np.array_equal(state[name].numpy(), t), f"{name} differs after from_pretrained")
     shared = state["model.shared.weight"]
     for tied in ("lm_head.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
-        assert torch.equal(state[tied], shared), f"{tied} is not model.shared.weight after from_pretrained"
+        check(torch.equal(state[tied], shared), f"{tied} is not model.shared.weight after from_pretrained")
 
     logits = os.path.join(work, "logits_ours.f32")
     pretrain(build, d, 2, "--max-steps", str(steps), "--eval-every", "0", "--no-sample", *NO_NOISE,
@@ -339,7 +344,8 @@ def check_import(build, work):
     model.save_pretrained(hf_dir)
     st = os.path.join(hf_dir, "model.safetensors")
     saved = read_safetensors(st)
-    assert "final_logits_bias" in saved and "model.shared.weight" in saved, sorted(saved)[:10]
+    check("final_logits_bias" in saved and "model.shared.weight" in saved,
+          lambda: f"{st} lacks final_logits_bias or model.shared.weight: {sorted(saved)[:10]}")
     run([os.path.join(build, "zeroshard-ckpt"), "import", st, os.path.join(d, "checkpoints"), "--safetensors",
          "--step", "1"])
     # Our side reads Hugging Face's config.json (--config) and the vocabulary; the imported step is 1 and so is
@@ -450,14 +456,15 @@ def check_tokenizer(build, work):
     classes = hf_classes()
     table = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "bart",
                          "unicode_classes.h")
-    assert os.path.exists(table), f"{table} is missing (tokenizer.cpp's Unicode classes)"
+    check(os.path.exists(table), f"{table} is missing (tokenizer.cpp's Unicode classes)")
     for name, c in (("kLetters", "L"), ("kNumbers", "N")):
         want, got = ranges_of(classes, c), header_ranges(table, name)
         first = next(((a, b) for a, b in zip(got + [None] * len(want), want + [None] * len(got)) if a != b), None)
-        assert got == want, (f"unicode_classes.h {name}: {len(got)} ranges, tokenizers' pre-tokenizer gives "
-                             f"{len(want)}; first difference (ours, theirs): {first}")
+        check(got == want, f"unicode_classes.h {name}: {len(got)} ranges, tokenizers' pre-tokenizer gives "
+                           f"{len(want)}; first difference (ours, theirs): {first}")
     spaces = [cp for cp, k in enumerate(classes) if k == "S"]
-    assert spaces == WHITESPACE, f"tokenizers' \\s is {[hex(c) for c in spaces]}; tokenizer.cpp's is_space differs"
+    check(spaces == WHITESPACE,
+          lambda: f"tokenizers' \\s is {[hex(c) for c in spaces]}; tokenizer.cpp's is_space differs")
 
     # 2. A vocabulary trained by tokenizers, loaded by ours.
     tok_dir = os.path.join(work, "vocab")
@@ -475,7 +482,7 @@ def check_tokenizer(build, work):
     hf = ByteLevelBPETokenizer(vocab, merges, add_prefix_space=False)
     bart_tok = BartTokenizer(vocab=vocab, merges=merges, add_prefix_space=False)  # transformers 5: vocab=, merges=
     state = json.loads(hf._tokenizer.pre_tokenizer.__getstate__())
-    assert state["add_prefix_space"] is False and state["use_regex"] is True, state
+    check(state["add_prefix_space"] is False and state["use_regex"] is True, state)
 
     lines, whole = [], []
     for f in files:
@@ -488,11 +495,11 @@ def check_tokenizer(build, work):
     exe = os.path.join(build, "examples", "bart_pretrain")
     p = subprocess.run([exe, "encode", "--tokenizer", tok_dir], input=inp.encode("utf-8"), capture_output=True)
     err = p.stderr.decode("utf-8", "replace")
-    assert p.returncode == 0, (f"{exe} encode --tokenizer {tok_dir}: exit {p.returncode}"
-                               + (" (a bart_pretrain without the encode subcommand: rebuild it)"
-                                  if "encode" in err and "not expected" in err else "") + f"\n{err[-3000:]}")
+    check(p.returncode == 0, f"{exe} encode --tokenizer {tok_dir}: exit {p.returncode}"
+                             + (" (a bart_pretrain without the encode subcommand: rebuild it)"
+                                if "encode" in err and "not expected" in err else "") + f"\n{err[-3000:]}")
     ours = [json.loads(line) for line in p.stdout.decode("utf-8").splitlines()]
-    assert len(ours) == len(texts), f"bart_pretrain encode printed {len(ours)} lines for {len(texts)} texts"
+    check(len(ours) == len(texts), f"bart_pretrain encode printed {len(ours)} lines for {len(texts)} texts")
     theirs = [e.ids for e in hf.encode_batch(texts)]
     bad = [(t, a, b, "tokenizers") for t, a, b in zip(texts, ours, theirs) if a != b]
     skipped = 0
@@ -523,8 +530,8 @@ def check_tokenizer(build, work):
 
 
 if __name__ == "__main__":
-    build, work, check = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
-    work = os.path.abspath(os.path.join(work, "hf_" + check))  # the checks may run at the same time
+    build, work, which = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
+    work = os.path.abspath(os.path.join(work, "hf_" + which))  # the checks may run at the same time
     os.makedirs(work, exist_ok=True)
-    {"export": check_export, "import": check_import, "tokenizer": check_tokenizer}[check](build, work)
+    {"export": check_export, "import": check_import, "tokenizer": check_tokenizer}[which](build, work)
     print("OK")

@@ -28,8 +28,10 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "checkpoint"))
 from check_cli import read_safetensors  # noqa: E402  (a plain JSON + numpy reader)
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
 
 DATA = "/usr/share/common-licenses"
 VAL_DROP = 0.75  # converge: final validation loss < 0.75 x the initial one (ln(2048) = 7.6 at the start)
@@ -71,16 +73,19 @@ def check_converge(build, work):
         pretrain(build, d, nproc, "--max-steps", "200", "--eval-every", "100", "--ckpt-dir", "none", "--no-sample")
         m = metrics(d)
         val = [(r["step"], r["val_loss"]) for r in m if r.get("event") == "validation"]
-        assert val[0][0] == 0 and val[-1][0] == 200, val
+        check(val[0][0] == 0 and val[-1][0] == 200, val)
         first, last = val[0][1], val[-1][1]
         ranks = max(nproc, 1)
         print(f"converge: {ranks} rank(s), ZeRO-3: validation loss {first:.3f} -> {last:.3f} "
               f"({last / first:.2f}x; must be < {VAL_DROP})")
-        assert abs(first - np.log(2048)) < 0.1, f"the untrained model's loss {first} should be about ln(vocab)"
-        assert last < VAL_DROP * first, f"{ranks} rank(s): validation loss {first} -> {last} did not fall below {VAL_DROP}x"
+        check(abs(first - np.log(2048)) < 0.1, f"the untrained model's loss {first} should be about ln(vocab)")
+        check(last < VAL_DROP * first, f"{ranks} rank(s): validation loss {first} -> {last} did not fall below {VAL_DROP}x")
         summary = [r for r in m if r.get("event") == "summary"][-1]
-        assert summary["ranks"] == ranks and summary["steps"] == 200
-        assert len(summary["peak_rss_bytes"]) == ranks
+        check(summary["ranks"] == ranks and summary["steps"] == 200,
+              f"{ranks} rank(s): the summary says {summary['ranks']} ranks and {summary.get('steps')} steps, "
+              f"expected {ranks} and 200")
+        check(len(summary["peak_rss_bytes"]) == ranks,
+              f"{ranks} rank(s): the summary's peak_rss_bytes {summary['peak_rss_bytes']} is not one per rank")
 
 
 def check_equal_ranks(build, work):
@@ -103,26 +108,27 @@ def check_equal_ranks(build, work):
     for n, d in dirs.items():
         steps = [r for r in metrics(d) if "event" not in r]
         for r in steps:
-            assert (r["noise_scale"] is None or r["noise_scale"] >= 0) and 0 < r["efficiency"] <= 1, (n, r)  # None: inf
-            assert abs(r["goodput"] - r["efficiency"] * r["tokens_per_s"]) <= 1e-6 * r["goodput"] + 1e-9, (n, r)
+            check((r["noise_scale"] is None or r["noise_scale"] >= 0) and 0 < r["efficiency"] <= 1, (n, r))  # None: inf
+            check(abs(r["goodput"] - r["efficiency"] * r["tokens_per_s"]) <= 1e-6 * r["goodput"] + 1e-9, (n, r))
         summary = [r for r in metrics(d) if r.get("event") == "summary"][-1]
-        assert 0 < summary["efficiency"] <= 1 and summary["goodput"] <= summary["tokens_per_s"], (n, summary)
+        check(0 < summary["efficiency"] <= 1 and summary["goodput"] <= summary["tokens_per_s"], (n, summary))
     for n in dirs:
-        assert len(losses[n]) == 10, (n, losses[n])
+        check(len(losses[n]) == 10, (n, losses[n]))
         worst = max(abs(a - b) / abs(a) for a, b in zip(losses[0], losses[n]))
         what = "ZeRO-3" if n == 4 else "ZeRO-" + n[-1] if n else None
         if what:
             print(f"equal_ranks: per-step loss, 1 rank vs 4 ranks {what}, max relative difference {worst:.2e}")
-        assert worst < 1e-5, (n, losses[0], losses[n])
+        check(worst < 1e-5, (n, losses[0], losses[n]))
     _, p1 = exported(build, dirs[0], os.path.join(work, "equal_np0.safetensors"))
     _, p4 = exported(build, dirs[4], os.path.join(work, "equal_np4.safetensors"))
-    assert p1.keys() == p4.keys()
+    check(p1.keys() == p4.keys(),
+          lambda: f"the 1- and 4-rank exports' names differ: {sorted(p1.keys() ^ p4.keys())[:10]}")
     worst = 0.0
     for k in p1:
         a, b = p1[k][1], p4[k][1]
         worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
         # Adam normalises updates: float rounding moves a parameter by well under lr (1e-3 peak, 3.3e-4 at step 10).
-        assert np.allclose(a, b, rtol=1e-4, atol=2e-5), f"{k}: max |diff| {np.max(np.abs(a - b))}"
+        check(np.allclose(a, b, rtol=1e-4, atol=2e-5), lambda: f"{k}: max |diff| {np.max(np.abs(a - b))}")
     print(f"equal_ranks: parameters after 10 steps, max |difference| {worst:.2e} over {len(p1)} tensors")
 
 
@@ -134,18 +140,19 @@ def check_resume(build, work):
     pretrain(build, ref, 4, *common)
     shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(cut, "tokenizer"))
     out = pretrain(build, cut, 4, *common, launcher_args=["--max-restarts", "1", "--simulate-preemption-at-step", "20"])
-    assert "simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:]
+    check("simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:])
     summary = [r for r in metrics(cut) if r.get("event") == "summary"][-1]
     stop = summary["interruptions"][0]["step"]
-    assert 20 <= stop < 40 and summary["resumed"]["step"] == stop, summary
+    check(20 <= stop < 40 and summary["resumed"]["step"] == stop, summary)
     # The resumed run's metrics file reads as one run: steps 1..40, once each.
     steps = [r["step"] for r in metrics(cut) if "event" not in r]
-    assert steps == list(range(1, 41)), steps
+    check(steps == list(range(1, 41)), steps)
     a_header, a = exported(build, ref, os.path.join(work, "resume_ref.safetensors"), "--buffers")
     b_header, b = exported(build, cut, os.path.join(work, "resume_cut.safetensors"), "--buffers")
-    assert a.keys() == b.keys()
+    check(a.keys() == b.keys(),
+          lambda: f"the interrupted and uninterrupted exports' names differ: {sorted(a.keys() ^ b.keys())[:10]}")
     for k in a:
-        assert np.array_equal(a[k][1], b[k][1]), f"{k} differs after the interruption at step {stop}"
+        check(np.array_equal(a[k][1], b[k][1]), f"{k} differs after the interruption at step {stop}")
     # The AdamW moments too: the consolidated HDF5 files, read with h5py.
     import h5py
     files = []
@@ -155,14 +162,14 @@ def check_resume(build, work):
         files.append(h5py.File(out_h5, "r"))
     names = []
     files[0].visit(lambda n: names.append(n) if isinstance(files[0][n], h5py.Dataset) else None)
-    assert any(n.startswith("optimizer/") for n in names), names[:10]
+    check(any(n.startswith("optimizer/") for n in names), names[:10])
     for n in names:
-        assert np.array_equal(files[0][n][()], files[1][n][()]), f"{n} differs after the interruption"
+        check(np.array_equal(files[0][n][()], files[1][n][()]), f"{n} differs after the interruption")
     # The gradient noise scale's averages travel in the checkpoint: the resumed run goes on from them.
     noise = [[(r["step"], r.get("noise_scale"), r.get("efficiency")) for r in metrics(d) if "event" not in r]
              for d in (ref, cut)]
-    assert all(e is not None for _, _, e in noise[0]), noise[0][:3]
-    assert noise[0] == noise[1], [(a, b) for a, b in zip(*noise) if a != b][:3]
+    check(all(e is not None for _, _, e in noise[0]), noise[0][:3])
+    check(noise[0] == noise[1], lambda: [(a, b) for a, b in zip(*noise) if a != b][:3])
     print(f"resume: SIGTERM at step {stop} of 40 through zeroshard-run, restart, resume: {len(a)} parameters and "
           f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run")
 
@@ -179,8 +186,8 @@ def check_safetensors(build, work):
                  "model.encoder.layers.0.self_attn.q_proj.weight", "model.encoder.layers.1.fc2.bias",
                  "model.decoder.layers.0.encoder_attn.out_proj.weight", "model.decoder.layers.1.final_layer_norm.weight",
                  "final_logits_bias"):
-        assert name in tensors, f"{name} missing from the export: {sorted(tensors)[:8]}..."
-    assert tensors["model.encoder.embed_positions.weight"][1].shape[0] == 256 + 2, "BART's position offset of 2"
+        check(name in tensors, lambda: f"{name} missing from the export: {sorted(tensors)[:8]}...")
+    check(tensors["model.encoder.embed_positions.weight"][1].shape[0] == 256 + 2, "BART's position offset of 2")
     run([os.path.join(build, "zeroshard-ckpt"), "import", st, os.path.join(d2, "checkpoints"), "--safetensors",
          "--step", "30"])
     l1, l2 = os.path.join(work, "logits_trained.f32"), os.path.join(work, "logits_imported.f32")
@@ -188,8 +195,10 @@ def check_safetensors(build, work):
     pretrain(build, d2, 2, "--max-steps", "30", "--save-logits", l2, "--no-sample",
              "--tokenizer", os.path.join(d, "tokenizer"))
     a, b = np.fromfile(l1, dtype=np.float32), np.fromfile(l2, dtype=np.float32)
-    assert a.size > 0 and a.size == b.size and np.isfinite(a).all()
-    assert np.array_equal(a, b), f"logits differ: max |diff| {np.max(np.abs(a - b))}"
+    check(a.size > 0 and a.size == b.size and np.isfinite(a).all(),
+          lambda: f"logits: {a.size} from the trained model, {b.size} from the re-imported one; "
+                  f"{int((~np.isfinite(a)).sum())} of the trained model's not finite")
+    check(np.array_equal(a, b), lambda: f"logits differ: max |diff| {np.max(np.abs(a - b))}")
     print(f"safetensors: {len(tensors)} tensors exported with Hugging Face names, re-imported: {a.size} logits identical")
 
 
@@ -209,9 +218,9 @@ def check_bf16(build, work):
     stages = max(abs(x - y) / x for x, y in zip(b3, b2))
     print(f"bf16: first loss {b3[0]:.4f} vs fp32 {f[0]:.4f} (rel. {first:.1e}); ZeRO-2 vs ZeRO-3 max rel. {stages:.1e}; "
           f"loss {b3[0]:.3f} -> {b3[-1]:.3f} (fp32 {f[0]:.3f} -> {f[-1]:.3f})")
-    assert first < 1e-2, (b3[0], f[0])
-    assert stages < 1e-2, (b3, b2)
-    assert b3[-1] < 0.9 * b3[0] and abs(b3[-1] - f[-1]) / f[-1] < 0.05, (b3, f)
+    check(first < 1e-2, (b3[0], f[0]))
+    check(stages < 1e-2, (b3, b2))
+    check(b3[-1] < 0.9 * b3[0] and abs(b3[-1] - f[-1]) / f[-1] < 0.05, (b3, f))
 
 
 def check_pipeline(build, work):
@@ -250,24 +259,25 @@ def check_pipeline(build, work):
         # The global gradient norm too: the tied embedding's gradient counted once, however it is split.
         for kind in ("loss", "val_loss", "grad_norm"):
             want = losses(base, kind)
-            assert len(want) == (3 if kind == "val_loss" else 12), (base, kind, want)
+            check(len(want) == (3 if kind == "val_loss" else 12), (base, kind, want))
             for name in runs:
                 got = losses(name, kind)
-                assert got.keys() == want.keys(), (name, kind, got, want)
+                check(got.keys() == want.keys(), (name, kind, got, want))
                 worst = max(abs(got[k] - want[k]) / want[k] for k in want)
                 print(f"pipeline: {name} vs {base}: {kind} of {len(want)} steps within {worst:.1e} relative")
-                assert worst < 1e-6, (name, kind, got, want)
+                check(worst < 1e-6, (name, kind, got, want))
     # Metrics: this rank's bubble beside the formula (p-1)/(v*m+p-1).
     for name, formula in (("pp2_1f1b", 1 / 5), ("pp2_interleaved", 1 / 9), ("pp4", 3 / 7)):
         rows = [r for r in metrics(dirs[name]) if "event" not in r]
-        assert all(r["bubble_s"] >= 0 and abs(r["bubble_formula"] - formula) < 1e-12 for r in rows), (name, rows[0])
+        check(all(r["bubble_s"] >= 0 and abs(r["bubble_formula"] - formula) < 1e-12 for r in rows),
+              lambda: (name, rows[0]))
     summary = [r for r in metrics(dirs["pp2_1f1b"]) if r.get("event") == "summary"][-1]
-    assert summary["pp"] == 2 and summary["ranks"] == 4, summary
+    check(summary["pp"] == 2 and summary["ranks"] == 4, summary)
     # Goodput through the stages: every pipelined run measures the noise sample (pp4: dp 1, so each
     # microbatch's reduction is a small batch, as in the 1-rank run with 4 micro-batches it is set beside).
     for name in ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_gpipe", "pp2_interleaved", "pp4"):
         rows = [r for r in metrics(dirs[name]) if "event" not in r]
-        assert all(0 < r["efficiency"] <= 1 and r["goodput"] > 0 for r in rows), (name, rows[0])
+        check(all(0 < r["efficiency"] <= 1 and r["goodput"] > 0 for r in rows), lambda: (name, rows[0]))
     phi = {n: [r for r in metrics(dirs[n]) if "event" not in r][-1]["noise_scale"] for n in ("flat1", "pp4")}
     phi = {n: "inf" if v is None else f"{v:,.0f}" for n, v in phi.items()}
     print(f"pipeline: noise scale after 12 steps, pp4 {phi['pp4']} vs 1 rank {phi['flat1']} target tokens "
@@ -278,20 +288,20 @@ def check_pipeline(build, work):
             names = {e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"}
         send = "SEND_F" if stage == 0 else "SEND_B"
         for want in (f"{stage}F3", f"{stage}B3", f"{stage}{send}3 to pipeline rank {1 - stage}"):
-            assert want in names, (rank, want, sorted(names)[:40])
+            check(want in names, lambda: (rank, want, sorted(names)[:40]))
     # A preemption: every stage stops after the same step; the restart resumes bit-exact.
     out = train("pp2_cut", 4, "--pp", "2", "--stage", "3",
                 launcher_args=["--max-restarts", "1", "--simulate-preemption-at-step", "4"])
-    assert "simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:]
+    check("simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:])
     summary = [r for r in metrics(dirs["pp2_cut"]) if r.get("event") == "summary"][-1]
     stop = summary["interruptions"][0]["step"]
-    assert 4 <= stop < 12 and summary["resumed"]["step"] == stop, summary
-    assert losses("pp2_cut") == losses("pp2_1f1b"), (losses("pp2_cut"), losses("pp2_1f1b"))
+    check(4 <= stop < 12 and summary["resumed"]["step"] == stop, summary)
+    check(losses("pp2_cut") == losses("pp2_1f1b"), lambda: (losses("pp2_cut"), losses("pp2_1f1b")))
     _, a = exported(build, dirs["pp2_1f1b"], os.path.join(work, "pipe_ref.safetensors"), "--buffers")
     _, b = exported(build, dirs["pp2_cut"], os.path.join(work, "pipe_cut.safetensors"), "--buffers")
-    assert a.keys() == b.keys() and "lm_head.weight" not in a, sorted(a)[:5]
+    check(a.keys() == b.keys() and "lm_head.weight" not in a, lambda: sorted(a)[:5])
     for k in a:
-        assert np.array_equal(a[k][1], b[k][1]), f"{k} differs after the interruption at step {stop}"
+        check(np.array_equal(a[k][1], b[k][1]), f"{k} differs after the interruption at step {stop}")
     # Step 6's checkpoint resumed elsewhere at the same dp: losses of steps 7-12 as the run that went on.
     def resume_elsewhere(src, name, nproc, *extra):
         d = dirs[name] = os.path.join(work, "pipe_" + name)
@@ -302,10 +312,10 @@ def check_pipeline(build, work):
             f.write("step-00000006\n")
         train(name, nproc, *extra, fresh=False)
         got, want = losses(name), losses(src)
-        assert sorted(got) == list(range(1, 13)), got
+        check(sorted(got) == list(range(1, 13)), got)
         worst = max(abs(got[k] - want[k]) / want[k] for k in range(7, 13))
         print(f"pipeline: {src}'s checkpoint of step 6 resumed as {name}: losses of steps 7-12 within {worst:.1e}")
-        assert worst < 1e-6, (name, got, want)
+        check(worst < 1e-6, (name, got, want))
     resume_elsewhere("pp2_1f1b", "pp2_to_unpipelined_zero1", 2, "--stage", "1")
     resume_elsewhere("pp2_interleaved", "interleaved_to_unpipelined_zero3", 2, "--stage", "3")
     resume_elsewhere("flat2", "unpipelined_to_interleaved_zero1", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b",
@@ -326,9 +336,10 @@ def check_pipeline(build, work):
     _, want = exported(build, dirs["one_flat"], os.path.join(work, "pipe_one_flat.safetensors"))
     for name in ("one_pp2_gpipe_zero1", "one_pp3_1f1b_zero2", "one_pp2_interleaved_zero3"):
         _, got = exported(build, dirs[name], os.path.join(work, f"pipe_{name}.safetensors"))
-        assert got.keys() == want.keys()
+        check(got.keys() == want.keys(),
+              lambda: f"{name}: the export's names differ from one_flat's: {sorted(got.keys() ^ want.keys())[:10]}")
         differ = [k for k in want if not np.array_equal(want[k][1], got[k][1])]
-        assert differ == ["model.shared.weight"], (name, differ[:10])
+        check(differ == ["model.shared.weight"], (name, differ[:10]))
         print(f"pipeline: {name[4:]} after one step: {len(want) - 1} of {len(want)} tensors bit-identical to the "
               f"unpipelined run's, all but the tied embedding")
 
@@ -377,11 +388,11 @@ def check_bad_input(build, work):
         steps = [] if "--max-steps" in args else ["--max-steps", "1"]
         out = pretrain(build, d, 0, *steps, *args, expect=1)
         for n in needles:
-            assert n in out, f"{args}: '{n}' not in the error:\n{out}"
-        assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
-        assert not os.path.exists(os.path.join(d, "tokenizer")), f"{args}: a tokenizer was trained before the error"
+            check(n in out, lambda: f"{args}: '{n}' not in the error:\n{out}")
+        check("frame #" not in out, lambda: f"{args}: a C++ backtrace instead of a message:\n{out}")
+        check(not os.path.exists(os.path.join(d, "tokenizer")), f"{args}: a tokenizer was trained before the error")
     out = pretrain(build, d, 3, "--global-batch", "16", expect=1)
-    assert "--global-batch 16 must divide by the 3 data-parallel ranks" in out, out
+    check("--global-batch 16 must divide by the 3 data-parallel ranks" in out, out)
     pipeline_cases = [
         (["--pp", "3"], ["--pp 3 must divide the 2 ranks"]),
         (["--pp", "2", "--partition", "E e | d*2 L"], ["model.encoder.layers.1", "'E e | d*2 L'"]),
@@ -393,15 +404,15 @@ def check_bad_input(build, work):
         out = pretrain(build, d, 2, "--max-steps", "1", "--global-batch", "4", "--micro-batches", "2", *args,
                        expect=1)
         for n in needles:
-            assert n in out, f"{args}: '{n}' not in the error:\n{out[-3000:]}"
-        assert "frame #" not in out, f"{args}: a C++ backtrace instead of a message:\n{out}"
+            check(n in out, f"{args}: '{n}' not in the error:\n{out[-3000:]}")
+        check("frame #" not in out, lambda: f"{args}: a C++ backtrace instead of a message:\n{out}")
     print(f"bad_input: {len(cases) + 1 + len(pipeline_cases)} wrong inputs, each one named with its fix")
 
 
 if __name__ == "__main__":
-    build, work, check = sys.argv[1], sys.argv[2], sys.argv[3]
+    build, work, which = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"converge": check_converge, "equal_ranks": check_equal_ranks, "resume": check_resume,
      "safetensors": check_safetensors, "bad_input": check_bad_input, "pipeline": check_pipeline,
-     "bf16": check_bf16}[check](build, work)
+     "bf16": check_bf16}[which](build, work)
     print("OK")

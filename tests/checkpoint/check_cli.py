@@ -15,10 +15,14 @@ import tempfile
 import h5py
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+
 
 def ckpt(build, *args, expect=0):
     p = subprocess.run([os.path.join(build, "zeroshard-ckpt"), *args], capture_output=True, text=True)
-    assert p.returncode == expect, f"zeroshard-ckpt {' '.join(args)}: exit {p.returncode}, expected {expect}\n{p.stdout}{p.stderr}"
+    check(p.returncode == expect,
+          lambda: f"zeroshard-ckpt {' '.join(args)}: exit {p.returncode}, expected {expect}\n{p.stdout}{p.stderr}")
     return p.stdout + p.stderr
 
 
@@ -53,8 +57,9 @@ def main(build, run_dir):
     with open(os.path.join(run_dir, "latest")) as f:
         step_dir = os.path.join(run_dir, f.read().strip())
     manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
-    assert f"saved by {manifest['world_size']} ranks" in out and "embed.weight" in out, out
-    assert "OK" in ckpt(build, "verify", run_dir)
+    check(f"saved by {manifest['world_size']} ranks" in out and "embed.weight" in out, out)
+    out = ckpt(build, "verify", run_dir)
+    check("OK" in out, f"zeroshard-ckpt verify {run_dir}: no OK in its output:\n{out}")
 
     # verify: damaged copies are named, with the reason, and exit 1
     rank0 = manifest["files"][0]["name"]
@@ -67,7 +72,7 @@ def main(build, run_dir):
         shutil.copytree(step_dir, d)
         damage(d)
         out = ckpt(build, "verify", d, expect=1)
-        assert "BAD" in out and rank0 in out and reason in out, (what, out)
+        check("BAD" in out and rank0 in out and reason in out, (what, out))
     # a hand-edited manifest (the first piece one element longer): its checksum fails; without
     # manifest.xxh3 (older checkpoints) the pieces no longer cover the parameter exactly once
     for what, drop_sum, reason in [("edited", False, "fails its checksum"), ("edited-nosum", True, "do not cover")]:
@@ -81,18 +86,20 @@ def main(build, run_dir):
         if drop_sum:
             os.remove(os.path.join(d, "manifest.xxh3"))
         out = ckpt(build, "verify", d, expect=1)
-        assert "BAD" in out and reason in out, (what, out)
+        check("BAD" in out and reason in out, (what, out))
 
     # consolidate: every full parameter (and moment), read back by h5py
     cons = os.path.join(work, "full.h5")
     ckpt(build, "consolidate", run_dir, cons, "--moments")
     with h5py.File(cons, "r") as f:
         for p in manifest["params"]:
-            assert list(f[p["name"]].shape) == p["shape"], p["name"]
-            assert np.array_equal(f[p["name"]][:].reshape(-1).astype(np.float64), np.asarray(expected[p["name"]])), p["name"]
-            assert f["optimizer/exp_avg_sq/" + p["name"]].shape == f[p["name"]].shape
+            check(list(f[p["name"]].shape) == p["shape"], p["name"])
+            check(np.array_equal(f[p["name"]][:].reshape(-1).astype(np.float64), np.asarray(expected[p["name"]])), p["name"])
+            check(f["optimizer/exp_avg_sq/" + p["name"]].shape == f[p["name"]].shape,
+                  lambda: f"{cons}: optimizer/exp_avg_sq/{p['name']} has shape "
+                          f"{f['optimizer/exp_avg_sq/' + p['name']].shape}, the parameter {f[p['name']].shape}")
         for r in manifest["replicated"]:
-            assert f[r["name"]].attrs["dtype"] in (r["dtype"], r["dtype"].encode()), r["name"]
+            check(f[r["name"]].attrs["dtype"] in (r["dtype"], r["dtype"].encode()), r["name"])
 
     # export: fp32 exactly, bf16 rounded to nearest even; names mapped; buffers only on request
     names = {p["name"]: "model." + p["name"] for p in manifest["params"]}
@@ -102,22 +109,22 @@ def main(build, run_dir):
         path = os.path.join(work, f"w_{dtype}.safetensors")
         ckpt(build, "export", run_dir, path, "--safetensors", "--dtype", dtype, "--name-map", os.path.join(work, "map.json"))
         header, tensors = read_safetensors(path)
-        assert (8 + int.from_bytes(open(path, "rb").read(8), "little")) % 8 == 0, "header padded to 8 bytes"
+        check((8 + int.from_bytes(open(path, "rb").read(8), "little")) % 8 == 0, "header padded to 8 bytes")
         for p in manifest["params"]:
             kind, a = tensors["model." + p["name"]]
             want = np.asarray(expected[p["name"]], dtype=np.float32).reshape(p["shape"])
             if dtype == "bfloat16":
-                assert kind == "BF16" and np.array_equal(a, bf16_round(want)), p["name"]
+                check(kind == "BF16" and np.array_equal(a, bf16_round(want)), p["name"])
             else:
-                assert kind == "F32" and np.array_equal(a, want), p["name"]
+                check(kind == "F32" and np.array_equal(a, want), p["name"])
         buffers = [r["name"] for r in manifest["replicated"] if r["kind"] == "buffer"]
-        assert not any(b in tensors for b in buffers), "buffers are exported only with --buffers"
+        check(not any(b in tensors for b in buffers), "buffers are exported only with --buffers")
     path = os.path.join(work, "with_buffers.safetensors")
     ckpt(build, "export", run_dir, path, "--safetensors", "--buffers")
     _, tensors = read_safetensors(path)
     for r in manifest["replicated"]:
         kind, a = tensors[r["name"]]
-        assert np.array_equal(a.reshape(-1).astype(np.float64), np.asarray(expected[r["name"]])), r["name"]
+        check(np.array_equal(a.reshape(-1).astype(np.float64), np.asarray(expected[r["name"]])), r["name"])
     print(f"check_cli: inspect, verify (3 damages), consolidate and export (fp32, bf16, name map, buffers) of {step_dir} match")
     shutil.rmtree(work)
 

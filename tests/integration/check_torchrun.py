@@ -31,7 +31,9 @@ except ImportError as e:
     print(f"SKIP: {sys.executable} has no torch ({e}), so no torchrun; run `make test` (the project environment)")
     sys.exit(SKIP)
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "soak"))
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
 from soak import children  # noqa: E402
 
 TIMEOUT = 240  # seconds for any one run
@@ -59,7 +61,7 @@ def saved_tensor_bytes(path):
     records carry the file's name and a random serialization id)."""
     with zipfile.ZipFile(path) as z:
         data = [n for n in z.namelist() if n.endswith("/data/0")]
-        assert len(data) == 1, f"{path}: expected one tensor record, found {z.namelist()}"
+        check(len(data) == 1, f"{path}: expected one tensor record, found {z.namelist()}")
         return z.read(data[0])
 
 
@@ -70,12 +72,12 @@ def check_minimal(build, work):
     got = run(torchrun() + [*bin_, "--save-params", os.path.join(work, "torchrun.pt")], "torchrun")
     loss = {k: re.search(r"final loss ([0-9.]+)", v) for k, v in (("zeroshard-run", ref), ("torchrun", got))}
     for k, m in loss.items():
-        assert m, f"{k}: no 'final loss' line in its output:\n{ref if k == 'zeroshard-run' else got}"
+        check(m, lambda: f"{k}: no 'final loss' line in its output:\n{ref if k == 'zeroshard-run' else got}")
     print(f"final loss: zeroshard-run {loss['zeroshard-run'].group(1)}, torchrun {loss['torchrun'].group(1)}")
-    assert loss["torchrun"].group(1) == loss["zeroshard-run"].group(1), "the final losses differ"
-    assert float(loss["torchrun"].group(1)) < 0.2, "torchrun's run did not train"
+    check(loss["torchrun"].group(1) == loss["zeroshard-run"].group(1), "the final losses differ")
+    check(float(loss["torchrun"].group(1)) < 0.2, "torchrun's run did not train")
     ref_params, got_params = (saved_tensor_bytes(os.path.join(work, f)) for f in ("ref.pt", "torchrun.pt"))
-    assert len(ref_params) > 0
+    check(len(ref_params) > 0, f"{os.path.join(work, 'ref.pt')}: zeroshard-run saved no parameter bytes")
     if ref_params != got_params:
         import numpy as np
         a, b = np.frombuffer(ref_params, np.float32), np.frombuffer(got_params, np.float32)
@@ -105,10 +107,10 @@ def check_preemption(build, work):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert first_step.wait(TIMEOUT), "no rank reported its first step:\n" + "".join(lines)[-4000:]
+        check(first_step.wait(TIMEOUT), lambda: "no rank reported its first step:\n" + "".join(lines)[-4000:])
         time.sleep(0.3)  # a few steps in, past the first checkpoint or not: either must resume
         workers = children(proc.pid)
-        assert len(workers) == 2, f"torchrun (pid {proc.pid}) has {len(workers)} worker processes, not 2"
+        check(len(workers) == 2, f"torchrun (pid {proc.pid}) has {len(workers)} worker processes, not 2")
         os.kill(workers[1], signal.SIGUSR1)
         proc.wait(TIMEOUT)
     finally:
@@ -116,25 +118,25 @@ def check_preemption(build, work):
             proc.kill()
         reader.join(10)
     out = "".join(lines)
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-6000:]}"
+    check(proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-6000:]}")
     stops = re.findall(r"stopped after step (\d+) for a preemption", out)
     firsts = [int(s) for s in re.findall(r"first step of this run done \(step (\d+)\)", out)]
-    assert stops, "no rank stopped for the preemption:\n" + out[-6000:]
+    check(stops, "no rank stopped for the preemption:\n" + out[-6000:])
     resumed = [s for s in firsts if s > 1]
-    assert resumed, f"the restarted group did not resume from a checkpoint (first steps {firsts}):\n{out[-6000:]}"
+    check(resumed, f"the restarted group did not resume from a checkpoint (first steps {firsts}):\n{out[-6000:]}")
     print(f"preemption: stopped after step {stops[0]}, torchrun restarted the group, which resumed at step "
           f"{min(resumed)} and finished")
     for r in range(2):
         a, b = os.path.join(work, f"ref.rank{r}.bin"), os.path.join(work, f"tr.rank{r}.bin")
-        assert same_bytes(a, b), f"rank {r}'s final state differs from the uninterrupted run's"
+        check(same_bytes(a, b), f"rank {r}'s final state differs from the uninterrupted run's")
     print("preemption: every rank's final state equals the uninterrupted run's byte for byte")
 
 
 def main():
-    build, check = sys.argv[1], sys.argv[2]
+    build, which = sys.argv[1], sys.argv[2]
     work = tempfile.mkdtemp(prefix="zs-torchrun-")
     try:
-        {"minimal": check_minimal, "preemption": check_preemption}[check](os.path.abspath(build), work)
+        {"minimal": check_minimal, "preemption": check_preemption}[which](os.path.abspath(build), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

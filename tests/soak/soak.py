@@ -25,6 +25,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+
 
 def children(pid):
     """Child processes of pid, from /proc (no procps needed)."""
@@ -56,13 +59,13 @@ def verify_latest(run_dir):
     with open(os.path.join(step_dir, "manifest.xxh3")) as f:
         want = f.read().strip()
     got = xxh3(os.path.join(step_dir, "manifest.json"))
-    assert got == want, f"{step_dir}/manifest.json: xxh3 {got}, manifest.xxh3 says {want}"
+    check(got == want, f"{step_dir}/manifest.json: xxh3 {got}, manifest.xxh3 says {want}")
     for e in manifest["files"]:
         path = os.path.join(step_dir, e["name"])
         size = os.path.getsize(path)
-        assert size == e["bytes"], f"{path}: {size} bytes, manifest says {e['bytes']}"
+        check(size == e["bytes"], f"{path}: {size} bytes, manifest says {e['bytes']}")
         digest = xxh3(path)
-        assert digest == e["xxh3"], f"{path}: xxh3 {digest}, manifest says {e['xxh3']}"
+        check(digest == e["xxh3"], f"{path}: xxh3 {digest}, manifest says {e['xxh3']}")
     return manifest["step"]
 
 
@@ -99,7 +102,7 @@ def main():
     t0 = time.time()
     ref = launch("ref", 0)
     _, err = ref.communicate()
-    assert ref.returncode == 0, f"uninterrupted run failed ({ref.returncode}):\n{err[-3000:]}"
+    check(ref.returncode == 0, f"uninterrupted run failed ({ref.returncode}):\n{err[-3000:]}")
     ref_seconds = time.time() - t0
     print(f"soak: uninterrupted run of {args.steps} steps on {args.nproc} ranks: {ref_seconds:.1f} s")
 
@@ -159,7 +162,7 @@ def main():
     for r in range(args.nproc):
         a = open(os.path.join(work, f"ref.rank{r}.bin"), "rb").read()
         b = open(os.path.join(work, f"run.rank{r}.bin"), "rb").read()
-        assert len(a) > 0 and a == b, f"rank {r}: final state differs from the uninterrupted run"
+        check(len(a) > 0 and a == b, f"rank {r}: final state differs from the uninterrupted run")
     print(f"soak: {kills} kills ({done_kills}) over {launches} launches; final parameters and optimizer state "
           f"of all {args.nproc} ranks are bit-identical to the uninterrupted run")
     shutil.rmtree(work, ignore_errors=True)
