@@ -263,7 +263,9 @@ TEST(CheckpointBadInput, PipelineTopologyThatDoesNotFitIsNamed) {
   o.pp_stage = 2;
   auto what = testing::error_of([&] { Checkpointer(dir, world_ptr(), o); });
   EXPECT_NE(what.find("pp_stage 2 of pp_stages 2"), std::string::npos) << what;
-  if (world().size() % kStages != 0) return;
+  if (world().size() % kStages != 0) {
+    GTEST_SKIP() << "the pipelined half needs a world divisible by " << kStages << " stages; checkpoint_np2/np4 run it";
+  }
   PipelineTrainer run(2);
   run.train(0, 1);
   // Each stage's optimizer, but the checkpointer told there is no pipeline.

@@ -80,7 +80,7 @@ TEST(PipelineGrid, BadOptionsFailOnEveryRank) {
   o.ties = {{0}};
   err = testing::error_of([&] { PipelineGrid g(world_ptr(), o); });
   EXPECT_NE(err.find("tie 0 names 1 stage(s)"), std::string::npos) << err;
-  if (n < 2) return;
+  if (n < 2) GTEST_SKIP() << "the rest (ranks that disagree) needs 2 ranks; collectives_np2..4 run it";
   o.stages = world().rank() == 0 ? 1 : n;  // ranks disagree: named, not a hang
   o.ties = {};
   err = testing::error_of([&] { PipelineGrid g(world_ptr(), o); });
