@@ -16,10 +16,20 @@
 // Thread-safety: all methods may be called from any thread; operations issued
 // from several threads are ordered by the order their calls return.
 //
-// dtypes: float32, bfloat16 and float16 everywhere (16-bit reductions
-// accumulate in float32 and round once); float64, int32 and int64 as well.
-// Reductions are deterministic: every element is reduced in rank order
-// 0, 1, ..., size()-1, so every rank and every rerun sees the same bits.
+// dtypes: float32, bfloat16 and float16 everywhere; float64, int32 and int64
+// as well. What a reduction promises depends on the backend:
+//   - The TCP communicator (init_communicator; stage_through_host too, which
+//     reduces on it): 16-bit values accumulate in float32 and round once;
+//     integer sums wrap around in the element type but never overflow
+//     mid-sum, and an integer average truncates toward zero; kMax/kMin
+//     propagate a NaN held by any rank, as torch.maximum/minimum do. Every
+//     element is reduced in rank order 0, 1, ..., size()-1, so every rank and
+//     every rerun sees the same bits.
+//   - NCCL (init_nccl): NCCL's own order (rings and trees, by message size
+//     and topology), and 16-bit values are reduced in 16 bits; results agree
+//     across ranks but may differ from the TCP communicator's in the last bits
+//     (in more for bf16 sums over many ranks: fully_shard's reduce_dtype =
+//     Float reduces 16-bit gradients in float32 where that matters).
 //
 // Bytes on the wire (payload, counted in stats()), per rank, for a buffer of
 // B bytes: all_gather and reduce_scatter (n-1)/n·B, all_reduce 2(n-1)/n·B,
@@ -125,8 +135,11 @@ class Communicator {
   // t on every rank = t on `root`, in place. REQUIRES: same numel/dtype everywhere.
   virtual std::shared_ptr<Work> broadcast(at::Tensor t, int root) = 0;
 
-  // Point to point. A send completes when `dst` has received it; sends and
-  // recvs between a pair match in issue order (per direction). Both are
+  // Point to point. Sends and recvs between a pair match in issue order (per
+  // direction). A completed send means its tensor may be reused, not that
+  // `dst` has received it: on TCP its bytes are in the socket (a message of
+  // up to 8 KiB is sent without waiting for the receiver's recv), on NCCL the
+  // device has handed it over. Both are
   // posted: neither waits for its peer on the communication thread, so they
   // may be issued in any order on either side (rank 0 recv-then-send while
   // rank 1 does recv-then-send too completes), and a recv whose sender has not

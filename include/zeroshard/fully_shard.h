@@ -69,9 +69,10 @@ struct FullyShardOptions {
   // Units gathered ahead of the current one by prefetching, at most. Default: 2.
   int max_inflight_gathers = 2;
   // dtype gradients are reduce-scattered in: Undefined = the parameters' dtype;
-  // BFloat16 (or Half) halves the reduce-scatter bytes of fp32 units (the sum
-  // is still accumulated in fp32 and rounded once); Float reduces 16-bit
-  // units' gradients in full precision. Default: Undefined.
+  // BFloat16 (or Half) halves the reduce-scatter bytes of fp32 units (the TCP
+  // communicator still accumulates the sum in fp32 and rounds once; NCCL sums
+  // in 16 bits); Float reduces 16-bit units' gradients in full precision.
+  // Default: Undefined.
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
 };
 

@@ -5,12 +5,35 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 
 namespace zeroshard::comm {
 namespace {
 
 // Elements per block: the float32 accumulator stays in L1.
 constexpr int64_t kBlock = 2048;
+
+template <typename Acc>
+bool is_nan(Acc v) {
+  if constexpr (std::is_floating_point_v<Acc>) {
+    return std::isnan(v);
+  } else {
+    return false;
+  }
+}
+
+// The accumulator back to the element type. Integers wrap around (two's complement,
+// through the unsigned type, where the conversion is defined) as torch's integer
+// sums do, instead of overflowing a signed type mid-sum.
+template <typename T, typename Acc>
+T narrow(Acc v) {
+  if constexpr (std::is_integral_v<T>) {
+    return static_cast<T>(static_cast<std::make_unsigned_t<T>>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
 
 template <typename T, typename Acc, typename Combine>
 void reduce_typed(T* out, const std::vector<const void*>& srcs, int64_t numel, Combine combine,
@@ -28,9 +51,9 @@ void reduce_typed(T* out, const std::vector<const void*>& srcs, int64_t numel, C
     }
     T* o = out + base;
     if (average) {
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(acc[i] / scale);
+      for (int64_t i = 0; i < n; ++i) o[i] = narrow<T>(acc[i] / scale);
     } else {
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < n; ++i) o[i] = narrow<T>(acc[i]);
     }
   }
 }
@@ -43,11 +66,15 @@ void reduce_op(void* out, const std::vector<const void*>& srcs, int64_t numel, R
     case ReduceOp::kAvg:
       reduce_typed<T, Acc>(o, srcs, numel, [](Acc a, Acc b) { return a + b; }, op == ReduceOp::kAvg);
       return;
+    // A NaN on any rank wins, as in torch.maximum / torch.minimum (a comparison alone
+    // would keep it only where the first rank holds it).
     case ReduceOp::kMax:
-      reduce_typed<T, Acc>(o, srcs, numel, [](Acc a, Acc b) { return b > a ? b : a; }, false);
+      reduce_typed<T, Acc>(
+          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b > a) ? b : a; }, false);
       return;
     case ReduceOp::kMin:
-      reduce_typed<T, Acc>(o, srcs, numel, [](Acc a, Acc b) { return b < a ? b : a; }, false);
+      reduce_typed<T, Acc>(
+          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b < a) ? b : a; }, false);
       return;
   }
 }
@@ -76,8 +103,10 @@ void reduce_buffers(void* out, const std::vector<const void*>& srcs, int64_t num
     case c10::kBFloat16: return reduce_op<c10::BFloat16, float>(out, srcs, numel, op);
     case c10::kHalf: return reduce_op<c10::Half, float>(out, srcs, numel, op);
     case c10::kDouble: return reduce_op<double, double>(out, srcs, numel, op);
-    case c10::kInt: return reduce_op<int32_t, int32_t>(out, srcs, numel, op);
-    case c10::kLong: return reduce_op<int64_t, int64_t>(out, srcs, numel, op);
+    // Integers accumulate in a wider type: a sum that overflows only mid-way (a + b - c)
+    // comes out exact, and an average divides the exact sum.
+    case c10::kInt: return reduce_op<int32_t, int64_t>(out, srcs, numel, op);
+    case c10::kLong: return reduce_op<int64_t, __int128>(out, srcs, numel, op);
     default:
       TORCH_CHECK(false, "reduce: dtype ", dtype, " is not supported");
   }

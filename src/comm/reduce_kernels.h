@@ -2,7 +2,10 @@
 //
 // out[i] = op(...op(op(src[0][i], src[1][i]), src[2][i])..., src[k-1][i]),
 // accumulated in float32 for bfloat16/float16 (rounded once at the end), in
-// the element type otherwise. kAvg divides the sum by srcs.size().
+// int64 / 128 bits for int32 / int64 (the sum wraps around in the element type
+// only when stored, as torch's integer sums do; an integer average truncates
+// toward zero), in the element type otherwise. kAvg divides the sum by
+// srcs.size(). kMax and kMin return NaN where any rank holds one.
 // `out` may alias any src (each block is read before it is written).
 // Pure functions; thread-safe.
 #pragma once

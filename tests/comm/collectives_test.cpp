@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace zeroshard {
@@ -148,6 +150,51 @@ TEST(Collectives, AllReduceOtherDtypes) {
     auto t = pattern(r, 4097, dt, 4);
     c.all_reduce(t, ReduceOp::kSum)->wait();
     EXPECT_TRUE(t.equal(expected_reduction(0, 4097, n, ReduceOp::kSum, dt, 4))) << dt;
+  }
+}
+
+TEST(Collectives, IntegerSumsWrapAroundAndNeverOverflowMidSum) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (auto dt : {at::kInt, at::kLong}) {
+    const int64_t mx = dt == at::kInt ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int64_t>::max();
+    // Element 0: the maximum on every rank (n·max wraps around; its average is max).
+    // Element 1: max on ranks 0 and 1, -max on rank 2, 0 elsewhere: from 3 ranks on only the
+    //            partial sum overflows and the total, max, fits.
+    auto value = [&](int p, int i) -> int64_t { return i == 0 || p < 2 ? mx : p == 2 ? -mx : 0; };
+    auto t = at::empty({2}, at::TensorOptions(dt));
+    for (int i = 0; i < 2; ++i) t[i] = value(r, i);
+    auto a = t.clone();
+    c.all_reduce(t, ReduceOp::kSum)->wait();
+    c.all_reduce(a, ReduceOp::kAvg)->wait();
+    for (int i = 0; i < 2; ++i) {
+      __int128 exact = 0;
+      for (int p = 0; p < n; ++p) exact += value(p, i);
+      // Two's complement wrap-around of the exact sum, through the unsigned type.
+      const int64_t wrapped = dt == at::kInt ? static_cast<int32_t>(static_cast<uint32_t>(exact))
+                                             : static_cast<int64_t>(static_cast<uint64_t>(exact));
+      EXPECT_EQ(t[i].item<int64_t>(), wrapped) << dt << " element " << i << ": the exact sum, wrapped";
+      EXPECT_EQ(a[i].item<int64_t>(), static_cast<int64_t>(exact / n))
+          << dt << " element " << i << ": the exact average, truncated toward zero";
+    }
+  }
+}
+
+TEST(Collectives, MaxAndMinPropagateNaNFromAnyRank) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  // Element p holds NaN on rank p only (p < n), elements n.. hold none; every other value is
+  // finite. torch.maximum/minimum make any NaN the result, whichever rank holds it.
+  for (auto dt : kFloatTypes) {
+    for (auto op : {ReduceOp::kMax, ReduceOp::kMin}) {
+      auto t = at::full({n + 1}, static_cast<double>(r + 1), at::TensorOptions(dt));
+      t[r] = std::numeric_limits<double>::quiet_NaN();
+      c.all_reduce(t, op)->wait();
+      for (int p = 0; p < n; ++p) {
+        EXPECT_TRUE(std::isnan(t[p].item<double>())) << to_string(op) << " " << dt << ": NaN of rank " << p << " lost";
+      }
+      EXPECT_EQ(t[n].item<double>(), op == ReduceOp::kMax ? n : 1) << to_string(op) << " " << dt;
+    }
   }
 }
 
