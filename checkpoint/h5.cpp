@@ -309,8 +309,13 @@ void File::read(const std::string& name, Type type, uint64_t offset, uint64_t co
   check(H5Dread(ds.get(), memory_type(type), mem.get(), space.get(), H5P_DEFAULT, out), path_, "reading dataset", name);
 }
 
-void File::read_all(const std::string& name, Type type, void* out) const {
+void File::read_all(const std::string& name, Type type, uint64_t count, void* out) const {
   Handle ds(check(H5Dopen2(file_.get(), name.c_str(), H5P_DEFAULT), path_, "no dataset '" + name + "'"), H5Dclose);
+  Handle space(check(H5Dget_space(ds.get()), path_, "dataspace of '" + name + "'"), H5Sclose);
+  const hssize_t n = H5Sget_simple_extent_npoints(space.get());
+  TORCH_CHECK(n >= 0 && static_cast<uint64_t>(n) == count, "checkpoint file '", path_, "': dataset '", name, "' has ",
+              n, " elements where its manifest entry describes ", count,
+              " (a file edited or written by another program?): refusing to read it");
   check(H5Dread(ds.get(), memory_type(type), H5S_ALL, H5S_ALL, H5P_DEFAULT, out), path_, "reading dataset", name);
 }
 

@@ -85,8 +85,9 @@ class File {
   // Elements [offset, offset + count) of a 1-D dataset (or of a dataset read as
   // flat), converted to `type` in memory.
   void read(const std::string& name, Type type, uint64_t offset, uint64_t count, void* out) const;
-  // The whole dataset.
-  void read_all(const std::string& name, Type type, void* out) const;
+  // The whole dataset, into `count` elements at `out`: a dataset of another
+  // number of elements (any shape) is refused before anything is read.
+  void read_all(const std::string& name, Type type, uint64_t count, void* out) const;
   // Flushes HDF5's buffers and closes the file (then fsync it by path).
   void close();
 

@@ -165,7 +165,8 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
         const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
         auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
-        file(replicated.at(name)->value("rank", 0)).read_all("/replicated/" + name, storage_type(dtype, name), t.data_ptr());
+        file(replicated.at(name)->value("rank", 0))
+            .read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
         return t;
       };
       // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
@@ -254,8 +255,12 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       for (const auto& [ds, dev] : generators) {
         if (!same_place || !file(rank).has(ds)) continue;
         const auto dims = file(rank).dims(ds);
-        auto rng = torch::empty({static_cast<int64_t>(dims.at(0))}, torch::kUInt8);
-        file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, rng.data_ptr());
+        // A generator's state is a few KiB (the CPU's mt19937: 5,056 bytes).
+        TORCH_CHECK(dims.size() == 1 && dims[0] <= (1u << 20), "checkpoint ", dir, ": ", ds, " of rank ", rank,
+                    " is not a generator state (", dims.size(), "-D, ", dims.empty() ? 0 : dims[0],
+                    " elements; want 1-D, at most 1 MiB): a file edited or written by another program?");
+        auto rng = torch::empty({static_cast<int64_t>(dims[0])}, torch::kUInt8);
+        file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, static_cast<uint64_t>(rng.numel()), rng.data_ptr());
         auto gen = compat::default_generator(dev);  // a handle on the process's generator
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(rng);

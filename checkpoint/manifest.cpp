@@ -237,6 +237,111 @@ std::string pieces_problem(const json& m) {
   return "";
 }
 
+// "" when every field the readers use has the type and range they assume; else
+// the first that does not. (An edited manifest whose checksum was fixed up, or a
+// legacy one without manifest.xxh3, must not reach them with a string where a
+// size is expected, a file name that leads out of the step directory, or a
+// shape whose element count overflows.)
+std::string schema_problem(const json& m) {
+  auto integer = [](const json& j, int64_t lo, int64_t hi) {
+    return j.is_number_integer() && j.get<int64_t>() >= lo && j.get<int64_t>() <= hi;
+  };
+  constexpr int64_t kMax = int64_t{1} << 53;
+  auto field = [&](const json& obj, const char* key, auto ok, bool required = true) -> std::string {
+    if (!obj.contains(key)) return required ? std::string("'") + key + "' is missing" : std::string();
+    return ok(obj.at(key)) ? std::string() : std::string("'") + key + "' is " + obj.at(key).dump().substr(0, 80);
+  };
+  auto any_int = [&](const json& j) { return integer(j, -kMax, kMax); };
+  auto count = [&](const json& j) { return integer(j, 0, kMax); };
+  auto text = [](const json& j) { return j.is_string(); };
+  // Tensor names become HDF5 dataset paths, file names paths in the step directory.
+  auto tensor_name = [](const json& j) {
+    return j.is_string() && !j.get<std::string>().empty() && j.get<std::string>().find('/') == std::string::npos;
+  };
+  auto file_name = [](const json& j) {
+    if (!j.is_string()) return false;
+    const auto n = j.get<std::string>();
+    return !n.empty() && n != "." && n != ".." && n.find('/') == std::string::npos;
+  };
+  auto dtype = [](const json& j) {
+    if (!j.is_string()) return false;
+    for (auto t : {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kBFloat16, at::kHalf}) {
+      if (j.get<std::string>() == c10::toString(t)) return true;
+    }
+    return false;
+  };
+  auto shape = [&](const json& j) {
+    if (!j.is_array() || j.size() > 16) return false;
+    int64_t numel = 1;
+    for (const auto& d : j) {
+      if (!count(d) || (d.get<int64_t>() != 0 && numel > kMax / d.get<int64_t>())) return false;
+      numel *= d.get<int64_t>();
+    }
+    return true;
+  };
+  std::string bad;
+  auto first = [&](const std::string& where, std::initializer_list<std::string> problems) {
+    for (const auto& p : problems) {
+      if (bad.empty() && !p.empty()) bad = where + p;
+    }
+  };
+  first("", {field(m, "step", any_int), field(m, "epoch", any_int), field(m, "extra", [](const json& j) { return j.is_object(); }),
+             field(m, "world_size", [&](const json& j) { return integer(j, 1, 1 << 20); }),
+             field(m, m.contains("zero_stage") ? "zero_stage" : "stage", [&](const json& j) { return integer(j, 0, 3); }),
+             field(m, "model_hash", text), field(m, "loss_scale", [](const json& j) { return j.is_number(); }),
+             field(m, "loss_scale_clean_steps", any_int), field(m, "gradients", [](const json& j) { return j.is_boolean(); }, false),
+             field(m, "save_seconds", [](const json& j) { return j.is_number(); }, false),
+             field(m, "topology", [&](const json& j) {
+               return j.is_object() && (!j.contains("pp_stages") || integer(j.at("pp_stages"), 1, 1 << 20)) &&
+                      (!j.contains("dp_size") || integer(j.at("dp_size"), 1, 1 << 20));
+             }, false)});
+  for (const char* list : {"files", "params", "replicated"}) {
+    first("", {field(m, list, [](const json& j) { return j.is_array(); })});
+  }
+  if (!bad.empty()) return bad;
+  if (m.at("files").size() != m.at("world_size").get<size_t>()) {
+    return std::to_string(m.at("files").size()) + " files are listed for a world of " + m.at("world_size").dump();
+  }
+  for (const auto& f : m.at("files")) {
+    if (!f.is_object()) return "a file entry is " + f.dump().substr(0, 80);
+    first("file " + f.value("name", json()).dump() + ": ",
+          {field(f, "name", file_name), field(f, "bytes", count), field(f, "xxh3", text),
+           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false)});
+  }
+  if (m.contains("model_view")) {
+    const json& v = m.at("model_view");
+    if (!v.is_object()) return "'model_view' is " + v.dump().substr(0, 80);
+    first("model_view: ", {field(v, "name", file_name), field(v, "bytes", count), field(v, "xxh3", text)});
+  }
+  std::set<std::string> names;
+  for (const char* list : {"params", "replicated"}) {
+    for (const auto& e : m.at(list)) {
+      if (!e.is_object()) return std::string("an entry of '") + list + "' is " + e.dump().substr(0, 80);
+      const std::string where = std::string(list) + " entry " + e.value("name", json()).dump().substr(0, 80) + ": ";
+      first(where, {field(e, "name", tensor_name), field(e, "shape", shape), field(e, "dtype", dtype)});
+      if (std::string(list) == "params") {
+        first(where, {field(e, "step", any_int), field(e, "had_grad", [](const json& j) { return j.is_boolean(); }, false),
+                      field(e, "pieces", [&](const json& j) {
+                        if (!j.is_array()) return false;
+                        for (const auto& pc : j) {
+                          if (!pc.is_array() || pc.size() != 3 || !any_int(pc[0]) || !any_int(pc[1]) || !any_int(pc[2])) {
+                            return false;
+                          }
+                        }
+                        return true;
+                      })});
+      } else {
+        first(where, {field(e, "kind", text), field(e, "rank", any_int, false)});
+      }
+      if (!bad.empty()) return bad;
+      if (!names.insert(e.at("name").get<std::string>()).second) {
+        return "'" + e.at("name").get<std::string>() + "' is listed twice";
+      }
+    }
+  }
+  return bad;
+}
+
 }  // namespace
 
 json read_manifest(const fs::path& step_dir) {
@@ -255,15 +360,12 @@ json read_manifest(const fs::path& step_dir) {
   } catch (const json::exception& e) {
     TORCH_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON (torn or edited): ", e.what());
   }
-  TORCH_CHECK(m.is_object() && m.value("format", "") == kFormat && m.value("format_version", 0) == kFormatVersion,
+  TORCH_CHECK(m.is_object() && m.contains("format") && m.at("format") == kFormat && m.contains("format_version") &&
+                  m.at("format_version") == kFormatVersion,
               "checkpoint: '", path.string(), "' is not a zeroshard checkpoint manifest of format version ",
               kFormatVersion);
-  std::string bad;
-  try {
-    bad = pieces_problem(m);
-  } catch (const json::exception& e) {
-    bad = std::string("a parameter entry is malformed: ") + e.what();
-  }
+  std::string bad = schema_problem(m);
+  if (bad.empty()) bad = pieces_problem(m);
   TORCH_CHECK(bad.empty(), "checkpoint: '", path.string(), "': ", bad, ": the manifest is corrupt or was edited");
   return m;
 }

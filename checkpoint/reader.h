@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -50,7 +51,8 @@ class CheckpointReader {
   const std::vector<ReplicatedEntry>& replicated() const { return replicated_; }
 
   // The full tensor (fp32, the parameter's shape), assembled from the rank
-  // files; kind: "master", "exp_avg" or "exp_avg_sq".
+  // files; kind: "master", "exp_avg" or "exp_avg_sq". A rank file is checked
+  // against its manifest entry (size, xxh3) before it is first opened.
   at::Tensor read_param(const ParamEntry& p, const std::string& kind = "master");
   // A replicated tensor in its own dtype.
   at::Tensor read_replicated(const ReplicatedEntry& r);
@@ -67,6 +69,7 @@ class CheckpointReader {
   std::vector<ParamEntry> params_;
   std::vector<ReplicatedEntry> replicated_;
   std::map<int, std::unique_ptr<h5::File>> open_;
+  std::set<int> verified_;  // rank files whose size and xxh3 match the manifest (checked before HDF5 opens one)
   h5::File& file(int rank);
 };
 

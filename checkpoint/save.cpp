@@ -108,7 +108,7 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   return snap;
 }
 
-void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip) {
+void ckpt::write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip) {
   using checkpoint::h5::Type;
   const auto start = std::chrono::steady_clock::now();
   auto f = checkpoint::h5::File::create(path.string());
@@ -146,7 +146,9 @@ void Checkpointer::Impl::write_rank_file(const fs::path& path, const Snapshot& s
       f.set_attribute(ds, "dtype", std::string(c10::toString(r.value.scalar_type())));
     }
   }
-  f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  if (snap.rng.defined()) {
+    f.write("/rng/cpu", Type::kUInt8, {static_cast<uint64_t>(snap.rng.numel())}, snap.rng.data_ptr());
+  }
   if (snap.device_rng.defined()) {
     f.write("/rng/cuda", Type::kUInt8, {static_cast<uint64_t>(snap.device_rng.numel())}, snap.device_rng.data_ptr());
   }
@@ -348,7 +350,12 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
       trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
       json m = build_manifest(snap, std::move(contents), digests);
       m["save_seconds"] = took.item<double>();  // writing the rank files, as measured by the slowest rank
-      if (options.write_model_view) write_model_view(tmp / "model.h5", m);
+      if (options.write_model_view) {
+        write_model_view(tmp / "model.h5", m);
+        // Its checksum too: readers hand HDF5 no file whose bytes they have not verified.
+        const auto view = checkpoint::digest_file((tmp / "model.h5").string());
+        m["model_view"] = {{"name", "model.h5"}, {"bytes", view.bytes}, {"xxh3", checkpoint::to_hex(view.xxh3)}};
+      }
       commit_step_dir(tmp, final_dir, m);
     } catch (const std::exception& e) {
       err = message_of(e);
