@@ -164,6 +164,12 @@ struct Snapshot {
   int64_t bytes = 0;                // host memory the copies take
 };
 
+// One rank's file of a snapshot, written and fsynced (the Checkpointer's save and
+// zeroshard-ckpt import alike). `skip`: names this rank holds that another stage
+// writes (the lowest stage holding a name writes it). No /rng datasets when the
+// snapshot holds no generator state (an import).
+void write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip);
+
 }  // namespace ckpt
 
 struct Checkpointer::Impl {
@@ -214,8 +220,6 @@ struct Checkpointer::Impl {
                     bool defer_copies = false);
   // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
   std::string write(const ckpt::Snapshot& snap);
-  // `skip`: names this rank holds that another stage writes (the lowest stage holding a name writes it).
-  void write_rank_file(const fs::path& path, const ckpt::Snapshot& snap, const std::set<std::string>& skip);
   void write_model_view(const fs::path& path, const json& manifest);
   // This rank's place: its stage (options) and its optimizer's group.
   ckpt::Place place_of(const ShardedState& state) const {

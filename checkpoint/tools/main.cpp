@@ -1,4 +1,4 @@
 // zeroshard-ckpt (tools/zeroshard_ckpt.cpp, in the checkpoint library).
-int zeroshard_ckpt_main(int argc, char** argv);
+#include "tools/zeroshard_ckpt.h"
 
 int main(int argc, char** argv) { return zeroshard_ckpt_main(argc, argv); }

@@ -2,6 +2,8 @@
 // checkpoints. See docs/checkpoint-format.md and docs/checkpoints.md. Part of the
 // checkpoint library (it compiles in the library's unity unit); tools/main.cpp
 // is the program.
+#include "tools/zeroshard_ckpt.h"
+
 #include "checksum.h"
 #include "h5.h"
 #include "checkpointer_impl.h"
@@ -201,83 +203,128 @@ int export_safetensors(const std::string& path, int64_t step, const std::string&
   return 0;
 }
 
-int import_safetensors(const std::string& in_path, const std::string& run_dir, const std::string& map_path,
-                       int64_t step) {
-  const auto names = read_name_map(map_path);  // theirs -> ours here: the file's names are looked up
-  std::ifstream in(in_path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read '" + in_path + "'");
-  uint64_t len = 0;
+std::vector<SafetensorsEntry> read_safetensors_header(const std::string& path, uint64_t* data_start) {
+  namespace zc = zeroshard::ckpt;
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  TORCH_CHECK(!ec, "import: cannot read '", path, "': ", ec.message());
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "import: cannot open '", path, "'");
+  uint64_t len = 0;  // little-endian u64, as on every supported machine
   in.read(reinterpret_cast<char*>(&len), 8);
-  if (!in || len > (uint64_t{1} << 30)) throw std::runtime_error("'" + in_path + "' is not a safetensors file");
-  std::string h(len, '\0');
-  in.read(h.data(), static_cast<std::streamsize>(len));
-  const auto header = json::parse(h);
-  const auto data_start = static_cast<std::streamoff>(8 + len);
-  const fs::path final_dir = fs::path(run_dir) / zeroshard::ckpt::step_dir_name(step);
-  const fs::path tmp = final_dir.string() + ".tmp";
-  fs::create_directories(tmp);
-  const std::string file = zeroshard::ckpt::rank_file_name(0, 1);
-  auto f = h5::File::create((tmp / file).string());
-  f.set_attribute("/", "format", std::string(zeroshard::ckpt::kFormat));
-  f.set_attribute("/", "format_version", int64_t{zeroshard::ckpt::kFormatVersion});
-  f.set_attribute("/", "rank", int64_t{0});
-  f.set_attribute("/", "world_size", int64_t{1});
-  f.set_attribute("/", "step", step);
-  json m;
-  m["format"] = zeroshard::ckpt::kFormat;
-  m["format_version"] = zeroshard::ckpt::kFormatVersion;
-  m["step"] = step;
-  m["epoch"] = 0;
-  m["extra"] = json::object();
-  m["world_size"] = 1;
-  m["zero_stage"] = 2;
-  m["model_hash"] = "";  // imported: parameters are matched by name and shape instead
-  m["imported_from"] = fs::path(in_path).filename().string();
-  m["loss_scale"] = 1.0;
-  m["loss_scale_clean_steps"] = 0;
-  m["params"] = json::array();
-  m["replicated"] = json::array();
-  m["groups"] = json::array();
+  // The format caps its header at 100 MB.
+  TORCH_CHECK(in && size >= 8 && len <= size - 8 && len <= 100'000'000, "import: '", path,
+              "' is not a safetensors file: its header length (", len, " bytes) does not fit the file's ", size,
+              " bytes");
+  std::string text(len, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(len));
+  TORCH_CHECK(in, "import: '", path, "': reading the ", len, "-byte header failed");
+  json header;
+  try {
+    header = json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "import: '", path, "': the header is not JSON (", e.what(), ")");
+  }
+  TORCH_CHECK(header.is_object(), "import: '", path, "': the header is not a JSON object");
+  *data_start = 8 + len;
+  const uint64_t data_bytes = size - *data_start;
   const std::map<std::string, at::ScalarType> types{{"F32", at::kFloat}, {"BF16", at::kBFloat16}, {"F16", at::kHalf},
                                                     {"F64", at::kDouble}, {"I64", at::kLong}, {"I32", at::kInt},
                                                     {"BOOL", at::kBool}, {"U8", at::kByte}};
+  std::vector<SafetensorsEntry> out;
   for (auto item = header.begin(); item != header.end(); ++item) {
-    const std::string theirs = item.key();
+    if (item.key() == "__metadata__") continue;
+    const std::string& name = item.key();
     const json& e = item.value();
-    if (theirs == "__metadata__") continue;
-    const std::string ours = names.count(theirs) ? names.at(theirs) : theirs;
-    const auto dt = types.at(e.at("dtype").get<std::string>());
-    const auto shape = e.at("shape").get<std::vector<int64_t>>();
-    const auto off = e.at("data_offsets").get<std::vector<int64_t>>();
-    auto t = at::empty(shape, at::TensorOptions().dtype(dt));
-    if (off[1] - off[0] != static_cast<int64_t>(t.nbytes())) throw std::runtime_error("'" + theirs + "': size mismatch");
-    in.seekg(data_start + off[0]);
-    in.read(static_cast<char*>(t.data_ptr()), off[1] - off[0]);
-    if (!in) throw std::runtime_error("'" + in_path + "' is truncated at '" + theirs + "'");
-    if (at::isFloatingType(dt)) {  // a parameter: fp32 master, zero moments, never stepped
-      auto master = t.to(at::kFloat).contiguous().reshape(-1);
-      auto zero = at::zeros_like(master);
-      const std::vector<uint64_t> dims{static_cast<uint64_t>(master.numel())};
-      for (const auto& [kind, v] : {std::pair<std::string, at::Tensor>{"master", master}, {"exp_avg", zero}, {"exp_avg_sq", zero}}) {
-        f.write("/" + kind + "/" + ours, h5::Type::kFloat32, dims, v.data_ptr());
-        f.set_attribute("/" + kind + "/" + ours, "begin", int64_t{0});
-      }
-      m["params"].push_back({{"name", ours}, {"shape", shape}, {"dtype", c10::toString(dt)}, {"step", 0},
-                             {"pieces", json::array({json::array({0, 0, master.numel()})})}});
+    const std::string where = "import: '" + path + "', tensor '" + name + "'";
+    // The name becomes a dataset path in the rank file.
+    TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name.find('\0') == std::string::npos,
+                where, ": a tensor name must be non-empty and hold no '/'");
+    TORCH_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets"), where,
+                ": want an object with dtype, shape and data_offsets, got ", e.dump().substr(0, 200));
+    const json& dt = e.at("dtype");
+    TORCH_CHECK(dt.is_string() && types.count(dt.get<std::string>()), where, ": dtype ", dt.dump(),
+                " is not one of F32, BF16, F16, F64, I64, I32, BOOL, U8");
+    SafetensorsEntry t{name, types.at(dt.get<std::string>()), {}, 0, 0};
+    const json& shape = e.at("shape");
+    TORCH_CHECK(shape.is_array() && shape.size() <= 16, where, ": shape ", shape.dump().substr(0, 200),
+                " is not a list of at most 16 sizes");
+    // The element count, kept below the data's size so that no product overflows.
+    uint64_t numel = 1;
+    for (const auto& d : shape) {
+      TORCH_CHECK(d.is_number_unsigned(), where, ": shape ", shape.dump(), " holds ", d.dump(),
+                  ", not a size >= 0");
+      const uint64_t v = d.get<uint64_t>();
+      TORCH_CHECK(v == 0 || numel <= data_bytes / v, where, ": shape ", shape.dump(), " holds more elements than the ",
+                  data_bytes, " data bytes of the file");
+      numel *= v;
+      t.shape.push_back(static_cast<int64_t>(v));
+    }
+    const uint64_t nbytes = numel * c10::elementSize(t.dtype);
+    const json& off = e.at("data_offsets");
+    TORCH_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+                where, ": data_offsets ", off.dump().substr(0, 200), " is not [begin, end]");
+    t.begin = off[0].get<uint64_t>();
+    t.end = off[1].get<uint64_t>();
+    TORCH_CHECK(t.begin <= t.end && t.end <= data_bytes, where, ": data_offsets [", t.begin, ", ", t.end,
+                ") lie outside the file's ", data_bytes, " data bytes (a truncated file?)");
+    TORCH_CHECK(t.end - t.begin == nbytes, where, ": data_offsets [", t.begin, ", ", t.end, ") hold ",
+                t.end - t.begin, " bytes; ", dt.get<std::string>(), " ", shape.dump(), " needs ", nbytes);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+int import_safetensors(const std::string& in_path, const std::string& run_dir, const std::string& map_path,
+                       int64_t step) {
+  namespace zc = zeroshard::ckpt;
+  const auto names = read_name_map(map_path);  // theirs -> ours here: the file's names are looked up
+  uint64_t data_start = 0;
+  const auto entries = read_safetensors_header(in_path, &data_start);  // every entry checked before reading
+  std::ifstream in(in_path, std::ios::binary);
+  TORCH_CHECK(in, "import: cannot open '", in_path, "'");
+  // The checkpoint an untrained run of one rank at ZeRO-2 would save: every floating tensor a
+  // parameter (fp32 master, zero moments, never stepped), the rest buffers. Written by the
+  // library's own rank-file writer and manifest builder.
+  zc::Snapshot snap;
+  snap.progress.step = step;
+  int64_t largest = 0;
+  std::set<std::string> seen;
+  for (const auto& e : entries) {
+    const std::string ours = names.count(e.name) ? names.at(e.name) : e.name;
+    TORCH_CHECK(seen.insert(ours).second, "import: '", in_path, "': two tensors map to the name '", ours, "'");
+    auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    in.seekg(static_cast<std::streamoff>(data_start + e.begin));
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin));
+    TORCH_CHECK(in, "import: reading '", e.name, "' from '", in_path, "' failed");
+    if (at::isFloatingType(e.dtype)) {
+      snap.owned.push_back({snap.params.size(), 0, t.to(at::kFloat).contiguous().reshape(-1), {}, {}, {}});
+      largest = std::max(largest, t.numel());
+      snap.params.push_back({ours, e.shape, e.dtype});
+      snap.names.push_back(ours);
+      snap.steps.push_back(0);
     } else {
-      std::vector<uint64_t> dims(shape.begin(), shape.end());
-      if (dims.empty()) dims.push_back(1);
-      f.write("/replicated/" + ours, zeroshard::ckpt::storage_type(dt, ours), dims, t.data_ptr());
-      f.set_attribute("/replicated/" + ours, "dtype", std::string(c10::toString(dt)));
-      m["replicated"].push_back({{"name", ours}, {"kind", "buffer"}, {"shape", shape}, {"dtype", c10::toString(dt)}});
+      snap.replicated.push_back({ours, "buffer", t});
     }
   }
-  f.close();
+  const auto zeros = at::zeros({largest});  // every parameter's moments: views of one buffer
+  for (auto& o : snap.owned) o.exp_avg = o.exp_avg_sq = zeros.narrow(0, 0, o.master.numel());
+  const fs::path final_dir = fs::path(run_dir) / zc::step_dir_name(step);
+  const fs::path tmp = final_dir.string() + ".tmp";
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  TORCH_CHECK(!ec, "import: cannot create '", tmp.string(), "': ", ec.message());
+  auto contents = zc::merge_records({zc::rank_record(snap).dump()}, 0);
+  const std::string file = zc::rank_file_name(0, 1);
+  zc::write_rank_file(tmp / file, snap, contents.skip);  // fsynced
   const auto digest = digest_file((tmp / file).string());
-  m["files"] = json::array({{{"name", file}, {"bytes", digest.bytes}, {"xxh3", to_hex(digest.xxh3)}}});
-  zeroshard::ckpt::commit_step_dir(tmp, final_dir, m);
-  std::cout << "imported " << m["params"].size() << " parameters from " << in_path << " into " << final_dir.string()
-            << "; the run loads it as its latest checkpoint\n";
+  json m = zc::build_manifest(snap, std::move(contents), {{static_cast<int64_t>(digest.bytes), digest.xxh3}});
+  m["model_hash"] = "";  // imported: the loader matches parameters by name and shape instead
+  m["imported_from"] = fs::path(in_path).filename().string();
+  zc::commit_step_dir(tmp, final_dir, m);
+  std::cout << "imported " << snap.params.size() << " parameters and " << snap.replicated.size() << " buffers from "
+            << in_path << " into " << final_dir.string() << "; the run loads it as its latest checkpoint\n";
   return 0;
 }
 
