@@ -204,7 +204,9 @@ TEST(CheckpointSave, AsTwoPipelineStages) {
           const bool first_stage = name.rfind("embed.", 0) == 0 || name.rfind("frozen.", 0) == 0 ||
                                    name.rfind("block0.", 0) == 0;
           EXPECT_EQ(pc.at(0).get<int>() / run.dp, first_stage ? 0 : 1) << name;
-          if (zero_stage == 0) EXPECT_EQ(pc.at(0).get<int>() % run.dp, 0) << name << ": replicated, saved by dp rank 0";
+          if (zero_stage == 0) {
+            EXPECT_EQ(pc.at(0).get<int>() % run.dp, 0) << name << ": replicated, saved by dp rank 0";
+          }
         }
       }
       for (const auto& item : run.net->named_parameters()) {
