@@ -146,6 +146,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     check_same_model(m, mine, cand);
     // 3. this rank's pieces, from whichever old files hold them
     const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
+    std::vector<std::pair<at::Tensor, at::Tensor>> staged;             // (live tensor, value read)
+    std::vector<std::pair<c10::Device, at::Tensor>> generator_states;  // (device, state read)
+    std::function<void()> commit;                                      // the optimizer's step counts etc.
     try {
       std::unordered_map<std::string, const json*> saved;
       for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
@@ -191,11 +194,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       }
       std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
       for (const auto& b : state.buckets) {
-        // Reads land in host memory: the shards themselves on the CPU, else
-        // host copies of them that go to the device in one copy each.
-        const bool on_host = b.master.device().is_cpu();
-        const at::Tensor master = on_host ? b.master : b.master.cpu(), exp_avg = on_host ? b.exp_avg : b.exp_avg.cpu(),
-                         exp_avg_sq = on_host ? b.exp_avg_sq : b.exp_avg_sq.cpu();
+        // Reads land in host copies of the shards (the padding keeps its value); they reach
+        // the live state, one copy each, only when every rank has read everything.
+        auto host = [](const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); };
+        const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
         const int shard = b.layout.shard_of_rank(place.dp_rank);
         for (const auto& seg : shard_segments(b.layout, shard)) {
           const size_t pi = b.params[seg.param];
@@ -214,11 +216,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
             exp_avg_sq.slice(0, local.begin, local.end).zero_();
           }
         }
-        if (!on_host) {
-          b.master.copy_(master);
-          b.exp_avg.copy_(exp_avg);
-          b.exp_avg_sq.copy_(exp_avg_sq);
-        }
+        staged.push_back({b.master, master});
+        staged.push_back({b.exp_avg, exp_avg});
+        staged.push_back({b.exp_avg_sq, exp_avg_sq});
       }
       // The module's parameters the optimizer does not hold, and its buffers.
       std::unordered_map<std::string, bool> in_state;
@@ -229,12 +229,12 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
           return;
         }
         if (replicated.count(name)) {
-          target.detach().copy_(read_replicated(name, target.sizes().vec()));
+          staged.push_back({target.detach(), read_replicated(name, target.sizes().vec())});
         } else {
           TORCH_CHECK(saved.count(name), "'", name, "' is not in the checkpoint");
           auto full = torch::empty({target.numel()}, at::kFloat);
           read_master(name, "master", 0, target.numel(), full.data_ptr<float>());
-          target.detach().copy_(full.view(target.sizes()));
+          staged.push_back({target.detach(), full.view(target.sizes())});
         }
       };
       for (const auto& item : model.named_parameters()) {
@@ -261,9 +261,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
                     " elements; want 1-D, at most 1 MiB): a file edited or written by another program?");
         auto rng = torch::empty({static_cast<int64_t>(dims[0])}, torch::kUInt8);
         file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, static_cast<uint64_t>(rng.numel()), rng.data_ptr());
-        auto gen = compat::default_generator(dev);  // a handle on the process's generator
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(rng);
+        generator_states.emplace_back(dev, rng);
       }
       // An accumulation in progress: the reduced gradients so far, in this layout.
       std::vector<at::Tensor> grad_shards;
@@ -283,12 +281,23 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         for (const auto& n : names) had_grad.push_back(saved.count(n) && saved.at(n)->value("had_grad", false) ? 1 : 0);
       }
       why.clear();
-      restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(), grad_shards,
-              had_grad);
+      commit = [&, steps, grad_shards, had_grad] {
+        restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(), grad_shards,
+                had_grad);
+      };
     } catch (const std::exception& e) {
       why = message_of(e);
     }
+    // All or nothing: a load that fails on any rank leaves every rank's model, optimizer
+    // and generators as they were.
     agree(*comm, "loading " + cand.string(), why);
+    for (auto& [live, value] : staged) live.copy_(value);
+    for (auto& [dev, rng] : generator_states) {
+      auto gen = compat::default_generator(dev);  // a handle on the process's generator
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    commit();
     TrainingProgress progress;
     progress.step = m.at("step").get<int64_t>();
     progress.epoch = m.at("epoch").get<int64_t>();

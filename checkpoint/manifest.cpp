@@ -202,6 +202,21 @@ namespace {
 // rank that wrote a file, and every replicated tensor is in one; else what is wrong.
 std::string pieces_problem(const json& m) {
   const int64_t files = static_cast<int64_t>(m.at("files").size());
+  // No tensor holds more elements than its files have bytes for: a reader allocates a
+  // tensor before it reads it, and an edited shape must not make that allocation huge.
+  int64_t all_bytes = 0;
+  for (const auto& f : m.at("files")) all_bytes += f.at("bytes").get<int64_t>();
+  for (const char* list : {"params", "replicated"}) {
+    for (const auto& e : m.at(list)) {
+      int64_t numel = 1;
+      for (int64_t d : e.at("shape").get<std::vector<int64_t>>()) numel *= d;
+      const int64_t element = std::string(list) == "params" ? 4 : 1;  // fp32 masters; at least a byte
+      if (numel > all_bytes / element) {
+        return "'" + e.at("name").get<std::string>() + "' has " + std::to_string(numel) + " elements, more than the " +
+               std::to_string(all_bytes) + " bytes of the rank files can hold";
+      }
+    }
+  }
   for (const auto& p : m.at("params")) {
     const std::string name = p.at("name").get<std::string>();
     int64_t numel = 1;

@@ -102,7 +102,10 @@ class Checkpointer {
 
   // Loads the checkpoint `latest` names (or, when `step` is given, that one),
   // falling back to older committed ones that verify. nullopt when the run
-  // directory holds none. Collective.
+  // directory holds none. Collective. All or nothing: every rank reads
+  // everything it needs into host memory first, and only when every rank has
+  // succeeded do the model, the optimizer and the generators change; a load
+  // that throws (on any rank) leaves all of them as they were.
   std::optional<TrainingProgress> load(ShardedOptimizer& opt, torch::nn::Module& model,
                                        std::optional<int64_t> step = std::nullopt);
 

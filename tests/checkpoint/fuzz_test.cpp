@@ -52,18 +52,18 @@ std::string attempt(const std::function<void()>& f, const std::string& mutation)
 // Random edits of a JSON value, somewhere inside it: a number made negative, huge, off by
 // one or zero; a string emptied or renamed; a key removed; an element dropped or doubled;
 // a value of another type.
+void collect_nodes(json& j, std::vector<json*>& out) {
+  out.push_back(&j);
+  if (j.is_structured()) {
+    for (auto& child : j) collect_nodes(child, out);
+  }
+}
+
 void mutate_json(json& j, std::mt19937& rng) {
   auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
-  json* at = &j;
-  for (int depth = 0; depth < 6 && (at->is_object() || at->is_array()) && !at->empty() && rng() % 4 != 0; ++depth) {
-    if (at->is_array()) {
-      at = &(*at)[pick(at->size())];
-    } else {
-      auto it = at->begin();
-      std::advance(it, static_cast<long>(pick(at->size())));
-      at = &it.value();
-    }
-  }
+  std::vector<json*> nodes;  // every value in the document, any depth: each as likely to be edited
+  collect_nodes(j, nodes);
+  json* at = nodes[pick(nodes.size())];
   const std::vector<json> others = {nullptr, "x", -1, 0, 1, int64_t{1} << 40, int64_t{-1} << 62, 1.5,
                                     json::array(), json::object(), json::array({0, 0, 0}), true};
   switch (rng() % 4) {
