@@ -324,6 +324,18 @@ struct PipelineExecutor::Impl {
     }
   }
 
+  // Runs f; an error it raises names this pipeline rank and `where` in the step.
+  template <typename F>
+  void in_context(const std::string& where, F&& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", ", where, ": ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", ", where, ": ", e.what());
+    }
+  }
+
   void run_actions() {
     const auto& list = my_actions();
     for (size_t i = 0; i < list.size(); ++i) {
@@ -332,30 +344,27 @@ struct PipelineExecutor::Impl {
         if (auto s = sharded.find(a.stage); s != sharded.end() && s->second.last_backward == i) s->second.local.reset();
       }
       const bool pass = a.op == Op::kForward || a.op == Op::kBackward;
-      if (pass) retire_sends();
-      try {
+      in_context("action " + std::to_string(i) + " (" + to_string(a) + ")", [&] {
+        if (pass) retire_sends();  // a send of an earlier action may fail here
         run(a);
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ",
-                    e.what_without_backtrace());
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", action ", i, " (", to_string(a), "): ", e.what());
-      }
+      });
       if (pass) {  // the pass itself, not the wait for its input
         passes_end = std::chrono::steady_clock::now();
         compute_seconds += std::chrono::duration<double>(passes_end - pass_start).count();
         if (trace::enabled()) trace::record(to_string(a), "compute", pass_start);
       }
     }
-    for (auto& [stage, sh] : sharded) {
-      reduce(sh);
-      sh.gathered.reset();
-    }
-    reduce_ties();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (auto& w : sends) w->wait();
-    if (trace::enabled() && !sends.empty()) trace::record("wait for sends", "wait", t0);
-    sends.clear();
+    in_context("after the last action (reducing gradients, waiting for sends)", [&] {
+      for (auto& [stage, sh] : sharded) {
+        reduce(sh);
+        sh.gathered.reset();
+      }
+      reduce_ties();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (auto& w : sends) w->wait();
+      if (trace::enabled() && !sends.empty()) trace::record("wait for sends", "wait", t0);
+      sends.clear();
+    });
     TORCH_INTERNAL_ASSERT(live.empty() && to_send.empty() && inputs.empty() && output_grads.empty(),
                           "pipeline: the step left work behind");
   }
@@ -477,9 +486,10 @@ void PipelineExecutor::tie(size_t set, int stage, const at::Tensor& param) {
 StepResult PipelineExecutor::run_step() {
   auto& im = *impl_;
   const auto t0 = std::chrono::steady_clock::now();
-  im.begin_step();
+  im.in_context("starting the step", [&] { im.begin_step(); });
   im.run_actions();
-  StepResult r = im.finish_step();
+  StepResult r;
+  im.in_context("finishing the step (the step's agreement and update)", [&] { r = im.finish_step(); });
   r.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
