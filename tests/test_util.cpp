@@ -126,6 +126,11 @@ ProcessGroup& test_group() {
 
 std::string test_setup() { return test_device().str() + "/" + test_comm(); }
 
+double relative_displacement_error(const at::Tensor& got, const at::Tensor& want, const at::Tensor& init) {
+  const auto g = got.to(at::kDouble), w = want.to(at::kDouble), i = init.to(at::kDouble);
+  return (g - w).norm().item<double>() / (w - i).norm().item<double>();
+}
+
 std::string build_dir() {
   auto exe = std::filesystem::read_symlink("/proc/self/exe");
   return exe.parent_path().parent_path().string();  // build/tests/zs_tests -> build

@@ -40,6 +40,13 @@ ProcessGroup& test_group();
 // "cpu/tcp", "cuda:0/nccl", ...: for the tests' printed lines.
 std::string test_setup();
 
+// How far a run's parameters `got` are from a reference run's `want`, relative
+// to how far the reference moved from the parameters both started from:
+// |got - want| / |want - init| (2-norms). A run that lost a fraction f of its
+// updates scores about f, so a bound on it bounds the updates lost; a
+// difference in the last bits of values that barely moved does not dominate it.
+double relative_displacement_error(const at::Tensor& got, const at::Tensor& want, const at::Tensor& init);
+
 // Directory holding the build's executables (zeroshard-run, examples/...).
 std::string build_dir();
 

@@ -29,12 +29,12 @@ using testing::world_ptr;
 TEST(FullyShardMixed, Bf16TracksFp32AndHalvesGatherBytes) {
   const int n = world().size(), r = world().rank();
   const int local = kBatch / n;
-  auto train = [&](c10::ScalarType dtype, int64_t* gather_bytes, int64_t* unit_elems) {
+  auto train = [&](c10::ScalarType dtype, int64_t* gather_bytes, int64_t* unit_elems, double lr_scale = 1.0) {
     torch::manual_seed(9);
     Tiny m;
     m->to(dtype);
     auto sharded = fully_shard(m, world_ptr());
-    FullyShardedAdamW opt(sharded, kAdamW);
+    FullyShardedAdamW opt(sharded, torch::optim::AdamWOptions(kAdamW).lr(kAdamW.lr() * lr_scale));
     *unit_elems = 0;
     for (const auto& u : sharded->units()) {
       if (!u.name.empty()) *unit_elems += u.layout.padded_numel;
@@ -65,14 +65,24 @@ TEST(FullyShardMixed, Bf16TracksFp32AndHalvesGatherBytes) {
   int64_t g32 = 0, g16 = 0, e32 = 0, e16 = 0;
   auto [p32, l32] = train(torch::kFloat, &g32, &e32);
   auto [p16, l16] = train(torch::kBFloat16, &g16, &e16);
+  int64_t g_lossy = 0, e_lossy = 0;
+  auto [lossy, l_lossy] = train(torch::kFloat, &g_lossy, &e_lossy, 0.8);  // loses a fifth of every update
+  torch::manual_seed(9);
+  Tiny start;
+  const auto p0 = flat(start).to(torch::kFloat);
   const double max_diff = (p32 - p16).abs().max().item<double>();
+  const double err16 = testing::relative_displacement_error(p16, p32, p0);
+  const double err_lossy = testing::relative_displacement_error(lossy, p32, p0);
   if (r == 0) {
-    std::printf("fully_shard bf16 vs fp32 after %d steps: loss %.4f vs %.4f, max |param diff| %.4f; gather bytes per "
-                "run %lld vs %lld\n", kSteps, l16, l32, max_diff, static_cast<long long>(g16), static_cast<long long>(g32));
+    std::printf("fully_shard bf16 vs fp32 after %d steps: loss %.4f vs %.4f, max |param diff| %.4f, relative displacement "
+                "error %.4f (a run losing 20%% of each update: %.4f); gather bytes per run %lld vs %lld\n",
+                kSteps, l16, l32, max_diff, err16, err_lossy, static_cast<long long>(g16), static_cast<long long>(g32));
   }
-  // Stated tolerance (lr 1e-2, 20 steps): every parameter within 0.05 (measured
-  // 0.021-0.024: a few bf16 ulps of values near 1), the loss within 10% (measured 0.2%).
-  EXPECT_LT(max_diff, 0.05);
+  // Stated tolerance (20 steps): the bf16 run's parameters within 6% of the fp32 run's
+  // displacement from the start (it lost less than about 6% of its updates; measured
+  // 0.022-0.023 at 1-4 ranks, and 0.24 for the run that loses a fifth), the loss within 10%.
+  EXPECT_LT(err16, 0.06);
+  EXPECT_GT(err_lossy, 0.06) << "the bound does not tell a run that lost a fifth of its updates";
   EXPECT_NEAR(l16, l32, 0.1 * l32);
   // units gather in bf16: 2 bytes per element instead of 4 (the root, gathered
   // after each step, likewise)
@@ -231,11 +241,18 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
   int64_t b32 = 0, b16 = 0;
   const auto p32 = train(c10::ScalarType::Undefined, &b32);
   const auto p16 = train(torch::kBFloat16, &b16);
+  torch::manual_seed(9);
+  Tiny start;
   const double max_diff = (p32 - p16).abs().max().item<double>();
-  if (r == 0) std::printf("fully_shard bf16 reduction: max |param diff| %.4f, reduce-scatter bytes %lld vs %lld\n",
-                          max_diff, static_cast<long long>(b16), static_cast<long long>(b32));
+  const double err = testing::relative_displacement_error(p16, p32, flat(start));
+  if (r == 0) {
+    std::printf("fully_shard bf16 reduction: max |param diff| %.4f, relative displacement error %.4f, reduce-scatter "
+                "bytes %lld vs %lld\n", max_diff, err, static_cast<long long>(b16), static_cast<long long>(b32));
+  }
   EXPECT_EQ(b16 * 2, b32);
-  EXPECT_LT(max_diff, 0.05);
+  // Only the gradients round to bf16 (the parameters stay fp32): within 3% of the fp32
+  // run's displacement (measured 0.001-0.008 at 1-4 ranks).
+  EXPECT_LT(err, 0.03);
   EXPECT_GT(max_diff, 0.0) << "the bf16 reduction changed nothing: was it used?";
 }
 

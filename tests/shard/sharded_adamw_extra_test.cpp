@@ -45,12 +45,12 @@ torch::Tensor flat_float(Mlp& m) {
 }
 
 // 20 steps on a fixed regression task; returns the final parameters (fp32) and the last loss.
-std::pair<torch::Tensor, double> train(c10::ScalarType dtype, int steps) {
+std::pair<torch::Tensor, double> train(c10::ScalarType dtype, int steps, double lr = 1e-2) {
   const int n = world().size(), r = world().rank();
   torch::manual_seed(5);
   Mlp model(24, 3);
   model->to(dtype);
-  ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  ShardedAdamW opt(model->parameters(), world_ptr(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
   double loss_value = 0;
   for (int s = 0; s < steps; ++s) {
     torch::manual_seed(100 + s);
@@ -85,19 +85,26 @@ std::pair<torch::Tensor, double> train(c10::ScalarType dtype, int steps) {
 TEST(ShardedAdamWMixed, Bf16TracksFp32) {
   auto [p32, loss32] = train(torch::kFloat, 20);
   auto [p16, loss16] = train(torch::kBFloat16, 20);
-  const double max_diff = (p32 - p16).abs().max().item<double>();
-  if (world().rank() == 0) {
-    std::printf("bf16 vs fp32 after 20 steps: loss %.5f vs %.5f, max |param diff| %.4f\n", loss16, loss32, max_diff);
-  }
-  // bf16 keeps 8 significant bits: activations and gradients round at ~4e-3
-  // relative; the fp32 master keeps the updates. Stated tolerance: losses within
-  // 10% and every parameter within 0.03 of the fp32 run (lr 1e-2, 20 steps).
-  EXPECT_NEAR(loss16, loss32, 0.1 * loss32);
-  EXPECT_LT(max_diff, 0.03);
-  // and training did move the parameters far more than that
+  // A run that loses a fifth of every update (lr x 0.8): what the bound must reject.
+  auto [lossy, loss_lossy] = train(torch::kFloat, 20, 0.8e-2);
   torch::manual_seed(5);
   Mlp init(24, 3);
-  EXPECT_GT((flat_float(init) - p32).abs().max().item<double>(), 0.1);
+  const auto p0 = flat_float(init);
+  const double err16 = testing::relative_displacement_error(p16, p32, p0);
+  const double err_lossy = testing::relative_displacement_error(lossy, p32, p0);
+  if (world().rank() == 0) {
+    std::printf("bf16 vs fp32 after 20 steps: loss %.5f vs %.5f, max |param diff| %.4f, relative displacement error "
+                "%.4f (a run losing 20%% of each update: %.4f)\n",
+                loss16, loss32, (p32 - p16).abs().max().item<double>(), err16, err_lossy);
+  }
+  // bf16 keeps 8 significant bits: activations and gradients round at ~4e-3 relative, and
+  // the parameters are the fp32 master rounded; the master keeps the updates. Stated
+  // tolerance: the bf16 run's parameters within 6% of the fp32 run's displacement from
+  // the start (so it lost less than about 6% of its updates; measured 0.022-0.024 at 1-4
+  // ranks, and 0.16 for the run that loses a fifth), its loss within 10%.
+  EXPECT_LT(err16, 0.06);
+  EXPECT_GT(err_lossy, 0.06) << "the bound does not tell a run that lost a fifth of its updates";
+  EXPECT_NEAR(loss16, loss32, 0.1 * loss32);
 }
 
 // fp16 parameters; compute in fp32 (LibTorch 1.13's CPU kernels lack Half matmul).
