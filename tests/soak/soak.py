@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,19 @@ def verify_latest(run_dir):
         digest = xxh3(path)
         check(digest == e["xxh3"], f"{path}: xxh3 {digest}, manifest says {e['xxh3']}")
     return manifest["step"]
+
+
+def unexplained_failures(launcher_err):
+    """The launcher's attempts (its stderr between "restarting all ranks" lines) in which a rank failed
+    although nothing of ours hit it: no rank killed by SIGKILL, no SIGTERM forwarded. A rank that crashes on
+    its own (in resume, say) is restarted by --max-restarts, and only this shows it."""
+    bad = []
+    for attempt in launcher_err.split("zeroshard-run: restarting all ranks"):
+        failures = re.findall(r"zeroshard-run: rank (\d+) \(pid \d+\) ([^;\n]+)", attempt)
+        explained = "SIGKILL" in attempt or "received SIGTERM" in attempt
+        if failures and not explained:
+            bad.append("; ".join(f"rank {r} {what}" for r, what in failures))
+    return bad
 
 
 def xxh3(path):
@@ -149,9 +163,16 @@ def main():
             step = verify_latest(ckpt)
         _, err = proc.communicate()
         step = verify_latest(ckpt)
+        crashes = unexplained_failures(err)
+        if crashes:
+            print(err[-3000:], file=sys.stderr)
+            raise SystemExit(f"soak: ranks failed with nothing killing them: {crashes}")
         if proc.returncode == 0:
             finished = True
-        elif proc.returncode not in (75, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM, -signal.SIGTERM, 1):
+        # The kill's own outcomes only: a preempted group's 75, a killed launcher, ranks that died of the
+        # signal. Exit 1 is a rank's error (a crash in resume, a failed collective) and fails the soak:
+        # the launcher's --max-restarts would otherwise retry it until the bytes happened to agree.
+        elif proc.returncode not in (75, -signal.SIGKILL, 128 + signal.SIGKILL, 128 + signal.SIGTERM, -signal.SIGTERM):
             print(err[-3000:], file=sys.stderr)
             raise SystemExit(f"soak: unexpected exit status {proc.returncode}")
         print(f"soak: launch {launches}: exit {proc.returncode}, latest step {step}, kills so far {kills}")
