@@ -67,7 +67,9 @@ def exported(build, run_dir, out, *extra):
 
 
 def check_converge(build, work):
-    for nproc in (0, 4):
+    # One process: that 4-rank ZeRO-3 trains as one process does is check_equal_ranks' claim (the same loss at
+    # every step, every ZeRO stage), and the pipelines' and the demo's (2 ranks) runs fall too.
+    for nproc in (0,):
         d = os.path.join(work, f"converge_np{nproc}")
         shutil.rmtree(d, ignore_errors=True)
         pretrain(build, d, nproc, "--max-steps", "200", "--eval-every", "100", "--ckpt-dir", "none", "--no-sample")
@@ -203,10 +205,12 @@ def check_safetensors(build, work):
 
 
 def check_bf16(build, work):
-    common = ["--max-steps", "30", "--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0"]
+    common = ["--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0"]
     losses = {}
-    for name, extra in (("fp32", ["--stage", "3"]), ("bf16_stage3", ["--stage", "3", "--precision", "bf16"]),
-                        ("bf16_stage2", ["--stage", "2", "--precision", "bf16"])):
+    # ZeRO-2 against ZeRO-3 in bf16 over the first 10 steps only: the sharding's equality, not convergence.
+    for name, extra in (("fp32", ["--stage", "3", "--max-steps", "30"]),
+                        ("bf16_stage3", ["--stage", "3", "--precision", "bf16", "--max-steps", "30"]),
+                        ("bf16_stage2", ["--stage", "2", "--precision", "bf16", "--max-steps", "10"])):
         d = os.path.join(work, name)
         shutil.rmtree(d, ignore_errors=True)
         if name != "fp32":
@@ -214,6 +218,7 @@ def check_bf16(build, work):
         pretrain(build, d, 2, *common, *extra)
         losses[name] = [r["loss"] for r in metrics(d) if "event" not in r]
     f, b3, b2 = losses["fp32"], losses["bf16_stage3"], losses["bf16_stage2"]
+    check(len(b2) == 10 and len(b3) == 30, (len(b2), len(b3)))
     first = abs(b3[0] - f[0]) / f[0]
     stages = max(abs(x - y) / x for x, y in zip(b3, b2))
     print(f"bf16: first loss {b3[0]:.4f} vs fp32 {f[0]:.4f} (rel. {first:.1e}); ZeRO-2 vs ZeRO-3 max rel. {stages:.1e}; "
