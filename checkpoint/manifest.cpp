@@ -2,6 +2,7 @@
 // parameters and pieces, written with its checksum, read back and verified;
 // and the topology (pipeline stages x data-parallel groups) it records.
 #include "checkpointer_impl.h"
+#include "reader.h"
 
 #include <algorithm>
 #include <array>
@@ -280,10 +281,12 @@ std::string schema_problem(const json& m) {
   };
   auto dtype = [](const json& j) {
     if (!j.is_string()) return false;
-    for (auto t : {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kBFloat16, at::kHalf}) {
-      if (j.get<std::string>() == c10::toString(t)) return true;
+    try {
+      checkpoint::dtype_named(j.get<std::string>());  // the names the readers accept
+      return true;
+    } catch (const c10::Error&) {
+      return false;
     }
-    return false;
   };
   auto shape = [&](const json& j) {
     if (!j.is_array() || j.size() > 16) return false;

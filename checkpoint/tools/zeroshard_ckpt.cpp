@@ -140,17 +140,16 @@ int consolidate(const std::string& path, int64_t step, const std::string& out, b
   return 0;
 }
 
+// The safetensors dtypes the tool writes and reads, by the format's names.
+const std::vector<std::pair<std::string, at::ScalarType>> kSafetensorsTypes{
+    {"F32", at::kFloat}, {"BF16", at::kBFloat16}, {"F16", at::kHalf}, {"F64", at::kDouble},
+    {"I64", at::kLong},  {"I32", at::kInt},       {"BOOL", at::kBool}, {"U8", at::kByte}};
+
 const char* safetensors_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "F32";
-    case at::kBFloat16: return "BF16";
-    case at::kHalf: return "F16";
-    case at::kDouble: return "F64";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kBool: return "BOOL";
-    default: return "U8";
+  for (const auto& [name, type] : kSafetensorsTypes) {
+    if (type == t) return name.c_str();
   }
+  return "U8";
 }
 
 int export_safetensors(const std::string& path, int64_t step, const std::string& out, const std::string& dtype,
@@ -228,9 +227,7 @@ std::vector<SafetensorsEntry> read_safetensors_header(const std::string& path, u
   TORCH_CHECK(header.is_object(), "import: '", path, "': the header is not a JSON object");
   *data_start = 8 + len;
   const uint64_t data_bytes = size - *data_start;
-  const std::map<std::string, at::ScalarType> types{{"F32", at::kFloat}, {"BF16", at::kBFloat16}, {"F16", at::kHalf},
-                                                    {"F64", at::kDouble}, {"I64", at::kLong}, {"I32", at::kInt},
-                                                    {"BOOL", at::kBool}, {"U8", at::kByte}};
+  const std::map<std::string, at::ScalarType> types(kSafetensorsTypes.begin(), kSafetensorsTypes.end());
   std::vector<SafetensorsEntry> out;
   for (auto item = header.begin(); item != header.end(); ++item) {
     if (item.key() == "__metadata__") continue;
