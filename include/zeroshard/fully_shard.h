@@ -241,24 +241,6 @@ class FullyShardedModel {
   };
   KeepGatheredGuard keep_gathered();
 
-  // While the returned guard lives, backward does not communicate: each
-  // parameter's gradient accumulates in full in p.grad() (memory: the full
-  // gradient, like unsharded training). The next backward outside the guard,
-  // or step(), reduces them. Without it, every backward reduce-scatters into
-  // this rank's fp32 gradient shard (gradient memory stays sharded).
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(FullyShardedModel* model);
-    ~NoSyncGuard();
-    NoSyncGuard(NoSyncGuard&& other) noexcept;
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
-   private:
-    FullyShardedModel* model_;
-  };
-  NoSyncGuard no_sync();
-
   struct Impl;
   explicit FullyShardedModel(std::unique_ptr<Impl> impl);
 
@@ -278,8 +260,14 @@ struct FullyShardedAdamWOptions {
 
 // AdamW over a fully sharded model (ZeRO-3): the fused kernel runs on each
 // unit's shard (this rank's 1/N of every parameter), which is where the next
-// forward gathers from. step(), clip_grad_norm(), no_sync() (the model's),
-// checkpoint state and the rest are ShardedOptimizer's. Collective.
+// forward gathers from. step(), clip_grad_norm(), no_sync(), checkpoint state
+// and the rest are ShardedOptimizer's. Collective.
+//
+// Under `auto guard = opt.no_sync();` backward does not communicate: each
+// parameter's gradient accumulates in full in p.grad() (memory: the full
+// gradient, like unsharded training). The next backward outside the guard,
+// or step(), reduces them. Without it, every backward reduce-scatters into
+// this rank's fp32 gradient shard (gradient memory stays sharded).
 class FullyShardedAdamW : public ShardedOptimizer {
  public:
   // One param group: every trainable parameter, with `defaults`.
@@ -308,8 +296,6 @@ class FullyShardedAdamW : public ShardedOptimizer {
   bool local_gradients_pending() const override;
   void install_masters() override;
   void accept_restored_gradients() override {}
-  void enter_no_sync() override;
-  void exit_no_sync() override;
   void add_stats(ShardedStats& stats) const override;
 };
 

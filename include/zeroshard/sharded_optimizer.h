@@ -190,7 +190,8 @@ struct GradientNoiseSample {
 };
 
 namespace shard {
-struct ShardGroup;  // src/shard/shard_group.h
+struct ShardGroup;     // src/shard/shard_group.h
+class BackwardRound;   // src/shard/backward_round.h
 }
 
 // What ZeRO-1, 2 and 3 have in common: an AdamW over shard groups (ZeRO-1/2
@@ -238,7 +239,8 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // While the returned guard lives, backward does not communicate: gradients
   // accumulate in full in p.grad() and are reduced by the first backward after
   // the guard ends (or by step()). ZeRO-1 never communicates during backward,
-  // so there it changes nothing.
+  // so there it changes nothing. The one no_sync() of every stage (ZeRO-3's
+  // too: FullyShardedAdamW's, for the model it trains).
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(ShardedOptimizer* opt);
@@ -306,7 +308,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // What a front-end hands the core once its shard groups exist.
   struct Shards {
     ProcessGroup process_group;  // data: the shards' collectives; control: the per-step agreement
-    std::recursive_mutex* mu = nullptr;          // the one the front-end's autograd hooks hold
+    shard::BackwardRound* round = nullptr;       // the front-end's backward protocol (its mutex: the hooks' one)
     std::vector<shard::ShardGroup*> groups;      // sharded_state() order
     std::vector<size_t> update_order;            // order step() updates groups in (empty: as `groups`)
     std::vector<ParamInfo> infos;                // per parameter (the index ShardGroup::params uses)
@@ -317,15 +319,14 @@ class ShardedOptimizer : public torch::optim::Optimizer {
     bool loss_scaling = false;                   // resolved from loss_scale.enabled
   };
   void attach_shards(Shards shards);
-  // Forgets this step's agreement and clipping (a front-end that dropped the
-  // step's gradients on its own, e.g. after a failed backward).
-  void forget_step();
+  // The front-end's destructor, under the round's mutex: the round is about to go.
+  void detach_shards();
 
   // The front-end's part of each operation; all run under `mu`.
-  // Before step/clip/restore: throws if the gradients cannot be used now.
+  // Before step/clip (after the round's own checks): throws if the gradients cannot be used now.
   virtual void check_ready(const char* op) = 0;
   // Every group's grad_shard holds this step's reduced gradient (and had_grad
-  // is complete); backward is refused afterwards until the step ends.
+  // is complete). The core then freezes the round: backward is refused until the step ends.
   virtual void reduce_gradients() = 0;
   // Group `k` was updated (`changed`: some entry of it was): start bringing
   // its parameters up to date.
@@ -345,13 +346,12 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   virtual void install_masters() = 0;
   // restore: the checkpoint holds reduced gradients of a step in progress; throws if they cannot be taken.
   virtual void accept_restored_gradients() = 0;
-  virtual void enter_no_sync() = 0;
-  virtual void exit_no_sync() = 0;
   // stats(): what the core does not know (params, param_shards, grads,
   // peak_transient, waits, traffic).
   virtual void add_stats(ShardedStats& stats) const = 0;
 
  private:
+  void reduce_and_freeze();
   std::unique_ptr<Core> core_;
 };
 
@@ -406,8 +406,6 @@ class ShardedAdamW : public ShardedOptimizer {
   bool local_gradients_pending() const override;
   void install_masters() override;
   void accept_restored_gradients() override;
-  void enter_no_sync() override;
-  void exit_no_sync() override;
   void add_stats(ShardedStats& stats) const override;
 };
 

@@ -1,5 +1,6 @@
-// fully_shard.cpp — finding units in the module tree, the per-backward protocol
-// shared by all units (end-of-backward callback, reductions in a fixed order).
+// fully_shard.cpp — finding units in the module tree, and what ZeRO-3 does at
+// each moment of a backward pass (the protocol itself is BackwardRound's):
+// reductions in a fixed order, resharding at the end.
 #include "shard/unit.h"
 
 #include "comm/work.h"
@@ -15,69 +16,46 @@ namespace zeroshard {
 namespace detail {
 
 void unit_before_forward(Unit& unit) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
   unit.before_forward();
 }
 
 at::Tensor unit_after_forward(Unit& unit, at::Tensor out) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
   return unit.after_forward(std::move(out));
 }
 
 void unit_end_forward(Unit& unit) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
   unit.end_forward();
 }
 
 }  // namespace detail
 
-void FullyShardedModel::Impl::begin_backward() {
-  if (in_backward) return;
-  TORCH_CHECK(!gradients_agreed, "FullyShardedAdamW: backward() ran after clip_grad_norm() and before step(); the "
-                                 "gradients were already reduced and clipped for this step. Call clip_grad_norm() "
-                                 "after the last backward of the step");
+void FullyShardedModel::Impl::begin_pass() {
   if (recording_forward) {
     // Before backward issues any reduction: ranks that ran their units in
     // different orders fail here, together, naming the first difference.
     recording_forward = false;
     check_order_across_ranks(forward_order, "forward");
   }
-  in_backward = true;
-  sync_this_backward = no_sync_depth == 0;
-  if (!sync_this_backward) local_grads_pending = true;
   forward_pos = 0;
   backward_pos = 0;
   backward_prefetch_off = false;
-  next_launch = 0;
   for (auto& u : units) u->start_backward();
-  std::weak_ptr<Guard> weak = guard;
-  auto with_impl = [weak](void (*fn)(Impl&)) {
-    if (auto g = weak.lock()) {
-      std::lock_guard<std::recursive_mutex> lock(g->mu);
-      if (g->impl != nullptr) fn(*g->impl);
-    }
-  };
-  compat::on_end_of_backward([with_impl] { with_impl([](Impl& m) { m.end_backward(); }); },
-                             [with_impl] { with_impl([](Impl& m) { m.abandon_backward(); }); });
 }
 
-void FullyShardedModel::Impl::abandon_backward() {
-  // The backward ended with an exception: drop what it reduced so far (the
-  // Works keep their own tensors alive until they finish) and free what it gathered.
-  in_backward = false;
-  reductions.clear();
-  local_grads_pending = false;
+void FullyShardedModel::Impl::abandon_pass() {
+  // The round dropped the reductions and the units' gradient shards; free
+  // what the pass gathered. A first backward's order is recorded again.
+  if (recording_backward) backward_order.clear();
   for (auto& u : units) {
-    u->grad_shard = at::Tensor();
-    std::fill(u->had_grad.begin(), u->had_grad.end(), 0);
     try {
       u->reshard();
     } catch (const std::exception& e) {  // a gather in flight failed too: backward reports that error
       log_warn(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + e.what());
     }
   }
-  log_warn("fully_shard: a backward pass ended with an exception; this step's gradients were dropped "
-           "(call zero_grad() and run the step again)");
 }
 
 void FullyShardedModel::Impl::prefetch(const std::vector<size_t>& order, size_t next) {
@@ -148,22 +126,22 @@ void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>
 }
 
 void FullyShardedModel::Impl::try_launch() {
-  while (next_launch < launch_order.size() && units[launch_order[next_launch]]->complete()) {
-    launch(launch_order[next_launch++]);
-  }
+  round->launch_in_order(
+      launch_order.size(), [this](size_t k) { return units[launch_order[k]]->complete(); },
+      [this](size_t k) { launch(launch_order[k]); });
 }
 
 void FullyShardedModel::Impl::launch(size_t unit) {
   auto& u = *units[unit];
-  reductions.launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label());
-  reductions.drain_to(static_cast<size_t>(options.max_inflight_reductions));
+  round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label());
+  round->reductions().drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 
-void FullyShardedModel::Impl::end_backward() {
-  if (sync_this_backward) {
+void FullyShardedModel::Impl::end_pass() {
+  if (round->syncs()) {
     // Units that did not get every gradient (unused parameters) reduce what
     // they have, leftovers of no_sync backwards included.
-    for (size_t k = next_launch; k < launch_order.size(); ++k) {
+    for (size_t k = round->next_launch(); k < launch_order.size(); ++k) {
       auto& u = units[launch_order[k]];
       if (!u->complete()) u->complete_gradients();
     }
@@ -174,10 +152,9 @@ void FullyShardedModel::Impl::end_backward() {
         u->finish_round();
       }
     }
-    local_grads_pending = false;
+    round->clear_local_pending();
   }
   for (auto& u : units) u->reshard();  // e.g. units gathered by a forward whose output got no gradient
-  in_backward = false;
   forward_pos = 0;
   forward_prefetch_off = false;
   if (recording_backward) {
@@ -187,21 +164,20 @@ void FullyShardedModel::Impl::end_backward() {
 }
 
 void FullyShardedModel::Impl::reduce_local_gradients() {
-  if (!local_grads_pending) return;
+  if (!round->local_pending()) return;
   for (size_t u : launch_order) {
     units[u]->complete_gradients();
     launch(u);
   }
-  local_grads_pending = false;
+  round->clear_local_pending();
 }
 
-void FullyShardedModel::Impl::drain_all() { reductions.drain_all(); }
+void FullyShardedModel::Impl::drain_all() { round->reductions().drain_all(); }
 
 FullyShardedModel::FullyShardedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 FullyShardedModel::~FullyShardedModel() {
-  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
-  impl_->guard->impl = nullptr;
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
   for (auto& u : impl_->units) u->remove_hooks();
   // The modules outlive this object: make their Sharded<> wrappers pass-through
   // again (their parameters stay as they are: resharded ones hold no elements).
@@ -213,7 +189,7 @@ FullyShardedModel::~FullyShardedModel() {
 }
 
 FullyShardedMemory FullyShardedModel::memory() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
   FullyShardedMemory m;
   for (const auto& u : impl_->units) {
     if (u->is_root) {
@@ -232,12 +208,12 @@ FullyShardedMemory FullyShardedModel::memory() const {
 CommStats FullyShardedModel::reduction_stats() const { return impl_->reduce_comm->stats(); }
 
 FullyShardedWaits FullyShardedModel::waits() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
-  return {impl_->exposed_gather_seconds, impl_->reductions.waited_seconds()};
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
+  return {impl_->exposed_gather_seconds, impl_->round->reductions().waited_seconds()};
 }
 
 std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
   std::vector<UnitInfo> out;
   for (const auto& u : impl_->units) out.push_back({u->name, u->layout, u->shard, u->is_gathered});
   return out;
@@ -247,8 +223,8 @@ Communicator& FullyShardedModel::communicator() const { return *impl_->comm; }
 
 FullyShardedModel::FullParamsGuard::FullParamsGuard(FullyShardedModel* model) : model_(model) {
   auto& m = *model_->impl_;
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  TORCH_CHECK(!m.in_backward, "summon_full_params: not during backward");
+  std::lock_guard<std::recursive_mutex> lock(m.mu());
+  TORCH_CHECK(!m.round->in_pass(), "summon_full_params: not during backward");
   torch::NoGradGuard no_grad;
   for (auto& u : m.units) u->unshard();
 }
@@ -256,7 +232,7 @@ FullyShardedModel::FullParamsGuard::FullParamsGuard(FullyShardedModel* model) : 
 FullyShardedModel::FullParamsGuard::~FullParamsGuard() {
   if (model_ == nullptr) return;
   auto& m = *model_->impl_;
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(m.mu());
   torch::NoGradGuard no_grad;
   for (auto& u : m.units) u->reshard();
 }
@@ -269,8 +245,8 @@ FullyShardedModel::FullParamsGuard FullyShardedModel::summon_full_params() { ret
 
 FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(FullyShardedModel* model) : model_(model) {
   auto& m = *model_->impl_;
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
-  TORCH_CHECK(!m.in_backward, "keep_gathered: not during backward");
+  std::lock_guard<std::recursive_mutex> lock(m.mu());
+  TORCH_CHECK(!m.round->in_pass(), "keep_gathered: not during backward");
   torch::NoGradGuard no_grad;
   for (auto& u : m.units) u->start_unshard();  // every gather in flight at once
   for (auto& u : m.units) u->unshard();
@@ -280,7 +256,7 @@ FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(FullyShardedModel* model
 FullyShardedModel::KeepGatheredGuard::~KeepGatheredGuard() {
   if (model_ == nullptr) return;
   auto& m = *model_->impl_;
-  std::lock_guard<std::recursive_mutex> lock(m.guard->mu);
+  std::lock_guard<std::recursive_mutex> lock(m.mu());
   if (--m.keep_gathered_depth > 0) return;
   torch::NoGradGuard no_grad;
   for (auto& u : m.units) u->reshard();
@@ -291,23 +267,6 @@ FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(KeepGatheredGuard&& othe
 }
 
 FullyShardedModel::KeepGatheredGuard FullyShardedModel::keep_gathered() { return KeepGatheredGuard(this); }
-
-FullyShardedModel::NoSyncGuard::NoSyncGuard(FullyShardedModel* model) : model_(model) {
-  std::lock_guard<std::recursive_mutex> lock(model_->impl_->guard->mu);
-  ++model_->impl_->no_sync_depth;
-}
-
-FullyShardedModel::NoSyncGuard::~NoSyncGuard() {
-  if (model_ == nullptr) return;
-  std::lock_guard<std::recursive_mutex> lock(model_->impl_->guard->mu);
-  --model_->impl_->no_sync_depth;
-}
-
-FullyShardedModel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : model_(other.model_) {
-  other.model_ = nullptr;
-}
-
-FullyShardedModel::NoSyncGuard FullyShardedModel::no_sync() { return NoSyncGuard(this); }
 
 std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                ProcessGroup group, FullyShardOptions options) {
@@ -410,6 +369,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   if (!root_params.empty()) {
     m.units.push_back(std::make_shared<detail::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
   }
+  std::vector<shard::ShardGroup*> groups;
+  for (auto& u : m.units) groups.push_back(u.get());
+  m.round = std::make_unique<shard::BackwardRound>(m, "FullyShardedAdamW", /*reduces_in_backward=*/true,
+                                                   /*every_backward=*/true, std::move(groups));
   // Rank 0's values everywhere, then each rank keeps its shard.
   std::vector<std::shared_ptr<Work>> works;
   if (m.world > 1) {
@@ -438,7 +401,6 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     m.unit_modules.push_back(found[k].module);
   }
   m.peak_gathered = m.gathered_bytes;  // the working set counts from here (every unit is resharded)
-  m.guard->impl = impl.get();
 
   int64_t total = 0, mine = 0;
   for (auto& u : m.units) {

@@ -96,7 +96,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
   auto& m = model_->impl();
   Shards shards;
   shards.process_group = m.group;
-  shards.mu = &m.guard->mu;
+  shards.round = m.round.get();
   shards.max_grad_norm = options.max_grad_norm;
   shards.loss_scale = options.loss_scale;
   shards.loss_scaling = options.loss_scale.enabled < 0 ? any_half(m) : options.loss_scale.enabled > 0;
@@ -130,19 +130,20 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
   attach_shards(std::move(shards));
 }
 
-FullyShardedAdamW::~FullyShardedAdamW() = default;
+FullyShardedAdamW::~FullyShardedAdamW() {
+  std::lock_guard<std::recursive_mutex> lock(model_->impl().mu());
+  detach_shards();
+}
 
-void FullyShardedAdamW::check_ready(const char* op) { model_->impl().check_not_in_backward(op); }
+void FullyShardedAdamW::check_ready(const char*) {}
 void FullyShardedAdamW::reduce_gradients() { model_->impl().finish_reductions(); }
 void FullyShardedAdamW::group_updated(size_t k, bool) { model_->impl().publish_update(k); }
 void FullyShardedAdamW::finish_update() { model_->impl().finish_publish(); }
-void FullyShardedAdamW::end_step() { model_->impl().end_step(); }
+void FullyShardedAdamW::end_step() {}
 void FullyShardedAdamW::drop_unreduced_gradients() { model_->impl().drop_gradients(); }
 void FullyShardedAdamW::drain_reductions() { model_->impl().drain_all(); }
-bool FullyShardedAdamW::local_gradients_pending() const { return model_->impl().local_grads_pending; }
+bool FullyShardedAdamW::local_gradients_pending() const { return model_->impl().round->local_pending(); }
 void FullyShardedAdamW::install_masters() { model_->impl().install_masters(); }
-void FullyShardedAdamW::enter_no_sync() { ++model_->impl().no_sync_depth; }
-void FullyShardedAdamW::exit_no_sync() { --model_->impl().no_sync_depth; }
 
 void FullyShardedAdamW::add_stats(ShardedStats& s) const {
   const auto& im = model_->impl();
@@ -159,21 +160,16 @@ void FullyShardedAdamW::add_stats(ShardedStats& s) const {
     }
   }
   m.peak_transient = im.peak_gathered;
-  s.waits = {im.exposed_gather_seconds, im.reductions.waited_seconds()};
+  s.waits = {im.exposed_gather_seconds, im.round->reductions().waited_seconds()};
   s.traffic = im.comm->stats();
   s.traffic += im.reduce_comm->stats();
 }
 
 // The model's side of an update.
 
-void FullyShardedModel::Impl::check_not_in_backward(const char* op) const {
-  TORCH_CHECK(!in_backward, "FullyShardedAdamW::", op, ": called during backward");
-}
-
 void FullyShardedModel::Impl::finish_reductions() {
   reduce_local_gradients();
   drain_all();
-  gradients_agreed = true;
 }
 
 void FullyShardedModel::Impl::publish_update(size_t unit) {
@@ -197,13 +193,12 @@ void FullyShardedModel::Impl::finish_publish() {
 }
 
 void FullyShardedModel::Impl::drop_gradients() {
-  check_not_in_backward("discard_gradients");
   drain_all();
   for (auto& u : units) {
     u->clear_gradient();
     for (auto& p : u->tensors) p.mutable_grad() = at::Tensor();  // no_sync leftovers
   }
-  local_grads_pending = false;
+  round->clear_local_pending();
 }
 
 void FullyShardedModel::Impl::install_masters() {

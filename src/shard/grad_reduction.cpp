@@ -1,5 +1,9 @@
 // grad_reduction.cpp — getting each rank its slice of the mean gradient.
 //
+// The protocol of a backward pass (its first hook, no_sync, the launch order,
+// its end, recovery when it fails) is BackwardRound's; this file is what
+// ZeRO-0/1/2 do at its moments.
+//
 // Stage 2: a post hook on every parameter's gradient accumulator fires once
 // the parameter's gradient of this backward is complete; it is copied into the
 // bucket's flat buffer and p.grad() is freed. A complete bucket is
@@ -27,13 +31,8 @@ namespace zeroshard {
 
 void ShardedAdamW::Impl::register_hooks() {
   for (size_t i = 0; i < params.size(); ++i) {
-    std::weak_ptr<shard::HookTarget> weak = target;
-    hooks.emplace_back(params[i], [weak, i] {
-      if (auto t = weak.lock()) {
-        std::lock_guard<std::recursive_mutex> lock(t->mu);
-        if (t->impl != nullptr) t->impl->on_grad_ready(i);
-      }
-    }, "ShardedAdamW: parameter '" + infos[i].name + "'");
+    hooks.emplace_back(params[i], round->guarded<Impl>([i](Impl& im) { im.on_grad_ready(i); }),
+                       "ShardedAdamW: parameter '" + infos[i].name + "'");
   }
 }
 
@@ -77,36 +76,11 @@ void ShardedAdamW::Impl::grad_into_flat(size_t param) {
 }
 
 void ShardedAdamW::Impl::on_grad_ready(size_t param) {
-  if (backward_aborted) {
-    recover_from_aborted_backward();
-    log_warn("ShardedAdamW: an earlier backward pass ended with an exception part-way; the gradients this "
-             "step had reduced so far were discarded, and this backward starts the step afresh (call "
-             "zero_grad() after a failed backward, as with any LibTorch optimizer)");
-  }
-  TORCH_CHECK(!reduced, "ShardedAdamW: backward() ran after clip_grad_norm() and before step(); the gradients "
-                        "were already reduced and clipped for this step. Call clip_grad_norm() after the last "
-                        "backward of the step");
+  round->begin();
   if (!params[param].grad().defined()) return;  // an undefined gradient (a custom Function returned none)
-  if (!callback_queued) {  // first gradient of this backward
-    callback_queued = true;
-    sync_this_backward = reduce_in_backward() && no_sync_depth == 0 && options.reduce_every_backward;
-    std::weak_ptr<shard::HookTarget> weak = target;
-    auto with_impl = [weak](void (*fn)(Impl&)) {
-      if (auto t = weak.lock()) {
-        std::lock_guard<std::recursive_mutex> lock(t->mu);
-        if (t->impl != nullptr) fn(*t->impl);
-      }
-    };
-    compat::on_end_of_backward([with_impl] { with_impl([](Impl& im) { im.end_backward(); }); },
-                               [with_impl] { with_impl([](Impl& im) { im.backward_aborted = true; }); });
-  }
   had_grad(param) = 1;
-  if (!sync_this_backward) {  // stays in p.grad() (stage 1, no_sync, or local accumulation)
-    if (reduce_in_backward()) {
-      local_grads_pending = true;
-    } else {
-      grad_into_flat(param);
-    }
+  if (!round->syncs()) {  // stays in p.grad() (no_sync, or local accumulation), or in stage 1's flat buffer
+    if (!reduce_in_backward()) grad_into_flat(param);
     return;
   }
   if (ready[param]) return;
@@ -116,26 +90,25 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   if (++b.ready == b.params.size()) launch_ready_in_order(false);
 }
 
-void ShardedAdamW::Impl::end_backward() {
-  callback_queued = false;
-  if (sync_this_backward) flush_backward();
+void ShardedAdamW::Impl::begin_pass() {
+  std::fill(ready.begin(), ready.end(), 0);
+  for (auto& b : buckets) b.ready = 0;
 }
 
-void ShardedAdamW::Impl::recover_from_aborted_backward() {
+void ShardedAdamW::Impl::end_pass() {
+  if (round->syncs()) flush_backward();
+}
+
+void ShardedAdamW::Impl::abandon_pass() {
   // The failed pass's gradients are partly in buckets (dropped here) and partly
   // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
-  backward_aborted = false;
-  reductions.clear();  // each Work keeps its tensors until it finishes; its result is not wanted
   transient_bytes = 0;
   for (auto& b : buckets) {
     b.rs_in = at::Tensor();
     b.ready = 0;
   }
   std::fill(ready.begin(), ready.end(), 0);
-  next_launch = 0;
-  callback_queued = false;
-  release_step_gradients();
-  owner.forget_step();  // an agreement or clip of this step (apply_clip before the failed backward) goes too
+  flushed_since_step = false;
 }
 
 void ShardedAdamW::Impl::launch(size_t index) {
@@ -143,10 +116,11 @@ void ShardedAdamW::Impl::launch(size_t index) {
   at::Tensor in = std::move(b.rs_in);
   b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
   // Stage 2's (and 0's) input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
-  const auto& e = reductions.launch(*comm, b, std::move(in), reduce_in_backward(), "bucket " + std::to_string(index));
+  const auto& e = round->reductions().launch(*comm, b, std::move(in), reduce_in_backward(),
+                                            "bucket " + std::to_string(index));
   if (!e.out.is_same(e.in)) track(e.out.nbytes());
   if (reduce_in_backward()) {
-    reductions.drain_to(static_cast<size_t>(options.max_inflight_buckets),
+    round->reductions().drain_to(static_cast<size_t>(options.max_inflight_buckets),
                         [this](const shard::ReductionQueue::Entry& e) { untrack(e); });
   }
 }
@@ -157,9 +131,9 @@ void ShardedAdamW::Impl::untrack(const shard::ReductionQueue::Entry& e) {
 }
 
 void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
-  while (next_launch < buckets.size()) {
-    auto& b = buckets[next_launch];
-    if (!force && b.ready < b.params.size()) break;
+  auto complete = [this](size_t k) { return buckets[k].ready == buckets[k].params.size(); };
+  round->launch_in_order(buckets.size(), force ? std::function<bool(size_t)>() : complete, [&](size_t k) {
+    auto& b = buckets[k];
     if (force) {
       // Parameters without a gradient in this backward: a leftover p.grad()
       // (accumulated under no_sync) goes in; otherwise the slot stays zero.
@@ -174,26 +148,24 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
         track(b.rs_in.nbytes());
       }
     }
-    launch(next_launch++);
-  }
+    launch(k);
+  });
 }
 
 void ShardedAdamW::Impl::flush_backward() {
   launch_ready_in_order(true);
-  local_grads_pending = false;
-  std::fill(ready.begin(), ready.end(), 0);
-  for (auto& b : buckets) b.ready = 0;
-  next_launch = 0;
-  callback_queued = false;
+  round->clear_local_pending();
+  begin_pass();
+  round->restart_order();
   flushed_since_step = true;
 }
 
 void ShardedAdamW::Impl::drain_all() {
-  reductions.drain_all([this](const shard::ReductionQueue::Entry& e) { untrack(e); });
+  round->reductions().drain_all([this](const shard::ReductionQueue::Entry& e) { untrack(e); });
 }
 
 void ShardedAdamW::Impl::reduce_all() {
-  if (reduced) return;
+  if (round->frozen()) return;
   if (options.zero_stage == 1) {
     for (size_t index = 0; index < buckets.size(); ++index) {
       auto& b = buckets[index];
@@ -202,18 +174,14 @@ void ShardedAdamW::Impl::reduce_all() {
       b.rs_in = b.flat_grads;
       launch(index);
     }
-  } else if (!flushed_since_step || local_grads_pending) {
+  } else if (!flushed_since_step || round->local_pending()) {
     flush_backward();  // gradients still in p.grad(): from no_sync or local accumulation
   }
   drain_all();
-  reduced = true;
 }
 
-// The buckets' gradient shards are the core's to clear (end_step_state, forget_step).
-void ShardedAdamW::Impl::release_step_gradients() {
-  reduced = false;
-  flushed_since_step = false;
-}
+// The buckets' gradient shards are the core's to clear (end_step_state).
+void ShardedAdamW::Impl::release_step_gradients() { flushed_since_step = false; }
 
 
 }  // namespace zeroshard

@@ -77,8 +77,7 @@ ShardedAdamW::Impl::Impl(ShardedAdamW& owner_, ProcessGroup group_, ShardedAdamW
     : owner(owner_),
       group(std::move(group_)),
       comm(group.data),
-      options(options_),
-      target(std::make_shared<shard::HookTarget>()) {}
+      options(options_) {}
 
 void ShardedAdamW::Impl::track(int64_t bytes) {
   transient_bytes += bytes;
@@ -86,14 +85,6 @@ void ShardedAdamW::Impl::track(int64_t bytes) {
 }
 
 void ShardedAdamW::Impl::check_usable() {
-  if (backward_aborted) {
-    recover_from_aborted_backward();
-    TORCH_CHECK(false, "ShardedAdamW: the last backward pass ended with an exception part-way, so this step's "
-                       "gradients are incomplete; they were discarded. Call zero_grad() and run the step's "
-                       "backward passes again "
-                       "(ranks that did not fail may now be out of step: if only some ranks failed, restart "
-                       "from the last checkpoint)");
-  }
   check_groups_unchanged();
   check_params_in_place();
 }
@@ -260,8 +251,10 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
     shards.groups.push_back(&b);
   }
   im.ready.assign(im.params.size(), 0);
+  im.round = std::make_unique<shard::BackwardRound>(im, "ShardedAdamW", im.reduce_in_backward(),
+                                                    options.reduce_every_backward, shards.groups);
   shards.process_group = im.group;
-  shards.mu = &im.target->mu;
+  shards.round = im.round.get();
   shards.infos = im.infos;
   shards.tensors = im.params;
   shards.group_of = im.group_of;
@@ -269,7 +262,6 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   shards.loss_scale = options.loss_scale;
   shards.loss_scaling = scaling;
   attach_shards(std::move(shards));
-  im.target->impl = impl_.get();
   im.register_hooks();
 
   int64_t total = 0;
@@ -282,9 +274,9 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
 }
 
 ShardedAdamW::~ShardedAdamW() {
-  if (!impl_) return;
-  std::lock_guard<std::recursive_mutex> lock(impl_->target->mu);
-  impl_->target->impl = nullptr;
+  if (!impl_ || !impl_->round) return;
+  std::lock_guard<std::recursive_mutex> lock(impl_->round->mutex());
+  detach_shards();
   impl_->remove_hooks();
 }
 
@@ -326,16 +318,14 @@ void ShardedAdamW::end_step() { impl_->release_step_gradients(); }
 
 void ShardedAdamW::drop_unreduced_gradients() {
   auto& im = *impl_;
-  if (im.backward_aborted) im.recover_from_aborted_backward();
   im.drain_all();
   for (auto& b : im.buckets) {
     b.rs_in = at::Tensor();
-    b.ready = 0;
     if (b.flat_grads.defined()) b.flat_grads.zero_();
   }
-  std::fill(im.ready.begin(), im.ready.end(), 0);
-  im.next_launch = 0;
-  im.local_grads_pending = false;
+  im.begin_pass();
+  im.round->restart_order();
+  im.round->clear_local_pending();
   for (size_t i = 0; i < im.params.size(); ++i) {  // stage 1's slices of flat_grads were zeroed above; others go
     auto& p = im.params[i];
     const auto& g = p.grad();
@@ -349,7 +339,7 @@ void ShardedAdamW::drain_reductions() { impl_->drain_all(); }
 
 bool ShardedAdamW::local_gradients_pending() const {
   const auto& im = *impl_;
-  return im.local_grads_pending || (im.options.zero_stage == 1 && !im.reduced && im.any_had_grad());
+  return im.round->local_pending() || (im.options.zero_stage == 1 && !im.round->frozen() && im.any_had_grad());
 }
 
 void ShardedAdamW::install_masters() {
@@ -367,14 +357,6 @@ void ShardedAdamW::accept_restored_gradients() {
   impl_->flushed_since_step = true;  // nothing of this step is left in p.grad()
 }
 
-void ShardedAdamW::enter_no_sync() {
-  ++impl_->no_sync_depth;
-  // Decided here, not by which hooks fire, so every rank agrees that step() must reduce.
-  if (impl_->reduce_in_backward()) impl_->local_grads_pending = true;
-}
-
-void ShardedAdamW::exit_no_sync() { --impl_->no_sync_depth; }
-
 void ShardedAdamW::add_stats(ShardedStats& s) const {
   const auto& im = *impl_;
   auto& m = s.memory;
@@ -391,7 +373,7 @@ void ShardedAdamW::add_stats(ShardedStats& s) const {
     if (g.defined() && counted.insert(g.storage().data()).second) m.grads += g.storage().nbytes();
   }
   m.peak_transient = im.peak_transient;
-  s.waits = {im.gather_seconds, im.reductions.waited_seconds()};
+  s.waits = {im.gather_seconds, im.round->reductions().waited_seconds()};
   s.traffic = im.comm->stats();
 }
 

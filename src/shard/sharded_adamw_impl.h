@@ -3,12 +3,13 @@
 // grad_reduction.cpp (backward hooks and the bucketed reduce-scatter).
 #pragma once
 
+#include "shard/backward_round.h"
 #include "shard/shard_group.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include "compat/autograd_hooks.h"
 
-#include <mutex>
+#include <memory>
 
 namespace zeroshard {
 namespace shard {
@@ -24,15 +25,10 @@ struct Bucket : ShardGroup {
   size_t ready = 0;        // parameters whose gradient is in rs_in this backward
 };
 
-// The hooks' handle on the optimizer; outlives it (hooks live in autograd's graph).
-struct HookTarget {
-  std::recursive_mutex mu;           // guards `impl` and every bucket's reduction state
-  ShardedAdamW::Impl* impl = nullptr;  // null once the optimizer is gone
-};
-
 }  // namespace shard
 
-struct ShardedAdamW::Impl {
+// Also the backward round's client: what ZeRO-0/1/2 do at each moment of a pass.
+struct ShardedAdamW::Impl : shard::BackwardRound::Client {
   Impl(ShardedAdamW& owner, ProcessGroup group, ShardedAdamWOptions options);
 
   ShardedAdamW& owner;
@@ -51,49 +47,42 @@ struct ShardedAdamW::Impl {
   std::vector<shard::Bucket> buckets;               // backward order
   std::vector<size_t> group_sizes;                  // to notice param groups changed after construction
 
-  // Per optimizer step.
-  bool reduced = false;                // every bucket's grad_shard holds this step's mean gradient
+  // Per optimizer step (the round is frozen once every bucket's grad_shard holds the mean gradient).
   // Got a gradient on this rank since the last step (kept in its bucket's had_grad).
   char& had_grad(size_t param) { return buckets[location[param].first].had_grad[location[param].second]; }
   bool any_had_grad() const;
 
-  // Per backward.
+  // Per backward (the round's protocol: syncs(), the launch order, the reductions in flight).
   std::vector<char> ready;             // stages 2 and 0: gradient already in its bucket this backward
-  size_t next_launch = 0;              // buckets launch strictly in order
-  bool sync_this_backward = false;     // this backward reduces (stage 2 or 0, not under no_sync)
-  bool local_grads_pending = false;    // gradients left in p.grad() by a no_sync/local backward
-  bool backward_aborted = false;       // a backward ended by an exception: per-backward state is stale
-  shard::ReductionQueue reductions;          // reductions launched, in launch order
   double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
-  bool callback_queued = false;
   bool flushed_since_step = false;
-  int no_sync_depth = 0;
 
   int64_t transient_bytes = 0, peak_transient = 0;
 
   std::vector<std::shared_ptr<Work>> gathers;  // all-gathers of updated buckets, in flight
 
-  std::shared_ptr<shard::HookTarget> target;
   std::vector<compat::GradReadyHook> hooks;
 
   // grad_reduction.cpp
   void register_hooks();
   void remove_hooks();
   void on_grad_ready(size_t param);   // from a grad-accumulator post hook
-  void end_backward();                // autograd's final callback
+  void begin_pass() override;
+  void end_pass() override;           // launch what is left
+  void abandon_pass() override;       // drop the buckets being filled
   void flush_backward();              // launch what is left, zeros for missing gradients
   void reduce_all();                  // every bucket's mean gradient in grad_shard
   void drain_all();                   // every reduce-scatter in flight added into its grad_shard
   void release_step_gradients();      // per-step state, once the step is over
-  // After a backward that an exception ended part-way: drops this step's
-  // reduced gradients and every per-backward record.
-  void recover_from_aborted_backward();
   void check_params_in_place() const;
 
   // sharded_adamw.cpp
   void track(int64_t bytes);
   void check_groups_unchanged() const;
-  void check_usable();  // before step/clip: recovers from an aborted backward (and throws), checks aliases
+  void check_usable();  // before step/clip: param groups and aliases unchanged
+
+  // Last: destroyed first, so no hook reaches the rest of Impl while it goes.
+  std::unique_ptr<shard::BackwardRound> round;
 
  private:
   void copy_grad_into(size_t param, shard::Bucket& b);

@@ -5,6 +5,7 @@
 
 #include "optim/grad_norm.h"
 #include "optim/loss_scaler.h"
+#include "shard/backward_round.h"
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
 
@@ -31,7 +32,7 @@ struct ShardedOptimizer::Core {
   std::vector<std::function<void()>> before_update;
   int64_t peak_model_states = 0;
 
-  std::recursive_mutex& mu() const { return *shards.mu; }
+  std::recursive_mutex& mu() const { return shards.round->mutex(); }
   void run_before_update() {
     auto fns = std::move(before_update);
     before_update.clear();
@@ -84,11 +85,16 @@ struct ShardedOptimizer::Core {
     flags.assign(v + 2, v + 2 + n);
     agreed = true;
   }
-  void end_step_state() {
-    for (auto* g : shards.groups) g->clear_gradient();
+  // The step's agreement and clipping (also when its backward failed: the round cleared the groups).
+  void forget_agreement() {
     agreed = false;
     norm_known = false;
     clip_max_norm = 0;
+  }
+  void end_step_state() {
+    for (auto* g : shards.groups) g->clear_gradient();
+    forget_agreement();
+    shards.round->end_step();
   }
 };
 
@@ -119,9 +125,19 @@ void ShardedOptimizer::attach_shards(Shards shards) {
   }
   c.steps.assign(c.shards.infos.size(), 0);
   c.scaler = optim::LossScaler(c.shards.loss_scale, c.shards.loss_scaling);
+  c.shards.round->set_on_abandon([&c] { c.forget_agreement(); });
 }
 
-void ShardedOptimizer::forget_step() { core_->end_step_state(); }
+void ShardedOptimizer::detach_shards() {
+  if (core_->shards.round == nullptr) return;
+  core_->shards.round->set_on_abandon(nullptr);
+  core_->shards.round = nullptr;
+}
+
+void ShardedOptimizer::reduce_and_freeze() {
+  reduce_gradients();
+  core_->shards.round->freeze();
+}
 
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;
@@ -133,10 +149,11 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   c.run_before_update();
+  c.shards.round->check_usable("step");
   check_ready("step");
   const auto sample_memory = [&] { c.peak_model_states = std::max(c.peak_model_states, stats().memory.total()); };
   sample_memory();
-  reduce_gradients();
+  reduce_and_freeze();
   for (auto* g : c.shards.groups) g->ensure_moments();
   sample_memory();  // gradients reduced, moments allocated: every model state exists now
   const double max_norm = c.clip_max_norm > 0 ? c.clip_max_norm : c.shards.max_grad_norm;
@@ -184,8 +201,9 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.shards.round->check_usable("clip_grad_norm");
   check_ready("clip_grad_norm");
-  reduce_gradients();
+  reduce_and_freeze();
   c.agree();
   c.clip_max_norm = max_norm;
   return std::sqrt(c.global_sumsq) / c.scaler.scale();
@@ -195,8 +213,9 @@ double ShardedOptimizer::local_sumsq() {
   torch::NoGradGuard no_grad;
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.shards.round->check_usable("local_sumsq");
   check_ready("local_sumsq");
-  reduce_gradients();
+  reduce_and_freeze();
   const double scale = c.scaler.scale();
   return c.local_sumsq() / (scale * scale);
 }
@@ -232,13 +251,13 @@ void ShardedOptimizer::apply_clip(double max_norm, double global_norm) {
 
 ShardedOptimizer::NoSyncGuard::NoSyncGuard(ShardedOptimizer* opt) : opt_(opt) {
   std::lock_guard<std::recursive_mutex> lock(opt_->core_->mu());
-  opt_->enter_no_sync();
+  opt_->core_->shards.round->enter_no_sync();
 }
 
 ShardedOptimizer::NoSyncGuard::~NoSyncGuard() {
   if (opt_ == nullptr) return;
   std::lock_guard<std::recursive_mutex> lock(opt_->core_->mu());
-  opt_->exit_no_sync();
+  opt_->core_->shards.round->exit_no_sync();
 }
 
 ShardedOptimizer::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : opt_(other.opt_) { other.opt_ = nullptr; }
@@ -249,6 +268,7 @@ void ShardedOptimizer::discard_gradients() {
   torch::NoGradGuard no_grad;
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.shards.round->check_not_in_pass("discard_gradients");
   drop_unreduced_gradients();
   c.end_step_state();
   end_step();
@@ -330,6 +350,7 @@ void ShardedOptimizer::restore_sharded_state(const std::vector<int64_t>& param_s
   c.run_before_update();
   TORCH_CHECK_VALUE(param_steps.size() == c.steps.size(), c.name, "::restore_sharded_state: ", param_steps.size(),
                     " step counts for ", c.steps.size(), " parameters");
+  c.shards.round->check_not_in_pass("restore_sharded_state");
   drop_unreduced_gradients();
   c.end_step_state();
   end_step();

@@ -49,13 +49,10 @@ void Unit::register_hooks() {
     if (!trainable[i]) continue;
     // Created now, while the parameter has its full shape: the accumulator
     // records that shape, and gradients are checked against it.
-    std::weak_ptr<FullyShardedModel::Impl::Guard> weak = model.guard;
-    hooks_.emplace_back(tensors[i], [weak, unit = index, i] {
-      if (auto g = weak.lock()) {
-        std::lock_guard<std::recursive_mutex> lock(g->mu);
-        if (g->impl != nullptr) g->impl->units[unit]->on_grad_ready(i);
-      }
-    }, "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
+    hooks_.emplace_back(tensors[i],
+                        model.round->guarded<FullyShardedModel::Impl>(
+                            [unit = index, i](FullyShardedModel::Impl& m) { m.units[unit]->on_grad_ready(i); }),
+                        "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
   }
 }
 
@@ -101,7 +98,7 @@ void Unit::before_forward() {
   // outer backward's graph task: begin the backward there, so its end-of-backward
   // callback belongs to the outer pass, not to the nested one about to start.
   if (in_recompute()) {
-    model.begin_backward();
+    model.round->begin();
   } else {
     model.on_forward(index);  // records the order, or prefetches the next units
   }
@@ -113,14 +110,9 @@ std::string Unit::label() const { return is_root ? std::string("(root)") : name;
 
 at::Tensor Unit::after_forward(at::Tensor out) {
   if (out.defined() && out.requires_grad() && at::GradMode::is_enabled()) {
-    std::weak_ptr<FullyShardedModel::Impl::Guard> weak = model.guard;
-    const size_t unit = index;
-    out.register_hook([weak, unit](const at::Tensor&) {
-      if (auto g = weak.lock()) {
-        std::lock_guard<std::recursive_mutex> lock(g->mu);
-        if (g->impl != nullptr) g->impl->units[unit]->pre_backward();
-      }
-    });
+    auto pre = model.round->guarded<FullyShardedModel::Impl>(
+        [unit = index](FullyShardedModel::Impl& m) { m.units[unit]->pre_backward(); });
+    out.register_hook([pre](const at::Tensor&) { pre(); });
   }
   return out;
 }
@@ -129,7 +121,7 @@ void Unit::end_forward() {
   if (trace::enabled()) trace::record("forward " + label(), "compute", forward_start_);
   // Inside backward this forward is a recomputation (activation checkpointing):
   // the unit's own backward comes next and needs its parameters.
-  if (model.options.reshard_after_forward && !model.in_backward && !model.backward_comes_next(index)) reshard();
+  if (model.options.reshard_after_forward && !model.round->in_pass() && !model.backward_comes_next(index)) reshard();
 }
 
 void Unit::start_backward() {
@@ -141,7 +133,7 @@ void Unit::start_backward() {
 }
 
 void Unit::pre_backward() {
-  model.begin_backward();
+  model.round->begin();
   if (pre_backward_done_ || complete_) return;
   pre_backward_done_ = true;
   model.on_pre_backward(index);
@@ -150,9 +142,9 @@ void Unit::pre_backward() {
 }
 
 void Unit::on_grad_ready(size_t param) {
-  model.begin_backward();
+  model.round->begin();
   if (!tensors[param].grad().defined()) return;
-  if (complete_ && model.sync_this_backward) {
+  if (complete_ && model.round->syncs()) {
     // A gradient after the unit completed: it ran again within this backward
     // (a checkpointed unit used twice recomputes in a nested backward of its own).
     if (rs_in_.defined()) {  // packed, not launched yet: add it in
@@ -171,7 +163,7 @@ void Unit::on_grad_ready(size_t param) {
   ready_[param] = 1;
   if (++ready_count_ == trainable_count_) {
     if (trace::enabled() && pre_backward_done_) trace::record("backward " + label(), "compute", backward_start_);
-    if (!model.sync_this_backward) {  // no_sync: gradients stay in p.grad(), in full
+    if (!model.round->syncs()) {  // no_sync: gradients stay in p.grad(), in full
       complete_ = true;
       reshard();
       return;

@@ -16,6 +16,7 @@
 #include "zeroshard/fully_shard.h"
 
 #include "compat/autograd_hooks.h"
+#include "shard/backward_round.h"
 #include "shard/shard_group.h"
 
 #include <algorithm>
@@ -87,8 +88,9 @@ class Unit : public shard::ShardGroup {
 
 }  // namespace detail
 
-// Shared by the units of one fully_shard() call.
-struct FullyShardedModel::Impl {
+// Shared by the units of one fully_shard() call; the backward round's client
+// (what ZeRO-3 does at each moment of a pass).
+struct FullyShardedModel::Impl : shard::BackwardRound::Client {
   ProcessGroup group;
   std::shared_ptr<Communicator> comm;  // group.data: gathers, and the device of every buffer
   FullyShardOptions options;
@@ -97,11 +99,8 @@ struct FullyShardedModel::Impl {
   std::vector<size_t> launch_order;                   // reductions issue in this order on every rank
   std::vector<std::weak_ptr<torch::nn::Module>> unit_modules;  // the Sharded<> modules, to detach at the end
 
-  struct Guard {                      // what hooks hold; outlives the model
-    std::recursive_mutex mu;
-    Impl* impl = nullptr;
-  };
-  std::shared_ptr<Guard> guard = std::make_shared<Guard>();
+  // Everything here runs under the round's mutex (autograd's hooks hold it too).
+  std::recursive_mutex& mu() const { return round->mutex(); }
 
   // Execution order, recorded in the first forward and backward and checked
   // equal across ranks; afterwards it drives prefetching.
@@ -134,27 +133,18 @@ struct FullyShardedModel::Impl {
   // Units held gathered (keep_gathered): forwards and backwards do not reshard.
   int keep_gathered_depth = 0;
 
-  // Gradient accumulation without communication (no_sync).
-  int no_sync_depth = 0;
-  bool sync_this_backward = true;      // this backward reduces its gradients
-  bool local_grads_pending = false;    // full gradients left in p.grad() by a no_sync backward
   void reduce_local_gradients();       // step() after no_sync backwards: reduce them now
 
   // The optimizer's side (FullyShardedAdamW), under the mutex.
-  bool gradients_agreed = false;       // reduced for the step: backward is refused until the step ends
   std::vector<std::shared_ptr<Work>> update_gathers;  // the root's all-gather after an update
-  void check_not_in_backward(const char* op) const;
-  void finish_reductions();            // every unit's grad_shard complete; freezes the step's gradients
+  void finish_reductions();            // every unit's grad_shard complete
   void publish_update(size_t unit);    // its shard was updated: root all-gathered, others resharded
   void finish_publish();               // waits for the root's gather, prefetches the first unit
   void drop_gradients();               // reductions in flight, shards and p.grad() leftovers
-  void end_step() { gradients_agreed = false; }
   void install_masters();              // after a load: shards from the masters, the root gathered
 
-  // Per backward.
-  bool in_backward = false;
-  size_t next_launch = 0;
-  shard::ReductionQueue reductions;   // reduce-scatters in flight, in launch order
+  // Per backward: the protocol (first hook, no_sync, launch order, end,
+  // recovery) and the reduce-scatters in flight are the round's.
   // Reductions run on a communicator of their own (a split of the same ranks,
   // with its own thread): gathers and reductions then form two streams, each
   // in the same order on every rank even when ranks finish units' gradients
@@ -166,11 +156,14 @@ struct FullyShardedModel::Impl {
   Communicator& check_comm() const { return group.control == group.data ? *reduce_comm : *group.control; }
   void launch(size_t unit);
 
-  void begin_backward();              // first hook of a backward: queue the end-of-backward callback
-  void end_backward();                // launch what is left, reshard
-  void abandon_backward();            // a backward ended with an exception
+  void begin_pass() override;         // the first hook of a backward
+  void end_pass() override;           // launch what is left, reshard
+  void abandon_pass() override;       // free what the failed pass gathered
   void try_launch();
   void drain_all();
+
+  // Last: destroyed first, so no hook reaches the rest while it goes.
+  std::unique_ptr<shard::BackwardRound> round;
 };
 
 }  // namespace zeroshard

@@ -446,7 +446,7 @@ TEST(CheckpointBadInput, SaveWithUnreducedGradientsIsRefused) {
   auto [x, y] = batch(0);
   t.opt().zero_grad();
   {
-    auto guard = t.sharded->no_sync();
+    auto guard = t.zero3->no_sync();
     torch::mse_loss(t.net->forward(x), y).backward();
   }
   const auto what = testing::error_of([&] { t.save(ckpt, 1); });

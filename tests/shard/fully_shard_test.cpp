@@ -95,7 +95,7 @@ void expect_matches_oracle(const Config& c) {
       }
       auto loss = torch::mse_loss(out, y.slice(0, r * local, (r + 1) * local)) / c.micro;
       if (c.no_sync && k + 1 < c.micro) {
-        auto guard = sharded->no_sync();
+        auto guard = opt.no_sync();
         const auto rs_before = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].calls;
         loss.backward();
         EXPECT_EQ(sharded->reduction_stats().by_kind[OpKind::kReduceScatter].calls, rs_before) << "no_sync reduced";

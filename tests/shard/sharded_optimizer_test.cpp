@@ -120,6 +120,90 @@ TEST_P(ShardedOptimizerStages, StatsCountTheMomentsAndTheTraffic) {
   }
 }
 
+// Identity forward; its backward throws (reached after every parameter's
+// gradient: the input's gradient comes last).
+struct FailInBackward : torch::autograd::Function<FailInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("injected failure in backward");
+  }
+};
+
+// One step of two micro-batches, clipped; `fail` makes micro-batch 1's first
+// attempt throw part-way, after which the step starts over (zero_grad, both
+// micro-batches again); with `try_step` a step() in between must refuse.
+struct StepRecord {
+  double norm = 0;
+  GradientNoiseSample noise;
+};
+
+enum class Failure { kNone, kMidModel, kAfterEveryGradient };
+
+StepRecord recovery_step(Trainer& t, int s, Failure fail, bool try_step = false) {
+  const int n = world().size(), r = world().rank();
+  auto backward = [&](int micro, Failure how) {
+    auto [x, y] = batch(s, micro);
+    x = x.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
+    y = y.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
+    if (how == Failure::kAfterEveryGradient) x = FailInBackward::apply(x.clone().requires_grad_(true));
+    at::Tensor hooked;
+    unsigned hook = 0;
+    if (how == Failure::kMidModel) {  // the middle block's first layer: the units (buckets) after it are reduced
+      hooked = t.model->blocks[1]->fc1->weight;
+      hook = hooked.register_hook([](const at::Tensor&) -> at::Tensor {
+        throw std::runtime_error("injected failure in backward");
+      });
+    }
+    auto loss = t.opt->scale_loss(torch::mse_loss(t.model->forward(x), y) * (static_cast<double>(x.size(0)) * n / kBatch) / 2);
+    if (how == Failure::kNone) {
+      loss.backward();
+      return;
+    }
+    EXPECT_THROW(loss.backward(), std::exception);
+    if (hooked.defined()) hooked.remove_hook(hook);
+  };
+  t.opt->zero_grad();
+  backward(0, Failure::kNone);
+  if (fail != Failure::kNone) {
+    backward(1, fail);
+    if (try_step) {  // step() right after the failure refuses, naming it
+      const auto msg = testing::error_of([&] { t.opt->step(); });
+      EXPECT_NE(msg.find("ended with an exception part-way"), std::string::npos) << msg;
+    }
+    t.opt->zero_grad();
+    backward(0, Failure::kNone);
+  }
+  backward(1, Failure::kNone);
+  StepRecord rec;
+  rec.norm = t.opt->clip_grad_norm(0.05);
+  t.opt->step();
+  rec.noise = t.opt->last_gradient_noise();
+  return rec;
+}
+
+// A backward that throws part-way (in the middle of the model, or after every
+// gradient was reduced), then the step run again, leaves no trace: the norms,
+// the gradient noise sample and the parameters equal a run that never failed,
+// to the bit (the same reductions of the same inputs).
+TEST_P(ShardedOptimizerStages, AFailedBackwardLeavesNoTrace) {
+  const int stage = GetParam();
+  Trainer clean(stage), failing(stage);
+  // The first step's backward also records ZeRO-3's unit orders.
+  const Failure plan[] = {Failure::kMidModel, Failure::kNone, Failure::kAfterEveryGradient, Failure::kMidModel,
+                          Failure::kAfterEveryGradient};
+  for (int s = 0; s < 5; ++s) {
+    const auto want = recovery_step(clean, s, Failure::kNone);
+    const auto got = recovery_step(failing, s, plan[s], /*try_step=*/s >= 3);
+    EXPECT_EQ(got.norm, want.norm) << "ZeRO-" << stage << ", step " << s;
+    EXPECT_EQ(got.noise.big_sumsq, want.noise.big_sumsq) << "ZeRO-" << stage << ", step " << s;
+    EXPECT_EQ(got.noise.small_sumsq, want.noise.small_sumsq) << "ZeRO-" << stage << ", step " << s;
+    EXPECT_EQ(got.noise.rounds, want.noise.rounds) << "ZeRO-" << stage << ", step " << s;
+    EXPECT_EQ(got.noise.rounds, stage == 1 ? 1 : 2);
+  }
+  EXPECT_TRUE(torch::equal(clean.params(), failing.params())) << "ZeRO-" << stage;
+  EXPECT_FALSE(failing.opt->last_step_skipped());
+}
+
 INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerStages, ::testing::Values(0, 1, 2, 3),
                          [](const ::testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
 

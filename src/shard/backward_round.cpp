@@ -1,0 +1,96 @@
+// backward_round.cpp — the backward protocol both front-ends share.
+#include "shard/backward_round.h"
+
+#include "compat/autograd_hooks.h"
+#include "zeroshard/log.h"
+
+#include <c10/util/Exception.h>
+
+namespace zeroshard::shard {
+
+BackwardRound::BackwardRound(Client& client, std::string name, bool reduces_in_backward, bool every_backward,
+                             std::vector<ShardGroup*> groups)
+    : client_(client),
+      name_(std::move(name)),
+      reduces_in_backward_(reduces_in_backward),
+      every_backward_(every_backward),
+      groups_(std::move(groups)) {
+  anchor_->round = this;
+}
+
+BackwardRound::~BackwardRound() {
+  std::lock_guard<std::recursive_mutex> lock(anchor_->mu);
+  anchor_->round = nullptr;
+}
+
+bool BackwardRound::begin() {
+  if (in_pass_) return false;
+  TORCH_CHECK(!frozen_, name_, ": backward() ran after clip_grad_norm() and before step(); the gradients were "
+                        "already reduced and clipped for this step. Call clip_grad_norm() after the last backward "
+                        "of the step");
+  in_pass_ = true;
+  abandoned_ = false;
+  syncs_ = reduces_in_backward_ && every_backward_ && no_sync_depth_ == 0;
+  if (reduces_in_backward_ && !syncs_) local_pending_ = true;
+  next_launch_ = 0;
+  const uint64_t pass = ++pass_;
+  client_.begin_pass();
+  std::weak_ptr<Anchor> weak = anchor_;
+  auto with_round = [weak](void (BackwardRound::*fn)(uint64_t), uint64_t p) {
+    if (auto a = weak.lock()) {
+      std::lock_guard<std::recursive_mutex> lock(a->mu);
+      if (a->round != nullptr) (a->round->*fn)(p);
+    }
+  };
+  compat::on_end_of_backward([with_round, pass] { with_round(&BackwardRound::end, pass); },
+                             [with_round, pass] { with_round(&BackwardRound::abandon, pass); });
+  return true;
+}
+
+void BackwardRound::end(uint64_t pass) {
+  if (pass != pass_ || !in_pass_) return;
+  in_pass_ = false;
+  client_.end_pass();
+}
+
+void BackwardRound::abandon(uint64_t pass) {
+  if (pass != pass_ || !in_pass_) return;  // a pass that already ended, or a later one is running
+  in_pass_ = false;
+  abandoned_ = true;
+  reductions_.clear();  // each Work keeps its tensors until it finishes; its result is not wanted
+  local_pending_ = false;
+  next_launch_ = 0;
+  client_.abandon_pass();
+  for (auto* g : groups_) g->clear_gradient();
+  if (on_abandon_) on_abandon_();
+  log_warn(name_ + ": a backward pass ended with an exception part-way; this step's gradients were dropped "
+                   "(call zero_grad() and run the step's backward passes again)");
+}
+
+void BackwardRound::enter_no_sync() {
+  ++no_sync_depth_;
+  // Decided here, not by which hooks fire, so every rank agrees that the step must reduce.
+  if (reduces_in_backward_) local_pending_ = true;
+}
+
+void BackwardRound::launch_in_order(size_t count, const std::function<bool(size_t)>& ready,
+                                    const std::function<void(size_t)>& launch) {
+  while (next_launch_ < count && (ready == nullptr || ready(next_launch_))) launch(next_launch_++);
+}
+
+void BackwardRound::check_not_in_pass(const char* op) const {
+  TORCH_CHECK(!in_pass_, name_, "::", op, ": called during backward");
+}
+
+void BackwardRound::check_usable(const char* op) {
+  check_not_in_pass(op);
+  if (abandoned_) {
+    abandoned_ = false;
+    TORCH_CHECK(false, name_, "::", op, ": the last backward pass ended with an exception part-way, so this "
+                "step's gradients are incomplete; they were discarded. Call zero_grad() and run the step's "
+                "backward passes again (ranks that did not fail may now be out of step: if only some ranks "
+                "failed, restart from the last checkpoint)");
+  }
+}
+
+}  // namespace zeroshard::shard
