@@ -22,9 +22,11 @@
 // happens before it; a ZeRO-3 stage is gathered once per step when the
 // schedule has UNSHARD/RESHARD (LoweringOptions::unshard), else per pass. Then
 // one all-reduce over the world carries [sum of squares of every gradient
-// shard (a tied parameter's once, see tie()), loss]: every rank gets the loss, the global gradient norm and whether
-// anything was not finite, clips by the same factor and updates, or skips the
-// step everywhere.
+// shard (a tied parameter's once, see tie()), loss, the noise sample, every
+// stage's had-gradient flags]: every rank gets the loss, the global gradient
+// norm and whether anything was not finite, clips by the same factor and
+// updates, or skips the step everywhere. That all-reduce is the step's whole
+// agreement: the stages' optimizers take their part of it and issue none of their own.
 //
 // A "forward" schedule (ScheduleKind::kForward) evaluates: each F runs
 // without gradients and keeps nothing, and run_step() returns the loss

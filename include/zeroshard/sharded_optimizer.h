@@ -190,8 +190,9 @@ struct GradientNoiseSample {
 };
 
 namespace shard {
-struct ShardGroup;     // src/shard/shard_group.h
-class BackwardRound;   // src/shard/backward_round.h
+struct ShardGroup;       // src/shard/shard_group.h
+class BackwardRound;     // src/shard/backward_round.h
+struct OptimizerAccess;  // src/shard/optimizer_access.h
 }
 
 // What ZeRO-1, 2 and 3 have in common: an AdamW over shard groups (ZeRO-1/2
@@ -228,6 +229,17 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // must be the same on every rank.
   double local_sumsq();
   void apply_clip(double max_norm, double global_norm);
+  // For a caller that agrees the step over more ranks than this optimizer's
+  // (pipeline stages: one world all-reduce for every stage), the rest of the
+  // agreement, so that step() issues no collective of its own. After
+  // local_sumsq(), local_had_grad() is this rank's part (per parameter, in
+  // sharded_state().params order: 1 if it had a gradient this step);
+  // apply_agreement() then takes `had_grad` summed over this optimizer's
+  // ranks, the global norm and max_norm as apply_clip() takes them, and the
+  // gradient noise sample the caller composed (last_gradient_noise() returns it).
+  std::vector<char> local_had_grad();
+  void apply_agreement(const std::vector<double>& had_grad, double max_norm, double global_norm,
+                       const GradientNoiseSample& noise);
   // The same split for the gradient noise sample: after local_sumsq(), this
   // rank's reductions × the squared norms of what it fed them this step
   // (unscaled), and its most reductions of one group (the sample's rounds).
@@ -296,6 +308,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
   struct Core;
+  friend struct shard::OptimizerAccess;
 
  protected:
   // `name` prefixes errors and logs ("ShardedAdamW").

@@ -4,6 +4,7 @@
 #include "comm/work.h"
 #include "optim/grad_norm.h"
 #include "pipeline/payload.h"
+#include "shard/optimizer_access.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/trace.h"
 
@@ -39,6 +40,11 @@ struct PipelineExecutor::Impl {
     bool reduced = false;
   };
   std::map<int, Sharding> sharded;
+  // Where each stage's had-gradient flags sit in the step's all-reduce
+  // (after the header): offsets[s], one slot per parameter of stage s; found
+  // by one exchange of the stages' parameter counts at the first step.
+  std::vector<size_t> flag_offsets;
+  size_t flag_slots = 0;
   double sumsq = 0;  // this rank's stages' gradient shards, this step
   double unreduced_sumsq = 0;  // what this rank's stages fed their reductions (the noise sample's small norm)
   int rounds = 0;              // the most reductions of a stage's group this step
@@ -225,27 +231,12 @@ struct PipelineExecutor::Impl {
   }
 
   // The elements of a tied parameter this rank owns in its stage's shards.
-  struct Owned {
-    ShardedBucketState bucket;
-    Range piece;     // in the bucket's flat buffer
-    Range of_param;  // the same elements, counted in the parameter
-    int replicas = 1;  // data-parallel ranks holding the same elements (ZeRO stage 0: all)
-    at::Tensor slice(const at::Tensor& shard) const {
-      return shard.slice(0, piece.begin - bucket.shard.begin, piece.end - bucket.shard.begin);
-    }
-  };
-  Owned owned(const Tie& t) {
-    const ShardedState st = sharded.at(t.stage).shards.optimizer->sharded_state();
-    for (const auto& b : st.buckets) {
-      for (size_t e = 0; e < b.params.size(); ++e) {
-        if (!st.param_tensors[b.params[e]].is_same(t.param)) continue;
-        const Range whole = b.layout.param_range(e);
-        const Range piece = intersect(whole, b.shard);
-        return {b, piece, {piece.begin - whole.begin, piece.end - whole.begin}, st.replicas()};
-      }
-    }
-    TORCH_CHECK_VALUE(false, "PipelineExecutor::tie: the parameter tied across set ", t.set, " is not trained by stage ",
-                      t.stage, "'s optimizer; tie one of the parameters given to shard_stage(", t.stage, ")");
+  shard::OptimizerAccess::Owned owned(const Tie& t) {
+    auto o = shard::OptimizerAccess::owned(*sharded.at(t.stage).shards.optimizer, t.param);
+    TORCH_CHECK_VALUE(o.has_value(), "PipelineExecutor::tie: the parameter tied across set ", t.set,
+                      " is not trained by stage ", t.stage, "'s optimizer; tie one of the parameters given to "
+                      "shard_stage(", t.stage, ")");
+    return *o;
   }
   std::string tie_name(const Tie& t) const {
     return "the parameter tied across stages " + c10::Join(", ", grid_ties()[t.set]) + " (set " +
@@ -253,28 +244,30 @@ struct PipelineExecutor::Impl {
   }
   const std::vector<std::vector<int>>& grid_ties() const { return grid.options().ties; }
 
-  // First step: every copy takes the set's first stage's values (collective
-  // over the tie group, then over each stage's data-parallel group).
+  // First step: every copy takes the set's first stage's values (a broadcast
+  // of each owned piece's master over the tie group, then each changed stage
+  // brings its parameters to the masters over its data-parallel group).
   void sync_ties() {
     if (ties_synced) return;
     ties_synced = true;
     std::set<int> changed;
     for (const auto& t : ties) {
-      const Owned o = owned(t);
+      const auto o = owned(t);
       shard::check_same_on_all_ranks(*t.group.control,
                                      {"elements [" + std::to_string(o.of_param.begin) + ", " +
                                       std::to_string(o.of_param.end) + ") of " + std::to_string(t.param.numel()) +
                                       " on data-parallel rank " + std::to_string(grid.dp_rank())},
                                      "the shard each stage's data-parallel rank owns of " + tie_name(t) +
                                          " (give it a param group (ZeRO-1/2) or unit (ZeRO-3) of its own on every stage)");
-      if (!o.piece.empty()) comm::block_current(*t.group.data->broadcast(o.slice(o.bucket.master).contiguous(), 0), t.param.device());
+      if (!o.piece.empty()) {
+        auto master = o.slice(o.group->master);
+        auto piece = master.contiguous();
+        comm::block_current(*t.group.data->broadcast(piece, 0), t.param.device());
+        if (!piece.is_same(master)) master.copy_(piece);
+      }
       changed.insert(t.stage);
     }
-    for (int stage : changed) {  // the parameters from the masters
-      auto& opt = *sharded.at(stage).shards.optimizer;
-      const ShardedState st = opt.sharded_state();
-      opt.restore_sharded_state(st.param_steps, st.loss_scale, st.loss_scale_clean_steps);
-    }
+    for (int stage : changed) shard::OptimizerAccess::install_masters(*sharded.at(stage).shards.optimizer);
   }
 
   // After every stage's reduction: each copy's owned gradient becomes the sum
@@ -282,11 +275,11 @@ struct PipelineExecutor::Impl {
   void reduce_ties() {
     for (const auto& t : ties) {
       auto& opt = *sharded.at(t.stage).shards.optimizer;
-      const Owned o = owned(t);
+      const auto o = owned(t);
       if (o.piece.empty()) continue;
-      TORCH_CHECK(o.bucket.grad_shard.defined(), "pipeline: stage ", t.stage, "'s copy of ", tie_name(t),
+      TORCH_CHECK(o.group->grad_shard.defined(), "pipeline: stage ", t.stage, "'s copy of ", tie_name(t),
                   " got no gradient this step; every stage of a tie set must use its copy");
-      at::Tensor g = o.slice(o.bucket.grad_shard);
+      at::Tensor g = o.slice(o.group->grad_shard);
       // local_sumsq() counted a replicated piece 1/replicas on each rank.
       const double scale2 = opt.loss_scale() * opt.loss_scale() * o.replicas;
       sumsq -= optim::sum_of_squares({g}) / scale2;
@@ -369,37 +362,70 @@ struct PipelineExecutor::Impl {
                           "pipeline: the step left work behind");
   }
 
-  // One world all-reduce: [gradient sum of squares, loss, non-finite flag,
-  // sharded stages, the noise sample's unreduced sum of squares and rounds];
-  // then every stage's update, or none.
-  StepResult finish_step() {
-    const double nonfinite = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
-    auto t = at::tensor({std::isfinite(sumsq) ? sumsq : 0.0, std::isfinite(loss_sum) ? loss_sum : 0.0, nonfinite,
-                         static_cast<double>(sharded.size()), unreduced_sumsq, static_cast<double>(rounds)},
-                        at::kDouble);
+  // First step: every stage's parameter count, to lay out the step's
+  // all-reduce (one exchange over the world, once); checks that every stage
+  // on every rank has StageShards, or none does.
+  void lay_out_flags() {
+    if (checked_shards) return;
+    std::vector<double> v(1 + static_cast<size_t>(schedule.stages), 0.0);
+    v[0] = static_cast<double>(sharded.size());
+    for (auto& [stage, sh] : sharded) {
+      v[1 + static_cast<size_t>(stage)] = static_cast<double>(sh.shards.optimizer->local_had_grad().size());
+    }
+    auto t = at::tensor(v, at::kDouble);
     grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
-    const double* v = t.data_ptr<double>();
+    const double* c = t.data_ptr<double>();
+    const int every = schedule.stages * grid.dp();
+    TORCH_CHECK_VALUE(c[0] == 0 || static_cast<int>(c[0]) == every, "PipelineExecutor: ", static_cast<int>(c[0]),
+                      " of the ", every, " (stage, data-parallel rank) pairs have StageShards; give every stage on "
+                      "every rank its StageShards (shard_stage), or none");
+    flag_offsets.assign(static_cast<size_t>(schedule.stages), 0);
+    flag_slots = 0;
+    for (int s = 0; s < schedule.stages; ++s) {
+      flag_offsets[static_cast<size_t>(s)] = flag_slots;
+      flag_slots += static_cast<size_t>(std::lround(c[1 + s] / grid.dp()));  // each of the stage's dp ranks counted it
+    }
+    checked_shards = true;
+  }
+
+  // One world all-reduce: [gradient sum of squares, loss, non-finite flag,
+  // the noise sample's unreduced sum of squares and rounds, then per stage
+  // per parameter how many of the stage's data-parallel ranks had a
+  // gradient]. It is the whole step's agreement: every stage's optimizer is
+  // handed its part (apply_agreement) and steps without a collective of its
+  // own; then every stage updates, or none does.
+  StepResult finish_step() {
+    lay_out_flags();
+    constexpr size_t kHeader = 5;
+    const double nonfinite = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
+    std::vector<double> v(kHeader + flag_slots, 0.0);
+    v[0] = std::isfinite(sumsq) ? sumsq : 0.0;
+    v[1] = std::isfinite(loss_sum) ? loss_sum : 0.0;
+    v[2] = nonfinite;
+    v[3] = unreduced_sumsq;
+    v[4] = static_cast<double>(rounds);
+    for (auto& [stage, sh] : sharded) {
+      const auto had = sh.shards.optimizer->local_had_grad();
+      const size_t at = kHeader + flag_offsets[static_cast<size_t>(stage)];
+      for (size_t i = 0; i < had.size(); ++i) v[at + i] = had[i] ? 1.0 : 0.0;
+    }
+    auto t = at::tensor(v, at::kDouble);
+    grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
+    const double* a = t.data_ptr<double>();
     StepResult r;
     r.peak_in_flight = peak_in_flight;
     r.peak_memory_bytes = memory_peak;
     r.passes_seconds = std::chrono::duration<double>(passes_end - step_start).count();
     r.compute_seconds = compute_seconds;
-    r.loss = v[1] / grid.dp();
-    r.finite = v[2] == 0;
+    r.loss = a[1] / grid.dp();
+    r.finite = a[2] == 0;
     if (!r.finite) r.loss = std::numeric_limits<double>::quiet_NaN();
-    if (!checked_shards) {
-      const int every = schedule.stages * grid.dp();
-      TORCH_CHECK_VALUE(v[3] == 0 || static_cast<int>(v[3]) == every, "PipelineExecutor: ", static_cast<int>(v[3]),
-                        " of the ", every, " (stage, data-parallel rank) pairs have StageShards; give every stage on "
-                        "every rank its StageShards (shard_stage), or none");
-      checked_shards = true;
-    }
     if (sharded.empty()) return r;
-    r.grad_norm = r.finite ? std::sqrt(v[0]) : std::numeric_limits<double>::infinity();
+    r.grad_norm = r.finite ? std::sqrt(a[0]) : std::numeric_limits<double>::infinity();
     r.noise.ranks = grid.dp();
-    r.noise.rounds = static_cast<int>(std::lround(v[5] / grid.world().control->size()));
-    r.noise.big_sumsq = r.finite ? v[0] : std::numeric_limits<double>::quiet_NaN();
-    r.noise.small_sumsq = v[4] / grid.dp();  // each stage's ranks hold 1/dp of the sample
+    r.noise.rounds = static_cast<int>(std::lround(a[4] / grid.world().control->size()));
+    r.noise.big_sumsq = r.finite ? a[0] : std::numeric_limits<double>::quiet_NaN();
+    r.noise.small_sumsq = a[3] / grid.dp();  // each stage's ranks hold 1/dp of the sample
     const double max_norm = options.max_grad_norm > 0 ? options.max_grad_norm : std::numeric_limits<double>::infinity();
     r.updated = true;
     for (auto& [stage, sh] : sharded) {
@@ -409,7 +435,12 @@ struct PipelineExecutor::Impl {
         r.updated = false;
         continue;
       }
-      opt.apply_clip(max_norm, r.grad_norm);  // an inf norm skips the step (and shrinks the loss scale)
+      const size_t at = kHeader + flag_offsets[static_cast<size_t>(stage)];
+      const size_t n = flag_offsets.size() > static_cast<size_t>(stage) + 1
+                           ? flag_offsets[static_cast<size_t>(stage) + 1] - flag_offsets[static_cast<size_t>(stage)]
+                           : flag_slots - flag_offsets[static_cast<size_t>(stage)];
+      // an inf norm skips the step (and shrinks the loss scale)
+      opt.apply_agreement(std::vector<double>(a + at, a + at + n), max_norm, r.grad_norm, r.noise);
       opt.step();
       r.updated = r.updated && !opt.last_step_skipped();
     }

@@ -6,6 +6,7 @@
 #include "optim/grad_norm.h"
 #include "optim/loss_scaler.h"
 #include "shard/backward_round.h"
+#include "shard/optimizer_access.h"
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
 
@@ -237,6 +238,30 @@ GradientNoiseSample ShardedOptimizer::last_gradient_noise() const {
   return core_->noise;
 }
 
+std::vector<char> ShardedOptimizer::local_had_grad() {
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  TORCH_CHECK(c.shards.round->frozen(), c.name, "::local_had_grad: call local_sumsq() first (it reduces the step's "
+                                        "gradients)");
+  std::vector<char> had(c.shards.infos.size(), 0);
+  for (const auto* g : c.shards.groups) {
+    for (size_t e = 0; e < g->params.size(); ++e) had[g->params[e]] = g->had_grad[e];
+  }
+  return had;
+}
+
+void ShardedOptimizer::apply_agreement(const std::vector<double>& had_grad, double max_norm, double global_norm,
+                                       const GradientNoiseSample& noise) {
+  auto& c = *core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  TORCH_CHECK_VALUE(had_grad.size() == c.shards.infos.size(), c.name, "::apply_agreement: ", had_grad.size(),
+                    " had-gradient counts for ", c.shards.infos.size(), " parameters");
+  apply_clip(max_norm, global_norm);
+  c.flags = had_grad;
+  c.noise = noise;
+  c.agreed = true;
+}
+
 void ShardedOptimizer::apply_clip(double max_norm, double global_norm) {
   TORCH_CHECK_VALUE(max_norm > 0, core_->name, "::apply_clip: max_norm is ", max_norm, "; it must be positive");
   TORCH_CHECK_VALUE(!(global_norm < 0), core_->name, "::apply_clip: global_norm is ", global_norm,
@@ -381,3 +406,27 @@ void ShardedOptimizer::load(torch::serialize::InputArchive&) {
 }
 
 }  // namespace zeroshard
+
+namespace zeroshard::shard {
+
+std::optional<OptimizerAccess::Owned> OptimizerAccess::owned(ShardedOptimizer& opt, const at::Tensor& param) {
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  for (auto* g : c.shards.groups) {
+    for (size_t e = 0; e < g->params.size(); ++e) {
+      if (!c.shards.tensors[g->params[e]].is_same(param)) continue;
+      const Range whole = g->layout.param_range(e);
+      const Range piece = intersect(whole, g->shard);
+      return Owned{g, piece, {piece.begin - whole.begin, piece.end - whole.begin}, c.replicas()};
+    }
+  }
+  return std::nullopt;
+}
+
+void OptimizerAccess::install_masters(ShardedOptimizer& opt) {
+  torch::NoGradGuard no_grad;
+  std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
+  opt.install_masters();
+}
+
+}  // namespace zeroshard::shard

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <set>
 
 namespace zeroshard::pipeline {
 namespace executor_test {
@@ -114,6 +115,19 @@ int64_t bytes_of(const PipelineGrid& grid, const std::map<int, StageShards>& sha
   return t.by_kind.count(kind) ? t.by_kind.at(kind).bytes_sent : 0;
 }
 
+// All-reduces issued so far on the grid's control planes (world, data- and
+// pipeline-parallel groups; each communicator counted once).
+int64_t control_all_reduces(const PipelineGrid& grid) {
+  std::set<const Communicator*> seen;
+  int64_t n = 0;
+  for (const auto* g : {&grid.world(), &grid.dp_group(), &grid.pp_group()}) {
+    if (!seen.insert(g->control.get()).second) continue;
+    const CommStats st = g->control->stats();
+    if (st.by_kind.count(OpKind::kAllReduce)) n += st.by_kind.at(OpKind::kAllReduce).calls;
+  }
+  return n;
+}
+
 // `zero`: the ZeRO stage inside each pipeline stage. `unshard`: ZeRO-3 units
 // gathered once per step (UNSHARD/RESHARD in the schedule) instead of per pass.
 void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int chunks, int zero, bool unshard) {
@@ -178,8 +192,19 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     std::tie(x, y) = batch(step);
     reduced_at_start = bytes_of(grid, shards, OpKind::kReduceScatter);
     const int64_t gathered_at_start = bytes_of(grid, shards, OpKind::kAllGather);
+    const int64_t world_reduces = grid.world().control->stats().by_kind[OpKind::kAllReduce].calls;
+    const int64_t control_reduces = control_all_reduces(grid);
     const StepResult r = ex.run_step();
     ASSERT_TRUE(r.finite && r.updated) << "step " << step;
+    // The step's agreement is one world all-reduce, whatever the stages and
+    // ZeRO stage: no stage's optimizer agrees again (the first step also lays
+    // out the flags, once). ZeRO-0's gradient all-reduces share a CPU
+    // communicator's control plane, so there only the world's is counted.
+    if (step > 0) {
+      EXPECT_EQ(grid.world().control->stats().by_kind[OpKind::kAllReduce].calls - world_reduces, 1) << "step " << step;
+      const bool shared_plane = zero == 0 && grid.dp_group().control == grid.dp_group().data;
+      if (!shared_plane) EXPECT_EQ(control_all_reduces(grid) - control_reduces, 1) << "step " << step;
+    }
     // Microbatches in flight on this rank at most: the schedule's closed form.
     const int q = grid.stage(), peak = kind == ScheduleKind::kGPipe ? microbatches * chunks
                                        : kind == ScheduleKind::k1F1B ? std::min(pp - q, microbatches)
