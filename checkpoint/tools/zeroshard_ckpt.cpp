@@ -154,51 +154,13 @@ const char* safetensors_dtype(at::ScalarType t) {
 
 int export_safetensors(const std::string& path, int64_t step, const std::string& out, const std::string& dtype,
                        const std::string& map_path, bool buffers) {
-  CheckpointReader r(resolve_step_dir(path, step));
-  const auto names = read_name_map(map_path);
-  const auto want = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  struct Item {
-    std::string name;
-    std::function<at::Tensor()> load;
-    at::ScalarType dtype;
-    std::vector<int64_t> shape;
-  };
-  std::vector<Item> items;
-  auto mapped = [&](const std::string& n) { return names.count(n) ? names.at(n) : n; };
-  for (const auto& e : r.params()) {
-    items.push_back({mapped(e.name), [&r, e, want] { return r.read_param(e).to(want); }, want, e.shape});
-  }
-  for (const auto& e : r.replicated()) {
-    if (e.kind == "buffer" && !buffers) continue;
-    const auto dt = dtype_named(e.dtype);
-    const auto to = at::isFloatingType(dt) ? want : dt;
-    items.push_back({mapped(e.name), [&r, e, to] { return r.read_replicated(e).to(to); }, to, e.shape});
-  }
-  json header;
-  int64_t offset = 0;
-  for (const auto& it : items) {
-    int64_t n = 1;
-    for (auto d : it.shape) n *= d;
-    const int64_t nbytes = n * static_cast<int64_t>(c10::elementSize(it.dtype));
-    if (header.contains(it.name)) throw std::runtime_error("two tensors map to the name '" + it.name + "'");
-    header[it.name] = {{"dtype", safetensors_dtype(it.dtype)}, {"shape", it.shape}, {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-  }
-  header["__metadata__"] = {{"format", "pt"}, {"zeroshard_step", std::to_string(r.manifest().at("step").get<int64_t>())}};
-  std::string h = header.dump();
-  while ((8 + h.size()) % 8 != 0) h += ' ';
-  std::ofstream o(out, std::ios::binary | std::ios::trunc);
-  if (!o) throw std::runtime_error("cannot create '" + out + "'");
-  const uint64_t len = h.size();
-  o.write(reinterpret_cast<const char*>(&len), 8);  // little-endian on every supported machine
-  o.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const auto& it : items) {  // streamed: one tensor in memory at a time
-    const auto t = it.load().contiguous();
-    o.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-  }
-  o.flush();
-  if (!o) throw std::runtime_error("writing '" + out + "' failed (disk full?)");
-  std::cout << "wrote " << out << ": " << items.size() << " tensors, " << (8 + h.size() + offset) / 1e6 << " MB\n";
+  zeroshard::SafetensorsExport opts;
+  opts.step = step;
+  opts.dtype = dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  opts.buffers = buffers;
+  opts.names = read_name_map(map_path);
+  const auto written = zeroshard::export_safetensors(path, out, opts);
+  std::cout << "wrote " << out << ": " << written.size() << " tensors, " << fs::file_size(out) / 1e6 << " MB\n";
   return 0;
 }
 
@@ -326,6 +288,71 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
 }
 
 }  // namespace zeroshard_ckpt
+
+namespace zeroshard {
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> export_safetensors(const std::string& checkpoint,
+                                                                             const std::string& out,
+                                                                             const SafetensorsExport& options) {
+  TORCH_CHECK_VALUE(options.dtype == at::kFloat || options.dtype == at::kBFloat16, "export_safetensors: dtype ",
+                    c10::toString(options.dtype), "; parameters export as Float or BFloat16");
+  CheckpointReader r(resolve_step_dir(checkpoint, options.step));
+  struct Item {
+    std::string name;
+    std::function<at::Tensor()> load;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Item> items;
+  auto mapped = [&](const std::string& n) { return options.names.count(n) ? options.names.at(n) : n; };
+  const auto want = options.dtype;
+  for (const auto& e : r.params()) {
+    items.push_back({mapped(e.name), [&r, e, want] { return r.read_param(e).to(want); }, want, e.shape});
+  }
+  for (const auto& e : r.replicated()) {
+    if (e.kind == "buffer" && !options.buffers) continue;
+    const auto dt = dtype_named(e.dtype);
+    const auto to = at::isFloatingType(dt) ? want : dt;
+    items.push_back({mapped(e.name), [&r, e, to] { return r.read_replicated(e).to(to); }, to, e.shape});
+  }
+  json header;
+  int64_t offset = 0;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> written;
+  for (const auto& it : items) {
+    int64_t n = 1;
+    for (auto d : it.shape) n *= d;
+    const int64_t nbytes = n * static_cast<int64_t>(c10::elementSize(it.dtype));
+    TORCH_CHECK_VALUE(!header.contains(it.name), "export_safetensors: two tensors map to the name '", it.name,
+                      "'; fix the name map");
+    header[it.name] = {{"dtype", zeroshard_ckpt::safetensors_dtype(it.dtype)},
+                       {"shape", it.shape},
+                       {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+    written.emplace_back(it.name, it.shape);
+  }
+  header["__metadata__"] = {{"format", "pt"}, {"zeroshard_step", std::to_string(r.manifest().at("step").get<int64_t>())}};
+  std::string h = header.dump();
+  while ((8 + h.size()) % 8 != 0) h += ' ';
+  // Written beside and renamed: a crash never leaves half a file under `out`.
+  const std::string tmp = out + ".tmp";
+  {
+    std::ofstream o(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(o, "export_safetensors: cannot create '", tmp, "'");
+    const uint64_t len = h.size();
+    o.write(reinterpret_cast<const char*>(&len), 8);  // little-endian on every supported machine
+    o.write(h.data(), static_cast<std::streamsize>(h.size()));
+    for (const auto& it : items) {  // streamed: one tensor in memory at a time
+      const auto t = it.load().contiguous();
+      o.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    }
+    o.flush();
+    TORCH_CHECK(o, "export_safetensors: writing '", tmp, "' failed (disk full?)");
+  }
+  fs::rename(tmp, out);
+  return written;
+}
+
+}  // namespace zeroshard
 
 int zeroshard_ckpt_main(int argc, char** argv) {
   using namespace zeroshard_ckpt;

@@ -57,6 +57,32 @@ BartConfig BartConfig::named(const std::string& name) {
   return c;
 }
 
+std::string BartConfig::hf_config_json() const {
+  nlohmann::json j;
+  j["model_type"] = "bart";
+  j["architectures"] = {"BartForConditionalGeneration"};
+  j["is_encoder_decoder"] = true;
+  j["vocab_size"] = vocab_size;
+  j["d_model"] = d_model;
+  j["encoder_layers"] = encoder_layers;
+  j["decoder_layers"] = decoder_layers;
+  j["encoder_attention_heads"] = j["decoder_attention_heads"] = attention_heads;
+  j["encoder_ffn_dim"] = j["decoder_ffn_dim"] = ffn_dim;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["dropout"] = dropout;
+  j["attention_dropout"] = attention_dropout;
+  j["activation_dropout"] = activation_dropout;
+  j["activation_function"] = "gelu";
+  j["scale_embedding"] = false;
+  j["tie_word_embeddings"] = true;
+  j["pad_token_id"] = pad_token_id;
+  j["bos_token_id"] = bos_token_id;
+  j["eos_token_id"] = j["forced_eos_token_id"] = eos_token_id;
+  j["decoder_start_token_id"] = decoder_start_token_id;
+  j["torch_dtype"] = "float32";
+  return j.dump(2) + "\n";
+}
+
 // BART's learned positions start at index 2 (fairseq's padding offset).
 constexpr int64_t kPositionOffset = 2;
 

@@ -33,6 +33,10 @@ struct BartConfig {
   // or the path of a JSON file with Hugging Face's config.json keys.
   static BartConfig named(const std::string& name_or_path);
   int64_t head_dim() const { return d_model / attention_heads; }
+  // Hugging Face's config.json for this model (BartForConditionalGeneration:
+  // GELU, post-layer-norm, unscaled embeddings, the head tied to model.shared);
+  // named() reads it back.
+  std::string hf_config_json() const;
 };
 
 // Dropout keyed by (seed, step, microbatch, block): with a key set, each

@@ -94,6 +94,13 @@ int bart_pretrain_main(int argc, char** argv) {
                                           "array per line on stdout");
   enc->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
 
+  auto* hf = app.add_subcommand("export-hf", "write a run's checkpoint as a Hugging Face directory (config.json, "
+                                            "model.safetensors, tokenizer): from_pretrained loads it as is");
+  std::string hf_out;
+  int64_t hf_step = -1;
+  hf->add_option("--out", hf_out, "the directory to write")->required();
+  hf->add_option("--step", hf_step, "the checkpoint's step (default: the latest committed)");
+
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
   app.add_option("--run-dir", o.run_dir, "tokenizer, checkpoints, metrics, plots, traces")->capture_default_str();
@@ -185,6 +192,7 @@ int bart_pretrain_main(int argc, char** argv) {
   try {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
     if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
+    if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
     return bart::run_pretraining(o);
   } catch (const c10::Error& e) {  // without LibTorch's C++ backtrace: the message says what to fix
     zeroshard::log_error(std::string("bart_pretrain: ") + e.what_without_backtrace());

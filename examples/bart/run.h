@@ -66,6 +66,16 @@ int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
 // its encoding as a JSON array. For comparing the tokenizer with others.
 int encode_command(const std::string& tokenizer_dir);
 
+// `bart_pretrain export-hf --out DIR`: the run's last committed checkpoint
+// (o.ckpt_dir, or RUN_DIR/checkpoints; `step` -1: the latest) as a directory
+// Hugging Face loads as is: config.json, model.safetensors, vocab.json,
+// merges.txt, tokenizer_config.json and special_tokens_map.json, so that
+// BartForConditionalGeneration.from_pretrained(DIR) and
+// BartTokenizer.from_pretrained(DIR) work. The model's config is the run's
+// (--config, --max-tokens, --dropout and the tokenizer, as training derives
+// it), checked against the checkpoint's shapes. Written beside and renamed.
+int export_hf_command(const RunOptions& o, const std::string& out_dir, int64_t step);
+
 // The training run; returns the exit status (kPreemptedExitCode after a
 // preemption save). Collective: every rank calls it with the same options.
 int run_pretraining(const RunOptions& o);

@@ -135,4 +135,20 @@ class Checkpointer {
   std::unique_ptr<Impl> impl_;
 };
 
+// The full weights of a committed checkpoint as one safetensors file (what
+// `zeroshard-ckpt export --safetensors` writes), for Hugging Face and every
+// other reader of the format. Streams one tensor at a time; parameters in
+// `dtype` (Float or BFloat16), with `buffers` the floating buffers too.
+struct SafetensorsExport {
+  int64_t step = -1;                         // -1: the latest committed step
+  at::ScalarType dtype = at::kFloat;
+  bool buffers = false;
+  std::map<std::string, std::string> names;  // ours -> the file's (unlisted: kept)
+};
+// `checkpoint`: a checkpoint directory or one step's. Returns the tensors
+// written, in file order, with their shapes.
+std::vector<std::pair<std::string, std::vector<int64_t>>> export_safetensors(const std::string& checkpoint,
+                                                                             const std::string& out,
+                                                                             const SafetensorsExport& options = {});
+
 }  // namespace zeroshard

@@ -2,8 +2,9 @@
 """examples/bart against Hugging Face (transformers, tokenizers) as the independent oracle.
 
 Usage: check_hf.py BUILD_DIR WORK_DIR CHECK
-  export     tiny BART trained 20 steps (2 ranks, ZeRO-3), exported with zeroshard-ckpt export --safetensors
-             --buffers beside a config.json: transformers' BartForConditionalGeneration.from_pretrained() loads it
+  export     tiny BART trained 20 steps (2 ranks, ZeRO-3), exported with bart_pretrain export-hf (config.json,
+             model.safetensors, tokenizer files): BartForConditionalGeneration.from_pretrained() and
+             BartTokenizer.from_pretrained() load it as is
              with no missing, unexpected or mismatched key, and its logits on the batch bart_pretrain --save-logits
              evaluates equal ours within FP32_BOUND
   import     a seeded random Hugging Face BART of the tiny shape (every tensor random, final_logits_bias too),
@@ -270,14 +271,15 @@ def check_export(build, work):
         shutil.rmtree(x, ignore_errors=True)
     steps = 20
     pretrain(build, d, 2, "--max-steps", str(steps), "--save-every", str(steps), "--eval-every", "0", "--no-sample")
-    os.makedirs(hf_dir)
-    st = os.path.join(hf_dir, "model.safetensors")
-    run([os.path.join(build, "zeroshard-ckpt"), "export", os.path.join(d, "checkpoints"), st, "--safetensors",
-         "--buffers"])
-    tensors = read_safetensors(st)
-    check("final_logits_bias" in tensors, "--buffers did not export final_logits_bias")
-    # config.json: nothing of ours writes one (neither zeroshard-ckpt export nor bart_pretrain), so it is made
-    # here from the tiny config's numbers, each shape checked against the exported tensors.
+    # bart_pretrain export-hf writes everything from_pretrained reads; nothing is written here.
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    run([exe, "--run-dir", d, "export-hf", "--out", hf_dir])
+    files = sorted(os.listdir(hf_dir))
+    check(files == ["config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
+                    "tokenizer_config.json", "vocab.json"], lambda: f"export-hf wrote {files}")
+    tensors = read_safetensors(os.path.join(hf_dir, "model.safetensors"))
+    check("final_logits_bias" in tensors, "export-hf did not export final_logits_bias")
+    # The config it wrote is the tiny one with the run's vocabulary, checked against the tensors' shapes.
     vocab_json, bos, eos, pad = special_ids(os.path.join(d, "tokenizer"))
     vocab, d_model = tensors["model.shared.weight"].shape
     layers = len({k.split(".")[3] for k in tensors if k.startswith("model.encoder.layers.")})
@@ -288,7 +290,27 @@ def check_export(build, work):
     check(got == TINY and dec_layers == layers, f"the export is not the tiny config: {got}, "
                                                 f"{dec_layers} decoder layers")
     check(vocab == max(vocab_json.values()) + 1, (vocab, len(vocab_json)))
-    hf_config(vocab, pad, bos, eos, d_model, layers, TINY["heads"], ffn, positions).save_pretrained(hf_dir)
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        written = json.load(f)
+    want = hf_config(vocab, pad, bos, eos, d_model, layers, TINY["heads"], ffn, positions).to_dict()
+    for key in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
+                "activation_function", "scale_embedding", "tie_word_embeddings", "pad_token_id", "bos_token_id",
+                "eos_token_id", "decoder_start_token_id", "forced_eos_token_id", "model_type"):
+        check(written.get(key) == want[key], lambda: f"config.json {key}: {written.get(key)!r}, want {want[key]!r}")
+    # The tokenizer loads as is and encodes as ours does.
+    from transformers import BartTokenizer
+    hf_tok = BartTokenizer.from_pretrained(hf_dir)
+    texts = ["The quick brown fox jumps over the lazy dog.", "  Two  spaces, and\ta tab; don't stop!"]
+    inp = "".join(json.dumps(t) + "\n" for t in texts)
+    p = subprocess.run([exe, "encode", "--tokenizer", hf_dir], input=inp.encode("utf-8"), capture_output=True)
+    check(p.returncode == 0, lambda: p.stderr.decode()[-2000:])
+    ours = [json.loads(line) for line in p.stdout.decode().splitlines()]
+    for t, o in zip(texts, ours):
+        theirs = hf_tok(t, add_special_tokens=False)["input_ids"]
+        check(theirs == o, lambda: f"BartTokenizer.from_pretrained({hf_dir}) encodes {t!r} as {theirs}, ours {o}")
+    check((hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (bos, eos, pad),
+          lambda: f"the tokenizer's specials {hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id}")
     model, info = BartForConditionalGeneration.from_pretrained(hf_dir, output_loading_info=True)
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         check(not info[k], lambda: f"from_pretrained({hf_dir}): {k} {sorted(info[k])[:10]}")
