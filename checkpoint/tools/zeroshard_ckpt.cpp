@@ -38,7 +38,7 @@ std::map<std::string, std::string> read_name_map(const std::string& path) {
   std::map<std::string, std::string> m;
   if (path.empty()) return m;
   std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot read the name map '" + path + "'");
+  TORCH_CHECK_VALUE(in, "cannot read the name map '", path, "'");
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = ss.str();

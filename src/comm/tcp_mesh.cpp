@@ -3,6 +3,8 @@
 #include "comm/store_wait.h"
 #include "zeroshard/trace.h"
 
+#include <c10/util/Exception.h>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -135,7 +137,7 @@ bool Buffer::wait_recv(std::chrono::milliseconds timeout) { return wait(recvs_do
 bool Buffer::wait(int& done, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mesh_.mu_);
   const bool ok = mesh_.cv_.wait_for(lock, timeout, [&] { return done > 0 || !error_.empty(); });
-  if (!error_.empty()) throw std::runtime_error(error_);
+  TORCH_CHECK(error_.empty(), error_);
   if (!ok) return false;
   --done;
   return true;

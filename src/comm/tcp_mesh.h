@@ -58,7 +58,7 @@ class Buffer {
   void recv(int peer, uint64_t slot, size_t offset, size_t nbytes);
 
   // Each returns once one posted send (receive) of this buffer completed: true;
-  // false when `timeout` passed first. Throws std::runtime_error with the cause
+  // false when `timeout` passed first. Throws c10::Error with the cause
   // when the connection carrying one of this buffer's operations broke.
   bool wait_send(std::chrono::milliseconds timeout);
   bool wait_recv(std::chrono::milliseconds timeout);

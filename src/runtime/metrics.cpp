@@ -4,6 +4,7 @@
 
 #include "zeroshard/log.h"
 
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <malloc.h>
@@ -36,7 +37,7 @@ json number(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 void merge(json& into, const std::string& object, const char* what) {
   if (object.empty()) return;
   const json extra = json::parse(object, nullptr, /*allow_exceptions=*/false);
-  if (!extra.is_object()) throw std::invalid_argument(std::string("MetricsLog: ") + what + " is not a JSON object: " + object.substr(0, 80));
+  TORCH_CHECK_VALUE(extra.is_object(), "MetricsLog: ", what, " is not a JSON object: ", object.substr(0, 80));
   for (auto it = extra.begin(); it != extra.end(); ++it) into[it.key()] = it.value();
 }
 
@@ -86,12 +87,12 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(pat
   {
     std::ofstream out(tmp, std::ios::trunc);
     for (const auto& k : kept) out << k << "\n";
-    if (!out) throw std::runtime_error("MetricsLog: cannot write '" + tmp + "': " + std::strerror(errno));
+    TORCH_CHECK(out, "MetricsLog: cannot write '", tmp, "': ", std::strerror(errno));
   }
   fs::rename(tmp, path, ec);
-  if (ec) throw std::runtime_error("MetricsLog: cannot replace '" + path + "': " + ec.message());
+  TORCH_CHECK(!ec, "MetricsLog: cannot replace '", path, "': ", ec.message());
   file_ = std::fopen(path.c_str(), "a");
-  if (file_ == nullptr) throw std::runtime_error("MetricsLog: cannot open '" + path + "' for appending: " + std::strerror(errno));
+  TORCH_CHECK(file_ != nullptr, "MetricsLog: cannot open '", path, "' for appending: ", std::strerror(errno));
   if (dropped > 0) {
     log_info("metrics: dropped " + std::to_string(dropped) + " lines after step " + std::to_string(resume_step) +
              " from " + path + " (work redone after the resume)");
