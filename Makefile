@@ -67,6 +67,7 @@ bench: build
 	@bench/pipe_bench.sh $(BUILD_DIR)
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 4
+	@bench/denormal_bench.sh $(BUILD_DIR) 1500
 	@PYTHON=$(VENV)/bin/python bench/strategies.sh $(BUILD_DIR)
 
 clean:

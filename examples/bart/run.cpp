@@ -241,6 +241,9 @@ int encode_command(const std::string& tokenizer_dir) {
 
 int run_pretraining(const RunOptions& o) {
   check_options(o);
+  // First, so every thread started from here on (LibTorch's pool, the
+  // communicators') inherits it: x86's FTZ/DAZ are per thread.
+  if (!o.keep_denormals) at::globalContext().setFlushDenormal(true);
   const auto run_start = Clock::now();
   auto comm = zeroshard::init_communicator();
   const int rank = comm->rank(), world = comm->size();

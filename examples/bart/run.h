@@ -48,6 +48,9 @@ struct RunOptions {
   NoiseOptions noise;
   double progress_interval = 10;
   bool trace = false;
+  // Denormal floats (below 1.2e-38) cost CPUs 10-100x per operation; trained
+  // attention makes many (softmax tails). Flushed to zero unless kept.
+  bool keep_denormals = false;
   bool no_plot = false;
   bool no_sample = false;
   int64_t sample_sentences = 64;  // held-out sentences the closing denoising check decodes
