@@ -23,7 +23,7 @@ using namespace zeroshard::pipeline;
 using zeroshard::testing::world;
 using zeroshard::testing::world_ptr;
 
-constexpr int kSteps = 20, kGlobalBatch = 8, kMicrobatches = 4, kSource = 10, kTarget = 8;
+constexpr int kSteps = 10, kGlobalBatch = 8, kMicrobatches = 4, kSource = 10, kTarget = 8;
 constexpr uint64_t kSeed = 3, kDropoutSeed = 5;
 constexpr double kMaxNorm = 0.5;
 const auto kAdamW = torch::optim::AdamWOptions(3e-3).weight_decay(0.01);

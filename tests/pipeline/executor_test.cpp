@@ -203,7 +203,9 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     if (step > 0) {
       EXPECT_EQ(grid.world().control->stats().by_kind[OpKind::kAllReduce].calls - world_reduces, 1) << "step " << step;
       const bool shared_plane = zero == 0 && grid.dp_group().control == grid.dp_group().data;
-      if (!shared_plane) EXPECT_EQ(control_all_reduces(grid) - control_reduces, 1) << "step " << step;
+      if (!shared_plane) {
+        EXPECT_EQ(control_all_reduces(grid) - control_reduces, 1) << "step " << step;
+      }
     }
     // Microbatches in flight on this rank at most: the schedule's closed form.
     const int q = grid.stage(), peak = kind == ScheduleKind::kGPipe ? microbatches * chunks
