@@ -72,7 +72,8 @@ def check_converge(build, work):
     for nproc in (0,):
         d = os.path.join(work, f"converge_np{nproc}")
         shutil.rmtree(d, ignore_errors=True)
-        pretrain(build, d, nproc, "--max-steps", "200", "--eval-every", "100", "--ckpt-dir", "none", "--no-sample")
+        pretrain(build, d, nproc, "--max-steps", "200", "--eval-every", "100", "--ckpt-dir", "none", "--no-sample",
+                 "--max-tokens", "64")
         m = metrics(d)
         val = [(r["step"], r["val_loss"]) for r in m if r.get("event") == "validation"]
         check(val[0][0] == 0 and val[-1][0] == 200, val)
