@@ -136,7 +136,7 @@ def check_equal_ranks(build, work):
 
 
 def check_resume(build, work):
-    common = ["--max-steps", "40", "--save-every", "100", "--eval-every", "20"]
+    common = ["--max-steps", "40", "--save-every", "100", "--eval-every", "20", "--max-tokens", "64"]
     ref, cut = os.path.join(work, "resume_ref"), os.path.join(work, "resume_cut")
     for d in (ref, cut):
         shutil.rmtree(d, ignore_errors=True)
@@ -232,7 +232,7 @@ def check_bf16(build, work):
 
 def check_pipeline(build, work):
     common = ["--max-steps", "12", "--global-batch", "8", "--micro-batches", "4", "--save-every", "6",
-              "--eval-every", "6", "--no-sample"]
+              "--eval-every", "6", "--no-sample", "--max-tokens", "64"]
     dirs = {}
 
     def train(name, nproc, *extra, launcher_args=(), fresh=True, steps=common, env_extra=None):
