@@ -28,13 +28,13 @@ bool BackwardRound::begin() {
   TORCH_CHECK(!frozen_, name_, ": backward() ran after clip_grad_norm() and before step(); the gradients were "
                         "already reduced and clipped for this step. Call clip_grad_norm() after the last backward "
                         "of the step");
+  syncs_ = reduces_in_backward_ && every_backward_ && no_sync_depth_ == 0;
+  next_launch_ = 0;
+  client_.begin_pass();  // may throw (ZeRO-3's first-step order check): then no pass began
   in_pass_ = true;
   abandoned_ = false;
-  syncs_ = reduces_in_backward_ && every_backward_ && no_sync_depth_ == 0;
   if (reduces_in_backward_ && !syncs_) local_pending_ = true;
-  next_launch_ = 0;
   const uint64_t pass = ++pass_;
-  client_.begin_pass();
   std::weak_ptr<Anchor> weak = anchor_;
   auto with_round = [weak](void (BackwardRound::*fn)(uint64_t), uint64_t p) {
     if (auto a = weak.lock()) {
