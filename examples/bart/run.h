@@ -1,7 +1,9 @@
 // run.h — the bart_pretrain program: options, the training run, the summary.
 #pragma once
 
+#include "bart_model.h"
 #include "noise.h"
+#include "tokenizer.h"
 
 #include <cstdint>
 #include <string>
@@ -69,7 +71,16 @@ int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
 // its encoding as a JSON array. For comparing the tokenizer with others.
 int encode_command(const std::string& tokenizer_dir);
 
-// `bart_pretrain export-hf --out DIR`: the run's last committed checkpoint
+// The tokenizer files of a directory (vocab.json, whose presence marks one),
+// and the tokenizer they hold.
+std::string tokenizer_files_in(const std::string& dir);
+ByteLevelBpe load_tokenizer(const std::string& dir);
+
+// The model a run trains: the named config with the tokenizer's vocabulary
+// and special tokens, room for --max-tokens, and --dropout.
+BartConfig run_config(const RunOptions& o, const ByteLevelBpe& tokenizer);
+
+// `bart_pretrain export-hf --out DIR` (export_hf.cpp): the run's last committed checkpoint
 // (o.ckpt_dir, or RUN_DIR/checkpoints; `step` -1: the latest) as a directory
 // Hugging Face loads as is: config.json, model.safetensors, vocab.json,
 // merges.txt, tokenizer_config.json and special_tokens_map.json, so that
