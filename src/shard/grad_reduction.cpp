@@ -103,11 +103,8 @@ void ShardedAdamW::Impl::abandon_pass() {
   // The failed pass's gradients are partly in buckets (dropped here) and partly
   // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
   transient_bytes = 0;
-  for (auto& b : buckets) {
-    b.rs_in = at::Tensor();
-    b.ready = 0;
-  }
-  std::fill(ready.begin(), ready.end(), 0);
+  for (auto& b : buckets) b.rs_in = at::Tensor();
+  begin_pass();  // no bucket holds a gradient of this backward
   flushed_since_step = false;
 }
 

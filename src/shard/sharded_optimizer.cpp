@@ -53,6 +53,14 @@ struct ShardedOptimizer::Core {
     for (const auto* g : shards.groups) s += g->unreduced_sumsq();
     return s;
   }
+  // Per parameter: got a gradient on this rank this step.
+  std::vector<char> had_grad() const {
+    std::vector<char> had(shards.infos.size(), 0);
+    for (const auto* g : shards.groups) {
+      for (size_t e = 0; e < g->params.size(); ++e) had[g->params[e]] = g->had_grad[e];
+    }
+    return had;
+  }
   int rounds() const {
     int r = 0;
     for (const auto* g : shards.groups) r = std::max(r, g->reductions);
@@ -68,9 +76,8 @@ struct ShardedOptimizer::Core {
     std::vector<double> ctrl(2 + n, 0.0);
     ctrl[0] = local_sumsq();
     ctrl[1] = unreduced_sumsq();
-    for (const auto* g : shards.groups) {
-      for (size_t e = 0; e < g->params.size(); ++e) ctrl[2 + g->params[e]] = g->had_grad[e] ? 1.0 : 0.0;
-    }
+    const auto had = had_grad();
+    for (size_t p = 0; p < n; ++p) ctrl[2 + p] = had[p] ? 1.0 : 0.0;
     auto t = at::tensor(ctrl, at::kDouble);
     shards.process_group.control->all_reduce(t, ReduceOp::kSum)->wait();
     const double* v = t.data_ptr<double>();
@@ -243,11 +250,7 @@ std::vector<char> ShardedOptimizer::local_had_grad() {
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   TORCH_CHECK(c.shards.round->frozen(), c.name, "::local_had_grad: call local_sumsq() first (it reduces the step's "
                                         "gradients)");
-  std::vector<char> had(c.shards.infos.size(), 0);
-  for (const auto* g : c.shards.groups) {
-    for (size_t e = 0; e < g->params.size(); ++e) had[g->params[e]] = g->had_grad[e];
-  }
-  return had;
+  return c.had_grad();
 }
 
 void ShardedOptimizer::apply_agreement(const std::vector<double>& had_grad, double max_norm, double global_norm,
@@ -342,7 +345,7 @@ ShardedState ShardedOptimizer::sharded_state() {
   s.param_tensors = c.shards.tensors;
   s.param_steps = c.steps;
   s.local_gradients_pending = local_gradients_pending();
-  s.had_grad.assign(c.shards.infos.size(), 0);
+  s.had_grad = c.had_grad();
   s.loss_scale = c.scaler.scale();
   s.loss_scale_clean_steps = c.scaler.clean_steps();
   for (auto* g : c.shards.groups) {
@@ -352,7 +355,6 @@ ShardedState ShardedOptimizer::sharded_state() {
     b.params = g->params;
     for (size_t e = 0; e < g->params.size(); ++e) {
       const size_t p = g->params[e];
-      s.had_grad[p] = g->had_grad[e];
       if (c.shards.group_of[p] > 0 && b.group == 0) b.group = c.shards.group_of[p];
     }
     b.shard = g->shard;
