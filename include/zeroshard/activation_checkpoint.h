@@ -27,9 +27,4 @@ TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn
 // One tensor in, one out.
 at::Tensor activation_checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input);
 
-namespace detail {
-// True while activation_checkpoint recomputes a forward inside backward (this thread).
-bool in_recompute();
-}  // namespace detail
-
 }  // namespace zeroshard

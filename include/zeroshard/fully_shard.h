@@ -92,65 +92,60 @@ struct FullyShardedMemory {
 // in seconds since fully_shard().
 using FullyShardedWaits = CommWaits;
 
-namespace detail {
+namespace shard {
+class Unit;           // src/shard/unit.h
+struct ShardedModel;  // src/shard/unit.h
+}  // namespace shard
 
-class Unit;  // src/shard/unit.h
+// What fully_shard() looks for in the module tree: the base of every
+// Sharded<> module, through which its forward gathers and reshards once
+// fully_shard() made it a unit (until then it passes through).
+class ShardedModule {
+ public:
+  virtual ~ShardedModule();
 
-void unit_before_forward(Unit& unit);
-at::Tensor unit_after_forward(Unit& unit, at::Tensor out);
-void unit_end_forward(Unit& unit);
-
-template <typename T>
-struct AfterForward {  // outputs that are not tensors pass through
-  static T apply(Unit&, T out) { return out; }
-};
-template <>
-struct AfterForward<at::Tensor> {
-  static at::Tensor apply(Unit& u, at::Tensor out) { return unit_after_forward(u, std::move(out)); }
-};
-template <typename A, typename B>
-struct AfterForward<std::pair<A, B>> {
-  static std::pair<A, B> apply(Unit& u, std::pair<A, B> out) {
-    return {AfterForward<A>::apply(u, std::move(out.first)), AfterForward<B>::apply(u, std::move(out.second))};
+ protected:
+  bool is_unit() const { return unit_ != nullptr; }
+  void before_forward();
+  void end_forward();
+  // The forward's outputs (tensors, pairs, tuples, vectors of tensors; other
+  // values pass through) get the hooks that gather the unit for backward.
+  at::Tensor after_forward(at::Tensor out);
+  std::vector<at::Tensor> after_forward(std::vector<at::Tensor> out);
+  template <typename A, typename B>
+  std::pair<A, B> after_forward(std::pair<A, B> out) {
+    return {after_forward(std::move(out.first)), after_forward(std::move(out.second))};
   }
-};
-template <typename... Ts>
-struct AfterForward<std::tuple<Ts...>> {
-  static std::tuple<Ts...> apply(Unit& u, std::tuple<Ts...> out) {
-    return std::apply([&u](auto&&... xs) { return std::tuple<Ts...>(AfterForward<std::decay_t<decltype(xs)>>::apply(u, std::move(xs))...); },
+  template <typename... Ts>
+  std::tuple<Ts...> after_forward(std::tuple<Ts...> out) {
+    return std::apply([this](auto&&... xs) { return std::tuple<Ts...>(after_forward(std::move(xs))...); },
                       std::move(out));
   }
-};
-template <>
-struct AfterForward<std::vector<at::Tensor>> {
-  static std::vector<at::Tensor> apply(Unit& u, std::vector<at::Tensor> out) {
-    for (auto& t : out) t = unit_after_forward(u, std::move(t));
+  template <typename T>
+  T after_forward(T out) {
     return out;
   }
-};
 
-// What fully_shard() looks for in the module tree.
-class ShardedMarker {
- public:
-  virtual ~ShardedMarker() = default;
-  std::shared_ptr<Unit> unit_;  // set by fully_shard(); null: pass-through
+ private:
+  friend class FullyShardedModel;  // detaches the unit when it goes
+  friend std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                                        ProcessGroup group, FullyShardOptions options);
+  std::shared_ptr<shard::Unit> unit_;
 };
-
-}  // namespace detail
 
 // A module of type Impl that fully_shard() will make a unit. Same constructors,
 // members and forward as Impl.
 template <typename Impl>
-class ShardedImpl : public Impl, public detail::ShardedMarker {
+class ShardedImpl : public Impl, public ShardedModule {
  public:
   using Impl::Impl;
   template <typename... Args>
   auto forward(Args&&... args) {
-    if (!unit_) return Impl::forward(std::forward<Args>(args)...);
-    detail::unit_before_forward(*unit_);
+    if (!is_unit()) return Impl::forward(std::forward<Args>(args)...);
+    before_forward();
     auto out = Impl::forward(std::forward<Args>(args)...);
-    auto result = detail::AfterForward<decltype(out)>::apply(*unit_, std::move(out));
-    detail::unit_end_forward(*unit_);
+    auto result = after_forward(std::move(out));
+    end_forward();
     return result;
   }
 };
@@ -241,13 +236,14 @@ class FullyShardedModel {
   };
   KeepGatheredGuard keep_gathered();
 
-  struct Impl;
-  explicit FullyShardedModel(std::unique_ptr<Impl> impl);
 
  private:
-  friend class FullyShardedAdamW;  // updates the units' shards through Impl's optimizer interface
-  Impl& impl() const { return *impl_; }
-  std::unique_ptr<Impl> impl_;
+  friend std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                                        ProcessGroup group, FullyShardOptions options);
+  friend class FullyShardedAdamW;  // its front-end is the model's state
+  explicit FullyShardedModel(std::unique_ptr<shard::ShardedModel> state);
+  shard::ShardedModel& state() const { return *state_; }
+  std::unique_ptr<shard::ShardedModel> state_;
 };
 
 struct FullyShardedAdamWOptions {
@@ -285,18 +281,6 @@ class FullyShardedAdamW : public ShardedOptimizer {
 
  private:
   std::shared_ptr<FullyShardedModel> model_;
-
-  void check_ready(const char* op) override;
-  void reduce_gradients() override;
-  void group_updated(size_t k, bool changed) override;
-  void finish_update() override;
-  void end_step() override;
-  void drop_unreduced_gradients() override;
-  void drain_reductions() override;
-  bool local_gradients_pending() const override;
-  void install_masters() override;
-  void accept_restored_gradients() override {}
-  void add_stats(ShardedStats& stats) const override;
 };
 
 }  // namespace zeroshard

@@ -190,8 +190,7 @@ struct GradientNoiseSample {
 };
 
 namespace shard {
-struct ShardGroup;       // src/shard/shard_group.h
-class BackwardRound;     // src/shard/backward_round.h
+struct Shards;           // src/shard/front_end.h
 struct OptimizerAccess;  // src/shard/optimizer_access.h
 }
 
@@ -307,64 +306,25 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  struct Core;
   friend struct shard::OptimizerAccess;
 
- protected:
+ private:
+  // The front-ends (ShardedAdamW, FullyShardedAdamW) are the only subclasses.
+  friend class ShardedAdamW;
+  friend class FullyShardedAdamW;
+  struct Core;
+
   // `name` prefixes errors and logs ("ShardedAdamW").
   ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults,
                    std::string name, int zero_stage);
-
   // Param group `g`'s options, checked to be AdamW's without amsgrad.
   const torch::optim::AdamWOptions& adamw_options(size_t g);
-
-  // What a front-end hands the core once its shard groups exist.
-  struct Shards {
-    ProcessGroup process_group;  // data: the shards' collectives; control: the per-step agreement
-    shard::BackwardRound* round = nullptr;       // the front-end's backward protocol (its mutex: the hooks' one)
-    std::vector<shard::ShardGroup*> groups;      // sharded_state() order
-    std::vector<size_t> update_order;            // order step() updates groups in (empty: as `groups`)
-    std::vector<ParamInfo> infos;                // per parameter (the index ShardGroup::params uses)
-    std::vector<at::Tensor> tensors;             // the live parameter tensors, as `infos`
-    std::vector<int> group_of;                   // param group per parameter; -1: never updated
-    double max_grad_norm = 0;
-    LossScaleOptions loss_scale;
-    bool loss_scaling = false;                   // resolved from loss_scale.enabled
-  };
-  void attach_shards(Shards shards);
+  // Once the front-end's shard groups exist (shard::Shards, src/shard/front_end.h).
+  void attach_shards(shard::Shards shards);
   // The front-end's destructor, under the round's mutex: the round is about to go.
   void detach_shards();
-
-  // The front-end's part of each operation; all run under `mu`.
-  // Before step/clip (after the round's own checks): throws if the gradients cannot be used now.
-  virtual void check_ready(const char* op) = 0;
-  // Every group's grad_shard holds this step's reduced gradient (and had_grad
-  // is complete). The core then freezes the round: backward is refused until the step ends.
-  virtual void reduce_gradients() = 0;
-  // Group `k` was updated (`changed`: some entry of it was): start bringing
-  // its parameters up to date.
-  virtual void group_updated(size_t k, bool changed) = 0;
-  // After every group_updated(): wait for what they started.
-  virtual void finish_update() = 0;
-  // The step is over (or skipped): per-step state of the front-end.
-  virtual void end_step() = 0;
-  // discard_gradients(): wait for reductions in flight and drop every gradient
-  // not yet in a shard (buffers being filled, p.grad()).
-  virtual void drop_unreduced_gradients() = 0;
-  // Waits for reductions in flight, adding them into the shards.
-  virtual void drain_reductions() = 0;
-  // Gradients of this step that are not in the shards (full, in p.grad()).
-  virtual bool local_gradients_pending() const = 0;
-  // restore: the masters were loaded; make the parameters equal them.
-  virtual void install_masters() = 0;
-  // restore: the checkpoint holds reduced gradients of a step in progress; throws if they cannot be taken.
-  virtual void accept_restored_gradients() = 0;
-  // stats(): what the core does not know (params, param_shards, grads,
-  // peak_transient, waits, traffic).
-  virtual void add_stats(ShardedStats& stats) const = 0;
-
- private:
   void reduce_and_freeze();
+
   std::unique_ptr<Core> core_;
 };
 
@@ -401,25 +361,12 @@ class ShardedAdamW : public ShardedOptimizer {
 
   const ShardedAdamWOptions& sharded_options() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
                torch::optim::AdamWOptions defaults, ShardedAdamWOptions options,
                const torch::OrderedDict<std::string, torch::Tensor>* names);
   std::unique_ptr<Impl> impl_;
-
-  void check_ready(const char* op) override;
-  void reduce_gradients() override;
-  void group_updated(size_t k, bool changed) override;
-  void finish_update() override;
-  void end_step() override;
-  void drop_unreduced_gradients() override;
-  void drain_reductions() override;
-  bool local_gradients_pending() const override;
-  void install_masters() override;
-  void accept_restored_gradients() override;
-  void add_stats(ShardedStats& stats) const override;
 };
 
 }  // namespace zeroshard

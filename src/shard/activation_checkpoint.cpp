@@ -3,6 +3,7 @@
 
 #include "compat/autograd_node.h"
 #include "compat/torch_compat.h"
+#include "shard/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -72,7 +73,7 @@ struct CheckpointBackward : torch::autograd::Node {
 
 }  // namespace
 
-bool detail::in_recompute() { return recompute_depth > 0; }
+bool shard::in_recompute() { return recompute_depth > 0; }
 
 TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
   if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);

@@ -13,26 +13,29 @@
 #include <unordered_set>
 
 namespace zeroshard {
-namespace detail {
+ShardedModule::~ShardedModule() = default;
 
-void unit_before_forward(Unit& unit) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
-  unit.before_forward();
+void ShardedModule::before_forward() {
+  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
+  unit_->before_forward();
 }
 
-at::Tensor unit_after_forward(Unit& unit, at::Tensor out) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
-  return unit.after_forward(std::move(out));
+at::Tensor ShardedModule::after_forward(at::Tensor out) {
+  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
+  return unit_->after_forward(std::move(out));
 }
 
-void unit_end_forward(Unit& unit) {
-  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
-  unit.end_forward();
+std::vector<at::Tensor> ShardedModule::after_forward(std::vector<at::Tensor> out) {
+  for (auto& t : out) t = after_forward(std::move(t));
+  return out;
 }
 
-}  // namespace detail
+void ShardedModule::end_forward() {
+  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
+  unit_->end_forward();
+}
 
-void FullyShardedModel::Impl::begin_pass() {
+void shard::ShardedModel::begin_pass() {
   if (recording_forward) {
     // Before backward issues any reduction: ranks that ran their units in
     // different orders fail here, together, naming the first difference.
@@ -45,7 +48,7 @@ void FullyShardedModel::Impl::begin_pass() {
   for (auto& u : units) u->start_backward();
 }
 
-void FullyShardedModel::Impl::abandon_pass() {
+void shard::ShardedModel::abandon_pass() {
   // The round dropped the reductions and the units' gradient shards; free
   // what the pass gathered. A first backward's order is recorded again.
   if (recording_backward) backward_order.clear();
@@ -58,23 +61,23 @@ void FullyShardedModel::Impl::abandon_pass() {
   }
 }
 
-void FullyShardedModel::Impl::prefetch(const std::vector<size_t>& order, size_t next) {
+void shard::ShardedModel::prefetch(const std::vector<size_t>& order, size_t next) {
   if (!options.prefetch) return;
   for (size_t k = next; k < order.size() && k < next + static_cast<size_t>(options.max_inflight_gathers); ++k) {
     units[order[k]]->start_unshard();
   }
 }
 
-bool FullyShardedModel::Impl::backward_comes_next(size_t unit) const {
+bool shard::ShardedModel::backward_comes_next(size_t unit) const {
   return options.keep_last_unit_for_backward && at::GradMode::is_enabled() && !recording_forward &&
          !forward_prefetch_off && forward_pos == forward_order.size() && forward_order.back() == unit;
 }
 
-void FullyShardedModel::Impl::prefetch_first_forward_unit() {
+void shard::ShardedModel::prefetch_first_forward_unit() {
   if (options.prefetch && !recording_forward && !forward_order.empty()) units[forward_order[0]]->start_unshard();
 }
 
-void FullyShardedModel::Impl::on_forward(size_t unit) {
+void shard::ShardedModel::on_forward(size_t unit) {
   if (recording_forward) {
     forward_order.push_back(unit);
     return;
@@ -101,7 +104,7 @@ void FullyShardedModel::Impl::on_forward(size_t unit) {
   prefetch(forward_order, forward_pos);
 }
 
-void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
+void shard::ShardedModel::on_pre_backward(size_t unit) {
   if (recording_backward) {
     backward_order.push_back(unit);
     return;
@@ -119,25 +122,25 @@ void FullyShardedModel::Impl::on_pre_backward(size_t unit) {
   prefetch(backward_order, backward_pos);
 }
 
-void FullyShardedModel::Impl::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
+void shard::ShardedModel::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
   std::vector<std::string> entries;
   for (size_t u : order) entries.push_back("unit '" + (units[u]->is_root ? std::string("(root)") : units[u]->name) + "'");
   shard::check_same_on_all_ranks(check_comm(), entries, "fully_shard: the " + what + " orders of units (first step)");
 }
 
-void FullyShardedModel::Impl::try_launch() {
+void shard::ShardedModel::try_launch() {
   round->launch_in_order(
       launch_order.size(), [this](size_t k) { return units[launch_order[k]]->complete(); },
       [this](size_t k) { launch(launch_order[k]); });
 }
 
-void FullyShardedModel::Impl::launch(size_t unit) {
+void shard::ShardedModel::launch(size_t unit) {
   auto& u = *units[unit];
   round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label());
   round->reductions().drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 
-void FullyShardedModel::Impl::end_pass() {
+void shard::ShardedModel::end_pass() {
   if (round->syncs()) {
     // Units that did not get every gradient (unused parameters) reduce what
     // they have, leftovers of no_sync backwards included.
@@ -163,7 +166,7 @@ void FullyShardedModel::Impl::end_pass() {
   }
 }
 
-void FullyShardedModel::Impl::reduce_local_gradients() {
+void shard::ShardedModel::reduce_local_gradients() {
   if (!round->local_pending()) return;
   for (size_t u : launch_order) {
     units[u]->complete_gradients();
@@ -172,26 +175,26 @@ void FullyShardedModel::Impl::reduce_local_gradients() {
   round->clear_local_pending();
 }
 
-void FullyShardedModel::Impl::drain_all() { round->reductions().drain_all(); }
+void shard::ShardedModel::drain_reductions() { round->reductions().drain_all(); }
 
-FullyShardedModel::FullyShardedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+FullyShardedModel::FullyShardedModel(std::unique_ptr<shard::ShardedModel> state) : state_(std::move(state)) {}
 
 FullyShardedModel::~FullyShardedModel() {
-  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
-  for (auto& u : impl_->units) u->remove_hooks();
+  std::lock_guard<std::recursive_mutex> lock(state_->mu());
+  for (auto& u : state_->units) u->remove_hooks();
   // The modules outlive this object: make their Sharded<> wrappers pass-through
   // again (their parameters stay as they are: resharded ones hold no elements).
-  for (auto& weak : impl_->unit_modules) {
+  for (auto& weak : state_->unit_modules) {
     if (auto module = weak.lock()) {
-      if (auto* marker = dynamic_cast<detail::ShardedMarker*>(module.get())) marker->unit_.reset();
+      if (auto* marker = dynamic_cast<ShardedModule*>(module.get())) marker->unit_.reset();
     }
   }
 }
 
 FullyShardedMemory FullyShardedModel::memory() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
+  std::lock_guard<std::recursive_mutex> lock(state_->mu());
   FullyShardedMemory m;
-  for (const auto& u : impl_->units) {
+  for (const auto& u : state_->units) {
     if (u->is_root) {
       m.root_params += u->gathered.nbytes();
     } else {
@@ -201,28 +204,28 @@ FullyShardedMemory FullyShardedModel::memory() const {
     if (!u->master.is_same(u->values)) m.master += u->master.nbytes();
     if (u->grad_shard.defined()) m.grad_shards += u->grad_shard.nbytes();
   }
-  m.peak_gathered = impl_->peak_gathered;
+  m.peak_gathered = state_->peak_gathered;
   return m;
 }
 
-CommStats FullyShardedModel::reduction_stats() const { return impl_->reduce_comm->stats(); }
+CommStats FullyShardedModel::reduction_stats() const { return state_->reduce_comm->stats(); }
 
 FullyShardedWaits FullyShardedModel::waits() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
-  return {impl_->exposed_gather_seconds, impl_->round->reductions().waited_seconds()};
+  std::lock_guard<std::recursive_mutex> lock(state_->mu());
+  return {state_->exposed_gather_seconds, state_->round->reductions().waited_seconds()};
 }
 
 std::vector<FullyShardedModel::UnitInfo> FullyShardedModel::units() const {
-  std::lock_guard<std::recursive_mutex> lock(impl_->mu());
+  std::lock_guard<std::recursive_mutex> lock(state_->mu());
   std::vector<UnitInfo> out;
-  for (const auto& u : impl_->units) out.push_back({u->name, u->layout, u->shard, u->is_gathered});
+  for (const auto& u : state_->units) out.push_back({u->name, u->layout, u->shard, u->is_gathered});
   return out;
 }
 
-Communicator& FullyShardedModel::communicator() const { return *impl_->comm; }
+Communicator& FullyShardedModel::communicator() const { return *state_->comm; }
 
 FullyShardedModel::FullParamsGuard::FullParamsGuard(FullyShardedModel* model) : model_(model) {
-  auto& m = *model_->impl_;
+  auto& m = *model_->state_;
   std::lock_guard<std::recursive_mutex> lock(m.mu());
   TORCH_CHECK(!m.round->in_pass(), "summon_full_params: not during backward");
   torch::NoGradGuard no_grad;
@@ -231,7 +234,7 @@ FullyShardedModel::FullParamsGuard::FullParamsGuard(FullyShardedModel* model) : 
 
 FullyShardedModel::FullParamsGuard::~FullParamsGuard() {
   if (model_ == nullptr) return;
-  auto& m = *model_->impl_;
+  auto& m = *model_->state_;
   std::lock_guard<std::recursive_mutex> lock(m.mu());
   torch::NoGradGuard no_grad;
   for (auto& u : m.units) u->reshard();
@@ -244,7 +247,7 @@ FullyShardedModel::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noe
 FullyShardedModel::FullParamsGuard FullyShardedModel::summon_full_params() { return FullParamsGuard(this); }
 
 FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(FullyShardedModel* model) : model_(model) {
-  auto& m = *model_->impl_;
+  auto& m = *model_->state_;
   std::lock_guard<std::recursive_mutex> lock(m.mu());
   TORCH_CHECK(!m.round->in_pass(), "keep_gathered: not during backward");
   torch::NoGradGuard no_grad;
@@ -255,7 +258,7 @@ FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(FullyShardedModel* model
 
 FullyShardedModel::KeepGatheredGuard::~KeepGatheredGuard() {
   if (model_ == nullptr) return;
-  auto& m = *model_->impl_;
+  auto& m = *model_->state_;
   std::lock_guard<std::recursive_mutex> lock(m.mu());
   if (--m.keep_gathered_depth > 0) return;
   torch::NoGradGuard no_grad;
@@ -281,7 +284,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   TORCH_CHECK_VALUE(rd == at::ScalarType::Undefined || rd == at::kFloat || rd == at::kBFloat16 || rd == at::kHalf,
                     "fully_shard: reduce_dtype is ", c10::toString(rd),
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
-  auto impl = std::make_unique<FullyShardedModel::Impl>();
+  auto impl = std::make_unique<shard::ShardedModel>();
   impl->group = group;
   impl->comm = comm;
   impl->reduce_comm = comm->dup();
@@ -293,11 +296,11 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   struct Found {
     std::string path;
     std::shared_ptr<torch::nn::Module> module;
-    detail::ShardedMarker* marker;
+    ShardedModule* marker;
   };
   std::vector<Found> found;
   for (const auto& item : root->named_modules()) {
-    if (auto* m = dynamic_cast<detail::ShardedMarker*>(item.value().get())) {
+    if (auto* m = dynamic_cast<ShardedModule*>(item.value().get())) {
       TORCH_CHECK_VALUE(!m->unit_, "fully_shard: unit '", item.key(), "' is already sharded");
       found.push_back({item.key(), item.value(), m});
     }
@@ -363,11 +366,11 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   torch::NoGradGuard no_grad;
   auto& m = *impl;
   for (size_t k = 0; k < found.size(); ++k) {
-    m.units.push_back(std::make_shared<detail::Unit>(m, m.units.size(), found[k].path, unit_names[k],
+    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), found[k].path, unit_names[k],
                                                      unit_params[k], /*is_root=*/false));
   }
   if (!root_params.empty()) {
-    m.units.push_back(std::make_shared<detail::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
+    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
   }
   std::vector<shard::ShardGroup*> groups;
   for (auto& u : m.units) groups.push_back(u.get());
@@ -409,7 +412,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   }
   log_info("fully_shard: " + std::to_string(found.size()) + " units + root, " + std::to_string(total) +
            " parameters; this rank holds " + std::to_string(mine) + " of them");
-  return std::make_shared<FullyShardedModel>(std::move(impl));
+  return std::shared_ptr<FullyShardedModel>(new FullyShardedModel(std::move(impl)));
 }
 
 }  // namespace zeroshard

@@ -23,7 +23,7 @@ namespace {
 using torch::optim::AdamWOptions;
 using torch::optim::OptimizerParamGroup;
 
-std::vector<torch::Tensor> trainable_params(const FullyShardedModel::Impl& model) {
+std::vector<torch::Tensor> trainable_params(const shard::ShardedModel& model) {
   std::vector<torch::Tensor> out;
   for (const auto& u : model.units) {
     for (size_t i = 0; i < u->tensors.size(); ++i) {
@@ -34,7 +34,7 @@ std::vector<torch::Tensor> trainable_params(const FullyShardedModel::Impl& model
 }
 
 // Every trainable parameter of the model in exactly one group, nothing else.
-std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel::Impl& model,
+std::vector<OptimizerParamGroup> checked_groups(const shard::ShardedModel& model,
                                                std::vector<OptimizerParamGroup> groups) {
   struct Known {
     std::string name;
@@ -74,7 +74,7 @@ std::vector<OptimizerParamGroup> checked_groups(const FullyShardedModel::Impl& m
   return groups;
 }
 
-bool any_half(const FullyShardedModel::Impl& model) {
+bool any_half(const shard::ShardedModel& model) {
   for (const auto& u : model.units) {
     if (u->layout.dtype == at::kHalf) return true;
   }
@@ -85,16 +85,17 @@ bool any_half(const FullyShardedModel::Impl& model) {
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, AdamWOptions defaults,
                                      FullyShardedAdamWOptions options)
-    : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(model->impl()))}, defaults, options) {}
+    : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(model->state()))}, defaults, options) {}
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<OptimizerParamGroup> groups,
                                      AdamWOptions defaults, FullyShardedAdamWOptions options)
-    : ShardedOptimizer(checked_groups(model->impl(), std::move(groups)), std::move(defaults), "FullyShardedAdamW", 3),
+    : ShardedOptimizer(checked_groups(model->state(), std::move(groups)), std::move(defaults), "FullyShardedAdamW", 3),
       model_(std::move(model)) {
   TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "FullyShardedAdamW: max_grad_norm is ", options.max_grad_norm,
                     "; it must be >= 0 (0: no clipping)");
-  auto& m = model_->impl();
-  Shards shards;
+  auto& m = model_->state();
+  shard::Shards shards;
+  shards.front_end = &m;
   shards.process_group = m.group;
   shards.round = m.round.get();
   shards.max_grad_norm = options.max_grad_norm;
@@ -131,24 +132,17 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
 }
 
 FullyShardedAdamW::~FullyShardedAdamW() {
-  std::lock_guard<std::recursive_mutex> lock(model_->impl().mu());
+  std::lock_guard<std::recursive_mutex> lock(model_->state().mu());
   detach_shards();
 }
 
-void FullyShardedAdamW::check_ready(const char*) {}
-void FullyShardedAdamW::reduce_gradients() { model_->impl().finish_reductions(); }
-void FullyShardedAdamW::group_updated(size_t k, bool) { model_->impl().publish_update(k); }
-void FullyShardedAdamW::finish_update() { model_->impl().finish_publish(); }
-void FullyShardedAdamW::end_step() {}
-void FullyShardedAdamW::drop_unreduced_gradients() { model_->impl().drop_gradients(); }
-void FullyShardedAdamW::drain_reductions() { model_->impl().drain_all(); }
-bool FullyShardedAdamW::local_gradients_pending() const { return model_->impl().round->local_pending(); }
-void FullyShardedAdamW::install_masters() { model_->impl().install_masters(); }
+// The model's side of the optimizer (its front-end).
 
-void FullyShardedAdamW::add_stats(ShardedStats& s) const {
-  const auto& im = model_->impl();
+bool shard::ShardedModel::local_gradients_pending() const { return round->local_pending(); }
+
+void shard::ShardedModel::add_stats(ShardedStats& s) const {
   auto& m = s.memory;
-  for (const auto& u : im.units) {
+  for (const auto& u : units) {
     if (u->is_root) {
       m.params += u->gathered.nbytes();
     } else if (!u->keeps_buffer()) {  // at one rank the gathered buffer is the shard, counted below
@@ -159,20 +153,18 @@ void FullyShardedAdamW::add_stats(ShardedStats& s) const {
       if (p.grad().defined()) m.grads += p.grad().nbytes();
     }
   }
-  m.peak_transient = im.peak_gathered;
-  s.waits = {im.exposed_gather_seconds, im.round->reductions().waited_seconds()};
-  s.traffic = im.comm->stats();
-  s.traffic += im.reduce_comm->stats();
+  m.peak_transient = peak_gathered;
+  s.waits = {exposed_gather_seconds, round->reductions().waited_seconds()};
+  s.traffic = comm->stats();
+  s.traffic += reduce_comm->stats();
 }
 
-// The model's side of an update.
-
-void FullyShardedModel::Impl::finish_reductions() {
+void shard::ShardedModel::reduce_gradients() {
   reduce_local_gradients();
-  drain_all();
+  drain_reductions();
 }
 
-void FullyShardedModel::Impl::publish_update(size_t unit) {
+void shard::ShardedModel::group_updated(size_t unit, bool) {
   auto& u = *units[unit];
   if (u.is_root || keep_gathered_depth > 0) {
     // The root in place (values is its slice; at one rank all of it: nothing
@@ -183,7 +175,7 @@ void FullyShardedModel::Impl::publish_update(size_t unit) {
   }
 }
 
-void FullyShardedModel::Impl::finish_publish() {
+void shard::ShardedModel::finish_update() {
   prefetch_first_forward_unit();  // behind the root's gather; overlaps whatever precedes the next forward
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& w : update_gathers) comm::block_current(*w, comm->device());
@@ -192,8 +184,8 @@ void FullyShardedModel::Impl::finish_publish() {
   update_gathers.clear();
 }
 
-void FullyShardedModel::Impl::drop_gradients() {
-  drain_all();
+void shard::ShardedModel::drop_unreduced_gradients() {
+  drain_reductions();
   for (auto& u : units) {
     u->clear_gradient();
     for (auto& p : u->tensors) p.mutable_grad() = at::Tensor();  // no_sync leftovers
@@ -201,7 +193,7 @@ void FullyShardedModel::Impl::drop_gradients() {
   round->clear_local_pending();
 }
 
-void FullyShardedModel::Impl::install_masters() {
+void shard::ShardedModel::install_masters() {
   std::vector<std::shared_ptr<Work>> gathers;
   for (auto& u : units) {
     if (!u->master.is_same(u->values)) u->values.copy_(u->master);  // round to the unit's dtype

@@ -157,11 +157,11 @@ void ShardedAdamW::Impl::flush_backward() {
   flushed_since_step = true;
 }
 
-void ShardedAdamW::Impl::drain_all() {
+void ShardedAdamW::Impl::drain_reductions() {
   round->reductions().drain_all([this](const shard::ReductionQueue::Entry& e) { untrack(e); });
 }
 
-void ShardedAdamW::Impl::reduce_all() {
+void ShardedAdamW::Impl::reduce_gradients() {
   if (round->frozen()) return;
   if (options.zero_stage == 1) {
     for (size_t index = 0; index < buckets.size(); ++index) {
@@ -174,11 +174,11 @@ void ShardedAdamW::Impl::reduce_all() {
   } else if (!flushed_since_step || round->local_pending()) {
     flush_backward();  // gradients still in p.grad(): from no_sync or local accumulation
   }
-  drain_all();
+  drain_reductions();
 }
 
 // The buckets' gradient shards are the core's to clear (end_step_state).
-void ShardedAdamW::Impl::release_step_gradients() { flushed_since_step = false; }
+void ShardedAdamW::Impl::end_step() { flushed_since_step = false; }
 
 
 }  // namespace zeroshard

@@ -84,7 +84,7 @@ void ShardedAdamW::Impl::track(int64_t bytes) {
   peak_transient = std::max(peak_transient, transient_bytes);
 }
 
-void ShardedAdamW::Impl::check_usable() {
+void ShardedAdamW::Impl::check_ready(const char*) {
   check_groups_unchanged();
   check_params_in_place();
 }
@@ -242,7 +242,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   }
   for (auto& w : broadcasts) comm::block_current(*w, im.comm->device());
   int64_t shard_elems = 0;
-  Shards shards;
+  shard::Shards shards;
   for (auto& b : im.buckets) {
     b.values = b.flat_params.slice(0, b.shard.begin, b.shard.end);
     b.master = b.layout.dtype == at::kFloat ? b.values : b.values.to(at::kFloat);
@@ -253,6 +253,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   im.ready.assign(im.params.size(), 0);
   im.round = std::make_unique<shard::BackwardRound>(im, "ShardedAdamW", im.reduce_in_backward(),
                                                     options.reduce_every_backward, shards.groups);
+  shards.front_end = &im;
   shards.process_group = im.group;
   shards.round = im.round.get();
   shards.infos = im.infos;
@@ -293,88 +294,76 @@ void ShardedAdamW::zero_grad(bool set_to_none) {
   }
 }
 
-void ShardedAdamW::check_ready(const char*) { impl_->check_usable(); }
-
-void ShardedAdamW::reduce_gradients() { impl_->reduce_all(); }
-
-void ShardedAdamW::group_updated(size_t k, bool changed) {
+void ShardedAdamW::Impl::group_updated(size_t k, bool changed) {
   // Every rank agrees whether anything in this bucket changed; laid out for
   // one rank (one rank, or stage 0) the shard is the whole flat buffer,
   // already updated in place.
-  auto& b = impl_->buckets[k];
+  auto& b = buckets[k];
   if (!changed || b.layout.world_size == 1) return;
-  impl_->gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
+  gathers.push_back(comm->all_gather(b.flat_params, b.values));
 }
 
-void ShardedAdamW::finish_update() {
-  auto& im = *impl_;
+void ShardedAdamW::Impl::finish_update() {
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto& w : im.gathers) comm::block_current(*w, im.comm->device());
-  im.gathers.clear();
-  im.gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (auto& w : gathers) comm::block_current(*w, comm->device());
+  gathers.clear();
+  gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void ShardedAdamW::end_step() { impl_->release_step_gradients(); }
-
-void ShardedAdamW::drop_unreduced_gradients() {
-  auto& im = *impl_;
-  im.drain_all();
-  for (auto& b : im.buckets) {
+void ShardedAdamW::Impl::drop_unreduced_gradients() {
+  drain_reductions();
+  for (auto& b : buckets) {
     b.rs_in = at::Tensor();
     if (b.flat_grads.defined()) b.flat_grads.zero_();
   }
-  im.begin_pass();
-  im.round->restart_order();
-  im.round->clear_local_pending();
-  for (size_t i = 0; i < im.params.size(); ++i) {  // stage 1's slices of flat_grads were zeroed above; others go
-    auto& p = im.params[i];
+  begin_pass();
+  round->restart_order();
+  round->clear_local_pending();
+  for (size_t i = 0; i < params.size(); ++i) {  // stage 1's slices of flat_grads were zeroed above; others go
+    auto& p = params[i];
     const auto& g = p.grad();
-    const auto& flat = im.buckets[im.location[i].first].flat_grads;
+    const auto& flat = buckets[location[i].first].flat_grads;
     const bool in_flat = g.defined() && flat.defined() && g.storage().data() == flat.storage().data();
     if (g.defined() && !in_flat) p.mutable_grad() = at::Tensor();
   }
 }
 
-void ShardedAdamW::drain_reductions() { impl_->drain_all(); }
-
-bool ShardedAdamW::local_gradients_pending() const {
-  const auto& im = *impl_;
-  return im.round->local_pending() || (im.options.zero_stage == 1 && !im.round->frozen() && im.any_had_grad());
+bool ShardedAdamW::Impl::local_gradients_pending() const {
+  return round->local_pending() || (options.zero_stage == 1 && !round->frozen() && any_had_grad());
 }
 
-void ShardedAdamW::install_masters() {
+void ShardedAdamW::Impl::install_masters() {
   std::vector<std::shared_ptr<Work>> gathers;
-  for (auto& b : impl_->buckets) {
+  for (auto& b : buckets) {
     if (b.layout.dtype != at::kFloat) b.values.copy_(b.master);  // round to the parameters' dtype
-    if (b.layout.world_size > 1) gathers.push_back(impl_->comm->all_gather(b.flat_params, b.values));
+    if (b.layout.world_size > 1) gathers.push_back(comm->all_gather(b.flat_params, b.values));
   }
-  for (auto& w : gathers) comm::block_current(*w, impl_->comm->device());
+  for (auto& w : gathers) comm::block_current(*w, comm->device());
 }
 
-void ShardedAdamW::accept_restored_gradients() {
-  TORCH_CHECK_VALUE(impl_->reduce_in_backward(), "ShardedAdamW::restore_sharded_state: gradients of an "
+void ShardedAdamW::Impl::accept_restored_gradients() {
+  TORCH_CHECK_VALUE(reduce_in_backward(), "ShardedAdamW::restore_sharded_state: gradients of an "
                     "accumulation in progress need stage 2 or 0 (stage 1 keeps them unreduced in p.grad())");
-  impl_->flushed_since_step = true;  // nothing of this step is left in p.grad()
+  flushed_since_step = true;  // nothing of this step is left in p.grad()
 }
 
-void ShardedAdamW::add_stats(ShardedStats& s) const {
-  const auto& im = *impl_;
+void ShardedAdamW::Impl::add_stats(ShardedStats& s) const {
   auto& m = s.memory;
   std::unordered_set<const void*> counted;
-  for (const auto& b : im.buckets) {
+  for (const auto& b : buckets) {
     m.params += b.flat_params.nbytes();
     if (b.flat_grads.defined()) {
       m.grads += b.flat_grads.nbytes();
       counted.insert(b.flat_grads.storage().data());
     }
   }
-  for (const auto& p : im.params) {  // gradients outside our buffers (stage 2: no_sync, local accumulation)
+  for (const auto& p : params) {  // gradients outside our buffers (stage 2: no_sync, local accumulation)
     const auto& g = p.grad();
     if (g.defined() && counted.insert(g.storage().data()).second) m.grads += g.storage().nbytes();
   }
-  m.peak_transient = im.peak_transient;
-  s.waits = {im.gather_seconds, im.round->reductions().waited_seconds()};
-  s.traffic = im.comm->stats();
+  m.peak_transient = peak_transient;
+  s.waits = {gather_seconds, round->reductions().waited_seconds()};
+  s.traffic = comm->stats();
 }
 
 }  // namespace zeroshard

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "shard/backward_round.h"
+#include "shard/front_end.h"
 #include "shard/shard_group.h"
 #include "zeroshard/sharded_optimizer.h"
 
@@ -27,8 +28,9 @@ struct Bucket : ShardGroup {
 
 }  // namespace shard
 
-// Also the backward round's client: what ZeRO-0/1/2 do at each moment of a pass.
-struct ShardedAdamW::Impl : shard::BackwardRound::Client {
+// The core's front-end for ZeRO-0/1/2, and the backward round's client: what
+// they do at each moment of a pass.
+struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   Impl(ShardedAdamW& owner, ProcessGroup group, ShardedAdamWOptions options);
 
   ShardedAdamW& owner;
@@ -71,15 +73,23 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client {
   void end_pass() override;           // launch what is left
   void abandon_pass() override;       // drop the buckets being filled
   void flush_backward();              // launch what is left, zeros for missing gradients
-  void reduce_all();                  // every bucket's mean gradient in grad_shard
-  void drain_all();                   // every reduce-scatter in flight added into its grad_shard
-  void release_step_gradients();      // per-step state, once the step is over
   void check_params_in_place() const;
+  void reduce_gradients() override;   // every bucket's mean gradient in grad_shard
+  void drain_reductions() override;   // every reduce-scatter in flight added into its grad_shard
+  void end_step() override;           // per-step state, once the step is over
 
-  // sharded_adamw.cpp
+  // sharded_adamw.cpp: the rest of the front-end
+  void check_ready(const char* op) override;  // param groups and aliases unchanged
+  void group_updated(size_t k, bool changed) override;
+  void finish_update() override;
+  void drop_unreduced_gradients() override;
+  bool local_gradients_pending() const override;
+  void install_masters() override;
+  void accept_restored_gradients() override;
+  void add_stats(ShardedStats& stats) const override;
+
   void track(int64_t bytes);
   void check_groups_unchanged() const;
-  void check_usable();  // before step/clip: param groups and aliases unchanged
 
   // Last: destroyed first, so no hook reaches the rest of Impl while it goes.
   std::unique_ptr<shard::BackwardRound> round;

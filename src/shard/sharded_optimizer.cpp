@@ -6,6 +6,7 @@
 #include "optim/grad_norm.h"
 #include "optim/loss_scaler.h"
 #include "shard/backward_round.h"
+#include "shard/front_end.h"
 #include "shard/optimizer_access.h"
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
@@ -18,7 +19,8 @@ namespace zeroshard {
 struct ShardedOptimizer::Core {
   std::string name;
   int zero_stage = 2;
-  Shards shards;
+  shard::Shards shards;
+  shard::FrontEnd& fe() const { return *shards.front_end; }
   std::vector<int64_t> steps;         // AdamW step count per parameter
   optim::LossScaler scaler{LossScaleOptions{}, false};
   bool last_skipped = false;
@@ -125,7 +127,7 @@ const torch::optim::AdamWOptions& ShardedOptimizer::adamw_options(size_t g) {
   return *o;
 }
 
-void ShardedOptimizer::attach_shards(Shards shards) {
+void ShardedOptimizer::attach_shards(shard::Shards shards) {
   auto& c = *core_;
   c.shards = std::move(shards);
   if (c.shards.update_order.empty()) {
@@ -143,7 +145,7 @@ void ShardedOptimizer::detach_shards() {
 }
 
 void ShardedOptimizer::reduce_and_freeze() {
-  reduce_gradients();
+  core_->fe().reduce_gradients();
   core_->shards.round->freeze();
 }
 
@@ -158,7 +160,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   c.run_before_update();
   c.shards.round->check_usable("step");
-  check_ready("step");
+  core_->fe().check_ready("step");
   const auto sample_memory = [&] { c.peak_model_states = std::max(c.peak_model_states, stats().memory.total()); };
   sample_memory();
   reduce_and_freeze();
@@ -172,7 +174,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
     log_info(c.name + ": gradient overflow, step skipped on every rank; loss scale now " +
              std::to_string(c.scaler.scale()));
     c.end_step_state();
-    end_step();
+    core_->fe().end_step();
     return loss;
   }
   double multiplier = 1.0 / scale;
@@ -196,11 +198,11 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
       changed = true;
     }
     if (changed) shard::update_shard(g, coeffs);
-    group_updated(k, changed);
+    core_->fe().group_updated(k, changed);
   }
-  finish_update();
+  core_->fe().finish_update();
   c.end_step_state();
-  end_step();
+  core_->fe().end_step();
   return loss;
 }
 
@@ -210,7 +212,7 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   c.shards.round->check_usable("clip_grad_norm");
-  check_ready("clip_grad_norm");
+  core_->fe().check_ready("clip_grad_norm");
   reduce_and_freeze();
   c.agree();
   c.clip_max_norm = max_norm;
@@ -222,7 +224,7 @@ double ShardedOptimizer::local_sumsq() {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   c.shards.round->check_usable("local_sumsq");
-  check_ready("local_sumsq");
+  core_->fe().check_ready("local_sumsq");
   reduce_and_freeze();
   const double scale = c.scaler.scale();
   return c.local_sumsq() / (scale * scale);
@@ -297,9 +299,9 @@ void ShardedOptimizer::discard_gradients() {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   c.shards.round->check_not_in_pass("discard_gradients");
-  drop_unreduced_gradients();
+  core_->fe().drop_unreduced_gradients();
   c.end_step_state();
-  end_step();
+  core_->fe().end_step();
 }
 
 torch::Tensor ShardedOptimizer::scale_loss(const torch::Tensor& loss) const {
@@ -316,7 +318,7 @@ ShardedStats ShardedOptimizer::stats() const {
   const auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   ShardedStats s;
-  add_stats(s);
+  core_->fe().add_stats(s);
   auto& m = s.memory;
   for (const auto* g : c.shards.groups) {
     if (g->grad_shard.defined()) m.grad_shards += g->grad_shard.nbytes();
@@ -336,7 +338,7 @@ void ShardedOptimizer::call_before_next_update(std::function<void()> fn) {
 ShardedState ShardedOptimizer::sharded_state() {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
-  drain_reductions();  // the gradient shards complete (waits only: every rank issued these)
+  core_->fe().drain_reductions();  // the gradient shards complete (waits only: every rank issued these)
   ShardedState s;
   s.rank = c.shards.process_group.data->rank();
   s.world_size = c.shards.process_group.data->size();
@@ -344,7 +346,7 @@ ShardedState ShardedOptimizer::sharded_state() {
   s.params = c.shards.infos;
   s.param_tensors = c.shards.tensors;
   s.param_steps = c.steps;
-  s.local_gradients_pending = local_gradients_pending();
+  s.local_gradients_pending = core_->fe().local_gradients_pending();
   s.had_grad = c.had_grad();
   s.loss_scale = c.scaler.scale();
   s.loss_scale_clean_steps = c.scaler.clean_steps();
@@ -378,18 +380,18 @@ void ShardedOptimizer::restore_sharded_state(const std::vector<int64_t>& param_s
   TORCH_CHECK_VALUE(param_steps.size() == c.steps.size(), c.name, "::restore_sharded_state: ", param_steps.size(),
                     " step counts for ", c.steps.size(), " parameters");
   c.shards.round->check_not_in_pass("restore_sharded_state");
-  drop_unreduced_gradients();
+  core_->fe().drop_unreduced_gradients();
   c.end_step_state();
-  end_step();
+  core_->fe().end_step();
   c.steps = param_steps;
   c.scaler.restore(loss_scale, loss_scale_clean_steps);
-  install_masters();
+  core_->fe().install_masters();
   if (had_grad.empty()) return;
   // A step's accumulation in progress: its reduced gradients so far.
   TORCH_CHECK_VALUE(had_grad.size() == c.steps.size() && grad_shards.size() == c.shards.groups.size(), c.name,
                     "::restore_sharded_state: gradients for ", grad_shards.size(), " groups and ", had_grad.size(),
                     " parameters; this optimizer has ", c.shards.groups.size(), " and ", c.steps.size());
-  accept_restored_gradients();
+  core_->fe().accept_restored_gradients();
   for (size_t k = 0; k < c.shards.groups.size(); ++k) {
     auto& g = *c.shards.groups[k];
     g.grad_shard = grad_shards[k];
@@ -428,7 +430,7 @@ std::optional<OptimizerAccess::Owned> OptimizerAccess::owned(ShardedOptimizer& o
 void OptimizerAccess::install_masters(ShardedOptimizer& opt) {
   torch::NoGradGuard no_grad;
   std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
-  opt.install_masters();
+  opt.core_->fe().install_masters();
 }
 
 }  // namespace zeroshard::shard

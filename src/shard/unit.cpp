@@ -3,17 +3,17 @@
 
 #include "comm/work.h"
 #include "compat/torch_compat.h"
+#include "shard/recompute.h"
 #include "shard/resharded_param.h"
 #include "shard/tensor_alias.h"
-#include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/trace.h"
 
 
 #include <chrono>
 
-namespace zeroshard::detail {
+namespace zeroshard::shard {
 
-Unit::Unit(FullyShardedModel::Impl& model_, size_t index_, std::string name_, std::vector<std::string> names,
+Unit::Unit(shard::ShardedModel& model_, size_t index_, std::string name_, std::vector<std::string> names,
            std::vector<at::Tensor> params_, bool is_root_)
     : model(model_), index(index_), name(std::move(name_)), is_root(is_root_), tensors(std::move(params_)) {
   std::vector<ParamInfo> infos;
@@ -50,8 +50,8 @@ void Unit::register_hooks() {
     // Created now, while the parameter has its full shape: the accumulator
     // records that shape, and gradients are checked against it.
     hooks_.emplace_back(tensors[i],
-                        model.round->guarded<FullyShardedModel::Impl>(
-                            [unit = index, i](FullyShardedModel::Impl& m) { m.units[unit]->on_grad_ready(i); }),
+                        model.round->guarded<shard::ShardedModel>(
+                            [unit = index, i](shard::ShardedModel& m) { m.units[unit]->on_grad_ready(i); }),
                         "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
   }
 }
@@ -110,8 +110,8 @@ std::string Unit::label() const { return is_root ? std::string("(root)") : name;
 
 at::Tensor Unit::after_forward(at::Tensor out) {
   if (out.defined() && out.requires_grad() && at::GradMode::is_enabled()) {
-    auto pre = model.round->guarded<FullyShardedModel::Impl>(
-        [unit = index](FullyShardedModel::Impl& m) { m.units[unit]->pre_backward(); });
+    auto pre = model.round->guarded<shard::ShardedModel>(
+        [unit = index](shard::ShardedModel& m) { m.units[unit]->pre_backward(); });
     out.register_hook([pre](const at::Tensor&) { pre(); });
   }
   return out;
@@ -214,4 +214,4 @@ at::Tensor Unit::take_packed_gradients() {
   return in;
 }
 
-}  // namespace zeroshard::detail
+}  // namespace zeroshard::shard

@@ -10,29 +10,30 @@
 // `values` (this rank's 1/N) always exists; it is what the optimizer
 // updates and what the next gather reads.
 //
-// All methods run under the model's mutex (FullyShardedModel::Impl::mu).
+// All methods run under the model's mutex (ShardedModel::mu).
 #pragma once
 
 #include "zeroshard/fully_shard.h"
 
 #include "compat/autograd_hooks.h"
 #include "shard/backward_round.h"
+#include "shard/front_end.h"
 #include "shard/shard_group.h"
 
 #include <algorithm>
 #include <chrono>
 #include <mutex>
 
-namespace zeroshard {
+namespace zeroshard::shard {
 
-namespace detail {
+struct ShardedModel;
 
 // The unit's shard group (shard_group.h): its `values` are what gathers send
 // (the root's are a slice of its gathered buffer); `params` index the
 // parameters in the model's order over all units (FullyShardedAdamW's order).
-class Unit : public shard::ShardGroup {
+class Unit : public ShardGroup {
  public:
-  Unit(FullyShardedModel::Impl& model, size_t index, std::string name, std::vector<std::string> names,
+  Unit(ShardedModel& model, size_t index, std::string name, std::vector<std::string> names,
        std::vector<at::Tensor> tensors, bool is_root);
   ~Unit();
 
@@ -62,7 +63,7 @@ class Unit : public shard::ShardGroup {
   void register_hooks();
   void remove_hooks();
 
-  FullyShardedModel::Impl& model;
+  ShardedModel& model;
   const size_t index;
   const std::string name;
   const bool is_root;
@@ -86,16 +87,15 @@ class Unit : public shard::ShardGroup {
   std::vector<compat::GradReadyHook> hooks_;
 };
 
-}  // namespace detail
-
-// Shared by the units of one fully_shard() call; the backward round's client
-// (what ZeRO-3 does at each moment of a pass).
-struct FullyShardedModel::Impl : shard::BackwardRound::Client {
+// Shared by the units of one fully_shard() call (FullyShardedModel's state);
+// the backward round's client (what ZeRO-3 does at each moment of a pass) and
+// the core's front-end for FullyShardedAdamW.
+struct ShardedModel : BackwardRound::Client, FrontEnd {
   ProcessGroup group;
   std::shared_ptr<Communicator> comm;  // group.data: gathers, and the device of every buffer
   FullyShardOptions options;
   int rank = 0, world = 1;
-  std::vector<std::shared_ptr<detail::Unit>> units;  // registration order, root last
+  std::vector<std::shared_ptr<Unit>> units;           // registration order, root last
   std::vector<size_t> launch_order;                   // reductions issue in this order on every rank
   std::vector<std::weak_ptr<torch::nn::Module>> unit_modules;  // the Sharded<> modules, to detach at the end
 
@@ -135,13 +135,19 @@ struct FullyShardedModel::Impl : shard::BackwardRound::Client {
 
   void reduce_local_gradients();       // step() after no_sync backwards: reduce them now
 
-  // The optimizer's side (FullyShardedAdamW), under the mutex.
+  // The optimizer's side (FullyShardedAdamW's front-end, fully_sharded_adamw.cpp), under the mutex.
   std::vector<std::shared_ptr<Work>> update_gathers;  // the root's all-gather after an update
-  void finish_reductions();            // every unit's grad_shard complete
-  void publish_update(size_t unit);    // its shard was updated: root all-gathered, others resharded
-  void finish_publish();               // waits for the root's gather, prefetches the first unit
-  void drop_gradients();               // reductions in flight, shards and p.grad() leftovers
-  void install_masters();              // after a load: shards from the masters, the root gathered
+  void check_ready(const char*) override {}
+  void reduce_gradients() override;    // every unit's grad_shard complete
+  void group_updated(size_t unit, bool changed) override;  // root all-gathered, others resharded
+  void finish_update() override;       // waits for the root's gather, prefetches the first unit
+  void end_step() override {}
+  void drop_unreduced_gradients() override;  // reductions in flight, shards and p.grad() leftovers
+  void drain_reductions() override;
+  bool local_gradients_pending() const override;
+  void install_masters() override;     // after a load: shards from the masters, the root gathered
+  void accept_restored_gradients() override {}
+  void add_stats(ShardedStats& stats) const override;
 
   // Per backward: the protocol (first hook, no_sync, launch order, end,
   // recovery) and the reduce-scatters in flight are the round's.
@@ -160,10 +166,9 @@ struct FullyShardedModel::Impl : shard::BackwardRound::Client {
   void end_pass() override;           // launch what is left, reshard
   void abandon_pass() override;       // free what the failed pass gathered
   void try_launch();
-  void drain_all();
 
   // Last: destroyed first, so no hook reaches the rest while it goes.
-  std::unique_ptr<shard::BackwardRound> round;
+  std::unique_ptr<BackwardRound> round;
 };
 
-}  // namespace zeroshard
+}  // namespace zeroshard::shard
