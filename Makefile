@@ -48,7 +48,8 @@ TESTS ?= all
 endif
 
 test: build
-	@cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 $(if $(filter all,$(TESTS)),,-L $(TESTS))
+	@cd $(BUILD_DIR) && { ctest --output-on-failure --timeout 600 $(if $(filter all,$(TESTS)),,-L $(TESTS)) \
+		|| { $(CURDIR)/scripts/test-failures.sh .; exit 1; }; }
 
 # The demo builds only what it runs (the launcher, the trainer, the checkpoint tool).
 demo: configure
