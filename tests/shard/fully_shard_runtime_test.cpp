@@ -4,13 +4,12 @@
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"
+#include "zeroshard/metrics.h"
 #include "zeroshard/trace.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
-
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -236,8 +235,6 @@ namespace fully_shard_runtime_test {
 
 using namespace fsdp_test;
 
-int64_t mapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
-
 // Model states per rank: 16Ψ/N for the units (shard, reduced gradient shard,
 // exp_avg, exp_avg_sq), the root's parameters in full plus its 12Ψ_root/N, and
 // the gathered working set on top: at most max_inflight_gathers + 1 units
@@ -246,7 +243,6 @@ int64_t mapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
 // allocations being released meanwhile would blur the heap cross-check.
 TEST(FullyShardMemory, ModelStatesFollowTheFormula) {
   const int n = world().size(), r = world().rank();
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 64 * 1024), 1);
   double reported = 0, staging_bound = 0;
   int64_t held_before_destroy = 0;
   {
@@ -295,19 +291,19 @@ TEST(FullyShardMemory, ModelStatesFollowTheFormula) {
     }
     // the report is the heap's truth: after step() the model and optimizer hold
     // the shards, the root and the moments (gradient shards are freed), and
-    // that much mapped memory goes away when they are destroyed, plus the
+    // that much heap (every arena and mapping: heap_bytes_in_use) goes away
+    // when they are destroyed, plus the
     // staging buffers of the reductions' own communicator (measured 2 units'
     // worth: its send and receive staging for the largest reduce-scatter)
     const auto now = sharded->memory();
     reported = now.shards + now.master + now.root_params + opt.stats().memory.moments + now.gathered;
     staging_bound = 2.0 * unit_gathered_bytes;
-    held_before_destroy = mapped_bytes();
+    held_before_destroy = heap_bytes_in_use();
   }
-  const double released = static_cast<double>(held_before_destroy - mapped_bytes());
+  const double released = static_cast<double>(held_before_destroy - heap_bytes_in_use());
   const double tolerance = 0.03 * reported + 256 * 1024;
   EXPECT_GE(released, reported - tolerance);
   EXPECT_LE(released, reported + staging_bound + tolerance);
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 * 1024), 1);
 }
 
 }  // namespace fully_shard_runtime_test

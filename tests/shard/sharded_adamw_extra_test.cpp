@@ -2,12 +2,11 @@
 // per rank against the ZeRO formulas, bytes on the wire, and bad input.
 // Runs at 1-4 ranks under zeroshard-run, like sharded_adamw_test.cpp.
 #include "test_util.h"
+#include "zeroshard/metrics.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include <malloc.h>
 
 #include <limits>
 
@@ -151,22 +150,21 @@ double formula_bytes(int stage, double psi, int n, int param_bytes) {
   return param_bytes * psi + grads + (param_bytes + master + 8) * psi / holders;
 }
 
-int64_t mmapped_bytes() { return static_cast<int64_t>(mallinfo2().hblkhd); }
-
 class ShardedAdamWMemory : public ::testing::TestWithParam<std::tuple<int, c10::ScalarType>> {};
 
 TEST_P(ShardedAdamWMemory, PeakModelStatesFollowTheFormula) {
   const auto [stage, dtype] = GetParam();
   const int n = world().size(), r = world().rank();
-  // Every tensor over 64 KiB gets its own mapping, so mapped bytes measure them exactly.
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 64 * 1024), 1);
   {  // The communicator keeps staging buffers for its largest message: grow them first.
     auto big = torch::zeros({(1 << 21) * n});
     auto part = torch::zeros({1 << 21});
     world().reduce_scatter(part, big, ReduceOp::kSum)->wait();
     world().all_gather(big, part)->wait();
   }
-  const int64_t baseline = mmapped_bytes();
+  // Bytes malloc hands out, in every arena and mapping: where a tensor's
+  // memory comes from (its own mapping, or a free chunk of some thread's
+  // arena) changes nothing here, unlike counting mappings alone.
+  const int64_t baseline = heap_bytes_in_use();
   {
     torch::manual_seed(3);
     Mlp model(512, 4);  // 4 x (512*512 + 512) = 1,050,624 parameters
@@ -192,13 +190,13 @@ TEST_P(ShardedAdamWMemory, PeakModelStatesFollowTheFormula) {
                   m.grad_shards / 1e6, m.master / 1e6, m.moments / 1e6, m.peak_transient / 1e6);
     }
     EXPECT_NEAR(static_cast<double>(m.peak_model_states), want, 0.05 * want);
-    // The accounting is the heap's truth: after step() the mapped bytes held
-    // are exactly the states stats().memory reports (plus small tensors under 64 KiB).
-    const int64_t held = mmapped_bytes() - baseline;
-    EXPECT_NEAR(static_cast<double>(held), static_cast<double>(m.total()), 0.03 * m.total() + 256 * 1024)
-        << "mapped " << held << " vs reported " << m.total();
+    // The accounting is the heap's truth: after step() the bytes held are
+    // the states stats().memory reports, plus small bookkeeping (measured
+    // 23-66 KB over 5-15 MB at 4 ranks; one moment tensor here is 131 KB or more).
+    const int64_t held = heap_bytes_in_use() - baseline;
+    EXPECT_NEAR(static_cast<double>(held), static_cast<double>(m.total()), 0.01 * m.total() + 128 * 1024)
+        << "heap holds " << held << " more bytes than before; reported " << m.total();
   }
-  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 128 * 1024), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(StagesAndDtypes, ShardedAdamWMemory,
