@@ -45,12 +45,12 @@ namespace {
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
-torch::Device training_device(const std::string& name) {
+torch::Device training_device(const std::string& name, int local_rank) {
   if (name == "cpu") return torch::kCPU;
   const auto gpus = static_cast<int>(torch::cuda::device_count());
   TORCH_CHECK_VALUE(gpus > 0, "--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, the driver, or a "
                     "bart_pretrain built against a CPU LibTorch); use --device cpu");
-  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(zeroshard::read_dist_env().local_rank % gpus));
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
   c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
   return device;
 }
@@ -114,8 +114,7 @@ std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_
 }
 
 // trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
-std::string trace_path(const std::string& run_dir, int rank) {
-  const int k = zeroshard::read_dist_env().restart_count;
+std::string trace_path(const std::string& run_dir, int rank, int k) {
   return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
                                ".json")).string();
 }
@@ -173,7 +172,8 @@ int run_pretraining(const RunOptions& o) {
   // communicators') inherits it: x86's FTZ/DAZ are per thread.
   if (!o.keep_denormals) at::globalContext().setFlushDenormal(true);
   const auto run_start = Clock::now();
-  auto comm = zeroshard::init_communicator();
+  const auto dist = zeroshard::read_dist_env();  // the launcher's variables, read once
+  auto comm = zeroshard::init_communicator(dist);
   const int rank = comm->rank(), world = comm->size();
   TORCH_CHECK_VALUE(o.pp >= 1 && world % o.pp == 0, "--pp ", o.pp, " must divide the ", world, " ranks (each "
                     "pipeline stage gets world / pp of them)");
@@ -209,7 +209,7 @@ int run_pretraining(const RunOptions& o) {
   const auto config = run_config(o, tokenizer);
   // The device: cpu, or this rank's GPU; the sharding's collectives follow it
   // (agreement, validation sums and checkpoints stay on the CPU communicator).
-  const torch::Device device = training_device(o.device);
+  const torch::Device device = training_device(o.device, dist.local_rank);
   const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
                          : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
                                                      : zeroshard::DeviceTransport::kAuto;
@@ -307,7 +307,7 @@ int run_pretraining(const RunOptions& o) {
         zeroshard::log_info("checkpoint: step " + std::to_string(step) + " has no run record (imported); training "
                             "starts at its step with a fresh data order");
       }
-      resumed = {{"step", step}, {"load_s", since(t0)}, {"restart", zeroshard::read_dist_env().restart_count}};
+      resumed = {{"step", step}, {"load_s", since(t0)}, {"restart", dist.restart_count}};
       zeroshard::log_info("resumed from step " + std::to_string(step) + " of " + ckpt_dir + " (epoch " +
                           std::to_string(sampler.epoch()) + ")");
     }
@@ -488,7 +488,7 @@ int run_pretraining(const RunOptions& o) {
     if (!extra.empty()) m.extra_json = extra.dump();
     metrics.write(m);
     progress.update(m, eff.progress());
-    zeroshard::publish_step(step);
+    zeroshard::publish_step(dist, step);
 
     if (!end && guard.should_stop()) {
       record.interruptions.push_back({{"step", step}, {"signal", guard.signaled() ? "SIGTERM" : "notice"}});
@@ -499,7 +499,7 @@ int run_pretraining(const RunOptions& o) {
       const double s = save(step, "preemption");
       ckpt->wait();
       guard.check_save_fits(s);
-      if (o.trace) zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank), rank);
+      if (o.trace) zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank, dist.restart_count), rank);
       zeroshard::log_info("preempted after step " + std::to_string(step) + ": checkpoint committed; exiting with " +
                           std::to_string(guard.exit_code()) + " so the launcher restarts the run");
       return guard.exit_code();
@@ -565,7 +565,7 @@ int run_pretraining(const RunOptions& o) {
     s.has_sample = s.denoising.sentences > 0;
   }
   if (o.trace) {
-    zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank), rank);
+    zeroshard::trace::write_chrome_trace(trace_path(o.run_dir, rank, dist.restart_count), rank);
   }
   if (rank == 0) {
     if (!o.no_plot && metrics.enabled()) {

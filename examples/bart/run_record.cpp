@@ -37,7 +37,7 @@ std::string Efficiency::progress() const {
   if (!std::isfinite(efficiency)) return "";
   char buf[96];
   std::snprintf(buf, sizeof(buf), "noise scale %s tok | efficiency %.2f",
-                std::isfinite(noise_scale) ? zeroshard::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
+                std::isfinite(noise_scale) ? zeroshard::ProgressLine::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
                 efficiency);
   return buf;
 }

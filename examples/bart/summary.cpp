@@ -56,8 +56,8 @@ std::string Summary::text() const {
                 config.c_str(), params / 1e6, world, grid.c_str(), stage, precision.c_str());
   o << buf;
   std::snprintf(buf, sizeof(buf), "training     %lld steps, %s target tokens in %.1f s of steps: %s tokens/s\n",
-                static_cast<long long>(steps), zeroshard::with_commas(tokens).c_str(), train_seconds,
-                zeroshard::with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
+                static_cast<long long>(steps), zeroshard::ProgressLine::with_commas(tokens).c_str(), train_seconds,
+                zeroshard::ProgressLine::with_commas(train_seconds > 0 ? static_cast<int64_t>(tokens / train_seconds) : 0).c_str());
   o << buf;
   o << "train loss   " << loss_str(first_loss) << " -> " << loss_str(last_loss) << " (first step -> last step)\n";
   o << "val loss     " << loss_str(first_val_loss) << " -> " << loss_str(last_val_loss) << " (before training -> end";
@@ -69,8 +69,8 @@ std::string Summary::text() const {
   if (std::isfinite(efficiency)) {
     std::snprintf(buf, sizeof(buf), "efficiency   gradient noise scale %s target tokens; statistical efficiency %.2f of a "
                   "%g-sequence batch's; goodput %s tokens/s\n",
-                  std::isfinite(noise_scale) ? zeroshard::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
-                  efficiency, reference_batch, zeroshard::with_commas(static_cast<int64_t>(goodput)).c_str());
+                  std::isfinite(noise_scale) ? zeroshard::ProgressLine::with_commas(static_cast<int64_t>(noise_scale)).c_str() : "inf",
+                  efficiency, reference_batch, zeroshard::ProgressLine::with_commas(static_cast<int64_t>(goodput)).c_str());
   } else {
     std::snprintf(buf, sizeof(buf), "efficiency   n/a: the gradient noise scale needs two batch sizes (more than one "
                   "rank, or ZeRO-2/3 with --micro-batches > 1)\n");
@@ -109,8 +109,8 @@ std::string Summary::text() const {
     const auto& d = denoising;
     std::snprintf(buf, sizeof(buf), "denoising    %lld held-out sentences, greedy decoding: %.1f%% of %s unmasked tokens "
                   "reproduced, %.1f%% of %s masked ones recovered, %lld exact\n",
-                  static_cast<long long>(d.sentences), 100 * d.unmasked_accuracy(), zeroshard::with_commas(d.unmasked).c_str(),
-                  100 * d.masked_accuracy(), zeroshard::with_commas(d.masked).c_str(), static_cast<long long>(d.exact));
+                  static_cast<long long>(d.sentences), 100 * d.unmasked_accuracy(), zeroshard::ProgressLine::with_commas(d.unmasked).c_str(),
+                  100 * d.masked_accuracy(), zeroshard::ProgressLine::with_commas(d.masked).c_str(), static_cast<long long>(d.exact));
     o << buf;
     o << "sample       masked input:   " << line_of(d.sample.masked) << "\n";
     o << "             reconstruction: " << line_of(d.sample.reconstruction) << "\n";

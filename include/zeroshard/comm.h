@@ -227,7 +227,8 @@ std::string to_string(DeviceTransport transport);
 
 // The process group of a trainer whose model is on `device`: `cpu` itself for
 // the CPU; for CUDA, by `transport`: with kAuto NCCL (init_nccl) when this
-// node's ranks have a GPU each (LOCAL_WORLD_SIZE <= the GPUs visible), else
+// host's ranks have a GPU each (the ranks of `cpu` with this host name, counted
+// by one all-gather, <= the GPUs visible), else
 // stage_through_host, with a warning (NCCL before 2.30 refuses two ranks on one
 // GPU). Collective over `cpu`.
 ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {},
@@ -248,6 +249,11 @@ struct DistEnv {
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, is its client.
   bool agent_store = false;
   std::string source;     // "torchrun", "slurm", "openmpi" or "single" (no variables)
+  // ZS_SOCKET_IFNAME: the network interface this rank listens on for its
+  // peers (its IPv4 address); empty: loopback for a one-host world, else the host name.
+  std::string socket_ifname;
+  // ZS_PROGRESS_FILE (zeroshard-run sets it): where publish_step() reports the step.
+  std::string progress_file;
 };
 
 // Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -257,6 +263,12 @@ struct DistEnv {
 // (Slurm and Open MPI jobs set them in the batch script). With none of these
 // variables, a world of one rank. Throws, saying what to set, on malformed values.
 DistEnv read_dist_env();
+
+// Tells the launcher how far this rank is: writes `step` to env.progress_file
+// (nothing happens without one). zeroshard-run --simulate-preemption-at-step N
+// sends the spot-style SIGTERM when rank 0 reports step N, and --stall-timeout
+// names a rank whose step stops moving. Cheap (a small write and a rename).
+void publish_step(const DistEnv& env, int64_t step);
 
 // Rendezvous through a c10d::TCPStore (rank 0 serves it at MASTER_ADDR:MASTER_PORT)
 // and connect every pair of ranks over TCP (src/comm/tcp_mesh.h).

@@ -83,6 +83,8 @@ class ProgressLine {
   bool update(const StepMetrics& m, const std::string& extra = "");
   // "1h02m", "3m05s", "12s"
   static std::string duration(double seconds);
+  // 1234567 -> "1,234,567" (progress lines, run summaries).
+  static std::string with_commas(int64_t v);
 
  private:
   int64_t total_;
@@ -94,19 +96,11 @@ class ProgressLine {
 
 // This process's peak and current resident memory (VmHWM, VmRSS); 0 where /proc is absent.
 int64_t peak_rss_bytes();
-// 1234567 -> "1,234,567" (progress lines, run summaries).
-std::string with_commas(int64_t v);
 int64_t current_rss_bytes();
 // Bytes malloc has handed out and not taken back, every arena and mapping
 // (glibc's mallinfo2): what LibTorch's CPU tensors hold, unlike the resident
 // set, which keeps freed pages. 0 where the C library does not say.
 int64_t heap_bytes_in_use();
-
-// Tells the launcher how far this rank is: writes `step` to the file named by
-// ZS_PROGRESS_FILE (set by zeroshard-run; nothing happens without it).
-// zeroshard-run --simulate-preemption-at-step N sends the spot-style SIGTERM
-// when rank 0 reports step N. Cheap (a small write and a rename).
-void publish_step(int64_t step);
 
 // Draws the loss curve of a metrics file (train loss per step, and validation
 // loss where lines carry "val_loss") into a PNG with gnuplot. Returns "" on

@@ -1,6 +1,6 @@
 // zeroshard/trace.h — a Chrome-trace timeline of what each rank did.
 //
-// When tracing is on (trace::enable(), or ZS_TRACE=1 in the environment), the
+// When tracing is on (trace::enable(); bart_pretrain --trace), the
 // communicator records every operation it executes (on its own thread), and
 // fully_shard units record their forward and backward compute and the time the
 // training thread waited for a gather. write_chrome_trace() writes the events
@@ -31,7 +31,7 @@ struct Event {
 };
 
 void enable(bool on = true);
-bool enabled();  // enable(), or ZS_TRACE set to a non-empty value other than 0
+bool enabled();  // since enable() (off at the start)
 
 // A complete event from `start` to now, on the calling thread.
 void record(std::string name, const char* category, std::chrono::steady_clock::time_point start);

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <unistd.h>
+
 namespace zeroshard {
 
 std::string to_string(ReduceOp op) {
@@ -78,6 +80,19 @@ std::string to_string(DeviceTransport transport) {
   return "?";
 }
 
+namespace {
+
+// How many of `comm`'s ranks run on this host (the same host name): the ranks
+// that share its GPUs. Collective.
+int ranks_on_this_host(Communicator& comm) {
+  char host[256] = {0};
+  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "device_group: gethostname failed");
+  const auto hosts = all_gather_text(comm, host);
+  return static_cast<int>(std::count(hosts.begin(), hosts.end(), std::string(host)));
+}
+
+}  // namespace
+
 ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options,
                           DeviceTransport transport) {
   TORCH_CHECK_VALUE(cpu != nullptr, "device_group: the CPU communicator is null; pass zeroshard::init_communicator()");
@@ -86,7 +101,7 @@ ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device,
   const int gpus = static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
   TORCH_CHECK_VALUE(gpus > 0, "device_group: ", device, " was asked for but no CUDA device is visible (",
                     "CUDA_VISIBLE_DEVICES, or a zeroshard built against a CPU LibTorch); use cpu");
-  const int local = read_dist_env().local_world_size;
+  const int local = ranks_on_this_host(*cpu);
   if (transport == DeviceTransport::kStaged) return stage_through_host(std::move(cpu), device);
   if (transport == DeviceTransport::kAuto && local > gpus) {
     log_warn("device_group: " + std::to_string(local) + " ranks on this node share " + std::to_string(gpus) +

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -77,7 +78,7 @@ std::string interface_address(const std::string& name) {
 
 // The address this rank listens on for its peers.
 std::string listen_host(const DistEnv& e) {
-  if (auto iface = env("ZS_SOCKET_IFNAME")) return interface_address(*iface);
+  if (!e.socket_ifname.empty()) return interface_address(e.socket_ifname);
   if (e.world_size == 1 || is_loopback(e.master_addr)) return "127.0.0.1";
   char host[256] = {0};
   TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
@@ -125,6 +126,8 @@ DistEnv read_dist_env() {
                         ? int_env("ZS_RESTART_COUNT", 0, 0, "zeroshard-run sets it; unset it otherwise")
                         : int_env("TORCHELASTIC_RESTART_COUNT", 0, 0, "torchrun sets it; unset it otherwise");
   e.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  e.socket_ifname = env("ZS_SOCKET_IFNAME").value_or("");
+  e.progress_file = env("ZS_PROGRESS_FILE").value_or("");
 
   auto addr = env("MASTER_ADDR");
   auto port = env("MASTER_PORT");
@@ -141,6 +144,16 @@ DistEnv read_dist_env() {
                       "' is not a TCP port; set a port in 1..65535");
   }
   return e;
+}
+
+void publish_step(const DistEnv& e, int64_t step) {
+  if (e.progress_file.empty()) return;
+  const std::string tmp = e.progress_file + ".tmp";
+  if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
+    std::fprintf(f, "%lld\n", static_cast<long long>(step));
+    std::fclose(f);
+    std::rename(tmp.c_str(), e.progress_file.c_str());
+  }
 }
 
 std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOptions& options) {

@@ -53,7 +53,7 @@ int64_t proc_status_kib(const char* field) {
 
 }  // namespace
 
-std::string with_commas(int64_t v) {
+std::string ProgressLine::with_commas(int64_t v) {
   const std::string digits = std::to_string(v);
   std::string out;
   for (size_t i = 0; i < digits.size(); ++i) {
@@ -208,17 +208,6 @@ int64_t heap_bytes_in_use() {
 #else
   return 0;
 #endif
-}
-
-void publish_step(int64_t step) {
-  static const char* path = std::getenv("ZS_PROGRESS_FILE");
-  if (path == nullptr || *path == '\0') return;
-  const std::string tmp = std::string(path) + ".tmp";
-  if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
-    std::fprintf(f, "%lld\n", static_cast<long long>(step));
-    std::fclose(f);
-    std::rename(tmp.c_str(), path);
-  }
 }
 
 std::string plot_metrics(const std::string& metrics_path, const std::string& png_path, const std::string& title) {

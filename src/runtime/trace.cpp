@@ -33,7 +33,7 @@ std::vector<Record*> chunks;  // each kChunkRecords records
 size_t count = 0;
 int next_thread = 0;
 std::vector<std::pair<int, std::string>> thread_names;  // guarded by `mu`
-std::atomic<int> state{-1};   // -1: not decided yet (read ZS_TRACE), 0 off, 1 on
+std::atomic<bool> on{false};
 
 const std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
 
@@ -64,17 +64,9 @@ Record* next_record() {
 
 }  // namespace
 
-void enable(bool on) { state = on ? 1 : 0; }
+void enable(bool yes) { on = yes; }
 
-bool enabled() {
-  int s = state.load();
-  if (s < 0) {
-    const char* env = std::getenv("ZS_TRACE");
-    s = (env != nullptr && *env != '\0' && std::string(env) != "0") ? 1 : 0;
-    state = s;
-  }
-  return s == 1;
-}
+bool enabled() { return on.load(std::memory_order_relaxed); }
 
 void record(std::string name, const char* category, std::chrono::steady_clock::time_point start) {
   if (!enabled()) return;

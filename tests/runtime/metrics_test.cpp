@@ -2,6 +2,7 @@
 // file, plot) and trace records.
 #include "test_util.h"
 
+#include <zeroshard/comm.h>
 #include <zeroshard/metrics.h>
 #include <zeroshard/trace.h>
 
@@ -121,12 +122,12 @@ TEST(Metrics, ProgressDurationsReadAtAGlance) {
 }
 
 TEST(Metrics, ThousandsSeparators) {
-  EXPECT_EQ(zeroshard::with_commas(0), "0");
-  EXPECT_EQ(zeroshard::with_commas(999), "999");
-  EXPECT_EQ(zeroshard::with_commas(1000), "1,000");
-  EXPECT_EQ(zeroshard::with_commas(1234567), "1,234,567");
-  EXPECT_EQ(zeroshard::with_commas(-123456), "-123,456");
-  EXPECT_EQ(zeroshard::with_commas(INT64_MIN), "-9,223,372,036,854,775,808");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(0), "0");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(999), "999");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(1000), "1,000");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(1234567), "1,234,567");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(-123456), "-123,456");
+  EXPECT_EQ(zeroshard::ProgressLine::with_commas(INT64_MIN), "-9,223,372,036,854,775,808");
 }
 
 TEST(Metrics, PeakRssCoversATouchedAllocation) {
@@ -138,19 +139,30 @@ TEST(Metrics, PeakRssCoversATouchedAllocation) {
 }
 
 TEST(Metrics, PublishStepWritesTheLaunchersProgressFile) {
-  // zeroshard-run sets ZS_PROGRESS_FILE; publish_step() reads it at its first
-  // call (nothing else in this process calls it). bart_pretrain_resume covers
-  // the launcher reading it.
+  // zeroshard-run sets ZS_PROGRESS_FILE; read_dist_env() reads it once and
+  // publish_step() writes there. bart_pretrain_resume covers the launcher reading it.
   const std::string path = temp_dir("progress") + "/rank-0.step";
-  ::setenv("ZS_PROGRESS_FILE", path.c_str(), /*overwrite=*/0);
-  const std::string used = std::getenv("ZS_PROGRESS_FILE");
-  zeroshard::publish_step(17);
-  zeroshard::publish_step(18);
-  std::ifstream in(used);
+  const char* launchers = std::getenv("ZS_PROGRESS_FILE");
+  const std::string saved = launchers != nullptr ? launchers : "";
+  ::setenv("ZS_PROGRESS_FILE", path.c_str(), /*overwrite=*/1);
+  const auto env = zeroshard::read_dist_env();
+  if (saved.empty()) {
+    ::unsetenv("ZS_PROGRESS_FILE");
+  } else {
+    ::setenv("ZS_PROGRESS_FILE", saved.c_str(), 1);
+  }
+  EXPECT_EQ(env.progress_file, path);
+  zeroshard::publish_step(env, 17);
+  zeroshard::publish_step(env, 18);
+  std::ifstream in(path);
   int64_t step = 0;
   in >> step;
   EXPECT_EQ(step, 18);
-  EXPECT_FALSE(fs::exists(used + ".tmp")) << "written through a temporary file, renamed";
+  EXPECT_FALSE(fs::exists(path + ".tmp")) << "written through a temporary file, renamed";
+  zeroshard::publish_step(zeroshard::DistEnv{}, 19);  // no progress file: nothing written anywhere
+  std::ifstream again(path);
+  again >> step;
+  EXPECT_EQ(step, 18);
 }
 
 TEST(Metrics, PlotDrawsAPngFromTheMetrics) {
