@@ -1,6 +1,5 @@
 // The test executable: GoogleTest, plus helper programs that multi-process
 // tests start through zeroshard-run (`zs_tests --helper NAME`).
-#include "optim/fused_adamw.h"
 #include "test_util.h"
 #ifdef ZS_WITH_CUDA
 #include "comm/nccl/nccl_api.h"
@@ -56,24 +55,12 @@ int log_lines() {
   return 0;
 }
 
-// Prints the AdamW kernel's SIMD level (ZS_SIMD may force one), or the error.
-int simd_level() {
-  try {
-    std::cout << "simd " << zeroshard::optim::to_string(zeroshard::optim::default_simd()) << std::endl;
-  } catch (const c10::Error& e) {
-    std::cout << "error " << e.what_without_backtrace() << std::endl;
-    return 1;
-  }
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "--helper") == 0) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
-    if (std::strcmp(argv[2], "simd_level") == 0) return simd_level();
     if (std::strcmp(argv[2], "soak_train") == 0) return soak_train_main(argc - 2, argv + 2);
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;

@@ -177,6 +177,9 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--progress-interval", o.progress_interval, "seconds between progress lines")->capture_default_str();
   app.add_flag("--keep-denormals", o.keep_denormals,
                "compute with denormal floats (default: flushed to zero, on the CPU 10x faster where they occur)");
+  app.add_option("--simd", o.simd, "the AdamW kernel's instruction set: avx512, avx2 or scalar (the same bits; "
+                                   "default: the best this CPU has)")
+      ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
   app.add_flag("--trace", o.trace, "write RUN_DIR/trace-rank-N.json (Chrome trace; open in Perfetto)");
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
   app.add_flag("--no-sample", o.no_sample, "skip the closing denoising check (greedy reconstruction of held-out sentences)");

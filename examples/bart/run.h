@@ -7,6 +7,11 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
+
+namespace zeroshard {
+class Communicator;
+}
 
 namespace bart {
 
@@ -53,6 +58,7 @@ struct RunOptions {
   // Denormal floats (below 1.2e-38) cost CPUs 10-100x per operation; trained
   // attention makes many (softmax tails). Flushed to zero unless kept.
   bool keep_denormals = false;
+  std::string simd;  // the AdamW kernel's instruction set (set_adamw_simd); "": the CPU's best
   bool no_plot = false;
   bool no_sample = false;
   int64_t sample_sentences = 64;  // held-out sentences the closing denoising check decodes
@@ -76,6 +82,11 @@ int encode_command(const std::string& tokenizer_dir);
 std::string tokenizer_files_in(const std::string& dir);
 ByteLevelBpe load_tokenizer(const std::string& dir);
 
+// The run's tokenizer: --tokenizer's, or RUN_DIR/tokenizer, which rank 0
+// trains from `texts` first when it is not there yet. Collective.
+ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string>& texts,
+                              zeroshard::Communicator& comm);
+
 // The model a run trains: the named config with the tokenizer's vocabulary
 // and special tokens, room for --max-tokens, and --dropout.
 BartConfig run_config(const RunOptions& o, const ByteLevelBpe& tokenizer);
@@ -90,7 +101,7 @@ BartConfig run_config(const RunOptions& o, const ByteLevelBpe& tokenizer);
 // it), checked against the checkpoint's shapes. Written beside and renamed.
 int export_hf_command(const RunOptions& o, const std::string& out_dir, int64_t step);
 
-// The training run; returns the exit status (kPreemptedExitCode after a
+// The training run (pretraining.cpp); returns the exit status (kPreemptedExitCode after a
 // preemption save). Collective: every rank calls it with the same options.
 int run_pretraining(const RunOptions& o);
 

@@ -74,6 +74,12 @@ struct LossScaleOptions {
   double min_scale = 1.0;          // the scale never falls below this. Default: 1
 };
 
+// The instruction set of the AdamW kernel every sharded optimizer of this
+// process runs: "avx512", "avx2" or "scalar" (each gives the same bits), or ""
+// (the default) for the best this CPU has. Throws for a name it does not know
+// or a set the CPU lacks. For comparing the paths, or working around a CPU.
+void set_adamw_simd(const std::string& isa);
+
 struct ShardedAdamWOptions {
   // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2).
   // 0: shard nothing (DDP-style: gradients all-reduced, every rank updates

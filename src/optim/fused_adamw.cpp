@@ -1,10 +1,12 @@
 #include "optim/fused_adamw.h"
 
 #include "optim/adamw_kernel.h"
+#include "zeroshard/sharded_optimizer.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 
@@ -54,27 +56,44 @@ SimdLevel detected_simd() {
   return SimdLevel::kScalar;
 }
 
+namespace {
+std::atomic<int> chosen{-1};  // a SimdLevel set by set_adamw_simd(); -1: the CPU's best
+}  // namespace
+
 SimdLevel default_simd() {
-  static const SimdLevel level = [] {
-    const char* env = std::getenv("ZS_SIMD");
-    if (env == nullptr || *env == '\0') return detected_simd();
-    const std::string v = env;
-    SimdLevel want;
-    if (v == "scalar") {
-      want = SimdLevel::kScalar;
-    } else if (v == "avx2") {
-      want = SimdLevel::kAvx2;
-    } else if (v == "avx512") {
-      want = SimdLevel::kAvx512;
-    } else {
-      TORCH_CHECK_VALUE(false, "ZS_SIMD='", v, "' is not one of scalar, avx2, avx512; unset it to detect the CPU");
-    }
-    TORCH_CHECK_VALUE(cpu_has(want), "ZS_SIMD='", v, "' but this CPU lacks it (best available: ",
-                      to_string(detected_simd()), ")");
-    return want;
-  }();
-  return level;
+  const int c = chosen.load(std::memory_order_relaxed);
+  return c < 0 ? detected_simd() : static_cast<SimdLevel>(c);
 }
+
+}  // namespace zeroshard::optim
+
+namespace zeroshard {
+
+void set_adamw_simd(const std::string& isa) {
+  using optim::SimdLevel;
+  if (isa.empty()) {
+    optim::chosen = -1;
+    return;
+  }
+  SimdLevel want;
+  if (isa == "scalar") {
+    want = SimdLevel::kScalar;
+  } else if (isa == "avx2") {
+    want = SimdLevel::kAvx2;
+  } else if (isa == "avx512") {
+    want = SimdLevel::kAvx512;
+  } else {
+    TORCH_CHECK_VALUE(false, "set_adamw_simd: '", isa, "' is not one of scalar, avx2, avx512 (or \"\" for the "
+                      "best this CPU has)");
+  }
+  TORCH_CHECK_VALUE(optim::cpu_has(want), "set_adamw_simd: '", isa, "' but this CPU lacks it (best available: ",
+                    optim::to_string(optim::detected_simd()), ")");
+  optim::chosen = static_cast<int>(want);
+}
+
+}  // namespace zeroshard
+
+namespace zeroshard::optim {
 
 AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
                          int64_t step, double grad_scale) {

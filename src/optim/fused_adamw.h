@@ -12,8 +12,8 @@
 // Multiplications and additions are never fused (no FMA), so the scalar, AVX2
 // and AVX-512 paths produce identical bits.
 //
-// SIMD: AVX-512 or AVX2 chosen at run time from the CPU (ZS_SIMD=scalar|avx2|avx512
-// forces a path; a path the CPU lacks is an error). Threads: at::parallel_for
+// SIMD: AVX-512 or AVX2 chosen at run time from the CPU (set_adamw_simd() in
+// zeroshard/sharded_optimizer.h forces a path; a path the CPU lacks is an error). Threads: at::parallel_for
 // over chunks (at::get_num_threads(), i.e. OMP_NUM_THREADS).
 #pragma once
 
@@ -31,7 +31,7 @@ std::string to_string(SimdLevel level);
 
 // The best level this CPU supports.
 SimdLevel detected_simd();
-// detected_simd(), or the level ZS_SIMD names (checked against the CPU).
+// The level set_adamw_simd() chose, else detected_simd().
 SimdLevel default_simd();
 
 // Per-step scalars, computed once in double precision as torch::optim::AdamW does.

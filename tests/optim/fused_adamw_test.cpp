@@ -4,6 +4,7 @@
 #include "optim/fused_adamw.h"
 #include "optim/grad_norm.h"
 #include "test_util.h"
+#include "zeroshard/sharded_optimizer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -221,26 +222,24 @@ TEST(FusedAdamW, ConversionsMatchLibTorch) {
   }
 }
 
-// ZS_SIMD forces a path (how a user compares paths or works around a CPU
-// problem); a path the CPU lacks, or a misspelling, is a clear error.
-TEST(FusedAdamW, SimdLevelFromEnvironment) {
-  const std::string exe = zeroshard::testing::build_dir() + "/tests/zs_tests --helper simd_level";
-  auto run = [&](const std::string& env) { return zeroshard::testing::run_command(env + " " + exe); };
-  auto detected = run("env -u ZS_SIMD");
-  EXPECT_EQ(detected.exit_code, 0);
-  EXPECT_NE(detected.output.find("simd " + to_string(detected_simd())), std::string::npos) << detected.output;
-  auto scalar = run("ZS_SIMD=scalar");
-  EXPECT_NE(scalar.output.find("simd scalar"), std::string::npos) << scalar.output;
-  auto bogus = run("ZS_SIMD=sse9");
-  EXPECT_EQ(bogus.exit_code, 1);
-  EXPECT_NE(bogus.output.find("ZS_SIMD='sse9' is not one of scalar, avx2, avx512"), std::string::npos) << bogus.output;
+// set_adamw_simd() forces a path (how a user compares paths or works around a
+// CPU problem); a path the CPU lacks, or a misspelling, is a clear error.
+TEST(FusedAdamW, SimdLevelChosenByName) {
+  EXPECT_EQ(default_simd(), detected_simd());
+  zeroshard::set_adamw_simd("scalar");
+  EXPECT_EQ(default_simd(), SimdLevel::kScalar);
+  const auto bogus = zeroshard::testing::error_of([] { zeroshard::set_adamw_simd("sse9"); });
+  EXPECT_NE(bogus.find("'sse9' is not one of scalar, avx2, avx512"), std::string::npos) << bogus;
+  EXPECT_EQ(default_simd(), SimdLevel::kScalar) << "a refused name changes nothing";
   if (detected_simd() != SimdLevel::kAvx512) {
-    auto missing = run("ZS_SIMD=avx512");
-    EXPECT_NE(missing.output.find("this CPU lacks it"), std::string::npos) << missing.output;
+    const auto missing = zeroshard::testing::error_of([] { zeroshard::set_adamw_simd("avx512"); });
+    EXPECT_NE(missing.find("this CPU lacks it"), std::string::npos) << missing;
   } else {
-    auto avx2 = run("ZS_SIMD=avx2");
-    EXPECT_NE(avx2.output.find("simd avx2"), std::string::npos) << avx2.output;
+    zeroshard::set_adamw_simd("avx2");
+    EXPECT_EQ(default_simd(), SimdLevel::kAvx2);
   }
+  zeroshard::set_adamw_simd("");
+  EXPECT_EQ(default_simd(), detected_simd());
 }
 
 TEST(FusedAdamW, BadInputIsRefused) {

@@ -1,0 +1,593 @@
+// pretraining.cpp — bart_pretrain's training run, in the order it happens:
+// build (communicator, data, model, optimizers), resume (the last checkpoint,
+// or a fresh start), the loop (one optimizer step, then its metrics, saves and
+// preemption), and the summary. run_pretraining() at the end calls each once.
+#include "run.h"
+
+#include "bart_model.h"
+#include "corpus.h"
+#include "pipeline_training.h"
+#include "run_record.h"
+#include "summary.h"
+#include "training.h"
+
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/comm.h>
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/log.h>
+#include <zeroshard/lr_schedule.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/pipeline_schedule.h>
+#include <zeroshard/preemption.h>
+#include <zeroshard/sampler.h>
+#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/trace.h>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+
+namespace bart {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
+torch::Device training_device(const std::string& name, int local_rank) {
+  if (name == "cpu") return torch::kCPU;
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  TORCH_CHECK_VALUE(gpus > 0, "--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, the driver, or a "
+                    "bart_pretrain built against a CPU LibTorch); use --device cpu");
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+  return device;
+}
+
+// This rank's next `n` sample indices, continuing into the next epoch when
+// one ends; epochs[i] is the epoch of out[i] (it seeds the noise).
+std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_t n, std::vector<int64_t>& epochs) {
+  std::vector<int64_t> out;
+  epochs.clear();
+  while (static_cast<int64_t>(out.size()) < n) {
+    const auto got = sampler.next(n - static_cast<int64_t>(out.size()));
+    out.insert(out.end(), got.begin(), got.end());
+    epochs.insert(epochs.end(), got.size(), sampler.epoch());
+  }
+  return out;
+}
+
+// trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
+std::string trace_path(const std::string& run_dir, int rank, int k) {
+  return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
+                               ".json")).string();
+}
+
+double all_sum(zeroshard::Communicator& comm, double v) {
+  auto t = torch::tensor({v}, torch::kDouble);
+  comm.all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  return t.item<double>();
+}
+
+// What one optimizer step did, for its metrics.
+struct StepResult {
+  double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
+  double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, bubble_s = -1;
+  zeroshard::GradientNoiseSample noise;
+  bool skipped = false;
+};
+
+class PretrainingRun {
+ public:
+  explicit PretrainingRun(const RunOptions& o);
+  void resume();
+  std::optional<int> train();  // an exit code when preempted
+  void finish();
+  void summarize();
+
+ private:
+  void build_model();
+  void log_start() const;
+  StepResult step_once(int64_t step);
+  // After step `step` (counted): metrics, saves, validation. True at the last step.
+  bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
+  double evaluate(int64_t at);
+  double save(int64_t at, const char* why);
+  int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
+  int64_t peak_model_states() const;
+  double waited() const;
+  std::string trace_file() const { return trace_path(o_.run_dir, rank_, dist_.restart_count); }
+
+  // Built once.
+  const RunOptions& o_;
+  const Clock::time_point run_start_ = Clock::now();
+  zeroshard::DistEnv dist_;
+  std::shared_ptr<zeroshard::Communicator> comm_;
+  int rank_ = 0, world_ = 1, dp_ = 1, dp_rank_ = 0;  // the grid: rank = stage * dp + data-parallel index
+  int64_t local_batch_ = 0;
+  ByteLevelBpe tokenizer_;
+  Corpus corpus_;
+  NoiseOptions noise_;
+  int64_t pad_ = 0;
+  BartConfig config_;
+  torch::Device device_ = torch::kCPU;
+  int64_t numel_ = 0;
+  BartForConditionalGeneration model_{nullptr};  // without a pipeline
+  std::unique_ptr<PipelinedBart> pipe_;          // with one: this rank's stages
+  std::vector<std::shared_ptr<zeroshard::ShardedOptimizer>> opts_;  // every optimizer of this rank
+  std::vector<zeroshard::Checkpointer::Part> parts_;  // what checkpoints save
+  std::vector<zeroshard::LrSchedule> schedules_;      // one per optimizer
+
+  // Where training stands.
+  std::unique_ptr<zeroshard::DistributedSampler> sampler_;
+  RunRecord record_;
+  int64_t step_ = 0;
+  std::unique_ptr<zeroshard::Checkpointer> ckpt_;
+  json resumed_ = nullptr;
+  std::unique_ptr<zeroshard::PreemptionGuard> guard_;
+  zeroshard::MetricsLog metrics_;
+  std::unique_ptr<zeroshard::ProgressLine> progress_;
+  double last_val_ = NAN, loss_ = NAN;
+  int64_t bytes_before_ = 0;
+  std::vector<int64_t> epochs_;
+};
+
+PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
+  dist_ = zeroshard::read_dist_env();  // the launcher's variables, read once
+  comm_ = zeroshard::init_communicator(dist_);
+  rank_ = comm_->rank();
+  world_ = comm_->size();
+  TORCH_CHECK_VALUE(o.pp >= 1 && world_ % o.pp == 0, "--pp ", o.pp, " must divide the ", world_, " ranks (each "
+                    "pipeline stage gets world / pp of them)");
+  dp_ = world_ / o.pp;  // without a pipeline, dp = world
+  dp_rank_ = rank_ % dp_;
+  TORCH_CHECK_VALUE(o.global_batch % dp_ == 0, "--global-batch ", o.global_batch, " must divide by the ", dp_,
+                    " data-parallel ranks (", world_, " ranks / --pp ", o.pp, "; each takes an equal share)");
+  local_batch_ = o.global_batch / dp_;
+  TORCH_CHECK_VALUE(o.micro_batches >= 1 && local_batch_ % o.micro_batches == 0, "--micro-batches ",
+                    o.micro_batches, " must divide the per-rank batch ", local_batch_, " (--global-batch ",
+                    o.global_batch, " / ", dp_, " data-parallel ranks)");
+  TORCH_CHECK_VALUE(o.pp == 1 || o.save_logits.empty(), "--save-logits runs the whole model: use it with --pp 1");
+  fs::create_directories(o.run_dir);
+  if (o.trace) zeroshard::trace::enable();
+  zeroshard::trace::set_thread_name("training");
+
+  // Data: every rank builds the same corpus.
+  const auto texts = read_texts(o.data);
+  tokenizer_ = obtain_tokenizer(o, texts, *comm_);
+  CorpusOptions copts;
+  copts.max_tokens = o.max_tokens;
+  copts.validation_every = o.validation_every;
+  corpus_ = build_corpus(texts, tokenizer_, copts);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(corpus_.train.size()) >= o.global_batch, "the corpus under '", o.data,
+                    "' has ", corpus_.train.size(), " training examples, fewer than --global-batch ", o.global_batch);
+  noise_ = o.noise;
+  noise_.mask_id = tokenizer_.mask_id();
+  noise_.bos_id = tokenizer_.id("<s>");
+  noise_.eos_id = tokenizer_.id("</s>");
+  pad_ = tokenizer_.pad_id();
+  build_model();
+}
+
+// The model on its device and its optimizers: the whole model under one, or
+// this rank's pipeline stages, each with its own.
+void PretrainingRun::build_model() {
+  const auto& o = o_;
+  config_ = run_config(o, tokenizer_);
+  // The sharding's collectives follow the device (agreement, validation sums
+  // and checkpoints stay on the CPU communicator).
+  device_ = training_device(o.device, dist_.local_rank);
+  const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
+                         : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
+                                                     : zeroshard::DeviceTransport::kAuto;
+  const zeroshard::ProcessGroup group = zeroshard::device_group(comm_, device_, {}, transport);
+  const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
+  if (o.pp > 1) {
+    PipelineOptions po;
+    po.pp = o.pp;
+    po.schedule = o.schedule_pp;
+    po.chunks = o.chunks;
+    po.micro_batches = static_cast<int>(o.micro_batches);
+    po.partition = o.partition;
+    po.timing_rows = local_batch_ / o.micro_batches;  // a microbatch's sequences, at the longest
+    po.timing_length = o.max_tokens;
+    po.zero_stage = o.stage;
+    po.unshard_per_step = o.pp_gather == "step";
+    po.adamw = adamw;
+    po.max_grad_norm = o.max_grad_norm;
+    po.dtype = dtype;
+    po.device = device_;
+    po.seed = o.seed;
+    pipe_ = std::make_unique<PipelinedBart>(group, config_, po);
+    for (const auto& b : bart_blocks(config_)) numel_ += b.params;
+    numel_ -= config_.vocab_size * config_.d_model;  // the head's copy of the embedding is the embedding
+    for (const auto& st : pipe_->stages()) opts_.push_back(st.optimizer);
+    parts_ = pipe_->checkpoint_parts();
+  } else {
+    torch::manual_seed(o.seed);
+    model_ = BartForConditionalGeneration(config_);
+    for (const auto& p : model_->parameters()) numel_ += p.numel();
+    model_->to(device_, dtype);
+    if (o.stage == 3) {
+      opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group), adamw));
+    } else {
+      zeroshard::ShardedAdamWOptions so;
+      so.zero_stage = o.stage;
+      opts_.push_back(std::make_shared<zeroshard::ShardedAdamW>(model_->named_parameters(), group, adamw, so));
+    }
+    parts_ = {{opts_.front().get(), model_.get()}};
+  }
+  zeroshard::LrSchedule::Options lo;
+  lo.kind = zeroshard::LrSchedule::parse_kind(o.schedule);
+  lo.warmup_steps = o.warmup_steps;
+  lo.total_steps = o.max_steps;
+  lo.min_ratio = o.min_lr_ratio;
+  schedules_.assign(opts_.size(), zeroshard::LrSchedule(lo));
+  for (size_t i = 0; i < opts_.size(); ++i) schedules_[i].attach(*opts_[i]);
+}
+
+int64_t PretrainingRun::bytes_sent() const {
+  int64_t b = pipe_ ? pipe_->bytes_sent() : 0;
+  for (const auto& x : opts_) b += x->stats().traffic.total().bytes_sent;
+  return b;
+}
+
+int64_t PretrainingRun::peak_model_states() const {
+  int64_t b = 0;
+  for (const auto& x : opts_) b += x->stats().memory.peak_model_states;
+  return b;
+}
+
+double PretrainingRun::waited() const {
+  double w = 0;
+  for (const auto& x : opts_) w += x->stats().waits.total();
+  return w;
+}
+
+// Where training stands: fresh (then the first validation), or resumed from
+// the last checkpoint. Every stage of a data-parallel index draws the same examples.
+void PretrainingRun::resume() {
+  const auto& o = o_;
+  sampler_ = std::make_unique<zeroshard::DistributedSampler>(static_cast<int64_t>(corpus_.train.size()), dp_rank_,
+                                                             dp_, o.seed);
+  record_.noise = zeroshard::GradientNoiseScale(o.noise_smoothing);
+  const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
+  if (ckpt_dir != "none") {
+    zeroshard::CheckpointOptions co;
+    co.keep = o.keep;
+    co.async = o.async_save;
+    ckpt_ = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm_, pipe_ ? pipe_->checkpoint_options(co) : co);
+    const auto t0 = Clock::now();
+    if (auto progress = ckpt_->load(parts_)) {
+      step_ = progress->step;
+      const json extra = json::parse(progress->extra_json);
+      if (extra.contains("sampler")) {
+        record_.from_json(extra, *sampler_);
+      } else {  // imported weights (zeroshard-ckpt import): a new run from them
+        zeroshard::log_info("checkpoint: step " + std::to_string(step_) + " has no run record (imported); training "
+                            "starts at its step with a fresh data order");
+      }
+      resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count}};
+      zeroshard::log_info("resumed from step " + std::to_string(step_) + " of " + ckpt_dir + " (epoch " +
+                          std::to_string(sampler_->epoch()) + ")");
+    }
+  }
+  guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
+  if (rank_ == 0) metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
+  if (rank_ == 0 && !resumed_.is_null()) metrics_.write_event("resume", step_, resumed_.dump());
+  progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
+  if (rank_ == 0 && step_ == 0) log_start();
+  if (step_ == 0) last_val_ = evaluate(0);
+}
+
+void PretrainingRun::log_start() const {
+  const auto& o = o_;
+  char msg[300];
+  std::snprintf(msg, sizeof(msg),
+                "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
+                "%d ranks on %s, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
+                o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size), corpus_.train.size(),
+                corpus_.validation.size(), static_cast<long long>(corpus_.tokens), world_, device_.str().c_str(),
+                o.stage, o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
+                static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
+  zeroshard::log_info(msg);
+  if (!pipe_) return;
+  zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp_) +
+                      " data-parallel ranks, schedule " + o.schedule_pp +
+                      (o.chunks > 1 ? " (" + std::to_string(o.chunks) + " stages per rank)" : std::string()) +
+                      ", blocks '" + zeroshard::pipeline::to_layout(bart_blocks(config_), pipe_->partition()) + "'");
+  if (!pipe_->timed_blocks().empty()) {
+    const auto& t = pipe_->timed_blocks();
+    zeroshard::log_info("pipeline: blocks timed forward + backward (us): E " + std::to_string(t.front().params) +
+                        ", e " + std::to_string(t[1].params) + ", d " +
+                        std::to_string(t[static_cast<size_t>(1 + config_.encoder_layers)].params) + ", L " +
+                        std::to_string(t.back().params));
+  }
+}
+
+double PretrainingRun::evaluate(int64_t at) {
+  const auto t0 = Clock::now();
+  const auto v = pipe_ ? validate(*pipe_, corpus_.validation, noise_, o_.eval_batch, pad_, device_)
+                       : validate(model_, corpus_.validation, noise_, o_.eval_batch, pad_, *comm_, device_);
+  if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = v.loss;
+  metrics_.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
+  char msg[160];
+  std::snprintf(msg, sizeof(msg), "step %lld: validation loss %.4f (%lld tokens, %.1f s)", static_cast<long long>(at),
+                v.loss, static_cast<long long>(v.tokens), since(t0));
+  zeroshard::log_info(msg);
+  return v.loss;
+}
+
+double PretrainingRun::save(int64_t at, const char* why) {
+  const auto t0 = Clock::now();
+  zeroshard::TrainingProgress p;
+  p.step = at;
+  p.epoch = sampler_->epoch();
+  json extra = record_.to_json(*sampler_);
+  extra["bytes_sent"] = record_.bytes_sent + static_cast<int64_t>(all_sum(*comm_, static_cast<double>(bytes_sent())));
+  p.extra_json = extra.dump();
+  ckpt_->save(parts_, p);
+  const double stall = since(t0);
+  record_.checkpoint_stall_s += stall;
+  metrics_.write_event("checkpoint", at, json{{"reason", why}, {"stall_s", stall}, {"async", o_.async_save}}.dump());
+  return stall;
+}
+
+// One optimizer step: the global batch's share of this rank, forward and
+// backward (its micro-batches, or the pipeline's schedule), the update.
+StepResult PretrainingRun::step_once(int64_t step) {
+  const auto& o = o_;
+  StepResult r;
+  const auto indices = next_indices(*sampler_, local_batch_, epochs_);
+  std::vector<Batch> micro;
+  const int64_t per_micro = local_batch_ / o.micro_batches;
+  int64_t local_tokens = 0;
+  for (int64_t m = 0; m < o.micro_batches; ++m) {
+    const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
+    std::vector<int64_t> idx(indices.begin() + from, indices.begin() + to);
+    std::vector<int64_t> ep(epochs_.begin() + from, epochs_.begin() + to);  // a batch may straddle two epochs
+    Batch b = make_batch(corpus_.train, idx, ep, noise_, o.seed, pad_, device_);
+    local_tokens += b.target_tokens;
+    micro.push_back(std::move(b));
+  }
+  // Every stage of a data-parallel index counts the same tokens: the world's sum counts them pp times.
+  r.global_tokens = all_sum(*comm_, static_cast<double>(local_tokens)) / o.pp;
+  for (size_t i = 0; i < opts_.size(); ++i) r.lr = schedules_[i].apply(*opts_[i], step + 1);
+  // Dropout keyed by (seed, step, microbatch of the global batch, block): the same masks at any pp.
+  const auto key = [&](int64_t m) { return DropoutKey{o.seed, step, m * dp_ + dp_rank_}; };
+  if (pipe_) {
+    std::vector<Microbatch> mbs;
+    for (size_t m = 0; m < micro.size(); ++m) {
+      mbs.push_back(pipeline_microbatch(micro[m], config_, key(static_cast<int64_t>(m))));
+    }
+    const double waited0 = waited();
+    const auto s = pipe_->train_step(std::move(mbs), r.global_tokens);
+    // The executor's step: its F and B passes, and the rest (waits for the
+    // neighbours, the step's reductions and update) as this rank's bubble.
+    r.fb_s = s.compute_seconds;
+    r.bubble_s = s.step_seconds - s.compute_seconds;
+    r.opt_wait = waited() - waited0;
+    r.grad_norm = s.grad_norm;
+    r.noise = s.noise;
+    r.skipped = !s.updated;
+    r.loss = s.loss;
+    return r;
+  }
+  auto& opt = *opts_.front();
+  opt.zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
+  const auto t_fb = Clock::now();
+  const double waited_fb0 = waited();
+  double loss_sum = 0;
+  for (size_t m = 0; m < micro.size(); ++m) {
+    // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
+    model_->dropout_key = key(static_cast<int64_t>(m));
+    auto l = summed_loss(model_, micro[m]);
+    loss_sum += l.item<double>();
+    (l * (static_cast<double>(world_) / r.global_tokens)).backward();
+  }
+  r.fb_s = since(t_fb);
+  r.fb_wait = waited() - waited_fb0;
+  const auto t_opt = Clock::now();
+  const double waited_opt0 = waited();
+  r.grad_norm = opt.clip_grad_norm(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
+  opt.step();
+  r.opt_s = since(t_opt);
+  r.opt_wait = waited() - waited_opt0;
+  r.skipped = opt.last_step_skipped();
+  r.noise = opt.last_gradient_noise();
+  const auto t_loss = Clock::now();
+  r.loss = all_sum(*comm_, loss_sum) / r.global_tokens;
+  r.loss_comm = since(t_loss);
+  return r;
+}
+
+bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, double waited0) {
+  const auto& o = o_;
+  if (!std::isfinite(record_.first_loss)) record_.first_loss = r.loss;
+  record_.tokens += static_cast<int64_t>(r.global_tokens);
+  // Before a save, so that a resumed run goes on from the averages this step made.
+  const auto eff = statistical_efficiency(record_, r.noise, r.global_tokens,
+                                          o.reference_batch * r.global_tokens / o.global_batch);
+  double stall = 0;
+  const bool end = step_ == o.max_steps;
+  if (ckpt_ && (step_ % o.save_every == 0 || end)) stall = save(step_, end ? "end" : "interval");
+  zeroshard::StepMetrics m;
+  m.step = step_;
+  m.loss = r.loss;
+  m.lr = r.lr;
+  m.grad_norm = r.grad_norm;
+  m.tokens = static_cast<int64_t>(r.global_tokens);
+  m.seconds = since(t_step);
+  m.compute_seconds = r.fb_s - r.fb_wait;
+  m.exposed_comm_seconds = waited() - waited0 + r.loss_comm;
+  m.optimizer_seconds = std::max(0.0, r.opt_s - r.opt_wait);
+  m.checkpoint_stall_seconds = stall;
+  m.other_seconds = std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds - stall);
+  m.peak_rss_bytes = zeroshard::peak_rss_bytes();
+  const int64_t bytes_now = bytes_sent();
+  m.bytes_sent = bytes_now - bytes_before_;
+  bytes_before_ = bytes_now;
+  m.loss_scale = opts_.front()->loss_scale();
+  m.skipped = r.skipped;
+  record_.train_seconds += m.seconds;
+  json extra = json::object();
+  if (pipe_) {  // this rank's (rank 0 writes the metrics: stage 0's), beside the schedule's formula
+    extra["bubble_s"] = r.bubble_s;
+    extra["bubble_formula"] = zeroshard::pipeline::formula_bubble(pipe_->schedule());
+  }
+  if (std::isfinite(eff.efficiency)) {
+    record_.efficient_tokens += eff.efficiency * r.global_tokens;
+    record_.efficient_seconds += m.seconds;
+    extra["noise_scale"] = eff.noise_scale;
+    extra["efficiency"] = eff.efficiency;
+    extra["goodput"] = eff.efficiency * m.tokens_per_second();
+  }
+  if ((o.eval_every > 0 && step_ % o.eval_every == 0) || end) {
+    last_val_ = evaluate(step_);
+    extra["val_loss"] = last_val_;
+  }
+  if (!extra.empty()) m.extra_json = extra.dump();
+  metrics_.write(m);
+  progress_->update(m, eff.progress());
+  zeroshard::publish_step(dist_, step_);
+  return end;
+}
+
+std::optional<int> PretrainingRun::train() {
+  bytes_before_ = bytes_sent();
+  while (step_ < o_.max_steps) {
+    const auto t_step = Clock::now();
+    const double waited0 = waited();
+    const StepResult r = step_once(step_);
+    ++step_;
+    loss_ = r.loss;
+    const bool end = record_step(r, t_step, waited0);
+    if (end || !guard_->should_stop()) continue;
+    record_.interruptions.push_back({{"step", step_}, {"signal", guard_->signaled() ? "SIGTERM" : "notice"}});
+    if (!ckpt_) {
+      zeroshard::log_warn("preempted at step " + std::to_string(step_) + " with --ckpt-dir none: nothing saved");
+      return guard_->exit_code();
+    }
+    const double s = save(step_, "preemption");
+    ckpt_->wait();
+    guard_->check_save_fits(s);
+    if (o_.trace) zeroshard::trace::write_chrome_trace(trace_file(), rank_);
+    zeroshard::log_info("preempted after step " + std::to_string(step_) + ": checkpoint committed; exiting with " +
+                        std::to_string(guard_->exit_code()) + " so the launcher restarts the run");
+    return guard_->exit_code();
+  }
+  return std::nullopt;
+}
+
+// The last save committed; --save-logits: the model's logits on four validation examples.
+void PretrainingRun::finish() {
+  if (ckpt_) ckpt_->wait();
+  if (o_.save_logits.empty() || corpus_.validation.empty()) return;
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < std::min<int64_t>(4, corpus_.validation.size()); ++i) idx.push_back(i);
+  const auto b = make_batch(corpus_.validation, idx, std::vector<int64_t>(idx.size(), 0), noise_, 0, pad_, device_);
+  const auto logits = model_->forward(b.input_ids, shift_tokens_right(b.labels, pad_, config_.decoder_start_token_id))
+                          .to(torch::kFloat).cpu().contiguous();
+  model_->train();
+  if (rank_ == 0) {
+    std::ofstream out(o_.save_logits, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(logits.data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
+    TORCH_CHECK(out.good(), "cannot write --save-logits '", o_.save_logits, "'");
+  }
+}
+
+// Figures from every rank, printed by rank 0 (and written to the metrics, and the loss plot).
+void PretrainingRun::summarize() {
+  const auto& o = o_;
+  Summary s;
+  s.config = o.config;
+  s.world = world_;
+  s.stage = o.stage;
+  s.pp = o.pp;
+  s.precision = o.precision;
+  s.params = numel_;
+  s.steps = step_;
+  s.first_loss = record_.first_loss;
+  s.last_loss = loss_;
+  s.first_val_loss = record_.first_val_loss;
+  s.last_val_loss = last_val_;
+  s.tokens = record_.tokens;
+  s.train_seconds = record_.train_seconds;
+  s.checkpoint_stall_s = record_.checkpoint_stall_s;
+  s.interruptions = record_.interruptions.dump();
+  s.noise_scale = record_.noise.noise_scale();
+  s.reference_batch = o.reference_batch;
+  const double steps = static_cast<double>(std::max<int64_t>(step_, 1));
+  s.efficiency = record_.noise.steps() > 0
+                     ? record_.noise.efficiency(static_cast<double>(record_.tokens) / steps,
+                                                o.reference_batch * static_cast<double>(record_.tokens) /
+                                                    (steps * static_cast<double>(o.global_batch)))
+                     : NAN;
+  s.goodput = record_.efficient_seconds > 0 ? record_.efficient_tokens / record_.efficient_seconds : NAN;
+  s.resumed = resumed_.is_null() ? "" : resumed_.dump();
+  s.run_dir = o.run_dir;
+  s.wall_seconds = since(run_start_);
+  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()),
+                                 static_cast<double>(peak_model_states()), static_cast<double>(bytes_sent())},
+                                torch::kDouble);
+  auto all = torch::empty({3 * world_}, torch::kDouble);
+  comm_->all_gather(all, per_rank)->wait();
+  for (int r = 0; r < world_; ++r) {
+    s.peak_rss.push_back(static_cast<int64_t>(all[3 * r].item<double>()));
+    s.model_states.push_back(static_cast<int64_t>(all[3 * r + 1].item<double>()));
+    s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
+  }
+  s.bytes_sent += record_.bytes_sent;  // earlier attempts'
+  if (!o.no_sample && !pipe_ && !corpus_.validation.empty()) {  // decoding runs the whole model
+    s.denoising = denoising_accuracy(model_, corpus_.validation, o.sample_sentences,
+                                     std::min<int64_t>(o.max_tokens - 2, 60), noise_, tokenizer_, device_);
+    s.has_sample = s.denoising.sentences > 0;
+  }
+  if (o.trace) zeroshard::trace::write_chrome_trace(trace_file(), rank_);
+  if (rank_ == 0) {
+    if (!o.no_plot && metrics_.enabled()) {
+      const auto png = (fs::path(o.run_dir) / "loss.png").string();
+      const auto why = zeroshard::plot_metrics(metrics_.path(), png, "BART " + o.config + ", " +
+                                                                         std::to_string(world_) + " ranks, ZeRO-" +
+                                                                         std::to_string(o.stage));
+      if (why.empty()) s.plot = png; else zeroshard::log_warn("loss plot: " + why);
+    }
+    metrics_.write_event("summary", step_, s.to_json());
+    std::fputs(s.text().c_str(), stdout);
+    std::fflush(stdout);
+  }
+  comm_->barrier();
+}
+
+}  // namespace
+
+int run_pretraining(const RunOptions& o) {
+  check_options(o);
+  // First, so every thread started from here on (LibTorch's pool, the
+  // communicators') inherits it: x86's FTZ/DAZ are per thread.
+  if (!o.keep_denormals) at::globalContext().setFlushDenormal(true);
+  zeroshard::set_adamw_simd(o.simd);
+  PretrainingRun run(o);
+  run.resume();
+  if (const auto preempted = run.train()) return *preempted;
+  run.finish();
+  run.summarize();
+  return 0;
+}
+
+}  // namespace bart
