@@ -64,7 +64,7 @@ void mutate_json(json& j, std::mt19937& rng) {
   std::vector<json*> nodes;  // every value in the document, any depth: each as likely to be edited
   collect_nodes(j, nodes);
   json* at = nodes[pick(nodes.size())];
-  const std::vector<json> others = {nullptr, "x", -1, 0, 1, int64_t{1} << 40, int64_t{-1} << 62, 1.5,
+  const std::vector<json> others = {nullptr, "x", -1, 0, 1, int64_t{1} << 40, -(int64_t{1} << 62), 1.5,
                                     json::array(), json::object(), json::array({0, 0, 0}), true};
   switch (rng() % 4) {
     case 0:
