@@ -129,9 +129,8 @@ class Checkpointer {
 
   const std::string& dir() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

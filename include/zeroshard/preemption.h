@@ -72,9 +72,8 @@ class PreemptionGuard {
   int exit_code() const { return kPreemptedExitCode; }
   const PreemptionOptions& options() const { return options_; }
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::shared_ptr<Communicator> comm_;
   PreemptionOptions options_;
   std::atomic<int> signal_{0};
