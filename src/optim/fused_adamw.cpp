@@ -13,6 +13,8 @@
 namespace zeroshard::optim {
 namespace {
 
+std::atomic<int> chosen{-1};  // a SimdLevel set by set_adamw_simd(); -1: the CPU's best
+
 kernel::Half16 half_kind(c10::ScalarType t, const char* what) {
   switch (t) {
     case c10::ScalarType::Float: return kernel::Half16::kNone;
@@ -56,44 +58,10 @@ SimdLevel detected_simd() {
   return SimdLevel::kScalar;
 }
 
-namespace {
-std::atomic<int> chosen{-1};  // a SimdLevel set by set_adamw_simd(); -1: the CPU's best
-}  // namespace
-
 SimdLevel default_simd() {
   const int c = chosen.load(std::memory_order_relaxed);
   return c < 0 ? detected_simd() : static_cast<SimdLevel>(c);
 }
-
-}  // namespace zeroshard::optim
-
-namespace zeroshard {
-
-void set_adamw_simd(const std::string& isa) {
-  using optim::SimdLevel;
-  if (isa.empty()) {
-    optim::chosen = -1;
-    return;
-  }
-  SimdLevel want;
-  if (isa == "scalar") {
-    want = SimdLevel::kScalar;
-  } else if (isa == "avx2") {
-    want = SimdLevel::kAvx2;
-  } else if (isa == "avx512") {
-    want = SimdLevel::kAvx512;
-  } else {
-    TORCH_CHECK_VALUE(false, "set_adamw_simd: '", isa, "' is not one of scalar, avx2, avx512 (or \"\" for the "
-                      "best this CPU has)");
-  }
-  TORCH_CHECK_VALUE(optim::cpu_has(want), "set_adamw_simd: '", isa, "' but this CPU lacks it (best available: ",
-                    optim::to_string(optim::detected_simd()), ")");
-  optim::chosen = static_cast<int>(want);
-}
-
-}  // namespace zeroshard
-
-namespace zeroshard::optim {
 
 AdamWCoeffs adamw_coeffs(double lr, double beta1, double beta2, double eps, double weight_decay,
                          int64_t step, double grad_scale) {
@@ -136,3 +104,29 @@ void fused_adamw(const AdamWCoeffs& c, float* param, const void* grad, c10::Scal
 }
 
 }  // namespace zeroshard::optim
+
+namespace zeroshard {
+
+void set_adamw_simd(const std::string& isa) {
+  using optim::SimdLevel;
+  if (isa.empty()) {
+    optim::chosen = -1;
+    return;
+  }
+  SimdLevel want;
+  if (isa == "scalar") {
+    want = SimdLevel::kScalar;
+  } else if (isa == "avx2") {
+    want = SimdLevel::kAvx2;
+  } else if (isa == "avx512") {
+    want = SimdLevel::kAvx512;
+  } else {
+    TORCH_CHECK_VALUE(false, "set_adamw_simd: '", isa, "' is not one of scalar, avx2, avx512 (or \"\" for the "
+                      "best this CPU has)");
+  }
+  TORCH_CHECK_VALUE(optim::cpu_has(want), "set_adamw_simd: '", isa, "' but this CPU lacks it (best available: ",
+                    optim::to_string(optim::detected_simd()), ")");
+  optim::chosen = static_cast<int>(want);
+}
+
+}  // namespace zeroshard

@@ -13,8 +13,9 @@
 // and AVX-512 paths produce identical bits.
 //
 // SIMD: AVX-512 or AVX2 chosen at run time from the CPU (set_adamw_simd() in
-// zeroshard/sharded_optimizer.h forces a path; a path the CPU lacks is an error). Threads: at::parallel_for
-// over chunks (at::get_num_threads(), i.e. OMP_NUM_THREADS).
+// zeroshard/sharded_optimizer.h forces a path; a path the CPU lacks is an
+// error). Threads: at::parallel_for over chunks (at::get_num_threads(), i.e.
+// OMP_NUM_THREADS).
 #pragma once
 
 #include "optim/adamw_math.h"

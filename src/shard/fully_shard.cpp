@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 namespace zeroshard {
+
 ShardedModule::~ShardedModule() = default;
 
 void ShardedModule::before_forward() {
