@@ -249,8 +249,10 @@ struct DistEnv {
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 too, is its client.
   bool agent_store = false;
   std::string source;     // "torchrun", "slurm", "openmpi" or "single" (no variables)
-  // ZS_SOCKET_IFNAME: the network interface this rank listens on for its
-  // peers (its IPv4 address); empty: loopback for a one-host world, else the host name.
+  // ZS_SOCKET_IFNAME: the network interface this rank listens on for its peers
+  // (its IPv4 address, else its global IPv6 one). Default (empty): the address
+  // this host reaches MASTER_ADDR from, which is loopback only when every rank
+  // runs on this host (LOCAL_WORLD_SIZE == WORLD_SIZE); IPv4 or IPv6 alike.
   std::string socket_ifname;
   // ZS_PROGRESS_FILE (zeroshard-run sets it): where publish_step() reports the step.
   std::string progress_file;

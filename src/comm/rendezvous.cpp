@@ -10,7 +10,9 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,30 +61,81 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
-// The IPv4 address of network interface `name`.
+// The address of network interface `name`: its IPv4 address, else its first global IPv6 one.
 std::string interface_address(const std::string& name) {
   ifaddrs* list = nullptr;
   TORCH_CHECK(getifaddrs(&list) == 0, "getifaddrs failed: ", std::strerror(errno));
-  std::string found;
-  for (ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
-    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || name != i->ifa_name) continue;
-    char text[INET_ADDRSTRLEN] = {0};
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
-    found = text;
+  std::string v4, v6;
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || name != i->ifa_name) continue;
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (i->ifa_addr->sa_family == AF_INET && v4.empty()) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+      v4 = text;
+    } else if (i->ifa_addr->sa_family == AF_INET6 && v6.empty()) {
+      const in6_addr& a = reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr;
+      if (IN6_IS_ADDR_LINKLOCAL(&a)) continue;  // needs a scope id the peers cannot know
+      inet_ntop(AF_INET6, &a, text, sizeof(text));
+      v6 = text;
+    }
   }
   freeifaddrs(list);
-  TORCH_CHECK_VALUE(!found.empty(), "ZS_SOCKET_IFNAME='", name,
-                    "' names no network interface with an IPv4 address; set it to one that `ip addr` lists");
-  return found;
+  TORCH_CHECK_VALUE(!v4.empty() || !v6.empty(), "ZS_SOCKET_IFNAME='", name,
+                    "' names no network interface with an IPv4 or global IPv6 address; set it to one that "
+                    "`ip addr` lists");
+  return v4.empty() ? v6 : v4;
 }
 
-// The address this rank listens on for its peers.
+// The local address the kernel would send from to reach `host` (a UDP socket's connect
+// picks the route and sends nothing); empty when `host` does not resolve or no route
+// leads there.
+std::string route_source(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0) return "";
+  std::string source;
+  for (addrinfo* a = found; a != nullptr && source.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* raw = local.ss_family == AF_INET6
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) source = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return source;
+}
+
+// The address this rank listens on for its peers: the interface named by socket_ifname,
+// else the one this host reaches the master through. A job whose ranks all run on this
+// host listens on loopback; one that spans hosts never does: where the master's name
+// resolves to loopback here (Debian maps a host's own name to 127.0.1.1), the address
+// of the default route's interface is taken instead.
 std::string listen_host(const DistEnv& e) {
   if (!e.socket_ifname.empty()) return interface_address(e.socket_ifname);
-  if (e.world_size == 1 || is_loopback(e.master_addr)) return "127.0.0.1";
-  char host[256] = {0};
-  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "gethostname failed");
-  return host;
+  if (e.world_size == 1) return "127.0.0.1";
+  const std::string to_master = route_source(e.master_addr);
+  TORCH_CHECK(!to_master.empty(), "rank ", e.rank, " finds no route to MASTER_ADDR '", e.master_addr,
+              "': it does not resolve or no interface reaches it. Set MASTER_ADDR to an address of rank "
+              "0's host that this host reaches, or ZS_SOCKET_IFNAME to the interface to use");
+  if (!is_loopback(to_master) || e.local_world_size >= e.world_size) return to_master;
+  const std::string outward = route_source(to_master.find(':') == std::string::npos ? "192.0.2.1" : "2001:db8::1");
+  TORCH_CHECK(!outward.empty() && !is_loopback(outward), "rank ", e.rank, ": MASTER_ADDR '", e.master_addr,
+              "' resolves to loopback (", to_master, ") on this host, but the job spans hosts (",
+              e.world_size, " ranks, ", e.local_world_size,
+              " here) and this host has no default route to take an address from. Set MASTER_ADDR to "
+              "this host's address on the network the hosts share, or ZS_SOCKET_IFNAME to its interface");
+  log_info("MASTER_ADDR '" + e.master_addr + "' is loopback on this host but the job spans hosts: rank " +
+           std::to_string(e.rank) + " listens on " + outward + " (the default route's interface)");
+  return outward;
 }
 
 }  // namespace

@@ -195,9 +195,9 @@ void TcpMesh::connect_all(const std::string& host, c10d::Store& store, const std
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   // Listen before publishing the address, so every connect finds the port open.
   tcp::resolver resolver(io_->ctx);
-    tcp::endpoint local;
+  tcp::endpoint local;
   try {
-    local = *resolver.resolve(tcp::v4(), host, "0").begin();
+    local = *resolver.resolve(host, "0").begin();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "cannot resolve this host's address '", host, "' (", e.what(),
                 "); set ZS_SOCKET_IFNAME to the network interface the ranks reach each other on");

@@ -153,6 +153,12 @@ class Group {
     base.push_back("MASTER_PORT=" + std::to_string(port_));
     base.push_back("ZS_RESTART_COUNT=" + std::to_string(attempt_));
     base.push_back("TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt_));
+    if (!opt_.ifname.empty()) {
+      base.erase(std::remove_if(base.begin(), base.end(),
+                                [](const std::string& kv) { return kv.rfind("ZS_SOCKET_IFNAME=", 0) == 0; }),
+                 base.end());
+      base.push_back("ZS_SOCKET_IFNAME=" + opt_.ifname);
+    }
     base.erase(std::remove_if(base.begin(), base.end(),
                               [](const std::string& kv) { return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0; }),
                base.end());

@@ -28,6 +28,9 @@ struct LaunchOptions {
   int node_rank = 0;               // this node, 0..nnodes-1
   std::string master_addr = "127.0.0.1";
   int master_port = 0;             // 0: pick a free port (single node only)
+  // Non-empty: the network interface the ranks listen on for their peers
+  // (passed as ZS_SOCKET_IFNAME). Default: the one that routes to master_addr.
+  std::string ifname;
   int max_restarts = 0;            // group restarts after a failure
   double grace_period_s = 10.0;    // SIGTERM -> SIGKILL delay
   // > 0: on the first attempt, when this node's first rank reports this step

@@ -20,6 +20,9 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", opt.master_port, "rendezvous port; 0 picks a free one (single node)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
+  app.add_option("--ifname", opt.ifname,
+                 "network interface the ranks listen on for their peers (default: the one that routes to "
+                 "--master-addr)");
   app.add_option("--max-restarts", opt.max_restarts, "restarts of the whole group after a failure")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
