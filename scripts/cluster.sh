@@ -22,7 +22,7 @@
 #   scripts/cluster.sh cut N I                 partition host I: its link goes down (nothing is sent,
 #                                              nothing is refused: peers see silence)
 #   scripts/cluster.sh heal N I                bring host I's link back
-#   scripts/cluster.sh kill N I                host I dies: SIGKILL to every process on it, then cut
+#   scripts/cluster.sh kill N I                host I dies: cut, then SIGKILL to every process on it
 #   scripts/cluster.sh pids N I                the processes running on host I
 #
 # Cluster N uses 10.213.N.0/24 and fd7a:5a:0:N::/64 (host I is .I+1 / ::I+1) and
@@ -111,6 +111,9 @@ cmd_up() {
         printf '%s %s\n%s %s\n' "$(ipv4 "$n" "$other")" "$(ns "$n" "$other")" "$(ipv6 "$n" "$other")" "$(ns "$n" "$other")"
       done
     } > "/etc/netns/$host/hosts"
+    # No name server: a lookup of an address without a name (the TCPStore logs its
+    # clients' names) fails at once instead of waiting for an unreachable server.
+    echo "nameserver 127.0.0.1" > "/etc/netns/$host/resolv.conf"
     ip link add "zs$n-v$h" type veth peer name eth0 netns "$host"
     ip link set "zs$n-v$h" master "zs$n" up
     ip -n "$host" link set lo up
@@ -172,8 +175,10 @@ cmd_link() {  # N I up|down
 
 cmd_kill() {
   cluster_args "$1" "$2"
-  ip netns pids "$(ns "$n" "$i")" | xargs -r kill -9 2> /dev/null || true
+  # The link first: a host that loses power sends nothing, not even the FIN or RST
+  # its kernel would send for the processes killed next.
   ip link set "zs$n-v$i" down
+  ip netns pids "$(ns "$n" "$i")" | xargs -r kill -9 2> /dev/null || true
 }
 
 case "${1:-}" in

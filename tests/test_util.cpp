@@ -60,6 +60,7 @@ class DataPlaneOnly final : public Communicator {
  public:
   explicit DataPlaneOnly(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
+  void abort(const std::string& why) override { inner_->abort(why); }
   int size() const override { return inner_->size(); }
   c10::Device device() const override { return inner_->device(); }
   std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override {

@@ -106,6 +106,13 @@ struct CommOptions {
   // join before it fails and names the missing ones; ranks of a large job can
   // start minutes apart. Default: 5 minutes.
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
+  // How long a peer may stay silent before its host is taken for dead or cut
+  // off (TCP transport). Every idle connection carries a heartbeat (every third
+  // of this), so silence means a dead host or a partition, not a slow rank: the
+  // operations waiting on it fail naming it within this window, not the
+  // timeout, and the family aborts. Must exceed the time to move 512 KiB over
+  // the slowest link (4.2 s at 1 Mbit/s). Default: 30 seconds.
+  std::chrono::milliseconds liveness = std::chrono::seconds(30);
 };
 
 class Communicator {
@@ -161,6 +168,17 @@ class Communicator {
   std::shared_ptr<Communicator> dup();
 
   virtual CommStats stats() const = 0;
+
+  // Fails this communicator and its family (the communicator it was split or
+  // duplicated from, those split from it, and theirs) at once: every queued or
+  // posted operation fails with `why`, connections close without draining,
+  // and later operations are refused with `why`. Peers learn at once: their
+  // operations with this rank fail naming it and `why` (over TCP), instead of
+  // waiting for their timeout. For a rank that fails on its own (an exception
+  // in its training step, a bad batch): call it before unwinding. A TCP
+  // communicator destroyed while an exception propagates aborts by itself.
+  // Any thread; idempotent (the first `why` stays).
+  virtual void abort(const std::string& why) = 0;
 };
 
 // A data communicator and the communicator of its control plane: flags, norms,

@@ -1,5 +1,6 @@
 // Rendezvous from the environment (torchrun, Slurm, Open MPI) and creation of
 // the world communicator.
+#include "comm/store_wait.h"
 #include "comm/tcp_communicator.h"
 #include "compat/torch_compat.h"
 #include "zeroshard/comm.h"
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <numeric>
 #include <optional>
+#include <random>
 
 namespace zeroshard {
 namespace {
@@ -138,6 +140,23 @@ std::string listen_host(const DistEnv& e) {
   return outward;
 }
 
+// The token every hello of this job attempt carries: drawn by rank 0, shared through the
+// store (under the attempt's prefix, so a rank of an earlier attempt is a stranger).
+uint64_t job_token(c10d::Store& store, const std::string& prefix, const DistEnv& e,
+                   std::chrono::milliseconds timeout) {
+  const std::string key = prefix + "token/0";
+  if (e.rank == 0) {
+    std::random_device entropy;
+    const uint64_t token = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+    const std::string text = std::to_string(token);
+    store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+    return token;
+  }
+  comm::wait_for_keys(store, prefix + "token/", {"0"}, timeout, "the job token (rank 0 draws it)");
+  const auto value = store.get(key);
+  return std::stoull(std::string(value.begin(), value.end()));
+}
+
 }  // namespace
 
 DistEnv read_dist_env() {
@@ -240,8 +259,10 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
   std::vector<int> world(e.world_size);
   std::iota(world.begin(), world.end(), 0);
   const std::string prefix = "zs/r" + std::to_string(e.restart_count) + "/world/";
-  auto comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix,
-                                                      listen_host(e), options);
+  comm::MeshOptions mesh;
+  mesh.host = listen_host(e);
+  mesh.token = job_token(*store, prefix, e, options.rendezvous_timeout);
+  auto comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix, mesh, options);
   log_debug("communicator ready: rank " + std::to_string(e.rank) + " of " +
             std::to_string(e.world_size) + " via " + e.source + " (" + e.master_addr + ":" +
             std::to_string(e.master_port) + ")");

@@ -61,6 +61,7 @@ class StagedCommunicator final : public Communicator {
       : cpu_(std::move(cpu)), device_(device) {}
 
   int rank() const override { return cpu_->rank(); }
+  void abort(const std::string& why) override { cpu_->abort(why); }
   int size() const override { return cpu_->size(); }
   c10::Device device() const override { return device_; }
 

@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <list>
 #include <sstream>
 
@@ -23,6 +24,17 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b1 && b0 < a1;
 }
 
+MeshOptions with_blame(MeshOptions o, std::shared_ptr<std::atomic<int>> blame) {
+  o.blame = std::move(blame);
+  return o;
+}
+
+MeshOptions with_timeouts(MeshOptions o, const CommOptions& options) {
+  o.rendezvous_timeout = options.rendezvous_timeout;
+  o.liveness = options.liveness;
+  return o;
+}
+
 std::string format_ranks(const std::vector<int>& ranks) {
   std::ostringstream s;
   s << "[";
@@ -34,17 +46,32 @@ std::string format_ranks(const std::vector<int>& ranks) {
 }  // namespace
 
 TcpCommunicator::TcpCommunicator(int rank, int size, std::vector<int> world_ranks,
-                                 std::shared_ptr<c10d::Store> store, std::string prefix, std::string host,
-                                 CommOptions options)
+                                 std::shared_ptr<c10d::Store> store, std::string prefix, MeshOptions mesh,
+                                 CommOptions options, std::shared_ptr<Family> family)
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), store_(std::move(store)),
-      prefix_(std::move(prefix)), host_(std::move(host)), options_(options),
-      mesh_(rank_, size_, host_, *store_, prefix_ + "mesh/", options_.rendezvous_timeout),
+      prefix_(std::move(prefix)), mesh_options_(std::move(mesh)), options_(options),
+      family_(family ? std::move(family) : std::make_shared<Family>(options.timeout)),
+      mesh_(std::make_shared<TcpMesh>(rank_, size_, with_timeouts(mesh_options_, options_),
+                                      *store_, prefix_ + "mesh/", world_ranks_)),
       send_seq_(size, 0), recv_seq_(size, 0) {
+  family_->dog.add(mesh_);
+  if (!family_->dog.failure().empty()) mesh_->abort(family_->dog.failure());  // split after the family failed
   worker_ = std::thread([this] { worker_loop(); });
   reaper_ = std::thread([this] { reaper_loop(); });
 }
 
 TcpCommunicator::~TcpCommunicator() {
+  bool failed = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed = !failure_.empty();
+  }
+  // A failed communicator aborted its mesh already; a healthy one drains what is queued,
+  // unless this rank is unwinding from an exception, when no peer may make it wait.
+  if (std::uncaught_exceptions() > 0 && !failed) {
+    abort("rank " + std::to_string(world_ranks_[rank_]) +
+          " is unwinding from an exception (its own output says which); its communicators were aborted");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -57,6 +84,13 @@ TcpCommunicator::~TcpCommunicator() {
   }
   reaper_cv_.notify_all();
   reaper_.join();
+  family_->dog.forget(mesh_.get());
+}
+
+void TcpCommunicator::abort(const std::string& why) {
+  set_failure(why);
+  family_->dog.fail(why);  // aborts every mesh of the family, this one too
+  mesh_->abort(why);       // in case the family had failed already (then fail() does nothing)
 }
 
 void TcpCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t) const {
@@ -165,6 +199,16 @@ std::shared_ptr<Work> TcpCommunicator::recv(at::Tensor t, int src) {
 void TcpCommunicator::barrier() { enqueue(OpKind::kBarrier, {}, ReduceOp::kSum, -1)->wait(); }
 
 std::shared_ptr<Communicator> TcpCommunicator::split(const std::vector<int>& ranks) {
+  return split_into(ranks, family_, mesh_options_.blame);
+}
+
+std::shared_ptr<Communicator> TcpCommunicator::split_new_family(const std::vector<int>& ranks) {
+  return split_into(ranks, std::make_shared<Family>(options_.timeout), std::make_shared<std::atomic<int>>(-1));
+}
+
+std::shared_ptr<Communicator> TcpCommunicator::split_into(const std::vector<int>& ranks,
+                                                          std::shared_ptr<Family> family,
+                                                          std::shared_ptr<std::atomic<int>> blame) {
   TORCH_CHECK_VALUE(!ranks.empty(), "split: `ranks` is empty; pass the ranks of the new group");
   for (size_t i = 0; i < ranks.size(); ++i) {
     TORCH_CHECK_VALUE(ranks[i] >= 0 && ranks[i] < size_, "split: ranks[", i, "] = ", ranks[i],
@@ -196,7 +240,8 @@ std::shared_ptr<Communicator> TcpCommunicator::split(const std::vector<int>& ran
   std::vector<int> world;
   for (int r : ranks) world.push_back(world_ranks_[r]);
   return std::make_shared<TcpCommunicator>(new_rank, static_cast<int>(ranks.size()), world, store_,
-                                            key + "comm/", host_, options_);
+                                            key + "comm/", with_blame(mesh_options_, std::move(blame)), options_,
+                                            std::move(family));
 }
 
 TcpCommunicator::Meeting TcpCommunicator::meeting_point(const std::string& purpose) {
@@ -219,8 +264,13 @@ void TcpCommunicator::record(OpKind kind, const OpStats& s) {
 }
 
 void TcpCommunicator::set_failure(const std::string& message) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failure_.empty()) failure_ = message;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty()) return;
+    failure_ = message;
+  }
+  // Its peers learn now, and the family at the watchdog's next look.
+  mesh_->abort(message);
 }
 
 void TcpCommunicator::worker_loop() {
@@ -242,7 +292,7 @@ void TcpCommunicator::worker_loop() {
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
-    Exchange ex{mesh_, rank_, size_, world_ranks_, work, start + options_.timeout,
+    Exchange ex{*mesh_, rank_, size_, world_ranks_, work, start + options_.timeout,
                 options_.timeout, OpStats{}, scratch_};
     ex.work.set_progress("running");
     ex.stats.calls = 1;
@@ -258,7 +308,7 @@ void TcpCommunicator::worker_loop() {
             posted_.push_back(std::move(posted));
           }
           reaper_cv_.notify_one();  // the p2p thread may be idle,
-          mesh_.signal_event();     // or waiting for the transport
+          mesh_->signal_event();     // or waiting for the transport
           done = false;  // the p2p thread completes it
           break;
         }
@@ -284,7 +334,7 @@ void TcpCommunicator::reaper_loop() {
   std::list<PostedP2P> active;
   while (true) {
     // Read before taking newly posted operations: one posted after this wakes the wait below.
-    const uint64_t seen = mesh_.events();
+    const uint64_t seen = mesh_->events();
     {
       std::unique_lock<std::mutex> lock(reaper_mu_);
       if (active.empty()) reaper_cv_.wait(lock, [&] { return reaper_stopping_ || !posted_.empty(); });
@@ -297,7 +347,7 @@ void TcpCommunicator::reaper_loop() {
     for (auto it = active.begin(); it != active.end();) {
       bool done = false;
       try {
-        done = advance(*it, mesh_, world_ranks_);
+        done = advance(*it, *mesh_, world_ranks_);
         if (done) it->work->complete();
       } catch (const std::exception& e) {
         const std::string message = what_of(e);
@@ -308,7 +358,7 @@ void TcpCommunicator::reaper_loop() {
       it = done ? active.erase(it) : std::next(it);
     }
     // Until the transport moves or more is posted (or a deadline may have passed).
-    if (!active.empty()) mesh_.wait_for_events(seen, std::chrono::milliseconds(20));
+    if (!active.empty()) mesh_->wait_for_events(seen, std::chrono::milliseconds(20));
   }
 }
 

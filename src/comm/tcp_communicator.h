@@ -6,7 +6,9 @@
 // posted sends to be taken by their receivers. Arguments are checked when an
 // operation is issued (in the caller's thread); agreement between ranks is
 // checked when it executes. After any failure the communicator refuses further
-// work with the original error: collectives cannot resynchronise.
+// work with the original error: collectives cannot resynchronise; it aborts its
+// mesh, which closes every connection, tells each peer why, and fails the
+// family (watchdog.h: the communicators split from one init_communicator).
 #pragma once
 
 #include "comm/collectives.h"
@@ -29,11 +31,15 @@ class TcpCommunicator final : public Communicator {
  public:
   // Connects to every rank (blocks until all joined; a timeout names the missing ranks).
   // `world_ranks[i]` is the world rank of this communicator's rank i (for messages).
-  // `host` is the address this rank listens on (its splits listen there too).
+  // `mesh` says where this rank listens and the job's token (its splits use them too);
+  // its rendezvous timeout and liveness window are options'. `family`: the family of the
+  // communicator this one is split from; null for a new family.
   TcpCommunicator(int rank, int size, std::vector<int> world_ranks,
-                  std::shared_ptr<c10d::Store> store, std::string prefix, std::string host,
-                  CommOptions options);
-  // Executes what is still queued, then joins both threads.
+                  std::shared_ptr<c10d::Store> store, std::string prefix, MeshOptions mesh,
+                  CommOptions options, std::shared_ptr<Family> family = nullptr);
+  // Executes what is still queued, then joins both threads; aborts instead
+  // (nothing queued or posted waits for its peers) when the communicator failed
+  // or an exception is propagating.
   ~TcpCommunicator() override;
   TcpCommunicator(const TcpCommunicator&) = delete;
   TcpCommunicator& operator=(const TcpCommunicator&) = delete;
@@ -50,7 +56,12 @@ class TcpCommunicator final : public Communicator {
   std::shared_ptr<Work> recv(at::Tensor t, int src) override;
   void barrier() override;
   std::shared_ptr<Communicator> split(const std::vector<int>& ranks) override;
+  // split(ranks), but the new communicator heads a family of its own: its failure
+  // fails neither this communicator nor the rest of its family. For tests that
+  // break a group on purpose and go on with the others.
+  std::shared_ptr<Communicator> split_new_family(const std::vector<int>& ranks);
   CommStats stats() const override;
+  void abort(const std::string& why) override;
 
   // Where a communicator made beside this one, of the same ranks (NCCL's),
   // meets its peers: the rendezvous store, a key prefix unique to this call,
@@ -69,6 +80,8 @@ class TcpCommunicator final : public Communicator {
     uint64_t p2p_seq = 0;  // for send/recv: position in the pair's stream
   };
 
+  std::shared_ptr<Communicator> split_into(const std::vector<int>& ranks, std::shared_ptr<Family> family,
+                                          std::shared_ptr<std::atomic<int>> blame);
   std::shared_ptr<OpWork> enqueue(OpKind kind, std::vector<at::Tensor> tensors, ReduceOp op,
                                   int peer);
   void worker_loop();
@@ -83,10 +96,12 @@ class TcpCommunicator final : public Communicator {
   const std::vector<int> world_ranks_;
   const std::shared_ptr<c10d::Store> store_;
   const std::string prefix_;
-  const std::string host_;
+  const MeshOptions mesh_options_;
   const CommOptions options_;
+  const std::shared_ptr<Family> family_;
   // Declared before everything that holds Buffers on it (posted_), so it is destroyed after them.
-  TcpMesh mesh_;
+  // Shared with the family's watchdog, which may look at it once more after forget().
+  const std::shared_ptr<TcpMesh> mesh_;
 
   std::mutex mu_;
   std::condition_variable cv_;

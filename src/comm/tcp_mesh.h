@@ -26,8 +26,11 @@
 // any thread; one Buffer's waits on one thread at a time.
 #pragma once
 
+#include "comm/watchdog.h"
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -42,6 +45,17 @@
 namespace zeroshard::comm {
 
 class TcpMesh;
+
+// How a mesh is made: where it listens, the job's token, how long the rendezvous may take.
+struct MeshOptions {
+  std::string host;      // the address this rank listens on
+  uint64_t token = 0;    // drawn once per job attempt at rendezvous; every rank's hello carries it
+  std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
+  std::chrono::milliseconds liveness{std::chrono::seconds(30)};  // CommOptions::liveness
+  // Shared by the meshes of one family: the world rank whose broken connection failed
+  // the family first (-1: none yet), so that every member's close frames blame it.
+  std::shared_ptr<std::atomic<int>> blame = std::make_shared<std::atomic<int>>(-1);
+};
 
 // Caller-owned memory that sends and receives are posted on.
 class Buffer {
@@ -79,7 +93,7 @@ class Buffer {
   int pending_ = 0;  // posted operations not finished yet
 };
 
-class TcpMesh {
+class TcpMesh final : public WatchedComm {
  public:
   // Sends up to this many bytes without waiting for the receiver (headers and
   // inline payloads fit: at most 4 KiB + 40 bytes).
@@ -87,13 +101,16 @@ class TcpMesh {
   // Data goes out in chunks of this many bytes, ready notices between them.
   static constexpr size_t kChunkBytes = size_t(512) << 10;
 
-  // Listens on `host`, publishes its address in `store` under `prefix`, and
-  // connects to every other rank (blocks until all joined). A timeout names
+  // Listens on options.host, publishes its address in `store` under `prefix`,
+  // and connects to every other rank (blocks until all joined). A timeout names
   // the ranks that never published their address or never connected.
-  TcpMesh(int rank, int size, const std::string& host, c10d::Store& store, const std::string& prefix,
-          std::chrono::milliseconds timeout);
+  // Connections from strangers (wrong token or protocol version, no hello) are
+  // refused with a warning naming their address; they never fail the rendezvous.
+  // `world_ranks[i]` is the world rank of rank i (for messages).
+  TcpMesh(int rank, int size, const MeshOptions& options, c10d::Store& store, const std::string& prefix,
+          std::vector<int> world_ranks);
   // Closes every connection (pending operations fail) and joins the thread.
-  ~TcpMesh();
+  ~TcpMesh() override;
   TcpMesh(const TcpMesh&) = delete;
   TcpMesh& operator=(const TcpMesh&) = delete;
 
@@ -113,6 +130,19 @@ class TcpMesh {
   // Counts as an event: wakes wait_for_events() (after handing it more work).
   void signal_event();
 
+  // As a member of a family (watchdog.h): the mesh's failure, "" while healthy:
+  // the first connection that broke other than by its peer's clean close, or
+  // the reason given to abort().
+  std::string async_error() override;
+  // Fails every posted operation with `why` and closes every connection at once
+  // (no draining); each peer first gets a close frame saying why, when no other
+  // frame is being written to it. Any thread; idempotent.
+  void abort(const std::string& why) override;
+  // Called every 100 ms (the family's watchdog): writes a heartbeat on each
+  // connection idle for a third of the liveness window, and breaks each one
+  // silent for the whole window (its peer's host is dead or cut off).
+  void heartbeat() override;
+
  private:
   friend class Buffer;
   struct Op;
@@ -120,13 +150,14 @@ class TcpMesh {
 
   void post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t nbytes, bool is_recv);
   void forget(Buffer& buf);
-  void connect_all(const std::string& host, c10d::Store& store, const std::string& prefix,
-                   std::chrono::milliseconds timeout);
+  void connect_all(const MeshOptions& options, c10d::Store& store, const std::string& prefix);
 
   // On the mesh's thread:
   void read_frame(int peer);
   void on_frame(int peer);
   void write_next(int peer);
+  void close_socket(int peer);
+  std::string world_rank_label(int peer) const;  // "rank 1 (world rank 3)"
 
   // Under mu_:
   void notify_locked(int peer, uint64_t slot, size_t bytes);  // queue a ready notice
@@ -137,6 +168,9 @@ class TcpMesh {
 
   const int rank_;
   const int size_;
+  const std::chrono::milliseconds liveness_;
+  const std::vector<int> world_ranks_;
+  const std::shared_ptr<std::atomic<int>> blame_;
   struct Io;
   std::unique_ptr<Io> io_;  // io_context, acceptor and sockets; used on the mesh's thread
 
@@ -146,6 +180,9 @@ class TcpMesh {
   std::list<std::unique_ptr<Op>> ops_;     // guarded by mu_; every posted, unfinished operation
   uint64_t breaks_ = 0;                    // guarded by mu_; connections broken so far
   uint64_t events_ = 0;                    // guarded by mu_; operations finished + connections broken
+  std::string failure_;                    // guarded by mu_; see async_error()
+  int failed_peer_ = -1;                   // guarded by mu_; the rank whose broken connection made failure_
+  bool closing_ = false;                   // guarded by mu_; the destructor is closing every connection
 };
 
 }  // namespace zeroshard::comm

@@ -104,6 +104,8 @@ size_t Watchdog::poll() {
   return in_flight_.size();
 }
 
+void Watchdog::fail(const std::string& why) { fail_all(why, {}); }
+
 void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight) {
   std::vector<std::shared_ptr<WatchedComm>> comms;
   {
@@ -121,6 +123,27 @@ void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight)
   }
   for (const auto& comm : comms) comm->abort(why);
   for (const auto& f : in_flight) f.op->fail(why);
+}
+
+Family::Family(std::chrono::milliseconds timeout) : dog(timeout) {
+  poller_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      lock.unlock();
+      dog.poll();
+      lock.lock();
+      cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
+    }
+  });
+}
+
+Family::~Family() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  poller_.join();
 }
 
 }  // namespace zeroshard::comm

@@ -17,12 +17,14 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace zeroshard::comm {
@@ -84,6 +86,10 @@ class Watchdog {
   // timeout fails everything. Returns the number still in flight.
   size_t poll();
 
+  // Fails now with `why`, as a timeout would: aborts every watched communicator
+  // and fails their operations. No-op once failed.
+  void fail(const std::string& why);
+
   // The first failure ("" while healthy): every later operation fails with it.
   std::string failure() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -103,6 +109,25 @@ class Watchdog {
   std::vector<std::shared_ptr<WatchedComm>> comms_;  // guarded by mu_
   std::vector<InFlight> in_flight_;                  // guarded by mu_; in issue order
   std::string failure_;                              // guarded by mu_
+};
+
+// A communicator and those made from it (its splits and dups; an NCCL one's
+// channels): one watchdog, polled every 100 ms by a thread of its own, so that
+// the first failure of any member aborts every member with one cause.
+struct Family {
+  // `timeout` bounds the operations watched (watch()); members that watch none
+  // (the TCP transport times its own) share fate only.
+  explicit Family(std::chrono::milliseconds timeout);
+  ~Family();
+  Family(const Family&) = delete;
+  Family& operator=(const Family&) = delete;
+  Watchdog dog;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;  // guarded by mu_
+  std::thread poller_;     // owned and joined by this object
 };
 
 }  // namespace zeroshard::comm

@@ -1,6 +1,7 @@
 // Collectives at the world size this process was launched with (ctest runs this
 // suite through zeroshard-run at 1, 2, 3 and 4 ranks). Every expected value is
 // a closed form of (rank, index); byte counters are compared to the theory.
+#include "comm/tcp_communicator.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -48,11 +49,13 @@ at::Tensor expected_reduction(int64_t offset, int64_t numel, int n, ReduceOp op,
   return acc.to(dtype);
 }
 
-// A fresh communicator over every rank, for tests that leave theirs failed.
+// A fresh communicator over every rank, for tests that leave theirs failed: of a
+// family of its own, or its failure would fail `c` too.
 std::shared_ptr<Communicator> whole_group(Communicator& c) {
   std::vector<int> all(c.size());
   std::iota(all.begin(), all.end(), 0);
-  return c.split(all);
+  auto* tcp = dynamic_cast<comm::TcpCommunicator*>(&c);
+  return tcp != nullptr ? tcp->split_new_family(all) : c.split(all);
 }
 
 OpStats delta(const CommStats& before, const CommStats& after, OpKind kind) {

@@ -1,6 +1,7 @@
 // What happens when ranks are missing, die, disagree or pass bad arguments.
 // Ranks are threads of this process (each with its own communicator), so the
 // tests can control exactly who arrives.
+#include "compat/torch_compat.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -12,8 +13,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <random>
+#include <sstream>
 #include <thread>
 
 namespace zeroshard {
@@ -23,6 +28,54 @@ using namespace std::chrono_literals;
 
 using testing::run_ranks;
 using testing::thread_env;
+
+// Operations wait 30 s for their peers, so a test that ends sooner shows that
+// something other than the timeout ended them; threads may start slowly.
+CommOptions patient() {
+  CommOptions opt;
+  opt.timeout = 30s;
+  opt.rendezvous_timeout = 60s;
+  return opt;
+}
+
+// A hand-made client of rank 0's listening port, as a peer or a stranger sees it.
+struct RawPeer {
+  std::shared_ptr<c10d::Store> store;
+  explicit RawPeer(int store_port)
+      : store(compat::make_tcp_store("127.0.0.1", static_cast<uint16_t>(store_port), false, 2, 60s)) {}
+  std::string get(const std::string& key) {
+    store->wait({key}, 60s);
+    const auto value = store->get(key);
+    return std::string(value.begin(), value.end());
+  }
+  uint64_t token() { return std::stoull(get("zs/r0/world/token/0")); }
+  // A connection to rank 0's listening port (published as "ip port").
+  int connect_to_rank0() {
+    std::istringstream in(get("zs/r0/world/mesh/addr/0"));
+    std::string ip;
+    int port = 0;
+    in >> ip >> port;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) throw std::runtime_error("connect failed");
+    return fd;
+  }
+};
+
+// The 24 bytes a connecting rank says first (tcp_mesh.cpp's Hello).
+std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, uint64_t token) {
+  std::string h(24, '\0');
+  std::memcpy(&h[0], &magic, 4);
+  std::memcpy(&h[4], &version, 4);
+  std::memcpy(&h[8], &rank, 4);
+  std::memcpy(&h[12], &size, 4);
+  std::memcpy(&h[16], &token, 8);
+  return h;
+}
+constexpr uint32_t kMagic = 0x5A535446, kVersion = 2;
 
 TEST(CommFailure, MissingRankTimesOutNamingIt) {
   const int port = testing::free_port();
@@ -79,6 +132,167 @@ TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
     EXPECT_NE(errors[r].find("[1]"), std::string::npos) << errors[r];
   }
   EXPECT_LT(seconds, 20.0) << "a closed connection must fail the op before the 30 s timeout";
+}
+
+// A rank that fails on its own aborts: its queued and posted operations fail at once
+// with its reason, its other communicators (the family) fail too, and its peers'
+// operations with it fail naming it and the reason, long before their 30 s timeout.
+TEST(CommFailure, AbortFailsTheFamilyAndPeersLearnWhyAtOnce) {
+  const int port = testing::free_port();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> split_errors(3);
+  auto errors = run_ranks(3, [&](int r) {
+    auto c = init_communicator(thread_env(r, 3, port), patient());
+    auto pair = c->split({0, 1});  // ranks 0 and 1; rank 2 gets nullptr
+    auto t = at::ones({1000});
+    c->all_reduce(t, ReduceOp::kSum)->wait();
+    if (r == 1) {
+      auto never = at::zeros({10});
+      auto posted = c->recv(never, 2);  // rank 2 sends nothing: posted, pending
+      c->abort("a bad batch at step 17");
+      EXPECT_THROW(posted->wait(), c10::Error);
+      try {
+        c->all_reduce(t, ReduceOp::kSum)->wait();
+        ADD_FAILURE() << "an aborted communicator ran an operation";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what_without_backtrace()).find("a bad batch at step 17"), std::string::npos)
+            << e.what_without_backtrace();
+      }
+      try {
+        pair->all_reduce(t, ReduceOp::kSum)->wait();
+        ADD_FAILURE() << "the split of an aborted communicator ran an operation";
+      } catch (const c10::Error& e) {
+        split_errors[1] = e.what_without_backtrace();
+      }
+      return;
+    }
+    if (r == 0) {
+      // Rank 0's split fails too once its world communicator heard of rank 1's abort.
+      try {
+        c->all_reduce(t, ReduceOp::kSum)->wait();
+      } catch (const c10::Error& e) {
+        std::this_thread::sleep_for(500ms);  // the family's watchdog looks every 100 ms
+        try {
+          pair->all_reduce(t, ReduceOp::kSum)->wait();
+        } catch (const c10::Error& e2) {
+          split_errors[0] = e2.what_without_backtrace();
+        }
+        throw;
+      }
+      return;
+    }
+    c->all_reduce(t, ReduceOp::kSum)->wait();
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(errors[1], "");
+  for (int r : {0, 2}) {
+    EXPECT_NE(errors[r].find("all_reduce #1"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("[1]"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("a bad batch at step 17"), std::string::npos) << errors[r];
+  }
+  for (int r : {0, 1}) EXPECT_NE(split_errors[r].find("a bad batch at step 17"), std::string::npos) << split_errors[r];
+  EXPECT_LT(seconds, 15.0) << "the abort must end the peers' operations long before the 30 s timeout";
+}
+
+// A communicator destroyed while an exception propagates does not drain: what it
+// had queued fails at once, and its peers hear why.
+TEST(CommFailure, DestroyedWhileUnwindingAbortsInsteadOfDraining) {
+  const int port = testing::free_port();
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(2, [&](int r) {
+    auto c = init_communicator(thread_env(r, 2, port), patient());
+    auto t = at::ones({1000});
+    c->all_reduce(t, ReduceOp::kSum)->wait();
+    if (r == 1) {
+      auto queued = c->broadcast(t, 0);  // rank 0 never broadcasts: draining it would wait 30 s
+      (void)queued;
+      throw std::runtime_error("the loss is NaN");  // `c` is destroyed while this propagates
+    }
+    auto never = at::zeros({1000});
+    c->recv(never, 1)->wait();  // rank 1 never sends
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(errors[1].find("the loss is NaN"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("recv #0 from rank 1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("unwinding from an exception"), std::string::npos) << errors[0];
+  EXPECT_LT(seconds, 15.0) << "neither rank may wait for the 30 s timeout";
+}
+
+// A peer that connected and then went silent (a host that died without closing its
+// connections, or a partition) is named within the liveness window, not the timeout.
+// Rank 1 is played by hand here: it says a correct hello, then nothing, ever.
+TEST(CommFailure, SilentPeerIsNamedWithinTheLivenessWindow) {
+  const int port = testing::free_port();
+  std::atomic<bool> done{false};
+  double seconds = 0;
+  auto errors = run_ranks(2, [&](int r) {
+    if (r == 1) {
+      RawPeer peer(port);
+      const int fd = peer.connect_to_rank0();
+      const std::string h = hello(kMagic, kVersion, 1, 2, peer.token());
+      ASSERT_EQ(send(fd, h.data(), h.size(), MSG_NOSIGNAL), 24);
+      while (!done) std::this_thread::sleep_for(10ms);  // silent, connection open
+      close(fd);
+      return;
+    }
+    CommOptions opt = patient();
+    opt.timeout = 60s;
+    opt.liveness = 2s;
+    auto c = init_communicator(thread_env(0, 2, port), opt);
+    auto t = at::ones({1000});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      c->all_reduce(t, ReduceOp::kSum)->wait();
+    } catch (...) {
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      done = true;
+      throw;
+    }
+    done = true;
+  });
+  EXPECT_NE(errors[0].find("all_reduce #0"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("[1]"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("no sign of life from rank 1 for 2000 ms"), std::string::npos) << errors[0];
+  EXPECT_GE(seconds, 1.2) << "silence shorter than two thirds of the window is no failure";
+  EXPECT_LT(seconds, 20.0) << "the liveness window (2 s), not the 60 s timeout, must end the wait";
+}
+
+// Connections from strangers during the rendezvous (garbage, a truncated hello, a
+// hello with another job's token or another protocol version) are refused and
+// logged; the ranks still meet and compute the right sum.
+TEST(CommFailure, StrangersAtTheRendezvousAreRefused) {
+  const int port = testing::free_port();
+  std::atomic<bool> strangers_done{false};
+  std::vector<at::Tensor> sums(2);
+  auto errors = run_ranks(3, [&](int r) {
+    if (r == 2) {  // the strangers
+      RawPeer peer(port);
+      auto stranger = [&](const std::string& bytes) {
+        const int fd = peer.connect_to_rank0();
+        ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+        std::this_thread::sleep_for(50ms);
+        close(fd);
+      };
+      std::mt19937_64 random(7);
+      std::string garbage(300, '\0');
+      for (auto& ch : garbage) ch = static_cast<char>(random());
+      stranger(garbage);
+      stranger(hello(kMagic, kVersion, 1, 2, 0).substr(0, 10));       // truncated
+      stranger(hello(kMagic, kVersion, 1, 2, random()));               // another job's token
+      stranger(hello(kMagic, kVersion - 1, 1, 2, peer.token()));       // another protocol version
+      stranger(hello(kMagic, kVersion, 5, 9, peer.token()) + garbage);  // this job's token, another world
+      strangers_done = true;
+      return;
+    }
+    if (r == 1) {
+      while (!strangers_done) std::this_thread::sleep_for(10ms);
+    }
+    auto c = init_communicator(thread_env(r, 2, port), patient());
+    sums[r] = at::full({1000}, static_cast<float>(r + 1));
+    c->all_reduce(sums[r], ReduceOp::kSum)->wait();
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  for (int r : {0, 1}) EXPECT_TRUE(sums[r].equal(at::full({1000}, 3.0f))) << sums[r];
 }
 
 TEST(CommFailure, ShortWaitTimesOutSayingWhatItWaitsFor) {

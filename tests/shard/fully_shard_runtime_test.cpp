@@ -125,6 +125,7 @@ class SlowGatherComm : public Communicator {
   SlowGatherComm(std::shared_ptr<Communicator> inner, std::chrono::milliseconds delay)
       : inner_(std::move(inner)), delay_(delay) {}
   int rank() const override { return inner_->rank(); }
+  void abort(const std::string& why) override { inner_->abort(why); }
   int size() const override { return inner_->size(); }
   c10::Device device() const override { return inner_->device(); }
   std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override {

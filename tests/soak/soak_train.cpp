@@ -60,6 +60,7 @@ int soak_train_main(int argc, char** argv) {
   std::string dir, out;
   int64_t steps = 200, save_every = 10, batch = 6;
   int stage = 3, slow_ms = 0;
+  double liveness_s = 30;
   bool async = false;
   CLI::App app{"soak_train: checkpointed training that resumes by itself"};
   app.add_option("--dir", dir, "checkpoint run directory")->required();
@@ -69,10 +70,14 @@ int soak_train_main(int argc, char** argv) {
   app.add_option("--stage", stage, "2 (ShardedAdamW) or 3 (fully_shard)")->check(CLI::IsMember({2, 3}));
   app.add_option("--slow-ms", slow_ms, "sleep per step (gives kills time to land)")->capture_default_str();
   app.add_flag("--async", async, "asynchronous checkpoint saves");
+  app.add_option("--liveness", liveness_s, "seconds of silence that fail a peer (CommOptions::liveness)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--width", kWidth, "hidden width (32: 13k parameters; 2048: 50M)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto comm = zeroshard::init_communicator();
+  zeroshard::CommOptions comm_options;
+  comm_options.liveness = std::chrono::milliseconds(static_cast<int64_t>(liveness_s * 1000));
+  auto comm = zeroshard::init_communicator(comm_options);
   const int rank = comm->rank(), world = comm->size();
   torch::manual_seed(1);
   Net net;

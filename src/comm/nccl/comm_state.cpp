@@ -334,29 +334,6 @@ void post_op(const std::shared_ptr<CommState>& state, PendingOp op, std::functio
   });
 }
 
-// --- Family
-
-Family::Family(std::chrono::milliseconds timeout) : dog(timeout) {
-  poller_ = std::thread([this] {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stopping_) {
-      lock.unlock();
-      dog.poll();
-      lock.lock();
-      cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
-    }
-  });
-}
-
-Family::~Family() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  poller_.join();
-}
-
 // --- Channel
 
 Status Channel::connect() {

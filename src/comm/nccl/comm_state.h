@@ -148,21 +148,6 @@ class CommState final : public WatchedComm, public std::enable_shared_from_this<
 // once however often the pump is retried; one pump task per communicator.
 void post_op(const std::shared_ptr<CommState>& state, PendingOp op, std::function<bool()> pump);
 
-// A communicator, its splits and its channels: one watchdog and its thread.
-struct Family {
-  explicit Family(std::chrono::milliseconds timeout);
-  ~Family();
-  Family(const Family&) = delete;
-  Family& operator=(const Family&) = delete;
-  Watchdog dog;
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;  // guarded by mu_
-  std::thread poller_;     // owned and joined by this object
-};
-
 // One direction between two ranks: a 2-rank NCCL communicator made on first
 // use, its unique id published by the sender through the store.
 struct Channel {

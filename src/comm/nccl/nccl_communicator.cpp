@@ -73,6 +73,9 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   c10::Device device() const override { return device_; }
+  // The family's watchdog aborts every NCCL communicator of the family (ncclCommAbort
+  // on the issue thread) and fails their work in flight.
+  void abort(const std::string& why) override { family_->dog.fail(why); }
 
   std::shared_ptr<Work> all_gather(at::Tensor out, at::Tensor in) override {
     check("all_gather", "in", in);
