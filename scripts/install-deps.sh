@@ -26,6 +26,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev libxxhash-dev
   # tests and benchmarks (xxhash's CLI is an independent oracle; binutils' nm checks symbols)
   libgtest-dev libgmock-dev libbenchmark-dev xxhash binutils
+  # the multi-host tests' cluster of network namespaces (scripts/cluster.sh: ip, tc; unshare, nsenter)
+  iproute2 util-linux
   # the Python environment, and h5py/numpy for the tests' Python oracles when it cannot be made
   python3 python3-venv python3-h5py python3-numpy
   # loss-curve PNGs of training runs (zeroshard::plot_metrics)
