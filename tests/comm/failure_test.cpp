@@ -258,8 +258,9 @@ TEST(CommFailure, SilentPeerIsNamedWithinTheLivenessWindow) {
 }
 
 // Connections from strangers during the rendezvous (garbage, a truncated hello, a
-// hello with another job's token or another protocol version) are refused and
-// logged; the ranks still meet and compute the right sum.
+// hello with another job's token or another protocol version, 200 damaged copies
+// of the hello rank 1 sends) are refused and logged; the ranks still meet and
+// compute the right sum.
 TEST(CommFailure, StrangersAtTheRendezvousAreRefused) {
   const int port = testing::free_port();
   std::atomic<bool> strangers_done{false};
@@ -270,7 +271,7 @@ TEST(CommFailure, StrangersAtTheRendezvousAreRefused) {
       auto stranger = [&](const std::string& bytes) {
         const int fd = peer.connect_to_rank0();
         ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
-        std::this_thread::sleep_for(50ms);
+        std::this_thread::sleep_for(2ms);
         close(fd);
       };
       std::mt19937_64 random(7);
@@ -281,6 +282,18 @@ TEST(CommFailure, StrangersAtTheRendezvousAreRefused) {
       stranger(hello(kMagic, kVersion, 1, 2, random()));               // another job's token
       stranger(hello(kMagic, kVersion - 1, 1, 2, peer.token()));       // another protocol version
       stranger(hello(kMagic, kVersion, 5, 9, peer.token()) + garbage);  // this job's token, another world
+      // 200 damaged copies of the hello rank 1 will send: bytes changed, or cut short.
+      const std::string valid = hello(kMagic, kVersion, 1, 2, peer.token());
+      for (int i = 0; i < 200; ++i) {
+        std::string damaged = valid;
+        if (i % 2 == 0) {
+          for (int k = 0, n = 1 + static_cast<int>(random() % 4); k < n; ++k)
+            damaged[random() % damaged.size()] ^= static_cast<char>(1 + random() % 255);
+        } else {
+          damaged.resize(random() % valid.size());
+        }
+        if (damaged != valid) stranger(damaged);
+      }
       strangers_done = true;
       return;
     }
