@@ -77,6 +77,13 @@ std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, 
 }
 constexpr uint32_t kMagic = 0x5A535446, kVersion = 2;
 
+// Every error of `ranks` contains each of `needles`.
+void expect_errors_contain(const std::vector<std::string>& errors, std::initializer_list<int> ranks,
+                           std::initializer_list<const char*> needles) {
+  for (int r : ranks)
+    for (const char* needle : needles) EXPECT_NE(errors[r].find(needle), std::string::npos) << errors[r];
+}
+
 TEST(CommFailure, MissingRankTimesOutNamingIt) {
   const int port = testing::free_port();
   std::atomic<bool> release{false};
@@ -127,10 +134,7 @@ TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(errors[1], "");
-  for (int r : {0, 2}) {
-    EXPECT_NE(errors[r].find("all_reduce #1"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("[1]"), std::string::npos) << errors[r];
-  }
+  expect_errors_contain(errors, {0, 2}, {"all_reduce #1", "[1]"});
   EXPECT_LT(seconds, 20.0) << "a closed connection must fail the op before the 30 s timeout";
 }
 
@@ -185,11 +189,7 @@ TEST(CommFailure, AbortFailsTheFamilyAndPeersLearnWhyAtOnce) {
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(errors[1], "");
-  for (int r : {0, 2}) {
-    EXPECT_NE(errors[r].find("all_reduce #1"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("[1]"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("a bad batch at step 17"), std::string::npos) << errors[r];
-  }
+  expect_errors_contain(errors, {0, 2}, {"all_reduce #1", "[1]", "a bad batch at step 17"});
   for (int r : {0, 1}) EXPECT_NE(split_errors[r].find("a bad batch at step 17"), std::string::npos) << split_errors[r];
   EXPECT_LT(seconds, 15.0) << "the abort must end the peers' operations long before the 30 s timeout";
 }
