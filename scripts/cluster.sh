@@ -62,12 +62,18 @@ cmd_can() {
   elif ! ip netns add zs-probe-$$ 2> /dev/null; then
     why="'ip netns add' failed (no permission to make network namespaces here)"
   else
-    ip netns del zs-probe-$$
     if ! ip link add zs-probe-$$ type bridge 2> /dev/null; then
       why="'ip link add ... type bridge' failed (no bridge support in this kernel)"
-    else
-      ip link del zs-probe-$$
+    elif ! ip link add zs-pv$$ type veth peer name eth0 netns zs-probe-$$ 2> /dev/null; then
+      why="'ip link add ... type veth' into a namespace failed (no veth support here)"
+    elif ! tc -n zs-probe-$$ qdisc add dev eth0 root tbf rate 1gbit burst 64kb latency 100ms 2> /dev/null; then
+      why="'tc qdisc add ... tbf' failed (no sch_tbf in this kernel)"
+    elif ! unshare --mount --uts --propagation private true 2> /dev/null; then
+      why="'unshare --mount --uts' failed (no mount or UTS namespaces here)"
     fi
+    ip link del zs-pv$$ 2> /dev/null || true
+    ip link del zs-probe-$$ 2> /dev/null || true
+    ip netns del zs-probe-$$
   fi
   [[ -z $why ]] && return 0
   echo "the cluster cannot be made here: $why" >&2
