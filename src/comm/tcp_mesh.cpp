@@ -201,7 +201,7 @@ struct TcpMesh::Peer {
   bool writing = false;                                    // a write chain is scheduled or running
   std::unordered_map<uint64_t, Op*> posted;                // receives not complete yet
   std::unordered_map<uint64_t, std::vector<char>> early;   // small messages that arrived first
-  std::unordered_set<uint64_t> ready;                      // ready notices for sends not posted yet
+  std::unordered_map<uint64_t, uint64_t> ready;            // ready notices (slot -> bytes posted) for sends not posted yet
   std::unordered_map<uint64_t, Op*> waiting;               // large sends waiting for a ready notice
   std::string broken;                                      // why the connection failed; "" if healthy
   uint64_t broken_order = 0;                               // 1 for the mesh's first break, 2 next, ...
@@ -439,7 +439,18 @@ void TcpMesh::post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t n
     return;
   }
   if (!p.broken.empty()) return finish_locked(op, p.broken);
-  const bool announced = p.ready.erase(slot) > 0;
+  auto ready = p.ready.find(slot);
+  const bool announced = ready != p.ready.end();
+  if (announced) {
+    const uint64_t posted = ready->second;
+    p.ready.erase(ready);
+    if (nbytes > posted) {
+      const std::string why = "rank " + std::to_string(peer) + " posted a receive of " + std::to_string(posted) +
+                              " bytes for a send of " + std::to_string(nbytes);
+      finish_locked(op, why);
+      return break_locked(peer, why);
+    }
+  }
   if (nbytes <= kEagerBytes || announced) return clear_to_send_locked(peer, op);
   p.waiting[slot] = op;
 }
@@ -714,7 +725,7 @@ void TcpMesh::on_frame(int peer) {
         return break_locked(peer, from + " posted more than " + std::to_string(kMaxUnmatched) +
                                       " receives that this rank sent nothing for yet (not a zeroshard rank of this job?)");
       }
-      p.ready.insert(h.slot);
+      p.ready[h.slot] = h.total;
     } else {
       Op* op = w->second;
       p.waiting.erase(w);

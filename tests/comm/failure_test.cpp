@@ -77,6 +77,50 @@ std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, 
 }
 constexpr uint32_t kMagic = 0x5A535446, kVersion = 2;
 
+// A transport frame header (tcp_mesh.cpp's FrameHeader: 40 bytes).
+std::string frame(uint32_t type, uint64_t slot, uint64_t bytes, uint64_t total) {
+  std::string f(40, '\0');
+  const uint64_t offset = 0;
+  std::memcpy(&f[0], &kMagic, 4);
+  std::memcpy(&f[4], &type, 4);
+  std::memcpy(&f[8], &slot, 8);
+  std::memcpy(&f[16], &offset, 8);
+  std::memcpy(&f[24], &bytes, 8);
+  std::memcpy(&f[32], &total, 8);
+  return f;
+}
+constexpr uint32_t kDataFrame = 1, kReadyFrame = 2;
+
+// Rank 1 of 2 played by hand: a correct hello, then `misbehave(fd)`; the connection stays
+// open until `done`. Rank 0 (a real communicator) runs `body`; returns rank 0's error.
+std::string against_a_hand_played_rank1(const std::function<void(int)>& misbehave,
+                                        const std::function<void(Communicator&)>& body) {
+  const int port = testing::free_port();
+  std::atomic<bool> done{false};
+  auto errors = run_ranks(2, [&](int r) {
+    if (r == 1) {
+      RawPeer peer(port);
+      const int fd = peer.connect_to_rank0();
+      const std::string h = hello(kMagic, kVersion, 1, 2, peer.token());
+      ASSERT_EQ(send(fd, h.data(), h.size(), MSG_NOSIGNAL), 24);
+      misbehave(fd);
+      while (!done) std::this_thread::sleep_for(10ms);
+      close(fd);
+      return;
+    }
+    try {
+      auto c = init_communicator(thread_env(0, 2, port), patient());
+      body(*c);
+    } catch (...) {
+      done = true;
+      throw;
+    }
+    done = true;
+  });
+  EXPECT_EQ(errors[1], "");
+  return errors[0];
+}
+
 // Every error of `ranks` contains each of `needles`.
 void expect_errors_contain(const std::vector<std::string>& errors, std::initializer_list<int> ranks,
                            std::initializer_list<const char*> needles) {
@@ -255,6 +299,46 @@ TEST(CommFailure, SilentPeerIsNamedWithinTheLivenessWindow) {
   EXPECT_NE(errors[0].find("no sign of life from rank 1 for 2000 ms"), std::string::npos) << errors[0];
   EXPECT_GE(seconds, 1.2) << "silence shorter than two thirds of the window is no failure";
   EXPECT_LT(seconds, 20.0) << "the liveness window (2 s), not the 60 s timeout, must end the wait";
+}
+
+// A peer that sends more unasked-for small messages than the bound breaks its
+// connection, naming it, instead of growing this rank's memory without end.
+TEST(CommFailure, UnaskedForMessagesAreBounded) {
+  const std::string error = against_a_hand_played_rank1(
+      [](int fd) {
+        std::string flood;
+        for (uint64_t slot = 1; slot <= 4097; ++slot) flood += frame(kDataFrame, slot, 8, 8) + std::string(8, 'x');
+        ASSERT_EQ(send(fd, flood.data(), flood.size(), MSG_NOSIGNAL), static_cast<ssize_t>(flood.size()));
+      },
+      [](Communicator& c) {
+        auto t = at::ones({10});
+        c.all_reduce(t, ReduceOp::kSum)->wait();
+      });
+  EXPECT_NE(error.find("[1]"), std::string::npos) << error;
+  EXPECT_NE(error.find("sent more than 4096 small messages that no receive was posted for"), std::string::npos)
+      << error;
+}
+
+// A receiver that posts less than a large send carries (only a broken or hostile peer
+// can: a rank checks the sizes first) fails the send, naming both sizes; nothing hangs.
+// The notice arrives before the send is posted, and after.
+TEST(CommFailure, AReadyNoticeSmallerThanTheSendFailsIt) {
+  for (const auto delay : {0ms, 300ms}) {
+    const std::string error = against_a_hand_played_rank1(
+        [&](int fd) {
+          std::this_thread::sleep_for(delay);
+          const uint64_t data_slot = (uint64_t(6) << 56);  // wire.h: kP2PData, send #0, segment 0
+          const std::string ready = frame(kReadyFrame, data_slot, 0, 1000);
+          ASSERT_EQ(send(fd, ready.data(), ready.size(), MSG_NOSIGNAL), 40);
+        },
+        [](Communicator& c) {
+          auto t = at::ones({100'000});  // 400,000 bytes: receiver-driven, waits for the ready notice
+          c.send(t, 1)->wait();
+        });
+    EXPECT_NE(error.find("send #0 to rank 1"), std::string::npos) << "delay " << delay.count() << " ms: " << error;
+    EXPECT_NE(error.find("rank 1 posted a receive of 1000 bytes for a send of 400000"), std::string::npos)
+        << "delay " << delay.count() << " ms: " << error;
+  }
 }
 
 // Connections from strangers during the rendezvous (garbage, a truncated hello, a
