@@ -65,29 +65,24 @@ struct RawPeer {
   }
 };
 
+// The bytes of `fields`, one after the other, as the transport's structs lay them out
+// (each field at its natural alignment, none padded).
+template <class... T>
+std::string pack(const T&... fields) {
+  std::string out;
+  (out.append(reinterpret_cast<const char*>(&fields), sizeof(fields)), ...);
+  return out;
+}
+
 // The 24 bytes a connecting rank says first (tcp_mesh.cpp's Hello).
 std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, uint64_t token) {
-  std::string h(24, '\0');
-  std::memcpy(&h[0], &magic, 4);
-  std::memcpy(&h[4], &version, 4);
-  std::memcpy(&h[8], &rank, 4);
-  std::memcpy(&h[12], &size, 4);
-  std::memcpy(&h[16], &token, 8);
-  return h;
+  return pack(magic, version, rank, size, token);
 }
 constexpr uint32_t kMagic = 0x5A535446, kVersion = 2;
 
-// A transport frame header (tcp_mesh.cpp's FrameHeader: 40 bytes).
+// A transport frame header (tcp_mesh.cpp's FrameHeader: 40 bytes), offset 0.
 std::string frame(uint32_t type, uint64_t slot, uint64_t bytes, uint64_t total) {
-  std::string f(40, '\0');
-  const uint64_t offset = 0;
-  std::memcpy(&f[0], &kMagic, 4);
-  std::memcpy(&f[4], &type, 4);
-  std::memcpy(&f[8], &slot, 8);
-  std::memcpy(&f[16], &offset, 8);
-  std::memcpy(&f[24], &bytes, 8);
-  std::memcpy(&f[32], &total, 8);
-  return f;
+  return pack(kMagic, type, slot, uint64_t{0}, bytes, total);
 }
 constexpr uint32_t kDataFrame = 1, kReadyFrame = 2;
 
