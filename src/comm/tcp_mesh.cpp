@@ -513,9 +513,9 @@ void TcpMesh::abort(const std::string& why) {
   for (int p = 0; p < size_ && culprit < 0; ++p)
     if (world_ranks_[p] == blame_->load()) culprit = p;
   if (failure_.empty()) failure_ = why;
-  // Each healthy connection gets a kClose naming whom to blame (the rank whose broken
-  // connection came first, else this one) and why, unless a frame is being written
-  // on it (it would cut that frame); then the connection closes at once.
+  // Each healthy connection gets a kClose naming whom to blame and why, written right
+  // after the frame in flight on it, if any (write_next), and then closes; its posted
+  // operations fail now.
   FrameHeader h;
   h.type = kClose;
   h.slot = static_cast<uint64_t>(culprit >= 0 ? culprit : rank_);
