@@ -89,7 +89,8 @@ constexpr uint32_t kDataFrame = 1, kReadyFrame = 2;
 // Rank 1 of 2 played by hand: a correct hello, then `misbehave(fd)`; the connection stays
 // open until `done`. Rank 0 (a real communicator) runs `body`; returns rank 0's error.
 std::string against_a_hand_played_rank1(const std::function<void(int)>& misbehave,
-                                        const std::function<void(Communicator&)>& body) {
+                                        const std::function<void(Communicator&)>& body,
+                                        const CommOptions& options = patient()) {
   const int port = testing::free_port();
   std::atomic<bool> done{false};
   auto errors = run_ranks(2, [&](int r) {
@@ -104,7 +105,7 @@ std::string against_a_hand_played_rank1(const std::function<void(int)>& misbehav
       return;
     }
     try {
-      auto c = init_communicator(thread_env(0, 2, port), patient());
+      auto c = init_communicator(thread_env(0, 2, port), options);
       body(*c);
     } catch (...) {
       done = true;
@@ -261,37 +262,26 @@ TEST(CommFailure, DestroyedWhileUnwindingAbortsInsteadOfDraining) {
 // connections, or a partition) is named within the liveness window, not the timeout.
 // Rank 1 is played by hand here: it says a correct hello, then nothing, ever.
 TEST(CommFailure, SilentPeerIsNamedWithinTheLivenessWindow) {
-  const int port = testing::free_port();
-  std::atomic<bool> done{false};
+  CommOptions opt = patient();
+  opt.timeout = 60s;
+  opt.liveness = 2s;
   double seconds = 0;
-  auto errors = run_ranks(2, [&](int r) {
-    if (r == 1) {
-      RawPeer peer(port);
-      const int fd = peer.connect_to_rank0();
-      const std::string h = hello(kMagic, kVersion, 1, 2, peer.token());
-      ASSERT_EQ(send(fd, h.data(), h.size(), MSG_NOSIGNAL), 24);
-      while (!done) std::this_thread::sleep_for(10ms);  // silent, connection open
-      close(fd);
-      return;
-    }
-    CommOptions opt = patient();
-    opt.timeout = 60s;
-    opt.liveness = 2s;
-    auto c = init_communicator(thread_env(0, 2, port), opt);
-    auto t = at::ones({1000});
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      c->all_reduce(t, ReduceOp::kSum)->wait();
-    } catch (...) {
-      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      done = true;
-      throw;
-    }
-    done = true;
-  });
-  EXPECT_NE(errors[0].find("all_reduce #0"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[0].find("[1]"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[0].find("no sign of life from rank 1 for 2000 ms"), std::string::npos) << errors[0];
+  const std::string error = against_a_hand_played_rank1(
+      [](int) {},  // silent, connection open
+      [&](Communicator& c) {
+        auto t = at::ones({1000});
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          c.all_reduce(t, ReduceOp::kSum)->wait();
+        } catch (...) {
+          seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          throw;
+        }
+      },
+      opt);
+  EXPECT_NE(error.find("all_reduce #0"), std::string::npos) << error;
+  EXPECT_NE(error.find("[1]"), std::string::npos) << error;
+  EXPECT_NE(error.find("no sign of life from rank 1 for 2000 ms"), std::string::npos) << error;
   EXPECT_GE(seconds, 1.2) << "silence shorter than two thirds of the window is no failure";
   EXPECT_LT(seconds, 20.0) << "the liveness window (2 s), not the 60 s timeout, must end the wait";
 }
