@@ -9,7 +9,7 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                4-rank ZeRO-1 and ZeRO-2 runs take the same steps too
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
-  bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): the first step's loss within bf16
+  bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): every step's loss within bf16
                rounding of fp32's, both stages agree, and the loss falls
   pipeline     --pp: pp x dp runs (every schedule, ZeRO-1/2/3, uniform, balanced, timed partitions) take the
                unpipelined run's steps at the same dp, losses and validation losses within 1e-6
@@ -20,11 +20,13 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
+import concurrent.futures
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -38,7 +40,9 @@ VAL_DROP = 0.75  # converge: final validation loss < 0.75 x the initial one (ln(
 
 
 def run(cmd, expect=0, env=None):
+    start = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(f"{time.monotonic() - start:5.1f} s  {' '.join(os.path.basename(c) if os.sep in c else c for c in cmd)}", flush=True)
     if p.returncode != expect:
         sys.exit(f"FAIL: {' '.join(cmd)}: exit {p.returncode}, expected {expect}\n{p.stdout[-6000:]}{p.stderr[-6000:]}")
     return p.stdout + p.stderr
@@ -136,20 +140,20 @@ def check_equal_ranks(build, work):
 
 
 def check_resume(build, work):
-    common = ["--max-steps", "40", "--save-every", "100", "--eval-every", "20", "--max-tokens", "64"]
+    common = ["--max-steps", "20", "--save-every", "100", "--eval-every", "10", "--max-tokens", "64"]
     ref, cut = os.path.join(work, "resume_ref"), os.path.join(work, "resume_cut")
     for d in (ref, cut):
         shutil.rmtree(d, ignore_errors=True)
     pretrain(build, ref, 4, *common)
     shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(cut, "tokenizer"))
-    out = pretrain(build, cut, 4, *common, launcher_args=["--max-restarts", "1", "--simulate-preemption-at-step", "20"])
+    out = pretrain(build, cut, 4, *common, launcher_args=["--max-restarts", "1", "--simulate-preemption-at-step", "10"])
     check("simulating a spot preemption" in out and "restarting all ranks" in out, out[-3000:])
     summary = [r for r in metrics(cut) if r.get("event") == "summary"][-1]
     stop = summary["interruptions"][0]["step"]
-    check(20 <= stop < 40 and summary["resumed"]["step"] == stop, summary)
-    # The resumed run's metrics file reads as one run: steps 1..40, once each.
+    check(10 <= stop < 20 and summary["resumed"]["step"] == stop, summary)
+    # The resumed run's metrics file reads as one run: steps 1..20, once each.
     steps = [r["step"] for r in metrics(cut) if "event" not in r]
-    check(steps == list(range(1, 41)), steps)
+    check(steps == list(range(1, 21)), steps)
     a_header, a = exported(build, ref, os.path.join(work, "resume_ref.safetensors"), "--buffers")
     b_header, b = exported(build, cut, os.path.join(work, "resume_cut.safetensors"), "--buffers")
     check(a.keys() == b.keys(),
@@ -173,7 +177,7 @@ def check_resume(build, work):
              for d in (ref, cut)]
     check(all(e is not None for _, _, e in noise[0]), noise[0][:3])
     check(noise[0] == noise[1], lambda: [(a, b) for a, b in zip(*noise) if a != b][:3])
-    print(f"resume: SIGTERM at step {stop} of 40 through zeroshard-run, restart, resume: {len(a)} parameters and "
+    print(f"resume: SIGTERM at step {stop} of 20 through zeroshard-run, restart, resume: {len(a)} parameters and "
           f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run")
 
 
@@ -206,13 +210,14 @@ def check_safetensors(build, work):
 
 
 def check_bf16(build, work):
-    # Sequences of at most 64 tokens: the claims are about precision and sharding, not length.
+    # Sequences of at most 64 tokens: the claims are about precision and sharding, not length. bf16 matmuls are
+    # slow on a CPU without bf16 instructions (1.3 s a step here): 16 steps of ZeRO-3, 6 of ZeRO-2.
     common = ["--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0", "--max-tokens", "64"]
     losses = {}
-    # ZeRO-2 against ZeRO-3 in bf16 over the first 10 steps only: the sharding's equality, not convergence.
-    for name, extra in (("fp32", ["--stage", "3", "--max-steps", "30"]),
-                        ("bf16_stage3", ["--stage", "3", "--precision", "bf16", "--max-steps", "30"]),
-                        ("bf16_stage2", ["--stage", "2", "--precision", "bf16", "--max-steps", "10"])):
+    # ZeRO-2 against ZeRO-3 in bf16 over the first 6 steps only: the sharding's equality, not convergence.
+    for name, extra in (("fp32", ["--stage", "3", "--max-steps", "16"]),
+                        ("bf16_stage3", ["--stage", "3", "--precision", "bf16", "--max-steps", "16"]),
+                        ("bf16_stage2", ["--stage", "2", "--precision", "bf16", "--max-steps", "6"])):
         d = os.path.join(work, name)
         shutil.rmtree(d, ignore_errors=True)
         if name != "fp32":
@@ -220,14 +225,16 @@ def check_bf16(build, work):
         pretrain(build, d, 2, *common, *extra)
         losses[name] = [r["loss"] for r in metrics(d) if "event" not in r]
     f, b3, b2 = losses["fp32"], losses["bf16_stage3"], losses["bf16_stage2"]
-    check(len(b2) == 10 and len(b3) == 30, (len(b2), len(b3)))
+    check(len(b2) == 6 and len(b3) == 16, (len(b2), len(b3)))
     first = abs(b3[0] - f[0]) / f[0]
+    track = max(abs(x - y) / y for x, y in zip(b3, f))
     stages = max(abs(x - y) / x for x, y in zip(b3, b2))
-    print(f"bf16: first loss {b3[0]:.4f} vs fp32 {f[0]:.4f} (rel. {first:.1e}); ZeRO-2 vs ZeRO-3 max rel. {stages:.1e}; "
-          f"loss {b3[0]:.3f} -> {b3[-1]:.3f} (fp32 {f[0]:.3f} -> {f[-1]:.3f})")
+    print(f"bf16: first loss {b3[0]:.4f} vs fp32 {f[0]:.4f} (rel. {first:.1e}), every step within {track:.1e} of fp32's; "
+          f"ZeRO-2 vs ZeRO-3 max rel. {stages:.1e}; loss {b3[0]:.3f} -> {b3[-1]:.3f} (fp32 {f[0]:.3f} -> {f[-1]:.3f})")
     check(first < 1e-2, (b3[0], f[0]))
     check(stages < 1e-2, (b3, b2))
-    check(b3[-1] < 0.9 * b3[0] and abs(b3[-1] - f[-1]) / f[-1] < 0.05, (b3, f))
+    # The loss falls (7.65 -> 7.36 over 16 steps of warmup here) and stays with fp32's at every step.
+    check(b3[-1] < 0.97 * b3[0] and track < 1e-2, (b3, f))
 
 
 def check_pipeline(build, work):
@@ -390,14 +397,21 @@ def check_bad_input(build, work):
         (["--stage", "4"], ["--stage 4: must be 0, 1, 2 or 3"]),
         (["--device-comm", "gloo"], ["--device-comm 'gloo': must be auto, nccl or staged"]),
     ]
-    for args, needles in cases:
-        shutil.rmtree(d, ignore_errors=True)
+
+    def one_process(i):  # each case in a run directory of its own, two at a time (one process each)
+        args, needles = cases[i]
+        case_dir = f"{d}_{i}"
+        shutil.rmtree(case_dir, ignore_errors=True)
         steps = [] if "--max-steps" in args else ["--max-steps", "1"]
-        out = pretrain(build, d, 0, *steps, *args, expect=1)
+        out = pretrain(build, case_dir, 0, *steps, *args, expect=1)
         for n in needles:
             check(n in out, lambda: f"{args}: '{n}' not in the error:\n{out}")
         check("frame #" not in out, lambda: f"{args}: a C++ backtrace instead of a message:\n{out}")
-        check(not os.path.exists(os.path.join(d, "tokenizer")), f"{args}: a tokenizer was trained before the error")
+        check(not os.path.exists(os.path.join(case_dir, "tokenizer")), f"{args}: a tokenizer was trained before the error")
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for done in pool.map(one_process, range(len(cases))):  # re-raises a case's failure here
+            pass
     out = pretrain(build, d, 3, "--global-batch", "16", expect=1)
     check("--global-batch 16 must divide by the 3 data-parallel ranks" in out, out)
     pipeline_cases = [
