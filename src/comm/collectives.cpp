@@ -1,7 +1,8 @@
 #include "comm/collectives.h"
 
-#include "comm/wire.h"
 #include "comm/reduce_kernels.h"
+#include "comm/ring.h"
+#include "comm/wire.h"
 
 #include <c10/util/Exception.h>
 
@@ -117,11 +118,6 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
   }
   return got;
 }
-
-struct Slices {
-  std::vector<int64_t> counts;
-  std::vector<int64_t> offsets;
-};
 
 Slices even_slices(int64_t numel, int size) {
   Slices s;
@@ -323,8 +319,12 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(),
-                   [&] { exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0)); });
+      auto check = [&] { exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0)); };
+      if (ring_chosen(n, bytes)) {
+        ring_all_gather(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
+      } else {
+        all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
+      }
       return;
     }
     case OpKind::kReduceScatter: {
@@ -339,8 +339,14 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
-                       w.reduce_op, [&] { exchange_headers(ex, header); });
+      auto check = [&] { exchange_headers(ex, header); };
+      if (ring_chosen(n, bytes) && ring_keeps_arithmetic(out.scalar_type(), w.reduce_op)) {
+        ring_reduce_scatter(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
+                            w.reduce_op, check);
+      } else {
+        reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
+                         w.reduce_op, check);
+      }
       return;
     }
     case OpKind::kAllReduce: {
@@ -358,11 +364,22 @@ void run_collective(Exchange& ex) {
         reduce_inline(mine, mine, got, slices.counts[r], t.scalar_type());
         ex.stats.bytes_sent += (t.numel() - slices.counts[r]) * es;
         ex.stats.bytes_received += (n - 1) * slices.counts[r] * es;
-      } else {
-        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op,
-                         [&] { exchange_headers(ex, header); });
+        all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
+        return;
       }
-      all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
+      // Large: reduce-scatter and all-gather of the reduced slices, each a ring where it is chosen.
+      const bool ring = ring_chosen(n, slices.counts[0] * es);
+      auto check = [&] { exchange_headers(ex, header); };
+      if (ring && ring_keeps_arithmetic(t.scalar_type(), w.reduce_op)) {
+        ring_reduce_scatter(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
+      } else {
+        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
+      }
+      if (ring) {
+        ring_all_gather(ex, base, slices, t.scalar_type(), mine, [] {});
+      } else {
+        all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
+      }
       return;
     }
     case OpKind::kBroadcast: {
@@ -380,7 +397,11 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += r == root ? 0 : bytes;
         return;
       }
-      broadcast(ex, t, root, [&] { exchange_headers(ex, header); });
+      if (ring_chosen(n, bytes)) {
+        chain_broadcast(ex, t.data_ptr(), bytes, root, [&] { exchange_headers(ex, header); });
+      } else {
+        broadcast(ex, t, root, [&] { exchange_headers(ex, header); });
+      }
       return;
     }
     case OpKind::kBarrier:

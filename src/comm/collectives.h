@@ -8,11 +8,13 @@
 // than it posted, and a mismatch moves no data at all. Payloads of at most
 // kInlineBytes ride inside the header message: one exchange instead of two.
 //
-// Data moves pairwise: each rank sends exactly the bytes the receiver needs, so
-// the payload equals the theory:
+// Large operations on 3 or more ranks run as rings (ring.h: each rank talks to
+// rank-1 and rank+1 only); the rest move pairwise: each rank sends exactly the
+// bytes the receiver needs. Either way the payload equals the theory:
 //   all_gather / reduce_scatter: (n-1)/n of the full buffer per rank;
 //   all_reduce = reduce_scatter + all_gather of the reduced slices: 2(n-1)/n;
-//   broadcast: the root sends the buffer to each other rank.
+//   broadcast: the root sends the buffer to each other rank (pairwise), or each
+//   rank forwards it to the next (a chain, for large buffers).
 // reduce_scatter is pipelined in segments: while one segment's contributions
 // are reduced (in rank order, float32 accumulation for 16-bit types), the
 // next segment is already on the wire.

@@ -37,10 +37,11 @@ T narrow(Acc v) {
 
 template <typename T, typename Acc, typename Combine>
 void reduce_typed(T* out, const std::vector<const void*>& srcs, int64_t numel, Combine combine,
-                  bool average) {
+                  int64_t average_over) {
   Acc acc[kBlock];
   const size_t k = srcs.size();
-  const Acc scale = average ? static_cast<Acc>(k) : Acc(1);
+  const bool average = average_over > 0;
+  const Acc scale = average ? static_cast<Acc>(average_over) : Acc(1);
   for (int64_t base = 0; base < numel; base += kBlock) {
     const int64_t n = std::min(kBlock, numel - base);
     const T* s0 = static_cast<const T*>(srcs[0]) + base;
@@ -59,22 +60,23 @@ void reduce_typed(T* out, const std::vector<const void*>& srcs, int64_t numel, C
 }
 
 template <typename T, typename Acc>
-void reduce_op(void* out, const std::vector<const void*>& srcs, int64_t numel, ReduceOp op) {
+void reduce_op(void* out, const std::vector<const void*>& srcs, int64_t numel, ReduceOp op, int64_t divisor) {
   T* o = static_cast<T*>(out);
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      reduce_typed<T, Acc>(o, srcs, numel, [](Acc a, Acc b) { return a + b; }, op == ReduceOp::kAvg);
+      reduce_typed<T, Acc>(o, srcs, numel, [](Acc a, Acc b) { return a + b; },
+                           op == ReduceOp::kAvg ? (divisor > 0 ? divisor : static_cast<int64_t>(srcs.size())) : 0);
       return;
     // A NaN on any rank wins, as in torch.maximum / torch.minimum (a comparison alone
     // would keep it only where the first rank holds it).
     case ReduceOp::kMax:
       reduce_typed<T, Acc>(
-          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b > a) ? b : a; }, false);
+          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b > a) ? b : a; }, 0);
       return;
     case ReduceOp::kMin:
       reduce_typed<T, Acc>(
-          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b < a) ? b : a; }, false);
+          o, srcs, numel, [](Acc a, Acc b) { return is_nan(a) ? a : (is_nan(b) || b < a) ? b : a; }, 0);
       return;
   }
 }
@@ -96,17 +98,17 @@ bool is_supported_dtype(c10::ScalarType dtype) {
 }
 
 void reduce_buffers(void* out, const std::vector<const void*>& srcs, int64_t numel,
-                    c10::ScalarType dtype, ReduceOp op) {
+                    c10::ScalarType dtype, ReduceOp op, int64_t divisor) {
   TORCH_INTERNAL_ASSERT(!srcs.empty());
   switch (dtype) {
-    case c10::kFloat: return reduce_op<float, float>(out, srcs, numel, op);
-    case c10::kBFloat16: return reduce_op<c10::BFloat16, float>(out, srcs, numel, op);
-    case c10::kHalf: return reduce_op<c10::Half, float>(out, srcs, numel, op);
-    case c10::kDouble: return reduce_op<double, double>(out, srcs, numel, op);
+    case c10::kFloat: return reduce_op<float, float>(out, srcs, numel, op, divisor);
+    case c10::kBFloat16: return reduce_op<c10::BFloat16, float>(out, srcs, numel, op, divisor);
+    case c10::kHalf: return reduce_op<c10::Half, float>(out, srcs, numel, op, divisor);
+    case c10::kDouble: return reduce_op<double, double>(out, srcs, numel, op, divisor);
     // Integers accumulate in a wider type: a sum that overflows only mid-way (a + b - c)
     // comes out exact, and an average divides the exact sum.
-    case c10::kInt: return reduce_op<int32_t, int64_t>(out, srcs, numel, op);
-    case c10::kLong: return reduce_op<int64_t, __int128>(out, srcs, numel, op);
+    case c10::kInt: return reduce_op<int32_t, int64_t>(out, srcs, numel, op, divisor);
+    case c10::kLong: return reduce_op<int64_t, __int128>(out, srcs, numel, op, divisor);
     default:
       TORCH_CHECK(false, "reduce: dtype ", dtype, " is not supported");
   }

@@ -1,6 +1,7 @@
 // Collectives at the world size this process was launched with (ctest runs this
 // suite through zeroshard-run at 1, 2, 3 and 4 ranks). Every expected value is
 // a closed form of (rank, index); byte counters are compared to the theory.
+#include "comm/ring.h"
 #include "comm/tcp_communicator.h"
 #include "test_util.h"
 
@@ -134,10 +135,14 @@ TEST(Collectives, AllReduceEveryOpDtypeAndUnevenCount) {
         ASSERT_TRUE(t.equal(expected_reduction(0, numel, n, op, dt, 3)))
             << "op " << to_string(op) << " dtype " << dt << " numel " << numel;
         // Slices of numel/n (the first numel%n ranks one more): reduce-scatter sends the
-        // other slices, all-gather sends this rank's slice to n-1 peers.
+        // other slices; all-gather sends this rank's slice to n-1 peers, or as a ring
+        // forwards every slice but rank+1's.
         const int64_t es = static_cast<int64_t>(c10::elementSize(dt));
-        const int64_t mine = numel / n + (r < numel % n ? 1 : 0);
-        EXPECT_EQ(d.bytes_sent, ((numel - mine) + (n - 1) * mine) * es);
+        auto slice = [&](int p) { return numel / n + (p < numel % n ? 1 : 0); };
+        const int64_t mine = slice(r);
+        const bool ring = comm::ring_chosen(n, slice(0) * es);
+        EXPECT_EQ(d.bytes_sent, ((numel - mine) + (ring ? numel - slice((r + 1) % n) : (n - 1) * mine)) * es)
+            << (ring ? "ring" : "pairwise");
         if (numel % n == 0) {
           EXPECT_EQ(d.bytes_sent * n, 2 * (n - 1) * numel * es) << "2(n-1)/n";
         }
@@ -150,9 +155,11 @@ TEST(Collectives, AllReduceOtherDtypes) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
   for (auto dt : {at::kDouble, at::kLong, at::kInt}) {
-    auto t = pattern(r, 4097, dt, 4);
-    c.all_reduce(t, ReduceOp::kSum)->wait();
-    EXPECT_TRUE(t.equal(expected_reduction(0, 4097, n, ReduceOp::kSum, dt, 4))) << dt;
+    for (int64_t numel : {int64_t(4097), int64_t(600'001)}) {  // pairwise, and (from 3 ranks) a ring for 64-bit
+      auto t = pattern(r, numel, dt, 4);
+      c.all_reduce(t, ReduceOp::kSum)->wait();
+      EXPECT_TRUE(t.equal(expected_reduction(0, numel, n, ReduceOp::kSum, dt, 4))) << dt << " numel " << numel;
+    }
   }
 }
 
@@ -218,14 +225,19 @@ TEST(Collectives, BroadcastFromEveryRoot) {
   const int n = c.size(), r = c.rank();
   for (int root = 0; root < n; ++root) {
     for (auto dt : kFloatTypes) {
-     for (int64_t numel : {int64_t(5), int64_t(70'001)}) {  // inline in the header, and not
+     // Inline in the header, pairwise, and (from 3 ranks) a chain of 1 MiB segments.
+     for (int64_t numel : {int64_t(5), int64_t(70'001), int64_t(1'300'001)}) {
       auto t = r == root ? pattern(root, numel, dt, 5) : at::zeros({numel}, at::TensorOptions(dt));
       const auto before = c.stats();
       c.broadcast(t, root)->wait();
       const auto d = delta(before, c.stats(), OpKind::kBroadcast);
       ASSERT_TRUE(t.equal(pattern(root, numel, dt, 5))) << "root " << root << " dtype " << dt;
       const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dt));
-      EXPECT_EQ(d.bytes_sent, r == root ? (n - 1) * bytes : 0);
+      if (comm::ring_chosen(n, bytes)) {  // every rank but the chain's last forwards the buffer once
+        EXPECT_EQ(d.bytes_sent, (r + 1) % n == root ? 0 : bytes) << "chain from root " << root;
+      } else {
+        EXPECT_EQ(d.bytes_sent, r == root ? (n - 1) * bytes : 0);
+      }
       EXPECT_EQ(d.bytes_received, r == root ? 0 : bytes);
      }
     }

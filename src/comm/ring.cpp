@@ -1,0 +1,246 @@
+#include "comm/ring.h"
+
+#include "comm/reduce_kernels.h"
+#include "comm/wire.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+
+namespace zeroshard::comm {
+namespace {
+
+// Segments of 1 MiB (the pairwise reduce-scatter's), two receives in flight per ring link.
+constexpr int64_t kRingSegmentBytes = int64_t(1) << 20;
+constexpr int kRingInflight = 2;
+// The ring from this slice size up (measured: docs/performance.md, "Ring or pairwise").
+constexpr int64_t kRingSliceBytes = int64_t(1) << 20;
+
+// One segmentation for every slice and step, so that sender and receiver agree:
+// `seg` elements per segment, `per_slice` segments per slice, and at most 65536
+// (step, segment) units per operation (the slot's 16-bit sub-index).
+struct Segments {
+  int64_t seg = 1;
+  int64_t per_slice = 0;
+  int64_t len(int64_t count, int64_t s) const { return std::clamp<int64_t>(count - s * seg, 0, seg); }
+};
+
+Segments segment(int64_t max_count, int64_t elem_size, int64_t steps) {
+  Segments g;
+  const int64_t by_bytes = std::max<int64_t>(1, kRingSegmentBytes / elem_size);
+  const int64_t max_per_slice = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, steps));
+  g.seg = std::max(by_bytes, (max_count + max_per_slice - 1) / max_per_slice);
+  g.per_slice = (max_count + g.seg - 1) / g.seg;
+  return g;
+}
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Sends still in flight, oldest first, each on a buffer of its own.
+struct SendQueue {
+  Exchange& ex;
+  int peer;
+  const char* what;
+  std::deque<UBuf> bufs;
+
+  void post(const void* data, int64_t bytes, uint64_t slot) {
+    bufs.push_back(make_buffer(ex.mesh, data, bytes));
+    bufs.back()->send(peer, slot, 0, bytes);
+    ex.stats.bytes_sent += bytes;
+  }
+  void finish() {
+    std::vector<Pending> pending;
+    for (auto& b : bufs) pending.push_back({peer, b.get(), 1, false});
+    wait_all(ex, std::move(pending), what);
+    bufs.clear();
+  }
+};
+
+}  // namespace
+
+bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op) {
+  if (op == ReduceOp::kMax || op == ReduceOp::kMin) return true;
+  switch (dtype) {
+    case c10::kFloat:
+    case c10::kDouble:
+      return true;
+    case c10::kInt:
+    case c10::kLong:
+      return op == ReduceOp::kSum;
+    default:
+      return false;
+  }
+}
+
+bool ring_chosen(int n, int64_t slice_bytes) { return n >= 3 && slice_bytes >= kRingSliceBytes; }
+
+void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& slices, c10::ScalarType dtype,
+                         ReduceOp op, const std::function<void()>& before_sends) {
+  const int n = ex.size, r = ex.rank, next = (r + 1) % n, prev = mod(r - 1, n);
+  TORCH_INTERNAL_ASSERT(n >= 3);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  const char* in_bytes = static_cast<const char*>(in);
+  const int64_t max_count = *std::max_element(slices.counts.begin(), slices.counts.end());
+  const int steps = n - 1;
+  const Segments g = segment(max_count, es, steps);
+  // Step k sends slice r-1-k (the own input at step 0, then the partial reduced at step k-1) and
+  // receives slice r-2-k; the last step's is slice r itself.
+  auto sent_slice = [&](int k) { return mod(r - 1 - k, n); };
+  auto received_slice = [&](int k) { return mod(r - 2 - k, n); };
+  auto slot = [&](int k, int64_t s) { return make_slot(kReduceScatterData, ex.work.seq(), k * g.per_slice + s); };
+  // Scratch: kRingInflight staging segments, then two partial slices (steps alternate between them).
+  const int64_t seg_bytes = g.seg * es, partial_bytes = max_count * es;
+  char* scratch = ex.scratch.get(kRingInflight * seg_bytes + 2 * partial_bytes);
+  auto stage = [&](int64_t unit) { return scratch + (unit % kRingInflight) * seg_bytes; };
+  auto partial = [&](int k) { return scratch + kRingInflight * seg_bytes + (k % 2) * partial_bytes; };
+
+  before_sends();
+  // The receives, in (step, segment) order: a window of kRingInflight over the staging segments.
+  struct Unit {
+    int k;
+    int64_t s;
+  };
+  std::vector<Unit> units;
+  for (int k = 0; k < steps; ++k)
+    for (int64_t s = 0; s < g.per_slice; ++s)
+      if (g.len(slices.counts[received_slice(k)], s) > 0) units.push_back({k, s});
+  std::vector<UBuf> recv_bufs(kRingInflight);  // one per staging segment, made anew for each receive
+  auto post_recv = [&](size_t i) {
+    const auto [k, s] = units[i];
+    const int64_t bytes = g.len(slices.counts[received_slice(k)], s) * es;
+    recv_bufs[i % kRingInflight] = make_buffer(ex.mesh, stage(i), bytes);
+    recv_bufs[i % kRingInflight]->recv(prev, slot(k, s), 0, bytes);
+  };
+  for (size_t i = 0; i < std::min<size_t>(units.size(), kRingInflight); ++i) post_recv(i);
+
+  SendQueue sends{ex, next, "receipt of reduce_scatter data", {}};
+  // Sends whose partial a later step overwrites: the (step, segment) each buffer carries.
+  std::deque<std::pair<int, int64_t>> sent_units;
+  {
+    const int c = sent_slice(0);
+    for (int64_t s = 0; s < g.per_slice; ++s) {
+      const int64_t len = g.len(slices.counts[c], s);
+      if (len == 0) continue;
+      sends.post(in_bytes + (slices.offsets[c] + s * g.seg) * es, len * es, slot(0, s));
+      sent_units.push_back({0, s});
+    }
+  }
+  // Waits until the send of (step k, segment s) left, before its memory is written again.
+  auto sent = [&](int k, int64_t s) {
+    while (!sent_units.empty() && sent_units.front() <= std::make_pair(k, s)) {
+      wait_all(ex, {{next, sends.bufs.front().get(), 1, false}}, "receipt of reduce_scatter data");
+      sends.bufs.pop_front();
+      sent_units.pop_front();
+    }
+  };
+
+  const ReduceOp hop_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const auto [k, s] = units[i];
+    const int c = received_slice(k);
+    const int64_t len = g.len(slices.counts[c], s);
+    wait_all(ex, {{prev, recv_bufs[i % kRingInflight].get(), 1, true}}, "reduce_scatter data");
+    ex.stats.bytes_received += len * es;
+    const bool last = k == steps - 1;
+    char* dst = last ? static_cast<char*>(out) + s * g.seg * es : partial(k) + s * g.seg * es;
+    if (!last && k >= 2) sent(k - 1, s);  // partial(k) == partial(k-2), sent on at step k-1
+    const char* own = in_bytes + (slices.offsets[c] + s * g.seg) * es;
+    reduce_buffers(dst, {stage(i), own}, len, dtype, last ? op : hop_op, last ? n : 0);
+    if (i + kRingInflight < units.size()) post_recv(i + kRingInflight);
+    if (!last) {
+      sends.post(dst, len * es, slot(k + 1, s));
+      sent_units.push_back({k + 1, s});
+    }
+  }
+  sends.finish();
+}
+
+void ring_all_gather(Exchange& ex, void* out, const Slices& slices, c10::ScalarType dtype, const void* own,
+                     const std::function<void()>& before_sends) {
+  const int n = ex.size, r = ex.rank, next = (r + 1) % n, prev = mod(r - 1, n);
+  TORCH_INTERNAL_ASSERT(n >= 3);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  char* base = static_cast<char*>(out);
+  const int64_t max_count = *std::max_element(slices.counts.begin(), slices.counts.end());
+  const int steps = n - 1;
+  const Segments g = segment(max_count, es, steps);
+  // Step k forwards slice r-k (the own at step 0) and receives slice r-1-k, straight into `out`.
+  auto received_slice = [&](int k) { return mod(r - 1 - k, n); };
+  auto at = [&](int c, int64_t s) { return base + (slices.offsets[c] + s * g.seg) * es; };
+  auto slot = [&](int k, int64_t s) { return make_slot(kAllGatherData, ex.work.seq(), k * g.per_slice + s); };
+
+  before_sends();
+  struct Unit {
+    int k;
+    int64_t s;
+  };
+  std::vector<Unit> units;
+  for (int k = 0; k < steps; ++k)
+    for (int64_t s = 0; s < g.per_slice; ++s)
+      if (g.len(slices.counts[received_slice(k)], s) > 0) units.push_back({k, s});
+  // Receives go straight into `out`: a window of 2 x kRingInflight segments ahead.
+  constexpr size_t kWindow = 2 * kRingInflight;
+  std::vector<UBuf> recv_bufs(units.size());
+  auto post_recv = [&](size_t i) {
+    const auto [k, s] = units[i];
+    const int c = received_slice(k);
+    const int64_t bytes = g.len(slices.counts[c], s) * es;
+    recv_bufs[i] = make_buffer(ex.mesh, at(c, s), bytes);
+    recv_bufs[i]->recv(prev, slot(k, s), 0, bytes);
+  };
+  for (size_t i = 0; i < std::min(units.size(), kWindow); ++i) post_recv(i);
+
+  SendQueue sends{ex, next, "receipt of all_gather data", {}};
+  const char* own_bytes = static_cast<const char*>(own);
+  for (int64_t s = 0; s < g.per_slice; ++s) {
+    const int64_t len = g.len(slices.counts[r], s);
+    if (len > 0) sends.post(own_bytes + s * g.seg * es, len * es, slot(0, s));
+  }
+  char* mine = base + slices.offsets[r] * es;
+  if (own != mine && slices.counts[r] > 0) std::memcpy(mine, own, slices.counts[r] * es);
+
+  for (size_t i = 0; i < units.size(); ++i) {
+    const auto [k, s] = units[i];
+    const int c = received_slice(k);
+    const int64_t len = g.len(slices.counts[c], s);
+    wait_all(ex, {{prev, recv_bufs[i].get(), 1, true}}, "all_gather data");
+    ex.stats.bytes_received += len * es;
+    if (i + kWindow < units.size()) post_recv(i + kWindow);
+    if (k + 1 < steps) sends.post(at(c, s), len * es, slot(k + 1, s));
+  }
+  sends.finish();
+}
+
+void chain_broadcast(Exchange& ex, void* data, int64_t bytes, int root, const std::function<void()>& before_sends) {
+  const int n = ex.size, r = ex.rank;
+  const int position = mod(r - root, n);
+  const int next = position + 1 < n ? (r + 1) % n : -1, prev = (r + n - 1) % n;
+  const Segments g = segment(bytes, 1, 1);
+  char* base = static_cast<char*>(data);
+  auto slot = [&](int64_t s) { return make_slot(kBroadcastData, ex.work.seq(), s); };
+  before_sends();
+  SendQueue sends{ex, next, "receipt of broadcast data", {}};
+  if (position == 0) {
+    for (int64_t s = 0; s < g.per_slice; ++s) sends.post(base + s * g.seg, g.len(bytes, s), slot(s));
+    sends.finish();
+    return;
+  }
+  constexpr int64_t kWindow = 2 * kRingInflight;
+  std::vector<UBuf> recv_bufs(g.per_slice);
+  auto post_recv = [&](int64_t s) {
+    recv_bufs[s] = make_buffer(ex.mesh, base + s * g.seg, g.len(bytes, s));
+    recv_bufs[s]->recv(prev, slot(s), 0, g.len(bytes, s));
+  };
+  for (int64_t s = 0; s < std::min(g.per_slice, kWindow); ++s) post_recv(s);
+  for (int64_t s = 0; s < g.per_slice; ++s) {
+    wait_all(ex, {{prev, recv_bufs[s].get(), 1, true}}, "broadcast data");
+    ex.stats.bytes_received += g.len(bytes, s);
+    if (s + kWindow < g.per_slice) post_recv(s + kWindow);
+    if (next >= 0) sends.post(base + s * g.seg, g.len(bytes, s), slot(s));
+  }
+  sends.finish();
+}
+
+}  // namespace zeroshard::comm
