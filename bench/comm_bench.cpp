@@ -5,9 +5,12 @@
 // rank+1 and receives from rank-1 at the same time, a ring) moving the same
 // bytes in the same pattern: n-1 steps of S/n bytes for all_gather and
 // reduce_scatter, 2(n-1) steps for all_reduce. No reduction, no copies: what
-// this machine's loopback can physically carry for that traffic.
+// the network (loopback, or the links between hosts) can physically carry for
+// that traffic. Each rank's anchor socket listens on the address its host
+// reaches MASTER_ADDR from (loopback when MASTER_ADDR is a loopback address).
 //
 //   zeroshard-run --nproc-per-node 4 -- ./comm_bench [--min-kib 4] [--max-mib 64]
+//                 [--algorithm auto|ring|pairwise]   (CommOptions::algorithm)
 //
 // Bus bandwidth = algorithm bandwidth (S / time) x (n-1)/n for all_gather and
 // reduce_scatter, x 2(n-1)/n for all_reduce (NCCL's convention): the rate at
@@ -19,6 +22,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -27,8 +31,14 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace comm_bench {
@@ -37,6 +47,30 @@ using Clock = std::chrono::steady_clock;
 
 void check(bool ok, const char* what) {
   if (!ok) throw std::runtime_error(std::string("comm_bench: ") + what + ": " + std::strerror(errno));
+}
+
+// The IPv4 address this host reaches MASTER_ADDR from (a UDP connect picks the
+// route and sends nothing); loopback when MASTER_ADDR is unset or a loopback address.
+in_addr local_address() {
+  in_addr loopback{htonl(INADDR_LOOPBACK)};
+  const char* master = std::getenv("MASTER_ADDR");
+  if (master == nullptr) return loopback;
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(master, "9", &hints, &found) != 0 || found == nullptr)
+    throw std::runtime_error(std::string("comm_bench: MASTER_ADDR ") + master + " has no IPv4 address");
+  const auto to = *reinterpret_cast<sockaddr_in*>(found->ai_addr);
+  freeaddrinfo(found);
+  if ((ntohl(to.sin_addr.s_addr) >> 24) == 127) return loopback;
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  check(fd >= 0, "socket");
+  check(connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof(to)) == 0, "connect (route to MASTER_ADDR)");
+  sockaddr_in me{};
+  socklen_t len = sizeof(me);
+  check(getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0, "getsockname");
+  close(fd);
+  return me.sin_addr;
 }
 
 // A TCP ring: a connection to rank+1 (sending) and one from rank-1 (receiving).
@@ -48,20 +82,22 @@ class TcpRing {
     check(listener >= 0, "socket");
     sockaddr_in a{};
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_addr = local_address();
     socklen_t len = sizeof(a);
     check(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0, "bind");
     check(listen(listener, 1) == 0, "listen");
     check(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len) == 0, "getsockname");
-    // Exchange the listening ports through the communicator itself.
-    auto mine = torch::full({1}, static_cast<int64_t>(ntohs(a.sin_port)), torch::kLong);
-    auto ports = torch::zeros({n}, torch::kLong);
-    comm.all_gather(ports, mine)->wait();
+    // Exchange the listening addresses and ports through the communicator itself.
+    auto mine = torch::tensor({static_cast<int64_t>(ntohl(a.sin_addr.s_addr)), static_cast<int64_t>(ntohs(a.sin_port))},
+                              torch::kLong);
+    auto all = torch::zeros({2 * n}, torch::kLong);
+    comm.all_gather(all, mine)->wait();
 
+    const int right_rank = (r + 1) % n;
     sockaddr_in right{};
     right.sin_family = AF_INET;
-    right.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    right.sin_port = htons(static_cast<uint16_t>(ports[(r + 1) % n].item<int64_t>()));
+    right.sin_addr.s_addr = htonl(static_cast<uint32_t>(all[2 * right_rank].item<int64_t>()));
+    right.sin_port = htons(static_cast<uint16_t>(all[2 * right_rank + 1].item<int64_t>()));
     send_fd_ = socket(AF_INET, SOCK_STREAM, 0);
     check(connect(send_fd_, reinterpret_cast<sockaddr*>(&right), sizeof(right)) == 0, "connect");
     recv_fd_ = accept(listener, nullptr, nullptr);
@@ -139,18 +175,32 @@ std::string human(int64_t bytes) {
 int comm_bench_main(int argc, char** argv) {
   using namespace comm_bench;
   int64_t min_kib = 4, max_mib = 64;
+  std::string algorithm = "auto";
   CLI::App app{"comm_bench: collective bandwidth beside a raw TCP ring"};
   app.add_option("--min-kib", min_kib, "smallest buffer, KiB")->capture_default_str();
   app.add_option("--max-mib", max_mib, "largest buffer, MiB")->capture_default_str();
+  app.add_option("--algorithm", algorithm, "large operations on 3+ ranks: auto (a ring across hosts), ring or pairwise")
+      ->check(CLI::IsMember({"auto", "ring", "pairwise"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  auto comm = zeroshard::init_communicator();
+  zeroshard::CommOptions options;
+  if (algorithm == "ring") options.algorithm = zeroshard::CommOptions::Algorithm::kRing;
+  if (algorithm == "pairwise") options.algorithm = zeroshard::CommOptions::Algorithm::kPairwise;
+  auto comm = zeroshard::init_communicator(options);
   const int n = comm->size(), r = comm->rank();
   if (n < 2) {
     std::fprintf(stderr, "comm_bench needs at least 2 ranks (zeroshard-run --nproc-per-node 2 ...)\n");
     return 2;
   }
   TcpRing ring(*comm);
+  // How many hosts: distinct host names among the ranks.
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  auto host_hash = torch::full({1}, static_cast<int64_t>(std::hash<std::string>{}(name) >> 1), torch::kLong);
+  auto hashes = torch::zeros({n}, torch::kLong);
+  comm->all_gather(hashes, host_hash)->wait();
+  std::set<int64_t> hosts(hashes.data_ptr<int64_t>(), hashes.data_ptr<int64_t>() + n);
   std::vector<Row> rows;
   for (int64_t bytes = min_kib << 10; bytes <= (max_mib << 20); bytes *= 4) {
     const int64_t numel = bytes / 4 / n * n;  // float32, divisible by n
@@ -182,8 +232,8 @@ int comm_bench_main(int argc, char** argv) {
   }
 
   if (r == 0) {
-    std::printf("comm_bench: %d ranks, Gloo TCP over loopback, float32, %u cores\n", n,
-                std::thread::hardware_concurrency());
+    std::printf("comm_bench: %d ranks on %zu host(s), zeroshard TCP (algorithm %s), float32, %u cores\n", n,
+                hosts.size(), algorithm.c_str(), std::thread::hardware_concurrency());
     std::printf("| op | size | ours us | ours algbw GB/s | ours busbw GB/s | tcp ring busbw GB/s | ours/tcp |\n");
     std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
     for (const auto& row : rows) {

@@ -33,6 +33,13 @@ CommOptions test_comm_options() {
     if (seconds <= 0) throw std::runtime_error(std::string("ZS_TEST_TIMEOUT_S is '") + s + "'; use whole seconds > 0");
     opt.timeout = std::chrono::seconds(seconds);
   }
+  // The large operations' algorithm (CommOptions::algorithm): ctest runs the 3-rank collectives as rings.
+  if (const char* a = std::getenv("ZS_TEST_ALGORITHM"); a != nullptr && *a != '\0') {
+    const std::string s = a;
+    if (s == "ring") opt.algorithm = CommOptions::Algorithm::kRing;
+    else if (s == "pairwise") opt.algorithm = CommOptions::Algorithm::kPairwise;
+    else if (s != "auto") throw std::runtime_error("ZS_TEST_ALGORITHM is '" + s + "'; use auto, ring or pairwise");
+  }
   return opt;
 }
 

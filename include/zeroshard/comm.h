@@ -113,6 +113,19 @@ struct CommOptions {
   // timeout, and the family aborts. Must exceed the time to move 512 KiB over
   // the slowest link (4.2 s at 1 Mbit/s). Default: 30 seconds.
   std::chrono::milliseconds liveness = std::chrono::seconds(30);
+  // The TCP transport's algorithm for large operations on 3 or more ranks: those
+  // whose largest per-rank slice (all_gather's input, reduce_scatter's output,
+  // 1/n of an all_reduce, a whole broadcast) holds 1 MiB or more.
+  //   kAuto: a ring when the ranks span more than one host, else pairwise.
+  //   kRing: each rank sends only to the next and receives only from the
+  //     previous; ranks are numbered host by host, so a host's link carries
+  //     (n-1)/n of the buffer however many ranks share it.
+  //   kPairwise: every rank sends each peer its part at once: fewer steps,
+  //     faster over one host's loopback, but with 2 ranks per host on 4 hosts
+  //     1.5x the buffer crosses each host's link.
+  // Smaller operations are always pairwise. docs/performance.md has the numbers.
+  enum class Algorithm { kAuto, kRing, kPairwise };
+  Algorithm algorithm = Algorithm::kAuto;
 };
 
 class Communicator {

@@ -80,6 +80,7 @@ HeaderMessages exchange_headers(Exchange& ex, const WireHeader& mine, const Inli
     recvs.push_back({p, bufs.back().get(), 1, true});
 
     WireHeader h = mine;
+    h.host = ex.host;
     std::pair<const void*, int64_t> payload{nullptr, 0};
     if (payload_for) payload = payload_for(p);
     TORCH_INTERNAL_ASSERT(payload.second <= kInlineBytes);
@@ -292,6 +293,29 @@ void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()
     ex.stats.bytes_received += bytes;
   }
 }
+// How a large operation runs. A candidate for the ring (ring_candidate) checks the headers
+// first and learns from them whether the ranks span hosts: every rank sees every header, so
+// every rank makes the same choice. `checked`: the header exchange is done.
+struct Plan {
+  bool ring = false;
+  bool checked = false;
+};
+
+Plan plan(Exchange& ex, const WireHeader& header, int64_t slice_bytes) {
+  Plan p;
+  if (!ring_candidate(ex.size, slice_bytes, ex.algorithm)) return p;
+  const auto got = exchange_headers(ex, header);
+  p.checked = true;
+  p.ring = ex.algorithm == CommOptions::Algorithm::kRing;
+  for (int q = 0; q < ex.size && !p.ring; ++q) {
+    if (q == ex.rank) continue;
+    WireHeader h;
+    std::memcpy(&h, got.from[q].data(), sizeof(WireHeader));
+    p.ring = h.host != ex.host;
+  }
+  return p;
+}
+
 }  // namespace
 
 void run_collective(Exchange& ex) {
@@ -319,8 +343,10 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      auto check = [&] { exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0)); };
-      if (ring_chosen(n, bytes)) {
+      const auto header = header_for(w, in.numel(), in.scalar_type(), 0);
+      const Plan how = plan(ex, header, bytes);
+      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+      if (how.ring) {
         ring_all_gather(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
       } else {
         all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
@@ -339,8 +365,9 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += (n - 1) * bytes;
         return;
       }
-      auto check = [&] { exchange_headers(ex, header); };
-      if (ring_chosen(n, bytes) && ring_keeps_arithmetic(out.scalar_type(), w.reduce_op)) {
+      const Plan how = plan(ex, header, bytes);
+      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+      if (how.ring && ring_keeps_arithmetic(out.scalar_type(), w.reduce_op)) {
         ring_reduce_scatter(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
                             w.reduce_op, check);
       } else {
@@ -368,14 +395,14 @@ void run_collective(Exchange& ex) {
         return;
       }
       // Large: reduce-scatter and all-gather of the reduced slices, each a ring where it is chosen.
-      const bool ring = ring_chosen(n, slices.counts[0] * es);
-      auto check = [&] { exchange_headers(ex, header); };
-      if (ring && ring_keeps_arithmetic(t.scalar_type(), w.reduce_op)) {
+      const Plan how = plan(ex, header, slices.counts[0] * es);
+      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+      if (how.ring && ring_keeps_arithmetic(t.scalar_type(), w.reduce_op)) {
         ring_reduce_scatter(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
       } else {
         reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
       }
-      if (ring) {
+      if (how.ring) {
         ring_all_gather(ex, base, slices, t.scalar_type(), mine, [] {});
       } else {
         all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
@@ -397,10 +424,12 @@ void run_collective(Exchange& ex) {
         ex.stats.bytes_received += r == root ? 0 : bytes;
         return;
       }
-      if (ring_chosen(n, bytes)) {
-        chain_broadcast(ex, t.data_ptr(), bytes, root, [&] { exchange_headers(ex, header); });
+      const Plan how = plan(ex, header, bytes);
+      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+      if (how.ring) {
+        chain_broadcast(ex, t.data_ptr(), bytes, root, check);
       } else {
-        broadcast(ex, t, root, [&] { exchange_headers(ex, header); });
+        broadcast(ex, t, root, check);
       }
       return;
     }

@@ -34,7 +34,7 @@
 
 namespace zeroshard::comm {
 
-// Sent ahead of every operation's data (40 bytes). Payloads up to
+// Sent ahead of every operation's data (48 bytes). Payloads up to
 // kInlineBytes travel in the same message, right after the header.
 struct WireHeader {
   uint32_t magic = 0;
@@ -44,6 +44,7 @@ struct WireHeader {
   int32_t dtype = 0;
   int32_t extra = 0;         // ReduceOp for reductions, root for broadcast
   int64_t inline_bytes = 0;  // payload bytes following the header in this message
+  uint64_t host = 0;         // the sender's host: every rank learns whether the ranks span hosts
 };
 constexpr int64_t kInlineBytes = 4096;
 
@@ -75,6 +76,8 @@ struct Exchange {
   std::chrono::milliseconds timeout;
   OpStats stats;  // filled in by the algorithm
   Scratch& scratch;
+  CommOptions::Algorithm algorithm;
+  uint64_t host;  // this rank's host (a hash of its listen address), sent in every header
 };
 
 // all_gather, reduce_scatter, all_reduce, broadcast, barrier.

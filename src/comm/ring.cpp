@@ -15,7 +15,7 @@ namespace {
 // Segments of 1 MiB (the pairwise reduce-scatter's), two receives in flight per ring link.
 constexpr int64_t kRingSegmentBytes = int64_t(1) << 20;
 constexpr int kRingInflight = 2;
-// The ring from this slice size up (measured: docs/performance.md, "Ring or pairwise").
+// Rings from this slice size up (below it the ring's n-1 steps cost more than they save).
 constexpr int64_t kRingSliceBytes = int64_t(1) << 20;
 
 // One segmentation for every slice and step, so that sender and receiver agree:
@@ -74,7 +74,9 @@ bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op) {
   }
 }
 
-bool ring_chosen(int n, int64_t slice_bytes) { return n >= 3 && slice_bytes >= kRingSliceBytes; }
+bool ring_candidate(int n, int64_t slice_bytes, CommOptions::Algorithm algorithm) {
+  return n >= 3 && slice_bytes >= kRingSliceBytes && algorithm != CommOptions::Algorithm::kPairwise;
+}
 
 void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& slices, c10::ScalarType dtype,
                          ReduceOp op, const std::function<void()>& before_sends) {

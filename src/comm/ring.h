@@ -37,8 +37,10 @@ struct Slices {
 // pairwise) nor integer averages (the exact sum, divided once).
 bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op);
 
-// Whether an operation whose largest slice is `slice_bytes` runs as a ring on `n` ranks.
-bool ring_chosen(int n, int64_t slice_bytes);
+// Whether an operation whose largest slice is `slice_bytes` may run as a ring on `n` ranks
+// (3 or more, slices of 1 MiB and up, and `algorithm` not kPairwise). With kAuto the ring
+// is taken when the ranks span hosts (collectives.cpp learns it from the headers).
+bool ring_candidate(int n, int64_t slice_bytes, CommOptions::Algorithm algorithm);
 
 // Reduces slice `rank` of `in` over all ranks into `out`, as a ring. `before_sends`
 // (the header check) runs before any data moves.

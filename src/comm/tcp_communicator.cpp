@@ -293,7 +293,8 @@ void TcpCommunicator::worker_loop() {
     }
     const auto start = std::chrono::steady_clock::now();
     Exchange ex{*mesh_, rank_, size_, world_ranks_, work, start + options_.timeout,
-                options_.timeout, OpStats{}, scratch_};
+                options_.timeout, OpStats{}, scratch_, options_.algorithm,
+                std::hash<std::string>{}(mesh_options_.host)};
     ex.work.set_progress("running");
     ex.stats.calls = 1;
     bool done = true;

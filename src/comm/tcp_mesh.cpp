@@ -65,7 +65,7 @@ struct FrameHeader {
 
 // Sent by the connecting rank right after connect. A rank accepts a connection
 // only with this job's token (drawn at rendezvous) and its own protocol version.
-constexpr uint32_t kProtocolVersion = 2;
+constexpr uint32_t kProtocolVersion = 3;
 struct Hello {
   uint32_t magic = kFrameMagic;
   uint32_t version = kProtocolVersion;

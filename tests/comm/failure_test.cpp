@@ -78,7 +78,7 @@ std::string pack(const T&... fields) {
 std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, uint64_t token) {
   return pack(magic, version, rank, size, token);
 }
-constexpr uint32_t kMagic = 0x5A535446, kVersion = 2;
+constexpr uint32_t kMagic = 0x5A535446, kVersion = 3;
 
 // A transport frame header (tcp_mesh.cpp's FrameHeader: 40 bytes), offset 0.
 std::string frame(uint32_t type, uint64_t slot, uint64_t bytes, uint64_t total) {
