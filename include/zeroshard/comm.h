@@ -115,7 +115,7 @@ struct CommOptions {
   std::chrono::milliseconds liveness = std::chrono::seconds(30);
   // The TCP transport's algorithm for large operations on 3 or more ranks: those
   // whose largest per-rank slice (all_gather's input, reduce_scatter's output,
-  // 1/n of an all_reduce, a whole broadcast) holds 1 MiB or more.
+  // 1/n of an all_reduce, a whole broadcast) holds 64 KiB or more.
   //   kAuto: a ring when the ranks span more than one host, else pairwise.
   //   kRing: each rank sends only to the next and receives only from the
   //     previous; ranks are numbered host by host, so a host's link carries

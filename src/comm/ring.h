@@ -38,7 +38,7 @@ struct Slices {
 bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op);
 
 // Whether an operation whose largest slice is `slice_bytes` may run as a ring on `n` ranks
-// (3 or more, slices of 1 MiB and up, and `algorithm` not kPairwise). With kAuto the ring
+// (3 or more, slices of 64 KiB and up, and `algorithm` not kPairwise). With kAuto the ring
 // is taken when the ranks span hosts (collectives.cpp learns it from the headers).
 bool ring_candidate(int n, int64_t slice_bytes, CommOptions::Algorithm algorithm);
 
