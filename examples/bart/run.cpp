@@ -13,8 +13,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 
 namespace bart {
 
@@ -43,28 +46,37 @@ void train_tokenizer_into(const std::vector<std::string>& texts, int64_t vocab_s
 
 }  // namespace
 
+// Rank 0 alone touches the tokenizer's files: it reads --tokenizer, or the run's own
+// tokenizer, or trains one into the run directory, and sends both files' contents to every
+// rank. No rank reads another host's disk, so hosts need no shared filesystem.
 ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string>& texts, zeroshard::Communicator& comm) {
-  if (!o.tokenizer_dir.empty()) {
-    TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(o.tokenizer_dir)), "--tokenizer '", o.tokenizer_dir,
-                      "' has no vocab.json; give a directory with vocab.json and merges.txt, or leave --tokenizer "
-                      "out to train one from --data");
-    return load_tokenizer(o.tokenizer_dir);
-  }
-  const std::string dir = (fs::path(o.run_dir) / "tokenizer").string();
-  std::string err;
-  if (comm.rank() == 0 && !fs::exists(tokenizer_files_in(dir))) {
+  const bool given = !o.tokenizer_dir.empty();
+  const std::string dir = given ? o.tokenizer_dir : (fs::path(o.run_dir) / "tokenizer").string();
+  std::string vocab, merges;
+  std::exception_ptr error;
+  if (comm.rank() == 0) {
     try {
-      train_tokenizer_into(texts, o.vocab_size, dir);
-    } catch (const std::exception& e) {
-      err = e.what();
+      TORCH_CHECK_VALUE(!given || fs::exists(tokenizer_files_in(dir)), "--tokenizer '", dir,
+                        "' has no vocab.json; give a directory with vocab.json and merges.txt, or leave --tokenizer "
+                        "out to train one from --data");
+      if (!given && !fs::exists(tokenizer_files_in(dir))) train_tokenizer_into(texts, o.vocab_size, dir);
+      for (auto [file, out] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
+        std::ifstream in(fs::path(dir) / file);
+        TORCH_CHECK_VALUE(in, "tokenizer: cannot read '", (fs::path(dir) / file).string(), "'");
+        out->assign(std::istreambuf_iterator<char>(in), {});
+      }
+    } catch (const std::exception&) {
+      error = std::current_exception();
     }
   }
   // The others wait here, for as long as the training takes: a barrier could time out.
-  auto failed = torch::tensor({err.empty() ? 0.0 : 1.0}, torch::kDouble);
+  auto failed = torch::tensor({error ? 1.0 : 0.0}, torch::kDouble);
   comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait(std::chrono::hours(1));
-  TORCH_CHECK(failed.item<double>() == 0, "tokenizer: training on rank 0 failed",
-              err.empty() ? std::string(" (its log says why)") : ": " + err);
-  return load_tokenizer(dir);
+  if (error) std::rethrow_exception(error);
+  TORCH_CHECK(failed.item<double>() == 0, "tokenizer: rank 0 could not provide it (its output says why)");
+  vocab = zeroshard::broadcast_text(comm, vocab, 0);
+  merges = zeroshard::broadcast_text(comm, merges, 0);
+  return ByteLevelBpe::parse(vocab, merges, (fs::path(dir) / "merges.txt").string() + " (rank 0's)");
 }
 
 std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }

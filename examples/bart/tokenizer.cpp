@@ -254,21 +254,33 @@ std::string ByteLevelBpe::decode(const std::vector<int64_t>& ids, bool keep_spec
 }
 
 ByteLevelBpe ByteLevelBpe::load(const std::string& vocab_path, const std::string& merges_path) {
-  ByteLevelBpe t;
   std::ifstream v(vocab_path);
   TORCH_CHECK_VALUE(v, "tokenizer: cannot read the vocabulary '", vocab_path, "'");
-  const auto vocab = nlohmann::json::parse(v);
+  std::ifstream m(merges_path);
+  TORCH_CHECK_VALUE(m, "tokenizer: cannot read the merges '", merges_path, "'");
+  return parse(std::string(std::istreambuf_iterator<char>(v), {}), std::string(std::istreambuf_iterator<char>(m), {}),
+               merges_path);
+}
+
+ByteLevelBpe ByteLevelBpe::parse(const std::string& vocab_json, const std::string& merges_txt,
+                                 const std::string& source) {
+  ByteLevelBpe t;
+  nlohmann::json vocab;
+  try {
+    vocab = nlohmann::json::parse(vocab_json);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK_VALUE(false, "tokenizer: the vocabulary beside '", source, "' is not JSON: ", e.what());
+  }
   int64_t max_id = -1;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) max_id = std::max(max_id, it.value().get<int64_t>());
   t.tokens_.assign(static_cast<size_t>(max_id + 1), std::string());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) t.tokens_[static_cast<size_t>(it.value().get<int64_t>())] = it.key();
-  std::ifstream m(merges_path);
-  TORCH_CHECK_VALUE(m, "tokenizer: cannot read the merges '", merges_path, "'");
+  std::istringstream m(merges_txt);
   std::string line;
   while (std::getline(m, line)) {
     if (line.empty() || line.rfind("#version", 0) == 0) continue;
     const size_t sp = line.find(' ');
-    TORCH_CHECK_VALUE(sp != std::string::npos, "tokenizer: '", merges_path, "': a merge line is not 'a b': ", line);
+    TORCH_CHECK_VALUE(sp != std::string::npos, "tokenizer: '", source, "': a merge line is not 'a b': ", line);
     t.merges_.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
   t.index();

@@ -221,6 +221,11 @@ struct ProcessGroup {
 // bytes packed into int64 words). Collective; for descriptions and small
 // records, not bulk data.
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
+// `root`'s `text` on every rank (two broadcasts: the length, then the bytes packed
+// into int64 words): files one rank read, for ranks that cannot read its disk.
+// Collective; `wait` bounds how long a rank waits for the root to arrive.
+std::string broadcast_text(Communicator& comm, const std::string& text, int root,
+                           std::chrono::milliseconds wait = std::chrono::minutes(5));
 
 #ifdef ZS_WITH_CUDA
 // NCCL (a zeroshard built against a CUDA LibTorch): a communicator of CUDA

@@ -59,6 +59,17 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
   return out;
 }
 
+std::string broadcast_text(Communicator& comm, const std::string& text, int root, std::chrono::milliseconds wait) {
+  if (comm.size() == 1) return text;
+  auto length = at::tensor({static_cast<int64_t>(comm.rank() == root ? text.size() : 0)}, at::kLong);
+  comm.broadcast(length, root)->wait(wait);
+  const int64_t bytes = length.item<int64_t>();
+  auto words = at::zeros({(bytes + 7) / 8}, at::kLong);  // the communicator moves no uint8 tensors
+  if (comm.rank() == root) std::memcpy(words.data_ptr(), text.data(), text.size());
+  comm.broadcast(words, root)->wait(wait);
+  return comm.rank() == root ? text : std::string(reinterpret_cast<const char*>(words.data_ptr()), bytes);
+}
+
 ProcessGroup::ProcessGroup(std::shared_ptr<Communicator> data_, std::shared_ptr<Communicator> control_)
     : data(std::move(data_)), control(std::move(control_)) {
   TORCH_CHECK_VALUE(data != nullptr && control != nullptr, "ProcessGroup: the ", data ? "control" : "data",

@@ -46,11 +46,12 @@ ORACLE3 = "*MatchesAdamW*:Collectives.*"
 ENV = dict(os.environ, ZS_LOG_LEVEL="warn", OMP_NUM_THREADS="1")
 
 
-def launch(c, build, hosts, nproc, master, cmd, env=None):
-    """zeroshard-run on every host (host i is node i); returns every host's output, failing on any exit != 0."""
+def launch(c, build, hosts, nproc, master, cmd, env=None, disks=lambda i: ()):
+    """zeroshard-run on every host (host i is node i, with `disks(i)` mounted); returns every host's output,
+    failing on any exit != 0."""
     jobs = [c.start(i, [os.path.join(build, "zeroshard-run"), "--nnodes", hosts, "--node-rank", i,
                         "--nproc-per-node", nproc, "--master-addr", master, "--master-port", PORT,
-                        "--grace-period", 5, "--", *cmd], env=env)
+                        "--grace-period", 5, "--", *cmd], env=env, disks=disks(i))
             for i in range(hosts)]
     results = c.wait(jobs, TIMEOUT)
     check(all(code == 0 for code, _ in results), lambda: "a host's launcher failed:\n" + c.outputs(jobs))
@@ -141,6 +142,25 @@ def check_bart(build, work):
             check(worst <= 1e-6, lambda: f"{name}: losses on one host {want}, on two hosts {got}")
             print(f"bart: {name} on 2 hosts x 2 ranks: 8 losses equal the one-host run's within {worst:.1e} "
                   f"relative (last {got[-1]:.4f})", flush=True)
+            if name != "zero3":
+                continue
+            # No shared filesystem: each host has a disk of its own at the run directory's path, and only host 0's
+            # holds the tokenizer. Rank 0 sends it to the others; the losses are the one-host run's.
+            run_path = os.path.join(work, "run_on_own_disk")
+            disks = [os.path.join(work, f"disk{i}") for i in range(2)]
+            for dd in disks:
+                shutil.rmtree(dd, ignore_errors=True)
+                os.makedirs(dd)
+            shutil.copytree(tokenizer, os.path.join(disks[0], "tokenizer"))
+            launch(c, build, 2, 2, c.addr(0), [exe, *common, *extra, "--run-dir", run_path], env=env,
+                   disks=lambda i: [(disks[i], run_path)])
+            own = losses(disks[0])
+            check(own == got, lambda: f"zero3 with a disk per host: losses {own}, with a shared one {got}")
+            check(not os.path.exists(os.path.join(disks[1], "tokenizer")) and
+                  not os.path.exists(os.path.join(run_path, "tokenizer")),
+                  "host 1 read or wrote a tokenizer of its own")
+            print("bart: zero3 on 2 hosts, each with its own disk at the run directory (the tokenizer on host 0's "
+                  "alone): the same 8 losses", flush=True)
 
 
 SOAK_ARGS = ["--stage", "3", "--liveness", "3", "--save-every", "1000"]

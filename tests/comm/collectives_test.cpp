@@ -263,6 +263,21 @@ TEST(Collectives, BroadcastFromEveryRoot) {
   }
 }
 
+// broadcast_text: every length (empty, not a multiple of the 8-byte words, large enough for a
+// ring's chain), with bytes of every value, from every root.
+TEST(Collectives, BroadcastTextFromEveryRoot) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (int root = 0; root < n; ++root) {
+    for (size_t length : {size_t(0), size_t(13), size_t(300'001)}) {
+      std::string text(length, '\0');
+      for (size_t i = 0; i < length; ++i) text[i] = static_cast<char>((i * 131 + root) % 256);
+      const std::string got = broadcast_text(c, r == root ? text : std::string("ignored"), root);
+      EXPECT_EQ(got, text) << "root " << root << " length " << length;
+    }
+  }
+}
+
 TEST(Collectives, SendRecvBetweenEveryPair) {
   auto& c = world();
   const int n = c.size(), r = c.rank();
