@@ -64,6 +64,11 @@ bool is_loopback(const std::string& host) {
 }
 
 // The address of network interface `name`: its IPv4 address, else its first global IPv6 one.
+std::string host_name() {
+  char name[256] = {};
+  return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("(unnamed)");
+}
+
 std::string interface_address(const std::string& name) {
   ifaddrs* list = nullptr;
   TORCH_CHECK(getifaddrs(&list) == 0, "getifaddrs failed: ", std::strerror(errno));
@@ -143,7 +148,7 @@ std::string listen_host(const DistEnv& e) {
 // The token every hello of this job attempt carries: drawn by rank 0, shared through the
 // store (under the attempt's prefix, so a rank of an earlier attempt is a stranger).
 uint64_t job_token(c10d::Store& store, const std::string& prefix, const DistEnv& e,
-                   std::chrono::milliseconds timeout) {
+                   std::chrono::milliseconds timeout, const std::string& failed_key) {
   const std::string key = prefix + "token/0";
   if (e.rank == 0) {
     std::random_device entropy;
@@ -152,7 +157,7 @@ uint64_t job_token(c10d::Store& store, const std::string& prefix, const DistEnv&
     store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
     return token;
   }
-  comm::wait_for_keys(store, prefix + "token/", {"0"}, timeout, "the job token (rank 0 draws it)");
+  comm::wait_for_keys(store, prefix + "token/", {"0"}, timeout, "the job token (rank 0 draws it)", failed_key);
   const auto value = store.get(key);
   return std::stoull(std::string(value.begin(), value.end()));
 }
@@ -258,11 +263,25 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
   }
   std::vector<int> world(e.world_size);
   std::iota(world.begin(), world.end(), 0);
-  const std::string prefix = "zs/r" + std::to_string(e.restart_count) + "/world/";
+  const std::string attempt = "zs/r" + std::to_string(e.restart_count) + "/";
+  const std::string prefix = attempt + "world/";
   comm::MeshOptions mesh;
-  mesh.host = listen_host(e);
-  mesh.token = job_token(*store, prefix, e, options.rendezvous_timeout);
-  auto comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix, mesh, options);
+  mesh.failed_key = attempt + "failed";
+  std::shared_ptr<Communicator> comm;
+  try {
+    mesh.host = listen_host(e);
+    mesh.token = job_token(*store, prefix, e, options.rendezvous_timeout, mesh.failed_key);
+    comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix, mesh, options);
+  } catch (const std::exception& ex) {
+    // The others stop waiting for this rank at once (the first failure's message is the one they see).
+    const std::string why = dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()
+                                                                 : ex.what();
+    if (why.rfind("rendezvous abandoned", 0) != 0) {
+      comm::rendezvous_failed(*store, mesh.failed_key, "rank " + std::to_string(e.rank) + " on host " + host_name() +
+                                                           " failed: " + why);
+    }
+    throw;
+  }
   log_debug("communicator ready: rank " + std::to_string(e.rank) + " of " +
             std::to_string(e.world_size) + " via " + e.source + " (" + e.master_addr + ":" +
             std::to_string(e.master_port) + ")");

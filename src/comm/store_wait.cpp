@@ -7,8 +7,24 @@
 
 namespace zeroshard::comm {
 
+void check_rendezvous_alive(c10d::Store& store, const std::string& failed_key) {
+  if (failed_key.empty() || !store.check({failed_key})) return;
+  const auto why = store.get(failed_key);
+  TORCH_CHECK(false, "rendezvous abandoned: ", std::string(why.begin(), why.end()),
+              ". This rank stops instead of waiting for it; its own output says more");
+}
+
+void rendezvous_failed(c10d::Store& store, const std::string& failed_key, const std::string& why) {
+  if (failed_key.empty()) return;
+  try {
+    store.compareSet(failed_key, {}, std::vector<uint8_t>(why.begin(), why.end()));
+  } catch (const std::exception&) {
+    // The store is gone or unreachable: the others' rendezvous times out, naming this rank.
+  }
+}
+
 void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vector<std::string>& keys,
-                   std::chrono::milliseconds timeout, const std::string& what) {
+                   std::chrono::milliseconds timeout, const std::string& what, const std::string& failed_key) {
   // Poll with check() rather than Store::wait(), so that a timeout can say
   // exactly which keys (ranks) are missing.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -20,6 +36,7 @@ void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vec
       if (!store.check({prefix + k})) missing.push_back(k);
     }
     if (missing.empty()) return;
+    check_rendezvous_alive(store, failed_key);
     if (std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(sleep);
     sleep = std::min(sleep * 2, std::chrono::milliseconds(50));

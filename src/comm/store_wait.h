@@ -15,7 +15,17 @@ namespace zeroshard::comm {
 
 // Returns once every key prefix + keys[i] exists; throws naming the missing
 // ones (they are rank numbers) after `timeout`; `what` is what they publish.
+// With a `failed_key`, throws as soon as that key exists: a rank that failed its
+// rendezvous set it to why (rendezvous_failed), so no one waits for it.
 void wait_for_keys(c10d::Store& store, const std::string& prefix, const std::vector<std::string>& keys,
-                   std::chrono::milliseconds timeout, const std::string& what = "their address");
+                   std::chrono::milliseconds timeout, const std::string& what = "their address",
+                   const std::string& failed_key = "");
+
+// Throws if `failed_key` is set (a rank gave up on the rendezvous), with its message.
+void check_rendezvous_alive(c10d::Store& store, const std::string& failed_key);
+
+// Tells every rank waiting in this rendezvous that this one failed, and why (best effort:
+// a store that cannot be reached is ignored; the first failure's message stays).
+void rendezvous_failed(c10d::Store& store, const std::string& failed_key, const std::string& why);
 
 }  // namespace zeroshard::comm

@@ -230,7 +230,8 @@ std::shared_ptr<Communicator> TcpCommunicator::split_into(const std::vector<int>
   const bool member = std::find(ranks.begin(), ranks.end(), rank_) != ranks.end();
   if (!member) return nullptr;
   for (int r : ranks) {
-    wait_for_keys(*store_, key, {std::to_string(r)}, options_.rendezvous_timeout);
+    wait_for_keys(*store_, key, {std::to_string(r)}, options_.rendezvous_timeout, "their address",
+                  mesh_options_.failed_key);
     auto theirs = store_->get(key + std::to_string(r));
     std::string s(theirs.begin(), theirs.end());
     TORCH_CHECK_VALUE(s == mine, "split #", index, ": ", rank_label(r, world_ranks_), " passed ", s,

@@ -52,6 +52,9 @@ struct MeshOptions {
   uint64_t token = 0;    // drawn once per job attempt at rendezvous; every rank's hello carries it
   std::chrono::milliseconds rendezvous_timeout{std::chrono::minutes(5)};
   std::chrono::milliseconds liveness{std::chrono::seconds(30)};  // CommOptions::liveness
+  // The store key a rank that fails its rendezvous sets (store_wait.h): waits for peers
+  // stop as soon as it exists. "" for none.
+  std::string failed_key;
   // Shared by the meshes of one family: the world rank whose broken connection failed
   // the family first (-1: none yet), so that every member's close frames blame it.
   std::shared_ptr<std::atomic<int>> blame = std::make_shared<std::atomic<int>>(-1);

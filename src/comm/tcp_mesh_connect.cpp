@@ -100,6 +100,7 @@ std::string describe_endpoint(const tcp::socket& s) {
 // host answers nothing), a refused or unreachable one is retried after a pause that
 // doubles from 50 ms to 2 s. Throws message(last error) at the deadline.
 void connect_with_retries(tcp::socket& s, const tcp::endpoint& to, std::chrono::steady_clock::time_point deadline,
+                          const std::function<void()>& between_tries,
                           const std::function<std::string(const std::string&)>& message) {
   auto pause = std::chrono::milliseconds(50);
   std::string last = "the rendezvous timed out before a connection was tried";
@@ -130,6 +131,7 @@ void connect_with_retries(tcp::socket& s, const tcp::endpoint& to, std::chrono::
       return;
     }
     last = ec.message();
+    between_tries();
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     std::this_thread::sleep_for(std::max(std::chrono::milliseconds(0), std::min(pause, left)));
     pause = std::min(pause * 2, std::chrono::milliseconds(2000));
@@ -161,7 +163,7 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
   // This rank connects to every lower rank and accepts every higher one.
   std::vector<std::string> lower;
   for (int p = 0; p < rank_; ++p) lower.push_back(std::to_string(p));
-  wait_for_keys(store, prefix + "addr/", lower, o.rendezvous_timeout);
+  wait_for_keys(store, prefix + "addr/", lower, o.rendezvous_timeout, "their address", o.failed_key);
   for (int p = 0; p < rank_; ++p) {
     const auto value = store.get(prefix + "addr/" + std::to_string(p));
     std::istringstream in(std::string(value.begin(), value.end()));
@@ -169,7 +171,9 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
     unsigned short port = 0;
     in >> ip >> port;
     tcp::socket& s = *peers_[p]->socket;
-    connect_with_retries(s, tcp::endpoint(asio::ip::make_address(ip), port), deadline, [&](const std::string& why) {
+    connect_with_retries(s, tcp::endpoint(asio::ip::make_address(ip), port), deadline, [&] {
+      check_rendezvous_alive(store, o.failed_key);
+    }, [&](const std::string& why) {
       return "connecting rank " + std::to_string(rank_) + " of " + std::to_string(size_) + " to rank " +
              std::to_string(p) + " at " + ip + " port " + std::to_string(port) + " failed: " + why +
              ". Check that rank " + std::to_string(p) + " is alive and that every host reaches every other one "
@@ -190,16 +194,20 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
     boost::system::error_code ec;
     acceptor.accept(s, ec);
     if (ec == asio::error::would_block || ec == asio::error::try_again) {
-      if (!wait_readable(acceptor.native_handle(), deadline)) {
-        std::vector<int> missing;
-        for (int p = rank_ + 1; p < size_; ++p)
-          if (!joined[p]) missing.push_back(p);
-        TORCH_CHECK(false, "rendezvous timed out after ", o.rendezvous_timeout.count(), " ms (store prefix '",
-                    prefix, "'): rank(s) [", join(missing), "] never connected to rank ", rank_,
-                    ". Check that those ranks are alive and that every host can reach every other one "
-                    "over TCP (set ZS_SOCKET_IFNAME to pick the network interface)");
+      // In slices of 200 ms, between which a rank that gave up on the rendezvous is noticed.
+      const auto slice = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+      if (wait_readable(acceptor.native_handle(), slice)) continue;
+      if (slice < deadline) {
+        check_rendezvous_alive(store, o.failed_key);
+        continue;
       }
-      continue;
+      std::vector<int> missing;
+      for (int p = rank_ + 1; p < size_; ++p)
+        if (!joined[p]) missing.push_back(p);
+      TORCH_CHECK(false, "rendezvous timed out after ", o.rendezvous_timeout.count(), " ms (store prefix '",
+                  prefix, "'): rank(s) [", join(missing), "] never connected to rank ", rank_,
+                  ". Check that those ranks are alive and that every host can reach every other one "
+                  "over TCP (set ZS_SOCKET_IFNAME to pick the network interface)");
     }
     TORCH_CHECK(!ec, "rank ", rank_, " failed accepting a connection from a peer: ", ec.message());
     // A stranger (another program, a rank of another job or attempt, a port scanner) is

@@ -157,6 +157,25 @@ TEST(CommFailure, MissingRankTimesOutNamingIt) {
   EXPECT_LT(seconds, 15.0) << "the timeout must bound the wait";
 }
 
+// A rank that fails its own rendezvous (here: an interface this host does not have) says so
+// through the store: the others stop with its reason instead of waiting out the rendezvous
+// timeout (60 s) for a rank that will never come.
+TEST(CommFailure, ARankThatFailsItsRendezvousStopsTheOthersAtOnce) {
+  const int port = testing::free_port();
+  auto errors = run_ranks(3, [&](int r) {
+    DistEnv e = thread_env(r, 3, port);
+    if (r == 2) e.socket_ifname = "zs-no-such-if";
+    auto c = init_communicator(e, patient());
+    c->barrier();
+  });
+  EXPECT_NE(errors[2].find("zs-no-such-if"), std::string::npos) << errors[2];
+  for (int r : {0, 1}) {
+    EXPECT_NE(errors[r].find("rendezvous abandoned: rank 2 on host "), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("zs-no-such-if"), std::string::npos) << errors[r];
+    EXPECT_EQ(errors[r].find("timed out"), std::string::npos) << errors[r];
+  }
+}
+
 TEST(CommFailure, DeadRankIsNamedWithoutWaitingForTheTimeout) {
   const int port = testing::free_port();
   const auto start = std::chrono::steady_clock::now();
