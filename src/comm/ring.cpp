@@ -40,6 +40,23 @@ Segments segment(int64_t max_count, int64_t elem_size, int64_t steps) {
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
+// One (step, segment) to receive.
+struct Unit {
+  int k;
+  int64_t s;
+};
+
+// What a rank receives, in order: at step k the segments of slice received_slice(k) that hold
+// anything (slices may differ in length by one element).
+template <typename SliceOf>
+std::vector<Unit> receives(const Segments& g, int steps, const Slices& slices, SliceOf received_slice) {
+  std::vector<Unit> units;
+  for (int k = 0; k < steps; ++k)
+    for (int64_t s = 0; s < g.per_slice; ++s)
+      if (g.len(slices.counts[received_slice(k)], s) > 0) units.push_back({k, s});
+  return units;
+}
+
 // Sends still in flight, oldest first, each on a buffer of its own.
 struct SendQueue {
   Exchange& ex;
@@ -102,14 +119,7 @@ void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& 
 
   before_sends();
   // The receives, in (step, segment) order: a window of kRingInflight over the staging segments.
-  struct Unit {
-    int k;
-    int64_t s;
-  };
-  std::vector<Unit> units;
-  for (int k = 0; k < steps; ++k)
-    for (int64_t s = 0; s < g.per_slice; ++s)
-      if (g.len(slices.counts[received_slice(k)], s) > 0) units.push_back({k, s});
+  const std::vector<Unit> units = receives(g, steps, slices, received_slice);
   std::vector<UBuf> recv_bufs(kRingInflight);  // one per staging segment, made anew for each receive
   auto post_recv = [&](size_t i) {
     const auto [k, s] = units[i];
@@ -176,14 +186,7 @@ void ring_all_gather(Exchange& ex, void* out, const Slices& slices, c10::ScalarT
   auto slot = [&](int k, int64_t s) { return make_slot(kAllGatherData, ex.work.seq(), k * g.per_slice + s); };
 
   before_sends();
-  struct Unit {
-    int k;
-    int64_t s;
-  };
-  std::vector<Unit> units;
-  for (int k = 0; k < steps; ++k)
-    for (int64_t s = 0; s < g.per_slice; ++s)
-      if (g.len(slices.counts[received_slice(k)], s) > 0) units.push_back({k, s});
+  const std::vector<Unit> units = receives(g, steps, slices, received_slice);
   // Receives go straight into `out`: a window of 2 x kRingInflight segments ahead.
   constexpr size_t kWindow = 2 * kRingInflight;
   std::vector<UBuf> recv_bufs(units.size());
