@@ -293,6 +293,7 @@ void broadcast(Exchange& ex, at::Tensor& t, int root, const std::function<void()
     ex.stats.bytes_received += bytes;
   }
 }
+
 // How a large operation runs. A candidate for the ring (ring_candidate) checks the headers
 // first and learns from them whether the ranks span hosts: every rank sees every header, so
 // every rank makes the same choice. `checked`: the header exchange is done.

@@ -63,12 +63,13 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
-// The address of network interface `name`: its IPv4 address, else its first global IPv6 one.
+// This host's name, for messages.
 std::string host_name() {
   char name[256] = {};
   return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("(unnamed)");
 }
 
+// The address of network interface `name`: its IPv4 address, else its first global IPv6 one.
 std::string interface_address(const std::string& name) {
   ifaddrs* list = nullptr;
   TORCH_CHECK(getifaddrs(&list) == 0, "getifaddrs failed: ", std::strerror(errno));

@@ -57,23 +57,31 @@ std::vector<Unit> receives(const Segments& g, int steps, const Slices& slices, S
   return units;
 }
 
-// Sends still in flight, oldest first, each on a buffer of its own.
+// Sends still in flight, oldest first, each on a buffer of its own. The rings post their
+// sends in slot order, so "every send up to slot X left" is a prefix of the queue.
 struct SendQueue {
   Exchange& ex;
   int peer;
   const char* what;
-  std::deque<UBuf> bufs;
+  std::deque<std::pair<uint64_t, UBuf>> posted;  // (slot, buffer)
 
   void post(const void* data, int64_t bytes, uint64_t slot) {
-    bufs.push_back(make_buffer(ex.mesh, data, bytes));
-    bufs.back()->send(peer, slot, 0, bytes);
+    posted.emplace_back(slot, make_buffer(ex.mesh, data, bytes));
+    posted.back().second->send(peer, slot, 0, bytes);
     ex.stats.bytes_sent += bytes;
+  }
+  // Waits until every send posted for a slot up to `slot` left (its memory may be written again).
+  void wait_through(uint64_t slot) {
+    while (!posted.empty() && posted.front().first <= slot) {
+      wait_all(ex, {{peer, posted.front().second.get(), 1, false}}, what);
+      posted.pop_front();
+    }
   }
   void finish() {
     std::vector<Pending> pending;
-    for (auto& b : bufs) pending.push_back({peer, b.get(), 1, false});
+    for (auto& [slot, buf] : posted) pending.push_back({peer, buf.get(), 1, false});
     wait_all(ex, std::move(pending), what);
-    bufs.clear();
+    posted.clear();
   }
 };
 
@@ -130,25 +138,13 @@ void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& 
   for (size_t i = 0; i < std::min<size_t>(units.size(), kRingInflight); ++i) post_recv(i);
 
   SendQueue sends{ex, next, "receipt of reduce_scatter data", {}};
-  // Sends whose partial a later step overwrites: the (step, segment) each buffer carries.
-  std::deque<std::pair<int, int64_t>> sent_units;
   {
     const int c = sent_slice(0);
     for (int64_t s = 0; s < g.per_slice; ++s) {
       const int64_t len = g.len(slices.counts[c], s);
-      if (len == 0) continue;
-      sends.post(in_bytes + (slices.offsets[c] + s * g.seg) * es, len * es, slot(0, s));
-      sent_units.push_back({0, s});
+      if (len > 0) sends.post(in_bytes + (slices.offsets[c] + s * g.seg) * es, len * es, slot(0, s));
     }
   }
-  // Waits until the send of (step k, segment s) left, before its memory is written again.
-  auto sent = [&](int k, int64_t s) {
-    while (!sent_units.empty() && sent_units.front() <= std::make_pair(k, s)) {
-      wait_all(ex, {{next, sends.bufs.front().get(), 1, false}}, "receipt of reduce_scatter data");
-      sends.bufs.pop_front();
-      sent_units.pop_front();
-    }
-  };
 
   const ReduceOp hop_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   for (size_t i = 0; i < units.size(); ++i) {
@@ -159,14 +155,11 @@ void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& 
     ex.stats.bytes_received += len * es;
     const bool last = k == steps - 1;
     char* dst = last ? static_cast<char*>(out) + s * g.seg * es : partial(k) + s * g.seg * es;
-    if (!last && k >= 2) sent(k - 1, s);  // partial(k) == partial(k-2), sent on at step k-1
+    if (!last && k >= 2) sends.wait_through(slot(k - 1, s));  // partial(k) == partial(k-2), sent on at step k-1
     const char* own = in_bytes + (slices.offsets[c] + s * g.seg) * es;
     reduce_buffers(dst, {stage(i), own}, len, dtype, last ? op : hop_op, last ? n : 0);
     if (i + kRingInflight < units.size()) post_recv(i + kRingInflight);
-    if (!last) {
-      sends.post(dst, len * es, slot(k + 1, s));
-      sent_units.push_back({k + 1, s});
-    }
+    if (!last) sends.post(dst, len * es, slot(k + 1, s));
   }
   sends.finish();
 }
