@@ -1,7 +1,12 @@
 // checkpoint.cpp — the Checkpointer (include/zeroshard/checkpoint.h).
 #include "checkpointer_impl.h"
 
+#include "comm/host_name.h"
 #include "zeroshard/log.h"
+
+#include <cstdio>
+#include <fstream>
+#include <random>
 
 namespace zeroshard {
 
@@ -21,14 +26,69 @@ Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, 
   impl_->dir = std::move(dir);
   impl_->comm = std::move(comm);
   impl_->options = options;
-  std::string err;
-  if (impl_->comm->rank() == 0) {
-    std::error_code ec;
-    fs::create_directories(impl_->dir, ec);
-    if (ec) err = "cannot create the run directory '" + impl_->dir + "': " + ec.message();
-  }
-  Impl::agree(*impl_->comm, "opening the run directory", err);
+  impl_->disks = Impl::find_disks(*impl_->comm, impl_->dir);
   impl_->io_comm = impl_->comm->dup();
+}
+
+std::vector<int> ckpt::Disks::members(int rank) const {
+  std::vector<int> out;
+  for (size_t r = 0; r < leader.size(); ++r) {
+    if (leader[r] == leader[static_cast<size_t>(rank)]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+ckpt::Disks Checkpointer::Impl::find_disks(Communicator& c, const fs::path& dir) {
+  const int rank = c.rank(), n = c.size();
+  Disks d;
+  d.hosts = all_gather_text(c, host_name());
+  std::string token;
+  if (rank == 0) {
+    std::random_device rd;
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%08x%08x", rd(), rd());
+    token = buf;
+  }
+  token = broadcast_text(c, token, 0);
+  const auto probe = [&](int r) { return dir / (".probe-" + token + "-" + std::to_string(r)); };
+  std::string err;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    err = "cannot create the run directory '" + dir.string() + "' on host " + host_name() + ": " + ec.message();
+  } else if (n > 1) {
+    std::ofstream(probe(rank)) << "a rank of this job looks for its peers' files here; removed at once\n";
+    if (!fs::exists(probe(rank), ec)) {
+      err = "cannot write in the run directory '" + dir.string() + "' on host " + host_name();
+    }
+  }
+  agree(c, "opening the run directory", err);
+  int mine = n == 1 ? 0 : -1;
+  auto candidate = torch::empty({1}, torch::kLong);
+  while (n > 1) {
+    candidate.fill_(mine < 0 ? rank : n);
+    c.all_reduce(candidate, ReduceOp::kMin)->wait();
+    const int k = static_cast<int>(candidate.item<int64_t>());
+    if (k == n) break;  // every rank placed; every look is done, so the probes can go
+    if (mine < 0 && (k == rank || fs::exists(probe(k), ec))) mine = k;
+  }
+  if (n > 1) fs::remove(probe(rank), ec);
+  auto leaders = torch::empty({n}, torch::kLong);
+  if (n > 1) {
+    c.all_gather(leaders, torch::tensor({static_cast<int64_t>(mine)}, torch::kLong))->wait();
+  } else {
+    leaders.fill_(0);
+  }
+  for (int r = 0; r < n; ++r) d.leader.push_back(static_cast<int>(leaders[r].item<int64_t>()));
+  if (rank == 0 && !d.shared()) {
+    std::string where;
+    for (int r = 0; r < n; ++r) {
+      if (d.leads(r)) where += (where.empty() ? "" : ", ") + std::string("host ") + d.hosts[static_cast<size_t>(r)];
+    }
+    log_info("checkpoint: '" + dir.string() + "' is a different directory on " + where +
+             " (no shared filesystem): each host keeps its own ranks' files, and every host the manifest and `latest`");
+  }
+  return d;
 }
 
 Checkpointer::~Checkpointer() {

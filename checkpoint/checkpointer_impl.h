@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <future>
@@ -95,8 +96,23 @@ struct Place {
 // Collective over `world`: every rank's place must fit one grid (pp_stages
 // stages of dp_size ranks each, every (stage, dp rank) exactly once; throws on
 // every rank otherwise, naming the mismatch and the fix). Returns, for each
-// of `flags`, whether any rank set it.
-std::vector<char> agree_on_places(Communicator& world, const Place& mine, const std::vector<char>& flags);
+// of `flags`, whether any rank set it; and, with `places`, every rank's (stage, dp rank).
+std::vector<char> agree_on_places(Communicator& world, const Place& mine, const std::vector<char>& flags,
+                                  std::vector<std::pair<int, int>>* places = nullptr);
+
+// Which ranks see the same run directory: every rank on a shared filesystem
+// (or on one host); on hosts with disks of their own, each host's ranks. Found
+// once, when the Checkpointer opens the directory (find_disks).
+struct Disks {
+  std::vector<int> leader;         // per rank: the lowest rank that sees the same directory
+  std::vector<std::string> hosts;  // per rank: its host's name (messages, the manifest)
+  bool shared() const {
+    return std::all_of(leader.begin(), leader.end(), [](int l) { return l == 0; });
+  }
+  bool leads(int rank) const { return leader[static_cast<size_t>(rank)] == rank; }
+  // The ranks whose run directory is `rank`'s.
+  std::vector<int> members(int rank) const;
+};
 
 struct Snapshot;
 // What one rank saves, as JSON: its place, its optimizer's parameters with the
@@ -109,9 +125,12 @@ struct Contents {
   json replicated = json::array();  // with the world rank of the file holding each
   json groups = json::array();
   std::vector<std::pair<int, int>> places;  // (pp stage, dp rank) of each world rank
-  std::set<std::string> skip;       // names `my_rank` holds that a lower stage writes
+  std::set<std::string> skip;       // names `my_rank` holds that a lower stage writes (and it does not)
 };
-Contents merge_records(const std::vector<std::string>& records, int my_rank);
+// keep_alternates (no shared filesystem): a tied parameter's pieces are written by
+// every stage holding it, and those and the disks' copies of a replicated group's
+// parameters are listed as "alternates" (complete sets of pieces each).
+Contents merge_records(const std::vector<std::string>& records, int my_rank, bool keep_alternates = false);
 json build_manifest(const Snapshot& snap, Contents contents, const std::vector<std::pair<int64_t, uint64_t>>& digests);
 
 // Everything one save writes, copied out of the live model and optimizer so
@@ -135,7 +154,12 @@ struct Snapshot {
     int64_t begin;                  // first element of the flattened parameter
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32 copies
     at::Tensor grad;                // fp32 copy of the reduced gradient so far (when `gradients`)
+    bool copy = false;              // another rank's piece (a replicated group), copied onto this disk
   };
+  // This rank writes the replicated tensors (buffers, untrained parameters): the
+  // first rank of each stage's data-parallel group, and without a shared
+  // filesystem also the stage's first rank on each other disk (a copy per disk).
+  bool writes_replicated = true;
   bool gradients = false;           // saved in the middle of a step's accumulation
   std::vector<char> had_grad;       // per parameter, this rank (when `gradients`)
   std::vector<Owned> owned;         // host copies, or (deferred) views of the live tensors until copy() runs
@@ -156,7 +180,7 @@ struct Snapshot {
   }
   struct Replicated {
     std::string name, kind;
-    at::Tensor value;               // a copy (the group's first rank only; others keep just the names)
+    at::Tensor value;               // a copy (writes_replicated only; others keep just the names)
   };
   std::vector<Replicated> replicated;
   at::Tensor rng;                   // the CPU generator's state
@@ -205,6 +229,13 @@ struct Checkpointer::Impl {
                 my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
   }
 
+  // Collective over `c`: every rank makes `dir` and a probe file in it with a
+  // name no host has looked up before (an NFS client caches failed lookups by
+  // name); then, lowest rank first, each rank not yet placed looks for the
+  // candidate's probe: one round per disk.
+  static ckpt::Disks find_disks(Communicator& c, const fs::path& dir);
+  ckpt::Disks disks;
+
   // fence: registers a function the optimizer runs before its next update.
   std::string save(const ShardedState& state, torch::nn::Module& model, const TrainingProgress& progress,
                    const std::function<void(std::function<void()>)>& fence);
@@ -233,8 +264,18 @@ struct Checkpointer::Impl {
   // and dtype, and every tensor of it in some rank's model.
   void check_same_model(const json& m, const std::vector<ckpt::ModelEntry>& mine, const fs::path& cand) const;
   // Why this committed checkpoint cannot be trusted ("" when it can): the
-  // files this rank checks (every world-th one) against the manifest.
-  std::string verify_share(const fs::path& step_dir, const json& m) const;
+  // files this rank checks (a share of those its directory holds) against the
+  // manifest. `anywhere`: without a shared filesystem, files_anywhere()'s.
+  std::string verify_share(const fs::path& step_dir, const json& m, const std::vector<char>& anywhere) const;
+  // Collective: for each of the manifest's files (`m`; null where this rank has
+  // none), whether some rank's directory holds it.
+  std::vector<char> files_anywhere(const fs::path& step_dir, const json* m) const;
+  // Whether this rank's directory holds one of a manifest's files.
+  static bool here(const fs::path& step_dir, const json& file);
+  // Collective: the step directories to try, in order, the same on every rank:
+  // `step`, or the oldest step a `latest` names, then the steps every disk holds,
+  // newest first. Throws when some disks hold checkpoints and others none in common.
+  std::vector<fs::path> agree_on_candidates(std::optional<int64_t> step) const;
 };
 
 }  // namespace zeroshard

@@ -8,6 +8,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <unordered_map>
 
@@ -15,12 +17,106 @@ namespace zeroshard {
 
 using namespace ckpt;
 
-std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const json& m) const {
+std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int64_t> step) const {
+  const fs::path root(dir);
+  if (step) return {root / step_dir_name(*step)};
+  // This rank's view: what `latest` names and the committed steps, newest first.
+  json mine{{"latest", nullptr}, {"committed", json::array()}};
+  if (fs::exists(root / "latest")) {
+    try {
+      mine["latest"] = *step_of_dir_name(latest_step_dir(root).filename().string());
+    } catch (const std::exception& e) {
+      log_warn(message_of(e) + "; loading the newest committed checkpoint instead");
+    }
+  }
+  for (const auto& c : committed()) mine["committed"].push_back(*step_of_dir_name(c.filename().string()));
+  // Every disk's view, so that every rank tries the same steps in the same order: first
+  // the oldest step a `latest` names (a crash between two disks' commits leaves one disk
+  // a step ahead), then the steps every disk holds, newest first.
+  std::vector<json> views;
+  if (disks.shared()) {
+    views.push_back(mine);
+  } else {
+    for (const auto& t : all_gather_text(*comm, mine.dump())) views.push_back(json::parse(t));
+  }
+  std::optional<int64_t> latest;
+  std::set<int64_t> everywhere;
+  std::string holders;  // which ranks hold which steps, for the error below
+  for (size_t r = 0; r < views.size(); ++r) {
+    const auto& v = views[r];
+    if (!v.at("latest").is_null()) latest = std::min(latest.value_or(std::numeric_limits<int64_t>::max()), v.at("latest").get<int64_t>());
+    std::set<int64_t> held;
+    for (const auto& s : v.at("committed")) held.insert(s.get<int64_t>());
+    if (r == 0) {
+      everywhere = held;
+    } else {
+      std::set<int64_t> both;
+      std::set_intersection(everywhere.begin(), everywhere.end(), held.begin(), held.end(),
+                            std::inserter(both, both.end()));
+      everywhere = std::move(both);
+    }
+    if (disks.shared() || disks.leads(static_cast<int>(r))) {
+      holders += std::string(holders.empty() ? "" : "; ") + "host " + disks.hosts[r] + " (rank " + std::to_string(r) +
+                 ") " + (held.empty() ? std::string("none") : "steps " + v.at("committed").dump());
+    }
+  }
+  std::vector<fs::path> out;
+  if (latest) out.push_back(root / step_dir_name(*latest));
+  for (auto it = everywhere.rbegin(); it != everywhere.rend(); ++it) {
+    if (!latest || *it != *latest) out.push_back(root / step_dir_name(*it));
+  }
+  bool any = false;
+  for (const auto& v : views) any = any || !v.at("committed").empty();
+  // Some disks hold checkpoints and others none (a host replaced by a fresh one): starting
+  // from scratch would silently throw the run away.
+  TORCH_CHECK(!any || !everywhere.empty(), "checkpoint: the hosts' run directories '", dir,
+              "' hold no committed step in common (", holders,
+              "). Bring every host's step directories together (a shared filesystem, or copy them onto each host: "
+              "docs/checkpoints.md), or empty the directory on every host to start afresh");
+  return out;
+}
+
+bool Checkpointer::Impl::here(const fs::path& step_dir, const json& file) {
+  std::error_code ec;
+  return fs::exists(step_dir / file.at("name").get<std::string>(), ec);
+}
+
+std::vector<char> Checkpointer::Impl::files_anywhere(const fs::path& step_dir, const json* m) const {
+  std::string mine;  // '1' for each of the manifest's files this rank's directory holds
+  if (m) {
+    for (const auto& f : m->at("files")) mine += here(step_dir, f) ? '1' : '0';
+  }
+  std::vector<char> out(mine.size(), 0);
+  for (const auto& theirs : all_gather_text(*comm, mine)) {
+    for (size_t j = 0; j < out.size() && j < theirs.size(); ++j) out[j] = static_cast<char>(out[j] || theirs[j] == '1');
+  }
+  return out;
+}
+
+std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const json& m,
+                                             const std::vector<char>& anywhere) const {
   const auto& files = m.at("files");
-  for (size_t j = static_cast<size_t>(comm->rank()); j < files.size(); j += static_cast<size_t>(comm->size())) {
+  // Each rank checks a share of the files its directory holds. Without a shared
+  // filesystem a file may be on another host's disk only; one on none is missing.
+  const auto group = disks.members(comm->rank());
+  const size_t at = static_cast<size_t>(std::find(group.begin(), group.end(), comm->rank()) - group.begin());
+  for (size_t j = 0; j < anywhere.size(); ++j) {
+    if (!anywhere[j]) {
+      return "'" + (step_dir / files[j].at("name").get<std::string>()).string() + "' is missing on every host";
+    }
+  }
+  for (size_t j = at; j < files.size(); j += group.size()) {
     const fs::path p = step_dir / files[j].at("name").get<std::string>();
     std::error_code ec;
-    if (!fs::exists(p, ec)) return "'" + p.string() + "' is missing";
+    if (!disks.shared() && !fs::exists(p, ec)) continue;  // on another host's disk
+    if (!fs::exists(p, ec)) {
+      const auto host = files[j].value("host", std::string());
+      const auto& mine = disks.hosts[static_cast<size_t>(comm->rank())];
+      return "'" + p.string() + "' is missing" +
+             (host.empty() || host == mine ? std::string()
+                                           : " (host " + host + " wrote it; without a shared filesystem, bring every "
+                                             "host's files together: docs/checkpoints.md)");
+    }
     const auto size = fs::file_size(p, ec);
     const auto want = files[j].at("bytes").get<int64_t>();
     if (ec || static_cast<int64_t>(size) != want) {
@@ -98,21 +194,8 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
   const Place place = place_of(state);
   agree_on_places(*comm, place, {});
   const auto names = module_names(state, model, options.saved_names);
-  // Candidates: the one asked for, or what `latest` names; then older committed ones.
-  std::vector<fs::path> candidates;
   const fs::path root(dir);
-  if (step) {
-    candidates.push_back(root / step_dir_name(*step));
-  } else if (fs::exists(root / "latest")) {
-    try {
-      candidates.push_back(latest_step_dir(root));
-    } catch (const std::exception& e) {
-      log_warn(message_of(e) + "; loading the newest committed checkpoint instead");
-    }
-  }
-  for (const auto& c : committed()) {
-    if (std::find(candidates.begin(), candidates.end(), c) == candidates.end()) candidates.push_back(c);
-  }
+  const std::vector<fs::path> candidates = agree_on_candidates(step);
   if (candidates.empty()) return std::nullopt;
   const auto mine = model_entries(model, state, names, options.saved_names);
   for (const auto& cand : candidates) {
@@ -121,14 +204,21 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     json m;
     try {
       if (!fs::exists(cand / "manifest.json")) {
-        why = "'" + cand.string() + "' has no manifest.json (never committed)";
+        why = "'" + cand.string() + "' has no manifest.json (never committed)" +
+              (disks.shared() ? "" : " on host " + disks.hosts[static_cast<size_t>(rank)]);
       } else {
         m = read_manifest(cand);
-        why = verify_share(cand, m);
       }
     } catch (const std::exception& e) {
       why = "'" + (cand / "manifest.json").string() + "' cannot be used: " +
             message_of(e);
+    }
+    std::vector<char> anywhere;  // without a shared filesystem: the files some host's disk holds
+    if (!disks.shared()) anywhere = files_anywhere(cand, why.empty() ? &m : nullptr);
+    try {
+      if (why.empty()) why = verify_share(cand, m, anywhere);
+    } catch (const std::exception& e) {
+      why = "'" + cand.string() + "' cannot be verified: " + message_of(e);
     }
     auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
     if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
@@ -153,6 +243,20 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       std::unordered_map<std::string, const json*> saved;
       for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
       std::map<int, checkpoint::h5::File> open;
+      // Without a shared filesystem: whether rank r's file is on this host's disk, and the
+      // error when a read needs one that is not.
+      auto local = [&](int r) { return disks.shared() || here(cand, m.at("files").at(static_cast<size_t>(r))); };
+      auto not_here = [&](int r, const std::string& name) {
+        const auto& f = m.at("files").at(static_cast<size_t>(r));
+        TORCH_CHECK(false, "'", (cand / f.at("name").get<std::string>()).string(), "' (written by rank ", r,
+                    f.contains("host") ? " on host " + f.at("host").get<std::string>() : std::string(),
+                    ") is not on this host's disk (host ", disks.hosts[static_cast<size_t>(rank)], ", rank ", rank,
+                    "), and this load reads '", name, "' from it: the checkpoint was saved by ",
+                    m.at("world_size").get<int>(), " ranks (", m.value("topology", json::object()).value("pp_stages", 1),
+                    " pipeline stage(s), ZeRO stage ", zero_stage_of(m), ") and the ranks now place its pieces elsewhere. "
+                    "Bring every host's ", cand.filename().string(), " files together on each host (a shared filesystem, or "
+                    "copy them: docs/checkpoints.md), or resume with the topology that saved it");
+      };
       auto file = [&](int r) -> checkpoint::h5::File& {
         auto it = open.find(r);
         if (it == open.end()) {
@@ -168,17 +272,39 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
         const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
         auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
-        file(replicated.at(name)->value("rank", 0))
-            .read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
+        const json& entry = *replicated.at(name);
+        int from = entry.value("rank", 0);
+        for (const auto& c : entry.value("copies", json::array())) {  // a copy on this disk
+          if (!local(from)) from = c.get<int>();
+        }
+        if (!local(from)) not_here(entry.value("rank", 0), name);
+        file(from).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
         return t;
       };
       // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
       auto read_master = [&](const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
-        for (const auto& pc : saved.at(name)->at("pieces")) {
+        const json& p = *saved.at(name);
+        auto overlaps = [&](const json& pc) { return std::max(a, pc[1].get<int64_t>()) < std::min(e, pc[2].get<int64_t>()); };
+        // The saved pieces, or (without a shared filesystem) the first alternate set whose
+        // pieces over [a, e) are all on this disk: another stage's, or a disk's copy.
+        const json* cover = &p.at("pieces");
+        auto all_here = [&](const json& c) {
+          return std::all_of(c.begin(), c.end(), [&](const json& pc) { return !overlaps(pc) || local(pc[0].get<int>()); });
+        };
+        if (!all_here(*cover) && p.contains("alternates")) {
+          for (const auto& alt : p.at("alternates")) {
+            if (all_here(alt)) {
+              cover = &alt;
+              break;
+            }
+          }
+        }
+        for (const auto& pc : *cover) {
+          if (!overlaps(pc)) continue;
           const int r = pc[0].get<int>();
           const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
           const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
-          if (lo >= hi) continue;
+          if (!local(r)) not_here(r, name);
           file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
                        static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
         }
@@ -253,7 +379,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       std::vector<std::pair<std::string, c10::Device>> generators{{"/rng/cpu", c10::kCPU}};
       if (device.is_cuda()) generators.emplace_back("/rng/cuda", device);
       for (const auto& [ds, dev] : generators) {
-        if (!same_place || !file(rank).has(ds)) continue;
+        if (!same_place || !here(cand, saved_file) || !file(rank).has(ds)) continue;
         const auto dims = file(rank).dims(ds);
         // A generator's state is a few KiB (the CPU's mt19937: 5,056 bytes).
         TORCH_CHECK(dims.size() == 1 && dims[0] <= (1u << 20), "checkpoint ", dir, ": ", ds, " of rank ", rank,

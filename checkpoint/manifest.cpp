@@ -11,7 +11,8 @@
 
 namespace zeroshard::ckpt {
 
-std::vector<char> agree_on_places(Communicator& world, const Place& mine, const std::vector<char>& flags) {
+std::vector<char> agree_on_places(Communicator& world, const Place& mine, const std::vector<char>& flags,
+                                  std::vector<std::pair<int, int>>* places) {
   std::vector<int64_t> row{mine.pp_stage, mine.pp_stages, mine.dp_rank, mine.dp_size};
   for (char f : flags) row.push_back(f ? 1 : 0);
   const int n = world.size();
@@ -43,6 +44,10 @@ std::vector<char> agree_on_places(Communicator& world, const Place& mine, const 
   }
   TORCH_CHECK_VALUE(bad.empty(), "checkpoint: the ranks do not form one grid of pipeline stages and data-parallel "
                     "groups: ", bad);
+  if (places) {
+    places->clear();
+    for (int r = 0; r < n; ++r) places->emplace_back(static_cast<int>(a[r * width]), static_cast<int>(a[r * width + 2]));
+  }
   return any;
 }
 
@@ -51,21 +56,28 @@ json rank_record(const Snapshot& snap) {
   rec["pp_stage"] = snap.place.pp_stage;
   rec["dp_rank"] = snap.place.dp_rank;
   std::vector<json> pieces(snap.params.size(), json::array());
-  for (const auto& o : snap.owned) pieces[o.param].push_back({o.begin, o.begin + o.master.numel()});
+  std::vector<char> copied(snap.params.size(), 0);
+  for (const auto& o : snap.owned) {
+    pieces[o.param].push_back({o.begin, o.begin + o.master.numel()});
+    copied[o.param] = static_cast<char>(copied[o.param] || o.copy);
+  }
   rec["params"] = json::array();
   for (size_t i = 0; i < snap.params.size(); ++i) {
     json p{{"name", snap.names[i]}, {"shape", snap.params[i].shape}, {"dtype", c10::toString(snap.params[i].dtype)},
            {"step", snap.steps[i]}, {"pieces", std::move(pieces[i])}};
     if (snap.gradients) p["had_grad"] = snap.had_grad[i] != 0;
+    if (copied[i]) p["copy"] = true;
     rec["params"].push_back(std::move(p));
   }
   rec["replicated"] = json::array();
   rec["groups"] = json::array();
-  if (snap.place.dp_rank != 0) return rec;  // the group's first rank writes what the group shares
-  for (const auto& r : snap.replicated) {
-    rec["replicated"].push_back({{"name", r.name}, {"kind", r.kind}, {"shape", r.value.sizes().vec()},
-                                 {"dtype", c10::toString(r.value.scalar_type())}});
+  if (snap.writes_replicated) {  // what the group shares
+    for (const auto& r : snap.replicated) {
+      rec["replicated"].push_back({{"name", r.name}, {"kind", r.kind}, {"shape", r.value.sizes().vec()},
+                                   {"dtype", c10::toString(r.value.scalar_type())}});
+    }
   }
+  if (snap.place.dp_rank != 0) return rec;  // the group's first rank lists its layouts
   for (const auto& g : snap.groups) {
     json j;
     j["pp_stage"] = snap.place.pp_stage;
@@ -79,7 +91,7 @@ json rank_record(const Snapshot& snap) {
   return rec;
 }
 
-Contents merge_records(const std::vector<std::string>& texts, int my_rank) {
+Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool keep_alternates) {
   std::vector<json> recs;
   for (const auto& t : texts) recs.push_back(json::parse(t));
   std::vector<int> order(recs.size());  // ranks by (stage, dp rank)
@@ -108,14 +120,24 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank) {
     }
   }
   Contents out;
-  std::unordered_map<std::string, size_t> param_at;
+  std::unordered_map<std::string, size_t> param_at, replicated_at;
+  // Without a shared filesystem, the other complete sets of a parameter's pieces: another
+  // stage's (a tied parameter), or a disk's copy of a replicated group's. Keyed by (stage,
+  // the copying rank or -1).
+  std::map<std::string, std::map<std::pair<int, int>, json>> alternates;
   for (int r : order) {
     const json& rec = recs[static_cast<size_t>(r)];
     const int stage = key(r).first;
     for (const auto& e : rec.at("params")) {
       const auto name = e.at("name").get<std::string>();
-      if (first.at(name).first != stage) {
-        if (r == my_rank) out.skip.insert(name);
+      const bool copy = e.value("copy", false);
+      if (first.at(name).first != stage || copy) {
+        if (!keep_alternates) {
+          if (r == my_rank) out.skip.insert(name);
+          continue;
+        }
+        json& cover = alternates[name][{stage, copy ? r : -1}];
+        for (const auto& pc : e.at("pieces")) cover.push_back({r, pc.at(0), pc.at(1)});
         continue;
       }
       auto [it, fresh] = param_at.emplace(name, out.params.size());
@@ -130,15 +152,25 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank) {
     }
     for (const auto& e : rec.at("replicated")) {
       const auto name = e.at("name").get<std::string>();
-      if (first.at(name).first != stage || param_at.count(name)) {
+      const bool lower = first.at(name).first != stage;  // a lower stage holds it too
+      if (param_at.count(name) || (lower && !keep_alternates)) {
         if (r == my_rank) out.skip.insert(name);
         continue;
       }
-      json q = e;
-      q["rank"] = r;
-      out.replicated.push_back(std::move(q));
+      auto [it, fresh] = replicated_at.emplace(name, out.replicated.size());
+      if (fresh) {  // the lowest stage's group's first rank (ranks go by stage, then dp rank)
+        json q = e;
+        q["rank"] = r;
+        out.replicated.push_back(std::move(q));
+      } else {      // the first rank of a stage on another disk, or of a higher stage: a copy there
+        out.replicated[it->second]["copies"].push_back(r);
+      }
     }
     for (const auto& g : rec.at("groups")) out.groups.push_back(g);
+  }
+  for (auto& [name, covers] : alternates) {
+    json& p = out.params.at(param_at.at(name));
+    for (auto& [where, cover] : covers) p["alternates"].push_back(std::move(cover));
   }
   // A name another stage writes as a trained parameter: this rank's copy is not written either.
   for (const auto& e : recs[static_cast<size_t>(my_rank)].at("replicated")) {
@@ -218,12 +250,19 @@ std::string pieces_problem(const json& m) {
       }
     }
   }
-  for (const auto& p : m.at("params")) {
-    const std::string name = p.at("name").get<std::string>();
-    int64_t numel = 1;
-    for (int64_t d : p.at("shape").get<std::vector<int64_t>>()) numel *= d;
+  auto outside = [&](const json& e) -> std::string {  // a copy in a file that was not written
+    for (const auto& c : e.value("copies", json::array())) {
+      if (c.get<int64_t>() < 0 || c.get<int64_t>() >= files) {
+        return "a copy of '" + e.at("name").get<std::string>() + "' is on rank " + c.dump() + ", but " +
+               std::to_string(files) + " rank files were written";
+      }
+    }
+    return "";
+  };
+  // "" when `cover`'s pieces cover the parameter's elements exactly once, each in a written file.
+  auto cover_problem = [&](const std::string& name, int64_t numel, const json& cover) -> std::string {
     std::vector<std::array<int64_t, 3>> pieces;  // begin, end, rank
-    for (const auto& pc : p.at("pieces")) pieces.push_back({pc.at(1).get<int64_t>(), pc.at(2).get<int64_t>(), pc.at(0).get<int64_t>()});
+    for (const auto& pc : cover) pieces.push_back({pc.at(1).get<int64_t>(), pc.at(2).get<int64_t>(), pc.at(0).get<int64_t>()});
     std::sort(pieces.begin(), pieces.end());
     int64_t next = 0;
     for (const auto& [begin, end, rank] : pieces) {
@@ -242,6 +281,16 @@ std::string pieces_problem(const json& m) {
       return "the pieces of '" + name + "' do not cover its " + std::to_string(numel) + " elements exactly once (they end at " +
              std::to_string(next) + ")";
     }
+    return "";
+  };
+  for (const auto& p : m.at("params")) {
+    const std::string name = p.at("name").get<std::string>();
+    int64_t numel = 1;
+    for (int64_t d : p.at("shape").get<std::vector<int64_t>>()) numel *= d;
+    if (auto why = cover_problem(name, numel, p.at("pieces")); !why.empty()) return why;
+    for (const auto& alt : p.value("alternates", json::array())) {
+      if (auto why = cover_problem(name, numel, alt); !why.empty()) return "an alternate set: " + why;
+    }
   }
   for (const auto& r : m.at("replicated")) {
     const int64_t rank = r.value("rank", 0);
@@ -249,6 +298,7 @@ std::string pieces_problem(const json& m) {
       return "'" + r.at("name").get<std::string>() + "' is on rank " + std::to_string(rank) + ", but " +
              std::to_string(files) + " rank files were written";
     }
+    if (auto why = outside(r); !why.empty()) return why;
   }
   return "";
 }
@@ -270,6 +320,16 @@ std::string schema_problem(const json& m) {
   auto any_int = [&](const json& j) { return integer(j, -kMax, kMax); };
   auto count = [&](const json& j) { return integer(j, 0, kMax); };
   auto text = [](const json& j) { return j.is_string(); };
+  auto triples = [&](const json& j) {  // pieces: [rank, begin, end]
+    if (!j.is_array()) return false;
+    for (const auto& pc : j) {
+      if (!pc.is_array() || pc.size() != 3 || !any_int(pc[0]) || !any_int(pc[1]) || !any_int(pc[2])) return false;
+    }
+    return true;
+  };
+  auto ranks = [&](const json& j) {
+    return j.is_array() && std::all_of(j.begin(), j.end(), [&](const json& c) { return any_int(c); });
+  };
   // Tensor names become HDF5 dataset paths, file names paths in the step directory.
   auto tensor_name = [](const json& j) {
     return j.is_string() && !j.get<std::string>().empty() && j.get<std::string>().find('/') == std::string::npos;
@@ -324,7 +384,7 @@ std::string schema_problem(const json& m) {
     if (!f.is_object()) return "a file entry is " + f.dump().substr(0, 80);
     first("file " + f.value("name", json()).dump() + ": ",
           {field(f, "name", file_name), field(f, "bytes", count), field(f, "xxh3", text),
-           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false)});
+           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false), field(f, "host", text, false)});
   }
   if (m.contains("model_view")) {
     const json& v = m.at("model_view");
@@ -339,17 +399,13 @@ std::string schema_problem(const json& m) {
       first(where, {field(e, "name", tensor_name), field(e, "shape", shape), field(e, "dtype", dtype)});
       if (std::string(list) == "params") {
         first(where, {field(e, "step", any_int), field(e, "had_grad", [](const json& j) { return j.is_boolean(); }, false),
-                      field(e, "pieces", [&](const json& j) {
-                        if (!j.is_array()) return false;
-                        for (const auto& pc : j) {
-                          if (!pc.is_array() || pc.size() != 3 || !any_int(pc[0]) || !any_int(pc[1]) || !any_int(pc[2])) {
-                            return false;
-                          }
-                        }
-                        return true;
-                      })});
+                      field(e, "alternates", [&](const json& j) {
+                        return j.is_array() && std::all_of(j.begin(), j.end(), [&](const json& c) { return triples(c); });
+                      }, false),
+                      field(e, "pieces", triples)});
       } else {
-        first(where, {field(e, "kind", text), field(e, "rank", any_int, false)});
+        first(where, {field(e, "kind", text), field(e, "rank", any_int, false),
+                      field(e, "copies", ranks, false)});
       }
       if (!bad.empty()) return bad;
       if (!names.insert(e.at("name").get<std::string>()).second) {

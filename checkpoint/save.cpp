@@ -26,7 +26,8 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   bool any_grad = false;
   for (char h : state.had_grad) any_grad = any_grad || h;
   for (const auto& b : state.buckets) any_grad = any_grad || b.grad_shard.defined();
-  const auto any = agree_on_places(*comm, place, {state.local_gradients_pending, any_grad});
+  std::vector<std::pair<int, int>> places;  // every rank's (stage, dp rank)
+  const auto any = agree_on_places(*comm, place, {state.local_gradients_pending, any_grad}, &places);
   TORCH_CHECK_VALUE(!any[0], "checkpoint: this step's gradients are still in p.grad() on some rank "
                     "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
                     "them. Save after step(), or accumulate with reduced backwards (the default)");
@@ -37,6 +38,15 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   snap.rank = comm->rank();
   snap.world = comm->size();
   snap.place = place;
+  snap.writes_replicated = place.dp_rank == 0;
+  if (!disks.shared() && place.dp_rank != 0) {  // a copy on each disk: by the stage's first rank there
+    bool first_here = true;
+    for (int r : disks.members(snap.rank)) {
+      const auto& [stage, dp_rank] = places[static_cast<size_t>(r)];
+      if (stage == place.pp_stage && (dp_rank == 0 || r < snap.rank)) first_here = false;
+    }
+    snap.writes_replicated = first_here;
+  }
   snap.zero_stage = state.zero_stage;
   snap.names = module_names(state, model, options.saved_names);
   snap.params = state.params;
@@ -54,9 +64,10 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   for (const auto& s : sources) snap.on_device = snap.on_device || (s.defined() && !s.device().is_cpu());
   for (const auto& b : state.buckets) {
     snap.groups.push_back({b.layout, b.params});
-    // A replicated group (stage 0) is saved once, by the first rank of its data-parallel group.
+    // A replicated group (stage 0) is saved once, by the first rank of its data-parallel group
+    // (and, without a shared filesystem, copied by the group's first rank on each other disk).
     const int shard = b.layout.shard_of_rank(state.rank);
-    if (shard != state.rank) continue;
+    if (shard != state.rank && !snap.writes_replicated) continue;
     for (const auto& seg : shard_segments(b.layout, shard)) {
       const Range local = seg.local(b.layout, shard);
       // Gradients are always copied now: the next backward adds into them.
@@ -71,7 +82,8 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
         grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end), at::kFloat)
                                       : at::zeros({local.size()}, at::kFloat);
       }
-      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad});
+      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad,
+                            shard != state.rank});
       snap.bytes += (snap.gradients ? 16 : 12) * local.size();
     }
   }
@@ -80,11 +92,11 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   auto add = [&](const std::string& name, const char* kind, const at::Tensor& t) {
     storage_type(t.scalar_type(), name);  // refuse unsupported dtypes now, on every rank
     Snapshot::Replicated r{name, kind, at::Tensor()};
-    if (state.rank == 0) {
+    if (snap.writes_replicated) {
       r.value = snap.host->copy(t.detach());
       snap.bytes += static_cast<int64_t>(r.value.nbytes());
     } else {
-      r.value = torch::empty({0}, t.options().device(at::kCPU));  // rank 0 writes these
+      r.value = torch::empty({0}, t.options().device(at::kCPU));  // another rank writes these
     }
     snap.replicated.push_back(std::move(r));
   };
@@ -135,7 +147,7 @@ void ckpt::write_rank_file(const fs::path& path, const Snapshot& snap, const std
       f.set_attribute(ds, "begin", o.begin);
     }
   }
-  if (snap.place.dp_rank == 0) {  // what the group's ranks hold in full: buffers and untrained parameters
+  if (snap.writes_replicated) {  // what the group's ranks hold in full: buffers and untrained parameters
     for (const auto& r : snap.replicated) {
       if (skip.count(r.name)) continue;
       std::vector<uint64_t> dims;
@@ -301,9 +313,10 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   const fs::path tmp = final_dir.string() + ".tmp";
   // Every rank's record, merged the same way everywhere: which names this rank
   // writes, and (rank 0) the manifest's contents.
-  auto contents = merge_records(all_gather_text(c, rank_record(snap).dump()), rank);
+  auto contents = merge_records(all_gather_text(c, rank_record(snap).dump()), rank, !disks.shared());
   std::string err;
-  if (rank == 0) {
+  const bool leads = disks.leads(rank);  // makes and commits the step directory on its disk
+  if (leads) {
     try {
       std::error_code ec;
       fs::remove_all(tmp, ec);
@@ -345,24 +358,40 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   }
   auto took = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}, torch::kDouble);
   if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
+  json m;
   if (rank == 0) {
     try {
-      trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
-      json m = build_manifest(snap, std::move(contents), digests);
+      trace::Span span("checkpoint", "checkpoint manifest " + final_dir.filename().string());
+      m = build_manifest(snap, std::move(contents), digests);
       m["save_seconds"] = took.item<double>();  // writing the rank files, as measured by the slowest rank
-      if (options.write_model_view) {
+      for (int r = 0; r < world; ++r) m["files"][static_cast<size_t>(r)]["host"] = disks.hosts[static_cast<size_t>(r)];
+      if (options.write_model_view) {  // on rank 0's disk: it presents the files where they are brought together
         write_model_view(tmp / "model.h5", m);
         // Its checksum too: readers hand HDF5 no file whose bytes they have not verified.
         const auto view = checkpoint::digest_file((tmp / "model.h5").string());
         m["model_view"] = {{"name", "model.h5"}, {"bytes", view.bytes}, {"xxh3", checkpoint::to_hex(view.xxh3)}};
       }
-      commit_step_dir(tmp, final_dir, m);
     } catch (const std::exception& e) {
       err = message_of(e);
     }
   }
+  if (!disks.shared()) {  // every disk gets the same manifest, and commits its own step directory
+    agree(c, "writing the manifest of " + final_dir.string(), err);
+    const std::string text = broadcast_text(c, rank == 0 ? m.dump() : std::string(), 0);
+    if (rank != 0) m = json::parse(text);
+  }
+  if (leads && err.empty()) {
+    try {
+      trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
+      commit_step_dir(tmp, final_dir, m);
+    } catch (const std::exception& e) {
+      err = message_of(e) + (disks.shared() ? "" : " (on host " + disks.hosts[static_cast<size_t>(rank)] + ")");
+    }
+  }
+  // Without a shared filesystem, a crash between two disks' commits leaves one a step
+  // ahead: a load takes the newest step every disk holds (each keeps at least 2).
   agree(c, "committing " + final_dir.string(), err);
-  if (rank == 0) retain(final_dir);
+  if (leads) retain(final_dir);
   c.barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t bytes = 0;

@@ -13,9 +13,11 @@
 // Every rank writes its own file into step-N.tmp/, fsyncs it and reports its
 // size and checksum; rank 0 writes the manifest, fsyncs it, renames the
 // directory to step-N/ and then replaces `latest`. A crash at any instant
-// leaves the previous checkpoint loadable. A load verifies every file's size
-// and checksum against the manifest and falls back to the previous committed
-// checkpoint (saying why) when one does not match. Any world size, ZeRO stage
+// leaves the previous checkpoint loadable. Hosts with disks of their own (no
+// shared filesystem) each keep their ranks' files, the manifest and `latest`,
+// and a resume at the same topology reads only its own disk. A load verifies
+// every file's size and checksum against the manifest and falls back to the
+// previous committed checkpoint (saying why) when one does not match. Any world size, ZeRO stage
 // and number of pipeline stages can load any checkpoint of the same model:
 // each rank reads only the pieces it now owns (HDF5 hyperslab reads), from
 // whichever files hold them. Format: docs/checkpoint-format.md.

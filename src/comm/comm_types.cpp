@@ -1,5 +1,6 @@
 #include "zeroshard/comm.h"
 
+#include "comm/host_name.h"
 #include "zeroshard/log.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -10,6 +11,11 @@
 #include <unistd.h>
 
 namespace zeroshard {
+
+std::string host_name() {
+  char name[256] = {};
+  return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("(unnamed)");
+}
 
 std::string to_string(ReduceOp op) {
   switch (op) {
@@ -96,10 +102,9 @@ namespace {
 // How many of `comm`'s ranks run on this host (the same host name): the ranks
 // that share its GPUs. Collective.
 int ranks_on_this_host(Communicator& comm) {
-  char host[256] = {0};
-  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "device_group: gethostname failed");
+  const std::string host = host_name();
   const auto hosts = all_gather_text(comm, host);
-  return static_cast<int>(std::count(hosts.begin(), hosts.end(), std::string(host)));
+  return static_cast<int>(std::count(hosts.begin(), hosts.end(), host));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Rendezvous from the environment (torchrun, Slurm, Open MPI) and creation of
 // the world communicator.
+#include "comm/host_name.h"
 #include "comm/store_wait.h"
 #include "comm/tcp_communicator.h"
 #include "compat/torch_compat.h"
@@ -61,12 +62,6 @@ int leading_int(const std::string& s, int fallback) {
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
-// This host's name, for messages.
-std::string host_name() {
-  char name[256] = {};
-  return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("(unnamed)");
 }
 
 // The address of network interface `name`: its IPv4 address, else its first global IPv6 one.

@@ -18,7 +18,9 @@
 #include <torch/torch.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -294,6 +296,138 @@ TEST(CheckpointCommit, KeepsTheLastKAndCleansLeftovers) {
                 .find("at least 2 committed checkpoints are kept"),
             std::string::npos);
 }
+
+// ---------------------------------------------------------------- hosts without a shared filesystem
+
+// The ranks' first half has a run directory of its own and the second half
+// another, at different paths here, as hosts with disks of their own have at
+// the same path.
+class CheckpointDisks : public ::testing::TestWithParam<int> {};
+
+std::string rank_file(int r, int n) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "rank-%05d-of-%05d.h5", r, n);
+  return buf;
+}
+
+// Every disk gets its own ranks' files, the manifest and `latest` (the model view
+// stays on rank 0's); replicated tensors (a frozen layer, a buffer; at stage 0
+// every parameter) get a copy on the second disk. A resume at the same topology
+// reads only its own disk and is bit-identical; after a crash between the two
+// disks' commits every rank resumes the step both hold; a resume at another ZeRO
+// stage, which reads pieces of the other disk's files, names them and their host,
+// and loads once the files are brought together; a disk with no checkpoint
+// beside one with checkpoints is refused, not taken for a fresh start.
+TEST_P(CheckpointDisks, EachDiskHoldsItsRanksFilesAndResumesAlone) {
+  const int stage = GetParam(), n = world().size(), rank = world().rank();
+  if (n < 2) GTEST_SKIP() << "two disks need two ranks";
+  const fs::path base = common_temp_dir("ckpt_disks");
+  auto disk_of = [&](int r) { return r * 2 / n; };
+  auto run_dir = [&](int d) { return base / ("disk" + std::to_string(d)) / "run"; };
+  const std::string dir = run_dir(disk_of(rank)).string();
+  Trainer a(stage);
+  torch::Tensor at_save;
+  {
+    Checkpointer ckpt(dir, world_ptr());
+    a.train(0, kSaveAt);
+    a.save(ckpt, kSaveAt);
+    at_save = a.flat();
+    a.train(kSaveAt, kEnd);
+    a.save(ckpt, kEnd);
+  }
+  int second = 0;  // the second disk's first rank
+  while (disk_of(second) == 0) ++second;
+  if (rank == 0) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    for (int d : {0, 1}) {
+      SCOPED_TRACE("disk " + std::to_string(d));
+      const fs::path step = run_dir(d) / "step-00000012";
+      EXPECT_EQ(latest_of(run_dir(d).string()), "step-00000012");
+      EXPECT_EQ(fs::exists(step / "model.h5"), d == 0) << "the model view is on rank 0's disk alone";
+      for (int r = 0; r < n; ++r) EXPECT_EQ(fs::exists(step / rank_file(r, n)), disk_of(r) == d) << rank_file(r, n);
+      nlohmann::json m;
+      std::ifstream(step / "manifest.json") >> m;
+      EXPECT_EQ(m.at("files").at(static_cast<size_t>(n - 1)).at("host"), host);
+      // The buffer, and (outside fully_shard's units) the frozen layer's weight and bias.
+      EXPECT_EQ(m.at("replicated").size(), stage == 3 ? 1u : 3u) << m.at("replicated").dump();
+      for (const auto& e : m.at("replicated")) {
+        EXPECT_EQ(e.at("rank"), 0);
+        EXPECT_EQ(e.at("copies"), nlohmann::json::array({second})) << e.dump();
+      }
+      for (const auto& e : m.at("params")) {  // at stage 0, the whole parameter on the second disk too
+        int64_t numel = 1;
+        for (const auto& d : e.at("shape")) numel *= d.get<int64_t>();
+        EXPECT_EQ(e.value("alternates", nlohmann::json::array()),
+                  stage == 0 ? nlohmann::json::parse("[[[" + std::to_string(second) + ", 0, " + std::to_string(numel) + "]]]")
+                             : nlohmann::json::array())
+            << e.at("name");
+      }
+    }
+  }
+  world().barrier();
+  {
+    Checkpointer ckpt(dir, world_ptr());
+    Trainer b(stage, /*seed=*/99);
+    const auto progress = b.load(ckpt);
+    ASSERT_TRUE(progress.has_value());
+    EXPECT_EQ(progress->step, kEnd);
+    EXPECT_TRUE(torch::equal(b.flat(), a.flat()));
+  }
+  world().barrier();
+  if (rank == 0) {  // the second disk as a crash between the commits leaves it
+    fs::remove_all(run_dir(1) / "step-00000012");
+    std::ofstream(run_dir(1) / "latest", std::ios::trunc) << "step-00000006\n";
+  }
+  world().barrier();
+  {
+    Checkpointer ckpt(dir, world_ptr());
+    Trainer c(stage, /*seed=*/98);
+    const auto progress = c.load(ckpt);
+    ASSERT_TRUE(progress.has_value());
+    EXPECT_EQ(progress->step, kSaveAt) << "the step both disks hold";
+    EXPECT_TRUE(torch::equal(c.flat(), at_save));
+  }
+  // Another ZeRO stage places the pieces elsewhere. At stage 0 every piece is on both disks.
+  // (The Checkpointer and the model outlive the failing loads: a communicator destroyed while
+  // its rank unwinds from an exception aborts its family, the world's.)
+  const int other = stage == 3 ? 2 : 3;
+  Checkpointer elsewhere(dir, world_ptr());
+  Trainer d(other, /*seed=*/97);
+  auto load_other = [&] {
+    const auto progress = d.load(elsewhere);
+    EXPECT_TRUE(progress.has_value() && progress->step == kSaveAt);
+    expect_close(d.flat(), at_save);
+  };
+  if (stage != 0) {
+    const auto err = testing::error_of(load_other);
+    EXPECT_NE(err.find("failed on rank(s)"), std::string::npos) << "every rank fails: " << err;
+    const auto errs = all_gather_text(world(), err);  // the ranks that read the other disk's files name them
+    EXPECT_TRUE(std::any_of(errs.begin(), errs.end(), [](const std::string& e) {
+      return e.find("is not on this host's disk") != std::string::npos &&
+             e.find("Bring every host's step-00000006 files together") != std::string::npos;
+    })) << err;
+    if (rank == 0) {  // brought together, as a sync from an object store would
+      for (int d : {0, 1}) {
+        for (const auto& e : fs::directory_iterator(run_dir(1 - d) / "step-00000006")) {
+          const auto to = run_dir(d) / "step-00000006" / e.path().filename();
+          if (!fs::exists(to)) fs::copy_file(e.path(), to);
+        }
+      }
+    }
+    world().barrier();
+  }
+  load_other();
+  world().barrier();
+  if (rank == 0) fs::remove_all(run_dir(1));  // a fresh host in place of the second
+  world().barrier();
+  Checkpointer fresh_host(dir, world_ptr());
+  Trainer e(stage, /*seed=*/96);
+  const auto err = testing::error_of([&] { e.load(fresh_host); });
+  EXPECT_NE(err.find("hold no committed step in common"), std::string::npos) << err;
+}
+INSTANTIATE_TEST_SUITE_P(Stages, CheckpointDisks, ::testing::Values(0, 2, 3),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
 
 // A load into a fresh stage-2 trainer (other initial values): what it loaded,
 // the parameters it ends with, and what it logged.
