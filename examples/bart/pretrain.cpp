@@ -63,6 +63,8 @@ void check_options(const RunOptions& o) {
   need(o.stage >= 0 && o.stage <= 3, "--stage", o.stage, "0, 1, 2 or 3");
   need(o.device_comm == "auto" || o.device_comm == "nccl" || o.device_comm == "staged", "--device-comm",
        "'" + o.device_comm + "'", "auto, nccl or staged");
+  need(std::isfinite(o.liveness) && o.liveness >= 1, "--liveness", o.liveness,
+       "at least 1 second (more than moving 512 KiB over the slowest link takes)");
   need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
   need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
   need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
@@ -161,6 +163,10 @@ int bart_pretrain_main(int argc, char** argv) {
                  "with --device cuda, the ranks' collectives: auto (NCCL when every local rank has a GPU of its own, "
                  "else staged through host memory), nccl (always; ranks sharing a GPU need NCCL 2.30's "
                  "NCCL_MULTI_RANK_GPU_ENABLE=1, or a NCCL_HOSTID of their own each), or staged")
+      ->capture_default_str();
+  app.add_option("--liveness", o.liveness,
+                 "seconds a peer may stay silent before its host is taken for dead or cut off: every rank then "
+                 "stops, naming it")
       ->capture_default_str();
   app.add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints; 'none': no checkpoints)");
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();

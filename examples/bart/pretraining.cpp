@@ -146,7 +146,9 @@ class PretrainingRun {
 
 PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   dist_ = zeroshard::read_dist_env();  // the launcher's variables, read once
-  comm_ = zeroshard::init_communicator(dist_);
+  zeroshard::CommOptions comm_options;
+  comm_options.liveness = std::chrono::milliseconds(static_cast<int64_t>(o.liveness * 1000));
+  comm_ = zeroshard::init_communicator(dist_, comm_options);
   rank_ = comm_->rank();
   world_ = comm_->size();
   TORCH_CHECK_VALUE(o.pp >= 1 && world_ % o.pp == 0, "--pp ", o.pp, " must divide the ", world_, " ranks (each "

@@ -45,6 +45,7 @@ struct RunOptions {
   std::string precision = "fp32";
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
   std::string device_comm = "auto";  // cuda: auto, nccl or staged (zeroshard::DeviceTransport)
+  double liveness = 30;  // seconds a peer may stay silent before its host is taken for lost (CommOptions::liveness)
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
   int64_t save_every = 100;
   bool async_save = false;

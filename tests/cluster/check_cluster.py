@@ -12,7 +12,9 @@ Usage: check_cluster.py BUILD_DIR CHECK
           (one torchrun per host): its final loss and parameters equal a one-host zeroshard-run run at
           4 ranks bit for bit
   bart    bart_pretrain across 2 hosts x 2 ranks, ZeRO-3 and --pp 2 (the pipeline's stages on different
-          hosts): the per-step losses equal the same run's on one host (4 ranks) within 1e-6 relative
+          hosts): the per-step losses equal the same run's on one host (4 ranks) within 1e-6 relative.
+          Then ZeRO-3 with a disk per host (no shared filesystem) and checkpoints: host 1 killed, both
+          launchers started again, the run resumes from local files with the uninterrupted run's losses
   failures  soak_train (ZeRO-3) on 3 hosts x 1 rank with a liveness window of 3 s, one failure per run:
           host 2 killed (link down, then SIGKILL: no FIN or RST), host 2 cut off (link down), host 2's
           launcher killed; every surviving launcher exits non-zero, its rank's error names rank 2,
@@ -144,23 +146,73 @@ def check_bart(build, work):
                   f"relative (last {got[-1]:.4f})", flush=True)
             if name != "zero3":
                 continue
-            # No shared filesystem: each host has a disk of its own at the run directory's path, and only host 0's
-            # holds the tokenizer. Rank 0 sends it to the others; the losses are the one-host run's.
-            run_path = os.path.join(work, "run_on_own_disk")
-            disks = [os.path.join(work, f"disk{i}") for i in range(2)]
-            for dd in disks:
-                shutil.rmtree(dd, ignore_errors=True)
-                os.makedirs(dd)
-            shutil.copytree(tokenizer, os.path.join(disks[0], "tokenizer"))
-            launch(c, build, 2, 2, c.addr(0), [exe, *common, *extra, "--run-dir", run_path], env=env,
-                   disks=lambda i: [(disks[i], run_path)])
-            own = losses(disks[0])
-            check(own == got, lambda: f"zero3 with a disk per host: losses {own}, with a shared one {got}")
-            check(not os.path.exists(os.path.join(disks[1], "tokenizer")) and
-                  not os.path.exists(os.path.join(run_path, "tokenizer")),
-                  "host 1 read or wrote a tokenizer of its own")
-            print("bart: zero3 on 2 hosts, each with its own disk at the run directory (the tokenizer on host 0's "
-                  "alone): the same 8 losses", flush=True)
+            check_own_disks(c, build, work, exe, [*common, *extra], tokenizer, got)
+
+
+def check_own_disks(c, build, work, exe, args, tokenizer, want):
+    """No shared filesystem: each host has a disk of its own at the run directory's path, and only host 0's holds
+    the tokenizer (rank 0 sends it to the others). Checkpoints every 2 steps: each disk gets its ranks' files, the
+    manifest and `latest`. Host 1 is killed (link down, SIGKILL) once its disk holds a checkpoint; host 0's launcher
+    fails naming the lost ranks; both launchers start again and the run resumes from the last step both disks hold,
+    reading only local files. The 8 losses are the uninterrupted run's."""
+    run_path = os.path.join(work, "run_on_own_disk")
+    disks = [os.path.join(work, f"disk{i}") for i in range(2)]
+    for dd in disks:
+        shutil.rmtree(dd, ignore_errors=True)
+        os.makedirs(dd)
+    shutil.copytree(tokenizer, os.path.join(disks[0], "tokenizer"))
+    args = [a if a != "none" else os.path.join(run_path, "checkpoints") for a in args]
+    cmd = [exe, *args, "--run-dir", run_path, "--save-every", "2", "--liveness", str(LIVENESS_S)]
+    mounts = lambda i: [(disks[i], run_path)]  # noqa: E731
+    latest = os.path.join(disks[1], "checkpoints", "latest")
+    jobs = [c.start(i, [os.path.join(build, "zeroshard-run"), "--nnodes", 2, "--node-rank", i, "--nproc-per-node", 2,
+                        "--master-addr", c.addr(0), "--master-port", PORT + 8, "--grace-period", 5, "--", *cmd],
+                    env=ENV, disks=mounts(i))
+            for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT
+    while not (os.path.exists(latest) and open(latest).read().strip() >= "step-00000002"):
+        check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
+              lambda: "host 1's disk never got a checkpoint:\n" + c.outputs(jobs))
+        time.sleep(0.01)
+    killed_after = open(latest).read().strip()
+    start = time.monotonic()
+    cluster_kill(c, 1)
+    try:
+        jobs[0].proc.wait(LIVENESS_S + 10)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"host 0's launcher still runs {LIVENESS_S + 10} s after host 1 was killed:\n" +
+                             c.outputs(jobs))
+    detected = time.monotonic() - start
+    cluster_heal(c, 1)
+    c.wait(jobs[1:], 60)
+    out = jobs[0].output()
+    check(jobs[0].proc.returncode != 0 and re.search(r"the connection to rank\(s\) \[[23](, [23])?\] broke", out),
+          lambda: f"host 0's launcher did not fail naming host 1's ranks (2, 3):\n{out[-3000:]}")
+    committed = [sorted(os.listdir(os.path.join(d, "checkpoints"))) for d in disks]
+    # Again on both hosts, as a scheduler restarts a job: it resumes from the step both disks hold.
+    outs = launch(c, build, 2, 2, c.addr(0), cmd, env=dict(ENV, ZS_LOG_LEVEL="info"), disks=mounts)
+    resumed = re.search(r"checkpoint: loaded step (\d+) from (\S+)", outs[0])
+    check(resumed and int(resumed.group(1)) >= 2, lambda: "the restarted run did not resume:\n" + outs[0][-3000:])
+    check("is a different directory on host" in outs[0], lambda: "rank 0 did not find two disks:\n" + outs[0][-3000:])
+    got = losses(disks[0])
+    check(got == want, lambda: f"zero3 with a disk per host, killed and resumed: losses {got}, uninterrupted {want}")
+    for i, d in enumerate(disks):
+        step = os.path.join(d, "checkpoints", "step-00000008")
+        files = sorted(f for f in os.listdir(step) if f.startswith("rank-"))
+        check(files == [f"rank-{r:05d}-of-00004.h5" for r in (2 * i, 2 * i + 1)],
+              f"host {i}'s disk holds {files} of step 8")
+        check(open(os.path.join(d, "checkpoints", "latest")).read().strip() == "step-00000008",
+              f"host {i}'s latest is not step 8")
+        check(os.path.exists(os.path.join(step, "manifest.json")), f"host {i}'s disk has no manifest")
+    check(not os.path.exists(os.path.join(disks[1], "tokenizer")) and
+          not os.path.exists(os.path.join(run_path, "tokenizer")),
+          "host 1 read or wrote a tokenizer of its own")
+    print(f"bart: zero3 on 2 hosts, each with its own disk at the run directory (the tokenizer on host 0's alone), "
+          f"checkpoints every 2 steps: host 1 killed once its disk held {killed_after}; host 0's launcher failed "
+          f"naming ranks 2-3 after {detected:.1f} s (liveness {LIVENESS_S} s); the disks then held {committed[0]} and "
+          f"{committed[1]}; restarted on both hosts, resumed step {resumed.group(1)} from local files: the same 8 "
+          "losses as the uninterrupted run; each disk ends with its own 2 rank files, the manifest and latest = "
+          "step 8", flush=True)
 
 
 SOAK_ARGS = ["--stage", "3", "--liveness", "3", "--save-every", "1000"]
