@@ -47,8 +47,10 @@ else
 TESTS ?= all
 endif
 
+# JOBS tests at a time: each test process computes on one thread (tests/CMakeLists.txt), and
+# many wait on sockets, timeouts and subprocesses, so two at a time fill 2 cores.
 test: build
-	@cd $(BUILD_DIR) && { ctest --output-on-failure --timeout 600 $(if $(filter all,$(TESTS)),,-L $(TESTS)) \
+	@cd $(BUILD_DIR) && { ctest --output-on-failure --timeout 600 -j$(JOBS) $(if $(filter all,$(TESTS)),,-L $(TESTS)) \
 		|| { $(CURDIR)/scripts/test-failures.sh .; exit 1; }; }
 
 # The demo builds only what it runs (the launcher, the trainer, the checkpoint tool).
