@@ -121,6 +121,10 @@ void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight)
     }
     in_flight_.clear();
   }
+  // Doomed first: an abort fires the operations' end events, and a waiter that saw one
+  // before its operation failed would take it for success. Failed last: failing releases
+  // the tensors, which the device may use until the abort ends its operations.
+  for (const auto& f : in_flight) f.op->doom();
   for (const auto& comm : comms) comm->abort(why);
   for (const auto& f : in_flight) f.op->fail(why);
 }

@@ -41,6 +41,10 @@ class WatchedOp {
   // wait() throw `message`. Each is called at most once, and only one of them.
   virtual void complete() = 0;
   virtual void fail(const std::string& message) = 0;
+  // Called before the watchdog aborts the communicators and fails the operation:
+  // from then on it must not complete, since an abort ends it on the device too
+  // (its end event fires) without its result.
+  virtual void doom() {}
   // Which ranks never issued it, for the timeout's message, e.g.
   // "rank(s) [2] never issued it (rank 2 issued up to #10)"; "" if unknown.
   virtual std::string missing_ranks() = 0;

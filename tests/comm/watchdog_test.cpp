@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 
 namespace zeroshard::comm {
@@ -22,6 +23,7 @@ struct FakeOp : WatchedOp {
     ++failed;
     message = m;
   }
+  void doom() override { doomed = true; }
   std::string missing_ranks() override {
     ++asked;
     return "rank(s) [3] never issued #" + std::to_string(seq_);
@@ -31,6 +33,7 @@ struct FakeOp : WatchedOp {
   int asked = 0;
   bool on_device = false;
   int completed = 0, failed = 0;
+  bool doomed = false;
   std::string message;
 };
 
@@ -39,7 +42,9 @@ struct FakeComm : WatchedComm {
   void abort(const std::string& w) override {
     ++aborts;
     why = w;
+    if (on_abort) on_abort();
   }
+  std::function<void()> on_abort;  // what the device does meanwhile (an abort fires end events)
   void heartbeat() override { ++heartbeats; }
   std::string error, why;
   int aborts = 0, heartbeats = 0;
@@ -168,6 +173,31 @@ TEST(Watchdog, MissingRanksAreNamedFromWhatEachIssued) {
   EXPECT_EQ(describe_missing(4, {5, 4, std::nullopt, 0}, {8, 9, 10, 11}),
             "rank(s) [9, 10, 11] never issued it (rank 9 issued up to #3; rank 10 never reported; "
             "rank 11 issued nothing)");
+}
+
+// An abort ends the operations on the device: their end events fire before the
+// watchdog has failed them. Every operation is doomed before any communicator is
+// aborted, so that a waiter looking in between (NcclWork::is_completed) cannot
+// take the fired event for success; the failure comes after.
+TEST(Watchdog, DoomsEveryOperationBeforeItAbortsACommunicator) {
+  Fixture f;
+  auto op1 = f.issue(*f.a, "all_reduce #4", 4);
+  auto op2 = f.issue(*f.b, "all_gather #2", 2);
+  int aborts_seen_undoomed = 0;
+  for (auto* comm : {f.a.get(), f.b.get()}) {
+    comm->on_abort = [&] {
+      aborts_seen_undoomed += (op1->doomed && op2->doomed) ? 0 : 1;
+      EXPECT_EQ(op1->failed + op2->failed, 0) << "failing releases tensors the device may still use";
+      op1->on_device = op2->on_device = true;  // the abort fires the end events
+    };
+  }
+  f.now += 1001ms;
+  EXPECT_EQ(f.dog.poll(), 0u);
+  EXPECT_EQ(f.a->aborts + f.b->aborts, 2);
+  EXPECT_EQ(aborts_seen_undoomed, 0);
+  EXPECT_EQ(op1->failed, 1);
+  EXPECT_EQ(op2->failed, 1);
+  EXPECT_EQ(op1->completed + op2->completed, 0);
 }
 
 }  // namespace watchdog_test

@@ -49,6 +49,11 @@ bool NcclWork::finished_on_device() {
 }
 
 void NcclWork::complete() {
+  std::lock_guard<std::mutex> lock(complete_mu_);
+  if (!doomed_) complete_locked();
+}
+
+void NcclWork::complete_locked() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(issue_mu_);
@@ -56,6 +61,11 @@ void NcclWork::complete() {
   }
   if (error.empty()) return OpWork::complete();
   fail("the device reported an error: " + error);
+}
+
+void NcclWork::doom() {
+  std::lock_guard<std::mutex> lock(complete_mu_);
+  doomed_ = true;
 }
 
 void NcclWork::fail(const std::string& message) {
@@ -70,7 +80,10 @@ void NcclWork::fail(const std::string& message) {
 }
 
 bool NcclWork::is_completed() {
-  if (!OpWork::is_completed() && finished_on_device()) complete();
+  if (!OpWork::is_completed()) {
+    std::lock_guard<std::mutex> lock(complete_mu_);
+    if (!doomed_ && finished_on_device()) complete_locked();
+  }
   return OpWork::is_completed();
 }
 

@@ -53,8 +53,9 @@ class NcclWork final : public OpWork, public WatchedOp {
   // WatchedOp
   const std::string& name() const override { return OpWork::name(); }
   bool finished_on_device() override;  // also true once the device reported an error (complete() fails then)
-  void complete() override;
+  void complete() override;  // nothing once doomed
   void fail(const std::string& message) override;
+  void doom() override;
   std::string missing_ranks() override { return missing_ ? missing_() : ""; }
 
   // Work
@@ -72,6 +73,11 @@ class NcclWork final : public OpWork, public WatchedOp {
   bool issued_ = false;        // guarded by issue_mu_: end_ is recorded
   bool failed_ = false;        // guarded by issue_mu_: fail() was called
   std::string device_error_;   // guarded by issue_mu_: what the end event's query reported
+  // Completion and doom exclude each other: a waiter that finds the end event fired
+  // completes only if the watchdog has not begun failing the operation.
+  std::mutex complete_mu_;
+  bool doomed_ = false;        // guarded by complete_mu_
+  void complete_locked();      // with complete_mu_ held and not doomed
 };
 
 // Enqueues the operation on (comm, stream); kInProgress while NCCL launches it.
