@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -272,9 +273,16 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
     // The others stop waiting for this rank at once (the first failure's message is the one they see).
     const std::string why = dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()
                                                                  : ex.what();
-    if (why.rfind("rendezvous abandoned", 0) != 0) {
+    const bool read_it = why.rfind("rendezvous abandoned", 0) == 0;  // counted as a reader already
+    if (!read_it) {
       comm::rendezvous_failed(*store, mesh.failed_key, "rank " + std::to_string(e.rank) + " on host " + host_name() +
-                                                           " failed: " + why);
+                                                           " failed: " + why, e.rank != 0);
+    }
+    // Rank 0 serves the store (unless torchrun's agent does): it stays until the other
+    // ranks have read why, so that one that comes late does not find the store gone.
+    if (e.rank == 0 && !e.agent_store) {
+      comm::linger_after_failure(*store, mesh.failed_key, e.world_size - 1 + (read_it ? 1 : 0),
+                                 std::min<std::chrono::milliseconds>(options.rendezvous_timeout, std::chrono::seconds(10)));
     }
     throw;
   }

@@ -7,19 +7,43 @@
 
 namespace zeroshard::comm {
 
+namespace {
+
+std::string readers_key(const std::string& failed_key) { return failed_key + "/read"; }
+
+}  // namespace
+
 void check_rendezvous_alive(c10d::Store& store, const std::string& failed_key) {
   if (failed_key.empty() || !store.check({failed_key})) return;
   const auto why = store.get(failed_key);
+  try {
+    store.add(readers_key(failed_key), 1);
+  } catch (const std::exception&) {
+    // The store's server left meanwhile: the message was read all the same.
+  }
   TORCH_CHECK(false, "rendezvous abandoned: ", std::string(why.begin(), why.end()),
               ". This rank stops instead of waiting for it; its own output says more");
 }
 
-void rendezvous_failed(c10d::Store& store, const std::string& failed_key, const std::string& why) {
+void rendezvous_failed(c10d::Store& store, const std::string& failed_key, const std::string& why, bool counted) {
   if (failed_key.empty()) return;
   try {
     store.compareSet(failed_key, {}, std::vector<uint8_t>(why.begin(), why.end()));
+    if (counted) store.add(readers_key(failed_key), 1);
   } catch (const std::exception&) {
     // The store is gone or unreachable: the others' rendezvous times out, naming this rank.
+  }
+}
+
+void linger_after_failure(c10d::Store& store, const std::string& failed_key, int readers,
+                          std::chrono::milliseconds linger) {
+  const auto deadline = std::chrono::steady_clock::now() + linger;
+  try {
+    while (store.add(readers_key(failed_key), 0) < readers && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    // The store failed: nothing left to serve.
   }
 }
 

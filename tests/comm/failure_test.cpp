@@ -460,6 +460,27 @@ TEST(CommFailure, RendezvousNamesRanksThatNeverJoined) {
   }
 }
 
+// Rank 0 serves the store. When its rendezvous fails it keeps serving it (up to the rendezvous
+// timeout, at most 10 s) until the other ranks have read why: a rank that arrives after the
+// failure learns the cause instead of finding no store to connect to.
+TEST(CommFailure, ARankThatArrivesAfterTheRendezvousFailedLearnsWhy) {
+  const int port = testing::free_port();
+  auto errors = run_ranks(2, [&](int r) {
+    CommOptions opt;
+    if (r == 0) {
+      opt.rendezvous_timeout = 2000ms;  // rank 2 of 3 never starts: rank 0 gives up after 2 s, serves on until 4 s
+    } else {
+      std::this_thread::sleep_for(3000ms);
+      opt.rendezvous_timeout = 60000ms;
+    }
+    init_communicator(thread_env(r, 3, port), opt);
+  });
+  EXPECT_NE(errors[0].find("rendezvous timed out after 2000 ms"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rendezvous abandoned: rank 0 on host "), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("rendezvous timed out after 2000 ms"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("[1, 2]"), std::string::npos) << errors[1];
+}
+
 TEST(CommFailure, PortInUseSaysWhatToSet) {
   // Hold a listening socket on the port rank 0 is told to serve.
   const int port = testing::free_port();
