@@ -108,8 +108,8 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
   for (size_t j = at; j < files.size(); j += group.size()) {
     const fs::path p = step_dir / files[j].at("name").get<std::string>();
     std::error_code ec;
-    if (!disks.shared() && !fs::exists(p, ec)) continue;  // on another host's disk
     if (!fs::exists(p, ec)) {
+      if (!disks.shared()) continue;  // on another host's disk
       const auto host = files[j].value("host", std::string());
       const auto& mine = disks.hosts[static_cast<size_t>(comm->rank())];
       return "'" + p.string() + "' is missing" +
@@ -273,11 +273,11 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
         auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
         const json& entry = *replicated.at(name);
-        int from = entry.value("rank", 0);
-        for (const auto& c : entry.value("copies", json::array())) {  // a copy on this disk
-          if (!local(from)) from = c.get<int>();
-        }
-        if (!local(from)) not_here(entry.value("rank", 0), name);
+        std::vector<int> holders{entry.value("rank", 0)};  // the file saved with it, then copies on other disks
+        for (const auto& c : entry.value("copies", json::array())) holders.push_back(c.get<int>());
+        const auto it = std::find_if(holders.begin(), holders.end(), local);
+        if (it == holders.end()) not_here(holders.front(), name);
+        const int from = *it;
         file(from).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
         return t;
       };
