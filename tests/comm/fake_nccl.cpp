@@ -130,7 +130,10 @@ FakeNccl::Status FakeNccl::split(CommHandle parent, bool member, int key, CommHa
     made = c.get();
     comms_.push_back(std::move(c));
   }
-  *child = made;
+  // NCCL leaves *child null and writes it when the split completes (see async_error).
+  *child = nullptr;
+  p->split_out = child;
+  p->split_child = made;
   auto& calls = p->group->splits[s];
   calls.push_back({p->rank, member, key, made});
   if (static_cast<int>(calls.size()) == p->group->nranks) {  // the last rank: the children's group
@@ -168,6 +171,8 @@ FakeNccl::Status FakeNccl::async_error(CommHandle comm) {
       return Status::in_progress();
     }
     c->pending_split = -1;
+    *c->split_out = c->split_child;
+    c->split_out = nullptr;
   }
   if (c->finalizing) {
     for (const auto& s : streams_) {

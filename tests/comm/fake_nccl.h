@@ -8,7 +8,9 @@
 // operations queue on streams, in order; a collective runs once every rank's
 // stream has it at its head, a send with its matching recv; events complete
 // when their stream reaches them; finalize waits for the communicator's
-// operations; abort drops them.
+// operations; abort drops them. A split's child handle is written through the
+// caller's pointer only when the split completes, as NCCL's non-blocking
+// ncclCommSplit does.
 //
 // What it checks (violations(), one line each): every call on a communicator
 // from one thread (NCCL allows one thread at a time; the communicator promises
@@ -105,6 +107,8 @@ class FakeNccl final : public comm::nccl::NcclApi {
     uint64_t collectives = 0;   // index of the next collective
     uint64_t splits = 0;
     int64_t pending_split = -1; // a split in progress on this parent
+    CommHandle* split_out = nullptr;  // where that split's child goes when it completes, as NCCL does
+    Comm* split_child = nullptr;
     std::map<int, uint64_t> sends, recvs;  // next index per peer
   };
   struct Group {

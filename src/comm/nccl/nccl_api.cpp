@@ -89,10 +89,12 @@ class CudaNcclApi final : public NcclApi {
   }
 
   Status split(CommHandle parent, bool member, int key, CommHandle* child) override {
+    // Non-blocking: NCCL stores `child` and writes the new handle through it when the split
+    // completes, from its own thread (null until then), so it must be the caller's pointer.
     ncclConfig_t config = nonblocking();
-    ncclComm_t c = nullptr;
-    const ncclResult_t r = ncclCommSplit(as_comm(parent), member ? 0 : NCCL_SPLIT_NOCOLOR, key, &c, &config);
-    *child = c;
+    static_assert(sizeof(CommHandle) == sizeof(ncclComm_t), "a CommHandle holds an ncclComm_t");
+    const ncclResult_t r = ncclCommSplit(as_comm(parent), member ? 0 : NCCL_SPLIT_NOCOLOR, key,
+                                         reinterpret_cast<ncclComm_t*>(child), &config);
     return status(r, as_comm(parent));
   }
 

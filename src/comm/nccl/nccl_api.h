@@ -62,6 +62,8 @@ class NcclApi {
   // Joins rank `rank` of `nranks` to the communicator of `id`, on `device`.
   virtual Status init_rank(CommHandle* comm, int nranks, const UniqueId& id, int rank, int device) = 0;
   // ncclCommSplit: members (one color) get *child; others pass member = false and get null.
+  // *child is written when the split completes (async_error on the parent no longer "in
+  // progress"), possibly from another thread: `child` must stay valid until then.
   virtual Status split(CommHandle parent, bool member, int key, CommHandle* child) = 0;
   // kOk once idle, kInProgress while a call is still running, kError once broken.
   virtual Status async_error(CommHandle comm) = 0;

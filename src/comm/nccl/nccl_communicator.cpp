@@ -306,6 +306,9 @@ std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ra
     }
   }
   CommHandle child = nullptr;
+  // NCCL writes the child's handle through this pointer from its own thread when the split
+  // completes, after ncclCommSplit returned "in progress": the slot must outlive the call.
+  auto slot = std::make_unique<CommHandle>(nullptr);
   const auto timeout = options_.rendezvous_timeout;
   issuer_.run([&] {
     // The parent's queue first: ncclCommSplit is a call on it, after what was issued before.
@@ -313,8 +316,11 @@ std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ra
     while (!state_->pump() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
     TORCH_CHECK(state_->comm != nullptr, "split #", index, " on rank ", rank_, ": this communicator failed earlier: ",
                 state_->failed());
-    Status s = api_.split(state_->comm, member, rank_, &child);
+    Status s = api_.split(state_->comm, member, rank_, slot.get());
     if (s.code == Status::kInProgress || s.is_ok()) s = state_->settle(timeout);
+    if (s.code != Status::kInProgress) child = __atomic_load_n(slot.get(), __ATOMIC_ACQUIRE);
+    TORCH_CHECK(!s.is_ok() || !member || child != nullptr, "split #", index, " on rank ", rank_,
+                ": ncclCommSplit completed without a communicator for this member");
     if (s.is_ok() && child != nullptr) {
       do {
         s = api_.async_error(child);
@@ -330,6 +336,7 @@ std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ra
                                    : s.what);
       if (child != nullptr) api_.abort(child);
       child = nullptr;
+      if (child == nullptr) slot.release();  // NCCL may still write to it: leaked, 8 bytes
       state_->abort_now(why);  // a split that never ended leaves the parent mid-call
       TORCH_CHECK(false, why);
     }
