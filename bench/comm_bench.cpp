@@ -146,19 +146,32 @@ struct Row {
   double factor;
 };
 
-// Seconds per call of `fn`: the slowest rank's mean over `iters` calls, best of
-// three trials (the same rule for ours and for the anchor).
+// Seconds per call of `fn`: the slowest rank's mean over `iters` calls.
 template <typename F>
-double timed(zeroshard::Communicator& comm, int iters, F fn) {
+double trial(zeroshard::Communicator& comm, int iters, F& fn) {
+  comm.barrier();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  auto t = torch::full({1}, std::chrono::duration<double>(Clock::now() - t0).count() / iters, torch::kDouble);
+  comm.all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
+  return t.item<double>();
+}
+
+// An operation and its anchor, each the best of three trials, taken in turn
+// (anchor, ours, anchor, ours, ...): on shared cores the loopback rate drifts
+// by tens of percent within a run, and alternating keeps that drift out of
+// the ratio.
+struct Pair {
+  double ours_s, anchor_s;
+};
+template <typename F, typename A>
+Pair timed(zeroshard::Communicator& comm, int iters, F fn, A anchor) {
   fn();  // warm-up
-  double best = 1e30;
-  for (int trial = 0; trial < 3; ++trial) {
-    comm.barrier();
-    const auto t0 = Clock::now();
-    for (int i = 0; i < iters; ++i) fn();
-    auto t = torch::full({1}, std::chrono::duration<double>(Clock::now() - t0).count() / iters, torch::kDouble);
-    comm.all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
-    best = std::min(best, t.item<double>());
+  anchor();
+  Pair best{1e30, 1e30};
+  for (int k = 0; k < 3; ++k) {
+    best.anchor_s = std::min(best.anchor_s, trial(comm, iters, anchor));
+    best.ours_s = std::min(best.ours_s, trial(comm, iters, fn));
   }
   return best;
 }
@@ -212,23 +225,22 @@ int comm_bench_main(int argc, char** argv) {
     const char* src = static_cast<const char*>(full.data_ptr());
 
     auto ring_steps = [&](int steps) {
-      return timed(*comm, iters, [&] {
-        for (int s = 0; s < steps; ++s) ring.step(src + ((r - s + 2 * n) % n) * chunk * 4, scratch.data(), chunk * 4);
-      });
+      for (int s = 0; s < steps; ++s) ring.step(src + ((r - s + 2 * n) % n) * chunk * 4, scratch.data(), chunk * 4);
     };
-    const double tcp_one = ring_steps(n - 1);
-    const double tcp_two = ring_steps(2 * (n - 1));
-    const double ag = timed(*comm, iters, [&] { comm->all_gather(full, part)->wait(); });
+    auto tcp_one = [&] { ring_steps(n - 1); };
+    auto tcp_two = [&] { ring_steps(2 * (n - 1)); };
+    const Pair ag = timed(*comm, iters, [&] { comm->all_gather(full, part)->wait(); }, tcp_one);
     // In place (this rank's shard is a slice of the output), as sharded parameters are gathered.
     auto own = full.slice(0, r * chunk, (r + 1) * chunk);
-    const double ag_in_place = timed(*comm, iters, [&] { comm->all_gather(full, own)->wait(); });
-    const double rs = timed(*comm, iters, [&] { comm->reduce_scatter(part, full, zeroshard::ReduceOp::kSum)->wait(); });
-    const double ar = timed(*comm, iters, [&] { comm->all_reduce(full, zeroshard::ReduceOp::kSum)->wait(); });
+    const Pair ag_in_place = timed(*comm, iters, [&] { comm->all_gather(full, own)->wait(); }, tcp_one);
+    const Pair rs =
+        timed(*comm, iters, [&] { comm->reduce_scatter(part, full, zeroshard::ReduceOp::kSum)->wait(); }, tcp_one);
+    const Pair ar = timed(*comm, iters, [&] { comm->all_reduce(full, zeroshard::ReduceOp::kSum)->wait(); }, tcp_two);
     const double f1 = double(n - 1) / n, f2 = 2.0 * (n - 1) / n;
-    rows.push_back({"all_gather", numel * 4, ag, tcp_one, f1});
-    rows.push_back({"all_gather in place", numel * 4, ag_in_place, tcp_one, f1});
-    rows.push_back({"reduce_scatter", numel * 4, rs, tcp_one, f1});
-    rows.push_back({"all_reduce", numel * 4, ar, tcp_two, f2});
+    rows.push_back({"all_gather", numel * 4, ag.ours_s, ag.anchor_s, f1});
+    rows.push_back({"all_gather in place", numel * 4, ag_in_place.ours_s, ag_in_place.anchor_s, f1});
+    rows.push_back({"reduce_scatter", numel * 4, rs.ours_s, rs.anchor_s, f1});
+    rows.push_back({"all_reduce", numel * 4, ar.ours_s, ar.anchor_s, f2});
   }
 
   if (r == 0) {
