@@ -75,7 +75,7 @@ catalogue=(
   "sanitize-staged|2|300|compute-sanitizer memcheck: oracle tests, 2 ranks, stage_through_host (caching allocator off)"
   "multirank230|2|300|oracle and NCCL collective tests, 2 ranks on one host with NCCL_MULTI_RANK_GPU_ENABLE (NCCL 2.30+)"
   "optim|1|180|AdamW kernel GB/s vs a device copy and at::_fused_adamw_ (optim_bench --device cuda)"
-  "bart-base|1|300|BART-base bf16 training step, batch 8 x 512 tokens, dp/zero2/zero3, 1 GPU (bart_bench)"
+  "bart-base|1|300|BART-base bf16 training step, batch 8 x 512 tokens, dp/zero2/zero3 beside PyTorch DDP/FSDP2 (HF BART), 1 GPU (bart_bench)"
   "bart60|1|300|bart_pretrain --device cuda, tiny, ZeRO-3, 60 steps with checkpoints, 1 rank"
 )
 # Rows whose purpose is NCCL traffic: they fail when their processes report no NCCL operation.
@@ -444,11 +444,11 @@ row_optim() {
 }
 
 row_bart_base() {
-  timed bench/bart_bench.sh "$build" 1 --device cuda --precision bf16 --config base --batch 8 --src-len 512 \
+  timed env PEER_PYTHON="$python" bench/bart_bench.sh "$build" 1 --device cuda --precision bf16 --config base --batch 8 --src-len 512 \
     --tgt-len 512 --steps 5 --warmup 2
   local rc=$? modes peak
   if [ $rc -ne 0 ]; then verdict FAIL "bart_bench exit status $rc"; return; fi
-  modes=$(grep '^| \(dp\|zero2\|zero3\) ' "$log" |
+  modes=$(grep '^| \(dp\|zero2\|zero3\|peer-ddp\|peer-fsdp2\) ' "$log" |
           awk -F' *[|] *' '{printf "%s%s: %s s/step, %s tokens/s, MFU %s, peak %s MiB", sep, $2, $5, $6, $7, $9; sep = "; "}')
   peak=$(sed -n 's/.*measured now): //p' "$log")
   verdict measured "$modes; bf16 matmul peak $peak"
