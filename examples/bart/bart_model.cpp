@@ -1,5 +1,6 @@
 // bart_model.cpp — BART modules (see bart_model.h).
 #include "bart_model.h"
+#include "json_error.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -7,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <type_traits>
 
 namespace F = torch::nn::functional;
 
@@ -33,25 +35,42 @@ BartConfig BartConfig::named(const std::string& name) {
   }
   std::ifstream in(name);
   TORCH_CHECK_VALUE(in, "BART config '", name, "' is neither tiny, base nor large, nor a readable JSON file");
-  const auto j = nlohmann::json::parse(in);
-  c.vocab_size = j.value("vocab_size", c.vocab_size);
-  c.d_model = j.value("d_model", c.d_model);
-  c.encoder_layers = j.value("encoder_layers", c.encoder_layers);
-  c.decoder_layers = j.value("decoder_layers", c.decoder_layers);
-  c.attention_heads = j.value("encoder_attention_heads", c.attention_heads);
-  TORCH_CHECK_VALUE(j.value("decoder_attention_heads", c.attention_heads) == c.attention_heads,
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK_VALUE(false, "BART config '", name, "' is not JSON: ", json_error_text(e));
+  }
+  TORCH_CHECK_VALUE(j.is_object(), "BART config '", name,
+                    "' is not a JSON object (Hugging Face's config.json is one: {\"d_model\": 768, ...})");
+  // A key's value, or `fallback` when the key is absent; a value of another type is named.
+  const auto get = [&](const char* key, auto fallback) {
+    using T = decltype(fallback);
+    if (!j.contains(key)) return fallback;
+    const auto& v = j.at(key);
+    constexpr bool real = std::is_floating_point_v<T>;
+    TORCH_CHECK_VALUE(real ? v.is_number() : v.is_number_integer(), "BART config '", name, "': \"", key, "\" is ",
+                      v.dump(), ", not ", real ? "a number" : "an integer");
+    return v.get<T>();
+  };
+  c.vocab_size = get("vocab_size", c.vocab_size);
+  c.d_model = get("d_model", c.d_model);
+  c.encoder_layers = get("encoder_layers", c.encoder_layers);
+  c.decoder_layers = get("decoder_layers", c.decoder_layers);
+  c.attention_heads = get("encoder_attention_heads", c.attention_heads);
+  TORCH_CHECK_VALUE(get("decoder_attention_heads", c.attention_heads) == c.attention_heads,
                     "BART config '", name, "': encoder and decoder attention heads differ; not supported");
-  c.ffn_dim = j.value("encoder_ffn_dim", c.ffn_dim);
-  TORCH_CHECK_VALUE(j.value("decoder_ffn_dim", c.ffn_dim) == c.ffn_dim, "BART config '", name,
+  c.ffn_dim = get("encoder_ffn_dim", c.ffn_dim);
+  TORCH_CHECK_VALUE(get("decoder_ffn_dim", c.ffn_dim) == c.ffn_dim, "BART config '", name,
                     "': encoder and decoder FFN sizes differ; not supported");
-  c.max_position_embeddings = j.value("max_position_embeddings", c.max_position_embeddings);
-  c.dropout = j.value("dropout", c.dropout);
-  c.attention_dropout = j.value("attention_dropout", c.attention_dropout);
-  c.activation_dropout = j.value("activation_dropout", c.activation_dropout);
-  c.pad_token_id = j.value("pad_token_id", c.pad_token_id);
-  c.bos_token_id = j.value("bos_token_id", c.bos_token_id);
-  c.eos_token_id = j.value("eos_token_id", c.eos_token_id);
-  c.decoder_start_token_id = j.value("decoder_start_token_id", c.decoder_start_token_id);
+  c.max_position_embeddings = get("max_position_embeddings", c.max_position_embeddings);
+  c.dropout = get("dropout", c.dropout);
+  c.attention_dropout = get("attention_dropout", c.attention_dropout);
+  c.activation_dropout = get("activation_dropout", c.activation_dropout);
+  c.pad_token_id = get("pad_token_id", c.pad_token_id);
+  c.bos_token_id = get("bos_token_id", c.bos_token_id);
+  c.eos_token_id = get("eos_token_id", c.eos_token_id);
+  c.decoder_start_token_id = get("decoder_start_token_id", c.decoder_start_token_id);
   TORCH_CHECK_VALUE(c.d_model % c.attention_heads == 0, "BART config '", name, "': d_model ", c.d_model,
                     " is not a multiple of the ", c.attention_heads, " attention heads");
   return c;

@@ -38,7 +38,11 @@ void check_options(const RunOptions& o) {
     TORCH_CHECK_VALUE(ok, name, " ", value, ": must be ", what);
   };
   need(std::filesystem::is_directory(o.data), "--data", "'" + o.data + "'", "a directory of text files");
-  (void)BartConfig::named(o.config);  // names the config it cannot read
+  try {
+    (void)BartConfig::named(o.config);  // names the config it cannot read, and where
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, "--config: ", e.what_without_backtrace());
+  }
   need(o.vocab_size >= 262 && o.vocab_size <= (int64_t{1} << 31), "--vocab-size", o.vocab_size,
        "at least 262 (the 5 specials, 256 bytes and a merge) and below 2^31");
   need(o.max_tokens >= 8, "--max-tokens", o.max_tokens, "at least 8 (bos, eos and some text)");

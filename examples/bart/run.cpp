@@ -76,7 +76,14 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string
   TORCH_CHECK(failed.item<double>() == 0, "tokenizer: rank 0 could not provide it (its output says why)");
   vocab = zeroshard::broadcast_text(comm, vocab, 0);
   merges = zeroshard::broadcast_text(comm, merges, 0);
-  return ByteLevelBpe::parse(vocab, merges, (fs::path(dir) / "merges.txt").string() + " (rank 0's)");
+  try {
+    return ByteLevelBpe::parse(vocab, merges, (fs::path(dir) / "vocab.json").string(),
+                               (fs::path(dir) / "merges.txt").string());
+  } catch (const c10::Error& e) {
+    // Rank 0 read the files and every rank parses them: each names the option it came from.
+    TORCH_CHECK_VALUE(false, given ? "--tokenizer: " : "the run's tokenizer (delete it to train one again): ",
+                      e.what_without_backtrace());
+  }
 }
 
 std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }

@@ -1,5 +1,6 @@
 // tokenizer.cpp — byte-level BPE (see tokenizer.h).
 #include "tokenizer.h"
+#include "json_error.h"
 
 #include "unicode_classes.h"
 
@@ -259,28 +260,36 @@ ByteLevelBpe ByteLevelBpe::load(const std::string& vocab_path, const std::string
   std::ifstream m(merges_path);
   TORCH_CHECK_VALUE(m, "tokenizer: cannot read the merges '", merges_path, "'");
   return parse(std::string(std::istreambuf_iterator<char>(v), {}), std::string(std::istreambuf_iterator<char>(m), {}),
-               merges_path);
+               vocab_path, merges_path);
 }
 
 ByteLevelBpe ByteLevelBpe::parse(const std::string& vocab_json, const std::string& merges_txt,
-                                 const std::string& source) {
+                                 const std::string& vocab_name, const std::string& merges_name) {
   ByteLevelBpe t;
   nlohmann::json vocab;
   try {
     vocab = nlohmann::json::parse(vocab_json);
   } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK_VALUE(false, "tokenizer: the vocabulary beside '", source, "' is not JSON: ", e.what());
+    TORCH_CHECK_VALUE(false, "tokenizer: '", vocab_name, "' is not JSON: ", json_error_text(e));
   }
+  TORCH_CHECK_VALUE(vocab.is_object(), "tokenizer: '", vocab_name,
+                    "' is not a JSON object of token -> id (a vocab.json is one: {\"<s>\": 0, ...})");
   int64_t max_id = -1;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) max_id = std::max(max_id, it.value().get<int64_t>());
+  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+    TORCH_CHECK_VALUE(it.value().is_number_integer() && it.value().get<int64_t>() >= 0, "tokenizer: '", vocab_name,
+                      "': the id of ", nlohmann::json(it.key()).dump(), " is ", it.value().dump(),
+                      ", not an integer of 0 or more");
+    max_id = std::max(max_id, it.value().get<int64_t>());
+  }
   t.tokens_.assign(static_cast<size_t>(max_id + 1), std::string());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) t.tokens_[static_cast<size_t>(it.value().get<int64_t>())] = it.key();
   std::istringstream m(merges_txt);
   std::string line;
-  while (std::getline(m, line)) {
+  for (int64_t n = 1; std::getline(m, line); ++n) {
     if (line.empty() || line.rfind("#version", 0) == 0) continue;
     const size_t sp = line.find(' ');
-    TORCH_CHECK_VALUE(sp != std::string::npos, "tokenizer: '", source, "': a merge line is not 'a b': ", line);
+    TORCH_CHECK_VALUE(sp != std::string::npos, "tokenizer: '", merges_name, "' line ", n,
+                      " is not a merge 'a b': ", line);
     t.merges_.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
   t.index();

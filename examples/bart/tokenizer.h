@@ -27,8 +27,9 @@ class ByteLevelBpe {
   // BART's special tokens: <s>=0, <pad>=1, </s>=2, <unk>=3 (in trained vocabularies; a
   // loaded vocabulary keeps its own ids), and <mask> last.
   static ByteLevelBpe load(const std::string& vocab_json_path, const std::string& merges_txt_path);
-  // The same from the two files' contents (`source` names them in errors).
-  static ByteLevelBpe parse(const std::string& vocab_json, const std::string& merges_txt, const std::string& source);
+  // The same from the two files' contents (the names are the files' in errors).
+  static ByteLevelBpe parse(const std::string& vocab_json, const std::string& merges_txt,
+                            const std::string& vocab_name, const std::string& merges_name);
   // Learns merges from `texts` until the vocabulary has `vocab_size` entries
   // (specials, the 256 bytes, merges, <mask>). Deterministic.
   static ByteLevelBpe train(const std::vector<std::string>& texts, int64_t vocab_size);

@@ -368,6 +368,28 @@ def check_bad_input(build, work):
         (["--micro-batches", "3"], ["--micro-batches 3", "per-rank batch 16"]),
         (["--schedule", "linear-ish"], ["'linear-ish'", "inverse-sqrt or cosine"]),
     ]
+    # Files given on the command line that do not parse: the option, the file and the position.
+    files = os.path.join(work, "bad_files")
+    shutil.rmtree(files, ignore_errors=True)
+    for name, text in {"not_json.json": "d_model: 768\n", "list.json": "[768]", "wide.json": '{"d_model": "wide"}',
+                       "tok_json/vocab.json": '{"<s>": 0,', "tok_json/merges.txt": "#version: 0.2\n",
+                       "tok_ids/vocab.json": '{"<s>": "zero"}', "tok_ids/merges.txt": "#version: 0.2\n",
+                       "tok_merges/vocab.json": '{"<s>": 0}', "tok_merges/merges.txt": "#version: 0.2\nab\n"}.items():
+        os.makedirs(os.path.dirname(os.path.join(files, name)), exist_ok=True)
+        with open(os.path.join(files, name), "w") as f:
+            f.write(text)
+    f = lambda name: os.path.join(files, name)  # noqa: E731
+    cases += [
+        (["--config", f("not_json.json")], ["--config: BART config '" + f("not_json.json") + "' is not JSON",
+                                            "at line 1, column 1"]),
+        (["--config", f("list.json")], ["--config: BART config", "is not a JSON object"]),
+        (["--config", f("wide.json")], ["--config: BART config", '"d_model" is "wide", not an integer']),
+        (["--tokenizer", f("tok_json")], ["--tokenizer: tokenizer: '" + f("tok_json/vocab.json") + "' is not JSON",
+                                          "at line 1, column"]),
+        (["--tokenizer", f("tok_ids")], ["--tokenizer:", 'the id of "<s>" is "zero"']),
+        (["--tokenizer", f("tok_merges")], ["--tokenizer: tokenizer: '" + f("tok_merges/merges.txt") +
+                                            "' line 2 is not a merge 'a b': ab"]),
+    ]
     # Every option out of range, named with its value and range before any work (no tokenizer trained).
     cases += [
         (["--lr", "-1"], ["--lr -1: must be a positive number"]),
