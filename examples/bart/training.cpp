@@ -2,6 +2,7 @@
 #include "training.h"
 
 #include <algorithm>
+#include <cctype>
 #include <random>
 
 namespace bart {
@@ -154,6 +155,22 @@ std::vector<char> aligned_in(const std::vector<int64_t>& a, const std::vector<in
   return out;
 }
 
+namespace {
+
+// Whether decoded text is a whole sentence: it starts at a word (a space, a capital, a digit or
+// a quote; a long sentence's later pieces start inside one, corpus.h) and ends one (. ! or ?,
+// perhaps inside quotes).
+bool whole_sentence(const std::string& text) {
+  const size_t last = text.find_last_not_of(" \"')");
+  if (text.empty() || last == std::string::npos) return false;
+  const auto first = static_cast<unsigned char>(text[0]);
+  const bool starts = text[0] == ' ' || text[0] == '"' || text[0] == '\'' || std::isupper(first) || std::isdigit(first);
+  const char end = text[last];
+  return starts && (end == '.' || end == '!' || end == '?');
+}
+
+}  // namespace
+
 DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
                                      int64_t count, int64_t max_len, const NoiseOptions& noise,
                                      const ByteLevelBpe& tokenizer, torch::Device device, int64_t batch) {
@@ -169,6 +186,7 @@ DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const 
   one.permute_sentences = false;
   const int64_t pad = model->config.pad_token_id;
   DenoisingAccuracy acc;
+  bool sample_whole = false;  // the sample is the first whole sentence, else the first sentence
   model->eval();
   for (size_t from = 0; from < sentences.size(); from += static_cast<size_t>(batch)) {
     const size_t to = std::min(sentences.size(), from + static_cast<size_t>(batch));
@@ -203,7 +221,9 @@ DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const 
       }
       acc.exact += out == original;
       ++acc.sentences;
-      if (from + r == 0) {
+      const bool whole = !sample_whole && whole_sentence(tokenizer.decode(n.target));
+      if (from + r == 0 || whole) {
+        sample_whole = whole;
         acc.sample.original = tokenizer.decode(n.target);
         acc.sample.masked = tokenizer.decode(std::vector<int64_t>(n.source.begin() + 1, n.source.end() - 1),
                                              /*keep_special=*/true);  // shows where spans went

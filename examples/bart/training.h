@@ -94,7 +94,7 @@ struct DenoisingAccuracy {
   int64_t exact = 0;                         // sentences reconstructed exactly
   double unmasked_accuracy() const { return unmasked > 0 ? static_cast<double>(unmasked_right) / unmasked : 0.0; }
   double masked_accuracy() const { return masked > 0 ? static_cast<double>(masked_right) / masked : 0.0; }
-  DenoisingSample sample;  // the first sentence, as text
+  DenoisingSample sample;  // the first whole sentence (else the first), as text
 };
 DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
                                      int64_t count, int64_t max_len, const NoiseOptions& noise,

@@ -57,6 +57,10 @@ for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_reco
 share = d["masked_tokens"] / (d["masked_tokens"] + d["unmasked_tokens"])
 check(0.25 < share < 0.35, share)
 check(summary["sample"]["original"] and summary["sample"]["masked"].count("<mask>") >= 1, summary["sample"])
+# The sample is a whole sentence: it starts at a word and ends one (a long sentence's later pieces start inside a word).
+o = summary["sample"]["original"]
+check(o[:1] in " \"'" or o[:1].isupper() or o[:1].isdigit(), f"the sample starts inside a word: {o!r}")
+check(o.rstrip(" \"')")[-1:] in (".", "!", "?"), f"the sample does not end a sentence: {o!r}")
 print(f"demo: validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f}, falling at every evaluation across the resume; "
       "interrupted at step 20 through the launcher, restarted, resumed, summary and files present; "
       f"after 40 steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
