@@ -95,7 +95,7 @@ Checkpointer::~Checkpointer() {
   try {
     impl_->wait_pending();
   } catch (const std::exception& e) {
-    log_error(std::string("checkpoint: the last background save failed: ") + message_of(e));
+    log_error(std::string("checkpoint: the last background save failed: ") + error_message(e));
   }
 }
 

@@ -85,7 +85,6 @@ std::string saved_name(const std::map<std::string, std::string>& saved_names, co
 // Names of the state's parameters in checkpoints (as the module calls them, or saved_names' alias).
 std::vector<std::string> module_names(const ShardedState& state, torch::nn::Module& model,
                                       const std::map<std::string, std::string>& saved_names);
-std::string message_of(const std::exception& e);
 
 // Where a rank sits when several data-parallel groups (pipeline stages) save
 // one checkpoint: world rank = any order, but every (pp_stage, dp_rank) once.

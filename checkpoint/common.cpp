@@ -163,9 +163,5 @@ std::vector<std::string> module_names(const ShardedState& state, torch::nn::Modu
   return names;
 }
 
-std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
 
 }  // namespace zeroshard::ckpt

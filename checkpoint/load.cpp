@@ -26,7 +26,7 @@ std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int6
     try {
       mine["latest"] = *step_of_dir_name(latest_step_dir(root).filename().string());
     } catch (const std::exception& e) {
-      log_warn(message_of(e) + "; loading the newest committed checkpoint instead");
+      log_warn(error_message(e) + "; loading the newest committed checkpoint instead");
     }
   }
   for (const auto& c : committed()) mine["committed"].push_back(*step_of_dir_name(c.filename().string()));
@@ -211,14 +211,14 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       }
     } catch (const std::exception& e) {
       why = "'" + (cand / "manifest.json").string() + "' cannot be used: " +
-            message_of(e);
+            error_message(e);
     }
     std::vector<char> anywhere;  // without a shared filesystem: the files some host's disk holds
     if (!disks.shared()) anywhere = files_anywhere(cand, why.empty() ? &m : nullptr);
     try {
       if (why.empty()) why = verify_share(cand, m, anywhere);
     } catch (const std::exception& e) {
-      why = "'" + cand.string() + "' cannot be verified: " + message_of(e);
+      why = "'" + cand.string() + "' cannot be verified: " + error_message(e);
     }
     auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
     if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
@@ -412,7 +412,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
                 had_grad);
       };
     } catch (const std::exception& e) {
-      why = message_of(e);
+      why = error_message(e);
     }
     // All or nothing: a load that fails on any rank leaves every rank's model, optimizer
     // and generators as they were.

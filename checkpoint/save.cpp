@@ -323,7 +323,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
       fs::create_directories(tmp, ec);
       TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
     } catch (const std::exception& e) {
-      err = message_of(e);
+      err = error_message(e);
     }
   }
   agree(c, "creating " + tmp.string(), err);
@@ -346,7 +346,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - w1).count());
     log_debug(msg);
   } catch (const std::exception& e) {
-    err = std::string("writing '") + file.string() + "': " + message_of(e);
+    err = std::string("writing '") + file.string() + "': " + error_message(e);
   }
   agree(c, "writing rank files", err);
   auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3)}, torch::kLong);
@@ -372,7 +372,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
         m["model_view"] = {{"name", "model.h5"}, {"bytes", view.bytes}, {"xxh3", checkpoint::to_hex(view.xxh3)}};
       }
     } catch (const std::exception& e) {
-      err = message_of(e);
+      err = error_message(e);
     }
   }
   if (!disks.shared()) {  // every disk gets the same manifest, and commits its own step directory
@@ -385,7 +385,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
       trace::Span span("checkpoint", "checkpoint commit " + final_dir.filename().string());
       commit_step_dir(tmp, final_dir, m);
     } catch (const std::exception& e) {
-      err = message_of(e) + (disks.shared() ? "" : " (on host " + disks.hosts[static_cast<size_t>(rank)] + ")");
+      err = error_message(e) + (disks.shared() ? "" : " (on host " + disks.hosts[static_cast<size_t>(rank)] + ")");
     }
   }
   // Without a shared filesystem, a crash between two disks' commits leaves one a step

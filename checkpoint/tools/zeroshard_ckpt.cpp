@@ -3,6 +3,7 @@
 // checkpoint library (it compiles in the library's unity unit); tools/main.cpp
 // is the program.
 #include "tools/zeroshard_ckpt.h"
+#include "zeroshard/log.h"
 
 #include "checksum.h"
 #include "h5.h"
@@ -407,7 +408,7 @@ int zeroshard_ckpt_main(int argc, char** argv) {
     std::cerr << "zeroshard-ckpt: " << e.what_without_backtrace() << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "zeroshard-ckpt: " << e.what() << "\n";
+    std::cerr << "zeroshard-ckpt: " << zeroshard::error_message(e) << "\n";
     return 2;
   }
   return 0;

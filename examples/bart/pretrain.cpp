@@ -209,11 +209,9 @@ int bart_pretrain_main(int argc, char** argv) {
     if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
     if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
     return bart::run_pretraining(o);
-  } catch (const c10::Error& e) {  // without LibTorch's C++ backtrace: the message says what to fix
-    zeroshard::log_error(std::string("bart_pretrain: ") + e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    zeroshard::log_error(std::string("bart_pretrain: ") + e.what());
+  } catch (const std::exception& e) {  // the message says what to fix; LibTorch's C++ backtrace at debug level
+    zeroshard::log_error(std::string("bart_pretrain: ") + zeroshard::error_message(e));
+    zeroshard::log_debug(std::string("bart_pretrain: ") + e.what());
     return 1;
   }
 }

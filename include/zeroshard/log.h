@@ -6,6 +6,7 @@
 // rank logs at that level. Thread-safe. The logger writes to stderr.
 #pragma once
 
+#include <exception>
 #include <string>
 
 namespace zeroshard {
@@ -25,5 +26,9 @@ inline void log_debug(const std::string& message) { log(LogLevel::kDebug, messag
 inline void log_info(const std::string& message) { log(LogLevel::kInfo, message); }
 inline void log_warn(const std::string& message) { log(LogLevel::kWarn, message); }
 inline void log_error(const std::string& message) { log(LogLevel::kError, message); }
+
+// What an exception says, for a person: a c10::Error's message without LibTorch's
+// C++ backtrace ("frame #0: ..."), any other exception's what().
+std::string error_message(const std::exception& e);
 
 }  // namespace zeroshard

@@ -241,9 +241,7 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
       store = compat::make_tcp_store(e.master_addr, static_cast<uint16_t>(e.master_port), server,
                                      e.world_size, options.rendezvous_timeout);
     } catch (const std::exception& ex) {
-      const std::string cause =
-          dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()
-                                               : ex.what();
+      const std::string cause = error_message(ex);
       if (server) {
         TORCH_CHECK(false, "rank 0 cannot serve the rendezvous store on ", e.master_addr, ":",
                     e.master_port, " (", cause,
@@ -271,8 +269,7 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
     comm = std::make_shared<comm::TcpCommunicator>(e.rank, e.world_size, world, store, prefix, mesh, options);
   } catch (const std::exception& ex) {
     // The others stop waiting for this rank at once (the first failure's message is the one they see).
-    const std::string why = dynamic_cast<const c10::Error*>(&ex) ? static_cast<const c10::Error&>(ex).what_without_backtrace()
-                                                                 : ex.what();
+    const std::string why = error_message(ex);
     const bool read_it = why.rfind("rendezvous abandoned", 0) == 0;  // counted as a reader already
     if (!read_it) {
       comm::rendezvous_failed(*store, mesh.failed_key, "rank " + std::to_string(e.rank) + " on host " + host_name() +

@@ -1,4 +1,5 @@
 #include "comm/tcp_communicator.h"
+#include "zeroshard/log.h"
 
 #include "zeroshard/trace.h"
 
@@ -318,7 +319,7 @@ void TcpCommunicator::worker_loop() {
           run_collective(ex);
       }
     } catch (const std::exception& e) {
-      const std::string message = what_of(e);
+      const std::string message = error_message(e);
       set_failure(message);
       work.fail(message);
       done = false;
@@ -352,7 +353,7 @@ void TcpCommunicator::reaper_loop() {
         done = advance(*it, *mesh_, world_ranks_);
         if (done) it->work->complete();
       } catch (const std::exception& e) {
-        const std::string message = what_of(e);
+        const std::string message = error_message(e);
         set_failure(message);
         it->work->fail(message);
         done = true;

@@ -1,4 +1,5 @@
 #include "comm/wire.h"
+#include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>
 
@@ -73,7 +74,7 @@ void wait_all(const WaitScope& ex, std::vector<Pending> pending, const char* wha
       try {
         ok = wait_one(pending[i], left);
       } catch (const std::exception& e) {
-        fail_pending(ex, pending, i, what_of(e), what);
+        fail_pending(ex, pending, i, error_message(e), what);
       }
       if (!ok) fail_pending(ex, pending, i, "", what);
       --pending[i].count;
@@ -89,10 +90,6 @@ UBuf make_buffer(TcpMesh& mesh, const void* ptr, size_t bytes) {
   return std::make_unique<Buffer>(mesh, const_cast<void*>(ptr), bytes);
 }
 
-std::string what_of(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
 
 WireHeader header_for(const OpWork& work, int64_t numel, c10::ScalarType dtype, int32_t extra) {
   WireHeader h;

@@ -36,9 +36,6 @@ using UBuf = std::unique_ptr<Buffer>;
 // A transport buffer over caller-owned memory (the transport never writes a send buffer).
 UBuf make_buffer(TcpMesh& mesh, const void* ptr, size_t bytes);
 
-// The message of an exception, without LibTorch's backtrace.
-std::string what_of(const std::exception& e);
-
 struct WaitScope {
   OpWork& work;
   const std::vector<int>& world_ranks;

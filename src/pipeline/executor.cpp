@@ -1,5 +1,6 @@
 // executor.cpp — one rank's actions of a pipeline schedule.
 #include "zeroshard/pipeline_executor.h"
+#include "zeroshard/log.h"
 
 #include "comm/work.h"
 #include "optim/grad_norm.h"
@@ -325,7 +326,7 @@ struct PipelineExecutor::Impl {
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", ", where, ": ", e.what_without_backtrace());
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", ", where, ": ", e.what());
+      TORCH_CHECK(false, "pipeline rank ", pipe.rank(), ", ", where, ": ", error_message(e));
     }
   }
 

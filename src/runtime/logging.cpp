@@ -93,4 +93,9 @@ void log(LogLevel level, const std::string& message) {
   get_logger()->log(to_spdlog(level), message);
 }
 
+std::string error_message(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
 }  // namespace zeroshard

@@ -66,7 +66,7 @@ bool poll_once(const Url& u, const std::vector<std::pair<std::string, std::strin
     body.erase(body.find_last_not_of(" \r\n\t") + 1);
     return !body.empty() && body != "FALSE" && body != "false";
   } catch (const std::exception& e) {
-    *error = e.what();
+    *error = error_message(e);
     return false;
   }
 }

@@ -63,7 +63,9 @@ void BackwardRound::abandon(uint64_t pass) {
   client_.abandon_pass();
   for (auto* g : groups_) g->clear_gradient();
   if (on_abandon_) on_abandon_();
-  log_warn(name_ + ": a backward pass ended with an exception part-way; this step's gradients were dropped "
+  // At debug level: the backward's own exception is what a person reads (one line per failure),
+  // and a step() before the next backward says the rest (check_usable).
+  log_debug(name_ + ": a backward pass ended with an exception part-way; this step's gradients were dropped "
                    "(call zero_grad() and run the step's backward passes again)");
 }
 

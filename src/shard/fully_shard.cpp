@@ -57,7 +57,7 @@ void shard::ShardedModel::abandon_pass() {
     try {
       u->reshard();
     } catch (const std::exception& e) {  // a gather in flight failed too: backward reports that error
-      log_warn(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + e.what());
+      log_debug(std::string("fully_shard: resharding '") + u->name + "' after a failed backward: " + error_message(e));
     }
   }
 }

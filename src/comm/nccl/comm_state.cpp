@@ -1,4 +1,5 @@
 #include "comm/nccl/comm_state.h"
+#include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>
 
@@ -333,10 +334,8 @@ void post_op(const std::shared_ptr<CommState>& state, PendingOp op, std::functio
     std::string error;
     try {
       done = pump();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
     } catch (const std::exception& e) {
-      error = e.what();
+      error = error_message(e);
     }
     if (!error.empty()) {
       state->abort_now("NCCL communicator (rank " + std::to_string(state->rank) + " of " +

@@ -67,7 +67,7 @@ bool run_task(IssueThread::Task& task) {
   } catch (const c10::Error& e) {
     log_error(std::string("NCCL issue thread: a task failed: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    log_error(std::string("NCCL issue thread: a task failed: ") + e.what());
+    log_error(std::string("NCCL issue thread: a task failed: ") + error_message(e));
   }
   return true;
 }
@@ -78,7 +78,7 @@ void IssueThread::loop() {
   try {
     api_.set_device(device_);
   } catch (const std::exception& e) {
-    log_error("NCCL issue thread: cannot make device " + std::to_string(device_) + " current: " + e.what());
+    log_error("NCCL issue thread: cannot make device " + std::to_string(device_) + " current: " + error_message(e));
   }
   while (true) {
     std::deque<Task> batch;

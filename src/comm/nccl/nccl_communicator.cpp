@@ -59,7 +59,7 @@ class NcclCommunicator final : public Communicator {
       });
     } catch (const std::exception& e) {
       clean = false;
-      log_error(std::string("NCCL communicator: closing it failed: ") + e.what());
+      log_error(std::string("NCCL communicator: closing it failed: ") + error_message(e));
     }
     for (auto& op : in_flight) {
       if (clean && op->finished_on_device()) {
