@@ -210,8 +210,13 @@ int bart_pretrain_main(int argc, char** argv) {
     if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
     return bart::run_pretraining(o);
   } catch (const std::exception& e) {  // the message says what to fix; LibTorch's C++ backtrace at debug level
-    zeroshard::log_error(std::string("bart_pretrain: ") + zeroshard::error_message(e));
+    const std::string message = zeroshard::error_message(e);
+    zeroshard::log_error("bart_pretrain: " + message);
     zeroshard::log_debug(std::string("bart_pretrain: ") + e.what());
+    try {
+      zeroshard::record_error(zeroshard::read_dist_env(), message);  // the launcher's last line repeats it
+    } catch (const std::exception&) {  // an environment read_dist_env refuses: the error above is the message
+    }
     return 1;
   }
 }

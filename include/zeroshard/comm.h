@@ -292,6 +292,8 @@ struct DistEnv {
   std::string socket_ifname;
   // ZS_PROGRESS_FILE (zeroshard-run sets it): where publish_step() reports the step.
   std::string progress_file;
+  // TORCHELASTIC_ERROR_FILE (zeroshard-run and torchrun set it): where record_error() writes.
+  std::string error_file;
 };
 
 // Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -307,6 +309,13 @@ DistEnv read_dist_env();
 // sends the spot-style SIGTERM when rank 0 reports step N, and --stall-timeout
 // names a rank whose step stops moving. Cheap (a small write and a rename).
 void publish_step(const DistEnv& env, int64_t step);
+
+// Tells the launcher why this rank is about to fail: writes `message` to
+// env.error_file in torchelastic's format ({"message": {"message": ...,
+// "extraInfo": {...}}}; nothing happens without one). zeroshard-run's last line
+// then repeats the first failing rank's message, as torchrun's error summary
+// does. Call it where the program catches the error it exits with.
+void record_error(const DistEnv& env, const std::string& message);
 
 // Rendezvous through a c10d::TCPStore (rank 0 serves it at MASTER_ADDR:MASTER_PORT)
 // and connect every pair of ranks over TCP (src/comm/tcp_mesh.h).

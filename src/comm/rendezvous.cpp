@@ -7,6 +7,7 @@
 #include "zeroshard/comm.h"
 #include "zeroshard/log.h"
 
+#include <nlohmann/json.hpp>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -202,6 +203,7 @@ DistEnv read_dist_env() {
   e.agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   e.socket_ifname = env("ZS_SOCKET_IFNAME").value_or("");
   e.progress_file = env("ZS_PROGRESS_FILE").value_or("");
+  e.error_file = env("TORCHELASTIC_ERROR_FILE").value_or("");
 
   auto addr = env("MASTER_ADDR");
   auto port = env("MASTER_PORT");
@@ -227,6 +229,25 @@ void publish_step(const DistEnv& e, int64_t step) {
     std::fprintf(f, "%lld\n", static_cast<long long>(step));
     std::fclose(f);
     std::rename(tmp.c_str(), e.progress_file.c_str());
+  }
+}
+
+void record_error(const DistEnv& e, const std::string& message) {
+  if (e.error_file.empty()) return;
+  // torchelastic reads "timestamp" (seconds); zeroshard-run orders ranks' errors by "time_ns".
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
+  const nlohmann::json j = {{"message",
+                             {{"message", message},
+                              {"extraInfo",
+                               {{"py_callstack", ""}, {"timestamp", std::to_string(seconds)}, {"time_ns", std::to_string(ns)}}}}}};
+  const std::string tmp = e.error_file + ".tmp";
+  if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
+    const std::string text = j.dump();
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+    std::rename(tmp.c_str(), e.error_file.c_str());
   }
 }
 

@@ -199,6 +199,27 @@ TEST(Launcher, RankKilledMidCollective) {
     EXPECT_NE(m[1].str().find('2'), std::string::npos) << line;
   }
   EXPECT_LT(r.seconds, 20.0) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << "a C++ backtrace in what a person reads:\n" << r.output;
+  // The cause, although the survivors recorded errors: the first rank to fail recorded none.
+  EXPECT_NE(r.output.find("zeroshard-run: failed: rank 2 was killed by signal 9 (SIGKILL); exit status 137"),
+            std::string::npos)
+      << r.output;
+}
+
+// A rank that fails with an error it records (zeroshard::record_error, torchelastic's
+// error file): the launcher's last line repeats its message, although the ranks that lost
+// it may exit first; no backtrace anywhere.
+TEST(Launcher, LastLineRepeatsTheFirstFailingRanksError) {
+  auto r = run_command(launcher() + " --nproc-per-node 3 --grace-period 5 -- " + testing::build_dir() +
+                       "/tests/zs_tests --helper fail_with_error");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  std::string last = r.output;
+  last.erase(last.find_last_not_of('\n') + 1);
+  last = last.substr(last.rfind('\n') + 1);
+  EXPECT_EQ(last, "zeroshard-run: failed: rank 1: rank 1 of this test fails on purpose (step 7, file 'x.h5'); "
+                  "exit status 1")
+      << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
 }
 
 }  // namespace launcher_test

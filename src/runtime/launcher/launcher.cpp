@@ -6,6 +6,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <nlohmann/json.hpp>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <cstring>
 #include <iostream>
@@ -160,7 +162,10 @@ class Group {
       base.push_back("ZS_SOCKET_IFNAME=" + opt_.ifname);
     }
     base.erase(std::remove_if(base.begin(), base.end(),
-                              [](const std::string& kv) { return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0; }),
+                              [](const std::string& kv) {
+                                return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0 ||
+                                       kv.rfind("TORCHELASTIC_ERROR_FILE=", 0) == 0;
+                              }),
                base.end());
 
     for (int local = 0; local < opt_.nproc_per_node; ++local) {
@@ -170,6 +175,8 @@ class Group {
       auto env = base;
       env.push_back("ZS_PROGRESS_FILE=" + progress_file(local));
       ::unlink(progress_file(local).c_str());
+      env.push_back("TORCHELASTIC_ERROR_FILE=" + error_file(local));
+      ::unlink(error_file(local).c_str());
       env.push_back("RANK=" + std::to_string(r.global_rank));
       env.push_back("LOCAL_RANK=" + std::to_string(local));
       SpawnedChild c = spawn_child(opt_.command, env);
@@ -253,6 +260,50 @@ class Group {
   // Where local rank `local` writes its step (zeroshard::publish_step).
   std::string progress_file(int local) const {
     return progress_dir_ + "/rank-" + std::to_string(local) + ".step";
+  }
+  // Where local rank `local` writes why it failed (zeroshard::record_error; torchelastic's format).
+  std::string error_file(int local) const {
+    return progress_dir_ + "/rank-" + std::to_string(local) + ".error.json";
+  }
+  // Whether global rank `rank` (of this node) recorded why it failed.
+  bool recorded(int rank) const {
+    const int local = rank - opt_.node_rank * opt_.nproc_per_node;
+    return local >= 0 && local < opt_.nproc_per_node && std::filesystem::exists(error_file(local));
+  }
+  // The error recorded first among this node's ranks (the cause; the others' errors follow from
+  // it, and the first rank to exit need not be the one that failed first): {global rank, message},
+  // or {-1, ""} when none wrote one.
+  std::pair<int, std::string> first_recorded_error() const {
+    std::pair<int, std::string> first{-1, ""};
+    long double when = 0;
+    for (int local = 0; local < opt_.nproc_per_node; ++local) {
+      std::ifstream in(error_file(local));
+      if (!in) continue;
+      const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_object() || !j.contains("message")) continue;
+      const auto& m = j.at("message");  // torchelastic's {"message": {"message": ..., "extraInfo": ...}}, or {"message": ...}
+      const auto& text = m.is_object() && m.contains("message") ? m.at("message") : m;
+      if (!text.is_string()) continue;
+      // When it was recorded: zeroshard::record_error's "time_ns", else torchelastic's "timestamp" (seconds).
+      long double t = 0;
+      if (m.is_object() && m.contains("extraInfo") && m.at("extraInfo").is_object()) {
+        const auto& info = m.at("extraInfo");
+        const auto number = [&](const char* key, long double scale) -> long double {
+          if (!info.contains(key) || !info.at(key).is_string()) return -1;
+          try {
+            return std::stold(info.at(key).get<std::string>()) * scale;
+          } catch (const std::exception&) {
+            return -1;
+          }
+        };
+        t = number("time_ns", 1);
+        if (t < 0) t = number("timestamp", 1e9L);
+      }
+      if (first.first >= 0 && t >= when) continue;
+      first = {opt_.node_rank * opt_.nproc_per_node + local, text.get<std::string>()};
+      when = t;
+    }
+    return first;
   }
   // The step local rank 0 last reported; -1 before any.
   int64_t reported_step(int local = 0) const {
@@ -477,9 +528,14 @@ int run(const LaunchOptions& opt) {
       continue;
     }
     if (opt.max_restarts > 0) say("no restarts left (--max-restarts " + std::to_string(opt.max_restarts) + ")");
-    say("failed: rank " + std::to_string(group.first_failure()) + " " +
-        describe_status(group.status_of(group.first_failure())) + "; exit status " +
-        std::to_string(exit_code));
+    // The cause: the first rank to fail, when it recorded nothing (a signal, a crash: the others'
+    // errors follow from it); else the error recorded first (zeroshard::record_error), which may be
+    // another rank's than the first to exit.
+    const int first = group.first_failure();
+    const auto [rank, why] = group.recorded(first) ? group.first_recorded_error() : std::pair<int, std::string>{-1, ""};
+    say("failed: rank " +
+        (rank >= 0 ? std::to_string(rank) + ": " + why : std::to_string(first) + " " + describe_status(group.status_of(first))) +
+        "; exit status " + std::to_string(exit_code));
   }
   return exit_code;
 }

@@ -12,6 +12,8 @@
 // forwarded to every rank (same grace period), and no restart follows.
 // Each rank gets ZS_PROGRESS_FILE, where zeroshard::publish_step() writes its
 // step; the launcher reads it for simulate_preemption_at_step.
+// Each rank gets TORCHELASTIC_ERROR_FILE, where zeroshard::record_error() writes why it
+// fails; the last line repeats the error recorded first (docs/launcher.md).
 // The exit status is the first failing rank's (its code, or 128 + signal),
 // else 0. Single-threaded (Boost.Asio event loop).
 #pragma once
