@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <type_traits>
 
 namespace F = torch::nn::functional;
@@ -35,14 +36,9 @@ BartConfig BartConfig::named(const std::string& name) {
   }
   std::ifstream in(name);
   TORCH_CHECK_VALUE(in, "BART config '", name, "' is neither tiny, base nor large, nor a readable JSON file");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK_VALUE(false, "BART config '", name, "' is not JSON: ", json_error_text(e));
-  }
-  TORCH_CHECK_VALUE(j.is_object(), "BART config '", name,
-                    "' is not a JSON object (Hugging Face's config.json is one: {\"d_model\": 768, ...})");
+  const nlohmann::json j = parse_json_object(std::string(std::istreambuf_iterator<char>(in), {}),
+                                             "BART config '" + name + "'",
+                                             "Hugging Face's config.json is one: {\"d_model\": 768, ...}");
   // A key's value, or `fallback` when the key is absent; a value of another type is named.
   const auto get = [&](const char* key, auto fallback) {
     using T = decltype(fallback);

@@ -266,14 +266,8 @@ ByteLevelBpe ByteLevelBpe::load(const std::string& vocab_path, const std::string
 ByteLevelBpe ByteLevelBpe::parse(const std::string& vocab_json, const std::string& merges_txt,
                                  const std::string& vocab_name, const std::string& merges_name) {
   ByteLevelBpe t;
-  nlohmann::json vocab;
-  try {
-    vocab = nlohmann::json::parse(vocab_json);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK_VALUE(false, "tokenizer: '", vocab_name, "' is not JSON: ", json_error_text(e));
-  }
-  TORCH_CHECK_VALUE(vocab.is_object(), "tokenizer: '", vocab_name,
-                    "' is not a JSON object of token -> id (a vocab.json is one: {\"<s>\": 0, ...})");
+  const nlohmann::json vocab = parse_json_object(vocab_json, "tokenizer: '" + vocab_name + "'",
+                                                 "of token -> id; a vocab.json is one: {\"<s>\": 0, ...}");
   int64_t max_id = -1;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     TORCH_CHECK_VALUE(it.value().is_number_integer() && it.value().get<int64_t>() >= 0, "tokenizer: '", vocab_name,
