@@ -336,7 +336,7 @@ std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ra
                                    : s.what);
       if (child != nullptr) api_.abort(child);
       child = nullptr;
-      if (child == nullptr) slot.release();  // NCCL may still write to it: leaked, 8 bytes
+      slot.release();  // a split that did not end may still write to it: leaked, 8 bytes
       state_->abort_now(why);  // a split that never ended leaves the parent mid-call
       TORCH_CHECK(false, why);
     }
