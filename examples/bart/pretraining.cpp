@@ -44,6 +44,8 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+// Unix time in seconds (the system clock: comparable across restarts, as PreemptionGuard::notice_time() is).
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 // --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
 torch::Device training_device(const std::string& name, int local_rank) {
@@ -105,6 +107,7 @@ class PretrainingRun {
   bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
   double evaluate(int64_t at);
   double save(int64_t at, const char* why);
+  void note_resume(bool stepped);
   int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
   int64_t peak_model_states() const;
   double waited() const;
@@ -135,7 +138,8 @@ class PretrainingRun {
   RunRecord record_;
   int64_t step_ = 0;
   std::unique_ptr<zeroshard::Checkpointer> ckpt_;
-  json resumed_ = nullptr;
+  json resumed_ = nullptr;  // {"step", "load_s", "restart", "after"[, "to_first_step_s"]} after a resume
+  bool resume_noted_ = false;
   std::unique_ptr<zeroshard::PreemptionGuard> guard_;
   zeroshard::MetricsLog metrics_;
   std::unique_ptr<zeroshard::ProgressLine> progress_;
@@ -282,14 +286,20 @@ void PretrainingRun::resume() {
         zeroshard::log_info("checkpoint: step " + std::to_string(step_) + " has no run record (imported); training "
                             "starts at its step with a fresh data order");
       }
-      resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count}};
+      // What stopped the run before: the interruption this checkpoint was saved for, else a failure the
+      // launcher restarted from, else nothing (a new launch, e.g. with a larger --max-steps).
+      const auto& ints = record_.interruptions;
+      const bool interrupted = !ints.empty() && ints.back().value("step", int64_t{-1}) == step_;
+      resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count},
+                  {"after", interrupted ? ints.back().value("cause", ints.back().value("signal", std::string("a notice")))
+                            : dist_.restart_count > 0 ? "a failure"
+                                                      : "a new launch"}};
       zeroshard::log_info("resumed from step " + std::to_string(step_) + " of " + ckpt_dir + " (epoch " +
                           std::to_string(sampler_->epoch()) + ")");
     }
   }
   guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
   if (rank_ == 0) metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
-  if (rank_ == 0 && !resumed_.is_null()) metrics_.write_event("resume", step_, resumed_.dump());
   progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
   if (rank_ == 0 && step_ == 0) log_start();
   if (step_ == 0) last_val_ = evaluate(0);
@@ -477,8 +487,12 @@ std::optional<int> PretrainingRun::train() {
     ++step_;
     loss_ = r.loss;
     const bool end = record_step(r, t_step, waited0);
+    note_resume(true);
     if (end || !guard_->should_stop()) continue;
-    record_.interruptions.push_back({{"step", step_}, {"signal", guard_->signaled() ? "SIGTERM" : "notice"}});
+    json interruption{{"cause", guard_->cause()}, {"notice_unix_s", guard_->notice_time()}};
+    metrics_.write_event("interruption", step_, interruption.dump());
+    interruption["step"] = step_;
+    record_.interruptions.push_back(interruption);
     if (!ckpt_) {
       zeroshard::log_warn("preempted at step " + std::to_string(step_) + " with --ckpt-dir none: nothing saved");
       return guard_->exit_code();
@@ -491,7 +505,23 @@ std::optional<int> PretrainingRun::train() {
                         std::to_string(guard_->exit_code()) + " so the launcher restarts the run");
     return guard_->exit_code();
   }
+  note_resume(false);  // a resume with no step left to take
   return std::nullopt;
+}
+
+// The resume event, written once the first step after it ended: with the time
+// from the notice that stopped the run to that moment, when a notice did.
+void PretrainingRun::note_resume(bool stepped) {
+  if (resumed_.is_null() || resume_noted_) return;
+  resume_noted_ = true;
+  auto& ints = record_.interruptions;
+  if (stepped && !ints.empty() && ints.back().value("step", int64_t{-1}) == resumed_["step"].get<int64_t>() &&
+      ints.back().contains("notice_unix_s")) {
+    const double gap = unix_now() - ints.back()["notice_unix_s"].get<double>();
+    ints.back()["to_first_step_s"] = gap;  // the summary's, and later checkpoints'
+    resumed_["to_first_step_s"] = gap;
+  }
+  if (rank_ == 0) metrics_.write_event("resume", resumed_["step"].get<int64_t>(), resumed_.dump());
 }
 
 // The last save committed; --save-logits: the model's logits on four validation examples.

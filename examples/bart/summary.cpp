@@ -95,13 +95,23 @@ std::string Summary::text() const {
     o << "interrupted  no\n";
   } else {
     for (const auto& i : ints) {
-      o << "interrupted  at step " << i.value("step", int64_t{0}) << " by " << i.value("signal", std::string("?"))
-        << " (a spot preemption notice): every rank stopped after that step, saved, exited 75\n";
+      const std::string cause = i.value("cause", i.value("signal", std::string("?")));
+      std::snprintf(buf, sizeof(buf), "interrupted  after step %lld by %s (a spot preemption notice): every rank saved "
+                    "and exited 75", static_cast<long long>(i.value("step", int64_t{0})), cause.c_str());
+      o << buf;
+      if (i.contains("to_first_step_s")) {
+        std::snprintf(buf, sizeof(buf), "; the first step after the restart ended %.1f s after the notice",
+                      i["to_first_step_s"].get<double>());
+        o << buf;
+      }
+      o << "\n";
     }
     if (!resumed.empty()) {
       const json r = json::parse(resumed);
-      std::snprintf(buf, sizeof(buf), "resumed      from the step-%08lld checkpoint (restart %d, loaded in %.2f s), then ran to the end\n",
-                    static_cast<long long>(r.value("step", int64_t{0})), r.value("restart", 0), r.value("load_s", 0.0));
+      std::snprintf(buf, sizeof(buf), "resumed      from the step-%08lld checkpoint (restart %d, after %s, loaded in "
+                    "%.2f s), then ran to the end\n",
+                    static_cast<long long>(r.value("step", int64_t{0})), r.value("restart", 0),
+                    r.value("after", std::string("?")).c_str(), r.value("load_s", 0.0));
       o << buf;
     }
   }

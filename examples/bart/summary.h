@@ -23,8 +23,8 @@ struct Summary {
   // NaN when no step could measure it (one rank, one reduction per step).
   double noise_scale = NAN, efficiency = NAN, goodput = NAN, reference_batch = 1;
   std::vector<int64_t> peak_rss, model_states;  // per rank
-  std::string interruptions = "[]";  // JSON array of {"step", "signal"}
-  std::string resumed;               // JSON {"step", "load_s", "restart"} when this process resumed; "" when not
+  std::string interruptions = "[]";  // JSON array of {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}
+  std::string resumed;               // JSON {"step", "load_s", "restart", "after", ...} when this process resumed; "" when not
   bool has_sample = false;
   DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 

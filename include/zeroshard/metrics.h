@@ -103,8 +103,11 @@ int64_t current_rss_bytes();
 int64_t heap_bytes_in_use();
 
 // Draws the loss curve of a metrics file (train loss per step, and validation
-// loss where lines carry "val_loss") into a PNG with gnuplot. Returns "" on
-// success, else why not (no gnuplot on PATH, no steps in the file, gnuplot's error).
+// loss where lines carry "val_loss") into a PNG with gnuplot, with its events
+// marked: a point on the curve at each "checkpoint", and a dashed vertical line
+// labelled with its cause at each "interruption" ({"cause"}) and "resume"
+// ({"restart", "after", "to_first_step_s"}). Returns "" on success, else why
+// not (no gnuplot on PATH, no steps in the file, gnuplot's error).
 std::string plot_metrics(const std::string& metrics_path, const std::string& png_path,
                          const std::string& title = "training loss");
 

@@ -14,7 +14,7 @@
 // 2-minute notice; GCP: 30 s; Kubernetes: the pod's terminationGracePeriodSeconds),
 // or vanish. A signal seen by any rank, or the notice file appearing, makes
 // should_stop() return true on every rank at the same step boundary (one
-// all-reduce MAX per call). The guard handles the signals from construction
+// all-reduce MAX of two numbers per call: the flag and the notice's time). The guard handles the signals from construction
 // to destruction (a Boost.Asio signal_set on a thread of its own), so they no
 // longer kill the process: call should_stop() at every step.
 #pragma once
@@ -22,6 +22,8 @@
 #include "zeroshard/comm.h"
 
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <csignal>
 #include <memory>
 #include <string>
@@ -65,6 +67,13 @@ class PreemptionGuard {
   bool should_stop();
   // Whether this rank itself got a signal (no communication).
   bool signaled() const { return signal_.load() != 0; }
+  // Once should_stop() returned true: the earliest moment any rank learned of
+  // the notice (Unix time in seconds, the system clock: comparable across
+  // restarts and hosts with synchronized clocks), and what this rank saw:
+  // "SIGTERM" (the signal's name), "notice file", "notice URL", or "another
+  // rank's notice". NaN and "" before.
+  double notice_time() const { return notice_time_; }
+  const std::string& cause() const { return cause_; }
   // Logs `save_seconds` against the grace period: a warning when it would not
   // fit (at start-up, with the last checkpoint's TrainingProgress::save_seconds),
   // else an info line (after the save a stop made). Returns whether it fits.
@@ -78,7 +87,10 @@ class PreemptionGuard {
   PreemptionOptions options_;
   std::atomic<int> signal_{0};
   std::atomic<bool> url_notice_{false};
+  std::atomic<int64_t> seen_ns_{0};  // when this rank first saw a signal or the URL's notice (system clock)
   bool stopped_ = false;
+  double notice_time_ = NAN;
+  std::string cause_;
   std::unique_ptr<Impl> impl_;
 };
 

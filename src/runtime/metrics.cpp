@@ -16,6 +16,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -210,42 +212,119 @@ int64_t heap_bytes_in_use() {
 #endif
 }
 
+namespace {
+
+// A string as a gnuplot double-quoted string's content.
+std::string gnuplot_text(std::string s) {
+  for (auto& c : s)
+    if (c == '"' || c == '\\' || c == '\n') c = '\'';
+  return s;
+}
+
+// The plot's marks from the metrics' events: a point on the loss curve where
+// a checkpoint was saved, and a vertical line, with its cause, where the run
+// was interrupted or restarted.
+struct PlotMarks {
+  std::map<int64_t, double> loss;        // train loss by step
+  std::vector<int64_t> checkpoints;      // steps
+  std::map<int64_t, json> interruptions;  // by step: {"cause", ...}
+  std::vector<json> resumes;             // {"step", "restart", "after", ["to_first_step_s"]}
+
+  // The vertical lines: (step, label).
+  std::vector<std::pair<int64_t, std::string>> lines() const {
+    std::vector<std::pair<int64_t, std::string>> out;
+    std::map<int64_t, bool> restarted;
+    char buf[200];
+    for (const auto& r : resumes) {
+      const int64_t step = r.value("step", int64_t{0});
+      const auto it = interruptions.find(step);
+      if (it != interruptions.end()) {
+        std::snprintf(buf, sizeof(buf), "%s after step %lld, restart %d", it->second.value("cause", std::string("?")).c_str(),
+                      static_cast<long long>(step), r.value("restart", 0));
+        std::string label = buf;
+        if (r.contains("to_first_step_s") && r["to_first_step_s"].is_number()) {
+          std::snprintf(buf, sizeof(buf), ": training again %.1f s after the notice", r["to_first_step_s"].get<double>());
+          label += buf;
+        }
+        out.emplace_back(step, label);
+        restarted[step] = true;
+      } else {
+        std::snprintf(buf, sizeof(buf), "restart %d after %s: resumed from step %lld", r.value("restart", 0),
+                      r.value("after", std::string("a failure")).c_str(), static_cast<long long>(step));
+        out.emplace_back(step, buf);
+      }
+    }
+    for (const auto& [step, i] : interruptions) {
+      if (restarted.count(step) > 0) continue;
+      std::snprintf(buf, sizeof(buf), "%s after step %lld: saved, stopped", i.value("cause", std::string("?")).c_str(),
+                    static_cast<long long>(step));
+      out.emplace_back(step, buf);
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
 std::string plot_metrics(const std::string& metrics_path, const std::string& png_path, const std::string& title) {
   std::ifstream in(metrics_path);
   if (!in) return "cannot read '" + metrics_path + "'";
-  // Steps with a loss, and the validation points, as gnuplot data blocks.
+  // Steps with a loss, and the validation points, as gnuplot data blocks; the events' marks.
   std::ostringstream train, val;
-  int64_t n_train = 0, n_val = 0;
+  int64_t n_val = 0, first_step = std::numeric_limits<int64_t>::max(), last_step = 0;
+  PlotMarks marks;
   std::string text;
   while (std::getline(in, text)) {
     const json j = json::parse(text, nullptr, false);
-    if (!j.is_object() || !j.contains("step")) continue;
-    const auto step = j["step"];
-    if (j.contains("loss") && j["loss"].is_number() && !j.contains("event")) {
-      train << step.dump() << " " << j["loss"].get<double>() << "\n";
-      ++n_train;
+    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+    const int64_t step = j["step"].get<int64_t>();
+    const std::string event = j.contains("event") && j["event"].is_string() ? j["event"].get<std::string>() : "";
+    if (j.contains("loss") && j["loss"].is_number() && event.empty()) {
+      train << step << " " << j["loss"].get<double>() << "\n";
+      marks.loss[step] = j["loss"].get<double>();
+      first_step = std::min(first_step, step);
+      last_step = std::max(last_step, step);
     }
     if (j.contains("val_loss") && j["val_loss"].is_number()) {
-      val << step.dump() << " " << j["val_loss"].get<double>() << "\n";
+      val << step << " " << j["val_loss"].get<double>() << "\n";
+      first_step = std::min(first_step, step);
       ++n_val;
     }
+    if (event == "checkpoint") marks.checkpoints.push_back(step);
+    if (event == "interruption") marks.interruptions[step] = j;
+    if (event == "resume") marks.resumes.push_back(j);
   }
-  if (n_train == 0) return "no step with a loss in '" + metrics_path + "'";
+  if (marks.loss.empty()) return "no step with a loss in '" + metrics_path + "'";
+  std::ostringstream saved;
+  for (int64_t step : marks.checkpoints) {
+    const auto it = marks.loss.find(step);
+    if (it != marks.loss.end()) saved << step << " " << it->second << "\n";
+  }
+  const auto lines = marks.lines();
   const std::string script_path = png_path + ".gp";
   {
     std::ofstream gp(script_path, std::ios::trunc);
-    std::string safe_title = title;
-    for (auto& c : safe_title)
-      if (c == '"' || c == '\\') c = '\'';
     gp << "$train << EOD\n" << train.str() << "EOD\n";
     if (n_val > 0) gp << "$val << EOD\n" << val.str() << "EOD\n";
+    if (!saved.str().empty()) gp << "$saved << EOD\n" << saved.str() << "EOD\n";
     gp << "set terminal pngcairo size 900,540 font ',10'\n"
        << "set output '" << png_path << "'\n"
-       << "set title \"" << safe_title << "\"\n"
+       << "set title \"" << gnuplot_text(title) << "\"\n"
        << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats per token)'\n"
-       << "set grid\nset key top right\n"
-       << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
+       << "set grid\nset key top right\n";
+    if (last_step > first_step) gp << "set xrange [" << first_step << ":" << last_step << "]\n";
+    int tag = 1;
+    for (const auto& [step, label] : lines) {  // a dashed line, its label along it (dark, to the line's left)
+      gp << "set arrow " << tag << " from " << step << ", graph 0 to " << step
+         << ", graph 1 nohead dt 2 lw 2 lc rgb '#9467bd' front\n"
+         << "set label " << tag << " \"" << gnuplot_text(label) << "\" at " << step
+         << ", graph 0.97 rotate by 90 right offset -0.9, 0 tc rgb '#333333' font ',9' front\n";
+      ++tag;
+    }
+    gp << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
     if (n_val > 0) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
+    if (!saved.str().empty()) gp << ", $saved using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'checkpoint saved'";
+    if (!lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#9467bd' title 'interruption / restart'";
     gp << "\n";
     if (!gp) return "cannot write '" + script_path + "'";
   }

@@ -13,7 +13,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -71,6 +74,11 @@ bool poll_once(const Url& u, const std::vector<std::pair<std::string, std::strin
   }
 }
 
+// Now on the system clock, in nanoseconds since the Unix epoch.
+int64_t unix_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 struct PreemptionGuard::Impl {
@@ -80,9 +88,11 @@ struct PreemptionGuard::Impl {
   std::thread thread;
   bool logged_unreachable = false;
 
-  void poll(const Url& url, const PreemptionOptions& o, std::atomic<bool>* seen) {
+  void poll(const Url& url, const PreemptionOptions& o, std::atomic<bool>* seen, std::atomic<int64_t>* seen_ns) {
     std::string error;
     if (poll_once(url, o.notice_url_headers, &error)) {
+      int64_t none = 0;
+      seen_ns->compare_exchange_strong(none, unix_ns());
       seen->store(true);
       return;  // a notice stays a notice
     }
@@ -91,16 +101,18 @@ struct PreemptionGuard::Impl {
       logged_unreachable = true;
     }
     timer.expires_after(std::chrono::milliseconds(static_cast<int64_t>(o.notice_poll_interval_s * 1000)));
-    timer.async_wait([this, url, &o, seen](const boost::system::error_code& ec) {
-      if (!ec) poll(url, o, seen);
+    timer.async_wait([this, url, &o, seen, seen_ns](const boost::system::error_code& ec) {
+      if (!ec) poll(url, o, seen, seen_ns);
     });
   }
 
-  void arm(std::atomic<int>* seen) {
-    signals.async_wait([this, seen](const boost::system::error_code& ec, int sig) {
+  void arm(std::atomic<int>* seen, std::atomic<int64_t>* seen_ns) {
+    signals.async_wait([this, seen, seen_ns](const boost::system::error_code& ec, int sig) {
       if (ec) return;  // cancelled: the guard is going away
+      int64_t none = 0;
+      seen_ns->compare_exchange_strong(none, unix_ns());
       seen->store(sig);
-      arm(seen);  // later signals are absorbed too
+      arm(seen, seen_ns);  // later signals are absorbed too
     });
   }
 };
@@ -115,12 +127,12 @@ PreemptionGuard::PreemptionGuard(std::shared_ptr<Communicator> comm, PreemptionO
     impl_->signals.add(sig, ec);
     TORCH_CHECK_VALUE(!ec, "PreemptionGuard: cannot handle signal ", sig, ": ", ec.message());
   }
-  impl_->arm(&signal_);
+  impl_->arm(&signal_, &seen_ns_);
   if (!options_.notice_url.empty()) {
     TORCH_CHECK_VALUE(options_.notice_poll_interval_s > 0, "PreemptionGuard: notice_poll_interval_s is ",
                       options_.notice_poll_interval_s, "; it must be positive");
     const Url url = parse_url(options_.notice_url);
-    boost::asio::post(impl_->io, [this, url] { impl_->poll(url, options_, &url_notice_); });
+    boost::asio::post(impl_->io, [this, url] { impl_->poll(url, options_, &url_notice_, &seen_ns_); });
   }
   impl_->thread = std::thread([this] { impl_->io.run(); });
 }
@@ -138,11 +150,25 @@ bool PreemptionGuard::should_stop() {
   if (stopped_) return true;
   const int sig = signal_.load();
   const bool url_notice = url_notice_.load();
-  const bool notice = url_notice || (!options_.notice_file.empty() && std::filesystem::exists(options_.notice_file));
-  auto flag = at::tensor({(sig != 0 || notice) ? 1.0 : 0.0}, at::kDouble);
+  const bool file_notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
+  const bool notice = url_notice || file_notice;
+  if (file_notice) {
+    int64_t none = 0;
+    seen_ns_.compare_exchange_strong(none, unix_ns());
+  }
+  // One MAX over [flag, -time]: the flag, and the earliest time a rank saw a notice.
+  const int64_t seen_ns = seen_ns_.load();
+  auto flag = at::tensor({(sig != 0 || notice) ? 1.0 : 0.0,
+                          seen_ns != 0 ? -static_cast<double>(seen_ns) * 1e-9 : -INFINITY}, at::kDouble);
   if (comm_->size() > 1) comm_->all_reduce(flag, ReduceOp::kMax)->wait();
-  if (flag.item<double>() == 0) return false;
+  if (flag[0].item<double>() == 0) return false;
   stopped_ = true;
+  const double earliest = -flag[1].item<double>();
+  notice_time_ = std::isfinite(earliest) ? earliest : unix_ns() * 1e-9;
+  cause_ = sig != 0      ? "SIG" + std::string(sigabbrev_np(sig) != nullptr ? sigabbrev_np(sig) : std::to_string(sig))
+           : url_notice ? "notice URL"
+           : notice     ? "notice file"
+                        : "another rank's notice";
   std::string why = sig != 0      ? "got signal " + std::to_string(sig) + " (" + strsignal(sig) + ")"
                     : url_notice ? "got a notice from '" + options_.notice_url + "'"
                     : notice     ? "found the notice file '" + options_.notice_file + "'"

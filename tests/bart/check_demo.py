@@ -2,7 +2,10 @@
 """scripts/demo.sh (what `make demo` runs), shortened to 40 steps: it must
 interrupt the run half-way through the launcher, restart and resume it, and end
 with a summary a person can read (the denoising accuracies among it), plus the
-files it promises.
+files it promises. The summary's time from the notice to the first step after the
+restart lies between the moments this script saw the restart begin and the run
+end; loss.png shows the interruption (a line at step 20) and each checkpoint
+(a mark on the curve), read from its pixels.
 
 Usage: check_demo.py SOURCE_DIR BUILD_DIR
 """
@@ -11,19 +14,32 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+from png_marks import frame, mark_columns, read_png, vertical_lines  # noqa: E402
 
 src, build = sys.argv[1], os.path.abspath(sys.argv[2])
 run_dir = os.path.join(build, "demo_script_run")
 shutil.rmtree(run_dir, ignore_errors=True)
 env = dict(os.environ, STEPS="40", RUN_DIR=run_dir)
-p = subprocess.run([os.path.join(src, "scripts", "demo.sh"), build], capture_output=True, text=True, env=env, cwd=src)
-out = p.stdout + p.stderr
+# Each line of the output with the moment it arrived: the oracle of the summary's notice-to-training time.
+p = subprocess.Popen([os.path.join(src, "scripts", "demo.sh"), build], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, env=env, cwd=src)
+lines = [(time.monotonic(), line) for line in p.stdout]
+p.wait()
+out = "".join(line for _, line in lines)
 check(p.returncode == 0, f"demo.sh exited {p.returncode}\n{out[-5000:]}")
+
+
+def arrived(needle):
+    return next(t for t, line in lines if needle in line)
+
+
 for needle in ("simulating a spot preemption: rank 0 reached step 20", "restarting all ranks (restart 1 of 1)",
-               "BART pretraining summary", "2 ranks, ZeRO stage 3", "interrupted  at step", "resumed      from the step-",
+               "BART pretraining summary", "2 ranks, ZeRO stage 3", "interrupted  after step 2",
+               "resumed      from the step-000000", "(restart 1, after SIGTERM, loaded in",
                "denoising    64 held-out sentences, greedy decoding:", "unmasked tokens reproduced",
                "masked ones recovered", "masked input:", "reconstruction:", "original:",
                "unsharded (one process, 16 bytes/parameter)", "efficiency   gradient noise scale"):
@@ -47,7 +63,43 @@ val = [(r["step"], r["val_loss"]) for r in map(json.loads, open(os.path.join(run
 check([s for s, _ in val] == [0, 10, 20, 30, 40], val)
 check(all(b < a for (_, a), (_, b) in zip(val, val[1:])), f"the validation loss does not fall at every evaluation: {val}")
 check(val[-1][1] < 0.9 * val[0][1], f"the validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f} fell less than 10%")
-summary = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"summary"' in line][-1]
+# The interruption's timeline: the summary's time from the notice to the end of the first step after the restart
+# lies between what this script saw: after the restart began, before the run ended.
+events = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "event" in r]
+summary = [r for r in events if r["event"] == "summary"][-1]
+intr = summary["interruptions"]
+# The launcher signals once rank 0 reported step 20; the ranks stop after the step they are in (20 or 21).
+check(len(intr) == 1 and 20 <= intr[0]["step"] <= 22 and intr[0]["cause"] == "SIGTERM", intr)
+stop = intr[0]["step"]
+gap = intr[0]["to_first_step_s"]
+t_notice, t_restart, t_end = arrived("simulating a spot preemption"), arrived("restarting all ranks"), lines[-1][0]
+check(t_restart - t_notice - 0.5 <= gap <= t_end - t_notice + 0.5,
+      f"the summary says training went on {gap:.2f} s after the notice; this script saw the restart begin "
+      f"{t_restart - t_notice:.2f} s and the run end {t_end - t_notice:.2f} s after it")
+check(f"the first step after the restart ended {gap:.1f} s after the notice" in out, out[-3000:])
+resumes = [r for r in events if r["event"] == "resume"]
+check(len(resumes) == 1 and resumes[0]["step"] == stop and resumes[0]["after"] == "SIGTERM" and
+      resumes[0]["to_first_step_s"] == gap, resumes)
+# loss.png shows it: one dashed purple line at that step (the interruption and restart), and a green mark on the
+# curve at each step a checkpoint was saved; the x axis runs from the first evaluation (0) to the last step.
+img = read_png(os.path.join(run_dir, "loss.png"))
+box = frame(img)
+left, right = box[0], box[1]
+
+
+def x_of(step):
+    return left + step / 40 * (right - left)
+
+
+marked = vertical_lines(img, (0x94, 0x67, 0xBD), box)
+check(len(marked) == 1 and abs(marked[0] - x_of(stop)) <= 3,
+      f"loss.png: the interruption line should be at x = {x_of(stop):.0f} (step {stop}), found lines at {marked}")
+saved = sorted({r["step"] for r in events if r["event"] == "checkpoint"})
+check(saved == sorted({10, 20, stop, 30, 40}), saved)
+greens = mark_columns(img, (0x2C, 0xA0, 0x2C), box)
+for s in saved:
+    check(any(abs(g - x_of(s)) <= 4 for g in greens),
+          f"loss.png: no checkpoint mark at step {s} (x = {x_of(s):.0f}); green marks at {greens}")
 d = summary["denoising"]
 check(d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_tokens"] > 64, d)
 for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_recovered")):
@@ -62,7 +114,8 @@ o = summary["sample"]["original"]
 check(o[:1] in " \"'" or o[:1].isupper() or o[:1].isdigit(), f"the sample starts inside a word: {o!r}")
 check(o.rstrip(" \"')")[-1:] in (".", "!", "?"), f"the sample does not end a sentence: {o!r}")
 print(f"demo: validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f}, falling at every evaluation across the resume; "
-      "interrupted at step 20 through the launcher, restarted, resumed, summary and files present; "
+      f"interrupted at step {stop} through the launcher, restarted, resumed (training again {gap:.1f} s after the "
+      f"notice), summary and files present; loss.png marks the interruption and {len(saved)} checkpoints; "
       f"after 40 steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
       f"{100 * d['masked_accuracy']:.1f}% of {d['masked_tokens']} masked recovered")
 print("OK")

@@ -175,7 +175,13 @@ TEST(Metrics, PlotDrawsAPngFromTheMetrics) {
       m.loss = 8.0 / s;
       if (s % 10 == 0) m.extra_json = json{{"val_loss", 9.0 / s}}.dump();
       log.write(m);
+      if (s % 10 == 0) log.write_event("checkpoint", s, R"({"reason": "every 10 steps"})");
     }
+    // The marks' events (gnuplot must take their arrows and labels, quotes in a cause included).
+    log.write_event("interruption", 10, R"({"cause": "SIGTERM \"quoted\"", "notice_unix_s": 1.7e9})");
+    log.write_event("resume", 10, R"({"restart": 1, "after": "SIGTERM", "to_first_step_s": 12.5})");
+    log.write_event("resume", 15, R"({"restart": 2, "after": "a failure"})");
+    log.write_event("interruption", 20, R"({"cause": "notice file"})");
   }
   const auto why = zeroshard::plot_metrics(dir + "/m.jsonl", dir + "/loss.png", "a \"quoted\" title");
   ASSERT_EQ(why, "");

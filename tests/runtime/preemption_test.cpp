@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -17,16 +19,29 @@ namespace preemption_test {
 using testing::world;
 using testing::world_ptr;
 
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The last rank gets SIGTERM at step 4, and (at 2 ranks and more) rank 0
+// SIGUSR1 300 ms later: every rank stops after step 4, and every rank's
+// notice_time() is the last rank's moment (the earliest), not its own.
 TEST(Preemption, SignalOnOneRankStopsEveryRankAfterTheSameStep) {
   const int n = world().size(), r = world().rank();
   PreemptionGuard guard(world_ptr());
+  EXPECT_TRUE(std::isnan(guard.notice_time()));
   int stopped_at = -1;
+  double before = 0, after = 0;
   for (int step = 0; step < 10; ++step) {
-    if (step == 4 && r == n - 1) {
-      std::raise(SIGTERM);  // handled by the guard: the process lives on
+    const bool last = r == n - 1, late = r == 0 && n > 1;
+    if (step == 4 && (last || late)) {
+      if (late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      before = unix_now();
+      std::raise(last ? SIGTERM : SIGUSR1);  // handled by the guard: the process lives on
       // The guard's thread records it a moment later.
       for (int i = 0; i < 2000 && !guard.signaled(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       ASSERT_TRUE(guard.signaled());
+      after = unix_now();
     }
     if (guard.should_stop()) {
       stopped_at = step;
@@ -36,7 +51,17 @@ TEST(Preemption, SignalOnOneRankStopsEveryRankAfterTheSameStep) {
   auto all = torch::zeros({n}, torch::kLong);
   world().all_gather(all, torch::tensor({static_cast<int64_t>(stopped_at)}, torch::kLong))->wait();
   for (int k = 0; k < n; ++k) EXPECT_EQ(all[k].item<int64_t>(), 4) << "rank " << k;
-  EXPECT_EQ(guard.signaled(), r == n - 1);
+  EXPECT_EQ(guard.signaled(), r == n - 1 || r == 0);
+  EXPECT_EQ(guard.cause(), r == n - 1 ? "SIGTERM" : r == 0 ? "SIGUSR1" : "another rank's notice");
+  auto times = torch::zeros({n, 3}, torch::kDouble);
+  world().all_gather(times, torch::tensor({guard.notice_time(), before, after}, torch::kDouble))->wait();
+  const double t_last = times[n - 1][0].item<double>();
+  EXPECT_GE(t_last, times[n - 1][1].item<double>()) << "the notice cannot precede the signal";
+  EXPECT_LE(t_last, times[n - 1][2].item<double>()) << "the guard's thread saw the signal before the rank went on";
+  for (int k = 0; k < n; ++k) EXPECT_EQ(times[k][0].item<double>(), t_last) << "rank " << k << ": not the earliest notice";
+  if (n > 1) {
+    EXPECT_LT(t_last, times[0][1].item<double>()) << "rank 0's own later signal taken";
+  }
   EXPECT_TRUE(guard.should_stop()) << "stays stopped";
   EXPECT_EQ(guard.exit_code(), 75);
 }
@@ -53,6 +78,7 @@ TEST(Preemption, NoticeFileStopsEveryRank) {
   world().barrier();
   EXPECT_TRUE(guard.should_stop());
   EXPECT_FALSE(guard.signaled());
+  EXPECT_EQ(guard.cause(), "notice file");
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove(o.notice_file);
 }
