@@ -243,20 +243,20 @@ struct PlotMarks {
                       static_cast<long long>(step), r.value("restart", 0));
         std::string label = buf;
         if (r.contains("to_first_step_s") && r["to_first_step_s"].is_number()) {
-          std::snprintf(buf, sizeof(buf), ": training again %.1f s after the notice", r["to_first_step_s"].get<double>());
+          std::snprintf(buf, sizeof(buf), ", training %.1f s later", r["to_first_step_s"].get<double>());
           label += buf;
         }
         out.emplace_back(step, label);
         restarted[step] = true;
       } else {
-        std::snprintf(buf, sizeof(buf), "restart %d after %s: resumed from step %lld", r.value("restart", 0),
+        std::snprintf(buf, sizeof(buf), "restart %d after %s, from step %lld", r.value("restart", 0),
                       r.value("after", std::string("a failure")).c_str(), static_cast<long long>(step));
         out.emplace_back(step, buf);
       }
     }
     for (const auto& [step, i] : interruptions) {
       if (restarted.count(step) > 0) continue;
-      std::snprintf(buf, sizeof(buf), "%s after step %lld: saved, stopped", i.value("cause", std::string("?")).c_str(),
+      std::snprintf(buf, sizeof(buf), "%s after step %lld, stopped", i.value("cause", std::string("?")).c_str(),
                     static_cast<long long>(step));
       out.emplace_back(step, buf);
     }
