@@ -77,7 +77,7 @@ def check_converge(build, work):
         d = os.path.join(work, f"converge_np{nproc}")
         shutil.rmtree(d, ignore_errors=True)
         pretrain(build, d, nproc, "--max-steps", "200", "--eval-every", "100", "--ckpt-dir", "none", "--no-sample",
-                 "--max-tokens", "64")
+                 "--max-tokens", "32")
         m = metrics(d)
         val = [(r["step"], r["val_loss"]) for r in m if r.get("event") == "validation"]
         check(val[0][0] == 0 and val[-1][0] == 200, val)
@@ -97,7 +97,7 @@ def check_converge(build, work):
 
 def check_equal_ranks(build, work):
     common = ["--max-steps", "10", "--save-every", "10", "--eval-every", "0", "--dropout", "0", "--no-sample",
-              "--global-batch", "16", "--micro-batches", "2"]
+              "--global-batch", "16", "--micro-batches", "2", "--max-tokens", "32"]
     dirs = {}
     for nproc in (0, 4):
         d = dirs[nproc] = os.path.join(work, f"equal_np{nproc}")
@@ -140,7 +140,7 @@ def check_equal_ranks(build, work):
 
 
 def check_resume(build, work):
-    common = ["--max-steps", "20", "--save-every", "100", "--eval-every", "10", "--max-tokens", "64"]
+    common = ["--max-steps", "20", "--save-every", "100", "--eval-every", "10", "--max-tokens", "32"]
     ref, cut = os.path.join(work, "resume_ref"), os.path.join(work, "resume_cut")
     for d in (ref, cut):
         shutil.rmtree(d, ignore_errors=True)
@@ -185,7 +185,8 @@ def check_safetensors(build, work):
     d, d2 = os.path.join(work, "st_trained"), os.path.join(work, "st_imported")
     for x in (d, d2):
         shutil.rmtree(x, ignore_errors=True)
-    pretrain(build, d, 2, "--max-steps", "30", "--save-every", "30", "--eval-every", "0", "--no-sample")
+    pretrain(build, d, 2, "--max-steps", "30", "--save-every", "30", "--eval-every", "0", "--no-sample",
+             "--max-tokens", "32")
     st = os.path.join(work, "st_trained.safetensors")
     header, tensors = exported(build, d, st, "--buffers")
     # Hugging Face BartForConditionalGeneration's names.
@@ -198,8 +199,8 @@ def check_safetensors(build, work):
     run([os.path.join(build, "zeroshard-ckpt"), "import", st, os.path.join(d2, "checkpoints"), "--safetensors",
          "--step", "30"])
     l1, l2 = os.path.join(work, "logits_trained.f32"), os.path.join(work, "logits_imported.f32")
-    pretrain(build, d, 2, "--max-steps", "30", "--save-logits", l1, "--no-sample")
-    pretrain(build, d2, 2, "--max-steps", "30", "--save-logits", l2, "--no-sample",
+    pretrain(build, d, 2, "--max-steps", "30", "--save-logits", l1, "--no-sample", "--max-tokens", "32")
+    pretrain(build, d2, 2, "--max-steps", "30", "--save-logits", l2, "--no-sample", "--max-tokens", "32",
              "--tokenizer", os.path.join(d, "tokenizer"))
     a, b = np.fromfile(l1, dtype=np.float32), np.fromfile(l2, dtype=np.float32)
     check(a.size > 0 and a.size == b.size and np.isfinite(a).all(),
@@ -212,7 +213,7 @@ def check_safetensors(build, work):
 def check_bf16(build, work):
     # Sequences of at most 64 tokens: the claims are about precision and sharding, not length. bf16 matmuls are
     # slow on a CPU without bf16 instructions (1.3 s a step here): 16 steps of ZeRO-3, 6 of ZeRO-2.
-    common = ["--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0", "--max-tokens", "64"]
+    common = ["--eval-every", "0", "--ckpt-dir", "none", "--no-sample", "--dropout", "0", "--max-tokens", "32"]
     losses = {}
     # ZeRO-2 against ZeRO-3 in bf16 over the first 6 steps only: the sharding's equality, not convergence.
     for name, extra in (("fp32", ["--stage", "3", "--max-steps", "16"]),
@@ -239,7 +240,7 @@ def check_bf16(build, work):
 
 def check_pipeline(build, work):
     common = ["--max-steps", "12", "--global-batch", "8", "--micro-batches", "4", "--save-every", "6",
-              "--eval-every", "6", "--no-sample", "--max-tokens", "64"]
+              "--eval-every", "6", "--no-sample", "--max-tokens", "32"]
     dirs = {}
 
     def train(name, nproc, *extra, launcher_args=(), fresh=True, steps=common, env_extra=None):

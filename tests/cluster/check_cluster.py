@@ -121,7 +121,7 @@ def check_bart(build, work):
     exe = os.path.join(build, "examples", "bart_pretrain")
     common = ["--data", "/usr/share/common-licenses", "--max-steps", "8", "--eval-every", "0", "--no-sample",
               "--no-plot", "--ckpt-dir", "none", "--global-batch", "16", "--micro-batches", "2",
-              "--progress-interval", "1000"]
+              "--progress-interval", "1000", "--max-tokens", "32"]
     env = ENV
     tokenizer = None
     with Cluster(12, 2) as c:
