@@ -61,6 +61,7 @@ demo: configure
 bench: build
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 2 -- $(BUILD_DIR)/bench/comm_bench
 	@$(BUILD_DIR)/zeroshard-run --nproc-per-node 4 -- $(BUILD_DIR)/bench/comm_bench
+	@PYTHON=$(VENV)/bin/python bench/comm_vs_gloo.sh $(BUILD_DIR) 4 2
 	@bench/cluster_comm_bench.sh $(BUILD_DIR) 4 2 1gbit || [ $$? -eq 77 ]  # needs root: 77 = the hosts cannot be made
 	@PYTHON=$(VENV)/bin/python bench/optim_bench.sh $(BUILD_DIR) "1 2"
 	@PYTHON=$(VENV)/bin/python bench/zero_vs_ddp.sh $(BUILD_DIR) 4
