@@ -169,7 +169,7 @@ bool PreemptionGuard::should_stop() {
            : url_notice ? "notice URL"
            : notice     ? "notice file"
                         : "another rank's notice";
-  std::string why = sig != 0      ? "got signal " + std::to_string(sig) + " (" + strsignal(sig) + ")"
+  std::string why = sig != 0      ? "got " + cause_ + " (" + strsignal(sig) + ")"
                     : url_notice ? "got a notice from '" + options_.notice_url + "'"
                     : notice     ? "found the notice file '" + options_.notice_file + "'"
                                  : "";
