@@ -47,6 +47,22 @@ int kill_mid_collective() {
   return 0;
 }
 
+// Runs a helper as a trainer runs: an error ends it with one line and exit 1,
+// recorded for the launcher's last line, the stack unwound (so its communicator
+// aborts and tells its peers which rank broke it, rather than dying of an
+// uncaught exception that closes its sockets with no reason).
+template <typename F>
+int reported(F&& helper) {
+  try {
+    return helper();
+  } catch (const std::exception& e) {
+    const std::string message = zeroshard::error_message(e);
+    std::cerr << "error: " << message << std::endl;
+    zeroshard::record_error(zeroshard::read_dist_env(), message);
+    return 1;
+  }
+}
+
 // Rank 1 fails with a named error after a first all_reduce; the others wait for a
 // second one, which never completes.
 int fail_with_error() {
@@ -54,16 +70,9 @@ int fail_with_error() {
   opt.timeout = std::chrono::seconds(15);
   auto c = zeroshard::init_communicator(opt);
   auto t = at::ones({16});
-  try {
-    c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-    TORCH_CHECK_VALUE(c->rank() != 1, "rank 1 of this test fails on purpose (step 7, file 'x.h5')");
-    c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  } catch (const std::exception& e) {
-    const std::string message = zeroshard::error_message(e);
-    std::cerr << "error: " << message << std::endl;
-    zeroshard::record_error(zeroshard::read_dist_env(), message);
-    return 1;
-  }
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  TORCH_CHECK_VALUE(c->rank() != 1, "rank 1 of this test fails on purpose (step 7, file 'x.h5')");
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
   return 0;
 }
 
@@ -83,8 +92,8 @@ int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "--helper") == 0) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
-    if (std::strcmp(argv[2], "fail_with_error") == 0) return fail_with_error();
-    if (std::strcmp(argv[2], "soak_train") == 0) return soak_train_main(argc - 2, argv + 2);
+    if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
+    if (std::strcmp(argv[2], "soak_train") == 0) return reported([&] { return soak_train_main(argc - 2, argv + 2); });
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;
   }

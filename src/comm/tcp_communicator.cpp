@@ -220,7 +220,7 @@ std::shared_ptr<Communicator> TcpCommunicator::split_into(const std::vector<int>
   uint64_t index;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(failure_.empty(), "split: this communicator failed earlier: ", failure_);
+    TORCH_CHECK(failure_.empty(), not_run_after(failure_, "split"));
     index = split_count_++;
   }
   // Every rank publishes its list; members compare all of them so a rank
@@ -290,7 +290,7 @@ void TcpCommunicator::worker_loop() {
     }
     OpWork& work = *q.work;
     if (!failure.empty()) {
-      work.fail("not executed: this communicator failed earlier (" + failure + ")");
+      work.fail_after(failure);
       continue;
     }
     const auto start = std::chrono::steady_clock::now();

@@ -39,11 +39,21 @@ void OpWork::complete() {
 }
 
 void OpWork::fail(const std::string& message) {
+  set_failed(message.rfind(name_, 0) == 0 ? message : name_ + ": " + message);
+}
+
+std::string not_run_after(const std::string& earlier, const std::string& what) {
+  return earlier + " [" + what + " not run: the communicator had failed]";
+}
+
+void OpWork::fail_after(const std::string& earlier) { set_failed(not_run_after(earlier, name_)); }
+
+void OpWork::set_failed(std::string error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     done_ = true;
-    error_ = message.rfind(name_, 0) == 0 ? message : name_ + ": " + message;
+    error_ = std::move(error);
     progress_ = "failed";
     tensors_.clear();
   }

@@ -17,6 +17,11 @@
 
 namespace zeroshard::comm {
 
+// The error of an operation (`what`: "all_gather #12 on rank 0 of 4", "split")
+// that did not run because the communicator had failed: the earlier failure
+// first, as it is the cause a person needs, then what was not run.
+std::string not_run_after(const std::string& earlier, const std::string& what);
+
 class OpWork : public Work {
  public:
   // `name` reads like "all_gather #12 on rank 0 of 4"; it prefixes every error.
@@ -27,6 +32,9 @@ class OpWork : public Work {
 
   void complete();
   void fail(const std::string& message);
+  // Fails an operation that never ran because the communicator failed before
+  // it: the error reads as not_run_after(earlier, name()).
+  void fail_after(const std::string& earlier);
   // What the operation is waiting for right now, for a wait() that times out.
   void set_progress(std::string progress);
 
@@ -40,6 +48,8 @@ class OpWork : public Work {
   int peer = -1;  // root for broadcast, dst/src for send/recv
 
  private:
+  void set_failed(std::string error);  // once: later completions and failures are ignored
+
   const OpKind kind_;
   const uint64_t seq_;
   const std::string name_;

@@ -277,7 +277,7 @@ def check_failures(build, work):
             print(f"failures: {name}: both surviving launchers exited non-zero naming rank 2 within "
                   f"{worst:.1f} s (window {LIVENESS_S} s)", flush=True)
             for j in survivors:
-                first = next((line for line in j.output().splitlines() if "what()" in line or "] failed" in line), "")
+                first = next((line for line in j.output().splitlines() if "]: error: " in line or "] failed" in line), "")
                 print(f"  host {j.host}: {first[:400]}", flush=True)
 
         # 10 Mbit/s everywhere: slower, no false failure.

@@ -414,7 +414,14 @@ TEST(Collectives, SizeMismatchBetweenRanksIsNamed) {
       sub->all_reduce(t, ReduceOp::kSum)->wait();
       ADD_FAILURE() << "a failed communicator accepted more work";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what_without_backtrace()).find("failed earlier"), std::string::npos);
+      // The cause first (the mismatch), then what was not run.
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_EQ(msg.rfind("all_gather #0", 0), 0u) << msg;
+      EXPECT_NE(msg.find("has in.numel() == "), std::string::npos) << msg;
+      EXPECT_NE(msg.find("[all_reduce #1 on rank " + std::to_string(r) + " of " + std::to_string(n) +
+                         " not run: the communicator had failed]"),
+                std::string::npos)
+          << msg;
     }
   }
   // Also for reduce_scatter, whose receives are staged, and broadcast.

@@ -2,6 +2,7 @@
 
 #include "comm/nccl/comm_state.h"
 #include "comm/store_wait.h"
+#include "comm/work.h"
 #include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>
@@ -194,7 +195,7 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<NcclWork> make_work(OpKind kind, uint64_t seq, std::vector<at::Tensor> tensors,
                                       std::function<std::string()> missing) {
     const std::string failed = state_->failed();
-    TORCH_CHECK(failed.empty(), label(kind, seq), ": this communicator failed earlier: ", failed);
+    TORCH_CHECK(failed.empty(), not_run_after(failed, label(kind, seq)));
     auto work = std::make_shared<NcclWork>(api_, index_, kind, seq, label(kind, seq), std::move(tensors),
                                            std::move(missing));
     const Status s = api_.record(work->ready(), api_.current_stream(index_), index_);
@@ -314,8 +315,8 @@ std::shared_ptr<Communicator> NcclCommunicator::split(const std::vector<int>& ra
     // The parent's queue first: ncclCommSplit is a call on it, after what was issued before.
     const auto deadline = Clock::now() + timeout;
     while (!state_->pump() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    TORCH_CHECK(state_->comm != nullptr, "split #", index, " on rank ", rank_, ": this communicator failed earlier: ",
-                state_->failed());
+    TORCH_CHECK(state_->comm != nullptr,
+                not_run_after(state_->failed(), "split #" + std::to_string(index) + " on rank " + std::to_string(rank_)));
     Status s = api_.split(state_->comm, member, rank_, slot.get());
     if (s.code == Status::kInProgress || s.is_ok()) s = state_->settle(timeout);
     if (s.code != Status::kInProgress) child = __atomic_load_n(slot.get(), __ATOMIC_ACQUIRE);
