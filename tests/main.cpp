@@ -63,8 +63,8 @@ int reported(F&& helper) {
   }
 }
 
-// Rank 1 fails with a named error after a first all_reduce; the others wait for a
-// second one, which never completes.
+// Rank 1 fails with a named error after a first all_reduce (its communicator
+// aborts as the error unwinds the stack); the others wait for a second one.
 int fail_with_error() {
   zeroshard::CommOptions opt;
   opt.timeout = std::chrono::seconds(15);

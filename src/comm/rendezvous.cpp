@@ -20,9 +20,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -232,24 +234,60 @@ void publish_step(const DistEnv& e, int64_t step) {
   }
 }
 
-void record_error(const DistEnv& e, const std::string& message) {
-  if (e.error_file.empty()) return;
-  // torchelastic reads "timestamp" (seconds); zeroshard-run orders ranks' errors by "time_ns".
-  const auto now = std::chrono::system_clock::now().time_since_epoch();
-  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
-  const nlohmann::json j = {{"message",
-                             {{"message", message},
-                              {"extraInfo",
-                               {{"py_callstack", ""}, {"timestamp", std::to_string(seconds)}, {"time_ns", std::to_string(ns)}}}}}};
-  const std::string tmp = e.error_file + ".tmp";
+namespace {
+
+// torchelastic's error file: "timestamp" (seconds) is torchelastic's, "time_ns"
+// what zeroshard-run orders ranks' errors by; "provisional" marks note_failure's.
+void write_error_file(const std::string& path, const std::string& message, int64_t ns, bool provisional) {
+  nlohmann::json info = {{"py_callstack", ""},
+                         {"timestamp", std::to_string(ns / 1'000'000'000)},
+                         {"time_ns", std::to_string(ns)}};
+  if (provisional) info["provisional"] = "1";
+  const nlohmann::json j = {{"message", {{"message", message}, {"extraInfo", info}}}};
+  const std::string tmp = path + ".tmp";
   if (std::FILE* f = std::fopen(tmp.c_str(), "w")) {
     const std::string text = j.dump();
     std::fwrite(text.data(), 1, text.size(), f);
     std::fclose(f);
-    std::rename(tmp.c_str(), e.error_file.c_str());
+    std::rename(tmp.c_str(), path.c_str());
   }
 }
+
+// The error file's record: its time and whether note_failure wrote it; nullopt without one.
+std::optional<std::pair<int64_t, bool>> recorded(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("message") || !j["message"].is_object()) return std::nullopt;
+  const auto info = j["message"].value("extraInfo", nlohmann::json::object());
+  const std::string ns = info.is_object() ? info.value("time_ns", std::string()) : std::string();
+  if (ns.empty()) return std::nullopt;
+  return std::make_pair(static_cast<int64_t>(std::strtoll(ns.c_str(), nullptr, 10)),
+                        info.value("provisional", std::string()) == "1");
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+void record_error(const DistEnv& e, const std::string& message) {
+  if (e.error_file.empty()) return;
+  // The moment this rank began to fail, when its communicators stamped it while unwinding.
+  const auto earlier = recorded(e.error_file);
+  write_error_file(e.error_file, message, earlier && earlier->second ? earlier->first : now_ns(), false);
+}
+
+namespace comm {
+
+void note_failure(const std::string& error_file, const std::string& message) {
+  if (error_file.empty() || recorded(error_file)) return;
+  write_error_file(error_file, message, now_ns(), true);
+}
+
+}  // namespace comm
 
 std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOptions& options) {
   init_logging(e.rank, e.world_size);
@@ -283,6 +321,7 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
   const std::string prefix = attempt + "world/";
   comm::MeshOptions mesh;
   mesh.failed_key = attempt + "failed";
+  mesh.error_file = e.error_file;
   std::shared_ptr<Communicator> comm;
   try {
     mesh.host = listen_host(e);

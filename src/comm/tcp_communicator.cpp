@@ -70,8 +70,10 @@ TcpCommunicator::~TcpCommunicator() {
   // A failed communicator aborted its mesh already; a healthy one drains what is queued,
   // unless this rank is unwinding from an exception, when no peer may make it wait.
   if (std::uncaught_exceptions() > 0 && !failed) {
-    abort("rank " + std::to_string(world_ranks_[rank_]) +
-          " is unwinding from an exception (its own output says which); its communicators were aborted");
+    const std::string why = "rank " + std::to_string(world_ranks_[rank_]) +
+                            " is unwinding from an exception (its own output says which); its communicators were aborted";
+    note_failure(mesh_options_.error_file, why);  // before its peers fail and record theirs
+    abort(why);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -27,6 +27,13 @@
 
 namespace zeroshard::comm {
 
+// Stamps `error_file` (torchelastic's, as record_error writes it) with the
+// moment this rank began to fail, unless an error is recorded there already:
+// the error the rank records later keeps that moment, so the launcher's last
+// line, which repeats the earliest recorded error, names this rank and not a
+// peer that failed because this rank aborted. "" does nothing.
+void note_failure(const std::string& error_file, const std::string& message);
+
 class TcpCommunicator final : public Communicator {
  public:
   // Connects to every rank (blocks until all joined; a timeout names the missing ranks).

@@ -58,6 +58,9 @@ struct MeshOptions {
   // Shared by the meshes of one family: the world rank whose broken connection failed
   // the family first (-1: none yet), so that every member's close frames blame it.
   std::shared_ptr<std::atomic<int>> blame = std::make_shared<std::atomic<int>>(-1);
+  // torchelastic's error file of this rank (DistEnv::error_file), "" for none: a
+  // communicator aborted while its rank unwinds stamps the moment there (note_failure).
+  std::string error_file;
 };
 
 // Caller-owned memory that sends and receives are posted on.

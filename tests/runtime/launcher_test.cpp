@@ -208,7 +208,8 @@ TEST(Launcher, RankKilledMidCollective) {
 
 // A rank that fails with an error it records (zeroshard::record_error, torchelastic's
 // error file): the launcher's last line repeats its message, although the ranks that lost
-// it may exit first; no backtrace anywhere.
+// it exit and record their errors first (its communicator, aborted as the error unwound
+// the stack, stamped the moment: note_failure); no backtrace anywhere.
 TEST(Launcher, LastLineRepeatsTheFirstFailingRanksError) {
   auto r = run_command(launcher() + " --nproc-per-node 3 --grace-period 5 -- " + testing::build_dir() +
                        "/tests/zs_tests --helper fail_with_error");
