@@ -281,6 +281,10 @@ void PretrainingRun::resume() {
       step_ = progress->step;
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
+        const auto saved = extra["sampler"].value("dataset_size", int64_t{-1});
+        TORCH_CHECK_VALUE(saved == static_cast<int64_t>(corpus_.train.size()), "cannot resume from step ", step_,
+                          " of ", ckpt_dir, ": it was saved training on ", saved, " examples and this run has ",
+                          corpus_.train.size(), "; resume with the --data, --max-tokens and tokenizer it was saved with");
         record_.from_json(extra, *sampler_);
       } else {  // imported weights (zeroshard-ckpt import): a new run from them
         zeroshard::log_info("checkpoint: step " + std::to_string(step_) + " has no run record (imported); training "

@@ -52,8 +52,9 @@ std::string DistributedSampler::state_json() const {
 
 void DistributedSampler::load_state_json(const std::string& state) {
   const auto j = nlohmann::json::parse(state);
-  TORCH_CHECK_VALUE(j.at("dataset_size").get<int64_t>() == size_, "DistributedSampler: the saved dataset_size is ",
-                    j.at("dataset_size").get<int64_t>(), " but this sampler's is ", size_);
+  TORCH_CHECK_VALUE(j.at("dataset_size").get<int64_t>() == size_, "DistributedSampler: the saved position is in a dataset "
+                    "of ", j.at("dataset_size").get<int64_t>(), " examples but this sampler's has ", size_,
+                    "; resume with the dataset the run was saved with (the same files, cut into examples the same way)");
   TORCH_CHECK_VALUE(j.at("seed").get<uint64_t>() == seed_, "DistributedSampler: the saved seed is ",
                     j.at("seed").get<uint64_t>(), " but this sampler's is ", seed_);
   TORCH_CHECK_VALUE(j.at("shuffle").get<bool>() == shuffle_, "DistributedSampler: the saved shuffle is ",

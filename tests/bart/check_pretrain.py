@@ -450,7 +450,17 @@ def check_bad_input(build, work):
         for n in needles:
             check(n in out, f"{args}: '{n}' not in the error:\n{out[-3000:]}")
         check("frame #" not in out, lambda: f"{args}: a C++ backtrace instead of a message:\n{out}")
-    print(f"bad_input: {len(cases) + 1 + len(pipeline_cases)} wrong inputs, each one named with its fix")
+    # A resume that cuts the data into examples differently from the run that saved it.
+    saved = os.path.join(work, "bad_resume")
+    shutil.rmtree(saved, ignore_errors=True)
+    pretrain(build, saved, 0, "--max-steps", "1", "--save-every", "1", "--eval-every", "0", "--no-sample",
+             "--max-tokens", "32", "--global-batch", "4")
+    out = pretrain(build, saved, 0, "--max-steps", "2", "--eval-every", "0", "--no-sample", "--max-tokens", "64",
+                   "--global-batch", "4", expect=1)
+    check("cannot resume from step 1 of" in out and
+          "; resume with the --data, --max-tokens and tokenizer it was saved with" in out and "frame #" not in out,
+          lambda: f"a resume at another --max-tokens: {out[-3000:]}")
+    print(f"bad_input: {len(cases) + 2 + len(pipeline_cases)} wrong inputs, each one named with its fix")
 
 
 if __name__ == "__main__":

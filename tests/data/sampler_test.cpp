@@ -80,7 +80,11 @@ TEST(Sampler, SavedPositionContinuesOnTheSameOrAnotherWorldSize) {
   EXPECT_NE(what.find("30 samples of this epoch were consumed, which 4 ranks cannot split evenly"), std::string::npos)
       << what;
   DistributedSampler other(kSize + 1, 0, 2, 9);
-  EXPECT_NE(testing::error_of([&] { other.load_state_json(state); }).find("dataset_size"), std::string::npos);
+  const auto size_error = testing::error_of([&] { other.load_state_json(state); });
+  EXPECT_NE(size_error.find("a dataset of " + std::to_string(kSize) + " examples but this sampler's has " +
+                            std::to_string(kSize + 1) + "; resume with the dataset the run was saved with"),
+            std::string::npos)
+      << size_error;
 }
 
 }  // namespace sampler_test
