@@ -175,6 +175,17 @@ def check_own_disks(c, build, work, exe, args, tokenizer, want):
               lambda: "host 1's disk never got a checkpoint:\n" + c.outputs(jobs))
         time.sleep(0.01)
     killed_after = open(latest).read().strip()
+    # Rank 0 writes a step's metrics line after the step's save commits: the kill waits for it, or the resumed
+    # run's metrics would lack the line of the step it resumes from (that race is bart_pretrain's, not the disks').
+    def steps_logged():
+        try:
+            return len(losses(disks[0]))
+        except (OSError, ValueError):  # not there yet, or a line being written
+            return 0
+    while steps_logged() < int(killed_after.split("-")[1]):
+        check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
+              lambda: f"rank 0 never wrote the metrics of {killed_after}:\n" + c.outputs(jobs))
+        time.sleep(0.01)
     start = time.monotonic()
     cluster_kill(c, 1)
     try:
