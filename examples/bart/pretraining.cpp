@@ -292,10 +292,9 @@ void PretrainingRun::resume() {
       }
       // What stopped the run before: the interruption this checkpoint was saved for, else a failure the
       // launcher restarted from, else nothing (a new launch, e.g. with a larger --max-steps).
-      const auto& ints = record_.interruptions;
-      const bool interrupted = !ints.empty() && ints.back().value("step", int64_t{-1}) == step_;
+      const json* interruption = record_.interruption_at(step_);
       resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count},
-                  {"after", interrupted ? ints.back().value("cause", ints.back().value("signal", std::string("a notice")))
+                  {"after", interruption ? interruption->value("cause", interruption->value("signal", std::string("a notice")))
                             : dist_.restart_count > 0 ? "a failure"
                                                       : "a new launch"}};
       zeroshard::log_info("resumed from step " + std::to_string(step_) + " of " + ckpt_dir + " (epoch " +
@@ -518,11 +517,10 @@ std::optional<int> PretrainingRun::train() {
 void PretrainingRun::note_resume(bool stepped) {
   if (resumed_.is_null() || resume_noted_) return;
   resume_noted_ = true;
-  auto& ints = record_.interruptions;
-  if (stepped && !ints.empty() && ints.back().value("step", int64_t{-1}) == resumed_["step"].get<int64_t>() &&
-      ints.back().contains("notice_unix_s")) {
-    const double gap = unix_now() - ints.back()["notice_unix_s"].get<double>();
-    ints.back()["to_first_step_s"] = gap;  // the summary's, and later checkpoints'
+  json* interruption = record_.interruption_at(resumed_["step"].get<int64_t>());
+  if (stepped && interruption != nullptr && interruption->contains("notice_unix_s")) {
+    const double gap = unix_now() - (*interruption)["notice_unix_s"].get<double>();
+    (*interruption)["to_first_step_s"] = gap;  // the summary's, and later checkpoints'
     resumed_["to_first_step_s"] = gap;
   }
   if (rank_ == 0) metrics_.write_event("resume", resumed_["step"].get<int64_t>(), resumed_.dump());

@@ -33,6 +33,11 @@ void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler)
   efficient_seconds = j.value("efficient_seconds", 0.0);
 }
 
+json* RunRecord::interruption_at(int64_t step) {
+  if (interruptions.empty() || interruptions.back().value("step", int64_t{-1}) != step) return nullptr;
+  return &interruptions.back();
+}
+
 std::string Efficiency::progress() const {
   if (!std::isfinite(efficiency)) return "";
   char buf[96];

@@ -19,7 +19,10 @@ struct RunRecord {
   double train_seconds = 0, checkpoint_stall_s = 0;
   double first_loss = NAN, first_val_loss = NAN;
   int64_t bytes_sent = 0;  // all ranks
-  nlohmann::json interruptions = nlohmann::json::array();
+  nlohmann::json interruptions = nlohmann::json::array();  // {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}
+  // The interruption a checkpoint of `step` was saved for (the last one, after that
+  // step); null when the checkpoint was not saved for one.
+  nlohmann::json* interruption_at(int64_t step);
   zeroshard::GradientNoiseScale noise;
   double efficient_tokens = 0;   // Σ tokens × statistical efficiency, over the steps that had one
   double efficient_seconds = 0;  // and their time

@@ -14,9 +14,10 @@
 // 2-minute notice; GCP: 30 s; Kubernetes: the pod's terminationGracePeriodSeconds),
 // or vanish. A signal seen by any rank, or the notice file appearing, makes
 // should_stop() return true on every rank at the same step boundary (one
-// all-reduce MAX of two numbers per call: the flag and the notice's time). The guard handles the signals from construction
-// to destruction (a Boost.Asio signal_set on a thread of its own), so they no
-// longer kill the process: call should_stop() at every step.
+// all-reduce MAX of two numbers per call: the flag and the notice's time). The
+// guard handles the signals from construction to destruction (a Boost.Asio
+// signal_set on a thread of its own), so they no longer kill the process: call
+// should_stop() at every step.
 #pragma once
 
 #include "zeroshard/comm.h"
