@@ -38,7 +38,9 @@ bool Buffer::wait_recv(std::chrono::milliseconds timeout) { return wait(recvs_do
 
 bool Buffer::wait(int& done, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mesh_.mu_);
+  ++waiters_;
   const bool ok = mesh_.cv_.wait_for(lock, timeout, [&] { return done > 0 || !error_.empty(); });
+  --waiters_;
   TORCH_CHECK(error_.empty(), error_);
   if (!ok) return false;
   --done;
@@ -186,7 +188,9 @@ void TcpMesh::forget(Buffer& buf) {
   // failed, or is being destroyed) and wait until the thread let go of the memory.
   for (int p = 0; p < size_; ++p)
     if (p != rank_) break_locked(p, "an operation was abandoned while its bytes were moving");
+  ++buf.waiters_;
   cv_.wait(lock, [&] { return buf.pending_ == 0; });
+  --buf.waiters_;
 }
 
 std::pair<int, std::string> TcpMesh::first_broken(const std::vector<int>& peers) {
@@ -307,7 +311,9 @@ void TcpMesh::finish_locked(Op* op, const std::string& error) {
   --b.pending_;
   ops_.erase(op->self);
   ++events_;
-  cv_.notify_all();
+  // Only a thread waiting on this buffer, or for any event, wants to know: the collectives'
+  // thread waiting for one receive is not woken by every other send that completes.
+  if (b.waiters_ > 0 || event_waiters_ > 0) cv_.notify_all();
 }
 
 uint64_t TcpMesh::events() {
@@ -325,7 +331,9 @@ void TcpMesh::signal_event() {
 
 void TcpMesh::wait_for_events(uint64_t seen, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
+  ++event_waiters_;
   cv_.wait_for(lock, timeout, [&] { return events_ != seen; });
+  --event_waiters_;
 }
 
 void TcpMesh::break_locked(int peer, const std::string& cause) {

@@ -97,6 +97,7 @@ class Buffer {
   int recvs_done_ = 0;
   std::string error_;
   int pending_ = 0;  // posted operations not finished yet
+  int waiters_ = 0;  // threads waiting on this buffer (a finished operation wakes them)
 };
 
 class TcpMesh final : public WatchedComm {
@@ -186,6 +187,7 @@ class TcpMesh final : public WatchedComm {
   std::list<std::unique_ptr<Op>> ops_;     // guarded by mu_; every posted, unfinished operation
   uint64_t breaks_ = 0;                    // guarded by mu_; connections broken so far
   uint64_t events_ = 0;                    // guarded by mu_; operations finished + connections broken
+  int event_waiters_ = 0;                  // guarded by mu_; threads in wait_for_events()
   std::string failure_;                    // guarded by mu_; see async_error()
   int failed_peer_ = -1;                   // guarded by mu_; the rank whose broken connection made failure_
   bool closing_ = false;                   // guarded by mu_; the destructor is closing every connection
