@@ -1,51 +1,39 @@
 // pretraining.cpp — bart_pretrain's training run, in the order it happens:
 // build (communicator, data, model, optimizers), resume (the last checkpoint,
-// or a fresh start), the loop (one optimizer step, then its metrics, saves and
-// preemption), and the summary. run_pretraining() at the end calls each once.
-#include "run.h"
+// or a fresh start), and the loop (one optimizer step, then its metrics, saves
+// and preemption); the summary is pretraining_report.cpp's. run_pretraining()
+// at the end calls each once.
+#include "pretraining_run.h"
 
-#include "bart_model.h"
-#include "corpus.h"
-#include "pipeline_training.h"
-#include "run_record.h"
-#include "summary.h"
 #include "training.h"
 
-#include <zeroshard/checkpoint.h>
-#include <zeroshard/comm.h>
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/log.h>
-#include <zeroshard/lr_schedule.h>
-#include <zeroshard/metrics.h>
 #include <zeroshard/pipeline_schedule.h>
-#include <zeroshard/preemption.h>
-#include <zeroshard/sampler.h>
-#include <zeroshard/sharded_optimizer.h>
 #include <zeroshard/trace.h>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 
 namespace bart {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
-
-namespace {
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-// Unix time in seconds (the system clock: comparable across restarts, as PreemptionGuard::notice_time() is).
 double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+std::string trace_path(const std::string& run_dir, int rank, int k) {
+  return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
+                               ".json")).string();
+}
+
+namespace {
 
 // --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
 torch::Device training_device(const std::string& name, int local_rank) {
@@ -71,82 +59,13 @@ std::vector<int64_t> next_indices(zeroshard::DistributedSampler& sampler, int64_
   return out;
 }
 
-// trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
-std::string trace_path(const std::string& run_dir, int rank, int k) {
-  return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
-                               ".json")).string();
-}
-
 double all_sum(zeroshard::Communicator& comm, double v) {
   auto t = torch::tensor({v}, torch::kDouble);
   comm.all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
   return t.item<double>();
 }
 
-// What one optimizer step did, for its metrics.
-struct StepResult {
-  double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
-  double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, bubble_s = -1;
-  zeroshard::GradientNoiseSample noise;
-  bool skipped = false;
-};
-
-class PretrainingRun {
- public:
-  explicit PretrainingRun(const RunOptions& o);
-  void resume();
-  std::optional<int> train();  // an exit code when preempted
-  void finish();
-  void summarize();
-
- private:
-  void build_model();
-  void log_start() const;
-  StepResult step_once(int64_t step);
-  // After step `step` (counted): metrics, saves, validation. True at the last step.
-  bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
-  double evaluate(int64_t at);
-  double save(int64_t at, const char* why);
-  void note_resume(bool stepped);
-  int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
-  int64_t peak_model_states() const;
-  double waited() const;
-  std::string trace_file() const { return trace_path(o_.run_dir, rank_, dist_.restart_count); }
-
-  // Built once.
-  const RunOptions& o_;
-  const Clock::time_point run_start_ = Clock::now();
-  zeroshard::DistEnv dist_;
-  std::shared_ptr<zeroshard::Communicator> comm_;
-  int rank_ = 0, world_ = 1, dp_ = 1, dp_rank_ = 0;  // the grid: rank = stage * dp + data-parallel index
-  int64_t local_batch_ = 0;
-  ByteLevelBpe tokenizer_;
-  Corpus corpus_;
-  NoiseOptions noise_;
-  int64_t pad_ = 0;
-  BartConfig config_;
-  torch::Device device_ = torch::kCPU;
-  int64_t numel_ = 0;
-  BartForConditionalGeneration model_{nullptr};  // without a pipeline
-  std::unique_ptr<PipelinedBart> pipe_;          // with one: this rank's stages
-  std::vector<std::shared_ptr<zeroshard::ShardedOptimizer>> opts_;  // every optimizer of this rank
-  std::vector<zeroshard::Checkpointer::Part> parts_;  // what checkpoints save
-  std::vector<zeroshard::LrSchedule> schedules_;      // one per optimizer
-
-  // Where training stands.
-  std::unique_ptr<zeroshard::DistributedSampler> sampler_;
-  RunRecord record_;
-  int64_t step_ = 0;
-  std::unique_ptr<zeroshard::Checkpointer> ckpt_;
-  json resumed_ = nullptr;  // {"step", "load_s", "restart", "after"[, "to_first_step_s"]} after a resume
-  bool resume_noted_ = false;
-  std::unique_ptr<zeroshard::PreemptionGuard> guard_;
-  zeroshard::MetricsLog metrics_;
-  std::unique_ptr<zeroshard::ProgressLine> progress_;
-  double last_val_ = NAN, loss_ = NAN;
-  int64_t bytes_before_ = 0;
-  std::vector<int64_t> epochs_;
-};
+}  // namespace
 
 PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   dist_ = zeroshard::read_dist_env();  // the launcher's variables, read once
@@ -306,31 +225,6 @@ void PretrainingRun::resume() {
   progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
   if (rank_ == 0 && step_ == 0) log_start();
   if (step_ == 0) last_val_ = evaluate(0);
-}
-
-void PretrainingRun::log_start() const {
-  const auto& o = o_;
-  char msg[300];
-  std::snprintf(msg, sizeof(msg),
-                "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
-                "%d ranks on %s, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
-                o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size), corpus_.train.size(),
-                corpus_.validation.size(), static_cast<long long>(corpus_.tokens), world_, device_.str().c_str(),
-                o.stage, o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
-                static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
-  zeroshard::log_info(msg);
-  if (!pipe_) return;
-  zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp_) +
-                      " data-parallel ranks, schedule " + o.schedule_pp +
-                      (o.chunks > 1 ? " (" + std::to_string(o.chunks) + " stages per rank)" : std::string()) +
-                      ", blocks '" + zeroshard::pipeline::to_layout(bart_blocks(config_), pipe_->partition()) + "'");
-  if (!pipe_->timed_blocks().empty()) {
-    const auto& t = pipe_->timed_blocks();
-    zeroshard::log_info("pipeline: blocks timed forward + backward (us): E " + std::to_string(t.front().params) +
-                        ", e " + std::to_string(t[1].params) + ", d " +
-                        std::to_string(t[static_cast<size_t>(1 + config_.encoder_layers)].params) + ", L " +
-                        std::to_string(t.back().params));
-  }
 }
 
 double PretrainingRun::evaluate(int64_t at) {
@@ -526,89 +420,6 @@ void PretrainingRun::note_resume(bool stepped) {
   if (rank_ == 0) metrics_.write_event("resume", resumed_["step"].get<int64_t>(), resumed_.dump());
 }
 
-// The last save committed; --save-logits: the model's logits on four validation examples.
-void PretrainingRun::finish() {
-  if (ckpt_) ckpt_->wait();
-  if (o_.save_logits.empty() || corpus_.validation.empty()) return;
-  torch::NoGradGuard no_grad;
-  model_->eval();
-  std::vector<int64_t> idx;
-  for (int64_t i = 0; i < std::min<int64_t>(4, corpus_.validation.size()); ++i) idx.push_back(i);
-  const auto b = make_batch(corpus_.validation, idx, std::vector<int64_t>(idx.size(), 0), noise_, 0, pad_, device_);
-  const auto logits = model_->forward(b.input_ids, shift_tokens_right(b.labels, pad_, config_.decoder_start_token_id))
-                          .to(torch::kFloat).cpu().contiguous();
-  model_->train();
-  if (rank_ == 0) {
-    std::ofstream out(o_.save_logits, std::ios::binary | std::ios::trunc);
-    out.write(static_cast<const char*>(logits.data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
-    TORCH_CHECK(out.good(), "cannot write --save-logits '", o_.save_logits, "'");
-  }
-}
-
-// Figures from every rank, printed by rank 0 (and written to the metrics, and the loss plot).
-void PretrainingRun::summarize() {
-  const auto& o = o_;
-  Summary s;
-  s.config = o.config;
-  s.world = world_;
-  s.stage = o.stage;
-  s.pp = o.pp;
-  s.precision = o.precision;
-  s.params = numel_;
-  s.steps = step_;
-  s.first_loss = record_.first_loss;
-  s.last_loss = loss_;
-  s.first_val_loss = record_.first_val_loss;
-  s.last_val_loss = last_val_;
-  s.tokens = record_.tokens;
-  s.train_seconds = record_.train_seconds;
-  s.checkpoint_stall_s = record_.checkpoint_stall_s;
-  s.interruptions = record_.interruptions.dump();
-  s.noise_scale = record_.noise.noise_scale();
-  s.reference_batch = o.reference_batch;
-  const double steps = static_cast<double>(std::max<int64_t>(step_, 1));
-  s.efficiency = record_.noise.steps() > 0
-                     ? record_.noise.efficiency(static_cast<double>(record_.tokens) / steps,
-                                                o.reference_batch * static_cast<double>(record_.tokens) /
-                                                    (steps * static_cast<double>(o.global_batch)))
-                     : NAN;
-  s.goodput = record_.efficient_seconds > 0 ? record_.efficient_tokens / record_.efficient_seconds : NAN;
-  s.resumed = resumed_.is_null() ? "" : resumed_.dump();
-  s.run_dir = o.run_dir;
-  s.wall_seconds = since(run_start_);
-  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()),
-                                 static_cast<double>(peak_model_states()), static_cast<double>(bytes_sent())},
-                                torch::kDouble);
-  auto all = torch::empty({3 * world_}, torch::kDouble);
-  comm_->all_gather(all, per_rank)->wait();
-  for (int r = 0; r < world_; ++r) {
-    s.peak_rss.push_back(static_cast<int64_t>(all[3 * r].item<double>()));
-    s.model_states.push_back(static_cast<int64_t>(all[3 * r + 1].item<double>()));
-    s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
-  }
-  s.bytes_sent += record_.bytes_sent;  // earlier attempts'
-  if (!o.no_sample && !pipe_ && !corpus_.validation.empty()) {  // decoding runs the whole model
-    s.denoising = denoising_accuracy(model_, corpus_.validation, o.sample_sentences,
-                                     std::min<int64_t>(o.max_tokens - 2, 60), noise_, tokenizer_, device_);
-    s.has_sample = s.denoising.sentences > 0;
-  }
-  if (o.trace) zeroshard::trace::write_chrome_trace(trace_file(), rank_);
-  if (rank_ == 0) {
-    if (!o.no_plot && metrics_.enabled()) {
-      const auto png = (fs::path(o.run_dir) / "loss.png").string();
-      const auto why = zeroshard::plot_metrics(metrics_.path(), png, "BART " + o.config + ", " +
-                                                                         std::to_string(world_) + " ranks, ZeRO-" +
-                                                                         std::to_string(o.stage));
-      if (why.empty()) s.plot = png; else zeroshard::log_warn("loss plot: " + why);
-    }
-    metrics_.write_event("summary", step_, s.to_json());
-    std::fputs(s.text().c_str(), stdout);
-    std::fflush(stdout);
-  }
-  comm_->barrier();
-}
-
-}  // namespace
 
 int run_pretraining(const RunOptions& o) {
   check_options(o);

@@ -1,0 +1,129 @@
+// pretraining_report.cpp — what a training run tells: the start (sizes, grid,
+// pipeline), --save-logits, and the summary (printed, written to the metrics,
+// and the loss plot). See pretraining_run.h.
+#include "pretraining_run.h"
+
+#include "summary.h"
+#include "training.h"
+
+#include <zeroshard/log.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/pipeline_schedule.h>
+#include <zeroshard/trace.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+namespace bart {
+
+namespace fs = std::filesystem;
+
+void PretrainingRun::log_start() const {
+  const auto& o = o_;
+  char msg[300];
+  std::snprintf(msg, sizeof(msg),
+                "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
+                "%d ranks on %s, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
+                o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size), corpus_.train.size(),
+                corpus_.validation.size(), static_cast<long long>(corpus_.tokens), world_, device_.str().c_str(),
+                o.stage, o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
+                static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
+  zeroshard::log_info(msg);
+  if (!pipe_) return;
+  zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp_) +
+                      " data-parallel ranks, schedule " + o.schedule_pp +
+                      (o.chunks > 1 ? " (" + std::to_string(o.chunks) + " stages per rank)" : std::string()) +
+                      ", blocks '" + zeroshard::pipeline::to_layout(bart_blocks(config_), pipe_->partition()) + "'");
+  if (!pipe_->timed_blocks().empty()) {
+    const auto& t = pipe_->timed_blocks();
+    zeroshard::log_info("pipeline: blocks timed forward + backward (us): E " + std::to_string(t.front().params) +
+                        ", e " + std::to_string(t[1].params) + ", d " +
+                        std::to_string(t[static_cast<size_t>(1 + config_.encoder_layers)].params) + ", L " +
+                        std::to_string(t.back().params));
+  }
+}
+
+// The last save committed; --save-logits: the model's logits on four validation examples.
+void PretrainingRun::finish() {
+  if (ckpt_) ckpt_->wait();
+  if (o_.save_logits.empty() || corpus_.validation.empty()) return;
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < std::min<int64_t>(4, corpus_.validation.size()); ++i) idx.push_back(i);
+  const auto b = make_batch(corpus_.validation, idx, std::vector<int64_t>(idx.size(), 0), noise_, 0, pad_, device_);
+  const auto logits = model_->forward(b.input_ids, shift_tokens_right(b.labels, pad_, config_.decoder_start_token_id))
+                          .to(torch::kFloat).cpu().contiguous();
+  model_->train();
+  if (rank_ == 0) {
+    std::ofstream out(o_.save_logits, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(logits.data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
+    TORCH_CHECK(out.good(), "cannot write --save-logits '", o_.save_logits, "'");
+  }
+}
+
+// Figures from every rank, printed by rank 0 (and written to the metrics, and the loss plot).
+void PretrainingRun::summarize() {
+  const auto& o = o_;
+  Summary s;
+  s.config = o.config;
+  s.world = world_;
+  s.stage = o.stage;
+  s.pp = o.pp;
+  s.precision = o.precision;
+  s.params = numel_;
+  s.steps = step_;
+  s.first_loss = record_.first_loss;
+  s.last_loss = loss_;
+  s.first_val_loss = record_.first_val_loss;
+  s.last_val_loss = last_val_;
+  s.tokens = record_.tokens;
+  s.train_seconds = record_.train_seconds;
+  s.checkpoint_stall_s = record_.checkpoint_stall_s;
+  s.interruptions = record_.interruptions.dump();
+  s.noise_scale = record_.noise.noise_scale();
+  s.reference_batch = o.reference_batch;
+  const double steps = static_cast<double>(std::max<int64_t>(step_, 1));
+  s.efficiency = record_.noise.steps() > 0
+                     ? record_.noise.efficiency(static_cast<double>(record_.tokens) / steps,
+                                                o.reference_batch * static_cast<double>(record_.tokens) /
+                                                    (steps * static_cast<double>(o.global_batch)))
+                     : NAN;
+  s.goodput = record_.efficient_seconds > 0 ? record_.efficient_tokens / record_.efficient_seconds : NAN;
+  s.resumed = resumed_.is_null() ? "" : resumed_.dump();
+  s.run_dir = o.run_dir;
+  s.wall_seconds = since(run_start_);
+  auto per_rank = torch::tensor({static_cast<double>(zeroshard::peak_rss_bytes()),
+                                 static_cast<double>(peak_model_states()), static_cast<double>(bytes_sent())},
+                                torch::kDouble);
+  auto all = torch::empty({3 * world_}, torch::kDouble);
+  comm_->all_gather(all, per_rank)->wait();
+  for (int r = 0; r < world_; ++r) {
+    s.peak_rss.push_back(static_cast<int64_t>(all[3 * r].item<double>()));
+    s.model_states.push_back(static_cast<int64_t>(all[3 * r + 1].item<double>()));
+    s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
+  }
+  s.bytes_sent += record_.bytes_sent;  // earlier attempts'
+  if (!o.no_sample && !pipe_ && !corpus_.validation.empty()) {  // decoding runs the whole model
+    s.denoising = denoising_accuracy(model_, corpus_.validation, o.sample_sentences,
+                                     std::min<int64_t>(o.max_tokens - 2, 60), noise_, tokenizer_, device_);
+    s.has_sample = s.denoising.sentences > 0;
+  }
+  if (o.trace) zeroshard::trace::write_chrome_trace(trace_file(), rank_);
+  if (rank_ == 0) {
+    if (!o.no_plot && metrics_.enabled()) {
+      const auto png = (fs::path(o.run_dir) / "loss.png").string();
+      const auto why = zeroshard::plot_metrics(metrics_.path(), png, "BART " + o.config + ", " +
+                                                                         std::to_string(world_) + " ranks, ZeRO-" +
+                                                                         std::to_string(o.stage));
+      if (why.empty()) s.plot = png; else zeroshard::log_warn("loss plot: " + why);
+    }
+    metrics_.write_event("summary", step_, s.to_json());
+    std::fputs(s.text().c_str(), stdout);
+    std::fflush(stdout);
+  }
+  comm_->barrier();
+}
+
+}  // namespace bart

@@ -1,0 +1,108 @@
+// pretraining_run.h — bart_pretrain's training run (run_pretraining() drives it):
+// pretraining.cpp builds, resumes and trains; pretraining_report.cpp logs the
+// start, saves --save-logits and prints the summary. Internal to those files.
+#pragma once
+
+#include "bart_model.h"
+#include "corpus.h"
+#include "noise.h"
+#include "pipeline_training.h"
+#include "run.h"
+#include "run_record.h"
+#include "tokenizer.h"
+
+#include <zeroshard/checkpoint.h>
+#include <zeroshard/comm.h>
+#include <zeroshard/lr_schedule.h>
+#include <zeroshard/metrics.h>
+#include <zeroshard/preemption.h>
+#include <zeroshard/sampler.h>
+#include <zeroshard/sharded_optimizer.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace bart {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+// Seconds since `t`.
+double since(Clock::time_point t);
+// Unix time in seconds (the system clock: comparable across restarts, as PreemptionGuard::notice_time() is).
+double unix_now();
+// trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
+std::string trace_path(const std::string& run_dir, int rank, int k);
+
+// What one optimizer step did, for its metrics.
+struct StepResult {
+  double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
+  double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, bubble_s = -1;
+  zeroshard::GradientNoiseSample noise;
+  bool skipped = false;
+};
+
+class PretrainingRun {
+ public:
+  explicit PretrainingRun(const RunOptions& o);
+  void resume();
+  std::optional<int> train();  // an exit code when preempted
+  void finish();
+  void summarize();
+
+ private:
+  void build_model();
+  void log_start() const;
+  StepResult step_once(int64_t step);
+  // After step `step` (counted): metrics, saves, validation. True at the last step.
+  bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
+  double evaluate(int64_t at);
+  double save(int64_t at, const char* why);
+  void note_resume(bool stepped);
+  int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
+  int64_t peak_model_states() const;
+  double waited() const;
+  std::string trace_file() const { return trace_path(o_.run_dir, rank_, dist_.restart_count); }
+
+  // Built once.
+  const RunOptions& o_;
+  const Clock::time_point run_start_ = Clock::now();
+  zeroshard::DistEnv dist_;
+  std::shared_ptr<zeroshard::Communicator> comm_;
+  int rank_ = 0, world_ = 1, dp_ = 1, dp_rank_ = 0;  // the grid: rank = stage * dp + data-parallel index
+  int64_t local_batch_ = 0;
+  ByteLevelBpe tokenizer_;
+  Corpus corpus_;
+  NoiseOptions noise_;
+  int64_t pad_ = 0;
+  BartConfig config_;
+  torch::Device device_ = torch::kCPU;
+  int64_t numel_ = 0;
+  BartForConditionalGeneration model_{nullptr};  // without a pipeline
+  std::unique_ptr<PipelinedBart> pipe_;          // with one: this rank's stages
+  std::vector<std::shared_ptr<zeroshard::ShardedOptimizer>> opts_;  // every optimizer of this rank
+  std::vector<zeroshard::Checkpointer::Part> parts_;  // what checkpoints save
+  std::vector<zeroshard::LrSchedule> schedules_;      // one per optimizer
+
+  // Where training stands.
+  std::unique_ptr<zeroshard::DistributedSampler> sampler_;
+  RunRecord record_;
+  int64_t step_ = 0;
+  std::unique_ptr<zeroshard::Checkpointer> ckpt_;
+  json resumed_ = nullptr;  // {"step", "load_s", "restart", "after"[, "to_first_step_s"]} after a resume
+  bool resume_noted_ = false;
+  std::unique_ptr<zeroshard::PreemptionGuard> guard_;
+  zeroshard::MetricsLog metrics_;
+  std::unique_ptr<zeroshard::ProgressLine> progress_;
+  double last_val_ = NAN, loss_ = NAN;
+  int64_t bytes_before_ = 0;
+  std::vector<int64_t> epochs_;
+};
+
+}  // namespace bart
