@@ -192,7 +192,7 @@ int comm_bench_main(int argc, char** argv) {
   CLI::App app{"comm_bench: collective bandwidth beside a raw TCP ring"};
   app.add_option("--min-kib", min_kib, "smallest buffer, KiB")->capture_default_str();
   app.add_option("--max-mib", max_mib, "largest buffer, MiB")->capture_default_str();
-  app.add_option("--algorithm", algorithm, "large operations on 3+ ranks: auto (a ring across hosts), ring or pairwise")
+  app.add_option("--algorithm", algorithm, "large operations on 3+ ranks: auto (a ring across hosts, or from 2 MiB slices), ring or pairwise")
       ->check(CLI::IsMember({"auto", "ring", "pairwise"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

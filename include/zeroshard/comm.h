@@ -116,13 +116,14 @@ struct CommOptions {
   // The TCP transport's algorithm for large operations on 3 or more ranks: those
   // whose largest per-rank slice (all_gather's input, reduce_scatter's output,
   // 1/n of an all_reduce, a whole broadcast) holds 64 KiB or more.
-  //   kAuto: a ring when the ranks span more than one host, else pairwise.
+  //   kAuto: a ring when the ranks span more than one host; on one host a
+  //     ring from slices of 2 MiB, pairwise below.
   //   kRing: each rank sends only to the next and receives only from the
   //     previous; ranks are numbered host by host, so a host's link carries
   //     (n-1)/n of the buffer however many ranks share it.
   //   kPairwise: every rank sends each peer its part at once: fewer steps,
-  //     faster over one host's loopback, but with 2 ranks per host on 4 hosts
-  //     1.5x the buffer crosses each host's link.
+  //     faster over one host's loopback for mid-sized slices, but with 2 ranks
+  //     per host on 4 hosts 1.5x the buffer crosses each host's link.
   // Smaller operations are always pairwise. docs/performance.md has the numbers.
   enum class Algorithm { kAuto, kRing, kPairwise };
   Algorithm algorithm = Algorithm::kAuto;

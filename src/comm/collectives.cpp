@@ -307,13 +307,14 @@ Plan plan(Exchange& ex, const WireHeader& header, int64_t slice_bytes) {
   if (!ring_candidate(ex.size, slice_bytes, ex.algorithm)) return p;
   const auto got = exchange_headers(ex, header);
   p.checked = true;
-  p.ring = ex.algorithm == CommOptions::Algorithm::kRing;
-  for (int q = 0; q < ex.size && !p.ring; ++q) {
+  bool spans_hosts = false;
+  for (int q = 0; q < ex.size && !spans_hosts; ++q) {
     if (q == ex.rank) continue;
     WireHeader h;
     std::memcpy(&h, got.from[q].data(), sizeof(WireHeader));
-    p.ring = h.host != ex.host;
+    spans_hosts = h.host != ex.host;
   }
+  p.ring = ring_chosen(slice_bytes, ex.algorithm, spans_hosts);
   return p;
 }
 

@@ -19,6 +19,11 @@ constexpr int kRingInflight = 2;
 // operations (128 KiB slices) at 0.95-0.99 of the anchor where pairwise reached 0.25-0.31;
 // with 32 KiB slices neither was ahead (docs/performance.md).
 constexpr int64_t kRingSliceBytes = int64_t(64) << 10;
+// On one host kAuto rings from this slice size up. With a core per rank (16 cores), 8 ranks'
+// 16 MiB all_reduce took 11-13 ms as a ring and 15.6-16 ms pairwise, and their reduce_scatter
+// 7.2 ms against 9.3; at 1 MiB slices pairwise was ahead by up to 40% (4 ranks, 256 KiB to
+// 4 MiB buffers), and on 2 shared cores by 30% at 4 MiB (docs/performance.md).
+constexpr int64_t kRingOneHostSliceBytes = int64_t(2) << 20;
 
 // One segmentation for every slice and step, so that sender and receiver agree:
 // `seg` elements per segment, `per_slice` segments per slice, and at most 65536
@@ -103,6 +108,10 @@ bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op) {
 
 bool ring_candidate(int n, int64_t slice_bytes, CommOptions::Algorithm algorithm) {
   return n >= 3 && slice_bytes >= kRingSliceBytes && algorithm != CommOptions::Algorithm::kPairwise;
+}
+
+bool ring_chosen(int64_t slice_bytes, CommOptions::Algorithm algorithm, bool spans_hosts) {
+  return algorithm == CommOptions::Algorithm::kRing || spans_hosts || slice_bytes >= kRingOneHostSliceBytes;
 }
 
 void ring_reduce_scatter(Exchange& ex, void* out, const void* in, const Slices& slices, c10::ScalarType dtype,

@@ -38,9 +38,12 @@ struct Slices {
 bool ring_keeps_arithmetic(c10::ScalarType dtype, ReduceOp op);
 
 // Whether an operation whose largest slice is `slice_bytes` may run as a ring on `n` ranks
-// (3 or more, slices of 64 KiB and up, and `algorithm` not kPairwise). With kAuto the ring
-// is taken when the ranks span hosts (collectives.cpp learns it from the headers).
+// (3 or more, slices of 64 KiB and up, and `algorithm` not kPairwise).
 bool ring_candidate(int n, int64_t slice_bytes, CommOptions::Algorithm algorithm);
+
+// Whether a candidate runs as a ring: always with kRing; with kAuto when the ranks span
+// hosts (collectives.cpp learns it from the headers), or on one host from slices of 2 MiB.
+bool ring_chosen(int64_t slice_bytes, CommOptions::Algorithm algorithm, bool spans_hosts);
 
 // Reduces slice `rank` of `in` over all ranks into `out`, as a ring. `before_sends`
 // (the header check) runs before any data moves.

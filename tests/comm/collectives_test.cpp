@@ -63,7 +63,7 @@ std::shared_ptr<Communicator> whole_group(Communicator& c) {
 
 // Whether an operation with slices of `slice_bytes` runs as a ring (ring.h's rule): with
 // CommOptions::Algorithm::kAuto when the ranks span hosts (the cluster tests run this suite
-// on several), with kRing always (ZS_TEST_ALGORITHM=ring).
+// on several) or the slices are large, with kRing always (ZS_TEST_ALGORITHM=ring).
 bool runs_as_ring(Communicator& c, int64_t slice_bytes) {
   static const bool spans_hosts = [&] {
     char name[256] = {};
@@ -75,7 +75,7 @@ bool runs_as_ring(Communicator& c, int64_t slice_bytes) {
   }();
   const auto algorithm = testing::test_comm_options().algorithm;
   return comm::ring_candidate(c.size(), slice_bytes, algorithm) &&
-         (algorithm == CommOptions::Algorithm::kRing || spans_hosts);
+         comm::ring_chosen(slice_bytes, algorithm, spans_hosts);
 }
 
 OpStats delta(const CommStats& before, const CommStats& after, OpKind kind) {
