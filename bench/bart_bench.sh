@@ -24,7 +24,7 @@ echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 for mode in dp zero2 zero3; do
   "$build/zeroshard-run" --nproc-per-node "$nproc" -- "$build/bench/bart_bench" --mode "$mode" "$@" 2>&1 |
     sed -n 's/^\[rank0\]: ROW //p' |
-    awk -v peak="$peak" '{ printf "| %s | %d | %.1fM | %.2f | %.0f | %.1f%% | %.2f (%.0f%%) | %d | %d |\n",
+    awk -v peak="$peak" '{ printf "| %s | %d | %.1fM | %.3f | %.0f | %.1f%% | %.3f (%.0f%%) | %d | %d |\n",
                            $1, $2, $3 / 1e6, $4, $5, 100 * $6 * 1000 / peak, $7, 100 * $7 / $4, $8, $9 }'
 done
 if [ -n "${PEER_PYTHON:-}" ]; then
@@ -37,7 +37,7 @@ if [ -n "${PEER_PYTHON:-}" ]; then
       continue
     fi
     printf '%s\n' "$out" | sed -n 's/^\[rank0\]: ROW //p' |
-      awk -v peak="$peak" '{ printf "| %s | %d | %.1fM | %.2f | %.0f | %.1f%% | - | %d | - |\n",
+      awk -v peak="$peak" '{ printf "| %s | %d | %.1fM | %.3f | %.0f | %.1f%% | - | %d | - |\n",
                              $1, $2, $3 / 1e6, $4, $5, 100 * $6 * 1000 / peak, $7 }'
   done
 fi

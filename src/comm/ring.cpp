@@ -20,9 +20,9 @@ constexpr int kRingInflight = 2;
 // with 32 KiB slices neither was ahead (docs/performance.md).
 constexpr int64_t kRingSliceBytes = int64_t(64) << 10;
 // On one host kAuto rings from this slice size up. With a core per rank (16 cores), 8 ranks'
-// 16 MiB all_reduce took 11-13 ms as a ring and 15.6-16 ms pairwise, and their reduce_scatter
-// 7.2 ms against 9.3; at 1 MiB slices pairwise was ahead by up to 40% (4 ranks, 256 KiB to
-// 4 MiB buffers), and on 2 shared cores by 30% at 4 MiB (docs/performance.md).
+// 16 MiB all_reduce took 14.3 ms as a ring and 17.9 ms pairwise (medians), and their reduce_scatter
+// 7.5 ms against 10.7; with smaller slices the ring took up to 35% longer (4 ranks, 256 KiB),
+// and on 2 shared cores 40% longer at 4 MiB (docs/performance.md).
 constexpr int64_t kRingOneHostSliceBytes = int64_t(2) << 20;
 
 // One segmentation for every slice and step, so that sender and receiver agree:
