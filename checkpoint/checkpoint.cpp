@@ -137,6 +137,9 @@ ShardedState merged_state(const std::vector<Checkpointer::Part>& parts, std::vec
       out.rank = s.rank;
       out.world_size = s.world_size;
       out.zero_stage = s.zero_stage;
+      out.shard_rank = s.shard_rank;
+      out.num_replicas = s.num_replicas;
+      out.replica_rank = s.replica_rank;
       out.loss_scale = s.loss_scale;
       out.loss_scale_clean_steps = s.loss_scale_clean_steps;
     }
@@ -144,6 +147,8 @@ ShardedState merged_state(const std::vector<Checkpointer::Part>& parts, std::vec
                       "checkpoint: part ", i, "'s optimizer is rank ", s.rank, " of ", s.world_size, " at ZeRO stage ",
                       s.zero_stage, ", part 0's rank ", out.rank, " of ", out.world_size, " at ZeRO stage ",
                       out.zero_stage, "; a rank's stages shard over one group at one ZeRO stage");
+    TORCH_CHECK_VALUE(s.num_replicas == out.num_replicas, "checkpoint: part ", i, "'s optimizer has ", s.num_replicas,
+                      " replicas of its shards, part 0's ", out.num_replicas, "; give every part the same shard_size");
     const size_t offset = out.params.size();
     for (auto& b : s.buckets) {
       for (auto& p : b.params) p += offset;

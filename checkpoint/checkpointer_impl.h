@@ -137,6 +137,7 @@ json build_manifest(const Snapshot& snap, Contents contents, const std::vector<s
 struct Snapshot {
   TrainingProgress progress;
   int rank = 0, world = 1, zero_stage = 2;  // rank and size of the Checkpointer's communicator
+  int replica = 0;                  // hybrid sharding: which copy of its shards this rank holds (0: the one saved)
   Place place;
   std::vector<ParamInfo> params;    // the optimizer's, as the module names them
   std::vector<std::string> names;

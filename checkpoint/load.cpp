@@ -324,7 +324,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
         // the live state, one copy each, only when every rank has read everything.
         auto host = [](const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); };
         const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
-        const int shard = b.layout.shard_of_rank(place.dp_rank);
+        const int shard = b.layout.shard_of_rank(state.shard_rank);
         for (const auto& seg : shard_segments(b.layout, shard)) {
           const size_t pi = b.params[seg.param];
           const std::string& name = names[pi];
@@ -395,7 +395,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       if (m.value("gradients", false)) {
         for (const auto& b : state.buckets) {
           auto g = at::zeros({b.shard.size()}, at::kFloat);
-          const int shard = b.layout.shard_of_rank(place.dp_rank);
+          const int shard = b.layout.shard_of_rank(state.shard_rank);
           for (const auto& seg : shard_segments(b.layout, shard)) {
             const std::string& name = names[b.params[seg.param]];
             if (!saved.count(name)) continue;  // untrained when saved: no gradient

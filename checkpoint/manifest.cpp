@@ -55,6 +55,7 @@ json rank_record(const Snapshot& snap) {
   json rec;
   rec["pp_stage"] = snap.place.pp_stage;
   rec["dp_rank"] = snap.place.dp_rank;
+  if (snap.replica > 0) rec["replica"] = snap.replica;
   std::vector<json> pieces(snap.params.size(), json::array());
   std::vector<char> copied(snap.params.size(), 0);
   for (const auto& o : snap.owned) {
@@ -122,8 +123,9 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
   Contents out;
   std::unordered_map<std::string, size_t> param_at, replicated_at;
   // Without a shared filesystem, the other complete sets of a parameter's pieces: another
-  // stage's (a tied parameter), or a disk's copy of a replicated group's. Keyed by (stage,
-  // the copying rank or -1).
+  // stage's (a tied parameter), a disk's copy of a replicated group's, or another replica's
+  // shards (hybrid sharding; its ranks' pieces together). Keyed by (stage, the copying rank,
+  // -2 - the replica, or -1).
   std::map<std::string, std::map<std::pair<int, int>, json>> alternates;
   for (int r : order) {
     const json& rec = recs[static_cast<size_t>(r)];
@@ -136,7 +138,8 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
           if (r == my_rank) out.skip.insert(name);
           continue;
         }
-        json& cover = alternates[name][{stage, copy ? r : -1}];
+        const int replica = rec.value("replica", 0);
+        json& cover = alternates[name][{stage, !copy ? -1 : replica > 0 ? -2 - replica : r}];
         for (const auto& pc : e.at("pieces")) cover.push_back({r, pc.at(0), pc.at(1)});
         continue;
       }

@@ -48,6 +48,20 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     snap.writes_replicated = first_here;
   }
   snap.zero_stage = state.zero_stage;
+  snap.replica = state.zero_stage == 0 ? 0 : state.replica_rank;
+  // Hybrid sharding: a shard is saved once, by its first replica; without a shared
+  // filesystem also by its first holder on each other disk (a copy there).
+  bool writes_shards = state.replica_rank == 0;
+  if (state.num_replicas > 1 && !writes_shards && !disks.shared()) {
+    const int shard_size = place.dp_size / state.num_replicas;
+    writes_shards = true;
+    for (int r : disks.members(snap.rank)) {
+      const auto& [stage, dp_rank] = places[static_cast<size_t>(r)];
+      if (stage == place.pp_stage && dp_rank % shard_size == state.shard_rank && dp_rank < place.dp_rank) {
+        writes_shards = false;
+      }
+    }
+  }
   snap.names = module_names(state, model, options.saved_names);
   snap.params = state.params;
   for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
@@ -66,13 +80,15 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
     snap.groups.push_back({b.layout, b.params});
     // A replicated group (stage 0) is saved once, by the first rank of its data-parallel group
     // (and, without a shared filesystem, copied by the group's first rank on each other disk).
-    const int shard = b.layout.shard_of_rank(state.rank);
-    if (shard != state.rank && !snap.writes_replicated) continue;
+    const int shard = b.layout.shard_of_rank(state.shard_rank);
+    const bool replicated = b.layout.world_size == 1 && place.dp_size > 1;
+    const bool copy = replicated ? state.rank != 0 : state.replica_rank != 0;
+    if (replicated ? copy && !snap.writes_replicated : !writes_shards) continue;
     for (const auto& seg : shard_segments(b.layout, shard)) {
       const Range local = seg.local(b.layout, shard);
       // Gradients are always copied now: the next backward adds into them.
       const bool defer = (defer_copies || snap.on_device) && !snap.gradients;
-      auto copy = [&](const at::Tensor& t) {
+      auto copy_of = [&](const at::Tensor& t) {
         auto v = t.slice(0, local.begin, local.end);
         return defer ? v : snap.host->copy(v);
       };
@@ -82,8 +98,8 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
         grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end), at::kFloat)
                                       : at::zeros({local.size()}, at::kFloat);
       }
-      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy(b.master), copy(b.exp_avg), copy(b.exp_avg_sq), grad,
-                            shard != state.rank});
+      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy_of(b.master), copy_of(b.exp_avg),
+                            copy_of(b.exp_avg_sq), grad, copy});
       snap.bytes += (snap.gradients ? 16 : 12) * local.size();
     }
   }

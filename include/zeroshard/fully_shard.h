@@ -74,6 +74,13 @@ struct FullyShardOptions {
   // in 16 bits); Float reduces 16-bit units' gradients in full precision.
   // Default: Undefined.
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
+  // Hybrid sharding: units are sharded across groups of this many consecutive
+  // ranks and replicated across the groups (FSDP2's HSDP, DeepSpeed's MiCS).
+  // A unit is gathered from its shard group only; gradients are
+  // reduce-scattered in the group, then each reduced shard is averaged across
+  // the groups. 0: every rank (flat ZeRO-3). kShardPerHost: the ranks of one
+  // host. N: N ranks (it must divide the ranks). Default: 0.
+  int shard_size = 0;
 };
 
 class FullyShardedModel;

@@ -79,11 +79,25 @@ struct LossScaleOptions {
 // or a set the CPU lacks. For comparing the paths, or working around a CPU.
 void set_adamw_simd(const std::string& isa);
 
+// shard_size for hybrid sharding with one shard group per host (the ranks of
+// one host, found by host name; every host must hold as many consecutive ranks).
+constexpr int kShardPerHost = -1;
+
 struct ShardedAdamWOptions {
   // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2).
   // 0: shard nothing (DDP-style: gradients all-reduced, every rank updates
   // everything). Default: 2.
   int zero_stage = 2;
+  // Hybrid sharding (stages 1 and 2): the state is sharded across groups of
+  // this many consecutive ranks and replicated across the groups. Gradients are
+  // reduce-scattered inside a group, then each reduced shard is averaged across
+  // the groups (an all-reduce of 1/shard_size of the gradient), and updated
+  // parameters are gathered inside the group only: with a group per host, the
+  // links between hosts carry 1/shard_size of the bytes. Memory: optimizer
+  // states (and, at stage 2, gradients) shrink by shard_size, not by every rank.
+  // 0: every rank (one group: flat ZeRO). kShardPerHost: the ranks of one host.
+  // N: N ranks (it must divide the ranks). Default: 0.
+  int shard_size = 0;
   // Gradient bucket size: the unit of reduce-scatter and all-gather. Default: 16 MiB.
   int64_t bucket_bytes = int64_t{16} << 20;
   // Stages 2 and 0: reductions in flight during backward before backward waits
@@ -119,6 +133,14 @@ struct ShardedState {
   // 1, 2 or 3; 0: replicated (every rank holds every bucket whole, laid out
   // for one rank: layout.shard(0)).
   int zero_stage = 2;
+  // Hybrid sharding (shard_size): each bucket is laid out for its shard group
+  // (layout.world_size ranks) and this rank holds shard `shard_rank` of it, as
+  // do the other ranks of its replica group (num_replicas of them, this one
+  // being `replica_rank`). Sharded across every rank: shard_rank == rank and
+  // num_replicas == 1.
+  int shard_rank = 0;
+  int num_replicas = 1;
+  int replica_rank = 0;
   std::vector<ParamInfo> params;      // every parameter the optimizer trains, in model order
   std::vector<at::Tensor> param_tensors;  // the live parameter tensors, as `params`
   std::vector<int64_t> param_steps;   // AdamW step count of each (0: never updated)
@@ -130,8 +152,8 @@ struct ShardedState {
   std::vector<char> had_grad;         // per parameter: got a gradient on this rank since the last step
   double loss_scale = 1;              // current dynamic loss scale (1 when off)
   int64_t loss_scale_clean_steps = 0; // steps since the last overflow or growth
-  // Ranks holding each element: world_size when replicated (stage 0), else 1.
-  int replicas() const { return zero_stage == 0 ? world_size : 1; }
+  // Ranks holding each element: world_size when replicated (stage 0), else num_replicas.
+  int replicas() const { return zero_stage == 0 ? world_size : num_replicas; }
 };
 
 // Communication the training thread waited for: exposed, not hidden behind
@@ -170,6 +192,10 @@ struct ShardedStats {
   // Traffic of every communicator the sharding uses (ZeRO-3: the model's
   // gathers and its reductions' own communicator), since construction.
   CommStats traffic;
+  // Of `traffic`, what went between shard groups (hybrid sharding: the
+  // all-reduces of reduced gradient shards, which cross hosts when a shard
+  // group is a host). Zero when the state is sharded across every rank.
+  CommStats replica_traffic;
 };
 
 // The two squared gradient norms a step's gradient noise scale is estimated

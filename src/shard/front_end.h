@@ -4,6 +4,7 @@
 // parameters; ShardedOptimizer (the core) does the rest, calling these.
 #pragma once
 
+#include "shard/shard_topology.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <vector>
@@ -48,7 +49,8 @@ class FrontEnd {
 // What a front-end hands the core once its shard groups exist.
 struct Shards {
   FrontEnd* front_end = nullptr;           // outlives the core's use of it (detach_shards() ends that)
-  ProcessGroup process_group;              // data: the shards' collectives; control: the per-step agreement
+  ProcessGroup process_group;              // data: every data-parallel rank; control: the per-step agreement
+  ShardTopology topology;                  // the shard and replica groups (flat: one group of every rank)
   BackwardRound* round = nullptr;          // the front-end's backward protocol (its mutex: the hooks' one)
   std::vector<ShardGroup*> groups;         // sharded_state() order
   std::vector<size_t> update_order;        // order step() updates groups in (empty: as `groups`)

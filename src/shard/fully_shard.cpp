@@ -287,11 +287,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<shard::ShardedModel>();
   impl->group = group;
-  impl->comm = comm;
-  impl->reduce_comm = comm->dup();
   impl->options = options;
-  impl->rank = comm->rank();
-  impl->world = comm->size();
 
   // Units in pre-order; each claims the parameters under it that no deeper unit claims.
   struct Found {
@@ -361,8 +357,14 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " prefetch=" + std::to_string(options.prefetch) +
                     " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers) +
                     " keep_last_unit_for_backward=" + std::to_string(options.keep_last_unit_for_backward) +
-                    " reduce_dtype=" + c10::toString(options.reduce_dtype));
+                    " reduce_dtype=" + c10::toString(options.reduce_dtype) +
+                    " shard_size=" + std::to_string(options.shard_size));
   shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
+  impl->topology = shard::make_shard_topology(group, options.shard_size, "fully_shard");
+  impl->comm = impl->topology.shard;
+  impl->reduce_comm = impl->comm->dup();
+  impl->rank = impl->topology.shard_rank;
+  impl->world = impl->topology.shard_size;
 
   torch::NoGradGuard no_grad;
   auto& m = *impl;
@@ -377,9 +379,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   for (auto& u : m.units) groups.push_back(u.get());
   m.round = std::make_unique<shard::BackwardRound>(m, "FullyShardedAdamW", /*reduces_in_backward=*/true,
                                                    /*every_backward=*/true, std::move(groups));
+  m.round->reductions().set_replicas(m.topology.replicas);
   // Rank 0's values everywhere, then each rank keeps its shard.
   std::vector<std::shared_ptr<Work>> works;
-  if (m.world > 1) {
+  if (comm->size() > 1) {
     for (auto& u : m.units) works.push_back(comm->broadcast(u->gathered, 0));
   }
   for (auto& w : works) comm::block_current(*w, comm->device());
@@ -412,7 +415,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     mine += u->shard.size();
   }
   log_info("fully_shard: " + std::to_string(found.size()) + " units + root, " + std::to_string(total) +
-           " parameters; this rank holds " + std::to_string(mine) + " of them");
+           " parameters; this rank holds " + std::to_string(mine) + " of them" +
+           (m.topology.hybrid() ? " (hybrid: shard groups of " + std::to_string(m.topology.shard_size) + " ranks, " +
+                                      std::to_string(m.topology.num_replicas) + " replicas)"
+                                : ""));
   return std::shared_ptr<FullyShardedModel>(new FullyShardedModel(std::move(impl)));
 }
 

@@ -97,6 +97,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
   shard::Shards shards;
   shards.front_end = &m;
   shards.process_group = m.group;
+  shards.topology = m.topology;
   shards.round = m.round.get();
   shards.max_grad_norm = options.max_grad_norm;
   shards.loss_scale = options.loss_scale;
@@ -157,6 +158,11 @@ void shard::ShardedModel::add_stats(ShardedStats& s) const {
   s.waits = {exposed_gather_seconds, round->reductions().waited_seconds()};
   s.traffic = comm->stats();
   s.traffic += reduce_comm->stats();
+  if (topology.hybrid()) {
+    s.traffic += group.data->stats();  // the broadcast at construction, and control values on a CPU group
+    s.replica_traffic = topology.replicas->stats();
+    s.traffic += s.replica_traffic;
+  }
 }
 
 void shard::ShardedModel::reduce_gradients() {

@@ -107,19 +107,42 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
     e.out = at::empty({group.layout.shard_numel()}, e.in.options());
     e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);
   }
+  e.across_replicas = replicas_ != nullptr && group.layout.world_size == comm.size();
   e.label = std::move(label);
   inflight_.push_back(std::move(e));
+  start_replica_reductions();
   return inflight_.back();
 }
 
+void ReductionQueue::start_replica_reductions() {
+  for (auto& e : inflight_) {
+    if (!e.across_replicas || e.replica_work) continue;
+    if (e.work && e.out.device().is_cpu() && !e.work->is_completed()) return;  // later ones start after it
+    if (e.work) comm::block_current(*e.work, e.out.device());  // done on the CPU; on a device, ordered on the stream
+    e.replica_work = replicas_->all_reduce(e.out, ReduceOp::kAvg);
+  }
+}
+
+void ReductionQueue::wait_for(Work& work, const at::Tensor& out, const std::string& what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  comm::block_current(work, out.device());  // on a device: orders the stream, no host wait
+  waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (trace::enabled()) trace::record(what, "wait", t0);
+}
+
 ReductionQueue::Entry ReductionQueue::drain_oldest() {
-  Entry e = std::move(inflight_.front());
+  Entry& front = inflight_.front();
+  if (front.across_replicas && !front.replica_work) {
+    if (front.work) wait_for(*front.work, front.out, "wait for reduction of " + front.label);
+    front.work.reset();
+    start_replica_reductions();  // this one, and those behind it that are done
+  }
+  Entry e = std::move(front);
   inflight_.pop_front();
-  if (e.work) {
-    const auto t0 = std::chrono::steady_clock::now();
-    comm::block_current(*e.work, e.out.device());  // on a device: orders the stream, no host wait
-    waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (trace::enabled()) trace::record("wait for reduction of " + e.label, "wait", t0);
+  if (e.replica_work) {
+    wait_for(*e.replica_work, e.out, "wait for the replicas' reduction of " + e.label);
+  } else if (e.work) {
+    wait_for(*e.work, e.out, "wait for reduction of " + e.label);
   }
   e.group->accumulate_gradient(e.out);
   return e;

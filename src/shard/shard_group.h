@@ -74,16 +74,25 @@ void update_shard(ShardGroup& group, const EntryCoefficients& coeffs);
 // Gradient reductions in flight, oldest first (ZeRO-1/2 buckets, ZeRO-3
 // units): reduce-scatters with kAvg into a fresh [shard] tensor (all-reduces
 // for a replicated group), each added into its group's grad_shard when
-// drained. Issue order is the caller's (the same on every rank); draining is
+// drained. With hybrid sharding (set_replicas) each reduced shard is then
+// averaged across the replica group: that all-reduce starts once its
+// reduce-scatter is done, in issue order (on a device, at once, ordered on the
+// stream). Issue order is the caller's (the same on every rank); draining is
 // in issue order.
 class ReductionQueue {
  public:
   struct Entry {
     ShardGroup* group = nullptr;
     at::Tensor in, out;
-    std::shared_ptr<Work> work;
+    std::shared_ptr<Work> work;          // the reduce-scatter (or all-reduce) in the shard group
+    std::shared_ptr<Work> replica_work;  // hybrid: the all-reduce of `out` across replicas, once started
+    bool across_replicas = false;        // hybrid: `out` still needs that all-reduce
     std::string label;  // for the trace: "wait for reduction of <label>"
   };
+  // Hybrid sharding: the communicator of the ranks holding the same shards
+  // (null: none). Replicated groups (ZeRO stage 0) are reduced over every rank
+  // already and skip it.
+  void set_replicas(std::shared_ptr<Communicator> replicas) { replicas_ = std::move(replicas); }
   // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`,
   // or all-reduces it when the group is replicated. At one rank the mean is
   // `in` itself, and in place the all-reduce's output is `in`: adopted when
@@ -103,7 +112,14 @@ class ReductionQueue {
   double waited_seconds() const { return waited_; }
 
  private:
+  // Starts the replica all-reduces of the oldest entries whose reduce-scatter
+  // is done (all of them on a device), stopping at the first that is not.
+  void start_replica_reductions();
+  // Waits for `work`, counting the time (and a trace span named `what`).
+  void wait_for(Work& work, const at::Tensor& out, const std::string& what);
+
   std::deque<Entry> inflight_;
+  std::shared_ptr<Communicator> replicas_;
   double waited_ = 0;
 };
 

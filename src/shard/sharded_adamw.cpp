@@ -26,7 +26,8 @@ std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
   std::ostringstream os;
   os << std::setprecision(17) << "options: zero_stage=" << o.zero_stage << " bucket_bytes=" << o.bucket_bytes
      << " max_inflight_buckets=" << o.max_inflight_buckets << " max_grad_norm=" << o.max_grad_norm
-     << " reduce_every_backward=" << o.reduce_every_backward << " loss_scaling=" << scaling
+     << " reduce_every_backward=" << o.reduce_every_backward << " shard_size=" << o.shard_size
+     << " loss_scaling=" << scaling
      << shard::describe_loss_scaling(o.loss_scale, scaling);
   return os.str();
 }
@@ -69,6 +70,9 @@ void check_options(const ShardedAdamWOptions& options) {
                     options.max_inflight_buckets, "; it must be >= 1 (Default: 2)");
   TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "ShardedAdamW: max_grad_norm is ", options.max_grad_norm,
                     "; it must be >= 0 (0 = no clipping)");
+  TORCH_CHECK_VALUE(options.zero_stage != 0 || options.shard_size == 0, "ShardedAdamW: shard_size is ",
+                    options.shard_size, " at zero_stage 0, which shards nothing; use stage 1 or 2 for hybrid "
+                    "sharding, or leave shard_size at 0");
 }
 
 }  // namespace
@@ -142,8 +146,6 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   TORCH_CHECK_VALUE(group.data != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
   impl_ = std::make_unique<Impl>(*this, std::move(group), options);
   auto& im = *impl_;
-  im.rank = im.comm->rank();
-  im.world = im.comm->size();
 
   // Local checks first, but a rank that fails them still joins the agreement
   // below, so every rank fails together (naming the difference) instead of
@@ -211,6 +213,10 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   }
   shard::check_same_on_all_ranks(*im.group.control, entries, "ShardedAdamW parameters");
   TORCH_CHECK_VALUE(local_error.empty(), local_error);
+  im.topology = shard::make_shard_topology(im.group, options.shard_size, "ShardedAdamW");
+  im.comm = im.topology.shard;
+  im.rank = im.topology.shard_rank;
+  im.world = im.topology.shard_size;
 
   // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
   torch::NoGradGuard no_grad;
@@ -237,10 +243,10 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
       p.set_data(shard::alias_of(b.flat_params, off, p.sizes()));
       im.location[members[e]] = {im.buckets.size(), e};
     }
-    if (im.world > 1) broadcasts.push_back(im.comm->broadcast(b.flat_params, 0));
+    if (im.group.data->size() > 1) broadcasts.push_back(im.group.data->broadcast(b.flat_params, 0));
     im.buckets.push_back(std::move(b));
   }
-  for (auto& w : broadcasts) comm::block_current(*w, im.comm->device());
+  for (auto& w : broadcasts) comm::block_current(*w, im.group.data->device());
   int64_t shard_elems = 0;
   shard::Shards shards;
   for (auto& b : im.buckets) {
@@ -255,7 +261,9 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
                                                     options.reduce_every_backward, shards.groups);
   shards.front_end = &im;
   shards.process_group = im.group;
+  shards.topology = im.topology;
   shards.round = im.round.get();
+  im.round->reductions().set_replicas(im.topology.replicas);
   shards.infos = im.infos;
   shards.tensors = im.params;
   shards.group_of = im.group_of;
@@ -271,6 +279,9 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
            (options.zero_stage == 0 ? " (replicated)" : "") + ", " + std::to_string(im.params.size()) +
            " parameters (" + std::to_string(total) + " elements) in " + std::to_string(im.buckets.size()) +
            " buckets; this rank holds the optimizer state of " + std::to_string(shard_elems) + " elements" +
+           (im.topology.hybrid() ? " (hybrid: shard groups of " + std::to_string(im.topology.shard_size) +
+                                       " ranks, " + std::to_string(im.topology.num_replicas) + " replicas)"
+                                 : "") +
            (scaling ? "; dynamic loss scaling on" : ""));
 }
 
@@ -364,6 +375,11 @@ void ShardedAdamW::Impl::add_stats(ShardedStats& s) const {
   m.peak_transient = peak_transient;
   s.waits = {gather_seconds, round->reductions().waited_seconds()};
   s.traffic = comm->stats();
+  if (topology.hybrid()) {
+    s.traffic += group.data->stats();  // the broadcast at construction, and control values on a CPU group
+    s.replica_traffic = topology.replicas->stats();
+    s.traffic += s.replica_traffic;
+  }
 }
 
 }  // namespace zeroshard

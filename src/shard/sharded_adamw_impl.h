@@ -35,9 +35,10 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
 
   ShardedAdamW& owner;
   ProcessGroup group;
-  std::shared_ptr<Communicator> comm;  // group.data: the shards' collectives
+  shard::ShardTopology topology;       // the shard and replica groups
+  std::shared_ptr<Communicator> comm;  // topology.shard: the buckets' collectives (group.data when not hybrid)
   ShardedAdamWOptions options;
-  int rank = 0, world = 1;
+  int rank = 0, world = 1;             // in the shard group
   // Stages 2 and 0 move gradients out of p.grad() into buckets that backward
   // reduces; stage 1 leaves them there until step().
   bool reduce_in_backward() const { return options.zero_stage != 1; }

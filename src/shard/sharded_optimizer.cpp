@@ -48,7 +48,7 @@ struct ShardedOptimizer::Core {
     for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
     return optim::sum_of_squares(grads) / replicas();
   }
-  int replicas() const { return zero_stage == 0 ? shards.process_group.data->size() : 1; }
+  int replicas() const { return zero_stage == 0 ? shards.process_group.data->size() : shards.topology.num_replicas; }
   // this rank's Σ over groups of reductions × their inputs' squared norms (scaled), and the most reductions of a group
   double unreduced_sumsq() const {
     double s = 0;
@@ -343,6 +343,9 @@ ShardedState ShardedOptimizer::sharded_state() {
   s.rank = c.shards.process_group.data->rank();
   s.world_size = c.shards.process_group.data->size();
   s.zero_stage = c.zero_stage;
+  s.shard_rank = c.zero_stage == 0 ? s.rank : c.shards.topology.shard_rank;
+  s.num_replicas = c.zero_stage == 0 ? 1 : c.shards.topology.num_replicas;
+  s.replica_rank = c.zero_stage == 0 ? 0 : c.shards.topology.replica_rank;
   s.params = c.shards.infos;
   s.param_tensors = c.shards.tensors;
   s.param_steps = c.steps;

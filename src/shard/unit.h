@@ -19,6 +19,7 @@
 #include "shard/backward_round.h"
 #include "shard/front_end.h"
 #include "shard/shard_group.h"
+#include "shard/shard_topology.h"
 
 #include <algorithm>
 #include <chrono>
@@ -92,9 +93,10 @@ class Unit : public ShardGroup {
 // the core's front-end for FullyShardedAdamW.
 struct ShardedModel : BackwardRound::Client, FrontEnd {
   ProcessGroup group;
-  std::shared_ptr<Communicator> comm;  // group.data: gathers, and the device of every buffer
+  ShardTopology topology;              // the shard and replica groups
+  std::shared_ptr<Communicator> comm;  // topology.shard: gathers, and the device of every buffer
   FullyShardOptions options;
-  int rank = 0, world = 1;
+  int rank = 0, world = 1;             // in the shard group
   std::vector<std::shared_ptr<Unit>> units;           // registration order, root last
   std::vector<size_t> launch_order;                   // reductions issue in this order on every rank
   std::vector<std::weak_ptr<torch::nn::Module>> unit_modules;  // the Sharded<> modules, to detach at the end
@@ -159,7 +161,10 @@ struct ShardedModel : BackwardRound::Client, FrontEnd {
   // Where agreements on host values go during training: the control plane
   // when the group has one of its own; for a CPU communicator (its own control
   // plane) the reductions' split, so that the gathers' carries parameters only.
-  Communicator& check_comm() const { return group.control == group.data ? *reduce_comm : *group.control; }
+  // Hybrid: the control plane, which spans every rank and carries no gathers.
+  Communicator& check_comm() const {
+    return group.control == group.data && !topology.hybrid() ? *reduce_comm : *group.control;
+  }
   void launch(size_t unit);
 
   void begin_pass() override;         // the first hook of a backward

@@ -78,12 +78,15 @@ struct Trainer {
   c10::Device device = c10::kCPU;
 
   explicit Trainer(int stage, int seed = 1) : Trainer(stage, seed, world_ptr()) {}
-  Trainer(int stage, int seed, const ProcessGroup& group) : device(group.data->device()) {
+  // shard_size: hybrid sharding (ShardedAdamWOptions / FullyShardOptions::shard_size).
+  Trainer(int stage, int seed, const ProcessGroup& group, int shard_size = 0) : device(group.data->device()) {
     torch::manual_seed(seed);
     net = Net();
     net->to(device);
     if (stage == 3) {
-      sharded = fully_shard(net, group);
+      FullyShardOptions fo;
+      fo.shard_size = shard_size;
+      sharded = fully_shard(net, group, fo);
       zero3 = std::make_unique<FullyShardedAdamW>(sharded, kAdamW);
     } else {
       std::vector<torch::Tensor> trained;
@@ -93,6 +96,7 @@ struct Trainer {
       }
       ShardedAdamWOptions so;
       so.zero_stage = stage;  // 0, 1 or 2
+      so.shard_size = shard_size;
       zero2 = std::make_unique<ShardedAdamW>(named, group, kAdamW, so);
     }
   }
@@ -130,6 +134,11 @@ struct Trainer {
   }
 };
 
+// The fixture's name for a run at N ranks and ZeRO stage s with hybrid sharding over N / 2 ranks.
+inline std::string hybrid_run(int n, int stage) {
+  return "n" + std::to_string(n) + "_stage" + std::to_string(stage) + "_shard" + std::to_string(n / 2);
+}
+
 inline std::string shared_dir() {
   const char* d = std::getenv("ZS_CKPT_TEST_DIR");
   return d != nullptr ? d : (fs::temp_directory_path() / "zs_ckpt_test").string();
@@ -161,14 +170,16 @@ inline std::string latest_of(const std::string& dir) {
 }
 
 // The checkpoints CheckpointSave writes into shared_dir(): at N = 1..4 ranks,
-// ZeRO stage 0, 2 and 3 ("n3_stage2"), and as two pipeline stages at N = 2 and 4
-// ("pp2_n4_stage3").
+// ZeRO stage 0, 2 and 3 ("n3_stage2"), as two pipeline stages at N = 2 and 4
+// ("pp2_n4_stage3"), and at N = 2 and 4 at stages 2 and 3 with hybrid sharding
+// over shard groups of N / 2 ranks ("n4_stage3_shard2").
 inline std::vector<std::string> saved_runs() {
   std::vector<std::string> out;
   for (int n = 1; n <= 4; ++n) {
     for (int s : {0, 2, 3}) {
       out.push_back("n" + std::to_string(n) + "_stage" + std::to_string(s));
       if (n % 2 == 0) out.push_back("pp2_n" + std::to_string(n) + "_stage" + std::to_string(s));
+      if (n % 2 == 0 && s > 0) out.push_back(hybrid_run(n, s));
     }
   }
   return out;

@@ -125,6 +125,27 @@ TEST_P(CheckpointRoundTrip, MidAccumulationResumeIsBitIdentical) {
   EXPECT_TRUE(torch::equal(b.flat(), want)) << "max diff " << (b.flat() - want).abs().max().item<double>();
 }
 
+// Hybrid sharding (shard groups of N / 2 ranks): save, train on, load into a
+// fresh model at the same topology: bit-identical, at stages 2 and 3.
+TEST(CheckpointHybrid, ResumeIsBitIdentical) {
+  const int n = world().size();
+  if (n % 2 != 0) GTEST_SKIP() << "two replicas need an even number of ranks";
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto dir = common_temp_dir("ckpt_hybrid");
+    Checkpointer ckpt(dir, world_ptr());
+    Trainer a(stage, 1, world_ptr(), n / 2);
+    a.train(0, kSaveAt);
+    a.save(ckpt, kSaveAt);
+    a.train(kSaveAt, kEnd);
+    const auto want = a.flat();
+    Trainer b(stage, /*seed=*/99, world_ptr(), n / 2);
+    ASSERT_TRUE(b.load(ckpt).has_value());
+    b.train(kSaveAt, kEnd);
+    EXPECT_TRUE(torch::equal(b.flat(), want)) << "max diff " << (b.flat() - want).abs().max().item<double>();
+  }
+}
+
 // ---------------------------------------------------------------- N -> M
 
 // At N ranks: checkpoints of both stages at kSaveAt, and the uninterrupted
@@ -191,6 +212,42 @@ TEST(CheckpointSave, AtThisWorldSize) {
     if (world().rank() == 0) write_tensor((dir / "uninterrupted.f32").string(), final_params);
     world().barrier();
   }
+  // Hybrid sharding over shard groups of N / 2 ranks: each shard is written once,
+  // by the ranks of the first shard group (replica 0).
+  for (int stage : {2, 3}) {
+    if (n % 2 != 0) break;
+    const int shard_size = n / 2;
+    const fs::path dir = fs::path(shared_dir()) / hybrid_run(n, stage);
+    if (world().rank() == 0) fs::remove_all(dir);
+    world().barrier();
+    Checkpointer ckpt(dir.string(), world_ptr());
+    Trainer run(stage, 1, world_ptr(), shard_size);
+    run.train(0, kSaveAt);
+    const fs::path step_dir = run.save(ckpt, kSaveAt);
+    nlohmann::json m;
+    std::ifstream(step_dir / "manifest.json") >> m;
+    int64_t saved = 0;
+    for (const auto& p : m.at("params")) {
+      for (const auto& pc : p.at("pieces")) {
+        EXPECT_LT(pc.at(0).get<int>(), shard_size) << p.at("name") << ": written by a rank of another replica";
+        saved += pc.at(2).get<int64_t>() - pc.at(1).get<int64_t>();
+      }
+    }
+    int64_t trained = 0;
+    for (const auto& item : run.net->named_parameters()) {
+      if (item.value().requires_grad() || stage == 3) trained += item.value().numel();
+    }
+    if (run.sharded) {
+      trained = 0;
+      auto guard = run.sharded->summon_full_params();
+      for (const auto& item : run.net->named_parameters()) trained += item.value().numel();
+    }
+    EXPECT_EQ(saved, trained) << "every element saved exactly once";
+    run.train(kSaveAt, kEnd);
+    const auto final_params = run.flat();
+    if (world().rank() == 0) write_tensor((dir / "uninterrupted.f32").string(), final_params);
+    world().barrier();
+  }
 }
 
 // At M ranks: every checkpoint of the fixture (N ranks, ZeRO stage 0, 2 or 3,
@@ -198,13 +255,18 @@ TEST(CheckpointSave, AtThisWorldSize) {
 // to kEnd, matches the run that saved it to float rounding.
 TEST(CheckpointResume, FromEveryWorldSizeAndStage) {
   const int m = world().size();
+  // ZeRO stages 0-3 over every rank, and at an even M stages 2 and 3 with hybrid
+  // sharding over M / 2 ranks (stage, shard size).
+  std::vector<std::pair<int, int>> into{{0, 0}, {1, 0}, {2, 0}, {3, 0}};
+  if (m % 2 == 0) into.insert(into.end(), {{2, m / 2}, {3, m / 2}});
   for (const auto& name : saved_runs()) {
-    for (int stage : {0, 1, 2, 3}) {
-      SCOPED_TRACE(name + " resumed at " + std::to_string(m) + " ranks, stage " + std::to_string(stage));
+    for (const auto& [stage, shard_size] : into) {
+      SCOPED_TRACE(name + " resumed at " + std::to_string(m) + " ranks, stage " + std::to_string(stage) +
+                   (shard_size > 0 ? ", shard groups of " + std::to_string(shard_size) : std::string()));
       const fs::path dir = fs::path(shared_dir()) / name;
       ASSERT_TRUE(fs::exists(dir / "latest")) << dir << ": run checkpoint_save_np* first";
       Checkpointer ckpt(dir.string(), world_ptr());
-      Trainer run(stage, /*seed=*/5);
+      Trainer run(stage, /*seed=*/5, world_ptr(), shard_size);
       const auto progress = run.load(ckpt);
       ASSERT_TRUE(progress.has_value());
       ASSERT_EQ(progress->step, kSaveAt);
@@ -428,6 +490,64 @@ TEST_P(CheckpointDisks, EachDiskHoldsItsRanksFilesAndResumesAlone) {
 }
 INSTANTIATE_TEST_SUITE_P(Stages, CheckpointDisks, ::testing::Values(0, 2, 3),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+// Hybrid sharding with a shard group per disk (as with a group per host): the
+// first group's ranks write the shards, and the second's write a copy of them
+// on their own disk, so each disk holds every shard. A resume at the same
+// topology reads only its own disk (bit-identical), and one over every rank
+// (flat ZeRO-3) finds every piece on its disk too.
+TEST(CheckpointDisksHybrid, EachDiskHoldsEveryShard) {
+  const int n = world().size(), rank = world().rank();
+  if (n % 2 != 0) GTEST_SKIP() << "two shard groups need an even number of ranks";
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const fs::path base = common_temp_dir("ckpt_disks_hybrid");
+    const fs::path dir = base / ("disk" + std::to_string(rank * 2 / n)) / "run";
+    Trainer a(stage, 1, world_ptr(), n / 2);
+    torch::Tensor at_save;
+    {
+      Checkpointer ckpt(dir.string(), world_ptr());
+      a.train(0, kSaveAt);
+      a.save(ckpt, kSaveAt);
+      at_save = a.flat();
+      a.train(kSaveAt, kEnd);
+    }
+    if (rank == 0) {
+      nlohmann::json m;
+      std::ifstream(dir / "step-00000006" / "manifest.json") >> m;
+      for (const auto& e : m.at("params")) {
+        int64_t numel = 1, main = 0, copy = 0;
+        for (const auto& d : e.at("shape")) numel *= d.get<int64_t>();
+        for (const auto& pc : e.at("pieces")) {
+          EXPECT_LT(pc.at(0).get<int>(), n / 2) << e.at("name") << ": saved by the first shard group";
+          main += pc.at(2).get<int64_t>() - pc.at(1).get<int64_t>();
+        }
+        ASSERT_EQ(e.value("alternates", nlohmann::json::array()).size(), 1u) << e.dump();
+        for (const auto& pc : e.at("alternates").at(0)) {
+          EXPECT_GE(pc.at(0).get<int>(), n / 2) << e.at("name") << ": the copy is the second group's";
+          copy += pc.at(2).get<int64_t>() - pc.at(1).get<int64_t>();
+        }
+        EXPECT_EQ(main, numel) << e.at("name");
+        EXPECT_EQ(copy, numel) << e.at("name");
+      }
+    }
+    world().barrier();
+    {
+      Checkpointer ckpt(dir.string(), world_ptr());
+      Trainer b(stage, /*seed=*/99, world_ptr(), n / 2);
+      ASSERT_TRUE(b.load(ckpt).has_value());
+      b.train(kSaveAt, kEnd);
+      EXPECT_TRUE(torch::equal(b.flat(), a.flat()));
+    }
+    {
+      Checkpointer ckpt(dir.string(), world_ptr());
+      Trainer c(3, /*seed=*/98);
+      ASSERT_TRUE(c.load(ckpt).has_value());
+      expect_close(c.flat(), at_save);
+    }
+    world().barrier();
+  }
+}
 
 // A load into a fresh stage-2 trainer (other initial values): what it loaded,
 // the parameters it ends with, and what it logged.

@@ -59,6 +59,7 @@ struct Config {
   bool checkpoint = false;
   bool no_sync = false;  // all micro-batches but the last under no_sync()
   bool groups = false;   // two_groups() and schedule()
+  int shard_size = 0;    // FullyShardOptions::shard_size (hybrid sharding)
 };
 
 void expect_matches_oracle(const Config& c) {
@@ -67,6 +68,7 @@ void expect_matches_oracle(const Config& c) {
   Tiny m;
   FullyShardOptions fo;
   fo.reshard_after_forward = c.reshard_after_forward;
+  fo.shard_size = c.shard_size;
   m->checkpoint = c.checkpoint;
   const auto device = testing::test_device();
   m->to(device);
@@ -142,6 +144,21 @@ TEST(FullyShard, MatchesAdamWWithoutReshardAfterForward) { expect_matches_oracle
 TEST(FullyShard, MatchesAdamWWithActivationCheckpointing) { expect_matches_oracle({2, 0.1, true, true}); }
 
 TEST(FullyShard, MatchesAdamWAccumulatingWithNoSync) { expect_matches_oracle({4, 0.1, true, false, true}); }
+
+// Hybrid sharding: units sharded across groups of shard_size ranks and
+// replicated across the groups (at 4 ranks: 4 replicas of 1 rank, and 2 x 2;
+// one group of every rank is the tests above), with clipping and accumulation.
+class FullyShardHybrid : public ::testing::TestWithParam<int> {};
+
+TEST_P(FullyShardHybrid, MatchesAdamWWithClippingAndAccumulation) {
+  const int n = world().size(), shard_size = GetParam();
+  if (shard_size > n || n % shard_size != 0) GTEST_SKIP() << "shard size " << shard_size << " does not divide " << n;
+  Config c{4, 0.1, true};
+  c.shard_size = shard_size;
+  expect_matches_oracle(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(ShardSizes, FullyShardHybrid, ::testing::Values(1, 2));
 
 // fp16 units (compute in fp32: LibTorch 1.13's CPU kernels lack Half matmul).
 struct HalfBlockImpl : torch::nn::Module {

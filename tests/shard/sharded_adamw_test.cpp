@@ -86,11 +86,16 @@ struct Config {
   // How gradients are cleared: 0 opt.zero_grad(); 1 Module::zero_grad(true) (to None);
   // 2 through torch::optim::Optimizer& (its zero_grad is not virtual; 2.x sets None).
   int zero_grad_via = 0;
+  int shard_size = 0;  // ShardedAdamWOptions::shard_size (hybrid sharding)
 };
 
 struct Trajectory {
   torch::Tensor params;
   std::vector<double> norms;
+  // The last step's bytes the ranks together sent to other shard groups, and
+  // what the formula says: one all-reduce of each bucket's shard in each of the
+  // S replica groups, each sending 2 (R - 1) times the shard's bytes in all.
+  int64_t replica_bytes = 0, replica_formula = 0;
 };
 
 const double kLr = 1e-2;
@@ -141,11 +146,13 @@ Trajectory run_sharded(const Config& c) {
   o.bucket_bytes = c.bucket_bytes;
   o.max_grad_norm = c.clip_option;
   o.reduce_every_backward = c.reduce_every_backward;
+  o.shard_size = c.shard_size;
   ShardedAdamW opt(groups_of(net, kLr), testing::test_group(), torch::optim::AdamWOptions(kLr), o);
   Trajectory t;
   const int local = kBatch / n;
   int64_t grad_bytes = -1;  // gradient bytes held after a step (stage 1: the flat buffers)
   for (int s = 0; s < c.steps; ++s) {
+    const int64_t replica_before = opt.stats().replica_traffic.total().bytes_sent;
     if (c.zero_grad_via == 1) {
       net->zero_grad(/*set_to_none=*/true);
     } else if (c.zero_grad_via == 2) {
@@ -184,12 +191,20 @@ Trajectory run_sharded(const Config& c) {
     if (c.clip_call > 0) t.norms.push_back(opt.clip_grad_norm(c.clip_call));
     opt.step();
     grad_bytes = opt.stats().memory.grads;
+    t.replica_bytes = opt.stats().replica_traffic.total().bytes_sent - replica_before;
     for (auto& g : opt.param_groups()) {
       auto& go = static_cast<torch::optim::AdamWOptions&>(g.options());
       go.lr(go.lr() * 0.95);
     }
   }
   t.params = flat(net).cpu();
+  const auto state = opt.sharded_state();
+  for (const auto& b : state.buckets) {
+    t.replica_formula += b.layout.world_size * 2 * (state.num_replicas - 1) * b.layout.shard_numel() * 4;
+  }
+  auto sum = torch::tensor({t.replica_bytes}, torch::kLong);
+  world().all_reduce(sum, ReduceOp::kSum)->wait();
+  t.replica_bytes = sum.item<int64_t>();
   return t;
 }
 
@@ -308,6 +323,35 @@ TEST_P(ShardedAdamWStage, GradientsClearedToNoneOrThroughTheBaseClass) {
 
 INSTANTIATE_TEST_SUITE_P(Stages, ShardedAdamWStage, ::testing::Values(0, 1, 2),
                          [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+// Hybrid sharding at every shard size that divides the ranks (at 4 ranks: 4
+// replicas of 1, 2 x 2, and one group of 4, which is flat ZeRO), with clipping
+// (the norm must count each replicated shard once): the same trajectory as
+// torch::optim::AdamW, and each step sends the replicas exactly one all-reduce
+// of each bucket's shard.
+class ShardedAdamWHybrid : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(ShardedAdamWHybrid, MatchesAdamWAndSendsReplicasOneShard) {
+  const auto [stage, shard_size] = GetParam();
+  const int n = world().size();
+  if (shard_size > n || n % shard_size != 0) GTEST_SKIP() << "shard size " << shard_size << " does not divide " << n;
+  Config c;
+  c.stage = stage;
+  c.shard_size = shard_size;
+  c.clip_call = 0.05;
+  c.steps = 8;
+  expect_matches_oracle(c);
+  const auto t = run_sharded(c);
+  EXPECT_EQ(t.replica_bytes, t.replica_formula) << "shard size " << shard_size << " at " << n << " ranks";
+  if (n / shard_size > 1) EXPECT_GT(t.replica_formula, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(StagesAndShardSizes, ShardedAdamWHybrid,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(1, 2, 4)),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(std::get<0>(info.param)) + "_shard" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace sharded_adamw_test
 }  // namespace zeroshard
