@@ -164,7 +164,9 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
     st.module->to(o.device, o.dtype);
     const auto& dp = I.grid->dp_group();
     if (o.zero_stage == 3) {
-      st.sharded = zeroshard::fully_shard(st.module, dp);
+      zeroshard::FullyShardOptions fo;
+      fo.shard_size = o.shard_size;
+      st.sharded = zeroshard::fully_shard(st.module, dp, fo);
       st.optimizer = std::make_shared<zeroshard::FullyShardedAdamW>(st.sharded, o.adamw);
     } else {  // the tied weight in a group of its own: the same shard on every stage (PipelineExecutor::tie)
       const auto tied = st.module->tied_weight();
@@ -177,6 +179,7 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
       if (tied.defined()) groups.emplace_back(std::vector<torch::Tensor>{tied});
       zeroshard::ShardedAdamWOptions so;
       so.zero_stage = o.zero_stage;
+      so.shard_size = o.shard_size;
       st.optimizer = std::make_shared<zeroshard::ShardedAdamW>(groups, dp, o.adamw, so);
     }
     I.train->shard_stage(s, StageShards{st.optimizer, st.sharded});

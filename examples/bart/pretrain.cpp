@@ -65,6 +65,11 @@ void check_options(const RunOptions& o) {
        "in [0, 1) (the moving averages' weight of the past)");
   need(o.dropout == -1 || (o.dropout >= 0 && o.dropout < 1), "--dropout", o.dropout, "in [0, 1)");
   need(o.stage >= 0 && o.stage <= 3, "--stage", o.stage, "0, 1, 2 or 3");
+  need(o.shard_size == "host" || (!o.shard_size.empty() && o.shard_size.find_first_not_of("0123456789") ==
+                                  std::string::npos && o.shard_size.size() < 6),
+       "--shard-size", "'" + o.shard_size + "'", "0 (every data-parallel rank), host, or a number of ranks");
+  need(o.stage != 0 || o.shard_size == "0", "--shard-size", o.shard_size,
+       "0 at --stage 0, which shards nothing (hybrid sharding needs stage 1, 2 or 3)");
   need(o.device_comm == "auto" || o.device_comm == "nccl" || o.device_comm == "staged", "--device-comm",
        "'" + o.device_comm + "'", "auto, nccl or staged");
   need(std::isfinite(o.liveness) && o.liveness >= 1, "--liveness", o.liveness,
@@ -154,6 +159,11 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--dropout", o.dropout, "dropout of every layer (default: the config's)");
   app.add_option("--stage", o.stage, "ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters (fully_shard); "
                  "0 shards nothing (DDP-style replication)")
+      ->capture_default_str();
+  app.add_option("--shard-size", o.shard_size,
+                 "hybrid sharding: shard inside groups of this many ranks and replicate across the groups "
+                 "(only 1/shard-size of the gradients crosses between groups); 0: every data-parallel rank, "
+                 "host: the ranks of one host")
       ->capture_default_str();
   app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
       ->check(CLI::IsMember({"fp32", "bf16"}))

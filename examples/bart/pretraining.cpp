@@ -78,6 +78,9 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
                     "pipeline stage gets world / pp of them)");
   dp_ = world_ / o.pp;  // without a pipeline, dp = world
   dp_rank_ = rank_ % dp_;
+  shard_size_ = o.shard_size == "host" ? zeroshard::kShardPerHost : std::stoi(o.shard_size);
+  TORCH_CHECK_VALUE(shard_size_ <= 0 || dp_ % shard_size_ == 0, "--shard-size ", o.shard_size, " must divide the ", dp_,
+                    " data-parallel ranks (shard groups of that many ranks, replicated across the groups)");
   TORCH_CHECK_VALUE(o.global_batch % dp_ == 0, "--global-batch ", o.global_batch, " must divide by the ", dp_,
                     " data-parallel ranks (", world_, " ranks / --pp ", o.pp, "; each takes an equal share)");
   local_batch_ = o.global_batch / dp_;
@@ -130,6 +133,7 @@ void PretrainingRun::build_model() {
     po.timing_rows = local_batch_ / o.micro_batches;  // a microbatch's sequences, at the longest
     po.timing_length = o.max_tokens;
     po.zero_stage = o.stage;
+    po.shard_size = shard_size_;
     po.unshard_per_step = o.pp_gather == "step";
     po.adamw = adamw;
     po.max_grad_norm = o.max_grad_norm;
@@ -147,10 +151,13 @@ void PretrainingRun::build_model() {
     for (const auto& p : model_->parameters()) numel_ += p.numel();
     model_->to(device_, dtype);
     if (o.stage == 3) {
-      opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group), adamw));
+      zeroshard::FullyShardOptions fo;
+      fo.shard_size = shard_size_;
+      opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group, fo), adamw));
     } else {
       zeroshard::ShardedAdamWOptions so;
       so.zero_stage = o.stage;
+      so.shard_size = shard_size_;
       opts_.push_back(std::make_shared<zeroshard::ShardedAdamW>(model_->named_parameters(), group, adamw, so));
     }
     parts_ = {{opts_.front().get(), model_.get()}};

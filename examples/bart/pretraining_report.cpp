@@ -21,13 +21,14 @@ namespace fs = std::filesystem;
 
 void PretrainingRun::log_start() const {
   const auto& o = o_;
-  char msg[300];
+  char msg[400];
   std::snprintf(msg, sizeof(msg),
                 "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
-                "%d ranks on %s, ZeRO stage %d, %s, global batch %lld = %d x %lld micro-batches x %lld",
+                "%d ranks on %s, ZeRO stage %d%s, %s, global batch %lld = %d x %lld micro-batches x %lld",
                 o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size), corpus_.train.size(),
                 corpus_.validation.size(), static_cast<long long>(corpus_.tokens), world_, device_.str().c_str(),
-                o.stage, o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
+                o.stage, o.shard_size == "0" ? "" : (" (hybrid, shard groups: " + o.shard_size + ")").c_str(),
+                o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
                 static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
   zeroshard::log_info(msg);
   if (!pipe_) return;

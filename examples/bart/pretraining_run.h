@@ -76,6 +76,7 @@ class PretrainingRun {
   zeroshard::DistEnv dist_;
   std::shared_ptr<zeroshard::Communicator> comm_;
   int rank_ = 0, world_ = 1, dp_ = 1, dp_rank_ = 0;  // the grid: rank = stage * dp + data-parallel index
+  int shard_size_ = 0;  // --shard-size as ShardedAdamWOptions / FullyShardOptions::shard_size
   int64_t local_batch_ = 0;
   ByteLevelBpe tokenizer_;
   Corpus corpus_;

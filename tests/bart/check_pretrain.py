@@ -105,11 +105,15 @@ def check_equal_ranks(build, work):
         if nproc:  # one tokenizer for both (training it is deterministic, but the test should not depend on it)
             shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
         pretrain(build, d, nproc, *common)
-    for stage in (0, 1, 2):
-        d = dirs[f"stage{stage}"] = os.path.join(work, f"equal_np4_stage{stage}")
+    # ZeRO-0/1/2 over the 4 ranks, and hybrid sharding (2 shard groups of 2 ranks) at stages 2 and 3.
+    labels = {4: "ZeRO-3"}
+    for stage, shard in ((0, "0"), (1, "0"), (2, "0"), (2, "2"), (3, "2")):
+        name = f"stage{stage}" + ("" if shard == "0" else f"_shard{shard}")
+        labels[name] = f"ZeRO-{stage}" + ("" if shard == "0" else f", hybrid 2 x {shard}")
+        d = dirs[name] = os.path.join(work, f"equal_np4_{name}")
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
-        pretrain(build, d, 4, *common, "--stage", str(stage), "--ckpt-dir", "none")
+        pretrain(build, d, 4, *common, "--stage", str(stage), "--shard-size", shard, "--ckpt-dir", "none")
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
     # Goodput in every run: 1 rank reduces each of its 2 micro-batches (ZeRO-3), 4 ranks reduce theirs.
     for n, d in dirs.items():
@@ -122,7 +126,7 @@ def check_equal_ranks(build, work):
     for n in dirs:
         check(len(losses[n]) == 10, (n, losses[n]))
         worst = max(abs(a - b) / abs(a) for a, b in zip(losses[0], losses[n]))
-        what = "ZeRO-3" if n == 4 else "ZeRO-" + n[-1] if n else None
+        what = labels.get(n)
         if what:
             print(f"equal_ranks: per-step loss, 1 rank vs 4 ranks {what}, max relative difference {worst:.2e}")
         check(worst < 1e-5, (n, losses[0], losses[n]))
@@ -262,14 +266,15 @@ def check_pipeline(build, work):
     train("pp2_1f1b", 4, "--pp", "2", "--stage", "3", "--trace")
     train("pp2_1f1b_gather_per_pass", 4, "--pp", "2", "--stage", "3", "--pp-gather", "pass", "--ckpt-dir", "none")
     train("pp2_1f1b_replicated", 4, "--pp", "2", "--stage", "0", "--ckpt-dir", "none")
+    train("pp2_1f1b_hybrid", 4, "--pp", "2", "--stage", "3", "--shard-size", "1", "--ckpt-dir", "none")
     train("pp2_gpipe", 4, "--pp", "2", "--schedule-pp", "gpipe", "--stage", "1", "--partition", "balanced",
           "--ckpt-dir", "none")
     train("pp2_interleaved", 4, "--pp", "2", "--schedule-pp", "interleaved-1f1b", "--chunks", "2", "--stage", "2",
           "--partition", "timed")
     train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
     train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
-    for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_gpipe",
-                                  "pp2_interleaved")),
+    for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_1f1b_hybrid",
+                                  "pp2_gpipe", "pp2_interleaved")),
                        ("flat1", ("pp4",))):
         # The global gradient norm too: the tied embedding's gradient counted once, however it is split.
         for kind in ("loss", "val_loss", "grad_norm"):
@@ -419,6 +424,9 @@ def check_bad_input(build, work):
         (["--sample-sentences", "0"], ["--sample-sentences 0: must be at least 1"]),
         (["--stage", "4"], ["--stage 4: must be 0, 1, 2 or 3"]),
         (["--device-comm", "gloo"], ["--device-comm 'gloo': must be auto, nccl or staged"]),
+        (["--shard-size", "two"], ["--shard-size 'two': must be 0 (every data-parallel rank), host, or a number"]),
+        (["--stage", "0", "--shard-size", "2"], ["--shard-size 2: must be 0 at --stage 0"]),
+        (["--shard-size", "2"], ["--shard-size 2 must divide the 1 data-parallel ranks"]),
     ]
 
     def one_process(i):  # each case in a run directory of its own, two at a time (one process each)
