@@ -71,6 +71,7 @@ void PretrainingRun::summarize() {
   s.config = o.config;
   s.world = world_;
   s.stage = o.stage;
+  s.shard_size = o.shard_size;
   s.pp = o.pp;
   s.precision = o.precision;
   s.params = numel_;

@@ -52,8 +52,9 @@ std::string Summary::text() const {
   o << "\n" << rule << "\nBART pretraining summary\n" << rule << "\n";
   const std::string grid = pp > 1 ? " (" + std::to_string(pp) + " pipeline stages x " + std::to_string(world / pp) +
                                         " data-parallel)" : std::string();
-  std::snprintf(buf, sizeof(buf), "model        %s BART, %.2fM parameters; %d ranks%s, ZeRO stage %d, %s\n",
-                config.c_str(), params / 1e6, world, grid.c_str(), stage, precision.c_str());
+  const std::string hybrid = shard_size == "0" ? "" : " (hybrid, shard groups: " + shard_size + ")";
+  std::snprintf(buf, sizeof(buf), "model        %s BART, %.2fM parameters; %d ranks%s, ZeRO stage %d%s, %s\n",
+                config.c_str(), params / 1e6, world, grid.c_str(), stage, hybrid.c_str(), precision.c_str());
   o << buf;
   std::snprintf(buf, sizeof(buf), "training     %lld steps, %s target tokens in %.1f s of steps: %s tokens/s\n",
                 static_cast<long long>(steps), zeroshard::ProgressLine::with_commas(tokens).c_str(), train_seconds,
@@ -136,6 +137,7 @@ std::string Summary::to_json() const {
   json j{{"config", config},
          {"ranks", world},
          {"stage", stage},
+         {"shard_size", shard_size},
          {"pp", pp},
          {"precision", precision},
          {"params", params},

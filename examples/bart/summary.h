@@ -14,6 +14,7 @@ namespace bart {
 struct Summary {
   std::string config, precision, run_dir, plot;
   int world = 1, stage = 3, pp = 1;  // pp: pipeline stages (world / pp data-parallel ranks each)
+  std::string shard_size = "0";       // --shard-size: hybrid sharding's groups ("0": every data-parallel rank)
   int64_t params = 0, steps = 0, tokens = 0, bytes_sent = 0;
   double first_loss = 0, last_loss = 0, first_val_loss = 0, last_val_loss = 0;
   double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0;

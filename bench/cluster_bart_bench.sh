@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Hybrid against flat sharding across hosts: bart_pretrain on HOSTS network-namespace
+# hosts (scripts/cluster.sh) of RANKS ranks each, every host's link shaped to RATE in
+# each direction, once per mode: flat ZeRO-3 and ZeRO-2 (sharded over every rank) and
+# hybrid (--shard-size host: sharded inside a host, replicated across hosts). Prints
+# per mode the median step time and the bytes each host's link sent per step (from
+# the link's counters: everything that crossed it, TCP/IP headers, the rendezvous and
+# the validation passes at the start and the end included, averaged over the steps),
+# beside what the sharding alone sent between hosts by the formula. Needs root; the
+# cluster is removed at exit.
+#
+#   bench/cluster_bart_bench.sh BUILD_DIR [HOSTS=2] [RANKS=2] [RATE=1gbit] [CONFIG=tiny|small|base|FILE] [STEPS=20]
+set -euo pipefail
+build=$(realpath "${1:?usage: cluster_bart_bench.sh BUILD_DIR [HOSTS] [RANKS] [RATE] [CONFIG] [STEPS]}")
+hosts=${2:-2}
+ranks=${3:-2}
+rate=${4:-1gbit}
+config=${5:-tiny}
+steps=${6:-20}
+here=$(cd "$(dirname "$0")/.." && pwd)
+cluster=$here/scripts/cluster.sh
+python=${PYTHON:-$here/.venv/bin/python}
+n=43  # the cluster's number (10.213.43.0/24)
+work=$(mktemp -d /tmp/zs-cluster-bart.XXXXXX)
+
+"$cluster" can
+trap '"$cluster" down $n; rm -rf "$work"' EXIT
+"$cluster" up $n "$hosts"
+for ((i = 0; i < hosts; i++)); do "$cluster" shape $n $i "$rate"; done
+master=$("$cluster" addr $n 0)
+"$build/examples/bart_pretrain" train-tokenizer --data "$here/docs" --vocab-size 4096 --out "$work/tokenizer" > /dev/null 2>&1
+case $config in  # "small": between tiny and base, large enough that a 1 Gbit/s link shows
+  small) config=$work/small.json
+         echo '{"vocab_size": 4096, "d_model": 256, "encoder_layers": 4, "decoder_layers": 4,
+                "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 1024,
+                "decoder_ffn_dim": 1024, "max_position_embeddings": 256}' > "$config" ;;
+esac
+
+tx() { "$cluster" exec $n "$1" -- cat /sys/class/net/eth0/statistics/tx_bytes; }
+
+echo "bart_pretrain --config ${5:-tiny} on $hosts hosts x $ranks ranks, links shaped to $rate; $steps steps each"
+echo
+echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) |"
+echo "|---|---:|---:|---|---:|---:|"
+for mode in "3 0" "3 host" "2 0" "2 host"; do
+  read -r stage shard <<<"$mode"
+  run=$work/run-$stage-$shard
+  before=()
+  for ((i = 0; i < hosts; i++)); do before+=("$(tx $i)"); done
+  for ((i = hosts - 1; i >= 0; i--)); do
+    cmd=("$cluster" exec $n $i -- env OMP_NUM_THREADS=1 "$build/zeroshard-run" --nnodes "$hosts" --node-rank $i
+         --nproc-per-node "$ranks" --master-addr "$master" --master-port 29700 -- "$build/examples/bart_pretrain"
+         --config "$config" --data "$here/docs" --tokenizer "$work/tokenizer" --run-dir "$run"
+         --max-steps "$steps" --global-batch $((hosts * ranks * 4)) --max-tokens 128 --eval-every 0 --ckpt-dir none
+         --no-sample --no-plot --dropout 0 --stage "$stage" --shard-size "$shard")
+    if (( i > 0 )); then "${cmd[@]}" > "$work/host$i.log" 2>&1 & else "${cmd[@]}" > "$work/host0.log" 2>&1; fi
+  done
+  wait
+  per_host=()
+  for ((i = 0; i < hosts; i++)); do per_host+=("$(( ($(tx $i) - before[i]) / steps ))"); done
+  "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$hosts" "$ranks" "${per_host[@]}" <<'PY'
+import json, statistics, sys
+path, stage, shard, hosts, ranks = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+per_host = [int(x) for x in sys.argv[6:]]
+rows = [r for r in map(json.loads, open(path)) if "event" not in r]
+summary = [r for r in map(json.loads, open(path)) if r.get("event") == "summary"][-1]
+steady = rows[2:] or rows
+step = statistics.median(r["step_s"] for r in steady)
+tps = statistics.median(r["tokens_per_s"] for r in steady)
+sent = statistics.median(r["bytes_sent"] for r in steady)
+n = hosts * ranks
+# The model states' bytes P (fp32): ZeRO-3 gathers P twice (forward, backward) and
+# reduce-scatters P once a step; a ring over n ranks on `hosts` hosts sends (n-1)/n P
+# through each host's link per operation (ranks are numbered host by host). Hybrid:
+# each rank all-reduces its 1/ranks shard across the hosts, 2 (hosts-1)/hosts of it.
+P = 4 * summary["params"]
+if shard == "0":
+    ops = 3 if stage == 3 else 2  # ZeRO-2: reduce-scatter + the update's all-gather
+    formula = f"{ops * (n - 1) / n * P / 1e6:.1f}"
+else:
+    formula = f"{ranks * 2 * (hosts - 1) / hosts * P / ranks / 1e6:.1f}"
+mode = f"ZeRO-{stage}, " + ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)")
+links = ", ".join(f"{b / 1e6:.1f}" for b in per_host)
+print(f"| {mode} | {step:.3f} | {tps:,.0f} | {links} | {formula} | {sent / 1e6:.1f} |")
+PY
+done
