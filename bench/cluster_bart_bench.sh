@@ -40,8 +40,8 @@ tx() { "$cluster" exec $n "$1" -- cat /sys/class/net/eth0/statistics/tx_bytes; }
 
 echo "bart_pretrain --config ${5:-tiny} on $hosts hosts x $ranks ranks, links shaped to $rate; $steps steps each"
 echo
-echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) |"
-echo "|---|---:|---:|---|---:|---:|"
+echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) | model states per rank, MB |"
+echo "|---|---:|---:|---|---:|---:|---:|"
 for mode in "3 0" "3 host" "2 0" "2 host"; do
   read -r stage shard <<<"$mode"
   run=$work/run-$stage-$shard
@@ -81,6 +81,7 @@ else:
     formula = f"{ranks * 2 * (hosts - 1) / hosts * P / ranks / 1e6:.1f}"
 mode = f"ZeRO-{stage}, " + ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)")
 links = ", ".join(f"{b / 1e6:.1f}" for b in per_host)
-print(f"| {mode} | {step:.3f} | {tps:,.0f} | {links} | {formula} | {sent / 1e6:.1f} |")
+states = max(summary["model_state_bytes"]) / 1e6
+print(f"| {mode} | {step:.3f} | {tps:,.0f} | {links} | {formula} | {sent / 1e6:.1f} | {states:.1f} |")
 PY
 done
