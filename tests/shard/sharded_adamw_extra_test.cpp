@@ -292,6 +292,24 @@ TEST(ShardedAdamWBadInput, EachIsAClearError) {
     opt.save(*std::make_unique<torch::serialize::OutputArchive>());
   });
   EXPECT_NE(msg.find("sharded_state()"), std::string::npos) << msg;
+
+  // Hybrid sharding: a shard size that does not divide the ranks, one that means nothing, and stage 0.
+  const int n = world().size();
+  auto with_shard = [&](int stage, int shard_size) {
+    return error_of([&] {
+      ShardedAdamWOptions o;
+      o.zero_stage = stage;
+      o.shard_size = shard_size;
+      ShardedAdamW opt(std::vector<torch::Tensor>{ok}, world_ptr(), {}, o);
+    });
+  };
+  msg = with_shard(2, n + 1);
+  EXPECT_NE(msg.find("shard_size is " + std::to_string(n + 1) + " but there are " + std::to_string(n) +
+                     " data-parallel ranks; it must divide them"), std::string::npos) << msg;
+  msg = with_shard(2, -5);
+  EXPECT_NE(msg.find("shard_size is -5; use 0 (every rank), kShardPerHost"), std::string::npos) << msg;
+  msg = with_shard(0, 1);
+  EXPECT_NE(msg.find("shard_size is 1 at zero_stage 0, which shards nothing"), std::string::npos) << msg;
 }
 
 TEST(ShardedAdamWBadInput, TensorsSharingMemoryAreRefused) {

@@ -8,6 +8,9 @@
 #include <torch/torch.h>
 
 #include <malloc.h>
+#include <unistd.h>
+
+#include <set>
 
 namespace zeroshard {
 namespace sharded_adamw_test {
@@ -96,6 +99,7 @@ struct Trajectory {
   // what the formula says: one all-reduce of each bucket's shard in each of the
   // S replica groups, each sending 2 (R - 1) times the shard's bytes in all.
   int64_t replica_bytes = 0, replica_formula = 0;
+  int num_replicas = 1;  // of the optimizer's shards
 };
 
 const double kLr = 1e-2;
@@ -199,6 +203,7 @@ Trajectory run_sharded(const Config& c) {
   }
   t.params = flat(net).cpu();
   const auto state = opt.sharded_state();
+  t.num_replicas = state.num_replicas;
   for (const auto& b : state.buckets) {
     t.replica_formula += b.layout.world_size * 2 * (state.num_replicas - 1) * b.layout.shard_numel() * 4;
   }
@@ -344,6 +349,23 @@ TEST_P(ShardedAdamWHybrid, MatchesAdamWAndSendsReplicasOneShard) {
   const auto t = run_sharded(c);
   EXPECT_EQ(t.replica_bytes, t.replica_formula) << "shard size " << shard_size << " at " << n << " ranks";
   if (n / shard_size > 1) EXPECT_GT(t.replica_formula, 0);
+}
+
+// kShardPerHost: a shard group per host, found by host name. On one host that is
+// every rank (flat ZeRO); the cluster tests run this across hosts of 2 ranks each.
+TEST(ShardedAdamWHybridPerHost, MatchesAdamWWithAShardGroupPerHost) {
+  Config c;
+  c.shard_size = kShardPerHost;
+  c.clip_call = 0.05;
+  c.steps = 6;
+  expect_matches_oracle(c);
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  const auto names = all_gather_text(world(), name);
+  const std::set<std::string> hosts(names.begin(), names.end());
+  const auto t = run_sharded(c);
+  EXPECT_EQ(t.num_replicas, static_cast<int>(hosts.size())) << "one replica of the shards per host";
+  EXPECT_EQ(t.replica_bytes, t.replica_formula);
 }
 
 INSTANTIATE_TEST_SUITE_P(StagesAndShardSizes, ShardedAdamWHybrid,
