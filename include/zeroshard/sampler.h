@@ -6,9 +6,13 @@
 // (seed, epoch): the same permutation on every rank. The permutation is padded
 // (by repeating its start) to a multiple of the world size, and rank r takes
 // positions r, r + world, r + 2·world, … (PyTorch's DistributedSampler rule).
-// State is global (samples consumed by all ranks this epoch), so a run
-// resumed on another number of ranks continues at the same place in the
-// epoch, when that place is a multiple of the new world size.
+// State is global (samples consumed by all ranks this epoch), so a run resumed
+// on any number of ranks continues at the same place in the epoch (elastic
+// runs): the rest of the permutation, from position `consumed`, is split the
+// same way over the new ranks (rank r takes consumed + r, consumed + r +
+// world, …), so across any shrinks and grows every sample of the epoch is
+// taken once, plus the padding at its end (at most world - 1 samples of the
+// permutation's start, taken twice, when what is left does not divide).
 #pragma once
 
 #include <cstdint>
@@ -28,15 +32,15 @@ class DistributedSampler {
   std::vector<int64_t> next(int64_t batch);
 
   int64_t epoch() const { return epoch_; }
+  // Samples each rank takes in this epoch from where this world size took it up.
   int64_t samples_per_rank() const { return per_rank_; }
   // Samples this rank has taken this epoch.
   int64_t position() const { return position_; }
 
   // {"seed":…, "epoch":…, "consumed":… (all ranks), "dataset_size":…, "shuffle":…}
   std::string state_json() const;
-  // Continues from state_json(). Throws (naming the field) when the dataset
-  // size, seed or shuffle differ, or when the consumed count does not divide
-  // by this world size.
+  // Continues from state_json(), on this sampler's world size (any). Throws
+  // (naming the field) when the dataset size, seed or shuffle differ.
   void load_state_json(const std::string& state);
 
  private:
@@ -45,8 +49,9 @@ class DistributedSampler {
   uint64_t seed_;
   bool shuffle_;
   int64_t epoch_ = 0, position_ = 0;
+  int64_t start_ = 0;           // the epoch's samples consumed before this world size took it up
   std::vector<int64_t> order_;  // this epoch's permutation (padded)
-  void start_epoch(int64_t epoch);
+  void start_epoch(int64_t epoch, int64_t start = 0);
 };
 
 }  // namespace zeroshard

@@ -15,13 +15,14 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world
   TORCH_CHECK_VALUE(dataset_size > 0, "DistributedSampler: dataset_size is ", dataset_size, "; it must be positive");
   TORCH_CHECK_VALUE(world_size > 0 && rank >= 0 && rank < world_size, "DistributedSampler: rank ", rank,
                     " is not in [0, world_size ", world_size, ")");
-  per_rank_ = (size_ + world_ - 1) / world_;
   start_epoch(0);
 }
 
-void DistributedSampler::start_epoch(int64_t epoch) {
+void DistributedSampler::start_epoch(int64_t epoch, int64_t start) {
   epoch_ = epoch;
   position_ = 0;
+  start_ = start;
+  per_rank_ = (size_ - start_ + world_ - 1) / world_;
   std::vector<int64_t> perm(static_cast<size_t>(size_));
   if (shuffle_) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ + static_cast<uint64_t>(epoch) * 0x9E3779B97F4A7C15ull);
@@ -30,9 +31,9 @@ void DistributedSampler::start_epoch(int64_t epoch) {
   } else {
     for (int64_t i = 0; i < size_; ++i) perm[static_cast<size_t>(i)] = i;
   }
-  const int64_t total = per_rank_ * world_;
+  const int64_t end = start_ + per_rank_ * world_;
   order_.clear();
-  for (int64_t k = rank_; k < total; k += world_) order_.push_back(perm[static_cast<size_t>(k % size_)]);
+  for (int64_t k = start_ + rank_; k < end; k += world_) order_.push_back(perm[static_cast<size_t>(k % size_)]);
 }
 
 std::vector<int64_t> DistributedSampler::next(int64_t batch) {
@@ -45,7 +46,7 @@ std::vector<int64_t> DistributedSampler::next(int64_t batch) {
 }
 
 std::string DistributedSampler::state_json() const {
-  nlohmann::json j{{"seed", seed_}, {"epoch", epoch_}, {"consumed", position_ * world_},
+  nlohmann::json j{{"seed", seed_}, {"epoch", epoch_}, {"consumed", std::min(size_, start_ + position_ * world_)},
                    {"dataset_size", size_}, {"shuffle", shuffle_}};
   return j.dump();
 }
@@ -60,11 +61,10 @@ void DistributedSampler::load_state_json(const std::string& state) {
   TORCH_CHECK_VALUE(j.at("shuffle").get<bool>() == shuffle_, "DistributedSampler: the saved shuffle is ",
                     j.at("shuffle").get<bool>(), " but this sampler's is ", shuffle_);
   const int64_t consumed = j.at("consumed").get<int64_t>();
-  TORCH_CHECK_VALUE(consumed % world_ == 0, "DistributedSampler: ", consumed,
-                    " samples of this epoch were consumed, which ", world_,
-                    " ranks cannot split evenly; resume on a world size that divides it");
-  start_epoch(j.at("epoch").get<int64_t>());
-  position_ = std::min(per_rank_, consumed / world_);
+  TORCH_CHECK_VALUE(consumed >= 0 && consumed <= size_, "DistributedSampler: the saved position has ", consumed,
+                    " samples of the epoch consumed, outside 0..", size_, " (the dataset's size); the state was "
+                    "edited or belongs to another run");
+  start_epoch(j.at("epoch").get<int64_t>(), consumed);
 }
 
 }  // namespace zeroshard

@@ -5,6 +5,7 @@
 #include <zeroshard/sampler.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <set>
 #include <string>
@@ -74,17 +75,65 @@ TEST(Sampler, SavedPositionContinuesOnTheSameOrAnotherWorldSize) {
     for (auto i : t.next(6)) got.insert(i);
   }
   EXPECT_EQ(got, want);
-  // Four ranks cannot split 30: refused, saying so.
-  DistributedSampler four(kSize, 0, 4, 9);
-  const auto what = testing::error_of([&] { four.load_state_json(state); });
-  EXPECT_NE(what.find("30 samples of this epoch were consumed, which 4 ranks cannot split evenly"), std::string::npos)
-      << what;
+  // Four ranks (30 consumed does not divide by 4): the epoch's other 18 samples, split 5 + 5 + 4 + 4,
+  // and two of the permutation's first samples again as padding at the epoch's end.
+  std::multiset<int64_t> rest;
+  for (int r = 0; r < 4; ++r) {
+    DistributedSampler t(kSize, r, 4, 9);
+    t.load_state_json(state);
+    EXPECT_EQ(t.samples_per_rank(), 5);
+    for (auto i : t.next(100)) rest.insert(i);
+  }
+  DistributedSampler first(kSize, 0, 1, 9);
+  const auto perm = first.next(kSize);
+  std::multiset<int64_t> want_rest(perm.begin() + 30, perm.end());
+  want_rest.insert(perm[0]);
+  want_rest.insert(perm[1]);
+  EXPECT_EQ(rest, want_rest);
   DistributedSampler other(kSize + 1, 0, 2, 9);
   const auto size_error = testing::error_of([&] { other.load_state_json(state); });
   EXPECT_NE(size_error.find("a dataset of " + std::to_string(kSize) + " examples but this sampler's has " +
                             std::to_string(kSize + 1) + "; resume with the dataset the run was saved with"),
             std::string::npos)
       << size_error;
+}
+
+// An elastic run: 4 ranks, then 3 after a host is lost, then 4 again when it
+// returns, each resuming from the saved state in the middle of the epoch. Every
+// sample of the epoch is taken exactly once (the remainders divide), the next
+// epoch starts where a run that never changed would start it, and a rank's
+// saved state is the same on every rank at every point.
+TEST(Sampler, ShrinkAndGrowMidEpochTakesEverySampleOnce) {
+  constexpr int64_t kSize = 120;
+  std::vector<int64_t> taken;
+  std::string state;
+  auto run = [&](int world_size, int steps, int64_t per_rank_batch) {
+    std::vector<DistributedSampler> ranks;
+    for (int r = 0; r < world_size; ++r) {
+      ranks.emplace_back(kSize, r, world_size, /*seed=*/3);
+      if (!state.empty()) ranks.back().load_state_json(state);
+    }
+    for (int k = 0; k < steps; ++k) {
+      for (auto& s : ranks) {
+        const auto got = s.next(per_rank_batch);
+        EXPECT_EQ(s.epoch(), 0);
+        taken.insert(taken.end(), got.begin(), got.end());
+      }
+    }
+    state = ranks[0].state_json();
+    for (auto& s : ranks) EXPECT_EQ(s.state_json(), state) << "every rank saves the same position";
+  };
+  run(4, 6, 2);  // 48 samples
+  run(3, 4, 2);  // 24 more: 72
+  run(4, 6, 2);  // the last 48
+  ASSERT_EQ(taken.size(), static_cast<size_t>(kSize));
+  EXPECT_EQ(std::set<int64_t>(taken.begin(), taken.end()).size(), static_cast<size_t>(kSize)) << "each sample once";
+  EXPECT_EQ(nlohmann::json::parse(state).at("consumed").get<int64_t>(), kSize);
+  DistributedSampler next(kSize, 0, 4, 3), never_changed(kSize, 0, 4, 3);
+  next.load_state_json(state);
+  never_changed.next(kSize);
+  EXPECT_EQ(next.next(5), never_changed.next(5)) << "the next epoch is the same as without the changes";
+  EXPECT_EQ(next.epoch(), 1);
 }
 
 }  // namespace sampler_test
