@@ -20,6 +20,9 @@ Usage: check_cluster.py BUILD_DIR CHECK
           launcher killed; every surviving launcher exits non-zero, its rank's error names rank 2,
           within the window + 10 s. Then every link shaped to 10 Mbit/s: the run finishes, slower,
           with no false failure. Prints the detection times (docs/cluster.md's table)
+  elastic torchrun --nnodes 2:3 on 3 hosts x 1 rank, bart_pretrain ZeRO-3 with checkpoints: host 2 killed at
+          step 6+; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint and finishes,
+          every checkpoint verifies. Prints the time from the kill to the first step without the host
 
 Exits 77 (skipped, with the reason printed) where the cluster cannot be made (not root, no namespaces).
 """
@@ -311,6 +314,72 @@ def check_failures(build, work):
         print(f"| {name} | {LIVENESS_S} s | {seconds:.1f} s |")
 
 
+def check_elastic(build, work):
+    """An elastic run under torchrun (--nnodes 2:3, c10d rendezvous, one agent per host): bart_pretrain, ZeRO-3,
+    on 3 hosts x 1 rank with checkpoints every 2 steps; host 2 is killed (link down, SIGKILL) once step 6 is
+    logged. The other ranks fail naming it within the liveness window, their agents restart them at 2 hosts,
+    and the run resumes from its last committed checkpoint at the smaller world size (the checkpoint reshards,
+    the sampler continues the epoch) and finishes at the planned step. Every step's loss is logged, the
+    summary says 2 ranks and a resume, and `zeroshard-ckpt verify` passes on every committed checkpoint.
+    Prints the time from the kill to the first step logged without the host."""
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    run = os.path.join(work, "run")
+    steps = 40
+    metrics = os.path.join(run, "metrics.jsonl")
+
+    def rows():
+        if not os.path.exists(metrics):
+            return []
+        with open(metrics) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    with Cluster(13, 3) as c:
+        jobs = [c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
+                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
+                            "--rdzv-id", "zs-elastic", "--rdzv-conf", "last_call_timeout=3", "--max-restarts", 3,
+                            "--monitor-interval", "0.5", "--no-python", exe, "--data", "/usr/share/common-licenses",
+                            "--max-steps", steps, "--eval-every", 0, "--no-sample", "--no-plot", "--global-batch", 12,
+                            "--micro-batches", 1, "--max-tokens", 32, "--save-every", 2, "--liveness", LIVENESS_S,
+                            "--run-dir", run, "--progress-interval", 1000], env=ENV)
+                for i in range(3)]
+        deadline = time.monotonic() + TIMEOUT
+        while not any("event" not in r and r["step"] >= 6 for r in rows()):
+            check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
+                  lambda: "the 3-host run never reached step 6:\n" + c.outputs(jobs))
+            time.sleep(0.02)
+        logged = len(rows())
+        killed = time.monotonic()
+        cluster_kill(c, 2)
+        def stepped_after_resume():
+            after = rows()[logged:]
+            at = next((k for k, r in enumerate(after) if r.get("event") == "resume"), None)
+            return at is not None and any("event" not in r for r in after[at + 1:])
+
+        while not stepped_after_resume():
+            check(time.monotonic() < deadline, lambda: "no step after host 2 was killed:\n" + c.outputs(jobs[:2]))
+            time.sleep(0.02)
+        gap = time.monotonic() - killed
+        results = c.wait(jobs[:2], TIMEOUT)
+        check(all(code == 0 for code, _ in results), lambda: "an agent of the 2 surviving hosts failed:\n" +
+              c.outputs(jobs[:2]))
+    every = rows()
+    resume = [r for r in every if r.get("event") == "resume"]
+    summary = [r for r in every if r.get("event") == "summary"][-1]
+    check(summary["ranks"] == 2 and summary["step"] == steps and summary["resumed"], summary)
+    logged_steps = {r["step"] for r in every if "event" not in r}
+    check(logged_steps == set(range(1, steps + 1)), sorted(logged_steps))
+    losses = [r["loss"] for r in every if "event" not in r]
+    check(all(l == l and 0 < l < 20 for l in losses), losses)  # finite: no jump from a bad resume
+    committed = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step-"))
+    for d in committed:
+        p = subprocess.run([os.path.join(build, "zeroshard-ckpt"), "verify", os.path.join(run, "checkpoints", d)],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        check(p.returncode == 0, lambda: f"zeroshard-ckpt verify {d}: {p.stdout}{p.stderr}")
+    print(f"elastic: 3 hosts -> 2 after host 2 was killed at step 6+: resumed from step {resume[0]['step']} at 2 ranks "
+          f"and finished {steps} steps; {gap:.1f} s from the kill to the first step without it (liveness "
+          f"{LIVENESS_S} s, rendezvous last call 3 s); {len(committed)} committed checkpoints verify", flush=True)
+
+
 def cluster_kill(c, i):
     cluster_sh("kill", c.number, i)
 
@@ -331,7 +400,8 @@ def main():
     build, which = os.path.abspath(sys.argv[1]), sys.argv[2]
     work = tempfile.mkdtemp(prefix=f"zs-cluster-{which}-")
     try:
-        {"zero": check_zero, "bart": check_bart, "failures": check_failures}[which](build, work)
+        {"zero": check_zero, "bart": check_bart, "failures": check_failures, "elastic": check_elastic}[which](
+            build, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
