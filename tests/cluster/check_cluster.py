@@ -336,7 +336,10 @@ def check_elastic(build, work):
     with Cluster(13, 3) as c:
         jobs = [c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
-                            "--rdzv-id", "zs-elastic", "--rdzv-conf", "last_call_timeout=3", "--max-restarts", 3,
+                            "--rdzv-id", "zs-elastic", "--max-restarts", 3,
+                            # A dead agent is dropped from the rendezvous after 2 missed 1 s keep-alives (default
+                            # 3 x 5 s: 18 s from the kill to the first step instead of 7).
+                            "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
                             "--monitor-interval", "0.5", "--no-python", exe, "--data", "/usr/share/common-licenses",
                             "--max-steps", steps, "--eval-every", 0, "--no-sample", "--no-plot", "--global-batch", 12,
                             "--micro-batches", 1, "--max-tokens", 32, "--save-every", 2, "--liveness", LIVENESS_S,
@@ -377,7 +380,8 @@ def check_elastic(build, work):
         check(p.returncode == 0, lambda: f"zeroshard-ckpt verify {d}: {p.stdout}{p.stderr}")
     print(f"elastic: 3 hosts -> 2 after host 2 was killed at step 6+: resumed from step {resume[0]['step']} at 2 ranks "
           f"and finished {steps} steps; {gap:.1f} s from the kill to the first step without it (liveness "
-          f"{LIVENESS_S} s, rendezvous last call 3 s); {len(committed)} committed checkpoints verify", flush=True)
+          f"{LIVENESS_S} s, rendezvous last call 3 s, keep-alive 2 x 1 s); {len(committed)} committed checkpoints "
+          "verify", flush=True)
 
 
 def cluster_kill(c, i):
