@@ -2,7 +2,8 @@
 # Hybrid against flat sharding across hosts: bart_pretrain on HOSTS network-namespace
 # hosts (scripts/cluster.sh) of RANKS ranks each, every host's link shaped to RATE in
 # each direction, once per mode: flat ZeRO-3 and ZeRO-2 (sharded over every rank) and
-# hybrid (--shard-size host: sharded inside a host, replicated across hosts). Prints
+# hybrid (--shard-size host: sharded inside a host, replicated across hosts), and
+# ZeRO-3 with its gathers in bf16 (--gather-dtype bf16), flat and hybrid. Prints
 # per mode the median step time and the bytes each host's link sent per step (from
 # the link's counters: everything that crossed it, TCP/IP headers, the rendezvous and
 # the validation passes at the start and the end included, averaged over the steps),
@@ -10,6 +11,7 @@
 # cluster is removed at exit.
 #
 #   bench/cluster_bart_bench.sh BUILD_DIR [HOSTS=2] [RANKS=2] [RATE=1gbit] [CONFIG=tiny|small|base|FILE] [STEPS=20]
+#   MODES="3 0 fp32,3 0 bf16" bench/cluster_bart_bench.sh build 2 2 200mbit small 8   (some modes only)
 set -euo pipefail
 build=$(realpath "${1:?usage: cluster_bart_bench.sh BUILD_DIR [HOSTS] [RANKS] [RATE] [CONFIG] [STEPS]}")
 hosts=${2:-2}
@@ -42,9 +44,11 @@ echo "bart_pretrain --config ${5:-tiny} on $hosts hosts x $ranks ranks, links sh
 echo
 echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) | model states per rank, MB |"
 echo "|---|---:|---:|---|---:|---:|---:|"
-for mode in "3 0" "3 host" "2 0" "2 host"; do
-  read -r stage shard <<<"$mode"
-  run=$work/run-$stage-$shard
+# MODES: "STAGE SHARD GATHER" triples separated by commas (default: all six).
+IFS=, read -r -a modes <<<"${MODES:-3 0 fp32,3 host fp32,3 0 bf16,3 host bf16,2 0 fp32,2 host fp32}"
+for mode in "${modes[@]}"; do
+  read -r stage shard gather <<<"$mode"
+  run=$work/run-$stage-$shard-$gather
   before=()
   for ((i = 0; i < hosts; i++)); do before+=("$(tx $i)"); done
   for ((i = hosts - 1; i >= 0; i--)); do
@@ -52,16 +56,17 @@ for mode in "3 0" "3 host" "2 0" "2 host"; do
          --nproc-per-node "$ranks" --master-addr "$master" --master-port 29700 -- "$build/examples/bart_pretrain"
          --config "$config" --data "$here/docs" --tokenizer "$work/tokenizer" --run-dir "$run"
          --max-steps "$steps" --global-batch $((hosts * ranks * 4)) --max-tokens 128 --eval-every 0 --ckpt-dir none
-         --no-sample --no-plot --dropout 0 --stage "$stage" --shard-size "$shard")
+         --no-sample --no-plot --dropout 0 --stage "$stage" --shard-size "$shard" --gather-dtype "$gather")
     if (( i > 0 )); then "${cmd[@]}" > "$work/host$i.log" 2>&1 & else "${cmd[@]}" > "$work/host0.log" 2>&1; fi
   done
   wait
   per_host=()
   for ((i = 0; i < hosts; i++)); do per_host+=("$(( ($(tx $i) - before[i]) / steps ))"); done
-  "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$hosts" "$ranks" "${per_host[@]}" <<'PY'
+  "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$gather" "$hosts" "$ranks" "${per_host[@]}" <<'PY'
 import json, statistics, sys
-path, stage, shard, hosts, ranks = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-per_host = [int(x) for x in sys.argv[6:]]
+path, stage, shard, gather = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+hosts, ranks = int(sys.argv[5]), int(sys.argv[6])
+per_host = [int(x) for x in sys.argv[7:]]
 rows = [r for r in map(json.loads, open(path)) if "event" not in r]
 summary = [r for r in map(json.loads, open(path)) if r.get("event") == "summary"][-1]
 steady = rows[2:] or rows
@@ -75,11 +80,13 @@ n = hosts * ranks
 # each rank all-reduces its 1/ranks shard across the hosts, 2 (hosts-1)/hosts of it.
 P = 4 * summary["params"]
 if shard == "0":
-    ops = 3 if stage == 3 else 2  # ZeRO-2: reduce-scatter + the update's all-gather
+    # ZeRO-2: reduce-scatter + the update's all-gather; bf16 gathers halve ZeRO-3's two (the root's aside)
+    ops = 2 if stage == 2 else 3 if gather == "fp32" else 2
     formula = f"{ops * (n - 1) / n * P / 1e6:.1f}"
 else:
     formula = f"{ranks * 2 * (hosts - 1) / hosts * P / ranks / 1e6:.1f}"
 mode = f"ZeRO-{stage}, " + ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)")
+mode += ", bf16 gathers" if gather == "bf16" else ""
 links = ", ".join(f"{b / 1e6:.1f}" for b in per_host)
 states = max(summary["model_state_bytes"]) / 1e6
 print(f"| {mode} | {step:.3f} | {tps:,.0f} | {links} | {formula} | {sent / 1e6:.1f} | {states:.1f} |")

@@ -166,6 +166,7 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
     if (o.zero_stage == 3) {
       zeroshard::FullyShardOptions fo;
       fo.shard_size = o.shard_size;
+      fo.gather_dtype = o.gather_dtype;
       st.sharded = zeroshard::fully_shard(st.module, dp, fo);
       st.optimizer = std::make_shared<zeroshard::FullyShardedAdamW>(st.sharded, o.adamw);
     } else {  // the tied weight in a group of its own: the same shard on every stage (PipelineExecutor::tie)

@@ -38,6 +38,7 @@ struct PipelineOptions {
   int64_t timing_rows = 2, timing_length = 64;
   int zero_stage = 2;                  // inside each stage, over its data-parallel group
   int shard_size = 0;                  // hybrid sharding inside each stage's group (FullyShardOptions::shard_size)
+  c10::ScalarType gather_dtype = c10::ScalarType::Undefined;  // ZeRO-3 (FullyShardOptions::gather_dtype)
   bool unshard_per_step = true;        // ZeRO-3: gather each stage once per step (false: per pass)
   torch::optim::AdamWOptions adamw{1e-3};
   double max_grad_norm = 0;            // > 0: clip the global norm (every stage) to it

@@ -68,6 +68,10 @@ void check_options(const RunOptions& o) {
   need(o.shard_size == "host" || (!o.shard_size.empty() && o.shard_size.find_first_not_of("0123456789") ==
                                   std::string::npos && o.shard_size.size() < 6),
        "--shard-size", "'" + o.shard_size + "'", "0 (every data-parallel rank), host, or a number of ranks");
+  need(o.gather_dtype == "fp32" || o.gather_dtype == "bf16", "--gather-dtype", "'" + o.gather_dtype + "'",
+       "fp32 or bf16");
+  need(o.gather_dtype == "fp32" || o.stage == 3, "--gather-dtype", o.gather_dtype,
+       "fp32 below --stage 3 (only ZeRO-3 gathers parameters in forward and backward)");
   need(o.stage != 0 || o.shard_size == "0", "--shard-size", o.shard_size,
        "0 at --stage 0, which shards nothing (hybrid sharding needs stage 1, 2 or 3)");
   need(o.device_comm == "auto" || o.device_comm == "nccl" || o.device_comm == "staged", "--device-comm",
@@ -164,6 +168,10 @@ int bart_pretrain_main(int argc, char** argv) {
                  "hybrid sharding: shard inside groups of this many ranks and replicate across the groups "
                  "(only 1/shard-size of the gradients crosses between groups); 0: every data-parallel rank, "
                  "host: the ranks of one host")
+      ->capture_default_str();
+  app.add_option("--gather-dtype", o.gather_dtype,
+                 "ZeRO-3: the dtype units are all-gathered in; bf16 halves the gather bytes of fp32 units "
+                 "(forward and backward then see bf16-rounded parameters; the master stays fp32)")
       ->capture_default_str();
   app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
       ->check(CLI::IsMember({"fp32", "bf16"}))

@@ -134,6 +134,7 @@ void PretrainingRun::build_model() {
     po.timing_length = o.max_tokens;
     po.zero_stage = o.stage;
     po.shard_size = shard_size_;
+    po.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
     po.unshard_per_step = o.pp_gather == "step";
     po.adamw = adamw;
     po.max_grad_norm = o.max_grad_norm;
@@ -153,6 +154,7 @@ void PretrainingRun::build_model() {
     if (o.stage == 3) {
       zeroshard::FullyShardOptions fo;
       fo.shard_size = shard_size_;
+      fo.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
       opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group, fo), adamw));
     } else {
       zeroshard::ShardedAdamWOptions so;

@@ -74,6 +74,14 @@ struct FullyShardOptions {
   // in 16 bits); Float reduces 16-bit units' gradients in full precision.
   // Default: Undefined.
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
+  // dtype units are all-gathered in: Undefined = the parameters' dtype;
+  // BFloat16 (or Half) halves the gather bytes of fp32 units (ZeRO++'s
+  // quantized weights, in bf16): each rank gathers its shard rounded to it and
+  // widens the gathered parameters back to fp32, so forward and backward see
+  // parameters rounded to bf16 while the optimizer updates the fp32 master.
+  // The root unit, which is never resharded, gathers in its own dtype.
+  // Default: Undefined.
+  c10::ScalarType gather_dtype = c10::ScalarType::Undefined;
   // Hybrid sharding: units are sharded across groups of this many consecutive
   // ranks and replicated across the groups (FSDP2's HSDP, DeepSpeed's MiCS).
   // A unit is gathered from its shard group only; gradients are

@@ -5,6 +5,7 @@
 
 #include "comm/work.h"
 #include "compat/autograd_hooks.h"
+#include "compat/torch_compat.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/log.h"
 
@@ -285,6 +286,10 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   TORCH_CHECK_VALUE(rd == at::ScalarType::Undefined || rd == at::kFloat || rd == at::kBFloat16 || rd == at::kHalf,
                     "fully_shard: reduce_dtype is ", c10::toString(rd),
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
+  const auto gd = options.gather_dtype;
+  TORCH_CHECK_VALUE(gd == at::ScalarType::Undefined || gd == at::kBFloat16 || gd == at::kHalf,
+                    "fully_shard: gather_dtype is ", c10::toString(gd),
+                    "; use BFloat16, Half or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<shard::ShardedModel>();
   impl->group = group;
   impl->options = options;
@@ -358,7 +363,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " max_inflight_gathers=" + std::to_string(options.max_inflight_gathers) +
                     " keep_last_unit_for_backward=" + std::to_string(options.keep_last_unit_for_backward) +
                     " reduce_dtype=" + c10::toString(options.reduce_dtype) +
-                    " shard_size=" + std::to_string(options.shard_size));
+                    " shard_size=" + std::to_string(options.shard_size) +
+                    " gather_dtype=" + c10::toString(options.gather_dtype));
   shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
   impl->topology = shard::make_shard_topology(group, options.shard_size, "fully_shard");
   impl->comm = impl->topology.shard;
@@ -396,6 +402,13 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     auto mine = u->gathered.slice(0, u->shard.begin, u->shard.end);
     u->values = u->keeps_buffer() ? mine : mine.clone();
     u->master = u->values.scalar_type() == at::kFloat ? u->values : u->values.to(at::kFloat);
+    const auto narrow = options.gather_dtype;
+    if (narrow != at::ScalarType::Undefined && !u->keeps_buffer() &&
+        c10::elementSize(narrow) < c10::elementSize(u->values.scalar_type())) {
+      u->gather_values = u->values.to(narrow);
+      u->gather_buffer = at::empty({u->layout.padded_numel}, u->values.options().dtype(narrow));
+      compat::resize_storage_bytes(u->gather_buffer, 0);
+    }
     u->register_hooks();
     u->reshard();
   }

@@ -179,6 +179,7 @@ void shard::ShardedModel::group_updated(size_t unit, bool) {
   } else {
     u.reshard();  // a gathered copy would be stale now
   }
+  u.refresh_gather_values();
 }
 
 void shard::ShardedModel::finish_update() {
@@ -208,6 +209,7 @@ void shard::ShardedModel::install_masters() {
     } else {
       u->reshard();  // a gathered (or prefetched) copy would be stale
     }
+    u->refresh_gather_values();
   }
   for (auto& w : gathers) comm::block_current(*w, comm->device());
 }

@@ -60,11 +60,21 @@ void Unit::remove_hooks() { hooks_.clear(); }
 
 bool Unit::keeps_buffer() const { return is_root || model.world == 1; }
 
+void Unit::refresh_gather_values() {
+  if (narrow_gather()) gather_values.copy_(values);
+}
+
 void Unit::start_unshard() {
   if (is_gathered || gather_work_ || keeps_buffer()) return;
   compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
   model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
-  gather_work_ = model.comm->all_gather(gathered, values);
+  if (narrow_gather()) {  // gathered in the narrow dtype, widened once it lands
+    compat::resize_storage_bytes(gather_buffer, static_cast<size_t>(layout.padded_numel) * gather_buffer.element_size());
+    model.track_gathered(static_cast<int64_t>(gather_buffer.nbytes()));
+    gather_work_ = model.comm->all_gather(gather_buffer, gather_values);
+  } else {
+    gather_work_ = model.comm->all_gather(gathered, values);
+  }
 }
 
 void Unit::unshard() {
@@ -76,6 +86,11 @@ void Unit::unshard() {
     model.exposed_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
     gather_work_.reset();
+    if (narrow_gather()) {
+      gathered.copy_(gather_buffer);
+      compat::resize_storage_bytes(gather_buffer, 0);
+      model.track_gathered(-static_cast<int64_t>(gather_buffer.nbytes()));
+    }
   }
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].set_data(views_[i]);
   is_gathered = true;

@@ -54,6 +54,15 @@ class Unit : public ShardGroup {
   std::string label() const;           // for logs and the trace: its name, "(root)" for the root
   void start_backward();               // reset per-backward state
 
+  // Gathers in a narrower dtype than the parameters' (FullyShardOptions::
+  // gather_dtype): `gather_values` is the shard rounded to it (refreshed after
+  // every update), and `gather_buffer` the narrow gathered buffer, whose
+  // storage exists only while a gather is in flight. Undefined otherwise.
+  at::Tensor gather_values, gather_buffer;
+  bool narrow_gather() const { return gather_values.defined(); }
+  // The shard changed (an update, a load): round it again for the next gathers.
+  void refresh_gather_values();
+
   // Its shard is a slice of `gathered`, which is never freed: the root, and
   // every unit at one rank (where the shard is the whole buffer, so
   // unsharding is only giving the parameters their views back: no copy).

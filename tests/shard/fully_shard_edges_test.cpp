@@ -256,6 +256,59 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
   EXPECT_GT(max_diff, 0.0) << "the bf16 reduction changed nothing: was it used?";
 }
 
+// fp32 units gathered in bf16 (gather_dtype): the units' gathers carry half the
+// bytes (the root's, in its own dtype, do not change), and training stays within
+// bf16 rounding of the fp32 gathers.
+TEST(FullyShardMixed, Bf16GathersOfFp32Units) {
+  const int n = world().size(), r = world().rank();
+  if (n == 1) GTEST_SKIP() << "one rank gathers nothing";
+  const int local = kBatch / n;
+  auto train = [&](c10::ScalarType gather, int64_t* unit_gather_bytes) {
+    torch::manual_seed(9);
+    Tiny m;
+    FullyShardOptions o;
+    o.gather_dtype = gather;
+    auto sharded = fully_shard(m, world_ptr(), o);
+    FullyShardedAdamW opt(sharded, kAdamW);
+    int64_t root_padded = 0;
+    for (const auto& u : sharded->units()) {
+      if (u.name.empty()) root_padded = u.layout.padded_numel;
+    }
+    auto gathered_bytes = [&] { return sharded->communicator().stats().by_kind[OpKind::kAllGather].bytes_sent; };
+    const auto before = gathered_bytes();
+    for (int s = 0; s < kSteps; ++s) {
+      auto [x, y] = batch(s, 0);
+      opt.zero_grad();
+      torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
+          .backward();
+      opt.step();
+    }
+    // Queued behind the last prefetch: once it returns, every gather of the run is counted.
+    sharded->communicator().barrier();
+    // Less the root's gathers after each update (fp32, its slice to n - 1 peers).
+    *unit_gather_bytes = gathered_bytes() - before - kSteps * (n - 1) * (root_padded / n) * 4;
+    auto full = sharded->summon_full_params();
+    return flat(m);
+  };
+  int64_t b32 = 0, b16 = 0;
+  const auto p32 = train(c10::ScalarType::Undefined, &b32);
+  const auto p16 = train(torch::kBFloat16, &b16);
+  torch::manual_seed(9);
+  Tiny start;
+  const double max_diff = (p32 - p16).abs().max().item<double>();
+  const double err = testing::relative_displacement_error(p16, p32, flat(start));
+  if (r == 0) {
+    std::printf("fully_shard bf16 gathers: max |param diff| %.4f, relative displacement error %.4f, units' gather "
+                "bytes in %d steps %lld vs %lld\n", max_diff, err, kSteps, static_cast<long long>(b16),
+                static_cast<long long>(b32));
+  }
+  EXPECT_GT(b32, 0);
+  EXPECT_EQ(b16 * 2, b32);
+  // Forward and backward see bf16-rounded parameters; the master stays fp32.
+  EXPECT_LT(err, 0.05);
+  EXPECT_GT(max_diff, 0.0) << "the bf16 gathers changed nothing: were they used?";
+}
+
 }  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
@@ -370,6 +423,23 @@ TEST(FullyShardMisuse, ParamGroupsAreChecked) {
   std::vector<G> foreign{groups[0], groups[1], G({torch::zeros({3}, torch::requires_grad())})};
   what = testing::error_of([&] { FullyShardedAdamW(sharded, foreign, kAdamW); });
   EXPECT_NE(what.find("param group 2 entry 0 (shape [3]) is not a parameter of the sharded model"), std::string::npos)
+      << what;
+}
+
+TEST(FullyShardMisuse, BadOptionsAreNamed) {
+  const int n = world().size();
+  Tiny a;
+  FullyShardOptions o;
+  o.gather_dtype = torch::kDouble;
+  auto what = testing::error_of([&] { (void)fully_shard(a, world_ptr(), o); });
+  EXPECT_NE(what.find("fully_shard: gather_dtype is Double; use BFloat16, Half or Undefined"), std::string::npos)
+      << what;
+  Tiny b;
+  o = FullyShardOptions();
+  o.shard_size = n + 1;
+  what = testing::error_of([&] { (void)fully_shard(b, world_ptr(), o); });
+  EXPECT_NE(what.find("fully_shard: shard_size is " + std::to_string(n + 1) + " but there are " + std::to_string(n) +
+                      " data-parallel ranks"), std::string::npos)
       << what;
 }
 
