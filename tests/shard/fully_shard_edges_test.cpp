@@ -214,40 +214,64 @@ namespace fully_shard_edges_test {
 
 using namespace fsdp_test;
 
+// Tiny trained kSteps steps under `o` at every rank: its parameters in full,
+// and what its gathers and its reductions sent over the run (every operation
+// finished and counted: the barrier queues behind the last prefetch).
+struct TinyRun {
+  torch::Tensor params;
+  OpStats gathers, reductions;
+  int64_t root_padded = 0;  // the root unit's flat buffer, padded
+};
+TinyRun train_tiny(const FullyShardOptions& o) {
+  const int n = world().size(), r = world().rank(), local = kBatch / n;
+  torch::manual_seed(9);
+  Tiny m;
+  auto sharded = fully_shard(m, world_ptr(), o);
+  FullyShardedAdamW opt(sharded, kAdamW);
+  TinyRun run;
+  for (const auto& u : sharded->units()) {
+    if (u.name.empty()) run.root_padded = u.layout.padded_numel;
+  }
+  const auto gathers0 = sharded->communicator().stats().by_kind[OpKind::kAllGather];
+  const auto reductions0 = sharded->reduction_stats().by_kind[OpKind::kReduceScatter];
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = batch(s, 0);
+    opt.zero_grad();
+    torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
+        .backward();
+    opt.step();
+  }
+  sharded->communicator().barrier();
+  run.gathers = sharded->communicator().stats().by_kind[OpKind::kAllGather];
+  run.gathers.bytes_sent -= gathers0.bytes_sent;
+  run.reductions = sharded->reduction_stats().by_kind[OpKind::kReduceScatter];
+  run.reductions.bytes_sent -= reductions0.bytes_sent;
+  auto full = sharded->summon_full_params();
+  run.params = flat(m);
+  return run;
+}
+
+// How far `got` moved from the fp32 run `want` (both trained from Tiny's start).
+std::pair<double, double> distance(const TinyRun& got, const TinyRun& want) {
+  torch::manual_seed(9);
+  Tiny start;
+  return {(want.params - got.params).abs().max().item<double>(),
+          testing::relative_displacement_error(got.params, want.params, flat(start))};
+}
+
 // fp32 units reducing their gradients in bf16: half the reduce-scatter bytes,
 // training within bf16 rounding of the fp32 reduction.
 TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
-  const int n = world().size(), r = world().rank();
-  const int local = kBatch / n;
-  auto train = [&](c10::ScalarType reduce, int64_t* rs_bytes) {
-    torch::manual_seed(9);
-    Tiny m;
-    FullyShardOptions o;
-    o.reduce_dtype = reduce;
-    auto sharded = fully_shard(m, world_ptr(), o);
-    FullyShardedAdamW opt(sharded, kAdamW);
-    for (int s = 0; s < kSteps; ++s) {
-      auto [x, y] = batch(s, 0);
-      const auto before = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].bytes_sent;
-      opt.zero_grad();
-      torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
-          .backward();
-      opt.step();
-      *rs_bytes = sharded->reduction_stats().by_kind[OpKind::kReduceScatter].bytes_sent - before;
-    }
-    auto full = sharded->summon_full_params();
-    return flat(m);
-  };
-  int64_t b32 = 0, b16 = 0;
-  const auto p32 = train(c10::ScalarType::Undefined, &b32);
-  const auto p16 = train(torch::kBFloat16, &b16);
-  torch::manual_seed(9);
-  Tiny start;
-  const double max_diff = (p32 - p16).abs().max().item<double>();
-  const double err = testing::relative_displacement_error(p16, p32, flat(start));
-  if (r == 0) {
+  FullyShardOptions o;
+  const auto r32 = train_tiny(o);
+  o.reduce_dtype = torch::kBFloat16;
+  const auto r16 = train_tiny(o);
+  const auto [max_diff, err] = distance(r16, r32);
+  const int64_t b32 = r32.reductions.bytes_sent, b16 = r16.reductions.bytes_sent;
+  if (world().rank() == 0) {
     std::printf("fully_shard bf16 reduction: max |param diff| %.4f, relative displacement error %.4f, reduce-scatter "
-                "bytes %lld vs %lld\n", max_diff, err, static_cast<long long>(b16), static_cast<long long>(b32));
+                "bytes in %d steps %lld vs %lld\n", max_diff, err, kSteps, static_cast<long long>(b16),
+                static_cast<long long>(b32));
   }
   EXPECT_EQ(b16 * 2, b32);
   // Only the gradients round to bf16 (the parameters stay fp32): within 3% of the fp32
@@ -260,44 +284,17 @@ TEST(FullyShardMixed, Bf16ReductionOfFp32Units) {
 // bytes (the root's, in its own dtype, do not change), and training stays within
 // bf16 rounding of the fp32 gathers.
 TEST(FullyShardMixed, Bf16GathersOfFp32Units) {
-  const int n = world().size(), r = world().rank();
+  const int n = world().size();
   if (n == 1) GTEST_SKIP() << "one rank gathers nothing";
-  const int local = kBatch / n;
-  auto train = [&](c10::ScalarType gather, int64_t* unit_gather_bytes) {
-    torch::manual_seed(9);
-    Tiny m;
-    FullyShardOptions o;
-    o.gather_dtype = gather;
-    auto sharded = fully_shard(m, world_ptr(), o);
-    FullyShardedAdamW opt(sharded, kAdamW);
-    int64_t root_padded = 0;
-    for (const auto& u : sharded->units()) {
-      if (u.name.empty()) root_padded = u.layout.padded_numel;
-    }
-    auto gathered_bytes = [&] { return sharded->communicator().stats().by_kind[OpKind::kAllGather].bytes_sent; };
-    const auto before = gathered_bytes();
-    for (int s = 0; s < kSteps; ++s) {
-      auto [x, y] = batch(s, 0);
-      opt.zero_grad();
-      torch::mse_loss(m->forward(x.slice(0, r * local, (r + 1) * local)), y.slice(0, r * local, (r + 1) * local))
-          .backward();
-      opt.step();
-    }
-    // Queued behind the last prefetch: once it returns, every gather of the run is counted.
-    sharded->communicator().barrier();
-    // Less the root's gathers after each update (fp32, its slice to n - 1 peers).
-    *unit_gather_bytes = gathered_bytes() - before - kSteps * (n - 1) * (root_padded / n) * 4;
-    auto full = sharded->summon_full_params();
-    return flat(m);
-  };
-  int64_t b32 = 0, b16 = 0;
-  const auto p32 = train(c10::ScalarType::Undefined, &b32);
-  const auto p16 = train(torch::kBFloat16, &b16);
-  torch::manual_seed(9);
-  Tiny start;
-  const double max_diff = (p32 - p16).abs().max().item<double>();
-  const double err = testing::relative_displacement_error(p16, p32, flat(start));
-  if (r == 0) {
+  FullyShardOptions o;
+  const auto r32 = train_tiny(o);
+  o.gather_dtype = torch::kBFloat16;
+  const auto r16 = train_tiny(o);
+  const auto [max_diff, err] = distance(r16, r32);
+  // Less the root's gathers after each update (fp32, its slice to n - 1 peers).
+  const int64_t root = kSteps * (n - 1) * (r32.root_padded / n) * 4;
+  const int64_t b32 = r32.gathers.bytes_sent - root, b16 = r16.gathers.bytes_sent - root;
+  if (world().rank() == 0) {
     std::printf("fully_shard bf16 gathers: max |param diff| %.4f, relative displacement error %.4f, units' gather "
                 "bytes in %d steps %lld vs %lld\n", max_diff, err, kSteps, static_cast<long long>(b16),
                 static_cast<long long>(b32));
