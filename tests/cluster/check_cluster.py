@@ -333,7 +333,7 @@ def check_elastic(build, work):
         with open(metrics) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    with Cluster(13, 3) as c:
+    with Cluster(14, 3) as c:  # 11-13 are the other checks': ctest runs two at a time
         jobs = [c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
                             "--rdzv-id", "zs-elastic", "--max-restarts", 3,
