@@ -428,10 +428,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     mine += u->shard.size();
   }
   log_info("fully_shard: " + std::to_string(found.size()) + " units + root, " + std::to_string(total) +
-           " parameters; this rank holds " + std::to_string(mine) + " of them" +
-           (m.topology.hybrid() ? " (hybrid: shard groups of " + std::to_string(m.topology.shard_size) + " ranks, " +
-                                      std::to_string(m.topology.num_replicas) + " replicas)"
-                                : ""));
+           " parameters; this rank holds " + std::to_string(mine) + " of them" + m.topology.describe());
   return std::shared_ptr<FullyShardedModel>(new FullyShardedModel(std::move(impl)));
 }
 

@@ -158,11 +158,7 @@ void shard::ShardedModel::add_stats(ShardedStats& s) const {
   s.waits = {exposed_gather_seconds, round->reductions().waited_seconds()};
   s.traffic = comm->stats();
   s.traffic += reduce_comm->stats();
-  if (topology.hybrid()) {
-    s.traffic += group.data->stats();  // the broadcast at construction, and control values on a CPU group
-    s.replica_traffic = topology.replicas->stats();
-    s.traffic += s.replica_traffic;
-  }
+  topology.add_traffic(s, *group.data);
 }
 
 void shard::ShardedModel::reduce_gradients() {

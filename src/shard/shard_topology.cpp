@@ -36,6 +36,19 @@ int ranks_per_host(const ProcessGroup& group, const std::string& who) {
 
 }  // namespace
 
+std::string ShardTopology::describe() const {
+  if (!hybrid()) return "";
+  return " (hybrid: shard groups of " + std::to_string(shard_size) + " ranks, " + std::to_string(num_replicas) +
+         " replicas)";
+}
+
+void ShardTopology::add_traffic(ShardedStats& stats, const Communicator& data) const {
+  if (!hybrid()) return;
+  stats.traffic += data.stats();
+  stats.replica_traffic = replicas->stats();
+  stats.traffic += stats.replica_traffic;
+}
+
 ShardTopology make_shard_topology(const ProcessGroup& group, int requested, const std::string& who) {
   const int n = group.data->size(), r = group.data->rank();
   TORCH_CHECK_VALUE(requested >= 0 || requested == kShardPerHost, who, ": shard_size is ", requested,

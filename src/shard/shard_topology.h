@@ -10,6 +10,7 @@
 #pragma once
 
 #include "zeroshard/comm.h"
+#include "zeroshard/sharded_optimizer.h"
 
 #include <memory>
 #include <string>
@@ -22,6 +23,12 @@ struct ShardTopology {
   int shard_size = 1, shard_rank = 0;      // S, and this rank's index in its shard group
   int num_replicas = 1, replica_rank = 0;  // R, and this rank's index in its replica group
   bool hybrid() const { return replicas != nullptr; }
+  // For the construction log: " (hybrid: shard groups of S ranks, R replicas)", or "" when flat.
+  std::string describe() const;
+  // Hybrid: adds to `stats` the traffic of the communicators besides the shard group's
+  // (`data`: the broadcast at construction, control values on a CPU group; the
+  // replicas', also as stats.replica_traffic). Nothing when flat.
+  void add_traffic(ShardedStats& stats, const Communicator& data) const;
 };
 
 // Resolves `requested` (0: every rank; kShardPerHost: the ranks of one host,

@@ -279,9 +279,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
            (options.zero_stage == 0 ? " (replicated)" : "") + ", " + std::to_string(im.params.size()) +
            " parameters (" + std::to_string(total) + " elements) in " + std::to_string(im.buckets.size()) +
            " buckets; this rank holds the optimizer state of " + std::to_string(shard_elems) + " elements" +
-           (im.topology.hybrid() ? " (hybrid: shard groups of " + std::to_string(im.topology.shard_size) +
-                                       " ranks, " + std::to_string(im.topology.num_replicas) + " replicas)"
-                                 : "") +
+           im.topology.describe() +
            (scaling ? "; dynamic loss scaling on" : ""));
 }
 
@@ -375,11 +373,7 @@ void ShardedAdamW::Impl::add_stats(ShardedStats& s) const {
   m.peak_transient = peak_transient;
   s.waits = {gather_seconds, round->reductions().waited_seconds()};
   s.traffic = comm->stats();
-  if (topology.hybrid()) {
-    s.traffic += group.data->stats();  // the broadcast at construction, and control values on a CPU group
-    s.replica_traffic = topology.replicas->stats();
-    s.traffic += s.replica_traffic;
-  }
+  topology.add_traffic(s, *group.data);
 }
 
 }  // namespace zeroshard

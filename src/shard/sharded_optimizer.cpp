@@ -343,9 +343,9 @@ ShardedState ShardedOptimizer::sharded_state() {
   s.rank = c.shards.process_group.data->rank();
   s.world_size = c.shards.process_group.data->size();
   s.zero_stage = c.zero_stage;
-  s.shard_rank = c.zero_stage == 0 ? s.rank : c.shards.topology.shard_rank;
-  s.num_replicas = c.zero_stage == 0 ? 1 : c.shards.topology.num_replicas;
-  s.replica_rank = c.zero_stage == 0 ? 0 : c.shards.topology.replica_rank;
+  s.shard_rank = c.shards.topology.shard_rank;  // stage 0 is never hybrid: rank, 1 and 0
+  s.num_replicas = c.shards.topology.num_replicas;
+  s.replica_rank = c.shards.topology.replica_rank;
   s.params = c.shards.infos;
   s.param_tensors = c.shards.tensors;
   s.param_steps = c.steps;
