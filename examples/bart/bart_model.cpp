@@ -178,10 +178,9 @@ torch::Tensor embed_sequence(const torch::Tensor& token_vectors, torch::nn::Embe
 }
 
 void init_bart_parameters(torch::nn::Module& module, const BartConfig& c, uint64_t seed) {
-  torch::NoGradGuard no_grad;
-  for (auto& item : module.named_parameters()) {
-    const std::string name = item.key() == "lm_head.weight" ? "model.shared.weight" : item.key();
-    auto& p = item.value();
+  // One parameter at a time, also those of layers built under DeferredInit.
+  zeroshard::initialize_parameters(module, [&](const std::string& key, torch::Tensor& p) {
+    const std::string name = key == "lm_head.weight" ? "model.shared.weight" : key;
     if (name.find("layer_norm") != std::string::npos || name.find("layernorm") != std::string::npos) {
       (name.compare(name.size() - 5, 5, ".bias") == 0 ? p.zero_() : p.fill_(1.0));
     } else if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
@@ -191,7 +190,7 @@ void init_bart_parameters(torch::nn::Module& module, const BartConfig& c, uint64
       p.copy_(torch::empty(p.sizes(), torch::kFloat).normal_(0.0, 0.02, gen));
       if (name == "model.shared.weight") p[c.pad_token_id].zero_();
     }
-  }
+  });
 }
 
 BartEncoderImpl::BartEncoderImpl(const BartConfig& c, torch::nn::Embedding shared) : embed_tokens(shared), config(c) {

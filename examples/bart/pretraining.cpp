@@ -147,14 +147,25 @@ void PretrainingRun::build_model() {
     for (const auto& st : pipe_->stages()) opts_.push_back(st.optimizer);
     parts_ = pipe_->checkpoint_parts();
   } else {
+    zeroshard::FullyShardOptions fo;
+    fo.shard_size = shard_size_;
+    fo.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
     torch::manual_seed(o.seed);
-    model_ = BartForConditionalGeneration(config_);
-    for (const auto& p : model_->parameters()) numel_ += p.numel();
+    const bool deferred_init = o.stage == 3;
+    {
+      // ZeRO-3: each layer keeps only this rank's shard as soon as it is built.
+      std::optional<zeroshard::DeferredInit> deferred;
+      if (deferred_init) deferred.emplace(group, fo);
+      model_ = BartForConditionalGeneration(config_);
+    }
+    if (deferred_init) {  // the units hold placeholders: count from the configuration
+      for (const auto& b : bart_blocks(config_)) numel_ += b.params;
+      numel_ -= config_.vocab_size * config_.d_model;  // the head's copy of the embedding is the embedding
+    } else {
+      for (const auto& p : model_->parameters()) numel_ += p.numel();
+    }
     model_->to(device_, dtype);
     if (o.stage == 3) {
-      zeroshard::FullyShardOptions fo;
-      fo.shard_size = shard_size_;
-      fo.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
       opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group, fo), adamw));
     } else {
       zeroshard::ShardedAdamWOptions so;

@@ -110,6 +110,7 @@ using FullyShardedWaits = CommWaits;
 namespace shard {
 class Unit;           // src/shard/unit.h
 struct ShardedModel;  // src/shard/unit.h
+struct DeferredUnit;  // src/shard/deferred_init.h
 }  // namespace shard
 
 // What fully_shard() looks for in the module tree: the base of every
@@ -121,6 +122,10 @@ class ShardedModule {
 
  protected:
   bool is_unit() const { return unit_ != nullptr; }
+  // Built under DeferredInit and not yet sharded: running it is an error.
+  void check_not_deferred() const {
+    if (deferred_) fail_deferred();
+  }
   void before_forward();
   void end_forward();
   // The forward's outputs (tensors, pairs, tuples, vectors of tensors; other
@@ -145,7 +150,22 @@ class ShardedModule {
   friend class FullyShardedModel;  // detaches the unit when it goes
   friend std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                         ProcessGroup group, FullyShardOptions options);
+  friend class DeferredUnitHook;  // sets deferred_
+  friend void initialize_parameters(torch::nn::Module& module,
+                                    const std::function<void(const std::string&, at::Tensor&)>& init);
+  // Built under DeferredInit: this rank's shard of the unit, until fully_shard() takes it.
+  [[noreturn]] void fail_deferred() const;
   std::shared_ptr<shard::Unit> unit_;
+  std::shared_ptr<shard::DeferredUnit> deferred_;
+};
+
+// Runs right after a Sharded<> module's own constructor: under a DeferredInit
+// it keeps this rank's shard of the unit's parameters and frees them.
+class DeferredUnitHook {
+ public:
+  DeferredUnitHook(torch::nn::Module& module, ShardedModule& marker);
+  DeferredUnitHook(const DeferredUnitHook&) {}  // a copied module is not built under the scope
+  DeferredUnitHook& operator=(const DeferredUnitHook&) { return *this; }
 };
 
 // A module of type Impl that fully_shard() will make a unit. Same constructors,
@@ -156,13 +176,20 @@ class ShardedImpl : public Impl, public ShardedModule {
   using Impl::Impl;
   template <typename... Args>
   auto forward(Args&&... args) {
-    if (!is_unit()) return Impl::forward(std::forward<Args>(args)...);
+    if (!is_unit()) {
+      check_not_deferred();
+      return Impl::forward(std::forward<Args>(args)...);
+    }
     before_forward();
     auto out = Impl::forward(std::forward<Args>(args)...);
     auto result = after_forward(std::move(out));
     end_forward();
     return result;
   }
+
+ private:
+  // Initialized after Impl's constructor has run (inherited constructors too).
+  DeferredUnitHook deferred_hook_{static_cast<torch::nn::Module&>(*this), static_cast<ShardedModule&>(*this)};
 };
 
 // Sharded<EncoderLayer> for a TORCH_MODULE holder EncoderLayer.
@@ -172,11 +199,53 @@ class Sharded : public torch::nn::ModuleHolder<ShardedImpl<typename Holder::Cont
   using torch::nn::ModuleHolder<ShardedImpl<typename Holder::ContainedType>>::ModuleHolder;
 };
 
+// Deferred initialization: a model whose units no rank could hold all at once
+// (DeepSpeed's zero.Init, FSDP2's meta-device init). While a DeferredInit
+// lives on this thread, each Sharded<> unit, as soon as its constructor has
+// run, keeps only this rank's shard of its parameters (on the group's device)
+// and frees them; fully_shard() then adopts those shards instead of
+// broadcasting rank 0's values. Construction holds the shards built so far,
+// the parameters outside units (the root), and one unit at a time.
+//
+//   torch::manual_seed(seed);                  // the same seed on every rank
+//   zeroshard::DeferredInit deferred(group, options);
+//   Model model(config);                       // units hold only their shards
+//   auto sharded = zeroshard::fully_shard(model, group, options);
+//
+// Values: every rank runs the whole construction, so the shards equal the
+// slices of a single-process construction with the same seed, bit for bit;
+// fully_shard() checks that the ranks' units hash equal. A model whose
+// constructor initializes its weights after building its units goes through
+// initialize_parameters() for that. Between construction and fully_shard() a
+// unit's parameters hold no values (using one is an error); model->to(device,
+// dtype) converts them as fully_shard() adopts them.
+// Collective (with kShardPerHost, ranks exchange host names); `options`'
+// shard_size must be the one fully_shard() gets. One at a time per thread.
+class DeferredInit {
+ public:
+  explicit DeferredInit(const ProcessGroup& group, const FullyShardOptions& options = {});
+  ~DeferredInit();
+  DeferredInit(const DeferredInit&) = delete;
+  DeferredInit& operator=(const DeferredInit&) = delete;
+};
+
+// Calls init(name, parameter) for every parameter under `module`, in
+// named_parameters() order, with the parameter's full value to write. A
+// parameter of a unit built under DeferredInit is materialized for the call
+// alone (one at a time, on the CPU) and its unit keeps this rank's part of
+// what init wrote; `init` must write every element of such a parameter (it
+// cannot read the values construction gave it: only a shard of them exists).
+// Other parameters are passed as they are. Runs without gradient recording.
+// Call it before fully_shard(), e.g. from the model's constructor.
+void initialize_parameters(torch::nn::Module& module,
+                           const std::function<void(const std::string&, at::Tensor&)>& init);
+
 // Shards every Sharded<> unit under `root` and makes a root unit of the
 // remaining parameters. Collective: every rank calls it on the same model
 // (ranks exchange a hash of every unit's parameter names, shapes and dtypes and
 // refuse to start, naming the first difference, when they disagree). Rank 0's
-// parameter values are what every rank starts from.
+// parameter values are what every rank starts from (units built under a
+// DeferredInit: each rank's own shard, checked equal by hash).
 // `group`: a CPU communicator (init_communicator), or a device one with its
 // CPU control plane (init_nccl, stage_through_host).
 // REQUIRES: parameters on the group's device (group.data->device()), Float, BFloat16 or Half (one dtype per unit;

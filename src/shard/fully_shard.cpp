@@ -329,8 +329,22 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     root_names.push_back(item.key());
     root_params.push_back(item.value());
   }
+  // Units built under DeferredInit bring this rank's shard; their parameters hold placeholders.
+  std::vector<const shard::DeferredUnit*> deferred(found.size(), nullptr);
+  for (size_t k = 0; k < found.size(); ++k) {
+    const auto* d = found[k].marker->deferred_.get();
+    if (d == nullptr) continue;
+    bool same = d->tensors.size() == unit_params[k].size();
+    for (size_t i = 0; same && i < d->tensors.size(); ++i) same = d->tensors[i].is_same(unit_params[k][i]);
+    TORCH_CHECK_VALUE(same, "fully_shard: unit '", found[k].path, "' was built under DeferredInit with ",
+                      d->tensors.size(), " parameters of its own but now has ", unit_params[k].size(),
+                      " (or others); do not add, replace or move parameters between DeferredInit and fully_shard");
+    deferred[k] = d;
+  }
   // Checks, then agreement across ranks before any data moves.
   std::vector<std::string> entries;
+  const shard::DeferredUnit* checking = nullptr;  // the unit check_param is looking at, when deferred
+  size_t checking_index = 0;
   auto check_param = [&](const std::string& unit, const std::string& name, const at::Tensor& p) {
     TORCH_CHECK_VALUE(p.device() == comm->device(), "fully_shard: parameter '", name, "' is on ", p.device(),
                       " but the communicator moves ", comm->device(), " tensors; move the model to ", comm->device(),
@@ -339,7 +353,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                       "fully_shard: parameter '", name, "' has dtype ", c10::toString(p.scalar_type()),
                       "; fully_shard shards Float, BFloat16 and Half parameters (16-bit ones keep an fp32 master)");
     TORCH_CHECK_VALUE(p.is_leaf(), "fully_shard: parameter '", name, "' is not a leaf tensor");
-    entries.push_back("unit '" + unit + "' " + ParamInfo{name, p.sizes().vec(), p.scalar_type()}.describe());
+    const auto shape = checking ? checking->layout.params[checking_index++].shape : p.sizes().vec();
+    entries.push_back("unit '" + unit + "' " + ParamInfo{name, shape, p.scalar_type()}.describe());
   };
   auto check_one_dtype = [](const std::string& unit, const std::vector<std::string>& names,
                             const std::vector<at::Tensor>& ps) {
@@ -353,7 +368,16 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     TORCH_CHECK_VALUE(!unit_params[k].empty(), "fully_shard: unit '", found[k].path,
                       "' has no parameters of its own (nested units took them all); drop its Sharded<> wrapper");
     check_one_dtype(found[k].path, unit_names[k], unit_params[k]);
+    checking = deferred[k];
+    checking_index = 0;
     for (size_t i = 0; i < unit_params[k].size(); ++i) check_param(found[k].path, unit_names[k][i], unit_params[k][i]);
+    checking = nullptr;
+    if (deferred[k] != nullptr) {
+      // Each rank keeps its own shard of what it built: the values must be the same everywhere.
+      entries.push_back("unit '" + found[k].path + "' built under DeferredInit: values hash " +
+                        std::to_string(deferred[k]->hash()) + " (ranks differ when their generators were seeded "
+                        "differently: call torch::manual_seed with the same seed on every rank before building)");
+    }
   }
   for (size_t i = 0; i < root_params.size(); ++i) check_param("(root)", root_names[i], root_params[i]);
   if (!root_params.empty()) check_one_dtype("(root)", root_names, root_params);
@@ -366,17 +390,29 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " shard_size=" + std::to_string(options.shard_size) +
                     " gather_dtype=" + c10::toString(options.gather_dtype));
   shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
+  // Before any communicator is made (an error while they exist aborts them).
+  const int shard_size = shard::resolve_shard_size(group, options.shard_size, "fully_shard");
+  for (size_t k = 0; k < found.size(); ++k) {
+    if (deferred[k] == nullptr) continue;
+    TORCH_CHECK_VALUE(deferred[k]->layout.world_size == shard_size, "fully_shard: unit '", found[k].path,
+                      "' was built under a DeferredInit for shard groups of ", deferred[k]->layout.world_size,
+                      " ranks, but fully_shard shards across ", shard_size,
+                      "; give DeferredInit the group and shard_size fully_shard gets");
+  }
   impl->topology = shard::make_shard_topology(group, options.shard_size, "fully_shard");
   impl->comm = impl->topology.shard;
   impl->reduce_comm = impl->comm->dup();
   impl->rank = impl->topology.shard_rank;
   impl->world = impl->topology.shard_size;
+  for (size_t k = 0; k < found.size(); ++k) {
+    TORCH_INTERNAL_ASSERT(deferred[k] == nullptr || deferred[k]->shard_rank == impl->rank);
+  }
 
   torch::NoGradGuard no_grad;
   auto& m = *impl;
   for (size_t k = 0; k < found.size(); ++k) {
     m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), found[k].path, unit_names[k],
-                                                     unit_params[k], /*is_root=*/false));
+                                                     unit_params[k], /*is_root=*/false, deferred[k]));
   }
   if (!root_params.empty()) {
     m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
@@ -386,10 +422,12 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   m.round = std::make_unique<shard::BackwardRound>(m, "FullyShardedAdamW", /*reduces_in_backward=*/true,
                                                    /*every_backward=*/true, std::move(groups));
   m.round->reductions().set_replicas(m.topology.replicas);
-  // Rank 0's values everywhere, then each rank keeps its shard.
+  // Rank 0's values everywhere, then each rank keeps its shard (deferred units have theirs).
   std::vector<std::shared_ptr<Work>> works;
   if (comm->size() > 1) {
-    for (auto& u : m.units) works.push_back(comm->broadcast(u->gathered, 0));
+    for (size_t k = 0; k < m.units.size(); ++k) {
+      if (k >= deferred.size() || deferred[k] == nullptr) works.push_back(comm->broadcast(m.units[k]->gathered, 0));
+    }
   }
   for (auto& w : works) comm::block_current(*w, comm->device());
   size_t first_param = 0;  // each unit's parameters in FullyShardedAdamW's numbering: units in order
@@ -399,8 +437,13 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     // The root never reshards: its shard is its slice of the gathered buffer
     // (no second copy), and it is all-gathered in place. At one rank every
     // unit's shard is its whole gathered buffer.
-    auto mine = u->gathered.slice(0, u->shard.begin, u->shard.end);
-    u->values = u->keeps_buffer() ? mine : mine.clone();
+    const auto* d = u->index < deferred.size() ? deferred[u->index] : nullptr;
+    if (d != nullptr && !u->keeps_buffer()) {
+      u->values = d->values.to(u->gathered.options());  // model->to() may have changed the dtype or device since
+    } else {
+      auto mine = u->gathered.slice(0, u->shard.begin, u->shard.end);
+      u->values = u->keeps_buffer() ? mine : mine.clone();
+    }
     u->master = u->values.scalar_type() == at::kFloat ? u->values : u->values.to(at::kFloat);
     const auto narrow = options.gather_dtype;
     if (narrow != at::ScalarType::Undefined && !u->keeps_buffer() &&
@@ -418,6 +461,7 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   if (!root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
   for (size_t k = 0; k < found.size(); ++k) {
     found[k].marker->unit_ = m.units[k];
+    found[k].marker->deferred_.reset();  // its shard is the unit's now
     m.unit_modules.push_back(found[k].module);
   }
   m.peak_gathered = m.gathered_bytes;  // the working set counts from here (every unit is resharded)

@@ -16,6 +16,7 @@ namespace {
 
 struct Names {
   std::string param, unit;
+  bool deferred = false;
 };
 
 std::mutex& registry_mutex() {
@@ -36,6 +37,9 @@ bool passes_through(const std::string& op) {
       "aten::numel", "aten::dim", "aten::sym_size", "aten::sym_numel"};
   return ok.count(op) > 0;
 }
+
+// Conversions Module::to applies to every parameter.
+bool converts(const std::string& op) { return op == "aten::to" || op == "aten::_to_copy"; }
 
 const Names* find_named(const torch::jit::Stack& args) {
   auto check = [](const at::Tensor& t) -> const Names* {
@@ -64,8 +68,24 @@ void resharded_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   }
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(std::min(n, stack->size())), stack->end());
-  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::unique_lock<std::mutex> lock(registry_mutex());
   const Names* names = find_named(args);
+  if (names != nullptr && names->deferred) {
+    if (converts(name) && n > 0) {
+      // Module::to on a deferred unit: the same conversion of an unmarked
+      // empty tensor, marked again. fully_shard() converts the kept shard.
+      lock.unlock();
+      auto& self = *(stack->end() - static_cast<std::ptrdiff_t>(n));
+      self = at::empty({0}, self.toTensor().options());
+      op.callBoxed(stack);
+      stack->back() = make_resharded_placeholder(stack->back().toTensor());
+      return;
+    }
+    TORCH_CHECK(false, "DeferredInit: parameter '", names->param, "' of a ", names->unit, " unit built under "
+                "DeferredInit was used (", name, ") before fully_shard(): until then the unit holds only this rank's "
+                "shard of it. Write initial values through zeroshard::initialize_parameters(), and call fully_shard() "
+                "before using the model");
+  }
   const std::string what = names != nullptr
                                ? "parameter '" + names->param + "' of unit '" + names->unit + "'"
                                : std::string("a parameter of a fully_shard unit (or a tensor detached from one)");
@@ -94,9 +114,9 @@ at::Tensor make_resharded_placeholder(const at::Tensor& like) {
   return at::Tensor(std::move(impl));
 }
 
-void remember_resharded_param(const at::Tensor& p, std::string param, std::string unit) {
+void remember_resharded_param(const at::Tensor& p, std::string param, std::string unit, bool deferred) {
   std::lock_guard<std::mutex> lock(registry_mutex());
-  registry()[p.unsafeGetTensorImpl()] = {std::move(param), std::move(unit)};
+  registry()[p.unsafeGetTensorImpl()] = {std::move(param), std::move(unit), deferred};
 }
 
 void forget_resharded_param(const at::Tensor& p) {

@@ -19,7 +19,10 @@ namespace zeroshard::shard {
 at::Tensor make_resharded_placeholder(const at::Tensor& like);
 
 // Names the errors for parameter tensor `p` (by identity) until forgotten.
-void remember_resharded_param(const at::Tensor& p, std::string param, std::string unit);
+// `deferred`: its unit was built under DeferredInit and fully_shard() has not
+// taken it yet; conversions (Module::to's dtype and device) then give a
+// placeholder of the new dtype and device instead of an error.
+void remember_resharded_param(const at::Tensor& p, std::string param, std::string unit, bool deferred = false);
 void forget_resharded_param(const at::Tensor& p);
 
 }  // namespace zeroshard::shard

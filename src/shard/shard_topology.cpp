@@ -49,14 +49,20 @@ void ShardTopology::add_traffic(ShardedStats& stats, const Communicator& data) c
   stats.traffic += stats.replica_traffic;
 }
 
-ShardTopology make_shard_topology(const ProcessGroup& group, int requested, const std::string& who) {
-  const int n = group.data->size(), r = group.data->rank();
+int resolve_shard_size(const ProcessGroup& group, int requested, const std::string& who) {
+  const int n = group.data->size();
   TORCH_CHECK_VALUE(requested >= 0 || requested == kShardPerHost, who, ": shard_size is ", requested,
                     "; use 0 (every rank), kShardPerHost (", kShardPerHost, ": the ranks of one host) or a "
                     "number of ranks that divides the ", n, " ranks");
   const int s = requested == 0 ? n : requested == kShardPerHost ? ranks_per_host(group, who) : requested;
   TORCH_CHECK_VALUE(s <= n && n % s == 0, who, ": shard_size is ", s, " but there are ", n, " data-parallel ranks; "
                     "it must divide them (shard groups of shard_size ranks, replicated ", n, " / shard_size times)");
+  return s;
+}
+
+ShardTopology make_shard_topology(const ProcessGroup& group, int requested, const std::string& who) {
+  const int n = group.data->size(), r = group.data->rank();
+  const int s = resolve_shard_size(group, requested, who);
   ShardTopology t;
   t.shard_size = s;
   t.shard_rank = r % s;

@@ -31,6 +31,10 @@ struct ShardTopology {
   void add_traffic(ShardedStats& stats, const Communicator& data) const;
 };
 
+// The shard group's size S for `requested` (below) without making the
+// communicators; collective over group.control for kShardPerHost.
+int resolve_shard_size(const ProcessGroup& group, int requested, const std::string& who);
+
 // Resolves `requested` (0: every rank; kShardPerHost: the ranks of one host,
 // found by host name; N > 0: N ranks) against `group` and makes the
 // communicators (splits of group.data: collective over it). Throws, naming

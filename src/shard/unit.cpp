@@ -14,21 +14,26 @@
 namespace zeroshard::shard {
 
 Unit::Unit(shard::ShardedModel& model_, size_t index_, std::string name_, std::vector<std::string> names,
-           std::vector<at::Tensor> params_, bool is_root_)
+           std::vector<at::Tensor> params_, bool is_root_, const DeferredUnit* deferred)
     : model(model_), index(index_), name(std::move(name_)), is_root(is_root_), tensors(std::move(params_)) {
   std::vector<ParamInfo> infos;
-  for (size_t i = 0; i < tensors.size(); ++i) infos.push_back({names[i], tensors[i].sizes().vec(), tensors[i].scalar_type()});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    infos.push_back({names[i], deferred ? deferred->layout.params[i].shape : tensors[i].sizes().vec(),
+                     tensors[i].scalar_type()});
+  }
   layout = make_flat_layout(std::move(infos), model.world);
   shard = layout.shard(model.rank);
   segments = shard_segments(layout, model.rank);
   gathered = at::zeros({layout.padded_numel}, at::TensorOptions().dtype(layout.dtype).device(model.comm->device()));
   if (!keeps_buffer()) model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   torch::NoGradGuard no_grad;
+  if (deferred != nullptr && keeps_buffer()) gathered.copy_(deferred->values);  // at one rank the shard is the buffer
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto& p = tensors[i];
     const int64_t off = layout.offsets[i];
-    gathered.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
-    views_.push_back(shard::alias_of(gathered, off, p.sizes()));
+    const c10::IntArrayRef shape = layout.params[i].shape;
+    if (deferred == nullptr) gathered.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
+    views_.push_back(shard::alias_of(gathered, off, shape));
     empties_.push_back(shard::make_resharded_placeholder(p));
     shard::remember_resharded_param(p, names[i], name);
     p.set_data(views_.back());
@@ -37,6 +42,9 @@ Unit::Unit(shard::ShardedModel& model_, size_t index_, std::string name_, std::v
   }
   ready_.assign(tensors.size(), 0);
   had_grad.assign(tensors.size(), 0);
+  // A deferred unit's parameters now have their shapes (autograd's hooks
+  // record them) over a buffer that never fills: reshard() finishes the job.
+  if (deferred != nullptr && !keeps_buffer()) compat::resize_storage_bytes(gathered, 0);
 }
 
 Unit::~Unit() {

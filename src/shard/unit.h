@@ -17,6 +17,7 @@
 
 #include "compat/autograd_hooks.h"
 #include "shard/backward_round.h"
+#include "shard/deferred_init.h"
 #include "shard/front_end.h"
 #include "shard/shard_group.h"
 #include "shard/shard_topology.h"
@@ -34,8 +35,11 @@ struct ShardedModel;
 // parameters in the model's order over all units (FullyShardedAdamW's order).
 class Unit : public ShardGroup {
  public:
+  // `deferred`: the unit was built under DeferredInit, its parameters hold
+  // placeholders and `deferred` their shapes and this rank's shard; the unit
+  // then holds no gathered buffer (at one rank, the shard as its buffer).
   Unit(ShardedModel& model, size_t index, std::string name, std::vector<std::string> names,
-       std::vector<at::Tensor> tensors, bool is_root);
+       std::vector<at::Tensor> tensors, bool is_root, const DeferredUnit* deferred = nullptr);
   ~Unit();
 
   // Forward (from Sharded<>::forward).

@@ -60,15 +60,19 @@ struct Config {
   bool no_sync = false;  // all micro-batches but the last under no_sync()
   bool groups = false;   // two_groups() and schedule()
   int shard_size = 0;    // FullyShardOptions::shard_size (hybrid sharding)
+  bool deferred = false; // built under DeferredInit: each rank keeps its own shard from construction on
 };
 
 void expect_matches_oracle(const Config& c) {
   const int n = world().size(), r = world().rank();
   torch::manual_seed(9);
-  Tiny m;
   FullyShardOptions fo;
   fo.reshard_after_forward = c.reshard_after_forward;
   fo.shard_size = c.shard_size;
+  std::optional<DeferredInit> deferred;
+  if (c.deferred) deferred.emplace(testing::test_group(), fo);
+  Tiny m;
+  deferred.reset();
   m->checkpoint = c.checkpoint;
   const auto device = testing::test_device();
   m->to(device);
@@ -145,6 +149,8 @@ TEST(FullyShard, MatchesAdamWWithActivationCheckpointing) { expect_matches_oracl
 
 TEST(FullyShard, MatchesAdamWAccumulatingWithNoSync) { expect_matches_oracle({4, 0.1, true, false, true}); }
 
+TEST(FullyShardDeferred, MatchesAdamW) { expect_matches_oracle({2, 0.1, true, false, false, false, 0, true}); }
+
 // Hybrid sharding: units sharded across groups of shard_size ranks and
 // replicated across the groups (at 4 ranks: 4 replicas of 1 rank, and 2 x 2;
 // one group of every rank is the tests above), with clipping and accumulation.
@@ -155,6 +161,15 @@ TEST_P(FullyShardHybrid, MatchesAdamWWithClippingAndAccumulation) {
   if (shard_size > n || n % shard_size != 0) GTEST_SKIP() << "shard size " << shard_size << " does not divide " << n;
   Config c{4, 0.1, true};
   c.shard_size = shard_size;
+  expect_matches_oracle(c);
+}
+
+TEST_P(FullyShardHybrid, MatchesAdamWBuiltUnderDeferredInit) {
+  const int n = world().size(), shard_size = GetParam();
+  if (shard_size > n || n % shard_size != 0) GTEST_SKIP() << "shard size " << shard_size << " does not divide " << n;
+  Config c{2, 0.1, true};
+  c.shard_size = shard_size;
+  c.deferred = true;
   expect_matches_oracle(c);
 }
 
