@@ -2,6 +2,8 @@
 #include "bart_model.h"
 #include "json_error.h"
 
+#include <zeroshard/activation_checkpoint.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 #include <xxhash.h>
@@ -263,13 +265,22 @@ torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& inp
                                 config.dropout, is_training());
   const auto padding = input_ids.eq(config.pad_token_id);
   size_t block = 1;
+  // The recomputation restores the generators, so it draws the same dropout masks.
   for (auto& l : enc.layers) {
     reseed_for_block(dropout_key, block++);
-    encoded = l->forward(encoded, padding);
+    encoded = checkpoint_layers ? zeroshard::activation_checkpoint(
+                                      [l = l.ptr(), padding](const torch::Tensor& x) { return l->forward(x, padding); }, encoded)
+                                : l->forward(encoded, padding);
   }
   for (auto& l : dec.layers) {
     reseed_for_block(dropout_key, block++);
-    decoded = l->forward(decoded, encoded, padding);
+    decoded = checkpoint_layers
+                  ? zeroshard::activation_checkpoint(
+                        [l = l.ptr(), padding](const zeroshard::TensorList& in) {
+                          return zeroshard::TensorList{l->forward(in[0], in[1], padding)};
+                        },
+                        {decoded, encoded})[0]
+                  : l->forward(decoded, encoded, padding);
   }
   // The output projection is the shared embedding (tied).
   return torch::matmul(decoded, model->shared->weight.t()) + final_logits_bias;

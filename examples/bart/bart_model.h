@@ -133,6 +133,7 @@ struct BartForConditionalGenerationImpl : torch::nn::Module {
   std::vector<std::vector<int64_t>> generate(const torch::Tensor& input_ids, int64_t max_len);
   BartModel model{nullptr};
   torch::Tensor final_logits_bias;  // buffer [1, vocab]
+  bool checkpoint_layers = false;   // forward keeps each layer's input only and backward recomputes the layer
   BartConfig config;
   DropoutKey dropout_key;  // set per microbatch by a trainer; unset: plain dropout
 };

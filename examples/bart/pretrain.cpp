@@ -72,6 +72,8 @@ void check_options(const RunOptions& o) {
        "fp32 or bf16");
   need(o.gather_dtype == "fp32" || o.stage == 3, "--gather-dtype", o.gather_dtype,
        "fp32 below --stage 3 (only ZeRO-3 gathers parameters in forward and backward)");
+  need(!o.activation_checkpointing || o.pp == 1, "--activation-checkpointing with --pp", o.pp,
+       "1: pipeline stages do not recompute their layers yet");
   need(o.stage != 0 || o.shard_size == "0", "--shard-size", o.shard_size,
        "0 at --stage 0, which shards nothing (hybrid sharding needs stage 1, 2 or 3)");
   need(o.device_comm == "auto" || o.device_comm == "nccl" || o.device_comm == "staged", "--device-comm",
@@ -173,6 +175,9 @@ int bart_pretrain_main(int argc, char** argv) {
                  "ZeRO-3: the dtype units are all-gathered in; bf16 halves the gather bytes of fp32 units "
                  "(forward and backward then see bf16-rounded parameters; the master stays fp32)")
       ->capture_default_str();
+  app.add_flag("--activation-checkpointing", o.activation_checkpointing,
+               "keep only each layer's input in forward and recompute the layer in backward (less activation "
+               "memory, one more forward of every layer)");
   app.add_option("--precision", o.precision, "fp32, or bf16 (bf16 parameters, fp32 master and AdamW states)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();

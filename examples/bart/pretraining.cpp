@@ -165,6 +165,7 @@ void PretrainingRun::build_model() {
       for (const auto& p : model_->parameters()) numel_ += p.numel();
     }
     model_->to(device_, dtype);
+    model_->checkpoint_layers = o.activation_checkpointing;
     if (o.stage == 3) {
       opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group, fo), adamw));
     } else {

@@ -43,7 +43,8 @@ struct RunOptions {
   double noise_smoothing = 0.95; // the gradient noise scale's moving averages
   int stage = 3;
   std::string shard_size = "0";
-  std::string gather_dtype = "fp32";  // ZeRO-3: the dtype units are all-gathered in (fp32 or bf16)  // hybrid sharding: "0" every data-parallel rank, "host", or a number of ranks
+  std::string gather_dtype = "fp32";  // ZeRO-3: the dtype units are all-gathered in (fp32 or bf16)
+  bool activation_checkpointing = false;  // recompute each layer in backward (without a pipeline)
   std::string precision = "fp32";
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
   std::string device_comm = "auto";  // cuda: auto, nccl or staged (zeroshard::DeviceTransport)

@@ -6,7 +6,7 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                validation loss ends below VAL_DROP x its value before training
   equal_ranks  4-rank ZeRO-3 and 1-rank runs agree over the first 10 steps:
                every step's loss (rel. 1e-5) and the parameters after step 10;
-               4-rank ZeRO-1 and ZeRO-2 runs take the same steps too
+               4-rank ZeRO-0/1/2, hybrid, and ZeRO-3 with activation checkpointing take the same steps too
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit
   bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): every step's loss within bf16
@@ -107,13 +107,16 @@ def check_equal_ranks(build, work):
         pretrain(build, d, nproc, *common)
     # ZeRO-0/1/2 over the 4 ranks, and hybrid sharding (2 shard groups of 2 ranks) at stages 2 and 3.
     labels = {4: "ZeRO-3"}
-    for stage, shard in ((0, "0"), (1, "0"), (2, "0"), (2, "2"), (3, "2")):
-        name = f"stage{stage}" + ("" if shard == "0" else f"_shard{shard}")
-        labels[name] = f"ZeRO-{stage}" + ("" if shard == "0" else f", hybrid 2 x {shard}")
+    # And ZeRO-3 recomputing every layer in backward (activation checkpointing).
+    for stage, shard, extra in ((0, "0", ()), (1, "0", ()), (2, "0", ()), (2, "2", ()), (3, "2", ()),
+                                (3, "0", ("--activation-checkpointing",))):
+        name = f"stage{stage}" + ("" if shard == "0" else f"_shard{shard}") + ("_recompute" if extra else "")
+        labels[name] = (f"ZeRO-{stage}" + ("" if shard == "0" else f", hybrid 2 x {shard}") +
+                        (", activation checkpointing" if extra else ""))
         d = dirs[name] = os.path.join(work, f"equal_np4_{name}")
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
-        pretrain(build, d, 4, *common, "--stage", str(stage), "--shard-size", shard, "--ckpt-dir", "none")
+        pretrain(build, d, 4, *common, "--stage", str(stage), "--shard-size", shard, "--ckpt-dir", "none", *extra)
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
     # Goodput in every run: 1 rank reduces each of its 2 micro-batches (ZeRO-3), 4 ranks reduce theirs.
     for n, d in dirs.items():
