@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
+#include <optional>
 
 namespace bart {
 
@@ -160,13 +161,18 @@ PipelinedBart::PipelinedBart(zeroshard::ProcessGroup world, const BartConfig& co
   for (int s = I.grid->stage(); s < total; s += o.pp) {
     Stage st;
     st.index = s;
-    st.module = BartStage(config, I.partition.stages[static_cast<size_t>(s)], o.seed);
-    st.module->to(o.device, o.dtype);
     const auto& dp = I.grid->dp_group();
+    zeroshard::FullyShardOptions fo;
+    fo.shard_size = o.shard_size;
+    fo.gather_dtype = o.gather_dtype;
+    {
+      // ZeRO-3: each layer keeps only this rank's shard as soon as it is built.
+      std::optional<zeroshard::DeferredInit> deferred;
+      if (o.zero_stage == 3) deferred.emplace(dp, fo);
+      st.module = BartStage(config, I.partition.stages[static_cast<size_t>(s)], o.seed);
+    }
+    st.module->to(o.device, o.dtype);
     if (o.zero_stage == 3) {
-      zeroshard::FullyShardOptions fo;
-      fo.shard_size = o.shard_size;
-      fo.gather_dtype = o.gather_dtype;
       st.sharded = zeroshard::fully_shard(st.module, dp, fo);
       st.optimizer = std::make_shared<zeroshard::FullyShardedAdamW>(st.sharded, o.adamw);
     } else {  // the tied weight in a group of its own: the same shard on every stage (PipelineExecutor::tie)
