@@ -84,7 +84,7 @@ nccl_rows=" nccl1 nccl2 pingpong skip nccl3 oracle-nccl2 sanitize-nccl multirank
 first_rows="kernel nccl1 nccl2 pingpong skip nccl3 oracle-nccl1 oracle-nccl2 staged2 bart-pp2"
 second_rows="memcheck racecheck synccheck staged3 staged4 sanitize-nccl sanitize-staged multirank230 optim bart-base bart60"
 
-oracles='*ShardedAdamWStage*:*ShardedAdamWHybrid*:FullyShardHybrid.*:FullyShard.MatchesAdamW*:FullyShardMixed.*:CheckpointDevice.*'
+oracles='*ShardedAdamWStage*:*ShardedAdamWHybrid*:FullyShardHybrid.*:FullyShardDeferred*:FullyShard.MatchesAdamW*:FullyShardMixed.*:CheckpointDevice.*'
 collectives='NcclCommunicator.*:NcclUniqueId.*'
 kernels='AdamWCuda*'
 
