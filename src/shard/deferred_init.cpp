@@ -10,6 +10,7 @@
 #include <xxhash.h>
 
 #include <limits>
+#include <malloc.h>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -58,7 +59,17 @@ DeferredInit::DeferredInit(const ProcessGroup& group, const FullyShardOptions& o
   shard::current_scope = std::move(scope);
 }
 
-DeferredInit::~DeferredInit() { shard::current_scope.reset(); }
+DeferredInit::~DeferredInit() {
+  shard::current_scope.reset();
+#if defined(__GLIBC__)
+  // Construction allocated and freed each unit's parameters in turn. Once the
+  // first of them is freed, glibc serves blocks of their size from its heap
+  // instead of mmap, and the shards kept between them leave the freed blocks
+  // as holes it keeps resident: measured 1.3 GB more per rank for BART-large
+  // at 4 ranks (3.6 GB against 2.3 built whole). Hand the free pages back.
+  malloc_trim(0);
+#endif
+}
 
 DeferredUnitHook::DeferredUnitHook(torch::nn::Module& module, ShardedModule& marker) {
   auto* scope = shard::current_scope.get();
