@@ -1,0 +1,213 @@
+// cost_model.cpp — step time and memory per rank of each strategy (cost_model.h).
+#include "plan/cost_model.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace zeroshard::plan {
+namespace {
+
+// One ring collective's shape: `ranks` ranks over `hosts` hosts, and how many
+// such rings run at once over each host's link (hybrid replica rings: one per
+// rank of a host).
+struct Ring {
+  int ranks = 1;
+  int hosts = 1;
+  int concurrent = 1;
+};
+
+double ring_s(const Cluster& c, double bytes, const Ring& r, double* inter_bytes, double* intra_bytes) {
+  if (r.ranks <= 1 || bytes <= 0) return 0;
+  const double per_link = (r.ranks - 1.0) / r.ranks * bytes;
+  double t_inter = 0, t_intra = 0, alpha = 0;
+  if (r.hosts > 1) {
+    t_inter = per_link * r.concurrent / c.inter.bytes_per_s;
+    alpha = std::max(alpha, c.inter.alpha_s);
+    if (inter_bytes != nullptr) *inter_bytes += per_link * r.concurrent;
+  }
+  if (r.ranks > r.hosts) {
+    t_intra = per_link / c.intra.bytes_per_s;
+    alpha = std::max(alpha, c.intra.alpha_s);
+    if (intra_bytes != nullptr) *intra_bytes += per_link;
+  }
+  return (r.ranks - 1) * alpha + std::max(t_inter, t_intra);
+}
+
+// The hosts a group of `size` consecutive members of a data-parallel group
+// spans, when the dp group's `dp` ranks sit evenly on the cluster's hosts.
+int hosts_spanned(const Cluster& c, int dp, int size) {
+  const int hosts_of_dp = std::min(c.hosts, dp);
+  const int per_host = std::max(1, dp / hosts_of_dp);
+  return std::max(1, std::min(hosts_of_dp, (size + per_host - 1) / per_host));
+}
+
+}  // namespace
+
+std::string Strategy::describe() const {
+  std::string s = zero_stage == 0 ? "replicated (ZeRO-0)" : "ZeRO-" + std::to_string(zero_stage);
+  if (zero_stage > 0) s += shard_size > 0 ? ", sharded per " + std::to_string(shard_size) + " ranks" : ", flat";
+  if (pp > 1) s = "pp " + std::to_string(pp) + " x " + s + ", " + std::to_string(micro_batches) + " micro-batches";
+  if (gather_bytes == 2) s += ", bf16 gathers";
+  if (activation_checkpointing) s += ", activation checkpointing";
+  return s;
+}
+
+double ring_gather_s(const Cluster& c, double bytes, int ranks, int hosts) {
+  return ring_s(c, bytes, {ranks, hosts, 1}, nullptr, nullptr);
+}
+
+Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const Step& step) {
+  if (s.pp < 1 || c.ranks() % s.pp != 0) throw std::invalid_argument("pp must divide the ranks");
+  const int dp = c.ranks() / s.pp;
+  const int shard = s.zero_stage == 0 ? 1 : (s.shard_size > 0 ? std::min(s.shard_size, dp) : dp);
+  if (dp % shard != 0) throw std::invalid_argument("shard_size must divide the data-parallel ranks");
+  const int replicas = dp / shard;
+  const int dp_hosts = hosts_spanned(c, dp, dp);
+  const int shard_hosts = hosts_spanned(c, dp, shard);
+  // A replica ring has one rank per shard group; the shard groups of one host run theirs at once.
+  const Ring shard_ring{shard, shard_hosts, 1};
+  const Ring replica_ring{replicas, std::min(replicas, dp_hosts), std::max(1, shard / shard_hosts)};
+  const Ring dp_ring{dp, dp_hosts, 1};
+
+  // The busiest pipeline stage: its share of the layers, and the root.
+  const int stage_units = std::max(1, (m.units + s.pp - 1) / s.pp);
+  const double unit_params = m.unit_params * stage_units / m.units;
+  const double params = unit_params + m.root_params;
+  const double p = m.param_bytes, master = m.param_bytes == 4 ? 0 : 4, sharded_state = 4 + master + 8;
+
+  Prediction out;
+  switch (s.zero_stage) {
+    case 0: out.model_states = params * (2 * p + master + 8); break;
+    case 1: out.model_states = params * 2 * p + params * sharded_state / shard; break;
+    case 2: out.model_states = params * p + params * sharded_state / shard; break;
+    default:
+      out.model_states = unit_params * (p + sharded_state) / shard + m.root_params * (p + sharded_state / shard);
+      out.working_set = shard > 1 ? 3 * p * unit_params / stage_units : 0;
+  }
+  // Activations saved for backward, per layer and token (Korthikanti et al.:
+  // (34 d + 5 heads seq) bytes in 16 bits); with checkpointing only each layer's input.
+  const double act_bytes = m.param_bytes == 4 ? 2.0 : 1.0;  // the formula's 16-bit bytes, scaled
+  const double mb_tokens = step.tokens / dp / s.micro_batches;
+  const double per_layer_token = act_bytes * (34.0 * m.d_model + 5.0 * m.heads * m.seq_len);
+  const int in_flight = s.pp > 1 ? std::min(s.pp, s.micro_batches) : 1;  // 1F1B: the first stage holds pp micro-batches
+  out.activations = s.activation_checkpointing
+                        ? in_flight * mb_tokens * (stage_units * m.d_model * p + per_layer_token)
+                        : in_flight * mb_tokens * stage_units * per_layer_token;
+  out.fits = c.memory_bytes <= 0 || out.memory() <= c.memory_bytes;
+
+  // Compute: 6 flops per parameter and token, plus attention's 12 L d seq; a recompute adds a forward.
+  const double tokens = step.tokens / dp;  // each pipeline's share; each stage computes its layers of it
+  const double flops_per_token =
+      6 * params + 12.0 * stage_units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
+  const double fwd = tokens * flops_per_token / 3 / c.flops_per_s;
+  out.compute_s = fwd * (s.activation_checkpointing ? 4 : 3);
+  const double backward_s = out.compute_s - fwd;
+  if (s.pp > 1) out.bubble_s = (s.pp - 1) * out.compute_s / s.micro_batches;
+
+  // Collectives of a step (gradients reduced in the parameters' dtype).
+  double ib = 0, hb = 0;
+  // `times` such rings one after the other (an all-reduce is a reduce-scatter and an all-gather).
+  auto ring = [&](double bytes, const Ring& r, int times = 1) {
+    double t = 0;
+    for (int k = 0; k < times; ++k) t += ring_s(c, bytes, r, &ib, &hb);
+    return t;
+  };
+  const double grad_bytes = params * p;
+  double overlappable = 0, exposed = 0;
+  if (s.zero_stage == 0) {
+    overlappable = ring(grad_bytes, dp_ring, 2);  // all-reduce = reduce-scatter + all-gather
+  } else {
+    const double rs = ring(grad_bytes, shard_ring);
+    const double rep = replicas > 1 ? ring(grad_bytes / shard, replica_ring, 2) : 0;
+    if (s.zero_stage == 3) {
+      const double gather = s.gather_bytes > 0 ? s.gather_bytes : p;
+      const double gathers = ring(unit_params * gather, shard_ring, 2);  // forward, and again for backward
+      const double root = ring(m.root_params * p, shard_ring);        // the root, after the update
+      if (s.pp > 1) {  // gathered once per step and kept (keep_gathered); reduced after the last micro-batch
+        exposed = gathers / 2 + rs + rep + root;
+      } else {
+        overlappable = gathers + rs + rep;  // each unit's replica average starts when its reduce-scatter ends
+        exposed = root + gathers / (2 * stage_units);  // the root's gather after the update; the first unit's
+      }
+    } else {
+      const double ag = ring(params * p, shard_ring);  // the updated shards, after the step
+      if (s.zero_stage == 2 && s.pp == 1) {
+        overlappable = rs + rep;
+        exposed = ag;
+      } else {  // ZeRO-1, or a pipeline: reduced after backward
+        exposed = rs + rep + ag;
+      }
+    }
+  }
+  if (s.pp > 1) {  // activations and their gradients cross each stage boundary; fill and drain are exposed
+    const double message = mb_tokens * m.d_model * p;
+    const Link& l = c.hosts > 1 && s.pp > c.ranks_per_host ? c.inter : c.intra;
+    exposed += 2 * (s.pp - 1) * (l.alpha_s + message / l.bytes_per_s);
+    exposed += overlappable;  // a pipeline step reduces after its last backward
+    overlappable = 0;
+  }
+  out.comm_s = overlappable + exposed;
+  const double hidden_by = s.zero_stage == 3 ? out.compute_s : backward_s;
+  out.exposed_comm_s = exposed + std::max(0.0, overlappable - hidden_by);
+  out.inter_host_bytes = ib;
+  out.intra_host_bytes = hb;
+  out.step_s = out.compute_s + out.bubble_s + out.exposed_comm_s;
+  return out;
+}
+
+std::vector<Strategy> candidates(const Cluster& c, const Model& m) {
+  std::vector<Strategy> out;
+  for (bool ac : {false, true}) {
+    for (int stage = 0; stage <= 3; ++stage) out.push_back({stage, 0, 1, 1, ac, 0});
+    if (c.hosts > 1 && c.ranks_per_host > 1) {
+      for (int stage = 1; stage <= 3; ++stage) out.push_back({stage, c.ranks_per_host, 1, 1, ac, 0});
+    }
+    for (int pp = 2; pp <= 8; pp *= 2) {
+      if (c.ranks() % pp != 0 || pp > m.units) continue;
+      for (int stage : {1, 3}) out.push_back({stage, 0, pp, 4 * pp, ac, 0});
+    }
+  }
+  return out;
+}
+
+Model bart(int64_t d, int64_t ffn, int64_t heads, int64_t layers, int64_t vocab, int64_t positions, int64_t seq_len) {
+  const double encoder = 4.0 * (d * d + d) + (d * ffn + ffn) + (ffn * d + d) + 4.0 * d;
+  const double decoder = 8.0 * (d * d + d) + (d * ffn + ffn) + (ffn * d + d) + 6.0 * d;
+  Model m;
+  m.name = "BART, " + std::to_string(layers) + " + " + std::to_string(layers) + " layers of " + std::to_string(d);
+  m.unit_params = layers * (encoder + decoder);
+  m.root_params = static_cast<double>(vocab) * d + 2.0 * (positions + 2) * d + 4.0 * d;
+  m.units = static_cast<int>(2 * layers);
+  m.d_model = d;
+  m.heads = heads;
+  m.seq_len = seq_len;
+  return m;
+}
+
+Model named_model(const std::string& name, int64_t seq_len) {
+  if (name == "bart-base") {
+    auto m = bart(768, 3072, 12, 6, 50265, 1024, seq_len);
+    m.name = "bart-base";
+    return m;
+  }
+  if (name == "bart-large") {
+    auto m = bart(1024, 4096, 16, 12, 50265, 1024, seq_len);
+    m.name = "bart-large";
+    return m;
+  }
+  if (name == "7b") {  // LLaMA-7B's shape: attention 4 d^2, SwiGLU 3 d ffn, 2 RMSNorms per layer
+    Model m;
+    m.name = "7B (LLaMA-7B's shape)";
+    const double d = 4096, ffn = 11008, vocab = 32000;
+    m.units = 32;
+    m.unit_params = m.units * (4 * d * d + 3 * d * ffn + 2 * d);
+    m.root_params = 2 * vocab * d + d;
+    m.d_model = 4096;
+    m.heads = 32;
+    m.seq_len = seq_len;
+    return m;
+  }
+  throw std::invalid_argument("unknown model '" + name + "'; known: bart-base, bart-large, 7b");
+}
+
+}  // namespace zeroshard::plan
