@@ -9,7 +9,7 @@
 #     rank the formulas give.
 #   bench/memory_wall.sh BUILD_DIR [RANKS=4] [CAP=3G] search [STRATEGIES="0 1 2 3 3ac pp2"]
 #     per strategy (ZeRO stage 0-3; 3ac: ZeRO-3 recomputing each layer in backward;
-#     pp2: 2 pipeline stages of ZeRO-3), the most encoder + decoder layers of BART-large's
+#     pp2: 2 pipeline stages of ZeRO-3, units gathered per pass), the most encoder + decoder layers of BART-large's
 #     width (d_model 1024, FFN 4096, 16 heads; a 4,096-entry vocabulary) that train under
 #     the cap, found by bisection, beside the most the model-state formulas allow.
 set -euo pipefail
@@ -72,7 +72,7 @@ capped() {
 flags_of() {
   case $1 in
     3ac) echo "--stage 3 --activation-checkpointing" ;;
-    pp2) echo "--stage 3 --pp 2 --micro-batches 2" ;;
+    pp2) echo "--stage 3 --pp 2 --micro-batches 2 --pp-gather pass" ;;  # gathered per pass: the least memory
     *) echo "--stage $1" ;;
   esac
 }

@@ -46,7 +46,8 @@ int hosts_spanned(const Cluster& c, int dp, int size) {
 std::string Strategy::describe() const {
   std::string s = zero_stage == 0 ? "replicated (ZeRO-0)" : "ZeRO-" + std::to_string(zero_stage);
   if (zero_stage > 0) s += shard_size > 0 ? ", sharded per " + std::to_string(shard_size) + " ranks" : ", flat";
-  if (pp > 1) s = "pp " + std::to_string(pp) + " x " + s + ", " + std::to_string(micro_batches) + " micro-batches";
+  if (pp > 1) s = "pp " + std::to_string(pp) + " x " + s;
+  if (micro_batches > 1) s += ", " + std::to_string(micro_batches) + " micro-batches";
   if (gather_bytes == 2) s += ", bf16 gathers";
   if (activation_checkpointing) s += ", activation checkpointing";
   return s;
@@ -82,7 +83,9 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
     case 2: out.model_states = params * p + params * sharded_state / shard; break;
     default:
       out.model_states = unit_params * (p + sharded_state) / shard + m.root_params * (p + sharded_state / shard);
-      out.working_set = shard > 1 ? 3 * p * unit_params / stage_units : 0;
+      // Units gathered at once: the current one and two prefetched; a pipeline stage keeps
+      // its units gathered for the step (bart_pretrain's --pp-gather step).
+      out.working_set = shard == 1 ? 0 : s.pp > 1 ? p * unit_params : 3 * p * unit_params / stage_units;
   }
   // Activations saved for backward, per layer and token (Korthikanti et al.:
   // (34 d + 5 heads seq) bytes in 16 bits); with checkpointing only each layer's input.
@@ -117,17 +120,20 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   if (s.zero_stage == 0) {
     overlappable = ring(grad_bytes, dp_ring, 2);  // all-reduce = reduce-scatter + all-gather
   } else {
-    const double rs = ring(grad_bytes, shard_ring);
-    const double rep = replicas > 1 ? ring(grad_bytes / shard, replica_ring, 2) : 0;
+    // Without a pipeline, ZeRO-2 and 3 reduce every micro-batch's gradients (and ZeRO-3 gathers
+    // for each); ZeRO-1 and pipelines accumulate and reduce once.
+    const int passes = s.pp == 1 && s.zero_stage >= 2 ? s.micro_batches : 1;
+    const double rs = ring(grad_bytes, shard_ring, passes);
+    const double rep = replicas > 1 ? ring(grad_bytes / shard, replica_ring, 2 * passes) : 0;
     if (s.zero_stage == 3) {
       const double gather = s.gather_bytes > 0 ? s.gather_bytes : p;
-      const double gathers = ring(unit_params * gather, shard_ring, 2);  // forward, and again for backward
+      const double gathers = ring(unit_params * gather, shard_ring, 2 * passes);  // forward, and again for backward
       const double root = ring(m.root_params * p, shard_ring);        // the root, after the update
       if (s.pp > 1) {  // gathered once per step and kept (keep_gathered); reduced after the last micro-batch
         exposed = gathers / 2 + rs + rep + root;
       } else {
         overlappable = gathers + rs + rep;  // each unit's replica average starts when its reduce-scatter ends
-        exposed = root + gathers / (2 * stage_units);  // the root's gather after the update; the first unit's
+        exposed = root + gathers / (2 * passes * stage_units);  // the root's gather after the update; the first unit's
       }
     } else {
       const double ag = ring(params * p, shard_ring);  // the updated shards, after the step
@@ -155,17 +161,38 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   return out;
 }
 
-std::vector<Strategy> candidates(const Cluster& c, const Model& m) {
-  std::vector<Strategy> out;
+Strategy with_micro_batches(const Model& m, const Cluster& c, Strategy s, const Step& step, int64_t sequences) {
+  const int64_t dp = c.ranks() / s.pp;
+  const int64_t per_rank = sequences / dp;  // sequences each pipeline (or rank) takes per step
+  const int least = s.pp > 1 ? 4 * s.pp : 1;  // a pipeline wants micro-batches to fill it
+  int best = 0;
+  for (int64_t k = least; k <= per_rank; k *= 2) {
+    if (per_rank % k != 0) continue;
+    s.micro_batches = static_cast<int>(k);
+    if (best == 0) best = s.micro_batches;
+    if (predict(m, c, s, step).fits) return s;
+  }
+  s.micro_batches = best;  // none fits: the fewest, which predict() reports as not fitting
+  return s;
+}
+
+std::vector<Strategy> candidates(const Cluster& c, const Model& m, const Step& step, int64_t sequences) {
+  std::vector<Strategy> shapes, out;
   for (bool ac : {false, true}) {
-    for (int stage = 0; stage <= 3; ++stage) out.push_back({stage, 0, 1, 1, ac, 0});
+    for (int stage = 0; stage <= 3; ++stage) shapes.push_back({stage, 0, 1, 1, ac, 0});
     if (c.hosts > 1 && c.ranks_per_host > 1) {
-      for (int stage = 1; stage <= 3; ++stage) out.push_back({stage, c.ranks_per_host, 1, 1, ac, 0});
+      for (int stage = 1; stage <= 3; ++stage) shapes.push_back({stage, c.ranks_per_host, 1, 1, ac, 0});
     }
     for (int pp = 2; pp <= 8; pp *= 2) {
       if (c.ranks() % pp != 0 || pp > m.units) continue;
-      for (int stage : {1, 3}) out.push_back({stage, 0, pp, 4 * pp, ac, 0});
+      for (int stage : {1, 3}) shapes.push_back({stage, 0, pp, 1, ac, 0});
     }
+  }
+  for (const auto& s : shapes) {
+    const int64_t dp = c.ranks() / s.pp;
+    if (sequences % dp != 0) continue;  // every rank takes whole sequences
+    auto fitted = with_micro_batches(m, c, s, step, sequences);
+    if (fitted.micro_batches > 0) out.push_back(fitted);
   }
   return out;
 }

@@ -55,7 +55,7 @@ struct Strategy {
   int zero_stage = 3;          // 0 (replicated), 1, 2, 3
   int shard_size = 0;          // 0: every data-parallel rank; else ranks per shard group (hybrid)
   int pp = 1;                  // pipeline stages (1F1B)
-  int micro_batches = 1;       // per step, per pipeline
+  int micro_batches = 1;       // per step, per pipeline (or rank): gradient accumulation
   bool activation_checkpointing = false;
   int gather_bytes = 0;        // ZeRO-3 gathers in this many bytes per parameter; 0: param_bytes
   std::string describe() const;
@@ -68,7 +68,7 @@ struct Step {
 struct Prediction {
   // Memory per rank, bytes.
   double model_states = 0;     // parameters, gradients, master and moments by the ZeRO formulas
-  double working_set = 0;      // ZeRO-3: units gathered at once (the current one and two prefetched)
+  double working_set = 0;      // ZeRO-3: units gathered at once (the current one and two prefetched; a pipeline stage's all)
   double activations = 0;      // saved for backward (Korthikanti et al.'s per-layer estimate)
   double memory() const { return model_states + working_set + activations; }
   // Bytes per step through each host's link, and each rank's bytes inside its host.
@@ -89,10 +89,16 @@ double ring_gather_s(const Cluster& c, double bytes, int ranks, int hosts);
 
 Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const Step& step);
 
-// Every strategy worth comparing on `c` (ZeRO 0-3 flat, ZeRO-1/2/3 sharded per
-// host, pipelines of 2-8 stages over ZeRO-1 or 3), each with and without
-// activation checkpointing where it changes the memory.
-std::vector<Strategy> candidates(const Cluster& c, const Model& m);
+// `s` with the fewest micro-batches per step (a power of 2 dividing each
+// rank's `sequences`; at least 4 per pipeline stage) with which it fits the
+// ranks' memory; the fewest at all when none fits; 0 when no count divides.
+Strategy with_micro_batches(const Model& m, const Cluster& c, Strategy s, const Step& step, int64_t sequences);
+
+// Every strategy worth comparing on `c` for a step of `sequences` sequences
+// (ZeRO 0-3 flat, ZeRO-1/2/3 sharded per host, pipelines of 2-8 stages over
+// ZeRO-1 or 3), with and without activation checkpointing, each with the
+// micro-batches with_micro_batches() gives it.
+std::vector<Strategy> candidates(const Cluster& c, const Model& m, const Step& step, int64_t sequences);
 
 // Models by name: "bart-base", "bart-large" (Hugging Face's shapes), "7b" (a
 // LLaMA-7B-shaped decoder: d 4096, 32 layers, SwiGLU FFN 11008, vocabulary

@@ -87,10 +87,7 @@ int main(int argc, char** argv) {
     Prediction p;
   };
   std::vector<Row> rows;
-  for (const auto& s : candidates(c, m)) {
-    if (s.pp > 1 && batch % (static_cast<int64_t>(c.ranks() / s.pp) * s.micro_batches) != 0) continue;
-    rows.push_back({s, predict(m, c, s, step)});
-  }
+  for (const auto& s : candidates(c, m, step, batch)) rows.push_back({s, predict(m, c, s, step)});
   std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
     return a.p.fits != b.p.fits ? a.p.fits : a.p.step_s < b.p.step_s;
   });
