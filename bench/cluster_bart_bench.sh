@@ -12,6 +12,7 @@
 #
 #   bench/cluster_bart_bench.sh BUILD_DIR [HOSTS=2] [RANKS=2] [RATE=1gbit] [CONFIG=tiny|small|base|FILE] [STEPS=20]
 #   MODES="3 0 fp32,3 0 bf16" bench/cluster_bart_bench.sh build 2 2 200mbit small 8   (some modes only)
+#   KEEP=DIR ...: each mode's metrics also copied to DIR/HOSTS-STAGE-SHARD-GATHER.jsonl
 set -euo pipefail
 build=$(realpath "${1:?usage: cluster_bart_bench.sh BUILD_DIR [HOSTS] [RANKS] [RATE] [CONFIG] [STEPS]}")
 hosts=${2:-2}
@@ -60,6 +61,7 @@ for mode in "${modes[@]}"; do
     if (( i > 0 )); then "${cmd[@]}" > "$work/host$i.log" 2>&1 & else "${cmd[@]}" > "$work/host0.log" 2>&1; fi
   done
   wait
+  if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP" && cp "$run/metrics.jsonl" "$KEEP/$hosts-$stage-$shard-$gather.jsonl"; fi
   per_host=()
   for ((i = 0; i < hosts; i++)); do per_host+=("$(( ($(tx $i) - before[i]) / steps ))"); done
   "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$gather" "$hosts" "$ranks" "${per_host[@]}" <<'PY'

@@ -102,7 +102,8 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   const double tokens = step.tokens / dp;  // each pipeline's share; each stage computes its layers of it
   const double flops_per_token =
       6 * params + 12.0 * stage_units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
-  const double fwd = tokens * flops_per_token / 3 / c.flops_per_s;
+  const double fwd = c.seconds_per_token > 0 ? tokens * c.seconds_per_token / 3
+                                            : tokens * flops_per_token / 3 / c.flops_per_s;
   out.compute_s = fwd * (s.activation_checkpointing ? 4 : 3);
   const double backward_s = out.compute_s - fwd;
   if (s.pp > 1) out.bubble_s = (s.pp - 1) * out.compute_s / s.micro_batches;

@@ -33,7 +33,8 @@ struct Cluster {
   int ranks_per_host = 1;
   Link intra;                  // between two ranks of one host
   Link inter;                  // a host's link to the others (shared by its ranks)
-  double flops_per_s = 0;      // what one rank's compute delivers on the model (peak × utilization, or measured)
+  double flops_per_s = 0;      // what one rank's compute delivers on the model (peak × utilization)
+  double seconds_per_token = 0;  // > 0: measured forward + backward seconds per token on one rank (overrides flops_per_s)
   double memory_bytes = 0;     // per rank; 0: unlimited
   int ranks() const { return hosts * ranks_per_host; }
 };

@@ -63,6 +63,19 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 1.0))
       ->capture_default_str();
   app.add_option("--memory-GB", memory_gb, "memory per rank, GB (10^9 bytes)")->check(CLI::PositiveNumber)->capture_default_str();
+  std::vector<int64_t> bart_shape;
+  app.add_option("--bart", bart_shape, "instead of --model: a BART of D_MODEL,FFN,HEADS,LAYERS,VOCAB,POSITIONS "
+                 "(LAYERS encoder and LAYERS decoder layers)")
+      ->delimiter(',')
+      ->expected(6);
+  double seconds_per_token = 0;
+  app.add_option("--seconds-per-token", seconds_per_token, "measured forward + backward seconds per token on one "
+                 "rank (instead of --tflops and --mfu)")
+      ->check(CLI::NonNegativeNumber);
+  double tokens = 0;
+  app.add_option("--tokens-per-step", tokens, "tokens per step when sequences are shorter than --seq (default: "
+                 "--seq x --global-batch)")
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -70,17 +83,20 @@ int main(int argc, char** argv) {
   }
   Model m;
   try {
-    m = named_model(model_name, seq);
+    m = bart_shape.empty() ? named_model(model_name, seq)
+                           : bart(bart_shape[0], bart_shape[1], bart_shape[2], bart_shape[3], bart_shape[4],
+                                  bart_shape[5], seq);
   } catch (const std::exception& e) {
     std::cerr << "zeroshard-plan: --model: " << e.what() << "\n";
     return 2;
   }
+  c.seconds_per_token = seconds_per_token;
   m.param_bytes = precision == "bf16" ? 2 : 4;
   c.intra = {intra_alpha_us * 1e-6, intra_gbps * 1e9};
   c.inter = {inter_alpha_us * 1e-6, inter_gbps * 1e9};
   c.flops_per_s = tflops * 1e12 * mfu;
   c.memory_bytes = memory_gb * 1e9;
-  const Step step{static_cast<double>(seq * batch)};
+  const Step step{tokens > 0 ? tokens : static_cast<double>(seq * batch)};
 
   struct Row {
     Strategy s;
