@@ -155,7 +155,7 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   }
   out.comm_s = overlappable + exposed;
   const double hidden_by = s.zero_stage == 3 ? out.compute_s : backward_s;
-  out.exposed_comm_s = exposed + std::max(0.0, overlappable - hidden_by);
+  out.exposed_comm_s = exposed + overlappable - c.overlap * std::min(overlappable, hidden_by);
   out.inter_host_bytes = ib;
   out.intra_host_bytes = hb;
   out.step_s = out.compute_s + out.bubble_s + out.exposed_comm_s;

@@ -36,6 +36,11 @@ struct Cluster {
   double flops_per_s = 0;      // what one rank's compute delivers on the model (peak × utilization)
   double seconds_per_token = 0;  // > 0: measured forward + backward seconds per token on one rank (overrides flops_per_s)
   double memory_bytes = 0;     // per rank; 0: unlimited
+  // The share of the communication a strategy could hide behind compute that
+  // compute does hide: 1 where collectives run on their own streams and
+  // links (GPUs); fitted for a cluster by bench/plan_validate.sh (CPU hosts
+  // whose cores the communication needs too hide less).
+  double overlap = 1;
   int ranks() const { return hosts * ranks_per_host; }
 };
 

@@ -63,6 +63,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 1.0))
       ->capture_default_str();
   app.add_option("--memory-GB", memory_gb, "memory per rank, GB (10^9 bytes)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--overlap", c.overlap, "the share of hideable communication that compute hides (1: GPUs, where "
+                 "collectives have their own streams; bench/plan_validate.sh fits it for CPU hosts)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   std::vector<int64_t> bart_shape;
   app.add_option("--bart", bart_shape, "instead of --model: a BART of D_MODEL,FFN,HEADS,LAYERS,VOCAB,POSITIONS "
                  "(LAYERS encoder and LAYERS decoder layers)")
