@@ -9,8 +9,9 @@
 #      cluster_bart_bench.sh's "small" BART at RATE in four modes (ZeRO-3 and
 #      ZeRO-2, flat and sharded per host).
 #   3. zeroshard-plan's step time for each, from 1 and 2, beside the measured median:
-#      the share of hideable communication that compute hides (--overlap) is
-#      fitted to the fewest hosts' runs and then held for the others.
+#      the shares of hideable gathers and reductions that compute hides
+#      (--gather-overlap, --reduce-overlap) are fitted to the fewest hosts'
+#      runs and then held for the others.
 # Needs root; every cluster is removed at exit.
 #
 #   bench/plan_validate.sh BUILD_DIR [RATE=200mbit] [HOSTS="2 3 4"] [RANKS=2] [STEPS=8]
@@ -58,7 +59,7 @@ for hosts in $host_counts; do
     "$here/bench/cluster_bart_bench.sh" "$build" "$hosts" "$ranks" "$rate" small "$steps" > /dev/null
 done
 
-# 3. The predictions: the overlap share fitted to the fewest hosts' four runs, then every row.
+# 3. The predictions: the overlap shares fitted to the fewest hosts' four runs, then every row.
 "$python" - "$build" "$work" "$ranks" "$intra_alpha" "$intra_bw" "$inter_alpha" "$inter_bw" $host_counts <<'PY'
 import json, statistics, subprocess, sys
 build, work, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -81,13 +82,14 @@ def runs(hosts):
         out.append((name, statistics.median(r["step_s"] for r in rows), statistics.median(r["tokens"] for r in rows)))
     return per_token, out
 
-def predicted(hosts, per_token, name, tokens, overlap):
+def predicted(hosts, per_token, name, tokens, overlap):  # overlap: (gathers, reductions)
     ia, ib, ea, eb = links
     text = subprocess.run([f"{build}/zeroshard-plan", "--bart", "256,1024,4,4,4096,256", "--seq", "128",
                            "--global-batch", str(hosts * ranks * 4), "--tokens-per-step", str(tokens),
                            "--seconds-per-token", str(per_token), "--hosts", str(hosts), "--ranks-per-host", str(ranks),
                            "--intra-alpha-us", ia, "--intra-GBps", ib, "--inter-alpha-us", ea, "--inter-GBps", eb,
-                           "--precision", "fp32", "--memory-GB", "1000", "--overlap", str(overlap)],
+                           "--precision", "fp32", "--memory-GB", "1000", "--gather-overlap", str(overlap[0]),
+                           "--reduce-overlap", str(overlap[1])],
                           capture_output=True, text=True).stdout
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -100,8 +102,8 @@ first = host_counts[0]
 def error(overlap):
     per_token, rows = data[first]
     return sum(((predicted(first, per_token, name, tokens, overlap) - m) / m) ** 2 for name, m, tokens in rows)
-overlap = min((k / 20 for k in range(21)), key=error)
-print(f"Overlap share fitted to the {first}-host runs: {overlap:.2f}")
+overlap = min(((g / 10, r / 10) for g in range(11) for r in range(11)), key=error)
+print(f"Overlap shares fitted to the {first}-host runs: gathers {overlap[0]:.1f}, reductions {overlap[1]:.1f}")
 print()
 print("| hosts x ranks | mode | measured step, s (median) | predicted, s | error | predicted with full overlap, s |")
 print("|---|---|---:|---:|---:|---:|")
@@ -109,7 +111,7 @@ for h in host_counts:
     per_token, rows = data[h]
     for name, measured, tokens in rows:
         p = predicted(h, per_token, name, tokens, overlap)
-        full = predicted(h, per_token, name, tokens, 1.0)
+        full = predicted(h, per_token, name, tokens, (1.0, 1.0))
         fitted = " (fitted)" if h == first else ""
         print(f"| {h} x {ranks}{fitted} | {name} | {measured:.3f} | {p:.3f} | {100 * (p - measured) / measured:+.0f}% | {full:.3f} |")
 PY

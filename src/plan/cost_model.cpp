@@ -117,9 +117,10 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
     return t;
   };
   const double grad_bytes = params * p;
-  double overlappable = 0, exposed = 0;
+  double overlappable = 0, exposed = 0, hideable = 0;  // hideable: what compute can hide of `overlappable`
   if (s.zero_stage == 0) {
     overlappable = ring(grad_bytes, dp_ring, 2);  // all-reduce = reduce-scatter + all-gather
+    hideable = c.reduce_overlap * overlappable;
   } else {
     // Without a pipeline, ZeRO-2 and 3 reduce every micro-batch's gradients (and ZeRO-3 gathers
     // for each); ZeRO-1 and pipelines accumulate and reduce once.
@@ -134,12 +135,14 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
         exposed = gathers / 2 + rs + rep + root;
       } else {
         overlappable = gathers + rs + rep;  // each unit's replica average starts when its reduce-scatter ends
+        hideable = c.gather_overlap * gathers + c.reduce_overlap * (rs + rep);
         exposed = root + gathers / (2 * passes * stage_units);  // the root's gather after the update; the first unit's
       }
     } else {
       const double ag = ring(params * p, shard_ring);  // the updated shards, after the step
       if (s.zero_stage == 2 && s.pp == 1) {
         overlappable = rs + rep;
+        hideable = c.reduce_overlap * overlappable;
         exposed = ag;
       } else {  // ZeRO-1, or a pipeline: reduced after backward
         exposed = rs + rep + ag;
@@ -151,11 +154,11 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
     const Link& l = c.hosts > 1 && s.pp > c.ranks_per_host ? c.inter : c.intra;
     exposed += 2 * (s.pp - 1) * (l.alpha_s + message / l.bytes_per_s);
     exposed += overlappable;  // a pipeline step reduces after its last backward
-    overlappable = 0;
+    overlappable = hideable = 0;
   }
   out.comm_s = overlappable + exposed;
   const double hidden_by = s.zero_stage == 3 ? out.compute_s : backward_s;
-  out.exposed_comm_s = exposed + overlappable - c.overlap * std::min(overlappable, hidden_by);
+  out.exposed_comm_s = exposed + overlappable - std::min(hideable, hidden_by);
   out.inter_host_bytes = ib;
   out.intra_host_bytes = hb;
   out.step_s = out.compute_s + out.bubble_s + out.exposed_comm_s;

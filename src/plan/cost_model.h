@@ -37,10 +37,13 @@ struct Cluster {
   double seconds_per_token = 0;  // > 0: measured forward + backward seconds per token on one rank (overrides flops_per_s)
   double memory_bytes = 0;     // per rank; 0: unlimited
   // The share of the communication a strategy could hide behind compute that
-  // compute does hide: 1 where collectives run on their own streams and
-  // links (GPUs); fitted for a cluster by bench/plan_validate.sh (CPU hosts
-  // whose cores the communication needs too hide less).
-  double overlap = 1;
+  // compute does hide, for ZeRO-3's prefetched gathers and for gradient
+  // reductions (reduce-scatters, all-reduces, replica averages): 1 where
+  // collectives run on their own streams and links (GPUs); fitted for a
+  // cluster by bench/plan_validate.sh (CPU hosts, whose cores the
+  // communication needs too, hide less).
+  double gather_overlap = 1;
+  double reduce_overlap = 1;
   int ranks() const { return hosts * ranks_per_host; }
 };
 

@@ -63,8 +63,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 1.0))
       ->capture_default_str();
   app.add_option("--memory-GB", memory_gb, "memory per rank, GB (10^9 bytes)")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--overlap", c.overlap, "the share of hideable communication that compute hides (1: GPUs, where "
-                 "collectives have their own streams; bench/plan_validate.sh fits it for CPU hosts)")
+  app.add_option("--gather-overlap", c.gather_overlap, "the share of ZeRO-3's prefetched gathers that compute hides "
+                 "(1: GPUs, where collectives have their own streams; bench/plan_validate.sh fits it for CPU hosts)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--reduce-overlap", c.reduce_overlap, "the share of gradient reductions that compute hides (as "
+                 "--gather-overlap)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   std::vector<int64_t> bart_shape;

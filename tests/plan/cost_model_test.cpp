@@ -100,12 +100,13 @@ TEST(CostModel, OverlapHidesTheHideableShareOnly) {
   auto c = two_by_two();
   const auto m = small_model();
   const Step step{4 * 128};
-  c.overlap = 0;  // nothing hidden: the step is compute plus every collective
+  c.gather_overlap = c.reduce_overlap = 0;  // nothing hidden: the step is compute plus every collective
   for (int stage = 0; stage <= 3; ++stage) {
     const auto p = predict(m, c, {stage, 0}, step);
     EXPECT_NEAR(p.step_s, p.compute_s + p.comm_s, 1e-12) << "ZeRO-" << stage;
   }
-  c.overlap = 1;  // ZeRO-2 hides its reduce-scatter behind backward (2/3 of compute) and never its all-gather
+  c.gather_overlap = 0;  // ZeRO-2 gathers nothing ahead: it hides its reduce-scatter behind backward (2/3 of compute)
+  c.reduce_overlap = 1;  // and never its all-gather
   const auto p = predict(m, c, {2, 0}, step);
   const double rs = ring_gather_s(c, m.params() * 4, 4, 2);
   EXPECT_NEAR(p.exposed_comm_s, std::max(0.0, rs - p.compute_s * 2 / 3) + rs, 1e-12);
