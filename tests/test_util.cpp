@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "runtime/free_port.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -158,20 +160,7 @@ CommandResult run_command(const std::string& command) {
   return r;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    throw std::runtime_error("free_port: bind failed");
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
+int free_port() { return pick_server_port("127.0.0.1"); }
 
 DistEnv thread_env(int rank, int world, int port) {
   DistEnv e;

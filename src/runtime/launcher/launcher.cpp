@@ -1,5 +1,7 @@
 #include "runtime/launcher/launcher.h"
 
+#include "runtime/free_port.h"
+
 #include "runtime/launcher/child.h"
 
 #include <boost/asio/io_context.hpp>
@@ -390,24 +392,7 @@ struct ProgressDir {
 
 }  // namespace
 
-int pick_free_port(const std::string& host) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    throw std::runtime_error("cannot find a free port on " + host + ": " + why);
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+int pick_free_port(const std::string& host) { return pick_server_port(host); }
 
 int run(const LaunchOptions& opt) {
   asio::io_context io;

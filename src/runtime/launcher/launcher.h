@@ -50,7 +50,7 @@ struct LaunchOptions {
 // Runs the job to completion; returns the launcher's exit status.
 int run(const LaunchOptions& options);
 
-// A TCP port that was free on `host` a moment ago.
+// A TCP port that was free on `host` a moment ago, below the ephemeral range (runtime/free_port.h).
 int pick_free_port(const std::string& host);
 
 }  // namespace zeroshard::launcher
