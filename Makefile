@@ -65,6 +65,8 @@ bench: build
 	@bench/cluster_comm_bench.sh $(BUILD_DIR) 4 2 1gbit || [ $$? -eq 77 ]  # needs root: 77 = the hosts cannot be made
 	@PYTHON=$(VENV)/bin/python bench/cluster_bart_bench.sh $(BUILD_DIR) 2 2 1gbit small 12 || [ $$? -eq 77 ]
 	@PYTHON=$(VENV)/bin/python bench/memory_wall.sh $(BUILD_DIR) 4 3G large || [ $$? -eq 77 ]  # needs root (cgroups)
+	@PYTHON=$(VENV)/bin/python bench/plan_validate.sh $(BUILD_DIR) 200mbit "2 3 4" || [ $$? -eq 77 ]  # needs root
+	@bench/plan_table.sh $(BUILD_DIR)
 	@PYTHON=$(VENV)/bin/python bench/optim_bench.sh $(BUILD_DIR) "1 2"
 	@PYTHON=$(VENV)/bin/python bench/zero_vs_ddp.sh $(BUILD_DIR) 4
 	@PYTHON=$(VENV)/bin/python bench/zero3_bench.sh $(BUILD_DIR) 4
