@@ -110,6 +110,18 @@ TEST(CostModel, OverlapHidesTheHideableShareOnly) {
   const auto p = predict(m, c, {2, 0}, step);
   const double rs = ring_gather_s(c, m.params() * 4, 4, 2);
   EXPECT_NEAR(p.exposed_comm_s, std::max(0.0, rs - p.compute_s * 2 / 3) + rs, 1e-12);
+  // The TCP transport on shared cores (bench/plan_validate.sh): ZeRO-3's gathers hidden, its
+  // reductions not. The step is then compute + the reductions + the root's gather + the first unit's.
+  c.gather_overlap = 1;
+  c.reduce_overlap = 0;
+  auto slow = c;
+  slow.flops_per_s = 1e7;  // compute far longer than the gathers: all of them hidden
+  const auto z3 = predict(m, slow, {3, 0}, step);
+  const double reduce = ring_gather_s(c, m.params() * 4, 4, 2);
+  const double root = ring_gather_s(c, m.root_params * 4, 4, 2);
+  const double first_unit = ring_gather_s(c, m.unit_params * 4, 4, 2) / m.units;
+  EXPECT_LT(2 * ring_gather_s(c, m.unit_params * 4, 4, 2), z3.compute_s);
+  EXPECT_NEAR(z3.exposed_comm_s, reduce + root + first_unit, 1e-9);
 }
 
 TEST(CostModel, PipelineBubbleIsTheFillAndDrain) {
