@@ -120,10 +120,10 @@ echo "| ZeRO stage | outcome | most memory a rank's cgroup held, MiB | model sta
 echo "|---:|---|---:|---:|"
 for stage in $stages; do
   capped "stage$stage" "$config" --stage "$stage"
-  "$python" - "$stage" "$status" "$peak" "$ranks" "$log" "$work/run-stage$stage.metrics" "$work/psi" <<'PY'
-import json, os, re, sys
-stage, status, peak, n, log, metrics, saved = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-                                               sys.argv[5], sys.argv[6], sys.argv[7])
+  "$python" - "$stage" "$status" "$peak" "$ranks" "$log" "$work/psi" <<'PY'
+import os, re, sys
+stage, status, peak, n, log, saved = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                      sys.argv[5], sys.argv[6])
 text = open(log).read()
 params = re.search(r"([0-9.]+)M parameters", text)
 if params:  # a run killed before it logged the count takes an earlier run's
