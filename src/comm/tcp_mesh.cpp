@@ -96,6 +96,10 @@ TcpMesh::~TcpMesh() {
   });
   for (int p = 0; p < size_; ++p)
     if (p != rank_) break_locked(p, "this rank closed the communicator");
+  // After an abort, its kClose frames go out before the connections close: a peer that
+  // read only the end of the stream would blame this rank instead of the one named.
+  // abort()'s deadline bounds the wait when a frame cannot drain.
+  cv_.wait_for(lock, std::chrono::seconds(2), [&] { return abort_frames_unsent_ == 0; });
   lock.unlock();
   asio::post(io_->ctx, [this] {
     if (io_->abort_timer) io_->abort_timer->cancel();  // the connections are closed: no deadline to wait for
@@ -232,6 +236,7 @@ void TcpMesh::abort(const std::string& why) {
     Peer& peer = *peers_[p];
     if (!peer.broken.empty()) continue;
     peer.abort_frame = frame;
+    ++abort_frames_unsent_;
     peer.culprit = culprit >= 0 ? culprit : rank_;  // what this rank's waits on `p` blame (first_broken)
     break_locked(p, "this rank aborted: " + why);
   }
@@ -241,6 +246,14 @@ void TcpMesh::abort(const std::string& why) {
     io_->abort_timer = std::make_unique<asio::steady_timer>(io_->ctx, std::chrono::seconds(1));
     io_->abort_timer->async_wait([this, others](const boost::system::error_code&) {
       for (int p : others) close_socket(p);
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int p : others) {
+        // A frame never started (the write before it failed) is given up.
+        if (peers_[p]->abort_frame.empty()) continue;
+        peers_[p]->abort_frame.clear();
+        --abort_frames_unsent_;
+      }
+      cv_.notify_all();
     });
   });
 }

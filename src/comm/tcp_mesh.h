@@ -191,6 +191,7 @@ class TcpMesh final : public WatchedComm {
   std::string failure_;                    // guarded by mu_; see async_error()
   int failed_peer_ = -1;                   // guarded by mu_; the rank whose broken connection made failure_
   bool closing_ = false;                   // guarded by mu_; the destructor is closing every connection
+  int abort_frames_unsent_ = 0;            // guarded by mu_; abort()'s kClose frames not yet written or given up
 };
 
 }  // namespace zeroshard::comm

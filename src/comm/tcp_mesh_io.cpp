@@ -179,6 +179,8 @@ void TcpMesh::write_next(int peer) {
       close_socket(peer);
       std::lock_guard<std::mutex> lock(mu_);
       peers_[peer]->writing = false;
+      --abort_frames_unsent_;
+      cv_.notify_all();
     });
     return;
   }
