@@ -234,7 +234,7 @@ void PretrainingRun::resume() {
       // launcher restarted from, else nothing (a new launch, e.g. with a larger --max-steps).
       const json* interruption = record_.interruption_at(step_);
       resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count},
-                  {"after", interruption ? interruption->value("cause", interruption->value("signal", std::string("a notice")))
+                  {"ranks", world_}, {"after", interruption ? interruption->value("cause", interruption->value("signal", std::string("a notice")))
                             : dist_.restart_count > 0 ? "a failure"
                                                       : "a new launch"}};
       zeroshard::log_info("resumed from step " + std::to_string(step_) + " of " + ckpt_dir + " (epoch " +

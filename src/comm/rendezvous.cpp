@@ -317,7 +317,11 @@ std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOpti
   }
   std::vector<int> world(e.world_size);
   std::iota(world.begin(), world.end(), 0);
-  const std::string attempt = "zs/r" + std::to_string(e.restart_count) + "/";
+  // torchrun's agent store outlives the ranks: each attempt's keys are apart from the last one's.
+  // A store of rank 0's own is new with each attempt, and its keys name none: ranks of different
+  // restart counts meet there, as when an elastic run takes in a host whose agent is new (count 0)
+  // beside agents that restarted after a failure.
+  const std::string attempt = e.agent_store ? "zs/r" + std::to_string(e.restart_count) + "/" : "zs/";
   const std::string prefix = attempt + "world/";
   comm::MeshOptions mesh;
   mesh.failed_key = attempt + "failed";

@@ -21,13 +21,16 @@ Usage: check_cluster.py BUILD_DIR CHECK
           within the window + 10 s. Then every link shaped to 10 Mbit/s: the run finishes, slower,
           with no false failure. Prints the detection times (docs/cluster.md's table)
   elastic torchrun --nnodes 2:3 on 3 hosts x 1 rank, bart_pretrain ZeRO-3 with checkpoints: host 2 killed at
-          step 6+; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint and finishes,
-          every checkpoint verifies. Prints the time from the kill to the first step without the host
+          a random step; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint (the
+          redone step's loss as at 3 ranks); host 2 returns with a new agent, the run resumes at 3 ranks and
+          finishes, every checkpoint verifies. Prints the times from the kill to the first step without the
+          host, and from the new agent's start to the first step with it
 
 Exits 77 (skipped, with the reason printed) where the cluster cannot be made (not root, no namespaces).
 """
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -316,15 +319,20 @@ def check_failures(build, work):
 
 def check_elastic(build, work):
     """An elastic run under torchrun (--nnodes 2:3, c10d rendezvous, one agent per host): bart_pretrain, ZeRO-3,
-    on 3 hosts x 1 rank with checkpoints every 2 steps; host 2 is killed (link down, SIGKILL) once step 6 is
-    logged. The other ranks fail naming it within the liveness window, their agents restart them at 2 hosts,
-    and the run resumes from its last committed checkpoint at the smaller world size (the checkpoint reshards,
-    the sampler continues the epoch) and finishes at the planned step. Every step's loss is logged, the
-    summary says 2 ranks and a resume, and `zeroshard-ckpt verify` passes on every committed checkpoint.
-    Prints the time from the kill to the first step logged without the host."""
+    on 3 hosts x 1 rank with checkpoints every 2 steps.
+    - Shrink: host 2 is killed (link down, SIGKILL) once a random odd step (5-13) is logged. The other ranks fail naming it within
+      the liveness window, their agents restart them at 2 hosts, and the run resumes from its last committed
+      checkpoint at the smaller world size (the checkpoint reshards, the sampler continues the epoch).
+    - Grow: once a step ran at 2 hosts, host 2 comes back (link up) and a new agent starts there. The running
+      agents see it waiting, stop their ranks (which save a checkpoint, as on a preemption), and the rendezvous
+      takes it in: the run resumes at 3 hosts from that checkpoint and finishes at the planned step.
+    Every step is logged, a step taken twice (redone after the shrink) has the loss it had the first time,
+    the summary says 3 ranks, and `zeroshard-ckpt verify` passes on every committed checkpoint. Prints the time
+    from the kill to the first step without the host, and from the new agent's start to the first step with it."""
     exe = os.path.join(build, "examples", "bart_pretrain")
     run = os.path.join(work, "run")
-    steps = 40
+    steps = 150  # the run must outlast a new agent's start (torchrun imports torch: seconds) at 2 ranks
+    kill_at = random.randrange(5, 15, 2)  # odd: checkpoints are every 2 steps, so at least one step is redone
     metrics = os.path.join(run, "metrics.jsonl")
 
     def rows():
@@ -333,55 +341,93 @@ def check_elastic(build, work):
         with open(metrics) as f:
             return [json.loads(line) for line in f if line.strip()]
 
+    def stepped_after_resume(since, ranks):
+        """Whether the log after row `since` has a resume at `ranks` ranks and a step after it."""
+        after = rows()[since:]
+        at = next((k for k, r in enumerate(after) if r.get("event") == "resume" and r["ranks"] == ranks), None)
+        return at is not None and any("event" not in r for r in after[at + 1:])
+
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers (torchrun's default),
+    # an agent that joins a later round waits forever for the MASTER_ADDR key of that round, which rank 0's
+    # agent wrote only in the first (torch 2.15, dynamic_rendezvous.py: the bootstrap info is kept across
+    # rounds). Unshared, each round's rank 0 writes it, and the ranks rendezvous at their own MASTER_PORT.
+    env = dict(ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+    def agent(c, i):
+        return c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
+                           "--rdzv-id", "zs-elastic", "--max-restarts", 3,
+                           # A silent agent leaves the rendezvous after 4 missed keep-alives of 1 s (default 3 x 5 s:
+                           # 18 s from the kill to the first step). 2 missed drop live agents too: a keep-alive is
+                           # written only when the last is a whole interval old, so the next can come 2 s later.
+                           "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4",
+                           "--monitor-interval", "0.5", "--no-python", exe, "--data", "/usr/share/common-licenses",
+                           "--max-steps", steps, "--eval-every", 0, "--no-sample", "--no-plot", "--global-batch", 12,
+                           "--micro-batches", 1, "--max-tokens", 32, "--save-every", 2, "--liveness", LIVENESS_S,
+                           # Without dropout a step's loss does not depend on the world size (its masks do).
+                           "--dropout", 0, "--run-dir", run, "--progress-interval", 1000], env=env)
+
     with Cluster(14, 3) as c:  # 11-13 are the other checks': ctest runs two at a time
-        jobs = [c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
-                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
-                            "--rdzv-id", "zs-elastic", "--max-restarts", 3,
-                            # A dead agent is dropped from the rendezvous after 2 missed 1 s keep-alives (default
-                            # 3 x 5 s: 18 s from the kill to the first step instead of 7).
-                            "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
-                            "--monitor-interval", "0.5", "--no-python", exe, "--data", "/usr/share/common-licenses",
-                            "--max-steps", steps, "--eval-every", 0, "--no-sample", "--no-plot", "--global-batch", 12,
-                            "--micro-batches", 1, "--max-tokens", 32, "--save-every", 2, "--liveness", LIVENESS_S,
-                            "--run-dir", run, "--progress-interval", 1000], env=ENV)
-                for i in range(3)]
+        jobs = [agent(c, i) for i in range(3)]
         deadline = time.monotonic() + TIMEOUT
-        while not any("event" not in r and r["step"] >= 6 for r in rows()):
+        while not any("event" not in r and r["step"] >= kill_at for r in rows()):
             check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
-                  lambda: "the 3-host run never reached step 6:\n" + c.outputs(jobs))
+                  lambda: f"the 3-host run never reached step {kill_at}:\n" + c.outputs(jobs))
             time.sleep(0.02)
         logged = len(rows())
         killed = time.monotonic()
         cluster_kill(c, 2)
-        def stepped_after_resume():
-            after = rows()[logged:]
-            at = next((k for k, r in enumerate(after) if r.get("event") == "resume"), None)
-            return at is not None and any("event" not in r for r in after[at + 1:])
-
-        while not stepped_after_resume():
-            check(time.monotonic() < deadline, lambda: "no step after host 2 was killed:\n" + c.outputs(jobs[:2]))
+        # The log as the 3 hosts left it (rank 0 rewrites it from the step it resumes from).
+        first_losses = {r["step"]: r["loss"] for r in rows() if "event" not in r}
+        while not stepped_after_resume(logged, 2):
+            check(time.monotonic() < deadline, lambda: "no step at 2 hosts after host 2 was killed:\n" +
+                  c.outputs(jobs[:2]))
             time.sleep(0.02)
-        gap = time.monotonic() - killed
-        results = c.wait(jobs[:2], TIMEOUT)
-        check(all(code == 0 for code, _ in results), lambda: "an agent of the 2 surviving hosts failed:\n" +
-              c.outputs(jobs[:2]))
+        shrink_gap = time.monotonic() - killed
+        logged = len(rows())
+        check(not any(r.get("event") == "summary" for r in rows()), "the run ended before host 2 could return")
+        cluster_heal(c, 2)
+        returned = time.monotonic()
+        jobs.append(agent(c, 2))
+        while not stepped_after_resume(logged, 3):
+            check(time.monotonic() < deadline and jobs[0].proc.poll() is None,
+                  lambda: "no step at 3 hosts after host 2 returned:\n" + c.outputs(jobs[:2] + jobs[3:]))
+            time.sleep(0.02)
+        grow_gap = time.monotonic() - returned
+        results = c.wait(jobs[:2] + jobs[3:], TIMEOUT)
+        check(all(code == 0 for code, _ in results), lambda: "an agent failed:\n" + c.outputs(jobs[:2] + jobs[3:]))
     every = rows()
-    resume = [r for r in every if r.get("event") == "resume"]
+    resumes = [r for r in every if r.get("event") == "resume"]
+    check([r["ranks"] for r in resumes] == [2, 3], resumes)
+    # The agents stopped the ranks with SIGTERM: a checkpoint at that step, as on a preemption notice.
+    check(resumes[1]["after"] in ("SIGTERM", "another rank's notice") and "to_first_step_s" in resumes[1], resumes)
     summary = [r for r in every if r.get("event") == "summary"][-1]
-    check(summary["ranks"] == 2 and summary["step"] == steps and summary["resumed"], summary)
-    logged_steps = {r["step"] for r in every if "event" not in r}
-    check(logged_steps == set(range(1, steps + 1)), sorted(logged_steps))
-    losses = [r["loss"] for r in every if "event" not in r]
-    check(all(l == l and 0 < l < 20 for l in losses), losses)  # finite: no jump from a bad resume
+    check(summary["ranks"] == 3 and summary["step"] == steps and summary["resumed"], summary)
+    losses, redone = {}, 0
+    for r in every:
+        if "event" in r:
+            continue
+        check(r["loss"] == r["loss"] and 0 < r["loss"] < 20, r)  # finite: no jump from a bad resume
+        losses[r["step"]] = r["loss"]
+        # A step redone after the shrink (3 ranks, then 2) trained on the same 12 samples from the same state.
+        if r["step"] > resumes[0]["step"] and r["step"] in first_losses:
+            check(abs(r["loss"] - first_losses[r["step"]]) <= 1e-4 * r["loss"],
+                  lambda: f"step {r['step']} redone at 2 ranks: loss {r['loss']}, at 3 {first_losses[r['step']]}")
+            redone += 1
+    check(redone > 0, lambda: f"no step was redone after the shrink: killed after step {kill_at}, resumed from "
+          f"{resumes[0]['step']}, {sorted(first_losses)} logged before")
+    check(set(losses) == set(range(1, steps + 1)), sorted(losses))
     committed = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step-"))
     for d in committed:
         p = subprocess.run([os.path.join(build, "zeroshard-ckpt"), "verify", os.path.join(run, "checkpoints", d)],
                            capture_output=True, text=True, timeout=TIMEOUT)
         check(p.returncode == 0, lambda: f"zeroshard-ckpt verify {d}: {p.stdout}{p.stderr}")
-    print(f"elastic: 3 hosts -> 2 after host 2 was killed at step 6+: resumed from step {resume[0]['step']} at 2 ranks "
-          f"and finished {steps} steps; {gap:.1f} s from the kill to the first step without it (liveness "
-          f"{LIVENESS_S} s, rendezvous last call 3 s, keep-alive 2 x 1 s); {len(committed)} committed checkpoints "
-          "verify", flush=True)
+    print(f"elastic: 3 hosts -> 2 -> 3: host 2 killed after step {kill_at}, resumed from step {resumes[0]['step']} at 2 ranks "
+          f"{shrink_gap:.1f} s after the kill (to the first step; liveness {LIVENESS_S} s, rendezvous last call 3 s, "
+          f"keep-alive 4 x 1 s); host 2 back and a new agent started: resumed from step {resumes[1]['step']} at 3 "
+          f"ranks {grow_gap:.1f} s after its start; finished {steps} steps; the {redone} steps redone at 2 ranks had "
+          "their losses at 3; "
+          f"{len(committed)} committed checkpoints verify", flush=True)
 
 
 def cluster_kill(c, i):
