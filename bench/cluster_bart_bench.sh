@@ -3,7 +3,8 @@
 # hosts (scripts/cluster.sh) of RANKS ranks each, every host's link shaped to RATE in
 # each direction, once per mode: flat ZeRO-3 and ZeRO-2 (sharded over every rank) and
 # hybrid (--shard-size host: sharded inside a host, replicated across hosts), and
-# ZeRO-3 with its gathers in bf16 (--gather-dtype bf16), flat and hybrid. Prints
+# ZeRO-3 with its gathers in bf16 (--gather-dtype bf16), flat and hybrid, and in int8
+# (block-quantized), flat. Prints
 # per mode the median step time and the bytes each host's link sent per step (from
 # the link's counters: everything that crossed it, TCP/IP headers, the rendezvous and
 # the validation passes at the start and the end included, averaged over the steps),
@@ -45,8 +46,8 @@ echo "bart_pretrain --config ${5:-tiny} on $hosts hosts x $ranks ranks, links sh
 echo
 echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) | model states per rank, MB |"
 echo "|---|---:|---:|---|---:|---:|---:|"
-# MODES: "STAGE SHARD GATHER" triples separated by commas (default: all six).
-IFS=, read -r -a modes <<<"${MODES:-3 0 fp32,3 host fp32,3 0 bf16,3 host bf16,2 0 fp32,2 host fp32}"
+# MODES: "STAGE SHARD GATHER" triples separated by commas (default: all seven).
+IFS=, read -r -a modes <<<"${MODES:-3 0 fp32,3 host fp32,3 0 bf16,3 host bf16,3 0 int8,2 0 fp32,2 host fp32}"
 for mode in "${modes[@]}"; do
   read -r stage shard gather <<<"$mode"
   run=$work/run-$stage-$shard-$gather
@@ -82,13 +83,14 @@ n = hosts * ranks
 # each rank all-reduces its 1/ranks shard across the hosts, 2 (hosts-1)/hosts of it.
 P = 4 * summary["params"]
 if shard == "0":
-    # ZeRO-2: reduce-scatter + the update's all-gather; bf16 gathers halve ZeRO-3's two (the root's aside)
-    ops = 2 if stage == 2 else 3 if gather == "fp32" else 2
+    # ZeRO-2: reduce-scatter + the update's all-gather; ZeRO-3's two gathers carry 1/2 of P in bf16 and
+    # (1 + 4/256)/4 of it in int8 (the root's, in fp32, aside)
+    ops = 2 if stage == 2 else 1 + 2 * {"fp32": 1, "bf16": 0.5, "int8": (1 + 4 / 256) / 4}[gather]
     formula = f"{ops * (n - 1) / n * P / 1e6:.1f}"
 else:
     formula = f"{ranks * 2 * (hosts - 1) / hosts * P / ranks / 1e6:.1f}"
 mode = f"ZeRO-{stage}, " + ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)")
-mode += ", bf16 gathers" if gather == "bf16" else ""
+mode += f", {gather} gathers" if gather != "fp32" else ""
 links = ", ".join(f"{b / 1e6:.1f}" for b in per_host)
 states = max(summary["model_state_bytes"]) / 1e6
 print(f"| {mode} | {step:.3f} | {tps:,.0f} | {links} | {formula} | {sent / 1e6:.1f} | {states:.1f} |")

@@ -68,8 +68,8 @@ void check_options(const RunOptions& o) {
   need(o.shard_size == "host" || (!o.shard_size.empty() && o.shard_size.find_first_not_of("0123456789") ==
                                   std::string::npos && o.shard_size.size() < 6),
        "--shard-size", "'" + o.shard_size + "'", "0 (every data-parallel rank), host, or a number of ranks");
-  need(o.gather_dtype == "fp32" || o.gather_dtype == "bf16", "--gather-dtype", "'" + o.gather_dtype + "'",
-       "fp32 or bf16");
+  need(o.gather_dtype == "fp32" || o.gather_dtype == "bf16" || o.gather_dtype == "int8", "--gather-dtype",
+       "'" + o.gather_dtype + "'", "fp32, bf16 or int8");
   need(o.gather_dtype == "fp32" || o.stage == 3, "--gather-dtype", o.gather_dtype,
        "fp32 below --stage 3 (only ZeRO-3 gathers parameters in forward and backward)");
   need(!o.activation_checkpointing || o.pp == 1, "--activation-checkpointing with --pp", o.pp,
@@ -172,8 +172,9 @@ int bart_pretrain_main(int argc, char** argv) {
                  "host: the ranks of one host")
       ->capture_default_str();
   app.add_option("--gather-dtype", o.gather_dtype,
-                 "ZeRO-3: the dtype units are all-gathered in; bf16 halves the gather bytes of fp32 units "
-                 "(forward and backward then see bf16-rounded parameters; the master stays fp32)")
+                 "ZeRO-3: the dtype units are all-gathered in; bf16 halves the gather bytes of fp32 units, "
+                 "int8 (block-quantized, an fp32 scale per 256 values) quarters them (forward and backward then "
+                 "see the rounded parameters; the master stays fp32)")
       ->capture_default_str();
   app.add_flag("--activation-checkpointing", o.activation_checkpointing,
                "keep only each layer's input in forward and recompute the layer in backward (less activation "

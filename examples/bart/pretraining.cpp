@@ -35,6 +35,11 @@ std::string trace_path(const std::string& run_dir, int rank, int k) {
 
 namespace {
 
+// --gather-dtype: fp32 (the parameters' own), bf16 or int8 (FullyShardOptions::gather_dtype).
+c10::ScalarType gather_dtype(const std::string& name) {
+  return name == "bf16" ? torch::kBFloat16 : name == "int8" ? torch::kChar : c10::ScalarType::Undefined;
+}
+
 // --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
 torch::Device training_device(const std::string& name, int local_rank) {
   if (name == "cpu") return torch::kCPU;
@@ -134,7 +139,7 @@ void PretrainingRun::build_model() {
     po.timing_length = o.max_tokens;
     po.zero_stage = o.stage;
     po.shard_size = shard_size_;
-    po.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
+    po.gather_dtype = gather_dtype(o.gather_dtype);
     po.unshard_per_step = o.pp_gather == "step";
     po.adamw = adamw;
     po.max_grad_norm = o.max_grad_norm;
@@ -149,7 +154,7 @@ void PretrainingRun::build_model() {
   } else {
     zeroshard::FullyShardOptions fo;
     fo.shard_size = shard_size_;
-    fo.gather_dtype = o.gather_dtype == "bf16" ? torch::kBFloat16 : c10::ScalarType::Undefined;
+    fo.gather_dtype = gather_dtype(o.gather_dtype);
     torch::manual_seed(o.seed);
     const bool deferred_init = o.stage == 3;
     {

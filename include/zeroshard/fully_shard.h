@@ -79,6 +79,9 @@ struct FullyShardOptions {
   // quantized weights, in bf16): each rank gathers its shard rounded to it and
   // widens the gathered parameters back to fp32, so forward and backward see
   // parameters rounded to bf16 while the optimizer updates the fp32 master.
+  // Char: block-quantized int8 (ZeRO++'s qwZ), about 1.02 bytes per value:
+  // blocks of 256 values, each sent as int8 with an fp32 scale (max|x|/127),
+  // so a parameter is off by at most 1/254 of its block's largest magnitude.
   // The root unit, which is never resharded, gathers in its own dtype.
   // Default: Undefined.
   c10::ScalarType gather_dtype = c10::ScalarType::Undefined;

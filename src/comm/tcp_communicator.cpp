@@ -96,16 +96,17 @@ void TcpCommunicator::abort(const std::string& why) {
   mesh_->abort(why);       // in case the family had failed already (then fail() does nothing)
 }
 
-void TcpCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t) const {
+void TcpCommunicator::check_tensor(const char* op, const char* arg, const at::Tensor& t, bool reduces) const {
   TORCH_CHECK_VALUE(t.defined(), op, ": `", arg, "` is an undefined tensor; pass an allocated tensor");
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": `", arg, "` is on ", t.device(),
                     " but this communicator moves CPU tensors over TCP; move the tensor to CPU or use "
                     "the NCCL backend");
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": `", arg, "` (sizes ", t.sizes(),
                     ", strides ", t.strides(), ") is not contiguous; pass t.contiguous()");
-  TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()), op, ": `", arg, "` has dtype ",
-                    t.scalar_type(),
-                    "; supported dtypes are float32, bfloat16, float16, float64, int32, int64");
+  const bool bytes = t.scalar_type() == at::kByte || t.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(is_supported_dtype(t.scalar_type()) || (bytes && !reduces), op, ": `", arg, "` has dtype ",
+                    t.scalar_type(), "; supported dtypes are float32, bfloat16, float16, float64, int32, int64",
+                    reduces ? "" : ", uint8, int8");
 }
 
 void TcpCommunicator::check_peer(const char* op, const char* arg, int peer) const {
@@ -163,8 +164,8 @@ std::shared_ptr<Work> TcpCommunicator::all_gather(at::Tensor out, at::Tensor in)
 }
 
 std::shared_ptr<Work> TcpCommunicator::reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) {
-  check_tensor("reduce_scatter", "out", out);
-  check_tensor("reduce_scatter", "in", in);
+  check_tensor("reduce_scatter", "out", out, true);
+  check_tensor("reduce_scatter", "in", in, true);
   TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type(), "reduce_scatter: `out` has dtype ",
                     out.scalar_type(), " but `in` has ", in.scalar_type(), "; they must match");
   TORCH_CHECK_VALUE(in.numel() == size_ * out.numel(), "reduce_scatter: in.numel() is ", in.numel(),
@@ -176,7 +177,7 @@ std::shared_ptr<Work> TcpCommunicator::reduce_scatter(at::Tensor out, at::Tensor
 }
 
 std::shared_ptr<Work> TcpCommunicator::all_reduce(at::Tensor t, ReduceOp op) {
-  check_tensor("all_reduce", "t", t);
+  check_tensor("all_reduce", "t", t, true);
   return enqueue(OpKind::kAllReduce, {t}, op, -1);
 }
 

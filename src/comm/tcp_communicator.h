@@ -95,7 +95,8 @@ class TcpCommunicator final : public Communicator {
   void reaper_loop();
   void record(OpKind kind, const OpStats& s);
   void set_failure(const std::string& message);
-  void check_tensor(const char* op, const char* arg, const at::Tensor& t) const;
+  // `reduces`: the op sums `t` (float and int dtypes); the others move bytes (uint8 and int8 too).
+  void check_tensor(const char* op, const char* arg, const at::Tensor& t, bool reduces = false) const;
   void check_peer(const char* op, const char* arg, int peer) const;
 
   const int rank_;

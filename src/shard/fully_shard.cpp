@@ -287,9 +287,9 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     "fully_shard: reduce_dtype is ", c10::toString(rd),
                     "; use Float, BFloat16, Half or Undefined (the parameters' dtype)");
   const auto gd = options.gather_dtype;
-  TORCH_CHECK_VALUE(gd == at::ScalarType::Undefined || gd == at::kBFloat16 || gd == at::kHalf,
+  TORCH_CHECK_VALUE(gd == at::ScalarType::Undefined || gd == at::kBFloat16 || gd == at::kHalf || gd == at::kChar,
                     "fully_shard: gather_dtype is ", c10::toString(gd),
-                    "; use BFloat16, Half or Undefined (the parameters' dtype)");
+                    "; use BFloat16, Half, Char (block-quantized int8) or Undefined (the parameters' dtype)");
   auto impl = std::make_unique<shard::ShardedModel>();
   impl->group = group;
   impl->options = options;
@@ -448,8 +448,16 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     const auto narrow = options.gather_dtype;
     if (narrow != at::ScalarType::Undefined && !u->keeps_buffer() &&
         c10::elementSize(narrow) < c10::elementSize(u->values.scalar_type())) {
-      u->gather_values = u->values.to(narrow);
-      u->gather_buffer = at::empty({u->layout.padded_numel}, u->values.options().dtype(narrow));
+      if (narrow == at::kChar) {
+        u->quantized.emplace(u->layout.shard_numel());
+        const int64_t packed = u->quantized->packed_bytes();
+        u->gather_values = at::empty({packed}, u->values.options().dtype(at::kByte));
+        u->refresh_gather_values();
+        u->gather_buffer = at::empty({u->layout.padded_numel / u->layout.shard_numel() * packed}, u->gather_values.options());
+      } else {
+        u->gather_values = u->values.to(narrow);
+        u->gather_buffer = at::empty({u->layout.padded_numel}, u->values.options().dtype(narrow));
+      }
       compat::resize_storage_bytes(u->gather_buffer, 0);
     }
     u->register_hooks();

@@ -69,7 +69,11 @@ void Unit::remove_hooks() { hooks_.clear(); }
 bool Unit::keeps_buffer() const { return is_root || model.world == 1; }
 
 void Unit::refresh_gather_values() {
-  if (narrow_gather()) gather_values.copy_(values);
+  if (quantized) {
+    quantized->quantize(values, gather_values);
+  } else if (narrow_gather()) {
+    gather_values.copy_(values);
+  }
 }
 
 void Unit::start_unshard() {
@@ -77,7 +81,7 @@ void Unit::start_unshard() {
   compat::resize_storage_bytes(gathered, static_cast<size_t>(layout.padded_numel) * gathered.element_size());
   model.track_gathered(static_cast<int64_t>(gathered.nbytes()));
   if (narrow_gather()) {  // gathered in the narrow dtype, widened once it lands
-    compat::resize_storage_bytes(gather_buffer, static_cast<size_t>(layout.padded_numel) * gather_buffer.element_size());
+    compat::resize_storage_bytes(gather_buffer, static_cast<size_t>(gather_buffer.numel()) * gather_buffer.element_size());
     model.track_gathered(static_cast<int64_t>(gather_buffer.nbytes()));
     gather_work_ = model.comm->all_gather(gather_buffer, gather_values);
   } else {
@@ -95,7 +99,11 @@ void Unit::unshard() {
     if (trace::enabled()) trace::record("wait for gather of " + label(), "wait", t0);
     gather_work_.reset();
     if (narrow_gather()) {
-      gathered.copy_(gather_buffer);
+      if (quantized) {
+        quantized->dequantize(gather_buffer, gathered);
+      } else {
+        gathered.copy_(gather_buffer);
+      }
       compat::resize_storage_bytes(gather_buffer, 0);
       model.track_gathered(-static_cast<int64_t>(gather_buffer.nbytes()));
     }

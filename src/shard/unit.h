@@ -19,12 +19,14 @@
 #include "shard/backward_round.h"
 #include "shard/deferred_init.h"
 #include "shard/front_end.h"
+#include "shard/quantized_gather.h"
 #include "shard/shard_group.h"
 #include "shard/shard_topology.h"
 
 #include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <optional>
 
 namespace zeroshard::shard {
 
@@ -62,7 +64,10 @@ class Unit : public ShardGroup {
   // gather_dtype): `gather_values` is the shard rounded to it (refreshed after
   // every update), and `gather_buffer` the narrow gathered buffer, whose
   // storage exists only while a gather is in flight. Undefined otherwise.
+  // With gather_dtype Char both are uint8: the shard block-quantized and packed
+  // by `quantized` (quantized_gather.h), and the ranks' packed shards.
   at::Tensor gather_values, gather_buffer;
+  std::optional<QuantizedGather> quantized;
   bool narrow_gather() const { return gather_values.defined(); }
   // The shard changed (an update, a load): round it again for the next gathers.
   void refresh_gather_values();

@@ -109,6 +109,34 @@ TEST(Collectives, AllGatherEveryDtypeAndCount) {
   }
 }
 
+// Bytes move (quantized gathers send int8 values and their scales as uint8); they do not sum.
+TEST(Collectives, AllGatherMovesBytesAndReductionsRefuseThem) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  auto bytes_of = [](int rank, int64_t count, at::ScalarType dt) {
+    auto x = (at::arange(count, at::kLong) * 31 + rank * 7) % 256;
+    return (dt == at::kChar ? x - 128 : x).to(dt);
+  };
+  for (auto dt : {at::kByte, at::kChar}) {
+    for (int64_t count : kCounts) {
+      auto out = at::full({n * count}, 5, at::TensorOptions(dt));
+      c.all_gather(out, bytes_of(r, count, dt))->wait();
+      for (int p = 0; p < n; ++p) {
+        ASSERT_TRUE(out.slice(0, p * count, (p + 1) * count).equal(bytes_of(p, count, dt)))
+            << "dtype " << dt << " count " << count << " slice of rank " << p;
+      }
+    }
+  }
+  auto t = at::ones({8}, at::kByte);
+  try {
+    c.all_reduce(t, ReduceOp::kSum);
+    FAIL() << "an all_reduce of uint8 was accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce: `t` has dtype Byte; supported dtypes are float32"),
+              std::string::npos) << e.what();
+  }
+}
+
 TEST(Collectives, AllGatherInPlace) {
   auto& c = world();
   const int n = c.size(), r = c.rank();

@@ -2,6 +2,7 @@
 // errors, the trace, parameters unused on some ranks, discarded gradients,
 // a unit run twice under activation checkpointing.
 #include "shard/fully_shard_models.h"
+#include "shard/quantized_gather.h"
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"
@@ -306,6 +307,81 @@ TEST(FullyShardMixed, Bf16GathersOfFp32Units) {
   EXPECT_GT(max_diff, 0.0) << "the bf16 gathers changed nothing: were they used?";
 }
 
+// Block-quantized int8 gathers (gather_dtype Char): the units' gathers carry their
+// packed shards (int8 values and an fp32 scale per block), and training stays
+// within the quantization's error of the fp32 gathers.
+TEST(FullyShardMixed, Int8GathersOfFp32Units) {
+  const int n = world().size();
+  if (n == 1) GTEST_SKIP() << "one rank gathers nothing";
+  FullyShardOptions o;
+  const auto r32 = train_tiny(o);
+  o.gather_dtype = torch::kChar;
+  const auto r8 = train_tiny(o);
+  const auto [max_diff, err] = distance(r8, r32);
+  const int64_t root = kSteps * (n - 1) * (r32.root_padded / n) * 4;
+  const int64_t b32 = r32.gathers.bytes_sent - root, b8 = r8.gathers.bytes_sent - root;
+  // Each unit sends its shard as int8 plus 4 bytes per block instead of 4 bytes per value.
+  torch::manual_seed(9);
+  Tiny model;
+  auto sharded = fully_shard(model, world_ptr());
+  int64_t fp32_bytes = 0, packed_bytes = 0;
+  for (const auto& u : sharded->units()) {
+    if (u.name.empty()) continue;
+    const int64_t shard = u.layout.padded_numel / n;
+    fp32_bytes += 4 * shard;
+    packed_bytes += shard + 4 * shard / shard::QuantizedGather(shard).block();
+  }
+  if (world().rank() == 0) {
+    std::printf("fully_shard int8 gathers: max |param diff| %.4f, relative displacement error %.4f, units' gather "
+                "bytes in %d steps %lld vs %lld\n", max_diff, err, kSteps, static_cast<long long>(b8),
+                static_cast<long long>(b32));
+  }
+  EXPECT_GT(b32, 0);
+  EXPECT_EQ(b8 * fp32_bytes, b32 * packed_bytes);
+  EXPECT_LT(err, 0.05);
+  EXPECT_GT(max_diff, 0.0) << "the int8 gathers changed nothing: were they used?";
+}
+
+// The packing against values computed here in double: q = round(x / s) with
+// s = max|x| / 127 over each block, x' = q * s; all-zero blocks stay zero; ranks'
+// packed shards side by side dequantize each into its own slice.
+TEST(QuantizedGather, PacksInt8AndAScalePerBlockAndRestoresWithinHalfAStep) {
+  for (int64_t numel : {int64_t(64 * 3), int64_t(64 * 5), int64_t(128 * 5), int64_t(256 * 3)}) {
+    const shard::QuantizedGather qg(numel);
+    EXPECT_EQ(qg.block(), numel % 256 == 0 ? 256 : numel % 128 == 0 ? 128 : 64) << numel;
+    const int64_t blocks = numel / qg.block();
+    EXPECT_EQ(qg.packed_bytes(), numel + 4 * blocks);
+    torch::manual_seed(numel);
+    std::vector<at::Tensor> shards;
+    for (int rank = 0; rank < 3; ++rank) {
+      auto x = torch::randn({numel}) * (rank + 1) * 0.1;
+      x.narrow(0, 0, qg.block()).zero_();  // an all-zero block
+      x[numel - 1] = 40.0;                 // an outlier: its block's step grows, the others' do not
+      shards.push_back(x);
+    }
+    auto gathered = at::empty({3 * qg.packed_bytes()}, at::kByte);
+    for (int rank = 0; rank < 3; ++rank) {
+      auto packed = gathered.narrow(0, rank * qg.packed_bytes(), qg.packed_bytes());
+      qg.quantize(shards[rank], packed);
+    }
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      auto out = at::full({3 * numel}, 7.0, dtype);
+      qg.dequantize(gathered, out);
+      for (int rank = 0; rank < 3; ++rank) {
+        auto x = shards[rank].to(at::kDouble).view({blocks, qg.block()});
+        auto s = x.abs().amax(1, true) / 127.0;
+        auto want = (x / s.clamp_min(1e-300)).round() * s;  // a zero block: 0 / tiny = 0
+        auto got = out.narrow(0, rank * numel, numel).to(at::kDouble).view({blocks, qg.block()});
+        const double tol = dtype == at::kFloat ? 1e-6 : 1.0 / 256;  // fp32 scale; bf16 rounds the result too
+        EXPECT_TRUE(torch::allclose(got, want, tol, 0)) << "numel " << numel << " rank " << rank << " " << dtype;
+        // Half a step off at most (and the output dtype's rounding).
+        EXPECT_TRUE((got - x).abs().le(s / 2 + want.abs() * tol).all().item<bool>()) << numel << " " << dtype;
+        EXPECT_TRUE(got[0].eq(0).all().item<bool>()) << "the all-zero block";
+      }
+    }
+  }
+}
+
 }  // namespace fully_shard_edges_test
 }  // namespace zeroshard
 
@@ -429,7 +505,8 @@ TEST(FullyShardMisuse, BadOptionsAreNamed) {
   FullyShardOptions o;
   o.gather_dtype = torch::kDouble;
   auto what = testing::error_of([&] { (void)fully_shard(a, world_ptr(), o); });
-  EXPECT_NE(what.find("fully_shard: gather_dtype is Double; use BFloat16, Half or Undefined"), std::string::npos)
+  EXPECT_NE(what.find("fully_shard: gather_dtype is Double; use BFloat16, Half, Char (block-quantized int8) or "
+                      "Undefined"), std::string::npos)
       << what;
   Tiny b;
   o = FullyShardOptions();

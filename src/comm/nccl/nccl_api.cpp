@@ -26,8 +26,10 @@ ncclDataType_t nccl_dtype(at::ScalarType t) {
     case at::kDouble: return ncclFloat64;
     case at::kInt: return ncclInt32;
     case at::kLong: return ncclInt64;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
     default: TORCH_CHECK_VALUE(false, "NCCL: dtype ", t, " is not supported; use float32, bfloat16, float16, "
-                               "float64, int32 or int64");
+                               "float64, int32, int64, uint8 or int8");
   }
 }
 
