@@ -46,11 +46,15 @@ echo "bart_pretrain --config ${5:-tiny} on $hosts hosts x $ranks ranks, links sh
 echo
 echo "| mode | step s (median) | tokens/s | MB sent per step by each host's link | of which the sharding, by formula | MB sent per step per rank (all collectives) | model states per rank, MB |"
 echo "|---|---:|---:|---|---:|---:|---:|"
-# MODES: "STAGE SHARD GATHER" triples separated by commas (default: all seven).
+# MODES: "STAGE SHARD GATHER [PP]" separated by commas (default: the seven below). PP > 1: that many
+# pipeline stages (PipelineGrid: a stage takes whole hosts first), 8 micro-batches per step.
 IFS=, read -r -a modes <<<"${MODES:-3 0 fp32,3 host fp32,3 0 bf16,3 host bf16,3 0 int8,2 0 fp32,2 host fp32}"
 for mode in "${modes[@]}"; do
-  read -r stage shard gather <<<"$mode"
-  run=$work/run-$stage-$shard-$gather
+  read -r stage shard gather pp <<<"$mode"
+  pp=${pp:-1}
+  name=$hosts-$stage-$shard-$gather
+  if ((pp > 1)); then name+=-pp$pp; fi
+  run=$work/run-$name
   before=()
   for ((i = 0; i < hosts; i++)); do before+=("$(tx $i)"); done
   for ((i = hosts - 1; i >= 0; i--)); do
@@ -58,18 +62,19 @@ for mode in "${modes[@]}"; do
          --nproc-per-node "$ranks" --master-addr "$master" --master-port 29700 -- "$build/examples/bart_pretrain"
          --config "$config" --data "$here/docs" --tokenizer "$work/tokenizer" --run-dir "$run"
          --max-steps "$steps" --global-batch $((hosts * ranks * 4)) --max-tokens 128 --eval-every 0 --ckpt-dir none
-         --no-sample --no-plot --dropout 0 --stage "$stage" --shard-size "$shard" --gather-dtype "$gather")
+         --no-sample --no-plot --dropout 0 --stage "$stage" --shard-size "$shard" --gather-dtype "$gather"
+         --pp "$pp" --micro-batches $((pp > 1 ? 8 : 1)))
     if (( i > 0 )); then "${cmd[@]}" > "$work/host$i.log" 2>&1 & else "${cmd[@]}" > "$work/host0.log" 2>&1; fi
   done
   wait
-  if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP" && cp "$run/metrics.jsonl" "$KEEP/$hosts-$stage-$shard-$gather.jsonl"; fi
+  if [[ -n ${KEEP:-} ]]; then mkdir -p "$KEEP" && cp "$run/metrics.jsonl" "$KEEP/$name.jsonl"; fi
   per_host=()
   for ((i = 0; i < hosts; i++)); do per_host+=("$(( ($(tx $i) - before[i]) / steps ))"); done
-  "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$gather" "$hosts" "$ranks" "${per_host[@]}" <<'PY'
+  "$python" - "$run/metrics.jsonl" "$stage" "$shard" "$gather" "$hosts" "$ranks" "$pp" "${per_host[@]}" <<'PY'
 import json, statistics, sys
 path, stage, shard, gather = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-hosts, ranks = int(sys.argv[5]), int(sys.argv[6])
-per_host = [int(x) for x in sys.argv[7:]]
+hosts, ranks, pp = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+per_host = [int(x) for x in sys.argv[8:]]
 rows = [r for r in map(json.loads, open(path)) if "event" not in r]
 summary = [r for r in map(json.loads, open(path)) if r.get("event") == "summary"][-1]
 steady = rows[2:] or rows
@@ -82,14 +87,17 @@ n = hosts * ranks
 # through each host's link per operation (ranks are numbered host by host). Hybrid:
 # each rank all-reduces its 1/ranks shard across the hosts, 2 (hosts-1)/hosts of it.
 P = 4 * summary["params"]
-if shard == "0":
+if pp > 1:  # the data-parallel groups stay inside a host when a stage fills whole hosts; activations cross
+    formula = "0" if (hosts * ranks // pp) % ranks == 0 else "?"
+elif shard == "0":
     # ZeRO-2: reduce-scatter + the update's all-gather; ZeRO-3's two gathers carry 1/2 of P in bf16 and
     # (1 + 4/256)/4 of it in int8 (the root's, in fp32, aside)
     ops = 2 if stage == 2 else 1 + 2 * {"fp32": 1, "bf16": 0.5, "int8": (1 + 4 / 256) / 4}[gather]
     formula = f"{ops * (n - 1) / n * P / 1e6:.1f}"
 else:
     formula = f"{ranks * 2 * (hosts - 1) / hosts * P / ranks / 1e6:.1f}"
-mode = f"ZeRO-{stage}, " + ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)")
+mode = (f"pp {pp} x " if pp > 1 else "") + f"ZeRO-{stage}, " + \
+    ("flat (every rank)" if shard == "0" else "hybrid (a shard group per host)") + (", 8 micro-batches" if pp > 1 else "")
 mode += f", {gather} gathers" if gather != "fp32" else ""
 links = ", ".join(f"{b / 1e6:.1f}" for b in per_host)
 states = max(summary["model_state_bytes"]) / 1e6

@@ -6,8 +6,9 @@
 #      links shaped to RATE).
 #   2. For each host count: the compute per token, measured on unshaped links
 #      (10 Gbit/s, ZeRO-2: the rank's compute_s over its tokens), then
-#      cluster_bart_bench.sh's "small" BART at RATE in four modes (ZeRO-3 and
-#      ZeRO-2, flat and sharded per host).
+#      cluster_bart_bench.sh's "small" BART at RATE in six modes (ZeRO-3 and
+#      ZeRO-2, flat and sharded per host; ZeRO-1 flat; 2 pipeline stages of
+#      ZeRO-1 with 8 micro-batches).
 #   3. zeroshard-plan's step time for each, from 1 and 2, beside the measured median:
 #      the shares of hideable gathers and reductions that compute hides
 #      (--gather-overlap, --reduce-overlap) are fitted to the fewest hosts'
@@ -55,18 +56,19 @@ echo
 # 2. The runs.
 for hosts in $host_counts; do
   KEEP=$work/fast MODES="2 0 fp32" "$here/bench/cluster_bart_bench.sh" "$build" "$hosts" "$ranks" 10gbit small "$steps" > /dev/null
-  KEEP=$work/shaped MODES="3 0 fp32,3 host fp32,2 0 fp32,2 host fp32" \
+  KEEP=$work/shaped MODES="3 0 fp32,3 host fp32,2 0 fp32,2 host fp32,1 0 fp32,1 0 fp32 2" \
     "$here/bench/cluster_bart_bench.sh" "$build" "$hosts" "$ranks" "$rate" small "$steps" > /dev/null
 done
 
-# 3. The predictions: the overlap shares fitted to the fewest hosts' four runs, then every row.
+# 3. The predictions: the overlap shares fitted to the fewest hosts' runs, then every row.
 "$python" - "$build" "$work" "$ranks" "$intra_alpha" "$intra_bw" "$inter_alpha" "$inter_bw" $host_counts <<'PY'
 import json, statistics, subprocess, sys
 build, work, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3])
 links = sys.argv[4:8]
 host_counts = [int(h) for h in sys.argv[8:]]
-MODES = {("3", "0"): "ZeRO-3, flat", ("3", "host"): f"ZeRO-3, sharded per {ranks} ranks",
-         ("2", "0"): "ZeRO-2, flat", ("2", "host"): f"ZeRO-2, sharded per {ranks} ranks"}
+MODES = {"3-0-fp32": "ZeRO-3, flat", "3-host-fp32": f"ZeRO-3, sharded per {ranks} ranks",
+         "2-0-fp32": "ZeRO-2, flat", "2-host-fp32": f"ZeRO-2, sharded per {ranks} ranks",
+         "1-0-fp32": "ZeRO-1, flat", "1-0-fp32-pp2": "pp 2 x ZeRO-1, flat, 8 micro-batches"}
 
 def steady(path):
     rows = [r for r in map(json.loads, open(path)) if "event" not in r]
@@ -77,8 +79,8 @@ def runs(hosts):
     fast = steady(f"{work}/fast/{hosts}-2-0-fp32.jsonl")
     per_token = statistics.median(r["compute_s"] / (r["tokens"] / n) for r in fast)  # one rank's compute per token
     out = []
-    for (stage, shard), name in MODES.items():
-        rows = steady(f"{work}/shaped/{hosts}-{stage}-{shard}-fp32.jsonl")
+    for mode, name in MODES.items():
+        rows = steady(f"{work}/shaped/{hosts}-{mode}.jsonl")
         out.append((name, statistics.median(r["step_s"] for r in rows), statistics.median(r["tokens"] for r in rows)))
     return per_token, out
 

@@ -34,11 +34,12 @@ double ring_s(const Cluster& c, double bytes, const Ring& r, double* inter_bytes
 }
 
 // The hosts a group of `size` consecutive members of a data-parallel group
-// spans, when the dp group's `dp` ranks sit evenly on the cluster's hosts.
+// spans. A data-parallel group is `dp` consecutive ranks (PipelineGrid: stage =
+// rank / dp), ranks numbered host by host: without a pipeline it spans every
+// host; a pipeline's stages take whole hosts before the next stage begins.
 int hosts_spanned(const Cluster& c, int dp, int size) {
-  const int hosts_of_dp = std::min(c.hosts, dp);
-  const int per_host = std::max(1, dp / hosts_of_dp);
-  return std::max(1, std::min(hosts_of_dp, (size + per_host - 1) / per_host));
+  const int per_host = std::max(1, std::min(dp, c.ranks_per_host));
+  return std::max(1, (size + per_host - 1) / per_host);
 }
 
 }  // namespace
@@ -102,7 +103,10 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   const double tokens = step.tokens / dp;  // each pipeline's share; each stage computes its layers of it
   const double flops_per_token =
       6 * params + 12.0 * stage_units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
-  const double fwd = c.seconds_per_token > 0 ? tokens * c.seconds_per_token / 3
+  // A measured time per token is the whole model's: a stage takes its share of the flops.
+  const double model_flops_per_token =
+      6 * m.params() + 12.0 * m.units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
+  const double fwd = c.seconds_per_token > 0 ? tokens * c.seconds_per_token * flops_per_token / model_flops_per_token / 3
                                             : tokens * flops_per_token / 3 / c.flops_per_s;
   out.compute_s = fwd * (s.activation_checkpointing ? 4 : 3);
   const double backward_s = out.compute_s - fwd;
@@ -151,8 +155,15 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   }
   if (s.pp > 1) {  // activations and their gradients cross each stage boundary; fill and drain are exposed
     const double message = mb_tokens * m.d_model * p;
-    const Link& l = c.hosts > 1 && s.pp > c.ranks_per_host ? c.inter : c.intra;
-    exposed += 2 * (s.pp - 1) * (l.alpha_s + message / l.bytes_per_s);
+    for (int k = 0; k + 1 < s.pp; ++k) {
+      // Stage k holds ranks [k dp, (k+1) dp): the boundary crosses hosts where its stages begin on
+      // different hosts, and then the pipelines of a host send over its link at once.
+      const bool crosses = k * dp / c.ranks_per_host != (k + 1) * dp / c.ranks_per_host;
+      const Link& l = crosses ? c.inter : c.intra;
+      const int concurrent = crosses ? std::min(dp, c.ranks_per_host) : 1;
+      exposed += 2 * (l.alpha_s + concurrent * message / l.bytes_per_s);
+      (crosses ? ib : hb) += s.micro_batches * concurrent * message;  // what a host sends, each way
+    }
     exposed += overlappable;  // a pipeline step reduces after its last backward
     overlappable = hideable = 0;
   }

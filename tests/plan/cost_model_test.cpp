@@ -142,6 +142,34 @@ TEST(CostModel, PipelineBubbleIsTheFillAndDrain) {
   EXPECT_THROW(predict(m, c, {1, 0, 3, 3}, step), std::invalid_argument);
 }
 
+TEST(CostModel, PipelineStagesTakeWholeHostsAsThePipelineGridPlacesThem) {
+  // PipelineGrid puts stage k on ranks [k dp, (k+1) dp): at 2 hosts x 2 ranks, pp 2 is one stage per host.
+  // The data-parallel rings stay inside a host; only activations and their gradients cross, the 2
+  // pipelines of a host at once: each host sends micro-batches x 2 pipelines x (tokens, d_model) fp32.
+  const auto c = two_by_two();
+  const auto m = small_model();
+  const Step step{16 * 128};
+  const int micro = 8;
+  const double message = step.tokens / 2 / micro * m.d_model * 4;
+  const auto piped = predict(m, c, {1, 0, 2, micro}, step);
+  EXPECT_DOUBLE_EQ(piped.inter_host_bytes, micro * 2 * message);
+  const double rings = 2 * ring_gather_s(c, (m.unit_params / 2 + m.root_params) * 4, 2, 1);  // ZeRO-1: RS + AG
+  const double boundary = 2 * (c.inter.alpha_s + 2 * message / c.inter.bytes_per_s);        // fill and drain
+  EXPECT_NEAR(piped.exposed_comm_s, rings + boundary, 1e-12);
+  // Four stages over 2 hosts of 2: dp 1, only the middle boundary crosses hosts.
+  const auto four = predict(m, c, {1, 0, 4, micro}, step);
+  const double message4 = step.tokens / micro * m.d_model * 4;
+  EXPECT_DOUBLE_EQ(four.inter_host_bytes, micro * message4);
+  // A measured time per token is the whole model's: a stage of the two computes its share of the flops.
+  auto timed = c;
+  timed.seconds_per_token = 1e-3;
+  const auto flat = predict(m, timed, {1, 0}, step), half = predict(m, timed, {1, 0, 2, micro}, step);
+  const double d = m.d_model * static_cast<double>(m.seq_len);
+  const double share = (6 * (m.unit_params / 2 + m.root_params) + 12.0 * 4 * d) / (6 * m.params() + 12.0 * 8 * d);
+  EXPECT_NEAR(flat.compute_s, step.tokens / 4 * 1e-3, 1e-12);
+  EXPECT_NEAR(half.compute_s, step.tokens / 2 * 1e-3 * share, 1e-12);
+}
+
 TEST(CostModel, NamedModelsHaveTheirPublishedSizes) {
   EXPECT_NEAR(named_model("bart-base", 1024).params() / 1e6, 139.4, 0.1);
   EXPECT_NEAR(named_model("bart-large", 1024).params() / 1e6, 406.3, 0.1);
