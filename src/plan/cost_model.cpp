@@ -237,19 +237,29 @@ Model named_model(const std::string& name, int64_t seq_len) {
     m.name = "bart-large";
     return m;
   }
-  if (name == "7b") {  // LLaMA-7B's shape: attention 4 d^2, SwiGLU 3 d ffn, 2 RMSNorms per layer
-    Model m;
+  if (name == "7b") {
+    auto m = llama(4096, 11008, 32, 32, 32000, seq_len);
     m.name = "7B (LLaMA-7B's shape)";
-    const double d = 4096, ffn = 11008, vocab = 32000;
-    m.units = 32;
-    m.unit_params = m.units * (4 * d * d + 3 * d * ffn + 2 * d);
-    m.root_params = 2 * vocab * d + d;
-    m.d_model = 4096;
-    m.heads = 32;
-    m.seq_len = seq_len;
     return m;
   }
   throw std::invalid_argument("unknown model '" + name + "'; known: bart-base, bart-large, 7b");
+}
+
+Model llama(int64_t d_model, int64_t ffn, int64_t heads, int64_t layers, int64_t vocab, int64_t seq_len) {
+  if (d_model <= 0 || ffn <= 0 || heads <= 0 || layers <= 0 || vocab <= 0 || d_model % heads != 0) {
+    throw std::invalid_argument("a decoder needs positive sizes and heads dividing d_model");
+  }
+  Model m;
+  m.name = "decoder, " + std::to_string(layers) + " layers of " + std::to_string(d_model);
+  const double d = static_cast<double>(d_model);
+  m.units = static_cast<int>(layers);
+  // Attention 4 d^2, SwiGLU 3 d ffn, 2 RMSNorms per layer; embedding and head untied, a final norm.
+  m.unit_params = m.units * (4 * d * d + 3 * d * static_cast<double>(ffn) + 2 * d);
+  m.root_params = 2 * static_cast<double>(vocab) * d + d;
+  m.d_model = d_model;
+  m.heads = heads;
+  m.seq_len = seq_len;
+  return m;
 }
 
 }  // namespace zeroshard::plan

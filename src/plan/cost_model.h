@@ -116,5 +116,8 @@ std::vector<Strategy> candidates(const Cluster& c, const Model& m, const Step& s
 Model named_model(const std::string& name, int64_t seq_len);
 // BART with L encoder and L decoder layers (bench/memory_wall.sh's search).
 Model bart(int64_t d_model, int64_t ffn, int64_t heads, int64_t layers, int64_t vocab, int64_t positions, int64_t seq_len);
+// A decoder-only transformer of LLaMA's layout (attention 4 d^2, SwiGLU 3 d ffn,
+// RMSNorms, untied embedding and head): GPT-like models of a user's own shape.
+Model llama(int64_t d_model, int64_t ffn, int64_t heads, int64_t layers, int64_t vocab, int64_t seq_len);
 
 }  // namespace zeroshard::plan

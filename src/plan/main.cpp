@@ -2,6 +2,7 @@
 // memory per rank each one needs: the cost model's predictions (cost_model.h).
 //   zeroshard-plan --model bart-large --hosts 4 --ranks-per-host 8
 //   zeroshard-plan --model 7b --hosts 128 --inter-GBps 400 --memory-GB 80
+//   zeroshard-plan --decoder 2048,5632,16,22,32000 --hosts 2   (a model of your own shape)
 #include "plan/cost_model.h"
 
 #include <CLI/CLI.hpp>
@@ -76,6 +77,12 @@ int main(int argc, char** argv) {
                  "(LAYERS encoder and LAYERS decoder layers)")
       ->delimiter(',')
       ->expected(6);
+  std::vector<int64_t> decoder_shape;
+  app.add_option("--decoder", decoder_shape, "instead of --model: a decoder-only transformer of LLaMA's layout "
+                 "(SwiGLU, untied embeddings) of D_MODEL,FFN,HEADS,LAYERS,VOCAB")
+      ->delimiter(',')
+      ->expected(5)
+      ->excludes("--bart");
   double seconds_per_token = 0;
   app.add_option("--seconds-per-token", seconds_per_token, "measured forward + backward seconds per token on one "
                  "rank (instead of --tflops and --mfu)")
@@ -91,9 +98,11 @@ int main(int argc, char** argv) {
   }
   Model m;
   try {
-    m = bart_shape.empty() ? named_model(model_name, seq)
-                           : bart(bart_shape[0], bart_shape[1], bart_shape[2], bart_shape[3], bart_shape[4],
-                                  bart_shape[5], seq);
+    m = !bart_shape.empty() ? bart(bart_shape[0], bart_shape[1], bart_shape[2], bart_shape[3], bart_shape[4],
+                                   bart_shape[5], seq)
+        : !decoder_shape.empty() ? llama(decoder_shape[0], decoder_shape[1], decoder_shape[2], decoder_shape[3],
+                                         decoder_shape[4], seq)
+                                 : named_model(model_name, seq);
   } catch (const std::exception& e) {
     std::cerr << "zeroshard-plan: --model: " << e.what() << "\n";
     return 2;

@@ -177,6 +177,9 @@ TEST(CostModel, NamedModelsHaveTheirPublishedSizes) {
   // bench/memory_wall.sh's BART-large shape with a 4,096-entry vocabulary (359.0M parameters).
   EXPECT_NEAR(bart(1024, 4096, 16, 12, 4096, 1024, 32).params() / 1e6, 359.0, 0.1);
   EXPECT_THROW(named_model("gpt-5", 1024), std::invalid_argument);
+  // A decoder of a user's own shape (zeroshard-plan --decoder): LLaMA-2-13B's, 13,015,864,320 parameters.
+  EXPECT_DOUBLE_EQ(llama(5120, 13824, 40, 40, 32000, 4096).params(), 13015864320.0);
+  EXPECT_THROW(llama(5120, 13824, 3, 40, 32000, 4096), std::invalid_argument);  // heads must divide d_model
 }
 
 }  // namespace
