@@ -6,12 +6,14 @@
 # steps, the mean training loss of the last 10 steps and the bytes each rank sent per
 # step (docs/performance.md, "Narrow gathers").
 #
-#   bench/gather_loss.sh BUILD_DIR [CONFIG=tiny|small|base|FILE] [STEPS=300] [RANKS=4]
+#   bench/gather_loss.sh BUILD_DIR [CONFIG=tiny|small|base|FILE] [STEPS=300] [RANKS=4] [LR=bart_pretrain's]
 set -euo pipefail
-build=$(realpath "${1:?usage: gather_loss.sh BUILD_DIR [CONFIG] [STEPS] [RANKS]}")
+build=$(realpath "${1:?usage: gather_loss.sh BUILD_DIR [CONFIG] [STEPS] [RANKS] [LR]}")
 config=${2:-tiny}
 steps=${3:-300}
 ranks=${4:-4}
+lr=()
+if [[ -n ${5:-} ]]; then lr=(--lr "$5"); fi
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$here/.venv/bin/python}
 work=$(mktemp -d /tmp/zs-gather-loss.XXXXXX)
@@ -24,7 +26,7 @@ case $config in  # "small": cluster_bart_bench.sh's, between tiny and base (8.6M
 esac
 "$build/examples/bart_pretrain" train-tokenizer --data "$here/docs" --vocab-size 4096 --out "$work/tokenizer" > /dev/null 2>&1
 every=$((steps / 3))
-echo "bart_pretrain --config ${2:-tiny}, ZeRO-3 at $ranks ranks, global batch 16 x 128 tokens, $steps steps"
+echo "bart_pretrain --config ${2:-tiny} ${lr[*]}, ZeRO-3 at $ranks ranks, global batch 16 x 128 tokens, $steps steps"
 echo
 echo "| gathers | seed | validation loss at step $every | $((2 * every)) | $((3 * every)) | training loss, mean of the last 10 steps | MB sent per step per rank |"
 echo "|---|---:|---:|---:|---:|---:|---:|"
@@ -34,7 +36,7 @@ for mode in "fp32 1" "fp32 2" "bf16 1" "int8 1"; do
   OMP_NUM_THREADS=1 "$build/zeroshard-run" --nproc-per-node "$ranks" -- "$build/examples/bart_pretrain" \
     --config "$config" --data "$here/docs" --tokenizer "$work/tokenizer" --run-dir "$run" --seed "$seed" \
     --max-steps "$steps" --global-batch 16 --max-tokens 128 --eval-every "$every" --ckpt-dir none \
-    --no-sample --no-plot --stage 3 --gather-dtype "$gather" > "$work/log" 2>&1 || { tail -20 "$work/log"; exit 1; }
+    --no-sample --no-plot --stage 3 --gather-dtype "$gather" "${lr[@]}" > "$work/log" 2>&1 || { tail -20 "$work/log"; exit 1; }
   "$python" - "$run/metrics.jsonl" "$gather" "$seed" "$ranks" <<'PY'
 import json, statistics, sys
 path, gather, seed, ranks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

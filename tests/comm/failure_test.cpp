@@ -38,7 +38,8 @@ CommOptions patient() {
   return opt;
 }
 
-// A hand-made client of rank 0's listening port, as a peer or a stranger sees it.
+// A hand-made client of rank 0's listening port, as a peer or a stranger sees it (rank 0 serves the store:
+// its keys name no restart count).
 struct RawPeer {
   std::shared_ptr<c10d::Store> store;
   explicit RawPeer(int store_port)
@@ -48,10 +49,10 @@ struct RawPeer {
     const auto value = store->get(key);
     return std::string(value.begin(), value.end());
   }
-  uint64_t token() { return std::stoull(get("zs/r0/world/token/0")); }
+  uint64_t token() { return std::stoull(get("zs/world/token/0")); }
   // A connection to rank 0's listening port (published as "ip port").
   int connect_to_rank0() {
-    std::istringstream in(get("zs/r0/world/mesh/addr/0"));
+    std::istringstream in(get("zs/world/mesh/addr/0"));
     std::string ip;
     int port = 0;
     in >> ip >> port;
