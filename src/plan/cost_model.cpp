@@ -42,6 +42,24 @@ int hosts_spanned(const Cluster& c, int dp, int size) {
   return std::max(1, (size + per_host - 1) / per_host);
 }
 
+// How many rings of groups of `size` consecutive ranks (groups side by side from
+// rank 0) cross one host's link at once: the most groups spanning hosts that
+// share a host. 1 where groups align with hosts; more where they straddle one
+// (3 hosts x 2 ranks, pp 2: dp groups {0,1,2} and {3,4,5} both cross host 1).
+int concurrent_rings(const Cluster& c, int size) {
+  const int groups = c.ranks() / size;
+  int most = 1;
+  for (int h = 0; h < c.hosts; ++h) {
+    int n = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int first = g * size / c.ranks_per_host, last = ((g + 1) * size - 1) / c.ranks_per_host;
+      if (first != last && first <= h && h <= last) ++n;
+    }
+    most = std::max(most, n);
+  }
+  return most;
+}
+
 }  // namespace
 
 std::string Strategy::describe() const {
@@ -67,9 +85,9 @@ Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const St
   const int dp_hosts = hosts_spanned(c, dp, dp);
   const int shard_hosts = hosts_spanned(c, dp, shard);
   // A replica ring has one rank per shard group; the shard groups of one host run theirs at once.
-  const Ring shard_ring{shard, shard_hosts, 1};
+  const Ring shard_ring{shard, shard_hosts, concurrent_rings(c, shard)};
   const Ring replica_ring{replicas, std::min(replicas, dp_hosts), std::max(1, shard / shard_hosts)};
-  const Ring dp_ring{dp, dp_hosts, 1};
+  const Ring dp_ring{dp, dp_hosts, concurrent_rings(c, dp)};
 
   // The busiest pipeline stage: its share of the layers, and the root.
   const int stage_units = std::max(1, (m.units + s.pp - 1) / s.pp);

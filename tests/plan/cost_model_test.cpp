@@ -160,6 +160,17 @@ TEST(CostModel, PipelineStagesTakeWholeHostsAsThePipelineGridPlacesThem) {
   const auto four = predict(m, c, {1, 0, 4, micro}, step);
   const double message4 = step.tokens / micro * m.d_model * 4;
   EXPECT_DOUBLE_EQ(four.inter_host_bytes, micro * message4);
+  // 3 hosts x 2 ranks, pp 2: the stages' data-parallel groups {0,1,2} and {3,4,5} both cross host 1,
+  // whose link carries both rings at once.
+  auto three = c;
+  three.hosts = 3;
+  const Step step3{24 * 128};
+  const auto odd = predict(m, three, {1, 0, 2, micro}, step3);
+  const double stage_bytes = (m.unit_params / 2 + m.root_params) * 4, per_link = 2.0 / 3 * stage_bytes;
+  const double ring3 = 2 * std::max(c.inter.alpha_s, c.intra.alpha_s) +
+                       std::max(2 * per_link / c.inter.bytes_per_s, per_link / c.intra.bytes_per_s);
+  const double message3 = step3.tokens / 3 / micro * m.d_model * 4;
+  EXPECT_NEAR(odd.exposed_comm_s, 2 * ring3 + 2 * (c.inter.alpha_s + 2 * message3 / c.inter.bytes_per_s), 1e-12);
   // A measured time per token is the whole model's: a stage of the two computes its share of the flops.
   auto timed = c;
   timed.seconds_per_token = 1e-3;
