@@ -348,7 +348,9 @@ TEST_P(ShardedAdamWHybrid, MatchesAdamWAndSendsReplicasOneShard) {
   expect_matches_oracle(c);
   const auto t = run_sharded(c);
   EXPECT_EQ(t.replica_bytes, t.replica_formula) << "shard size " << shard_size << " at " << n << " ranks";
-  if (n / shard_size > 1) EXPECT_GT(t.replica_formula, 0);
+  if (n / shard_size > 1) {
+    EXPECT_GT(t.replica_formula, 0);
+  }
 }
 
 // kShardPerHost: a shard group per host, found by host name. On one host that is
