@@ -3,6 +3,7 @@
 
 #include "compat/autograd_node.h"
 #include "compat/torch_compat.h"
+#include "shard/backward_round.h"
 #include "shard/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -60,7 +61,12 @@ struct CheckpointBackward : torch::autograd::Node {
         out_grads.push_back(grads[i]);
       }
     }
-    if (!outs.empty()) torch::autograd::backward(outs, out_grads);
+    if (!outs.empty()) {
+      // A round that begins in this backward (the segment holds the first
+      // parameters whose gradients are ready) belongs to the outer backward.
+      shard::BackwardRound::NestedBackward nested;
+      torch::autograd::backward(outs, out_grads);
+    }
     torch::autograd::variable_list result;
     for (auto& x : xs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
     return result;

@@ -7,6 +7,30 @@
 #include <c10/util/Exception.h>
 
 namespace zeroshard::shard {
+namespace {
+
+thread_local BackwardRound::NestedBackward* innermost_nested = nullptr;
+
+}  // namespace
+
+BackwardRound::NestedBackward::NestedBackward() : outer_(innermost_nested) { innermost_nested = this; }
+
+BackwardRound::NestedBackward::~NestedBackward() {
+  innermost_nested = outer_;
+  if (outer_ != nullptr) {
+    for (auto& h : held_) outer_->held_.push_back(std::move(h));
+    return;
+  }
+  // Back in the outer backward (also when the nested one threw: the outer one
+  // then fails, and autograd drops its callbacks, which abandons the rounds).
+  for (auto& h : held_) {
+    try {
+      compat::on_end_of_backward(h.end, h.abandon);
+    } catch (...) {
+      h.abandon();  // no backward to end with: the pass cannot complete
+    }
+  }
+}
 
 BackwardRound::BackwardRound(Client& client, std::string name, bool reduces_in_backward, bool every_backward,
                              std::vector<ShardGroup*> groups)
@@ -42,8 +66,13 @@ bool BackwardRound::begin() {
       if (a->round != nullptr) (a->round->*fn)(p);
     }
   };
-  compat::on_end_of_backward([with_round, pass] { with_round(&BackwardRound::end, pass); },
-                             [with_round, pass] { with_round(&BackwardRound::abandon, pass); });
+  auto on_end = [with_round, pass] { with_round(&BackwardRound::end, pass); };
+  auto on_abandon = [with_round, pass] { with_round(&BackwardRound::abandon, pass); };
+  if (innermost_nested != nullptr) {
+    innermost_nested->held_.push_back({std::move(on_end), std::move(on_abandon)});
+  } else {
+    compat::on_end_of_backward(std::move(on_end), std::move(on_abandon));
+  }
   return true;
 }
 

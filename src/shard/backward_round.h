@@ -18,6 +18,11 @@
 // gradients are reduced (a backward then is refused) and thaws it when the
 // step ends.
 //
+// A backward nested inside another (activation_checkpoint recomputes its
+// segment and runs an autograd backward of its own from inside the outer one)
+// is part of the outer pass: a pass that begins there ends with the outer
+// backward (NestedBackward), not after each checkpointed segment.
+//
 // Threads: hooks run on autograd's threads. Every method runs under the
 // anchor's mutex, which is also the mutex the optimizer's core holds.
 #pragma once
@@ -73,6 +78,28 @@ class BackwardRound {
       }
     };
   }
+
+  // While one lives on this thread, the backward passes autograd runs here
+  // are nested inside an outer one (activation_checkpoint's recomputation):
+  // a round that begins during it ends when the outer backward ends (or is
+  // abandoned when it fails), because autograd's end-of-backward callback is
+  // queued on the outer backward once the outermost NestedBackward ends.
+  // Autograd runs a nested backward on the thread that asked for it.
+  class NestedBackward {
+   public:
+    NestedBackward();
+    ~NestedBackward();
+    NestedBackward(const NestedBackward&) = delete;
+    NestedBackward& operator=(const NestedBackward&) = delete;
+
+   private:
+    friend class BackwardRound;
+    struct Held {
+      std::function<void()> end, abandon;
+    };
+    NestedBackward* outer_;
+    std::vector<Held> held_;  // the ends of rounds begun inside, for the outer backward
+  };
 
   // From every hook. Returns true when this call began a pass.
   bool begin();

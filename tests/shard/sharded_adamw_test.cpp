@@ -2,6 +2,7 @@
 // oracle: single-process torch::optim::AdamW on the same model and global batch,
 // computed inside every rank.
 #include "test_util.h"
+#include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <gtest/gtest.h>
@@ -34,11 +35,16 @@ struct NetImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x, int step) {
     auto h1 = torch::tanh(fc1(x) + 0.1 * frozen(x));
-    auto out = head(torch::tanh(fc2(h1)));
+    auto h2 = checkpointed ? activation_checkpoint([this](const torch::Tensor& h) { return torch::tanh(fc2(h)); }, h1)
+                           : torch::tanh(fc2(h1));
+    auto out = checkpointed ? activation_checkpoint([this](const torch::Tensor& h) { return head(h); }, h2) : head(h2);
     if (step % 2 == 0) out = out + extra(h1);
     return out;
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr}, extra{nullptr}, frozen{nullptr};
+  // fc2 and head each in a checkpointed segment: on odd steps (no `extra`) the
+  // first gradients of a backward are head's, inside a nested backward.
+  bool checkpointed = false;
 };
 TORCH_MODULE(Net);
 
@@ -90,6 +96,7 @@ struct Config {
   // 2 through torch::optim::Optimizer& (its zero_grad is not virtual; 2.x sets None).
   int zero_grad_via = 0;
   int shard_size = 0;  // ShardedAdamWOptions::shard_size (hybrid sharding)
+  bool checkpointed = false;  // the sharded run's fc2 and head under activation_checkpoint
 };
 
 struct Trajectory {
@@ -100,6 +107,10 @@ struct Trajectory {
   // S replica groups, each sending 2 (R - 1) times the shard's bytes in all.
   int64_t replica_bytes = 0, replica_formula = 0;
   int num_replicas = 1;  // of the optimizer's shards
+  // Per step: the bytes this rank sent, and the reduction rounds the step's
+  // gradient noise sample counted (one per backward that reduces).
+  std::vector<int64_t> step_bytes;
+  std::vector<int> rounds;
 };
 
 const double kLr = 1e-2;
@@ -139,6 +150,7 @@ Trajectory run_sharded(const Config& c) {
   const int n = world().size(), r = world().rank();
   torch::manual_seed(42);
   Net net;
+  net->checkpointed = c.checkpointed;
   if (r > 0) {  // trained parameters start different on ranks > 0: construction must broadcast rank 0's
     torch::NoGradGuard no_grad;
     net->fc1->weight.add_(torch::randn_like(net->fc1->weight));
@@ -157,6 +169,7 @@ Trajectory run_sharded(const Config& c) {
   int64_t grad_bytes = -1;  // gradient bytes held after a step (stage 1: the flat buffers)
   for (int s = 0; s < c.steps; ++s) {
     const int64_t replica_before = opt.stats().replica_traffic.total().bytes_sent;
+    const int64_t bytes_before = opt.stats().traffic.total().bytes_sent;
     if (c.zero_grad_via == 1) {
       net->zero_grad(/*set_to_none=*/true);
     } else if (c.zero_grad_via == 2) {
@@ -196,6 +209,8 @@ Trajectory run_sharded(const Config& c) {
     opt.step();
     grad_bytes = opt.stats().memory.grads;
     t.replica_bytes = opt.stats().replica_traffic.total().bytes_sent - replica_before;
+    t.step_bytes.push_back(opt.stats().traffic.total().bytes_sent - bytes_before);
+    t.rounds.push_back(opt.last_gradient_noise().rounds);
     for (auto& g : opt.param_groups()) {
       auto& go = static_cast<torch::optim::AdamWOptions&>(g.options());
       go.lr(go.lr() * 0.95);
@@ -323,6 +338,32 @@ TEST_P(ShardedAdamWStage, GradientsClearedToNoneOrThroughTheBaseClass) {
     c.steps = 8;
     c.zero_grad_via = via;
     expect_matches_oracle(c);
+  }
+}
+
+// Activation checkpointing runs a nested backward per segment; the first
+// gradients of a pass can arrive inside one. Each backward is still one round
+// (one reduction of each bucket, not one per segment), the bytes of every step
+// are exactly those of the same run without checkpointing, and it trains as
+// torch::optim::AdamW.
+TEST_P(ShardedAdamWStage, ActivationCheckpointingReducesOncePerBackward) {
+  Config c;
+  c.stage = GetParam();
+  c.steps = 6;
+  c.micro = 2;
+  const auto plain = run_sharded(c);
+  c.checkpointed = true;
+  expect_matches_oracle(c);
+  const auto got = run_sharded(c);
+  ASSERT_EQ(got.step_bytes.size(), plain.step_bytes.size());
+  for (size_t s = 0; s < got.step_bytes.size(); ++s) {
+    if (world().size() > 1) {
+      EXPECT_GT(plain.step_bytes[s], 0) << "step " << s;
+    }
+    EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s << ": bytes sent with checkpointing";
+    // ZeRO-0/2 reduce each of the 2 backward passes; ZeRO-1 reduces once, in step().
+    EXPECT_EQ(got.rounds[s], c.stage == 1 ? 1 : 2) << "step " << s;
+    EXPECT_EQ(plain.rounds[s], got.rounds[s]) << "step " << s;
   }
 }
 
