@@ -27,14 +27,13 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+from pycheck import check, skip  # noqa: E402  (check: an assert that python -O keeps)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SKIP = 77  # ctest: SKIP_RETURN_CODE 77
 try:
     import numpy as np
     import safetensors  # noqa: F401
@@ -42,9 +41,7 @@ try:
     import torch
     import transformers  # noqa: F401
 except ImportError as e:  # Debian's python3 (a system build without the project's environment) has none of these
-    print(f"SKIP: {e}: the Hugging Face oracles need the project's Python environment (scripts/install-deps.sh; "
-          f"ZS_PYTHON)")
-    sys.exit(SKIP)
+    skip(f"{e}: the Hugging Face oracles need the project's Python environment (scripts/install-deps.sh; ZS_PYTHON)")
 
 torch.set_num_threads(1)  # small models; the machine is shared with the build and the other tests
 

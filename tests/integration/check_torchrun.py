@@ -24,16 +24,13 @@ import threading
 import time
 import zipfile
 
-SKIP = 77  # ctest: SKIP_RETURN_CODE 77
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "soak"))
+from pycheck import check, skip  # noqa: E402  (check: an assert that python -O keeps)
 try:
     import torch  # noqa: F401
 except ImportError as e:
-    print(f"SKIP: {sys.executable} has no torch ({e}), so no torchrun; run `make test` (the project environment)")
-    sys.exit(SKIP)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "soak"))
-from pycheck import check  # noqa: E402  (an assert that python -O keeps)
+    skip(f"{sys.executable} has no torch ({e}), so no torchrun; run `make test` (the project environment)")
 from soak import children  # noqa: E402
 
 TIMEOUT = 240  # seconds for any one run
