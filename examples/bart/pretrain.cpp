@@ -81,6 +81,10 @@ void check_options(const RunOptions& o) {
   need(std::isfinite(o.liveness) && o.liveness >= 1, "--liveness", o.liveness,
        "at least 1 second (more than moving 512 KiB over the slowest link takes)");
   need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
+  need(o.crash_after_save == 0 || (o.crash_after_save > 0 && o.crash_after_save % o.save_every == 0 &&
+                                   o.crash_after_save <= o.max_steps),
+       "--crash-after-save", o.crash_after_save, "0 (off), or a step that saves (a multiple of --save-every, at "
+       "most --max-steps)");
   need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
   need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
   need(o.eval_batch >= 1, "--eval-batch", o.eval_batch, "at least 1");
@@ -200,6 +204,9 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
   app.add_flag("--async-save", o.async_save, "write checkpoints in the background");
   app.add_option("--keep", o.keep, "committed checkpoints kept")->capture_default_str();
+  app.add_option("--crash-after-save", o.crash_after_save,
+                 "for crash tests: rank 0 kills itself (SIGKILL) as soon as the checkpoint of this step has "
+                 "committed, before anything else of the step is recorded");
   app.add_option("--eval-every", o.eval_every, "validation loss every n steps (and at start and end)")
       ->capture_default_str();
   app.add_option("--eval-batch", o.eval_batch, "validation examples per forward pass and rank")->capture_default_str();

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -231,6 +232,7 @@ void PretrainingRun::resume() {
                           " of ", ckpt_dir, ": it was saved training on ", saved, " examples and this run has ",
                           corpus_.train.size(), "; resume with the --data, --max-tokens and tokenizer it was saved with");
         record_.from_json(extra, *sampler_);
+        if (extra.contains("step_metrics")) carried_line_ = extra["step_metrics"].dump();
       } else {  // imported weights (zeroshard-ckpt import): a new run from them
         zeroshard::log_info("checkpoint: step " + std::to_string(step_) + " has no run record (imported); training "
                             "starts at its step with a fresh data order");
@@ -247,7 +249,13 @@ void PretrainingRun::resume() {
     }
   }
   guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
-  if (rank_ == 0) metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
+  if (rank_ == 0) {
+    metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
+    // The run stopped after this checkpoint committed and before its step's line was written.
+    if (!carried_line_.empty() && metrics_.restore(carried_line_)) {
+      zeroshard::log_info("metrics: step " + std::to_string(step_) + "'s line restored from its checkpoint");
+    }
+  }
   progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
   if (rank_ == 0 && step_ == 0) log_start();
   if (step_ == 0) last_val_ = evaluate(0);
@@ -272,6 +280,12 @@ double PretrainingRun::save(int64_t at, const char* why) {
   p.step = at;
   p.epoch = sampler_->epoch();
   json extra = record_.to_json(*sampler_);
+  // The step's record goes with its checkpoint: a crash after the commit and before the line is written
+  // leaves it here, and the resumed run writes it (resume()).
+  if (!step_line_.empty()) {
+    const json line = json::parse(step_line_);
+    if (line.value("step", int64_t{-1}) == at) extra["step_metrics"] = line;
+  }
   extra["bytes_sent"] = record_.bytes_sent + static_cast<int64_t>(all_sum(*comm_, static_cast<double>(bytes_sent())));
   p.extra_json = extra.dump();
   ckpt_->save(parts_, p);
@@ -356,9 +370,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   // Before a save, so that a resumed run goes on from the averages this step made.
   const auto eff = statistical_efficiency(record_, r.noise, r.global_tokens,
                                           o.reference_batch * r.global_tokens / o.global_batch);
-  double stall = 0;
   const bool end = step_ == o.max_steps;
-  if (ckpt_ && (step_ % o.save_every == 0 || end)) stall = save(step_, end ? "end" : "interval");
   zeroshard::StepMetrics m;
   m.step = step_;
   m.loss = r.loss;
@@ -369,15 +381,17 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   m.compute_seconds = r.fb_s - r.fb_wait;
   m.exposed_comm_seconds = waited() - waited0 + r.loss_comm;
   m.optimizer_seconds = std::max(0.0, r.opt_s - r.opt_wait);
-  m.checkpoint_stall_seconds = stall;
-  m.other_seconds = std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds - stall);
+  const auto other = [&] {
+    return std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds -
+                             m.checkpoint_stall_seconds);
+  };
+  m.other_seconds = other();
   m.peak_rss_bytes = zeroshard::peak_rss_bytes();
   const int64_t bytes_now = bytes_sent();
   m.bytes_sent = bytes_now - bytes_before_;
   bytes_before_ = bytes_now;
   m.loss_scale = opts_.front()->loss_scale();
   m.skipped = r.skipped;
-  record_.train_seconds += m.seconds;
   json extra = json::object();
   if (pipe_) {  // this rank's (rank 0 writes the metrics: stage 0's), beside the schedule's formula
     extra["bubble_s"] = r.bubble_s;
@@ -390,11 +404,32 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     extra["efficiency"] = eff.efficiency;
     extra["goodput"] = eff.efficiency * m.tokens_per_second();
   }
+  if (!extra.empty()) m.extra_json = extra.dump();
+  record_.train_seconds += m.seconds;
+  // The save carries this step's line as it stands (without the save's own time), and the run's record
+  // with this step in it.
+  step_line_ = zeroshard::MetricsLog::step_line(m);
+  if (ckpt_ && (step_ % o.save_every == 0 || end)) {
+    m.checkpoint_stall_seconds = save(step_, end ? "end" : "interval");
+    if (o.crash_after_save == step_ && rank_ == 0) {  // the instant a crash test asks for
+      ckpt_->wait();
+      std::raise(SIGKILL);
+    }
+    const double before = m.seconds;
+    m.seconds = since(t_step);
+    m.other_seconds = other();
+    record_.train_seconds += m.seconds - before;
+    if (std::isfinite(eff.efficiency)) {
+      record_.efficient_seconds += m.seconds - before;
+      extra["goodput"] = eff.efficiency * m.tokens_per_second();
+    }
+  }
   if ((o.eval_every > 0 && step_ % o.eval_every == 0) || end) {
     last_val_ = evaluate(step_);
     extra["val_loss"] = last_val_;
   }
   if (!extra.empty()) m.extra_json = extra.dump();
+  step_line_ = zeroshard::MetricsLog::step_line(m);
   metrics_.write(m);
   progress_->update(m, eff.progress());
   zeroshard::publish_step(dist_, step_);

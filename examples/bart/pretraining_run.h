@@ -97,6 +97,9 @@ class PretrainingRun {
   int64_t step_ = 0;
   std::unique_ptr<zeroshard::Checkpointer> ckpt_;
   json resumed_ = nullptr;  // {"step", "load_s", "restart", "after"[, "to_first_step_s"]} after a resume
+  // The metrics line of the last step (MetricsLog::step_line), which a save of
+  // that step carries; and the one the checkpoint resumed from carried.
+  std::string step_line_, carried_line_;
   bool resume_noted_ = false;
   std::unique_ptr<zeroshard::PreemptionGuard> guard_;
   zeroshard::MetricsLog metrics_;

@@ -52,6 +52,7 @@ struct RunOptions {
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
   int64_t save_every = 100;
   bool async_save = false;
+  int64_t crash_after_save = 0;  // > 0: rank 0 SIGKILLs itself once this step's checkpoint has committed (tests)
   int keep = 3;
   int64_t eval_every = 50;
   int64_t eval_batch = 16;

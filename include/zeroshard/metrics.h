@@ -60,6 +60,18 @@ class MetricsLog {
 
   // {"step":…, "loss":…, "lr":…, …, plus extra_json's members}. Flushed.
   void write(const StepMetrics& m);
+  // The line write(m) writes. A trainer carries it in the checkpoint of m's
+  // step, so that the step's record survives a crash between the checkpoint's
+  // commit and write() (see restore()).
+  static std::string step_line(const StepMetrics& m);
+  // The last step with a line in the file: of the lines kept on opening, then
+  // of write() and restore(); 0 for none.
+  int64_t last_step() const { return last_step_; }
+  // A step_line() carried in the checkpoint a run resumed from: written, with
+  // "restored": true, when the file holds no line of that step or a later one
+  // (the crash came after the commit and before write()). Returns whether it
+  // wrote. Throws when `line` is not a step_line().
+  bool restore(const std::string& line);
   // Any other record: {"event": `event`, "step": step, plus `json_object`'s members}.
   void write_event(const std::string& event, int64_t step, const std::string& json_object = "{}");
   bool enabled() const { return file_ != nullptr; }
@@ -68,6 +80,7 @@ class MetricsLog {
  private:
   std::string path_;
   std::FILE* file_ = nullptr;
+  int64_t last_step_ = 0;
   void line(const std::string& text);
 };
 

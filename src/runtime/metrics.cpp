@@ -10,6 +10,7 @@
 #include <malloc.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -78,10 +79,12 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(pat
     while (std::getline(in, text)) {
       if (text.empty()) continue;
       const json j = json::parse(text, nullptr, false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() > resume_step) {
+      const bool has_step = j.is_object() && j.contains("step") && j["step"].is_number_integer();
+      if (has_step && j["step"].get<int64_t>() > resume_step) {
         ++dropped;
         continue;
       }
+      if (has_step && !j.contains("event")) last_step_ = std::max(last_step_, j["step"].get<int64_t>());
       kept.push_back(text);
     }
   }
@@ -105,7 +108,8 @@ MetricsLog::~MetricsLog() {
   if (file_ != nullptr) std::fclose(file_);
 }
 
-MetricsLog::MetricsLog(MetricsLog&& other) noexcept : path_(std::move(other.path_)), file_(other.file_) {
+MetricsLog::MetricsLog(MetricsLog&& other) noexcept
+    : path_(std::move(other.path_)), file_(other.file_), last_step_(other.last_step_) {
   other.file_ = nullptr;
 }
 
@@ -114,6 +118,7 @@ MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
     if (file_ != nullptr) std::fclose(file_);
     path_ = std::move(other.path_);
     file_ = other.file_;
+    last_step_ = other.last_step_;
     other.file_ = nullptr;
   }
   return *this;
@@ -128,6 +133,24 @@ void MetricsLog::line(const std::string& text) {
 
 void MetricsLog::write(const StepMetrics& m) {
   if (file_ == nullptr) return;
+  line(step_line(m));
+  last_step_ = std::max(last_step_, m.step);
+}
+
+bool MetricsLog::restore(const std::string& text) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK_VALUE(j.is_object() && j.contains("step") && j["step"].is_number_integer() && !j.contains("event"),
+                    "MetricsLog::restore: not a step's line (MetricsLog::step_line): ", text.substr(0, 80));
+  const int64_t step = j["step"].get<int64_t>();
+  if (file_ == nullptr || step <= last_step_) return false;
+  json restored = j;
+  restored["restored"] = true;
+  line(restored.dump());
+  last_step_ = step;
+  return true;
+}
+
+std::string MetricsLog::step_line(const StepMetrics& m) {
   json j;
   j["step"] = m.step;
   j["loss"] = number(m.loss);
@@ -146,7 +169,7 @@ void MetricsLog::write(const StepMetrics& m) {
   j["loss_scale"] = number(m.loss_scale);
   if (m.skipped) j["skipped"] = true;
   merge(j, m.extra_json, "StepMetrics::extra_json");
-  line(j.dump());
+  return j.dump();
 }
 
 void MetricsLog::write_event(const std::string& event, int64_t step, const std::string& json_object) {

@@ -6,9 +6,11 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                validation loss ends below VAL_DROP x its value before training
   equal_ranks  4-rank ZeRO-3 and 1-rank runs agree over the first 10 steps:
                every step's loss (rel. 1e-5) and the parameters after step 10;
-               4-rank ZeRO-0/1/2, hybrid, and ZeRO-3 with activation checkpointing take the same steps too
+               4-rank ZeRO-0/1/2, hybrid, and ZeRO-2/3 with activation checkpointing take the same steps too,
+               the latter sending exactly the bytes of the runs without it
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
-               final parameters and AdamW moments equal an uninterrupted run's, bit for bit
+               final parameters and AdamW moments equal an uninterrupted run's, bit for bit; and rank 0
+               killed between a checkpoint's commit and its step's metrics line: the line is restored
   bf16         --precision bf16 at ZeRO-2 and ZeRO-3 (2 ranks): every step's loss within bf16
                rounding of fp32's, both stages agree, and the loss falls
   pipeline     --pp: pp x dp runs (every schedule, ZeRO-1/2/3, uniform, balanced, timed partitions) take the
@@ -109,7 +111,7 @@ def check_equal_ranks(build, work):
     labels = {4: "ZeRO-3"}
     # And ZeRO-3 recomputing every layer in backward (activation checkpointing).
     for stage, shard, extra in ((0, "0", ()), (1, "0", ()), (2, "0", ()), (2, "2", ()), (3, "2", ()),
-                                (3, "0", ("--activation-checkpointing",))):
+                                (2, "0", ("--activation-checkpointing",)), (3, "0", ("--activation-checkpointing",))):
         name = f"stage{stage}" + ("" if shard == "0" else f"_shard{shard}") + ("_recompute" if extra else "")
         labels[name] = (f"ZeRO-{stage}" + ("" if shard == "0" else f", hybrid 2 x {shard}") +
                         (", activation checkpointing" if extra else ""))
@@ -118,6 +120,15 @@ def check_equal_ranks(build, work):
         shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
         pretrain(build, d, 4, *common, "--stage", str(stage), "--shard-size", shard, "--ckpt-dir", "none", *extra)
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
+    # Recomputing every layer in backward moves exactly the bytes of the run that does not (each backward is one
+    # reduction of every bucket, not one per checkpointed layer): ZeRO-2 and ZeRO-3, every step, rank 0.
+    for stage in (2, 3):
+        plain, recompute = ([r["bytes_sent"] for r in metrics(dirs[n]) if "event" not in r]
+                            for n in ((f"stage{stage}" if stage == 2 else 4), f"stage{stage}_recompute"))
+        check(plain == recompute, f"ZeRO-{stage}: bytes per step {plain} without activation checkpointing, "
+                                  f"{recompute} with it")
+        print(f"equal_ranks: ZeRO-{stage} sends {plain[0] / 1e6:.2f} MB per step (rank 0) with activation "
+              f"checkpointing and without")
     # Goodput in every run: 1 rank reduces each of its 2 micro-batches (ZeRO-3), 4 ranks reduce theirs.
     for n, d in dirs.items():
         steps = [r for r in metrics(d) if "event" not in r]
@@ -186,6 +197,27 @@ def check_resume(build, work):
     check(noise[0] == noise[1], lambda: [(a, b) for a, b in zip(*noise) if a != b][:3])
     print(f"resume: SIGTERM at step {stop} of 20 through zeroshard-run, restart, resume: {len(a)} parameters and "
           f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run")
+
+    # A crash at the worst instant for the record: rank 0 killed (SIGKILL) right after step 10's checkpoint
+    # committed, before step 10's metrics line. The restart resumes from step 10 and writes that line from the
+    # checkpoint, which carried it: every step has its line once, with the uninterrupted run's loss.
+    crash = os.path.join(work, "resume_crash")
+    shutil.rmtree(crash, ignore_errors=True)
+    shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(crash, "tokenizer"))
+    out = pretrain(build, crash, 4, "--max-steps", "20", "--save-every", "10", "--eval-every", "10", "--max-tokens",
+                   "32", "--crash-after-save", "10", launcher_args=["--max-restarts", "1"])
+    check("restarting all ranks" in out, out[-3000:])
+    summary = [r for r in metrics(crash) if r.get("event") == "summary"][-1]
+    check(summary["resumed"]["step"] == 10, summary)
+    lines = [r for r in metrics(crash) if "event" not in r]
+    check([r["step"] for r in lines] == list(range(1, 21)), [r["step"] for r in lines])
+    restored = [r["step"] for r in lines if r.get("restored")]
+    check(restored == [10], f"restored lines {restored}, expected step 10's alone")
+    want = [r["loss"] for r in metrics(ref) if "event" not in r]
+    check([r["loss"] for r in lines] == want, lambda: [(a["step"], a["loss"], b) for a, b in zip(lines, want)
+                                                      if a["loss"] != b][:3])
+    print("resume: rank 0 killed between step 10's checkpoint commit and its metrics line: the restart wrote "
+          "step 10's line from the checkpoint; steps 1-20 once each, every loss equal to the uninterrupted run's")
 
 
 def check_safetensors(build, work):

@@ -92,6 +92,52 @@ TEST(Metrics, ResumingDropsTheStepsAfterTheCheckpoint) {
   EXPECT_EQ(read_lines(path).back()["loss"], 42);
 }
 
+// A step's line carried in its checkpoint (step_line) comes back on resume
+// only when the file lacks it: the crash came after the commit and before write().
+TEST(Metrics, ACarriedStepLineIsRestoredOnlyWhereItIsMissing) {
+  const auto path = temp_dir("restore") + "/m.jsonl";
+  zeroshard::StepMetrics m;
+  m.loss = 1.5;
+  m.extra_json = R"({"val_loss": 2.5})";
+  {
+    zeroshard::MetricsLog log(path, 0);
+    EXPECT_EQ(log.last_step(), 0);
+    for (int s = 1; s <= 4; ++s) {
+      m.step = s;
+      log.write(m);
+    }
+    log.write_event("checkpoint", 5);  // step 5 committed; the run died before its line
+    EXPECT_EQ(log.last_step(), 4);
+  }
+  m.step = 5;
+  const std::string carried = zeroshard::MetricsLog::step_line(m);
+  {
+    zeroshard::MetricsLog log(path, 5);
+    EXPECT_EQ(log.last_step(), 4) << "an event line is not a step's line";
+    EXPECT_TRUE(log.restore(carried));
+    EXPECT_EQ(log.last_step(), 5);
+    EXPECT_FALSE(log.restore(carried)) << "written twice";
+  }
+  {
+    zeroshard::MetricsLog log(path, 5);  // a second resume from the same checkpoint: the line is there
+    EXPECT_EQ(log.last_step(), 5);
+    EXPECT_FALSE(log.restore(carried));
+    EXPECT_THROW(log.restore(R"({"event": "checkpoint", "step": 5})"), c10::ValueError);
+  }
+  const auto lines = read_lines(path);
+  ASSERT_EQ(lines.size(), 6u);
+  EXPECT_EQ(lines[5]["step"], 5);
+  EXPECT_EQ(lines[5]["loss"], 1.5);
+  EXPECT_EQ(lines[5]["val_loss"], 2.5);
+  EXPECT_EQ(lines[5]["restored"], true);
+  EXPECT_FALSE(lines[3].contains("restored"));
+  EXPECT_EQ(json::parse(carried), [&] {
+    auto j = lines[5];
+    j.erase("restored");
+    return j;
+  }()) << "the restored line is the carried one";
+}
+
 TEST(Metrics, BadExtraJsonIsRefusedNamingIt) {
   const auto path = temp_dir("bad") + "/m.jsonl";
   zeroshard::MetricsLog log(path, 0);
@@ -210,7 +256,10 @@ TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
   EXPECT_EQ(ev[4999].category, "compute");
   EXPECT_EQ(ev[5000].category, "checkpoint");
   EXPECT_EQ(ev[5000].name, std::string(95, 'x')) << "long names are cut at 95 bytes";
-  EXPECT_GE(ev[5000].duration_us, 0);
+  // The 5000 records share their start (t0) and end one after another; the span begins after the last ended.
+  EXPECT_EQ(ev[4999].start_us, ev[0].start_us);
+  EXPECT_GE(ev[4999].duration_us, ev[0].duration_us);
+  EXPECT_GE(ev[5000].start_us + 1e-3, ev[4999].start_us + ev[4999].duration_us);
   const auto path = temp_dir("trace") + "/t.json";
   EXPECT_EQ(zeroshard::trace::write_chrome_trace(path, 3), 5001u);
   std::ifstream in(path);
