@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <thread>
 
 namespace zeroshard {
@@ -195,16 +196,20 @@ TEST(FullyShardTrace, RecordsGathersAndForwardsOfEveryRank) {
   // the file is Chrome trace JSON: comm and compute events for this rank
   std::ifstream f(path);
   const auto json = nlohmann::json::parse(f);
-  int comm = 0, compute = 0;
+  // Each of the 6 sharded blocks' forward once per step (4 steps); each forward
+  // needs its block gathered, so at least as many all-gathers.
+  std::map<std::string, int> forwards;
+  int gathers = 0;
   for (const auto& e : json.at("traceEvents")) {
-    if (e.value("cat", "") == "comm") ++comm;
-    if (e.value("cat", "") == "compute") ++compute;
-    if (e.value("ph", "") == "X") {
-      EXPECT_EQ(e.at("pid").get<int>(), world().rank());
-    }
+    if (e.value("ph", "") != "X") continue;
+    EXPECT_EQ(e.at("pid").get<int>(), world().rank());
+    const auto name = e.value("name", "");
+    if (e.value("cat", "") == "compute" && name.rfind("forward ", 0) == 0) ++forwards[name];
+    if (e.value("cat", "") == "comm" && name.rfind("all_gather", 0) == 0) ++gathers;
   }
-  EXPECT_GT(comm, 0);
-  EXPECT_GT(compute, 0);
+  EXPECT_EQ(forwards.size(), 6u);
+  for (const auto& [name, count] : forwards) EXPECT_EQ(count, 4) << name;
+  EXPECT_GE(gathers, 6 * 4);
 }
 
 }  // namespace fully_shard_edges_test
