@@ -302,6 +302,13 @@ void TcpMesh::notify_locked(int peer, uint64_t slot, size_t bytes) {
   kick_locked(peer);
 }
 
+// A receive larger than kEagerBytes sent a ready notice when posted; a sender that wrote at most
+// kEagerBytes did not wait for it, and when the notice reaches it after its send, no send of that
+// slot will ever take it. The receiver, which has the message now, withdraws it.
+void TcpMesh::withdraw_notice_locked(int peer, const Op& op, size_t total) {
+  if (op.bytes > kEagerBytes && total <= kEagerBytes) notify_locked(peer, op.slot, 0);
+}
+
 void TcpMesh::clear_to_send_locked(int peer, Op* op) {
   peers_[peer]->sends.push_back(op);
   kick_locked(peer);

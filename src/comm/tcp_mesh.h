@@ -168,6 +168,7 @@ class TcpMesh final : public WatchedComm {
 
   // Under mu_:
   void notify_locked(int peer, uint64_t slot, size_t bytes);  // queue a ready notice
+  void withdraw_notice_locked(int peer, const Op& op, size_t total);  // after a receive of `total` bytes
   void clear_to_send_locked(int peer, Op* op);                 // queue a send's data
   void kick_locked(int peer);
   void finish_locked(Op* op, const std::string& error);

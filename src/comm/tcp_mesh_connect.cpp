@@ -28,7 +28,7 @@ namespace {
 
 // Sent by the connecting rank right after connect. A rank accepts a connection
 // only with this job's token (drawn at rendezvous) and its own protocol version.
-constexpr uint32_t kProtocolVersion = 3;
+constexpr uint32_t kProtocolVersion = 4;  // 4: a ready notice of 0 bytes withdraws one
 struct Hello {
   uint32_t magic = kFrameMagic;
   uint32_t version = kProtocolVersion;

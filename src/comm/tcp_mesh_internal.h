@@ -39,7 +39,8 @@ constexpr size_t kMaxUnmatched = 4096;
 
 // Precedes every frame on a connection (40 bytes). kData: bytes [offset,
 // offset + bytes) of a message of `total` bytes follow. kReady: the sender of
-// this frame posted a receive of `total` bytes for `slot`. kClose: the sender
+// this frame posted a receive of `total` bytes for `slot`; with `total` 0 it
+// withdraws that notice (the message came eagerly, without waiting for it). kClose: the sender
 // closes the connection next; `slot` is the rank whose failure made it close
 // (kNoCulprit: it closed on its own), and `bytes` bytes of text follow (at most
 // kMaxReasonBytes): why it aborted, "" for a clean close.

@@ -73,6 +73,11 @@ void TcpMesh::on_frame(int peer) {
                      });
     return;
   }
+  if (h.type == kReady && h.total == 0) {  // withdrawn: this rank's send of the slot went eagerly
+    p.ready.erase(h.slot);
+    lock.unlock();
+    return read_frame(peer);
+  }
   if (h.type == kReady) {
     auto w = p.waiting.find(h.slot);
     if (w == p.waiting.end()) {
@@ -121,6 +126,7 @@ void TcpMesh::on_frame(int peer) {
                        op->moved += n;
                        if (op->moved == total) {
                          p.posted.erase(op->slot);
+                         withdraw_notice_locked(peer, *op, total);
                          finish_locked(op, "");
                        } else if (!p.broken.empty()) {
                          finish_locked(op, p.broken);  // the break skipped it while it was active
@@ -159,6 +165,7 @@ void TcpMesh::on_frame(int peer) {
                                                " bytes for a receive of " + std::to_string(op->bytes));
                        } else {
                          std::memcpy(op->ptr, staged->data(), staged->size());
+                         withdraw_notice_locked(peer, *op, staged->size());
                          finish_locked(op, "");
                        }
                      }

@@ -1,6 +1,7 @@
 // What happens when ranks are missing, die, disagree or pass bad arguments.
 // Ranks are threads of this process (each with its own communicator), so the
 // tests can control exactly who arrives.
+#include "comm/wire.h"
 #include "compat/torch_compat.h"
 #include "test_util.h"
 
@@ -79,7 +80,7 @@ std::string pack(const T&... fields) {
 std::string hello(uint32_t magic, uint32_t version, int32_t rank, int32_t size, uint64_t token) {
   return pack(magic, version, rank, size, token);
 }
-constexpr uint32_t kMagic = 0x5A535446, kVersion = 3;
+constexpr uint32_t kMagic = 0x5A535446, kVersion = 4;
 
 // A transport frame header (tcp_mesh.cpp's FrameHeader: 40 bytes), offset 0.
 std::string frame(uint32_t type, uint64_t slot, uint64_t bytes, uint64_t total) {
@@ -235,7 +236,8 @@ TEST(CommFailure, AbortFailsTheFamilyAndPeersLearnWhyAtOnce) {
       try {
         c->all_reduce(t, ReduceOp::kSum)->wait();
       } catch (const c10::Error& e) {
-        std::this_thread::sleep_for(500ms);  // the family's watchdog looks every 100 ms
+        // The split fails too, with the reason: at once if the family's watchdog (every 100 ms) already
+        // failed it, else when it does or when rank 1's abort reaches it.
         try {
           pair->all_reduce(t, ReduceOp::kSum)->wait();
         } catch (const c10::Error& e2) {
@@ -322,6 +324,86 @@ TEST(CommFailure, UnaskedForMessagesAreBounded) {
   EXPECT_NE(error.find("[1]"), std::string::npos) << error;
   EXPECT_NE(error.find("sent more than 4096 small messages that no receive was posted for"), std::string::npos)
       << error;
+}
+
+// Reads exactly `n` bytes from `fd` (a hand-played rank's side of a connection).
+std::string read_exactly(int fd, size_t n) {
+  std::string out(n, '\0');
+  for (size_t got = 0; got < n;) {
+    const ssize_t k = ::recv(fd, &out[got], n - got, 0);
+    if (k <= 0) throw std::runtime_error("the connection ended after " + std::to_string(got) + " bytes");
+    got += static_cast<size_t>(k);
+  }
+  return out;
+}
+
+struct Frame {
+  uint32_t magic, type;
+  uint64_t slot, offset, bytes, total;
+};
+// The next frame's header, past heartbeats (which carry nothing).
+Frame read_frame_header(int fd) {
+  constexpr uint32_t kHeartbeatFrame = 4;
+  Frame f;
+  do {
+    const std::string raw = read_exactly(fd, sizeof(Frame));
+    std::memcpy(&f, raw.data(), sizeof(Frame));
+  } while (f.type == kHeartbeatFrame);
+  return f;
+}
+
+// A receive larger than kEagerBytes sends a ready notice; a sender may still
+// write a small message at once, and the notice then reaches it after its send,
+// matching nothing. The receiver withdraws it (a notice of 0 bytes), and the
+// sender drops it: 4,200 such notices (more than the 4,096 a peer may leave
+// unmatched) break nothing, and each receive answered eagerly is withdrawn.
+TEST(CommFailure, ReadyNoticesCrossedByEagerSendsAreWithdrawn) {
+  constexpr int kCrossed = 4200;
+  std::atomic<int> withdrawn{0};
+  const std::string error = against_a_hand_played_rank1(
+      [&](int fd) {
+        // Rank 0 sends kCrossed small messages (p2p headers with the data inline): each is answered as a
+        // receiver of 9,000 bytes would whose notice crossed the message, then withdrew it.
+        for (int i = 0; i < kCrossed + 1; ++i) {
+          const Frame f = read_frame_header(fd);
+          ASSERT_EQ(f.type, kDataFrame);
+          read_exactly(fd, f.bytes);
+          if (i == kCrossed) break;
+          const std::string answer = frame(kReadyFrame, f.slot, 0, 9000) + frame(kReadyFrame, f.slot, 0, 0);
+          ASSERT_EQ(send(fd, answer.data(), answer.size(), MSG_NOSIGNAL), 80);
+        }
+        // Then rank 1 sends rank 0 a p2p message of 400,000 bytes, but writes only 100 of them at once (a
+        // sender may write fewer bytes than the receive, at most kEagerBytes): rank 0's data receive sent a
+        // notice for 400,000 bytes, and withdraws it once the 100 bytes are in.
+        comm::WireHeader h;
+        h.magic = comm::kMagic;
+        h.kind = static_cast<uint32_t>(OpKind::kRecv);
+        h.numel = 100'000;
+        h.dtype = static_cast<int32_t>(c10::ScalarType::Float);
+        const std::string header(reinterpret_cast<const char*>(&h), sizeof(h));
+        const uint64_t header_slot = comm::make_slot(comm::kP2PHeader, 0, 0);
+        const uint64_t data_slot = comm::make_slot(comm::kP2PData, 0, 0);
+        const std::string msg = frame(kDataFrame, header_slot, header.size(), header.size()) + header;
+        ASSERT_EQ(send(fd, msg.data(), msg.size(), MSG_NOSIGNAL), static_cast<ssize_t>(msg.size()));
+        const Frame notice = read_frame_header(fd);
+        ASSERT_EQ(notice.type, kReadyFrame);
+        ASSERT_EQ(notice.slot, data_slot);
+        ASSERT_EQ(notice.total, 400'000u);
+        const std::string data = frame(kDataFrame, data_slot, 100, 100) + std::string(100, 'x');
+        ASSERT_EQ(send(fd, data.data(), data.size(), MSG_NOSIGNAL), static_cast<ssize_t>(data.size()));
+        const Frame next = read_frame_header(fd);
+        if (next.type == kReadyFrame && next.slot == data_slot && next.total == 0) ++withdrawn;
+      },
+      [&](Communicator& c) {
+        auto small = at::ones({16});
+        for (int i = 0; i < kCrossed + 1; ++i) c.send(small, 1)->wait();
+        auto big = at::zeros({100'000});
+        c.recv(big, 1)->wait();
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        while (withdrawn == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+      });
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(withdrawn, 1) << "rank 0 did not withdraw its notice for the receive answered eagerly";
 }
 
 // A receiver that posts less than a large send carries (only a broken or hostile peer
@@ -471,7 +553,13 @@ TEST(CommFailure, ARankThatArrivesAfterTheRendezvousFailedLearnsWhy) {
     if (r == 0) {
       opt.rendezvous_timeout = 2000ms;  // rank 2 of 3 never starts: rank 0 gives up after 2 s, serves on until 4 s
     } else {
-      std::this_thread::sleep_for(3000ms);
+      // Rank 1 arrives once rank 0 has recorded the failure in its store (which serves on).
+      RawPeer peer(port);
+      const auto deadline = std::chrono::steady_clock::now() + 30s;
+      while (!peer.store->check({"zs/failed"}) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(10ms);
+      }
+      ASSERT_TRUE(peer.store->check({"zs/failed"})) << "rank 0's rendezvous did not fail in 30 s";
       opt.rendezvous_timeout = 60000ms;
     }
     init_communicator(thread_env(r, 3, port), opt);
