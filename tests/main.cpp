@@ -76,6 +76,39 @@ int fail_with_error() {
   return 0;
 }
 
+// Rank 1 throws after a first all_reduce and catches nothing (std::terminate); the
+// others wait for a second one, and report what they learn.
+int fail_uncaught() {
+  zeroshard::CommOptions opt;
+  opt.timeout = std::chrono::seconds(15);
+  auto c = zeroshard::init_communicator(opt);
+  auto t = at::ones({16});
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  if (c->rank() == 1) {
+    std::thread([] { throw std::runtime_error("rank 1 of this test throws on purpose, caught by no one"); }).join();
+  }
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  return 0;
+}
+
+// Rank 1 aborts its communicator after a first all_reduce and lives on for 8 s
+// (what a rank does after its communicator failed is its own business); the
+// others wait for a second all_reduce, and report what they learn at once.
+int abort_and_linger() {
+  zeroshard::CommOptions opt;
+  opt.timeout = std::chrono::seconds(15);
+  auto c = zeroshard::init_communicator(opt);
+  auto t = at::ones({16});
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  if (c->rank() == 1) {
+    c->abort("rank 1 of this test aborts on purpose");
+    std::this_thread::sleep_for(std::chrono::seconds(8));
+    return 3;
+  }
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  return 0;
+}
+
 // Logs one line at each level after init_logging(rank, world) from the env.
 int log_lines() {
   const auto env = zeroshard::read_dist_env();
@@ -93,6 +126,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
+    if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
+    if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);
     if (std::strcmp(argv[2], "soak_train") == 0) return reported([&] { return soak_train_main(argc - 2, argv + 2); });
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;

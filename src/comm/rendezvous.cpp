@@ -3,6 +3,7 @@
 #include "comm/host_name.h"
 #include "comm/store_wait.h"
 #include "comm/tcp_communicator.h"
+#include "comm/watchdog.h"
 #include "compat/torch_compat.h"
 #include "zeroshard/comm.h"
 #include "zeroshard/log.h"
@@ -291,6 +292,7 @@ void note_failure(const std::string& error_file, const std::string& message) {
 
 std::shared_ptr<Communicator> init_communicator(const DistEnv& e, const CommOptions& options) {
   init_logging(e.rank, e.world_size);
+  comm::install_terminate_handler(e.error_file);
   std::shared_ptr<c10d::Store> store;
   if (e.world_size == 1) {
     store = std::make_shared<c10d::HashStore>();

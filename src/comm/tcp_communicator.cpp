@@ -91,6 +91,8 @@ TcpCommunicator::~TcpCommunicator() {
 }
 
 void TcpCommunicator::abort(const std::string& why) {
+  // This rank failed first (its peers learn it from the close frames): the launcher puts it first.
+  note_failure(mesh_options_.error_file, why);
   set_failure(why);
   family_->dog.fail(why);  // aborts every mesh of the family, this one too
   mesh_->abort(why);       // in case the family had failed already (then fail() does nothing)

@@ -211,6 +211,11 @@ std::pair<int, std::string> TcpMesh::first_broken(const std::vector<int>& peers)
   return first;
 }
 
+void TcpMesh::wait_aborted(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return abort_frames_unsent_ == 0; });
+}
+
 void TcpMesh::abort(const std::string& why) {
   std::vector<int> others;
   for (int p = 0; p < size_; ++p)

@@ -145,6 +145,8 @@ class TcpMesh final : public WatchedComm {
   // (no draining); each peer first gets a close frame saying why, when no other
   // frame is being written to it. Any thread; idempotent.
   void abort(const std::string& why) override;
+  // Returns once abort()'s close frames are written (or at `deadline`).
+  void wait_aborted(std::chrono::steady_clock::time_point deadline) override;
   // Called every 100 ms (the family's watchdog): writes a heartbeat on each
   // connection idle for a third of the liveness window, and breaks each one
   // silent for the whole window (its peer's host is dead or cut off).

@@ -1,6 +1,14 @@
 #include "comm/watchdog.h"
 
+#include "comm/tcp_communicator.h"
+#include "zeroshard/log.h"
+
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
 
 namespace zeroshard::comm {
 
@@ -106,6 +114,15 @@ size_t Watchdog::poll() {
 
 void Watchdog::fail(const std::string& why) { fail_all(why, {}); }
 
+void Watchdog::wait_aborted(std::chrono::steady_clock::time_point deadline) {
+  std::vector<std::shared_ptr<WatchedComm>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    comms = comms_;
+  }
+  for (const auto& c : comms) c->wait_aborted(deadline);
+}
+
 void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight) {
   std::vector<std::shared_ptr<WatchedComm>> comms;
   {
@@ -129,7 +146,67 @@ void Watchdog::fail_all(const std::string& why, std::vector<InFlight> in_flight)
   for (const auto& f : in_flight) f.op->fail(why);
 }
 
+namespace {
+
+// The families alive, for the terminate handler.
+std::timed_mutex families_mu;
+std::vector<Family*> families;  // guarded by families_mu
+std::mutex error_file_mu;
+std::string terminate_error_file;  // guarded by error_file_mu
+std::terminate_handler previous_handler = nullptr;
+
+std::string what_ended_it() {
+  const auto e = std::current_exception();
+  if (!e) return "std::terminate was called with no exception in flight";
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& x) {
+    return std::string("an uncaught exception: ") + x.what_without_backtrace();
+  } catch (const std::exception& x) {
+    return std::string("an uncaught exception: ") + x.what();
+  } catch (...) {
+    return "an uncaught exception of a type not derived from std::exception";
+  }
+}
+
+[[noreturn]] void on_terminate() {
+  static std::atomic<bool> entered{false};
+  if (!entered.exchange(true)) {
+    const std::string why = "this rank ended with " + what_ended_it();
+    log_error(why);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    if (families_mu.try_lock_until(deadline)) {
+      for (auto* f : families) f->dog.fail(why);  // no-op for a family that failed before: it told its peers then
+      for (auto* f : families) f->dog.wait_aborted(deadline);
+      families_mu.unlock();
+    }
+    std::string error_file;
+    {
+      std::lock_guard<std::mutex> lock(error_file_mu);
+      error_file = terminate_error_file;
+    }
+    note_failure(error_file, why);
+  }
+  if (previous_handler != nullptr) previous_handler();
+  std::abort();
+}
+
+}  // namespace
+
+void install_terminate_handler(const std::string& error_file) {
+  {
+    std::lock_guard<std::mutex> lock(error_file_mu);
+    terminate_error_file = error_file;
+  }
+  static std::once_flag once;
+  std::call_once(once, [] { previous_handler = std::set_terminate(&on_terminate); });
+}
+
 Family::Family(std::chrono::milliseconds timeout) : dog(timeout) {
+  {
+    std::lock_guard<std::timed_mutex> lock(families_mu);
+    families.push_back(this);
+  }
   poller_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stopping_) {
@@ -142,6 +219,10 @@ Family::Family(std::chrono::milliseconds timeout) : dog(timeout) {
 }
 
 Family::~Family() {
+  {
+    std::lock_guard<std::timed_mutex> lock(families_mu);
+    families.erase(std::remove(families.begin(), families.end(), this), families.end());
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;

@@ -61,6 +61,9 @@ class WatchedComm {
   // Called on every poll: a communicator may publish its progress (rate-limited
   // by itself) so that other ranks' timeouts can name the missing ranks.
   virtual void heartbeat() = 0;
+  // After abort(): returns once what abort() tells the peers (why, and whom to
+  // blame) has gone out, or at `deadline`.
+  virtual void wait_aborted(std::chrono::steady_clock::time_point deadline) { (void)deadline; }
 };
 
 // The timeout message's account of who is missing, from the number of
@@ -94,6 +97,9 @@ class Watchdog {
   // and fails their operations. No-op once failed.
   void fail(const std::string& why);
 
+  // Every watched communicator's wait_aborted(deadline).
+  void wait_aborted(std::chrono::steady_clock::time_point deadline);
+
   // The first failure ("" while healthy): every later operation fails with it.
   std::string failure() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -117,7 +123,8 @@ class Watchdog {
 
 // A communicator and those made from it (its splits and dups; an NCCL one's
 // channels): one watchdog, polled every 100 ms by a thread of its own, so that
-// the first failure of any member aborts every member with one cause.
+// the first failure of any member aborts every member with one cause. Every
+// family alive is known to the process's terminate handler (install_terminate_handler).
 struct Family {
   // `timeout` bounds the operations watched (watch()); members that watch none
   // (the TCP transport times its own) share fate only.
@@ -133,5 +140,14 @@ struct Family {
   bool stopping_ = false;  // guarded by mu_
   std::thread poller_;     // owned and joined by this object
 };
+
+// When the process ends by std::terminate (an exception nobody caught, say),
+// its sockets would close with no word of why, and peers would blame this rank
+// for a bare end of stream. The handler this installs (once per process; later
+// calls only update `error_file`) first fails every family alive with the
+// exception's message (their peers read it, and whom to blame), waits up to a
+// second for that to go out, records the message in `error_file` (torchelastic's,
+// "" for none) and prints it, then calls the handler installed before it.
+void install_terminate_handler(const std::string& error_file);
 
 }  // namespace zeroshard::comm
