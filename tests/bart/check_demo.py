@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""scripts/demo.sh (what `make demo` runs), shortened to 40 steps: it must
+"""scripts/demo.sh (what `make demo` runs), at its full 2000 steps or shortened (STEPS): it must
 interrupt the run half-way through the launcher, restart and resume it, and end
 with a summary a person can read (the denoising accuracies among it), plus the
 files it promises. The summary's time from the notice to the first step after the
 restart lies between the moments this script saw the restart begin and the run
-end; loss.png shows the interruption (a line at step 20) and each checkpoint
-(a mark on the curve), read from its pixels.
+end; loss.png shows the interruption (a line half-way) and each checkpoint
+(a mark on the curve), read from its pixels. At 2000 steps the model reconstructs
+what the README says (about 94% of unmasked tokens, 12% of masked ones): the
+accuracies must clear floors that an untrained or broken model cannot.
 
-Usage: check_demo.py SOURCE_DIR BUILD_DIR
+Usage: check_demo.py SOURCE_DIR BUILD_DIR [STEPS]   (default 2000, the demo's)
 """
 import json
 import os
@@ -23,7 +25,9 @@ from png_marks import frame, mark_columns, read_png, vertical_lines  # noqa: E40
 src, build = sys.argv[1], os.path.abspath(sys.argv[2])
 run_dir = os.path.join(build, "demo_script_run")
 shutil.rmtree(run_dir, ignore_errors=True)
-env = dict(os.environ, STEPS="40", RUN_DIR=run_dir)
+STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
+HALF, EVERY = STEPS // 2, STEPS // 4  # demo.sh: the preemption, and the evaluations and saves
+env = dict(os.environ, STEPS=str(STEPS), RUN_DIR=run_dir)
 # Each line of the output with the moment it arrived: the oracle of the summary's notice-to-training time.
 p = subprocess.Popen([os.path.join(src, "scripts", "demo.sh"), build], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, env=env, cwd=src)
@@ -37,8 +41,8 @@ def arrived(needle):
     return next(t for t, line in lines if needle in line)
 
 
-for needle in ("simulating a spot preemption: rank 0 reached step 20", "restarting all ranks (restart 1 of 1)",
-               "BART pretraining summary", "2 ranks, ZeRO stage 3", "interrupted  after step 2",
+for needle in (f"simulating a spot preemption: rank 0 reached step {HALF}", "restarting all ranks (restart 1 of 1)",
+               "BART pretraining summary", "2 ranks, ZeRO stage 3", f"interrupted  after step {str(HALF)[:-1]}",
                "resumed      from the step-000000", "(restart 1, after SIGTERM, loaded in",
                "denoising    64 held-out sentences, greedy decoding:", "unmasked tokens reproduced",
                "masked ones recovered", "masked input:", "reconstruction:", "original:",
@@ -51,16 +55,13 @@ with open(os.path.join(run_dir, "trace-rank-0.restart-1.json")) as f:
     names = {e["args"]["name"] for e in json.load(f)["traceEvents"] if e["name"] == "thread_name"}
 check("training" in names and any(n.startswith("communicator") for n in names), names)
 steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"event"' not in line]
-check(steps == list(range(1, 41)), steps)
-# Reconstruction, as 40 steps can show it: the validation loss (the denoising loss on held-out text) falls at
-# every evaluation, across the preemption at step 20 too, to below 0.9x the untrained model's (measured 7.66 ->
-# 6.94, 6.54, 6.38, 6.34). An untrained or broken model stays at about ln(vocab), and a resume that lost the
-# trained state would rise after step 20. (The greedy-decoding accuracies below need far more steps: 0.0% and
-# 0.0% after 40 steps, 4.9% and 5.5% after 300, about 94% and 12% after the demo's 2000; they are checked for
-# consistency only.)
+check(steps == list(range(1, STEPS + 1)), steps)
+# The validation loss (the denoising loss on held-out text) falls at every evaluation, across the preemption too,
+# to below 0.9x the untrained model's. An untrained or broken model stays at about ln(vocab), and a resume that
+# lost the trained state would rise after the preemption.
 val = [(r["step"], r["val_loss"]) for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
        if r.get("event") == "validation"]
-check([s for s, _ in val] == [0, 10, 20, 30, 40], val)
+check([s for s, _ in val] == [0, EVERY, 2 * EVERY, 3 * EVERY, 4 * EVERY], val)
 check(all(b < a for (_, a), (_, b) in zip(val, val[1:])), f"the validation loss does not fall at every evaluation: {val}")
 check(val[-1][1] < 0.9 * val[0][1], f"the validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f} fell less than 10%")
 # The interruption's timeline: the summary's time from the notice to the end of the first step after the restart
@@ -68,8 +69,8 @@ check(val[-1][1] < 0.9 * val[0][1], f"the validation loss {val[0][1]:.3f} -> {va
 events = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "event" in r]
 summary = [r for r in events if r["event"] == "summary"][-1]
 intr = summary["interruptions"]
-# The launcher signals once rank 0 reported step 20; the ranks stop after the step they are in (20 or 21).
-check(len(intr) == 1 and 20 <= intr[0]["step"] <= 22 and intr[0]["cause"] == "SIGTERM", intr)
+# The launcher signals once rank 0 reported the half-way step; the ranks stop after the step they are in.
+check(len(intr) == 1 and HALF <= intr[0]["step"] <= HALF + 2 and intr[0]["cause"] == "SIGTERM", intr)
 stop = intr[0]["step"]
 gap = intr[0]["to_first_step_s"]
 t_notice, t_restart, t_end = arrived("simulating a spot preemption"), arrived("restarting all ranks"), lines[-1][0]
@@ -88,14 +89,14 @@ left, right = box[0], box[1]
 
 
 def x_of(step):
-    return left + step / 40 * (right - left)
+    return left + step / STEPS * (right - left)
 
 
 marked = vertical_lines(img, (0x94, 0x67, 0xBD), box)
 check(len(marked) == 1 and abs(marked[0] - x_of(stop)) <= 3,
       f"loss.png: the interruption line should be at x = {x_of(stop):.0f} (step {stop}), found lines at {marked}")
 saved = sorted({r["step"] for r in events if r["event"] == "checkpoint"})
-check(saved == sorted({10, 20, stop, 30, 40}), saved)
+check(saved == sorted({EVERY, 2 * EVERY, stop, 3 * EVERY, 4 * EVERY}), saved)
 greens = mark_columns(img, (0x2C, 0xA0, 0x2C), box)
 for s in saved:
     check(any(abs(g - x_of(s)) <= 4 for g in greens),
@@ -105,6 +106,17 @@ check(d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_toke
 for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_recovered")):
     check(0 <= d[right] <= d[kind + "_tokens"], d)
     check(abs(d[kind + "_accuracy"] - d[right] / d[kind + "_tokens"]) < 1e-12, d)
+# What the README says the demo's model does (about 94% of unmasked tokens reproduced, 12% of masked ones
+# recovered; measured 94.4% and 12.3%), with floors no untrained or half-trained model reaches: 0.0% and 0.0%
+# after 40 steps, 4.9% and 5.5% after 300.
+UNMASKED_FLOOR, MASKED_FLOOR = 0.85, 0.08
+if STEPS == 2000:
+    check(d["unmasked_accuracy"] >= UNMASKED_FLOOR,
+          f"the demo's model reproduced {100 * d['unmasked_accuracy']:.1f}% of the unmasked tokens; the README says "
+          f"about 94% (floor {100 * UNMASKED_FLOOR:.0f}%)")
+    check(d["masked_accuracy"] >= MASKED_FLOOR,
+          f"the demo's model recovered {100 * d['masked_accuracy']:.1f}% of the masked tokens; the README says "
+          f"about 12% (floor {100 * MASKED_FLOOR:.0f}%)")
 # The masked share is the noise's: 30% of the tokens in spans (the last span trimmed to land on it).
 share = d["masked_tokens"] / (d["masked_tokens"] + d["unmasked_tokens"])
 check(0.25 < share < 0.35, share)
@@ -116,6 +128,6 @@ check(o.rstrip(" \"')")[-1:] in (".", "!", "?"), f"the sample does not end a sen
 print(f"demo: validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f}, falling at every evaluation across the resume; "
       f"interrupted at step {stop} through the launcher, restarted, resumed (training again {gap:.1f} s after the "
       f"notice), summary and files present; loss.png marks the interruption and {len(saved)} checkpoints; "
-      f"after 40 steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
+      f"after {STEPS} steps {100 * d['unmasked_accuracy']:.1f}% of {d['unmasked_tokens']} unmasked tokens reproduced, "
       f"{100 * d['masked_accuracy']:.1f}% of {d['masked_tokens']} masked recovered")
 print("OK")
