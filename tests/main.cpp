@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -109,6 +110,24 @@ int abort_and_linger() {
   return 0;
 }
 
+// Three splits of the world, destroyed in one order on even ranks and the
+// reverse on odd ones; prints how long the destruction took on this rank.
+int destroy_in_any_order() {
+  auto c = zeroshard::init_communicator();
+  std::vector<int> all(c->size());
+  for (int r = 0; r < c->size(); ++r) all[r] = r;
+  std::vector<std::shared_ptr<zeroshard::Communicator>> splits;
+  for (int k = 0; k < 3; ++k) splits.push_back(c->split(all));
+  auto t = at::ones({16});
+  for (auto& s : splits) s->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  const auto start = std::chrono::steady_clock::now();
+  if (c->rank() % 2 == 1) std::reverse(splits.begin(), splits.end());
+  while (!splits.empty()) splits.pop_back();
+  std::cout << "destroyed 3 splits in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s" << std::endl;
+  return 0;
+}
+
 // Logs one line at each level after init_logging(rank, world) from the env.
 int log_lines() {
   const auto env = zeroshard::read_dist_env();
@@ -128,6 +147,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);
+    if (std::strcmp(argv[2], "destroy_in_any_order") == 0) return reported(destroy_in_any_order);
     if (std::strcmp(argv[2], "soak_train") == 0) return reported([&] { return soak_train_main(argc - 2, argv + 2); });
     std::cerr << "unknown helper " << argv[2] << std::endl;
     return 2;

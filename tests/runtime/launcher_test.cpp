@@ -263,5 +263,23 @@ TEST(Launcher, PeersOfAnAbortingRankFailAtOnceAndTheLauncherNamesIt) {
   EXPECT_LT(r.seconds, 8.0) << "the peers waited for the aborting rank's exit:\n" << r.output;
 }
 
+// Communicators destroyed in different orders on different ranks (a mesh closes
+// gracefully, reading until its peers closed their side): no rank waits for a peer
+// to reach the same communicator's destructor. 3 splits at 4 ranks, even ranks
+// first to last and odd ranks last to first: each rank's teardown takes
+// milliseconds, far from the 5 s a mesh would give its peers.
+TEST(Launcher, CommunicatorsDestroyedInAnyOrderDoNotWaitForEachOther) {
+  auto r = run_command(launcher() + " --nproc-per-node 4 --grace-period 5 -- " + testing::build_dir() +
+                       "/tests/zs_tests --helper destroy_in_any_order");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::regex line("\\[rank([0-9])\\]: destroyed 3 splits in ([0-9.e+-]+) s");
+  int ranks = 0;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), line); it != std::sregex_iterator(); ++it) {
+    ++ranks;
+    EXPECT_LT(std::stod((*it)[2].str()), 2.5) << "rank " << (*it)[1].str() << "\n" << r.output;
+  }
+  EXPECT_EQ(ranks, 4) << r.output;
+}
+
 }  // namespace launcher_test
 }  // namespace zeroshard
