@@ -190,6 +190,49 @@ TEST(NcclHost, DestroyKeepsInFlightTensorsUntilTheCommunicatorIsClosed) {
   EXPECT_TRUE(fake.violations().empty()) << joined(fake.violations());
 }
 
+// Closing a communicator that cannot flush (rank 1 never issues its operation)
+// takes up to its timeout; meanwhile another communicator of the same device
+// launches and completes its operations: the close does not hold the device's
+// one issue thread.
+TEST(NcclHost, ClosingOneCommunicatorDoesNotStallAnotherOnTheSameDevice) {
+  FakeNccl::Options o;
+  o.lazy_connect = false;  // the launch ends at once: the operation waits on the stream, for rank 1
+  FakeNccl fake(o);
+  std::atomic<bool> flushing{false};
+  fake.on_teardown([&](const std::string& call) {
+    if (call == "finalize") flushing = true;
+  });
+  std::atomic<bool> other_done{false}, done_while_closing{false};
+  const auto errors = run_nccl_ranks(2, fake, short_timeout(3000), [&](int rank, Communicator& nccl, Communicator& cpu) {
+    auto* tcp = dynamic_cast<comm::TcpCommunicator*>(&cpu);
+    auto stuck = make_nccl_communicator(fake, *tcp, c10::Device(c10::kCPU), rank, short_timeout(3000));
+    auto t = at::ones({1 << 10});
+    std::thread closer;
+    if (rank == 0) {
+      auto work = stuck->all_reduce(t, ReduceOp::kSum);  // rank 1 never issues it: the close cannot flush
+      (void)work;
+      closer = std::thread([&] {
+        stuck.reset();
+        done_while_closing = other_done.load();
+      });
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!flushing && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_TRUE(flushing) << "the close never reached its flush";
+    }
+    cpu.barrier();  // rank 0's stuck communicator is flushing now
+    auto x = at::ones({64});
+    nccl.all_reduce(x, ReduceOp::kSum)->wait();
+    EXPECT_TRUE(x.eq(2).all().item<bool>());
+    if (rank == 0) {
+      other_done = true;
+      closer.join();
+    }
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_TRUE(done_while_closing) << "the other communicator's all_reduce waited for the close to end";
+  EXPECT_TRUE(fake.violations().empty()) << joined(fake.violations());
+}
+
 // A task on the issue thread that throws (here: making a channel's unique id)
 // fails the operations it was launching, with the cause; the process goes on.
 TEST(NcclHost, AnExceptionInAPostedTaskFailsItsWorks) {

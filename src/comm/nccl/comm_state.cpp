@@ -292,34 +292,41 @@ Status CommState::settle(std::chrono::milliseconds timeout) {
   }
 }
 
-bool CommState::close(std::chrono::milliseconds timeout, const std::function<bool()>& pump) {
-  bool clean = false;
-  if (comm != nullptr) {
+bool CommState::close_step(Clock::time_point deadline, const std::function<bool()>& pump, bool& clean) {
+  if (comm != nullptr && closing_ == Closing::kLaunching) {
     // Launch what is still queued, so that finalize flushes it (peers may wait for it).
-    const auto deadline = Clock::now() + timeout;
-    while (failed().empty() && !pump() && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (failed().empty() && !pump() && Clock::now() < deadline) return false;
+    if (failed().empty() && !aborted.load() && !launching_.work && queue.empty()) {
+      const Status s = api.finalize(comm);
+      if (s.code == Status::kInProgress) {
+        closing_ = Closing::kFlushing;
+        return false;
+      }
+      if (s.is_ok()) {
+        api.destroy(comm);
+        comm = nullptr;
+        clean = true;
+      }
     }
-    clean = failed().empty() && !aborted.load() && !launching_.work && queue.empty();
-    if (clean) {
-      Status s = api.finalize(comm);
-      if (s.code == Status::kInProgress) s = settle(std::max(std::chrono::milliseconds(0),
-                                                            std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                deadline - Clock::now())));
-      clean = s.is_ok();
-    }
-    if (clean) {
+  } else if (comm != nullptr) {  // flushing
+    const Status s = api.async_error(comm);
+    if (s.code == Status::kInProgress && Clock::now() <= deadline) return false;
+    if (s.is_ok()) {
       api.destroy(comm);
-    } else {
-      api.abort(comm);
+      comm = nullptr;
+      clean = true;
     }
+  }
+  if (comm != nullptr) {  // it failed, or did not flush in time
+    api.abort(comm);
     comm = nullptr;
+    clean = false;
   }
   closed = true;
   fail_queue("the communicator was destroyed before the operation was launched");
   if (stream != nullptr) api.destroy_stream(stream, device);
   stream = nullptr;
-  return clean;
+  return true;
 }
 
 void post_op(const std::shared_ptr<CommState>& state, PendingOp op, std::function<bool()> pump) {

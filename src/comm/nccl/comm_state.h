@@ -116,12 +116,16 @@ class CommState final : public WatchedComm, public std::enable_shared_from_this<
   // Waits for a non-blocking call on the communicator (init, split, finalize)
   // to end; kInProgress when `timeout` passed first.
   Status settle(std::chrono::milliseconds timeout);
-  // Launches what is queued (through `pump`: this state's, or its channel's),
-  // flushes (finalize) and destroys the communicator, all within `timeout`,
-  // or aborts it if it failed or does not flush in time; fails what was never
-  // launched; destroys its stream. Later operations fail. True when the
-  // communicator was flushed and destroyed, false when it was aborted.
-  bool close(std::chrono::milliseconds timeout, const std::function<bool()>& pump);
+  // One step of closing: launches what is queued (through `pump`: this
+  // state's, or its channel's), flushes (finalize) and destroys the
+  // communicator, all by `deadline`, or aborts it if it failed or does not
+  // flush in time; then fails what was never launched and destroys its stream.
+  // Later operations fail. Returns false while a launch or the flush is under
+  // way: the caller's task returns "not yet", and the issue thread runs the
+  // other communicators' tasks before this one looks again. Once it returned
+  // true, `clean` says whether the communicator was flushed and destroyed
+  // (true) or aborted (false).
+  bool close_step(Clock::time_point deadline, const std::function<bool()>& pump, bool& clean);
 
   NcclApi& api;
   IssueThread& issuer;
@@ -140,6 +144,7 @@ class CommState final : public WatchedComm, public std::enable_shared_from_this<
   void probe();
 
   PendingOp launching_;             // issue thread: NCCL is launching it
+  enum class Closing { kLaunching, kFlushing } closing_ = Closing::kLaunching;  // issue thread: close_step's
   std::atomic<bool> probing_{false};
   uint64_t published_ = UINT64_MAX;  // the watchdog's thread only
   Clock::time_point published_at_{};

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <future>
 #include <map>
 #include <set>
 
@@ -52,14 +53,29 @@ class NcclCommunicator final : public Communicator {
       auto ops = family_->dog.forget(s.get());
       in_flight.insert(in_flight.end(), ops.begin(), ops.end());
     }
-    const auto timeout = options_.timeout;
-    bool clean = true;
+    // One task closes them in turn, each within the timeout. It says "not yet" while a flush is under
+    // way, so other communicators' launches on this device go on meanwhile.
+    auto closed = std::make_shared<std::promise<bool>>();
+    auto result = closed->get_future();
+    issuer_.post([states, closed, timeout = options_.timeout, next = size_t{0}, all_clean = true,
+                  deadline = Clock::time_point{}]() mutable {
+      try {
+        for (; next < states.size(); ++next, deadline = Clock::time_point{}) {
+          if (deadline == Clock::time_point{}) deadline = Clock::now() + timeout;
+          bool clean = false;
+          if (!states[next].first->close_step(deadline, states[next].second, clean)) return false;
+          all_clean = clean && all_clean;
+        }
+        closed->set_value(all_clean);
+      } catch (...) {
+        closed->set_exception(std::current_exception());
+      }
+      return true;
+    });
+    bool clean = false;
     try {
-      issuer_.run([&] {
-        for (auto& [s, pump] : states) clean = s->close(timeout, pump) && clean;
-      });
+      clean = result.get();
     } catch (const std::exception& e) {
-      clean = false;
       log_error(std::string("NCCL communicator: closing it failed: ") + error_message(e));
     }
     for (auto& op : in_flight) {
