@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <thread>
 
@@ -64,50 +65,43 @@ int reported(F&& helper) {
   }
 }
 
-// Rank 1 fails with a named error after a first all_reduce (its communicator
-// aborts as the error unwinds the stack); the others wait for a second one.
+// The failure helpers: every rank all-reduces once, then rank 1 fails (`fail`)
+// and the others wait for a second all_reduce, reporting what they learn.
+int rank1_fails_after_one_all_reduce(const std::function<int(zeroshard::Communicator&)>& fail) {
+  zeroshard::CommOptions opt;
+  opt.timeout = std::chrono::seconds(15);
+  auto c = zeroshard::init_communicator(opt);
+  auto t = at::ones({16});
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  if (c->rank() == 1) return fail(*c);
+  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  return 0;
+}
+
+// Rank 1 fails with a named error (its communicator aborts as the error unwinds the stack).
 int fail_with_error() {
-  zeroshard::CommOptions opt;
-  opt.timeout = std::chrono::seconds(15);
-  auto c = zeroshard::init_communicator(opt);
-  auto t = at::ones({16});
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  TORCH_CHECK_VALUE(c->rank() != 1, "rank 1 of this test fails on purpose (step 7, file 'x.h5')");
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  return 0;
+  return rank1_fails_after_one_all_reduce([](zeroshard::Communicator&) -> int {
+    TORCH_CHECK_VALUE(false, "rank 1 of this test fails on purpose (step 7, file 'x.h5')");
+    return 1;
+  });
 }
 
-// Rank 1 throws after a first all_reduce and catches nothing (std::terminate); the
-// others wait for a second one, and report what they learn.
+// Rank 1 throws and catches nothing (std::terminate).
 int fail_uncaught() {
-  zeroshard::CommOptions opt;
-  opt.timeout = std::chrono::seconds(15);
-  auto c = zeroshard::init_communicator(opt);
-  auto t = at::ones({16});
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  if (c->rank() == 1) {
+  return rank1_fails_after_one_all_reduce([](zeroshard::Communicator&) {
     std::thread([] { throw std::runtime_error("rank 1 of this test throws on purpose, caught by no one"); }).join();
-  }
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  return 0;
+    return 0;
+  });
 }
 
-// Rank 1 aborts its communicator after a first all_reduce and lives on for 8 s
-// (what a rank does after its communicator failed is its own business); the
-// others wait for a second all_reduce, and report what they learn at once.
+// Rank 1 aborts its communicator and lives on for 8 s (what a rank does after its
+// communicator failed is its own business).
 int abort_and_linger() {
-  zeroshard::CommOptions opt;
-  opt.timeout = std::chrono::seconds(15);
-  auto c = zeroshard::init_communicator(opt);
-  auto t = at::ones({16});
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  if (c->rank() == 1) {
-    c->abort("rank 1 of this test aborts on purpose");
+  return rank1_fails_after_one_all_reduce([](zeroshard::Communicator& c) {
+    c.abort("rank 1 of this test aborts on purpose");
     std::this_thread::sleep_for(std::chrono::seconds(8));
     return 3;
-  }
-  c->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
-  return 0;
+  });
 }
 
 // Three splits of the world, destroyed in one order on even ranks and the

@@ -174,18 +174,18 @@ std::string what_ended_it() {
   if (!entered.exchange(true)) {
     const std::string why = "this rank ended with " + what_ended_it();
     log_error(why);
+    std::string error_file;
+    {
+      std::lock_guard<std::mutex> lock(error_file_mu);
+      error_file = terminate_error_file;
+    }
+    note_failure(error_file, why);  // first: its moment precedes every peer's error, which it causes
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     if (families_mu.try_lock_until(deadline)) {
       for (auto* f : families) f->dog.fail(why);  // no-op for a family that failed before: it told its peers then
       for (auto* f : families) f->dog.wait_aborted(deadline);
       families_mu.unlock();
     }
-    std::string error_file;
-    {
-      std::lock_guard<std::mutex> lock(error_file_mu);
-      error_file = terminate_error_file;
-    }
-    note_failure(error_file, why);
   }
   if (previous_handler != nullptr) previous_handler();
   std::abort();

@@ -145,9 +145,10 @@ struct Family {
 // its sockets would close with no word of why, and peers would blame this rank
 // for a bare end of stream. The handler this installs (once per process; later
 // calls only update `error_file`) first fails every family alive with the
-// exception's message (their peers read it, and whom to blame), waits up to a
-// second for that to go out, records the message in `error_file` (torchelastic's,
-// "" for none) and prints it, then calls the handler installed before it.
+// exception's message (their peers read it, and whom to blame) and waits up to a
+// second for that to go out; before that it prints the message and records it in
+// `error_file` (torchelastic's, "" for none), so its moment precedes the peers'
+// errors. Then it calls the handler installed before it.
 void install_terminate_handler(const std::string& error_file);
 
 }  // namespace zeroshard::comm
