@@ -54,7 +54,7 @@ endif
 # (scripts/test-skips.py). ZS_NO_SKIP=1 (.ci/run) makes a test that would skip fail instead.
 test: build
 	@cd $(BUILD_DIR) && rm -f ctest-junit.xml && \
-	  { ctest --output-on-failure --output-junit ctest-junit.xml --timeout 600 -j$(JOBS) \
+	  { ctest --output-on-failure --output-junit ctest-junit.xml --test-output-size-passed 8388608 --timeout 600 -j$(JOBS) \
 	      $(if $(filter all,$(TESTS)),,-L $(TESTS)) || { $(CURDIR)/scripts/test-failures.sh .; failed=1; }; \
 	    $(VENV)/bin/python $(CURDIR)/scripts/test-skips.py ctest-junit.xml || failed=1; \
 	    [ -z "$$failed" ]; }

@@ -27,17 +27,22 @@ def reason_of_skip(output, fallback):
 
 def gtest_skips(output):
     """{case: reason} for each GTEST_SKIP in the output (gtest prints 'file:line: Skipped', the message, then
-    '[  SKIPPED ] Case.Name (N ms)')."""
-    lines = [RANK.sub("", l).rstrip() for l in output.splitlines()]
+    '[  SKIPPED ] Case.Name (N ms)'). Ranks' lines interleave: the message is read from the lines of the rank
+    that printed the case."""
+    lines = output.splitlines()
     found = {}
-    for i, line in enumerate(lines):
-        m = GTEST_SKIPPED.match(line)
+    for i, raw in enumerate(lines):
+        rank = RANK.match(raw)
+        prefix = rank.group(0) if rank else ""
+        m = GTEST_SKIPPED.match(raw[len(prefix):].rstrip())
         if not m or m.group(1) in found:
             continue
+        mine = [l[len(prefix):].rstrip() for l in lines[max(0, i - 40):i] if RANK.match(l) == rank or
+                (rank and l.startswith(prefix))]
         reason = ""
-        for j in range(i - 1, max(i - 6, -1), -1):  # the message sits between "Skipped" and this line
-            if lines[j].endswith(": Skipped"):
-                reason = " ".join(l.strip() for l in lines[j + 1:i] if l.strip())
+        for j in range(len(mine) - 1, -1, -1):  # the message sits between "Skipped" and this line
+            if mine[j].endswith(": Skipped"):
+                reason = " ".join(l.strip() for l in mine[j + 1:] if l.strip() and not l.startswith("["))
                 break
         found[m.group(1)] = reason or "no reason given"
     return found

@@ -43,7 +43,7 @@ def arrived(needle):
 
 for needle in (f"simulating a spot preemption: rank 0 reached step {HALF}", "restarting all ranks (restart 1 of 1)",
                "BART pretraining summary", "2 ranks, ZeRO stage 3", f"interrupted  after step {str(HALF)[:-1]}",
-               "resumed      from the step-000000", "(restart 1, after SIGTERM, loaded in",
+               "resumed      from the step-0", "(restart 1, after SIGTERM, loaded in",
                "denoising    64 held-out sentences, greedy decoding:", "unmasked tokens reproduced",
                "masked ones recovered", "masked input:", "reconstruction:", "original:",
                "unsharded (one process, 16 bytes/parameter)", "efficiency   gradient noise scale"):
