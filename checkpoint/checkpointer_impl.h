@@ -272,6 +272,10 @@ struct Checkpointer::Impl {
   std::vector<char> files_anywhere(const fs::path& step_dir, const json* m) const;
   // Whether this rank's directory holds one of a manifest's files.
   static bool here(const fs::path& step_dir, const json& file);
+  // Why the committed checkpoint `cand` cannot be loaded ("" when it can): its
+  // manifest (read into `m`) and this rank's share of its files. Collective
+  // without a shared filesystem (files_anywhere).
+  std::string check_candidate(const fs::path& cand, json& m) const;
   // Collective: the step directories to try, in order, the same on every rank:
   // `step`, or the oldest step a `latest` names, then the steps every disk holds,
   // newest first. Throws when some disks hold checkpoints and others none in common.

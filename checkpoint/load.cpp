@@ -8,6 +8,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -185,245 +186,298 @@ void Checkpointer::Impl::check_same_model(const json& m, const std::vector<Model
               "); load it into the model it was saved from");
 }
 
+namespace {
+
+// What a rank reads from one verified checkpoint (step directory `cand`, its
+// manifest `m`): pieces of parameters' masters, moments and gradients from
+// whichever saved files hold them, and parameters saved in full. Each file
+// opens once. Without a shared filesystem only the files on this host's disk
+// can be read; a read that needs another throws, naming the file and the fix.
+class PieceReader {
+ public:
+  // `on_disk(file)`: whether one of the manifest's files is in this rank's directory.
+  PieceReader(const fs::path& cand, const json& m, const Disks& disks, int rank,
+              std::function<bool(const json& file)> on_disk)
+      : cand_(cand), m_(m), disks_(disks), rank_(rank), on_disk_(std::move(on_disk)) {
+    for (const auto& p : m.at("params")) saved_[p.at("name").get<std::string>()] = &p;
+    for (const auto& r : m.at("replicated")) replicated_[r.at("name").get<std::string>()] = &r;
+  }
+
+  bool saved(const std::string& name) const { return saved_.count(name) > 0; }
+  const json& saved_entry(const std::string& name) const { return *saved_.at(name); }
+  bool replicated(const std::string& name) const { return replicated_.count(name) > 0; }
+  // Whether rank r's file is on this host's disk.
+  bool local(int r) const { return disks_.shared() || on_disk_(file_entry(r)); }
+  const json& file_entry(int r) const { return m_.at("files").at(static_cast<size_t>(r)); }
+
+  checkpoint::h5::File& file(int r) {
+    auto it = open_.find(r);
+    if (it == open_.end()) {
+      it = open_.emplace(r, checkpoint::h5::File::open_read((cand_ / file_entry(r).at("name").get<std::string>()).string()))
+               .first;
+    }
+    return it->second;
+  }
+
+  // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), in its saved dtype.
+  at::Tensor read_replicated(const std::string& name, const std::vector<int64_t>& shape) {
+    const json& entry = *replicated_.at(name);
+    const auto dtype = checkpoint::dtype_named(entry.at("dtype").get<std::string>());
+    auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
+    std::vector<int> holders{entry.value("rank", 0)};  // the file saved with it, then copies on other disks
+    for (const auto& c : entry.value("copies", json::array())) holders.push_back(c.get<int>());
+    const auto it = std::find_if(holders.begin(), holders.end(), [&](int r) { return local(r); });
+    if (it == holders.end()) not_here(holders.front(), name);
+    file(*it).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
+    return t;
+  }
+
+  // Elements [a, e) of a saved parameter's `kind` ("master", "exp_avg", "exp_avg_sq", "grad"),
+  // from the pieces of whichever ranks saved them.
+  void read_master(const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
+    const json& p = *saved_.at(name);
+    auto overlaps = [&](const json& pc) { return std::max(a, pc[1].get<int64_t>()) < std::min(e, pc[2].get<int64_t>()); };
+    // The saved pieces, or (without a shared filesystem) the first alternate set whose
+    // pieces over [a, e) are all on this disk: another stage's, or a disk's copy.
+    const json* cover = &p.at("pieces");
+    auto all_here = [&](const json& c) {
+      return std::all_of(c.begin(), c.end(), [&](const json& pc) { return !overlaps(pc) || local(pc[0].get<int>()); });
+    };
+    if (!all_here(*cover) && p.contains("alternates")) {
+      for (const auto& alt : p.at("alternates")) {
+        if (all_here(alt)) {
+          cover = &alt;
+          break;
+        }
+      }
+    }
+    for (const auto& pc : *cover) {
+      if (!overlaps(pc)) continue;
+      const int r = pc[0].get<int>();
+      const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
+      const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
+      if (!local(r)) not_here(r, name);
+      file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
+                   static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
+    }
+  }
+
+ private:
+  [[noreturn]] void not_here(int r, const std::string& name) const {
+    const auto& f = file_entry(r);
+    TORCH_CHECK(false, "'", (cand_ / f.at("name").get<std::string>()).string(), "' (written by rank ", r,
+                f.contains("host") ? " on host " + f.at("host").get<std::string>() : std::string(),
+                ") is not on this host's disk (host ", disks_.hosts[static_cast<size_t>(rank_)], ", rank ", rank_,
+                "), and this load reads '", name, "' from it: the checkpoint was saved by ",
+                m_.at("world_size").get<int>(), " ranks (", m_.value("topology", json::object()).value("pp_stages", 1),
+                " pipeline stage(s), ZeRO stage ", zero_stage_of(m_), ") and the ranks now place its pieces elsewhere. "
+                "Bring every host's ", cand_.filename().string(), " files together on each host (a shared filesystem, or "
+                "copy them: docs/checkpoints.md), or resume with the topology that saved it");
+  }
+
+  const fs::path& cand_;
+  const json& m_;
+  const Disks& disks_;
+  const int rank_;
+  const std::function<bool(const json& file)> on_disk_;
+  std::unordered_map<std::string, const json*> saved_, replicated_;
+  std::map<int, checkpoint::h5::File> open_;
+};
+
+// What a load changes, read but not applied yet: every rank applies it, or none does.
+struct Staged {
+  std::vector<std::pair<at::Tensor, at::Tensor>> tensors;     // (live tensor, value read)
+  std::vector<std::pair<c10::Device, at::Tensor>> generators;  // (device, state read)
+  std::vector<int64_t> steps;                                  // AdamW's step count, per parameter
+  std::vector<at::Tensor> grad_shards;                         // an accumulation in progress
+  std::vector<char> had_grad;
+};
+
+// The optimizer's shards of this rank (master and moments, in the current layout), from
+// the pieces that cover them; a parameter saved in full (untrained then) has no moments.
+void stage_shards(PieceReader& in, const ShardedState& state, const std::vector<std::string>& names, Staged& out) {
+  out.steps.assign(state.params.size(), 0);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (in.saved(names[i])) {
+      out.steps[i] = in.saved_entry(names[i]).at("step").get<int64_t>();
+    } else {
+      TORCH_CHECK(in.replicated(names[i]), "parameter '", names[i], "' is not in the checkpoint");
+    }
+  }
+  std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
+  for (const auto& b : state.buckets) {
+    // Reads land in host copies of the shards (the padding keeps its value); they reach
+    // the live state, one copy each, only when every rank has read everything.
+    auto host = [](const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); };
+    const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
+    const int shard = b.layout.shard_of_rank(state.shard_rank);
+    for (const auto& seg : shard_segments(b.layout, shard)) {
+      const size_t pi = b.params[seg.param];
+      const std::string& name = names[pi];
+      const Range local = seg.local(b.layout, shard);
+      const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
+      if (in.saved(name)) {
+        in.read_master(name, "master", a, e, master.data_ptr<float>() + local.begin);
+        in.read_master(name, "exp_avg", a, e, exp_avg.data_ptr<float>() + local.begin);
+        in.read_master(name, "exp_avg_sq", a, e, exp_avg_sq.data_ptr<float>() + local.begin);
+      } else {
+        auto& full = full_replicated[name];
+        if (!full.defined()) full = in.read_replicated(name, state.params[pi].shape).to(at::kFloat).reshape(-1);
+        master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
+        exp_avg.slice(0, local.begin, local.end).zero_();
+        exp_avg_sq.slice(0, local.begin, local.end).zero_();
+      }
+    }
+    out.tensors.push_back({b.master, master});
+    out.tensors.push_back({b.exp_avg, exp_avg});
+    out.tensors.push_back({b.exp_avg_sq, exp_avg_sq});
+  }
+}
+
+// The module's parameters the optimizer does not hold, and its buffers, in full.
+// `imported` (zeroshard-ckpt import): what the checkpoint lacks keeps its value.
+void stage_module_rest(PieceReader& in, torch::nn::Module& model, const std::vector<std::string>& names,
+                       const std::map<std::string, std::string>& saved_names, bool imported, Staged& out) {
+  std::unordered_map<std::string, bool> in_state;
+  for (const auto& n : names) in_state[n] = true;
+  auto restore_full = [&](const std::string& name, const at::Tensor& target) {
+    if (imported && !in.replicated(name) && !in.saved(name)) {
+      log_info("checkpoint: '" + name + "' is not in the imported checkpoint; it keeps its value");
+      return;
+    }
+    if (in.replicated(name)) {
+      out.tensors.push_back({target.detach(), in.read_replicated(name, target.sizes().vec())});
+    } else {
+      TORCH_CHECK(in.saved(name), "'", name, "' is not in the checkpoint");
+      auto full = torch::empty({target.numel()}, at::kFloat);
+      in.read_master(name, "master", 0, target.numel(), full.data_ptr<float>());
+      out.tensors.push_back({target.detach(), full.view(target.sizes())});
+    }
+  };
+  for (const auto& item : model.named_parameters()) {
+    const std::string name = saved_name(saved_names, item.key());
+    if (!in_state.count(name)) restore_full(name, item.value());
+  }
+  for (const auto& item : model.named_buffers()) restore_full(saved_name(saved_names, item.key()), item.value());
+}
+
+// The random generators' states, when this rank sits where the saver did (the same place in
+// the same topology: each rank resumes its own stream): the CPU's, and the training
+// device's when it is a GPU.
+void stage_generators(PieceReader& in, const json& m, const Place& place, int rank, int world, c10::Device device,
+                      const std::string& dir, Staged& out) {
+  const auto& saved_file = in.file_entry(std::min(rank, static_cast<int>(m.at("files").size()) - 1));
+  const bool same_place = m.at("world_size").get<int>() == world &&
+                          m.value("topology", json::object()).value("pp_stages", 1) == place.pp_stages &&
+                          saved_file.value("pp_stage", 0) == place.pp_stage &&
+                          saved_file.value("dp_rank", rank) == place.dp_rank;
+  if (!same_place || !in.local(rank)) return;
+  std::vector<std::pair<std::string, c10::Device>> generators{{"/rng/cpu", c10::kCPU}};
+  if (device.is_cuda()) generators.emplace_back("/rng/cuda", device);
+  for (const auto& [ds, dev] : generators) {
+    if (!in.file(rank).has(ds)) continue;
+    const auto dims = in.file(rank).dims(ds);
+    // A generator's state is a few KiB (the CPU's mt19937: 5,056 bytes).
+    TORCH_CHECK(dims.size() == 1 && dims[0] <= (1u << 20), "checkpoint ", dir, ": ", ds, " of rank ", rank,
+                " is not a generator state (", dims.size(), "-D, ", dims.empty() ? 0 : dims[0],
+                " elements; want 1-D, at most 1 MiB): a file edited or written by another program?");
+    auto rng = torch::empty({static_cast<int64_t>(dims[0])}, torch::kUInt8);
+    in.file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, static_cast<uint64_t>(rng.numel()), rng.data_ptr());
+    out.generators.emplace_back(dev, rng);
+  }
+}
+
+// An accumulation in progress when it was saved: the reduced gradients so far, in this layout.
+void stage_gradients(PieceReader& in, const ShardedState& state, const std::vector<std::string>& names, Staged& out) {
+  for (const auto& b : state.buckets) {
+    auto g = at::zeros({b.shard.size()}, at::kFloat);
+    const int shard = b.layout.shard_of_rank(state.shard_rank);
+    for (const auto& seg : shard_segments(b.layout, shard)) {
+      const std::string& name = names[b.params[seg.param]];
+      if (!in.saved(name)) continue;  // untrained when saved: no gradient
+      const Range local = seg.local(b.layout, shard);
+      in.read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
+    }
+    out.grad_shards.push_back(g.to(b.master.device()));
+  }
+  for (const auto& n : names) {
+    out.had_grad.push_back(in.saved(n) && in.saved_entry(n).value("had_grad", false) ? 1 : 0);
+  }
+}
+
+}  // namespace
+
+std::string Checkpointer::Impl::check_candidate(const fs::path& cand, json& m) const {
+  std::string why;
+  try {
+    if (!fs::exists(cand / "manifest.json")) {
+      why = "'" + cand.string() + "' has no manifest.json (never committed)" +
+            (disks.shared() ? "" : " on host " + disks.hosts[static_cast<size_t>(comm->rank())]);
+    } else {
+      m = read_manifest(cand);
+    }
+  } catch (const std::exception& e) {
+    why = "'" + (cand / "manifest.json").string() + "' cannot be used: " + error_message(e);
+  }
+  std::vector<char> anywhere;  // without a shared filesystem: the files some host's disk holds
+  if (!disks.shared()) anywhere = files_anywhere(cand, why.empty() ? &m : nullptr);
+  try {
+    if (why.empty()) why = verify_share(cand, m, anywhere);
+  } catch (const std::exception& e) {
+    why = "'" + cand.string() + "' cannot be verified: " + error_message(e);
+  }
+  return why;
+}
+
 std::optional<TrainingProgress> Checkpointer::Impl::load(
     ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
     const Restore& restore) {
   wait_pending();
   torch::NoGradGuard no_grad;
-  const int rank = comm->rank();
   const Place place = place_of(state);
   agree_on_places(*comm, place, {});
   const auto names = module_names(state, model, options.saved_names);
-  const fs::path root(dir);
   const std::vector<fs::path> candidates = agree_on_candidates(step);
   if (candidates.empty()) return std::nullopt;
   const auto mine = model_entries(model, state, names, options.saved_names);
   for (const auto& cand : candidates) {
     // 1. manifest and files, checked by every rank (each a share of the files)
-    std::string why;
     json m;
-    try {
-      if (!fs::exists(cand / "manifest.json")) {
-        why = "'" + cand.string() + "' has no manifest.json (never committed)" +
-              (disks.shared() ? "" : " on host " + disks.hosts[static_cast<size_t>(rank)]);
-      } else {
-        m = read_manifest(cand);
-      }
-    } catch (const std::exception& e) {
-      why = "'" + (cand / "manifest.json").string() + "' cannot be used: " +
-            error_message(e);
-    }
-    std::vector<char> anywhere;  // without a shared filesystem: the files some host's disk holds
-    if (!disks.shared()) anywhere = files_anywhere(cand, why.empty() ? &m : nullptr);
-    try {
-      if (why.empty()) why = verify_share(cand, m, anywhere);
-    } catch (const std::exception& e) {
-      why = "'" + cand.string() + "' cannot be verified: " + error_message(e);
-    }
+    std::string why = check_candidate(cand, m);
     auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
     if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
     if (bad.item<double>() > 0) {
-      log_warn("checkpoint: not loading " + cand.string() + ": " +
-               (why.empty() ? std::string("another rank found a bad file (its log says which)") : why) +
-               "; trying the previous committed checkpoint");
-      if (step) {
-        TORCH_CHECK(false, "checkpoint: step ", *step, " in '", dir, "' cannot be loaded: ",
-                    why.empty() ? std::string("another rank found a bad file (its log says which)") : why);
-      }
+      if (why.empty()) why = "another rank found a bad file (its log says which)";
+      TORCH_CHECK(!step, "checkpoint: step ", step.value_or(0), " in '", dir, "' cannot be loaded: ", why);
+      log_warn("checkpoint: not loading " + cand.string() + ": " + why + "; trying the previous committed checkpoint");
       continue;
     }
     // 2. the same model (a different one is an error, not a reason to fall back)
     check_same_model(m, mine, cand);
     // 3. this rank's pieces, from whichever old files hold them
-    const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
-    std::vector<std::pair<at::Tensor, at::Tensor>> staged;             // (live tensor, value read)
-    std::vector<std::pair<c10::Device, at::Tensor>> generator_states;  // (device, state read)
-    std::function<void()> commit;                                      // the optimizer's step counts etc.
+    Staged staged;
     try {
-      std::unordered_map<std::string, const json*> saved;
-      for (const auto& p : m.at("params")) saved[p.at("name").get<std::string>()] = &p;
-      std::map<int, checkpoint::h5::File> open;
-      // Without a shared filesystem: whether rank r's file is on this host's disk, and the
-      // error when a read needs one that is not.
-      auto local = [&](int r) { return disks.shared() || here(cand, m.at("files").at(static_cast<size_t>(r))); };
-      auto not_here = [&](int r, const std::string& name) {
-        const auto& f = m.at("files").at(static_cast<size_t>(r));
-        TORCH_CHECK(false, "'", (cand / f.at("name").get<std::string>()).string(), "' (written by rank ", r,
-                    f.contains("host") ? " on host " + f.at("host").get<std::string>() : std::string(),
-                    ") is not on this host's disk (host ", disks.hosts[static_cast<size_t>(rank)], ", rank ", rank,
-                    "), and this load reads '", name, "' from it: the checkpoint was saved by ",
-                    m.at("world_size").get<int>(), " ranks (", m.value("topology", json::object()).value("pp_stages", 1),
-                    " pipeline stage(s), ZeRO stage ", zero_stage_of(m), ") and the ranks now place its pieces elsewhere. "
-                    "Bring every host's ", cand.filename().string(), " files together on each host (a shared filesystem, or "
-                    "copy them: docs/checkpoints.md), or resume with the topology that saved it");
-      };
-      auto file = [&](int r) -> checkpoint::h5::File& {
-        auto it = open.find(r);
-        if (it == open.end()) {
-          it = open.emplace(r, checkpoint::h5::File::open_read(
-                                   (cand / m.at("files")[static_cast<size_t>(r)].at("name").get<std::string>()).string()))
-                   .first;
-        }
-        return it->second;
-      };
-      std::unordered_map<std::string, const json*> replicated;
-      for (const auto& r : m.at("replicated")) replicated[r.at("name").get<std::string>()] = &r;
-      // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), as fp32.
-      auto read_replicated = [&](const std::string& name, const std::vector<int64_t>& shape) {
-        const auto dtype = checkpoint::dtype_named(replicated.at(name)->at("dtype").get<std::string>());
-        auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
-        const json& entry = *replicated.at(name);
-        std::vector<int> holders{entry.value("rank", 0)};  // the file saved with it, then copies on other disks
-        for (const auto& c : entry.value("copies", json::array())) holders.push_back(c.get<int>());
-        const auto it = std::find_if(holders.begin(), holders.end(), local);
-        if (it == holders.end()) not_here(holders.front(), name);
-        const int from = *it;
-        file(from).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
-        return t;
-      };
-      // Elements [a, e) of a parameter's fp32 master, from the pieces of whichever ranks saved them.
-      auto read_master = [&](const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
-        const json& p = *saved.at(name);
-        auto overlaps = [&](const json& pc) { return std::max(a, pc[1].get<int64_t>()) < std::min(e, pc[2].get<int64_t>()); };
-        // The saved pieces, or (without a shared filesystem) the first alternate set whose
-        // pieces over [a, e) are all on this disk: another stage's, or a disk's copy.
-        const json* cover = &p.at("pieces");
-        auto all_here = [&](const json& c) {
-          return std::all_of(c.begin(), c.end(), [&](const json& pc) { return !overlaps(pc) || local(pc[0].get<int>()); });
-        };
-        if (!all_here(*cover) && p.contains("alternates")) {
-          for (const auto& alt : p.at("alternates")) {
-            if (all_here(alt)) {
-              cover = &alt;
-              break;
-            }
-          }
-        }
-        for (const auto& pc : *cover) {
-          if (!overlaps(pc)) continue;
-          const int r = pc[0].get<int>();
-          const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
-          const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
-          if (!local(r)) not_here(r, name);
-          file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
-                       static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
-        }
-      };
-      std::vector<int64_t> steps(state.params.size(), 0);
-      for (size_t i = 0; i < names.size(); ++i) {
-        auto it = saved.find(names[i]);
-        if (it != saved.end()) {
-          steps[i] = it->second->at("step").get<int64_t>();
-        } else {
-          TORCH_CHECK(replicated.count(names[i]), "parameter '", names[i], "' is not in the checkpoint");
-        }
-      }
-      std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
-      for (const auto& b : state.buckets) {
-        // Reads land in host copies of the shards (the padding keeps its value); they reach
-        // the live state, one copy each, only when every rank has read everything.
-        auto host = [](const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); };
-        const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
-        const int shard = b.layout.shard_of_rank(state.shard_rank);
-        for (const auto& seg : shard_segments(b.layout, shard)) {
-          const size_t pi = b.params[seg.param];
-          const std::string& name = names[pi];
-          const Range local = seg.local(b.layout, shard);
-          const int64_t a = seg.param_offset, e = seg.param_offset + local.size();
-          if (saved.count(name)) {
-            read_master(name, "master", a, e, master.data_ptr<float>() + local.begin);
-            read_master(name, "exp_avg", a, e, exp_avg.data_ptr<float>() + local.begin);
-            read_master(name, "exp_avg_sq", a, e, exp_avg_sq.data_ptr<float>() + local.begin);
-          } else {  // saved in full and untrained: no moments
-            auto& full = full_replicated[name];
-            if (!full.defined()) full = read_replicated(name, state.params[pi].shape).to(at::kFloat).reshape(-1);
-            master.slice(0, local.begin, local.end).copy_(full.slice(0, a, e));
-            exp_avg.slice(0, local.begin, local.end).zero_();
-            exp_avg_sq.slice(0, local.begin, local.end).zero_();
-          }
-        }
-        staged.push_back({b.master, master});
-        staged.push_back({b.exp_avg, exp_avg});
-        staged.push_back({b.exp_avg_sq, exp_avg_sq});
-      }
-      // The module's parameters the optimizer does not hold, and its buffers.
-      std::unordered_map<std::string, bool> in_state;
-      for (const auto& n : names) in_state[n] = true;
-      auto restore_full = [&](const std::string& name, const at::Tensor& target) {
-        if (imported && !replicated.count(name) && !saved.count(name)) {
-          log_info("checkpoint: '" + name + "' is not in the imported checkpoint; it keeps its value");
-          return;
-        }
-        if (replicated.count(name)) {
-          staged.push_back({target.detach(), read_replicated(name, target.sizes().vec())});
-        } else {
-          TORCH_CHECK(saved.count(name), "'", name, "' is not in the checkpoint");
-          auto full = torch::empty({target.numel()}, at::kFloat);
-          read_master(name, "master", 0, target.numel(), full.data_ptr<float>());
-          staged.push_back({target.detach(), full.view(target.sizes())});
-        }
-      };
-      for (const auto& item : model.named_parameters()) {
-        const std::string name = saved_name(options.saved_names, item.key());
-        if (!in_state.count(name)) restore_full(name, item.value());
-      }
-      for (const auto& item : model.named_buffers()) restore_full(saved_name(options.saved_names, item.key()), item.value());
-      // The same place in the same topology: each rank resumes its own RNG stream.
-      const auto& saved_file = m.at("files").at(static_cast<size_t>(std::min(rank, static_cast<int>(m.at("files").size()) - 1)));
-      const bool same_place = m.at("world_size").get<int>() == comm->size() &&
-                              m.value("topology", json::object()).value("pp_stages", 1) == place.pp_stages &&
-                              saved_file.value("pp_stage", 0) == place.pp_stage &&
-                              saved_file.value("dp_rank", rank) == place.dp_rank;
-      // The CPU's generator, and the training device's when it is the one the saver used.
+      PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); });
+      stage_shards(in, state, names, staged);
+      const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
+      stage_module_rest(in, model, names, options.saved_names, imported, staged);
       const c10::Device device = state.buckets.empty() ? c10::Device(c10::kCPU) : state.buckets.front().master.device();
-      std::vector<std::pair<std::string, c10::Device>> generators{{"/rng/cpu", c10::kCPU}};
-      if (device.is_cuda()) generators.emplace_back("/rng/cuda", device);
-      for (const auto& [ds, dev] : generators) {
-        if (!same_place || !here(cand, saved_file) || !file(rank).has(ds)) continue;
-        const auto dims = file(rank).dims(ds);
-        // A generator's state is a few KiB (the CPU's mt19937: 5,056 bytes).
-        TORCH_CHECK(dims.size() == 1 && dims[0] <= (1u << 20), "checkpoint ", dir, ": ", ds, " of rank ", rank,
-                    " is not a generator state (", dims.size(), "-D, ", dims.empty() ? 0 : dims[0],
-                    " elements; want 1-D, at most 1 MiB): a file edited or written by another program?");
-        auto rng = torch::empty({static_cast<int64_t>(dims[0])}, torch::kUInt8);
-        file(rank).read_all(ds, checkpoint::h5::Type::kUInt8, static_cast<uint64_t>(rng.numel()), rng.data_ptr());
-        generator_states.emplace_back(dev, rng);
-      }
-      // An accumulation in progress: the reduced gradients so far, in this layout.
-      std::vector<at::Tensor> grad_shards;
-      std::vector<char> had_grad;
-      if (m.value("gradients", false)) {
-        for (const auto& b : state.buckets) {
-          auto g = at::zeros({b.shard.size()}, at::kFloat);
-          const int shard = b.layout.shard_of_rank(state.shard_rank);
-          for (const auto& seg : shard_segments(b.layout, shard)) {
-            const std::string& name = names[b.params[seg.param]];
-            if (!saved.count(name)) continue;  // untrained when saved: no gradient
-            const Range local = seg.local(b.layout, shard);
-            read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
-          }
-          grad_shards.push_back(g.to(b.master.device()));
-        }
-        for (const auto& n : names) had_grad.push_back(saved.count(n) && saved.at(n)->value("had_grad", false) ? 1 : 0);
-      }
-      why.clear();
-      commit = [&, steps, grad_shards, had_grad] {
-        restore(steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(), grad_shards,
-                had_grad);
-      };
+      stage_generators(in, m, place, comm->rank(), comm->size(), device, dir, staged);
+      if (m.value("gradients", false)) stage_gradients(in, state, names, staged);
     } catch (const std::exception& e) {
       why = error_message(e);
     }
     // All or nothing: a load that fails on any rank leaves every rank's model, optimizer
     // and generators as they were.
     agree(*comm, "loading " + cand.string(), why);
-    for (auto& [live, value] : staged) live.copy_(value);
-    for (auto& [dev, rng] : generator_states) {
+    for (auto& [live, value] : staged.tensors) live.copy_(value);
+    for (auto& [dev, rng] : staged.generators) {
       auto gen = compat::default_generator(dev);  // a handle on the process's generator
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng);
     }
-    commit();
+    restore(staged.steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(),
+            staged.grad_shards, staged.had_grad);
     TrainingProgress progress;
     progress.step = m.at("step").get<int64_t>();
     progress.epoch = m.at("epoch").get<int64_t>();
