@@ -273,10 +273,9 @@ FullyShardedModel::KeepGatheredGuard::KeepGatheredGuard(KeepGatheredGuard&& othe
 
 FullyShardedModel::KeepGatheredGuard FullyShardedModel::keep_gathered() { return KeepGatheredGuard(this); }
 
-std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
-                                               ProcessGroup group, FullyShardOptions options) {
-  TORCH_CHECK_VALUE(root != nullptr, "fully_shard: the module is null");
-  auto comm = group.data;
+namespace {
+
+void check_options(const FullyShardOptions& options, const std::shared_ptr<Communicator>& comm) {
   TORCH_CHECK_VALUE(comm != nullptr, "fully_shard: the communicator is null; pass zeroshard::init_communicator()");
   TORCH_CHECK_VALUE(options.max_inflight_reductions >= 1, "fully_shard: max_inflight_reductions is ",
                     options.max_inflight_reductions, "; it must be >= 1 (Default: 2)");
@@ -290,58 +289,67 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   TORCH_CHECK_VALUE(gd == at::ScalarType::Undefined || gd == at::kBFloat16 || gd == at::kHalf || gd == at::kChar,
                     "fully_shard: gather_dtype is ", c10::toString(gd),
                     "; use BFloat16, Half, Char (block-quantized int8) or Undefined (the parameters' dtype)");
-  auto impl = std::make_unique<shard::ShardedModel>();
-  impl->group = group;
-  impl->options = options;
+}
 
-  // Units in pre-order; each claims the parameters under it that no deeper unit claims.
+// The units of a model: each Sharded<> module, in pre-order, with the parameters
+// under it that no deeper unit claims; the root's are the parameters no unit claims.
+struct UnitsFound {
   struct Found {
     std::string path;
     std::shared_ptr<torch::nn::Module> module;
     ShardedModule* marker;
+    const shard::DeferredUnit* deferred;  // what DeferredInit built, or null
   };
   std::vector<Found> found;
-  for (const auto& item : root->named_modules()) {
-    if (auto* m = dynamic_cast<ShardedModule*>(item.value().get())) {
-      TORCH_CHECK_VALUE(!m->unit_, "fully_shard: unit '", item.key(), "' is already sharded");
-      found.push_back({item.key(), item.value(), m});
-    }
-  }
-  std::unordered_map<const void*, std::string> claimed;  // parameter -> unit path
-  std::vector<std::vector<std::string>> unit_names(found.size());
-  std::vector<std::vector<at::Tensor>> unit_params(found.size());
-  for (size_t k = found.size(); k-- > 0;) {
-    for (const auto& item : found[k].module->named_parameters()) {
-      const void* key = item.value().unsafeGetTensorImpl();
-      if (claimed.count(key)) continue;
-      claimed.emplace(key, found[k].path);
-      const std::string full = found[k].path.empty() ? item.key() : found[k].path + "." + item.key();
-      unit_names[k].push_back(full);
-      unit_params[k].push_back(item.value());
-    }
-  }
+  std::vector<std::vector<std::string>> names;
+  std::vector<std::vector<at::Tensor>> params;
   std::vector<std::string> root_names;
   std::vector<at::Tensor> root_params;
+  // Units built under DeferredInit bring this rank's shard; their parameters hold placeholders.
+  std::vector<const shard::DeferredUnit*> deferred;
+};
+
+// `found`: the Sharded<> modules in pre-order.
+UnitsFound claim_parameters(const std::shared_ptr<torch::nn::Module>& root, std::vector<UnitsFound::Found> found) {
+  UnitsFound u;
+  u.found = std::move(found);
+  std::unordered_map<const void*, std::string> claimed;  // parameter -> unit path
+  u.names.resize(u.found.size());
+  u.params.resize(u.found.size());
+  for (size_t k = u.found.size(); k-- > 0;) {
+    for (const auto& item : u.found[k].module->named_parameters()) {
+      const void* key = item.value().unsafeGetTensorImpl();
+      if (claimed.count(key)) continue;
+      claimed.emplace(key, u.found[k].path);
+      u.names[k].push_back(u.found[k].path.empty() ? item.key() : u.found[k].path + "." + item.key());
+      u.params[k].push_back(item.value());
+    }
+  }
   for (const auto& item : root->named_parameters()) {
     const void* key = item.value().unsafeGetTensorImpl();
     if (claimed.count(key)) continue;
     claimed.emplace(key, "");
-    root_names.push_back(item.key());
-    root_params.push_back(item.value());
+    u.root_names.push_back(item.key());
+    u.root_params.push_back(item.value());
   }
-  // Units built under DeferredInit bring this rank's shard; their parameters hold placeholders.
-  std::vector<const shard::DeferredUnit*> deferred(found.size(), nullptr);
-  for (size_t k = 0; k < found.size(); ++k) {
-    const auto* d = found[k].marker->deferred_.get();
+  u.deferred.assign(u.found.size(), nullptr);
+  for (size_t k = 0; k < u.found.size(); ++k) {
+    const auto* d = u.found[k].deferred;
     if (d == nullptr) continue;
-    bool same = d->tensors.size() == unit_params[k].size();
-    for (size_t i = 0; same && i < d->tensors.size(); ++i) same = d->tensors[i].is_same(unit_params[k][i]);
-    TORCH_CHECK_VALUE(same, "fully_shard: unit '", found[k].path, "' was built under DeferredInit with ",
-                      d->tensors.size(), " parameters of its own but now has ", unit_params[k].size(),
+    bool same = d->tensors.size() == u.params[k].size();
+    for (size_t i = 0; same && i < d->tensors.size(); ++i) same = d->tensors[i].is_same(u.params[k][i]);
+    TORCH_CHECK_VALUE(same, "fully_shard: unit '", u.found[k].path, "' was built under DeferredInit with ",
+                      d->tensors.size(), " parameters of its own but now has ", u.params[k].size(),
                       " (or others); do not add, replace or move parameters between DeferredInit and fully_shard");
-    deferred[k] = d;
+    u.deferred[k] = d;
   }
-  // Checks, then agreement across ranks before any data moves.
+  return u;
+}
+
+// Each parameter's device, dtype and leafness, each unit's one dtype, then agreement
+// across ranks (every rank found the same units, parameters and options) before any data moves.
+void check_units(const UnitsFound& u, const FullyShardOptions& options, const ProcessGroup& group) {
+  const auto& comm = group.data;
   std::vector<std::string> entries;
   const shard::DeferredUnit* checking = nullptr;  // the unit check_param is looking at, when deferred
   size_t checking_index = 0;
@@ -364,23 +372,23 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                         c10::toString(ps[i].scalar_type()), "; convert the module to one dtype");
     }
   };
-  for (size_t k = 0; k < found.size(); ++k) {
-    TORCH_CHECK_VALUE(!unit_params[k].empty(), "fully_shard: unit '", found[k].path,
+  for (size_t k = 0; k < u.found.size(); ++k) {
+    TORCH_CHECK_VALUE(!u.params[k].empty(), "fully_shard: unit '", u.found[k].path,
                       "' has no parameters of its own (nested units took them all); drop its Sharded<> wrapper");
-    check_one_dtype(found[k].path, unit_names[k], unit_params[k]);
-    checking = deferred[k];
+    check_one_dtype(u.found[k].path, u.names[k], u.params[k]);
+    checking = u.deferred[k];
     checking_index = 0;
-    for (size_t i = 0; i < unit_params[k].size(); ++i) check_param(found[k].path, unit_names[k][i], unit_params[k][i]);
+    for (size_t i = 0; i < u.params[k].size(); ++i) check_param(u.found[k].path, u.names[k][i], u.params[k][i]);
     checking = nullptr;
-    if (deferred[k] != nullptr) {
+    if (u.deferred[k] != nullptr) {
       // Each rank keeps its own shard of what it built: the values must be the same everywhere.
-      entries.push_back("unit '" + found[k].path + "' built under DeferredInit: values hash " +
-                        std::to_string(deferred[k]->hash()) + " (ranks differ when their generators were seeded "
+      entries.push_back("unit '" + u.found[k].path + "' built under DeferredInit: values hash " +
+                        std::to_string(u.deferred[k]->hash()) + " (ranks differ when their generators were seeded "
                         "differently: call torch::manual_seed with the same seed on every rank before building)");
     }
   }
-  for (size_t i = 0; i < root_params.size(); ++i) check_param("(root)", root_names[i], root_params[i]);
-  if (!root_params.empty()) check_one_dtype("(root)", root_names, root_params);
+  for (size_t i = 0; i < u.root_params.size(); ++i) check_param("(root)", u.root_names[i], u.root_params[i]);
+  if (!u.root_params.empty()) check_one_dtype("(root)", u.root_names, u.root_params);
   entries.push_back("options: reshard_after_forward=" + std::to_string(options.reshard_after_forward) +
                     " max_inflight_reductions=" + std::to_string(options.max_inflight_reductions) +
                     " prefetch=" + std::to_string(options.prefetch) +
@@ -390,6 +398,101 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
                     " shard_size=" + std::to_string(options.shard_size) +
                     " gather_dtype=" + c10::toString(options.gather_dtype));
   shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
+}
+
+// A unit's shard after the broadcast of rank 0's values: its values (a deferred unit
+// brought its own), the fp32 master, and the narrow copy its gathers send (gather_dtype).
+void init_shard(shard::Unit& u, const shard::DeferredUnit* d, const FullyShardOptions& options) {
+  // The root never reshards: its shard is its slice of the gathered buffer (no second
+  // copy), and it is all-gathered in place. At one rank every unit's shard is its whole
+  // gathered buffer.
+  if (d != nullptr && !u.keeps_buffer()) {
+    u.values = d->values.to(u.gathered.options());  // model->to() may have changed the dtype or device since
+  } else {
+    auto mine = u.gathered.slice(0, u.shard.begin, u.shard.end);
+    u.values = u.keeps_buffer() ? mine : mine.clone();
+  }
+  u.master = u.values.scalar_type() == at::kFloat ? u.values : u.values.to(at::kFloat);
+  const auto narrow = options.gather_dtype;
+  if (narrow == at::ScalarType::Undefined || u.keeps_buffer() ||
+      c10::elementSize(narrow) >= c10::elementSize(u.values.scalar_type())) {
+    return;
+  }
+  if (narrow == at::kChar) {
+    u.quantized.emplace(u.layout.shard_numel());
+    const int64_t packed = u.quantized->packed_bytes();
+    u.gather_values = at::empty({packed}, u.values.options().dtype(at::kByte));
+    u.refresh_gather_values();
+    u.gather_buffer = at::empty({u.layout.padded_numel / u.layout.shard_numel() * packed}, u.gather_values.options());
+  } else {
+    u.gather_values = u.values.to(narrow);
+    u.gather_buffer = at::empty({u.layout.padded_numel}, u.values.options().dtype(narrow));
+  }
+  compat::resize_storage_bytes(u.gather_buffer, 0);
+}
+
+// The model's units (the root last), its backward round, rank 0's values broadcast
+// (deferred units have theirs), each unit's shard, and the reductions' launch order.
+void build_units(shard::ShardedModel& m, const UnitsFound& units, const FullyShardOptions& options,
+                 Communicator& data) {
+  torch::NoGradGuard no_grad;
+  const auto& deferred = units.deferred;
+  const size_t n = units.found.size();
+  for (size_t k = 0; k < n; ++k) {
+    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), units.found[k].path, units.names[k],
+                                                     units.params[k], /*is_root=*/false, deferred[k]));
+  }
+  if (!units.root_params.empty()) {
+    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), "", units.root_names, units.root_params,
+                                                     /*is_root=*/true));
+  }
+  std::vector<shard::ShardGroup*> groups;
+  for (auto& u : m.units) groups.push_back(u.get());
+  m.round = std::make_unique<shard::BackwardRound>(m, "FullyShardedAdamW", /*reduces_in_backward=*/true,
+                                                   /*every_backward=*/true, std::move(groups));
+  m.round->reductions().set_replicas(m.topology.replicas);
+  std::vector<std::shared_ptr<Work>> works;
+  if (data.size() > 1) {
+    for (size_t k = 0; k < m.units.size(); ++k) {
+      if (k >= deferred.size() || deferred[k] == nullptr) works.push_back(data.broadcast(m.units[k]->gathered, 0));
+    }
+  }
+  for (auto& w : works) comm::block_current(*w, data.device());
+  size_t first_param = 0;  // each unit's parameters in FullyShardedAdamW's numbering: units in order
+  for (auto& u : m.units) {
+    for (size_t i = 0; i < u->tensors.size(); ++i) u->params.push_back(first_param + i);
+    first_param += u->tensors.size();
+    init_shard(*u, u->index < deferred.size() ? deferred[u->index] : nullptr, options);
+    u->register_hooks();
+    u->reshard();
+  }
+  // Reductions issue in reverse registration order (backward visits units in
+  // reverse forward order), the root last: the same on every rank.
+  for (size_t k = n; k-- > 0;) m.launch_order.push_back(k);
+  if (!units.root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
+}
+
+}  // namespace
+
+std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
+                                               ProcessGroup group, FullyShardOptions options) {
+  TORCH_CHECK_VALUE(root != nullptr, "fully_shard: the module is null");
+  auto comm = group.data;
+  check_options(options, comm);
+  auto impl = std::make_unique<shard::ShardedModel>();
+  impl->group = group;
+  impl->options = options;
+  std::vector<UnitsFound::Found> sharded;
+  for (const auto& item : root->named_modules()) {
+    if (auto* m = dynamic_cast<ShardedModule*>(item.value().get())) {
+      TORCH_CHECK_VALUE(!m->unit_, "fully_shard: unit '", item.key(), "' is already sharded");
+      sharded.push_back({item.key(), item.value(), m, m->deferred_.get()});
+    }
+  }
+  UnitsFound units = claim_parameters(root, std::move(sharded));
+  const auto& found = units.found;
+  const auto& deferred = units.deferred;
+  check_units(units, options, group);
   // Before any communicator is made (an error while they exist aborts them).
   const int shard_size = shard::resolve_shard_size(group, options.shard_size, "fully_shard");
   for (size_t k = 0; k < found.size(); ++k) {
@@ -408,65 +511,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
     TORCH_INTERNAL_ASSERT(deferred[k] == nullptr || deferred[k]->shard_rank == impl->rank);
   }
 
-  torch::NoGradGuard no_grad;
   auto& m = *impl;
-  for (size_t k = 0; k < found.size(); ++k) {
-    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), found[k].path, unit_names[k],
-                                                     unit_params[k], /*is_root=*/false, deferred[k]));
-  }
-  if (!root_params.empty()) {
-    m.units.push_back(std::make_shared<shard::Unit>(m, m.units.size(), "", root_names, root_params, /*is_root=*/true));
-  }
-  std::vector<shard::ShardGroup*> groups;
-  for (auto& u : m.units) groups.push_back(u.get());
-  m.round = std::make_unique<shard::BackwardRound>(m, "FullyShardedAdamW", /*reduces_in_backward=*/true,
-                                                   /*every_backward=*/true, std::move(groups));
-  m.round->reductions().set_replicas(m.topology.replicas);
-  // Rank 0's values everywhere, then each rank keeps its shard (deferred units have theirs).
-  std::vector<std::shared_ptr<Work>> works;
-  if (comm->size() > 1) {
-    for (size_t k = 0; k < m.units.size(); ++k) {
-      if (k >= deferred.size() || deferred[k] == nullptr) works.push_back(comm->broadcast(m.units[k]->gathered, 0));
-    }
-  }
-  for (auto& w : works) comm::block_current(*w, comm->device());
-  size_t first_param = 0;  // each unit's parameters in FullyShardedAdamW's numbering: units in order
-  for (auto& u : m.units) {
-    for (size_t i = 0; i < u->tensors.size(); ++i) u->params.push_back(first_param + i);
-    first_param += u->tensors.size();
-    // The root never reshards: its shard is its slice of the gathered buffer
-    // (no second copy), and it is all-gathered in place. At one rank every
-    // unit's shard is its whole gathered buffer.
-    const auto* d = u->index < deferred.size() ? deferred[u->index] : nullptr;
-    if (d != nullptr && !u->keeps_buffer()) {
-      u->values = d->values.to(u->gathered.options());  // model->to() may have changed the dtype or device since
-    } else {
-      auto mine = u->gathered.slice(0, u->shard.begin, u->shard.end);
-      u->values = u->keeps_buffer() ? mine : mine.clone();
-    }
-    u->master = u->values.scalar_type() == at::kFloat ? u->values : u->values.to(at::kFloat);
-    const auto narrow = options.gather_dtype;
-    if (narrow != at::ScalarType::Undefined && !u->keeps_buffer() &&
-        c10::elementSize(narrow) < c10::elementSize(u->values.scalar_type())) {
-      if (narrow == at::kChar) {
-        u->quantized.emplace(u->layout.shard_numel());
-        const int64_t packed = u->quantized->packed_bytes();
-        u->gather_values = at::empty({packed}, u->values.options().dtype(at::kByte));
-        u->refresh_gather_values();
-        u->gather_buffer = at::empty({u->layout.padded_numel / u->layout.shard_numel() * packed}, u->gather_values.options());
-      } else {
-        u->gather_values = u->values.to(narrow);
-        u->gather_buffer = at::empty({u->layout.padded_numel}, u->values.options().dtype(narrow));
-      }
-      compat::resize_storage_bytes(u->gather_buffer, 0);
-    }
-    u->register_hooks();
-    u->reshard();
-  }
-  // Reductions issue in reverse registration order (backward visits units in
-  // reverse forward order), the root last: the same on every rank.
-  for (size_t k = found.size(); k-- > 0;) m.launch_order.push_back(k);
-  if (!root_params.empty()) m.launch_order.push_back(m.units.size() - 1);
+  build_units(m, units, options, *comm);
   for (size_t k = 0; k < found.size(); ++k) {
     found[k].marker->unit_ = m.units[k];
     found[k].marker->deferred_.reset();  // its shard is the unit's now
