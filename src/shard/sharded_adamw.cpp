@@ -140,6 +140,96 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
                            AdamWOptions defaults, ShardedAdamWOptions options)
     : ShardedAdamW(std::move(groups), std::move(group), std::move(defaults), std::move(options), nullptr) {}
 
+// The trained parameters of the param groups: requires_grad, each once (a tied weight
+// listed twice), on the communicator's device, dense, Float, BFloat16 or Half, each
+// with storage of its own. Returns whether any is Half (loss scaling's default).
+bool ShardedAdamW::Impl::collect_params(const std::vector<OptimizerParamGroup>& param_groups,
+                                        const torch::OrderedDict<std::string, torch::Tensor>* names) {
+  std::unordered_map<const void*, size_t> group_seen;
+  std::unordered_map<const void*, std::string> storage_owner;
+  bool any_half = false;
+  for (size_t g = 0; g < param_groups.size(); ++g) {
+    const auto& ps = param_groups[g].params();
+    group_sizes.push_back(ps.size());
+    for (size_t j = 0; j < ps.size(); ++j) {
+      const auto& p = ps[j];
+      if (!p.requires_grad()) continue;
+      const std::string name = name_in(names, p, g, j);
+      const void* key = p.unsafeGetTensorImpl();
+      auto seen = group_seen.find(key);
+      if (seen != group_seen.end()) {
+        TORCH_CHECK_VALUE(seen->second == g, "ShardedAdamW: parameter '", name, "' appears in param groups ",
+                          seen->second, " and ", g, "; a parameter may belong to one group only");
+        continue;
+      }
+      group_seen.emplace(key, g);
+      TORCH_CHECK_VALUE(p.device() == comm->device(), "ShardedAdamW: parameter '", name, "' is on ", p.device(),
+                        " but the communicator moves ", comm->device(), " tensors; move the model to ",
+                        comm->device(), " before constructing the optimizer, or pass a communicator of ", p.device(),
+                        " (init_nccl for CUDA)");
+      TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
+                        "' is sparse; only dense parameters can be sharded");
+      const auto dt = p.scalar_type();
+      TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "ShardedAdamW: parameter '",
+                        name, "' has dtype ", c10::toString(dt),
+                        "; ShardedAdamW trains Float, BFloat16 and Half parameters (fp32 master); convert it "
+                        "or set requires_grad(false) to leave it out");
+      if (p.numel() > 0) {
+        auto [owner, fresh] = storage_owner.emplace(p.storage().data(), name);
+        TORCH_CHECK_VALUE(fresh, "ShardedAdamW: parameters '", owner->second, "' and '", name,
+                          "' share memory (two tensors over one storage, e.g. weights tied with set_data); "
+                          "register the shared tensor itself in both modules so it is one parameter");
+      }
+      any_half = any_half || dt == at::kHalf;
+      params.push_back(p);
+      infos.push_back({name, p.sizes().vec(), dt});
+      group_of.push_back(static_cast<int>(g));
+    }
+  }
+  TORCH_CHECK_VALUE(!params.empty(), "ShardedAdamW: no trainable parameters (none given, or all have "
+                                     "requires_grad=false)");
+  return any_half;
+}
+
+// The buckets and their flat buffers, the parameters aliased into them, rank 0's
+// values everywhere; each bucket's shard (values, fp32 master, moments).
+void ShardedAdamW::Impl::build_buckets() {
+  torch::NoGradGuard no_grad;
+  const auto plan = plan_buckets(infos, group_of, options.bucket_bytes);
+  // Stage 0 lays every bucket out for one rank: each rank holds all of it.
+  const int layout_world = options.zero_stage == 0 ? 1 : world;
+  location.resize(params.size());
+  std::vector<std::shared_ptr<Work>> broadcasts;
+  for (const auto& members : plan) {
+    shard::Bucket b;
+    std::vector<ParamInfo> bucket_infos;
+    for (size_t i : members) bucket_infos.push_back(infos[i]);
+    b.layout = make_flat_layout(std::move(bucket_infos), layout_world);
+    b.params = members;
+    b.group = group_of[members.front()];
+    b.shard = b.layout.shard(b.layout.shard_of_rank(rank));
+    b.segments = shard_segments(b.layout, b.layout.shard_of_rank(rank));
+    b.had_grad.assign(members.size(), 0);
+    b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype).device(comm->device()));
+    for (size_t e = 0; e < members.size(); ++e) {
+      auto& p = params[members[e]];
+      const int64_t off = b.layout.offsets[e];
+      b.flat_params.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
+      p.set_data(shard::alias_of(b.flat_params, off, p.sizes()));
+      location[members[e]] = {buckets.size(), e};
+    }
+    if (group.data->size() > 1) broadcasts.push_back(group.data->broadcast(b.flat_params, 0));
+    buckets.push_back(std::move(b));
+  }
+  for (auto& w : broadcasts) comm::block_current(*w, group.data->device());
+  for (auto& b : buckets) {
+    b.values = b.flat_params.slice(0, b.shard.begin, b.shard.end);
+    b.master = b.layout.dtype == at::kFloat ? b.values : b.values.to(at::kFloat);
+    b.ensure_moments();
+  }
+  ready.assign(params.size(), 0);
+}
+
 ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,
                            AdamWOptions defaults, ShardedAdamWOptions options, const Names* names)
     : ShardedOptimizer(checked(std::move(groups), names), std::move(defaults), "ShardedAdamW", options.zero_stage) {
@@ -155,51 +245,10 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   bool scaling = false;
   try {
     check_options(options);
-    // Trained parameters: requires_grad, deduplicated (a tied weight listed twice).
-    std::unordered_map<const void*, size_t> group_seen;
-    std::unordered_map<const void*, std::string> storage_owner;
-    bool any_half = false;
     for (size_t g = 0; g < param_groups().size(); ++g) {
       entries.push_back(shard::describe_param_group(static_cast<int>(g), adamw_options(g)));
-      const auto& ps = param_groups()[g].params();
-      im.group_sizes.push_back(ps.size());
-      for (size_t j = 0; j < ps.size(); ++j) {
-        const auto& p = ps[j];
-        if (!p.requires_grad()) continue;
-        const std::string name = name_in(names, p, g, j);
-        const void* key = p.unsafeGetTensorImpl();
-        auto seen = group_seen.find(key);
-        if (seen != group_seen.end()) {
-          TORCH_CHECK_VALUE(seen->second == g, "ShardedAdamW: parameter '", name, "' appears in param groups ",
-                            seen->second, " and ", g, "; a parameter may belong to one group only");
-          continue;
-        }
-        group_seen.emplace(key, g);
-        TORCH_CHECK_VALUE(p.device() == im.comm->device(), "ShardedAdamW: parameter '", name, "' is on ",
-                          p.device(), " but the communicator moves ", im.comm->device(), " tensors; move the model to ",
-                          im.comm->device(), " before constructing the optimizer, or pass a communicator of ",
-                          p.device(), " (init_nccl for CUDA)");
-        TORCH_CHECK_VALUE(p.layout() == at::kStrided, "ShardedAdamW: parameter '", name,
-                          "' is sparse; only dense parameters can be sharded");
-        const auto dt = p.scalar_type();
-        TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "ShardedAdamW: parameter '",
-                          name, "' has dtype ", c10::toString(dt),
-                          "; ShardedAdamW trains Float, BFloat16 and Half parameters (fp32 master); convert it "
-                          "or set requires_grad(false) to leave it out");
-        if (p.numel() > 0) {
-          auto [owner, fresh] = storage_owner.emplace(p.storage().data(), name);
-          TORCH_CHECK_VALUE(fresh, "ShardedAdamW: parameters '", owner->second, "' and '", name,
-                            "' share memory (two tensors over one storage, e.g. weights tied with set_data); "
-                            "register the shared tensor itself in both modules so it is one parameter");
-        }
-        any_half = any_half || dt == at::kHalf;
-        im.params.push_back(p);
-        im.infos.push_back({name, p.sizes().vec(), dt});
-        im.group_of.push_back(static_cast<int>(g));
-      }
     }
-    TORCH_CHECK_VALUE(!im.params.empty(), "ShardedAdamW: no trainable parameters (none given, or all have "
-                                          "requires_grad=false)");
+    const bool any_half = im.collect_params(param_groups(), names);
     scaling = options.loss_scale.enabled < 0 ? any_half : options.loss_scale.enabled > 0;
   } catch (const c10::Error& e) {
     local_error = e.what_without_backtrace();
@@ -217,53 +266,18 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   im.comm = im.topology.shard;
   im.rank = im.topology.shard_rank;
   im.world = im.topology.shard_size;
+  im.build_buckets();
 
-  // Buckets, flat buffers, parameters aliased into them, rank 0's values everywhere.
-  torch::NoGradGuard no_grad;
-  const auto plan = plan_buckets(im.infos, im.group_of, options.bucket_bytes);
-  // Stage 0 lays every bucket out for one rank: each rank holds all of it.
-  const int layout_world = options.zero_stage == 0 ? 1 : im.world;
-  im.location.resize(im.params.size());
-  std::vector<std::shared_ptr<Work>> broadcasts;
-  for (const auto& members : plan) {
-    shard::Bucket b;
-    std::vector<ParamInfo> infos;
-    for (size_t i : members) infos.push_back(im.infos[i]);
-    b.layout = make_flat_layout(std::move(infos), layout_world);
-    b.params = members;
-    b.group = im.group_of[members.front()];
-    b.shard = b.layout.shard(b.layout.shard_of_rank(im.rank));
-    b.segments = shard_segments(b.layout, b.layout.shard_of_rank(im.rank));
-    b.had_grad.assign(members.size(), 0);
-    b.flat_params = at::zeros({b.layout.padded_numel}, at::TensorOptions().dtype(b.layout.dtype).device(im.comm->device()));
-    for (size_t e = 0; e < members.size(); ++e) {
-      auto& p = im.params[members[e]];
-      const int64_t off = b.layout.offsets[e];
-      b.flat_params.slice(0, off, off + p.numel()).view(p.sizes()).copy_(p.detach());
-      p.set_data(shard::alias_of(b.flat_params, off, p.sizes()));
-      im.location[members[e]] = {im.buckets.size(), e};
-    }
-    if (im.group.data->size() > 1) broadcasts.push_back(im.group.data->broadcast(b.flat_params, 0));
-    im.buckets.push_back(std::move(b));
-  }
-  for (auto& w : broadcasts) comm::block_current(*w, im.group.data->device());
-  int64_t shard_elems = 0;
+  // The core's view of the shards, and the backward round over them.
   shard::Shards shards;
-  for (auto& b : im.buckets) {
-    b.values = b.flat_params.slice(0, b.shard.begin, b.shard.end);
-    b.master = b.layout.dtype == at::kFloat ? b.values : b.values.to(at::kFloat);
-    b.ensure_moments();
-    shard_elems += b.shard.size();
-    shards.groups.push_back(&b);
-  }
-  im.ready.assign(im.params.size(), 0);
+  for (auto& b : im.buckets) shards.groups.push_back(&b);
   im.round = std::make_unique<shard::BackwardRound>(im, "ShardedAdamW", im.reduce_in_backward(),
                                                     options.reduce_every_backward, shards.groups);
+  im.round->reductions().set_replicas(im.topology.replicas);
   shards.front_end = &im;
   shards.process_group = im.group;
   shards.topology = im.topology;
   shards.round = im.round.get();
-  im.round->reductions().set_replicas(im.topology.replicas);
   shards.infos = im.infos;
   shards.tensors = im.params;
   shards.group_of = im.group_of;
@@ -273,8 +287,9 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   attach_shards(std::move(shards));
   im.register_hooks();
 
-  int64_t total = 0;
+  int64_t total = 0, shard_elems = 0;
   for (const auto& info : im.infos) total += info.numel();
+  for (const auto& b : im.buckets) shard_elems += b.shard.size();
   log_info("ShardedAdamW: stage " + std::to_string(options.zero_stage) +
            (options.zero_stage == 0 ? " (replicated)" : "") + ", " + std::to_string(im.params.size()) +
            " parameters (" + std::to_string(total) + " elements) in " + std::to_string(im.buckets.size()) +

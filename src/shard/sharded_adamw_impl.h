@@ -92,6 +92,12 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   void track(int64_t bytes);
   void check_groups_unchanged() const;
 
+  // Construction (sharded_adamw.cpp): the trained parameters (returns whether
+  // any is Half), then, once the topology is known, the buckets.
+  bool collect_params(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                      const torch::OrderedDict<std::string, torch::Tensor>* names);
+  void build_buckets();
+
   // Last: destroyed first, so no hook reaches the rest of Impl while it goes.
   std::unique_ptr<shard::BackwardRound> round;
 
