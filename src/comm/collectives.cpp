@@ -318,131 +318,147 @@ Plan plan(Exchange& ex, const WireHeader& header, int64_t slice_bytes) {
   return p;
 }
 
+// Reduces this rank's slice (`own`) with the contributions that arrived inline, in rank order.
+void reduce_inline(Exchange& ex, void* out, const char* own, const HeaderMessages& got, int64_t count,
+                   c10::ScalarType dtype) {
+  std::vector<const void*> srcs(ex.size);
+  for (int q = 0; q < ex.size; ++q) srcs[q] = q == ex.rank ? own : got.payload(q);
+  reduce_buffers(out, srcs, count, dtype, ex.work.reduce_op);
+}
+
+// Each collective: small ones ride inline on the header exchange; larger ones
+// run pairwise or as a ring, as plan() chose (the header check then goes first).
+void run_all_gather(Exchange& ex) {
+  OpWork& w = ex.work;
+  const int n = ex.size, r = ex.rank;
+  at::Tensor out = w.tensors()[0], in = w.tensors()[1];
+  const int64_t bytes = in.numel() * static_cast<int64_t>(in.element_size());
+  const auto slices = equal_slices(in.numel(), n);
+  if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+    auto got = exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0),
+                                [&](int) { return std::make_pair(in.data_ptr(), bytes); });
+    char* base = static_cast<char*>(out.data_ptr());
+    for (int p = 0; p < n; ++p) std::memcpy(base + p * bytes, p == r ? in.data_ptr() : got.payload(p), bytes);
+    ex.stats.bytes_sent += (n - 1) * bytes;
+    ex.stats.bytes_received += (n - 1) * bytes;
+    return;
+  }
+  const auto header = header_for(w, in.numel(), in.scalar_type(), 0);
+  const Plan how = plan(ex, header, bytes);
+  auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+  if (how.ring) {
+    ring_all_gather(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
+  } else {
+    all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
+  }
+}
+
+void run_reduce_scatter(Exchange& ex) {
+  OpWork& w = ex.work;
+  const int n = ex.size, r = ex.rank;
+  at::Tensor out = w.tensors()[0], in = w.tensors()[1];
+  const auto header = header_for(w, out.numel(), out.scalar_type(), static_cast<int32_t>(w.reduce_op));
+  const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
+  const char* base = static_cast<const char*>(in.data_ptr());
+  if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+    auto got = exchange_headers(ex, header, [&](int p) { return std::make_pair(base + p * bytes, bytes); });
+    reduce_inline(ex, out.data_ptr(), base + r * bytes, got, out.numel(), out.scalar_type());
+    ex.stats.bytes_sent += (n - 1) * bytes;
+    ex.stats.bytes_received += (n - 1) * bytes;
+    return;
+  }
+  const Plan how = plan(ex, header, bytes);
+  auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+  if (how.ring && ring_keeps_arithmetic(out.scalar_type(), w.reduce_op)) {
+    ring_reduce_scatter(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
+                        w.reduce_op, check);
+  } else {
+    reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
+                     w.reduce_op, check);
+  }
+}
+
+// A reduce-scatter of even slices, then an all-gather of the reduced slices.
+void run_all_reduce(Exchange& ex) {
+  OpWork& w = ex.work;
+  const int n = ex.size, r = ex.rank;
+  at::Tensor t = w.tensors()[0];
+  const auto header = header_for(w, t.numel(), t.scalar_type(), static_cast<int32_t>(w.reduce_op));
+  const auto slices = even_slices(t.numel(), n);
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  char* base = static_cast<char*>(t.data_ptr());
+  char* mine = base + slices.offsets[r] * es;
+  // slices.counts[0] is the largest slice.
+  if (n > 1 && t.numel() > 0 && slices.counts[0] * es <= kInlineBytes) {
+    auto got = exchange_headers(ex, header, [&](int p) {
+      return std::make_pair(static_cast<const void*>(base + slices.offsets[p] * es), slices.counts[p] * es);
+    });
+    reduce_inline(ex, mine, mine, got, slices.counts[r], t.scalar_type());
+    ex.stats.bytes_sent += (t.numel() - slices.counts[r]) * es;
+    ex.stats.bytes_received += (n - 1) * slices.counts[r] * es;
+    all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
+    return;
+  }
+  const Plan how = plan(ex, header, slices.counts[0] * es);
+  auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+  if (how.ring && ring_keeps_arithmetic(t.scalar_type(), w.reduce_op)) {
+    ring_reduce_scatter(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
+  } else {
+    reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
+  }
+  if (how.ring) {
+    ring_all_gather(ex, base, slices, t.scalar_type(), mine, [] {});
+  } else {
+    all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
+  }
+}
+
+void run_broadcast(Exchange& ex) {
+  OpWork& w = ex.work;
+  const int n = ex.size, r = ex.rank;
+  at::Tensor t = w.tensors()[0];
+  const int root = w.peer;
+  const auto header = header_for(w, t.numel(), t.scalar_type(), root);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
+    auto got = exchange_headers(ex, header, [&](int) {
+      return r == root ? std::make_pair(static_cast<const void*>(t.data_ptr()), bytes)
+                       : std::make_pair(static_cast<const void*>(nullptr), int64_t(0));
+    });
+    if (r != root) std::memcpy(t.data_ptr(), got.payload(root), bytes);
+    ex.stats.bytes_sent += r == root ? (n - 1) * bytes : 0;
+    ex.stats.bytes_received += r == root ? 0 : bytes;
+    return;
+  }
+  const Plan how = plan(ex, header, bytes);
+  auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
+  if (how.ring) {
+    chain_broadcast(ex, t.data_ptr(), bytes, root, check);
+  } else {
+    broadcast(ex, t, root, check);
+  }
+}
+
 }  // namespace
 
 void run_collective(Exchange& ex) {
-  OpWork& w = ex.work;
-  const auto& ts = w.tensors();
-  const int n = ex.size, r = ex.rank;
-  // Reduces this rank's slice from contributions that arrived inline, in rank order.
-  auto reduce_inline = [&](void* out, const char* own, const HeaderMessages& got, int64_t count,
-                           c10::ScalarType dtype) {
-    std::vector<const void*> srcs(n);
-    for (int q = 0; q < n; ++q) srcs[q] = q == r ? own : got.payload(q);
-    reduce_buffers(out, srcs, count, dtype, w.reduce_op);
-  };
-  switch (w.kind()) {
-    case OpKind::kAllGather: {
-      at::Tensor out = ts[0], in = ts[1];
-      const int64_t bytes = in.numel() * static_cast<int64_t>(in.element_size());
-      const auto slices = equal_slices(in.numel(), n);
-      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
-        auto got = exchange_headers(ex, header_for(w, in.numel(), in.scalar_type(), 0),
-                                    [&](int) { return std::make_pair(in.data_ptr(), bytes); });
-        char* base = static_cast<char*>(out.data_ptr());
-        for (int p = 0; p < n; ++p) std::memcpy(base + p * bytes, p == r ? in.data_ptr() : got.payload(p), bytes);
-        ex.stats.bytes_sent += (n - 1) * bytes;
-        ex.stats.bytes_received += (n - 1) * bytes;
-        return;
-      }
-      const auto header = header_for(w, in.numel(), in.scalar_type(), 0);
-      const Plan how = plan(ex, header, bytes);
-      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
-      if (how.ring) {
-        ring_all_gather(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
-      } else {
-        all_gather_v(ex, out.data_ptr(), slices, in.scalar_type(), in.data_ptr(), check);
-      }
-      return;
-    }
-    case OpKind::kReduceScatter: {
-      at::Tensor out = ts[0], in = ts[1];
-      const auto header = header_for(w, out.numel(), out.scalar_type(), static_cast<int32_t>(w.reduce_op));
-      const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
-      const char* base = static_cast<const char*>(in.data_ptr());
-      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
-        auto got = exchange_headers(ex, header, [&](int p) { return std::make_pair(base + p * bytes, bytes); });
-        reduce_inline(out.data_ptr(), base + r * bytes, got, out.numel(), out.scalar_type());
-        ex.stats.bytes_sent += (n - 1) * bytes;
-        ex.stats.bytes_received += (n - 1) * bytes;
-        return;
-      }
-      const Plan how = plan(ex, header, bytes);
-      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
-      if (how.ring && ring_keeps_arithmetic(out.scalar_type(), w.reduce_op)) {
-        ring_reduce_scatter(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
-                            w.reduce_op, check);
-      } else {
-        reduce_scatter_v(ex, out.data_ptr(), in.data_ptr(), equal_slices(out.numel(), n), out.scalar_type(),
-                         w.reduce_op, check);
-      }
-      return;
-    }
-    case OpKind::kAllReduce: {
-      at::Tensor t = ts[0];
-      const auto header = header_for(w, t.numel(), t.scalar_type(), static_cast<int32_t>(w.reduce_op));
-      const auto slices = even_slices(t.numel(), n);
-      const int64_t es = static_cast<int64_t>(t.element_size());
-      char* base = static_cast<char*>(t.data_ptr());
-      char* mine = base + slices.offsets[r] * es;
-      // slices.counts[0] is the largest slice.
-      if (n > 1 && t.numel() > 0 && slices.counts[0] * es <= kInlineBytes) {
-        auto got = exchange_headers(ex, header, [&](int p) {
-          return std::make_pair(static_cast<const void*>(base + slices.offsets[p] * es), slices.counts[p] * es);
-        });
-        reduce_inline(mine, mine, got, slices.counts[r], t.scalar_type());
-        ex.stats.bytes_sent += (t.numel() - slices.counts[r]) * es;
-        ex.stats.bytes_received += (n - 1) * slices.counts[r] * es;
-        all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
-        return;
-      }
-      // Large: reduce-scatter and all-gather of the reduced slices, each a ring where it is chosen.
-      const Plan how = plan(ex, header, slices.counts[0] * es);
-      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
-      if (how.ring && ring_keeps_arithmetic(t.scalar_type(), w.reduce_op)) {
-        ring_reduce_scatter(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
-      } else {
-        reduce_scatter_v(ex, mine, base, slices, t.scalar_type(), w.reduce_op, check);
-      }
-      if (how.ring) {
-        ring_all_gather(ex, base, slices, t.scalar_type(), mine, [] {});
-      } else {
-        all_gather_v(ex, base, slices, t.scalar_type(), mine, [] {});
-      }
-      return;
-    }
-    case OpKind::kBroadcast: {
-      at::Tensor t = ts[0];
-      const int root = w.peer;
-      const auto header = header_for(w, t.numel(), t.scalar_type(), root);
-      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-      if (n > 1 && bytes > 0 && bytes <= kInlineBytes) {
-        auto got = exchange_headers(ex, header, [&](int) {
-          return r == root ? std::make_pair(static_cast<const void*>(t.data_ptr()), bytes)
-                           : std::make_pair(static_cast<const void*>(nullptr), int64_t(0));
-        });
-        if (r != root) std::memcpy(t.data_ptr(), got.payload(root), bytes);
-        ex.stats.bytes_sent += r == root ? (n - 1) * bytes : 0;
-        ex.stats.bytes_received += r == root ? 0 : bytes;
-        return;
-      }
-      const Plan how = plan(ex, header, bytes);
-      auto check = [&] { if (!how.checked) exchange_headers(ex, header); };
-      if (how.ring) {
-        chain_broadcast(ex, t.data_ptr(), bytes, root, check);
-      } else {
-        broadcast(ex, t, root, check);
-      }
-      return;
-    }
+  switch (ex.work.kind()) {
+    case OpKind::kAllGather:
+      return run_all_gather(ex);
+    case OpKind::kReduceScatter:
+      return run_reduce_scatter(ex);
+    case OpKind::kAllReduce:
+      return run_all_reduce(ex);
+    case OpKind::kBroadcast:
+      return run_broadcast(ex);
     case OpKind::kBarrier:
-      exchange_headers(ex, header_for(w, 0, c10::kByte, 0));
+      exchange_headers(ex, header_for(ex.work, 0, c10::kByte, 0));
       return;
     case OpKind::kSend:
     case OpKind::kRecv:
       break;
   }
-  TORCH_INTERNAL_ASSERT(false, "run_collective called for ", to_string(w.kind()));
+  TORCH_INTERNAL_ASSERT(false, "run_collective called for ", to_string(ex.work.kind()));
 }
 
 }  // namespace zeroshard::comm

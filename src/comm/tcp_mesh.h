@@ -44,6 +44,10 @@
 
 namespace zeroshard::comm {
 
+namespace tcp_mesh_detail {
+struct FrameHeader;  // tcp_mesh_internal.h
+}  // namespace tcp_mesh_detail
+
 class TcpMesh;
 
 // How a mesh is made: where it listens, the job's token, how long the rendezvous may take.
@@ -164,6 +168,11 @@ class TcpMesh final : public WatchedComm {
   // On the mesh's thread:
   void read_frame(int peer);
   void on_frame(int peer);
+  // on_frame's handlers, one per kind of frame (called with mu_ held by `lock`).
+  void on_close_frame(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
+  void on_ready_frame(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
+  void on_posted_data(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
+  void on_unposted_data(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
   void write_next(int peer);
   void close_socket(int peer);
   std::string world_rank_label(int peer) const;  // "rank 1 (world rank 3)"

@@ -42,10 +42,11 @@ void TcpMesh::read_frame(int peer) {
                    });
 }
 
+// One frame's header has arrived from `peer`: what follows it is read by the
+// handler of its type, which reads the next header when done (read_frame).
 void TcpMesh::on_frame(int peer) {
   Peer& p = *peers_[peer];
   const FrameHeader h = p.in;
-  const std::string from = "rank " + std::to_string(peer);
   std::unique_lock<std::mutex> lock(mu_);
   p.last_heard = std::chrono::steady_clock::now();
   if (h.magic != kFrameMagic || (h.type != kData && h.type != kReady && h.type != kClose && h.type != kHeartbeat))
@@ -54,91 +55,109 @@ void TcpMesh::on_frame(int peer) {
     lock.unlock();
     return read_frame(peer);
   }
-  if (h.type == kClose) {
-    if (h.bytes > kMaxReasonBytes) return break_locked(peer, "received a corrupt frame (a reason of " +
-                                                                 std::to_string(h.bytes) + " bytes)");
-    if (h.slot != kNoCulprit && h.slot < static_cast<uint64_t>(size_) && h.slot != static_cast<uint64_t>(rank_))
-      p.culprit = static_cast<int>(h.slot);
-    p.closed_cleanly = h.slot == kNoCulprit && h.bytes == 0;
-    lock.unlock();
-    if (h.bytes == 0) return read_frame(peer);  // the end of the stream follows
-    auto reason = std::make_shared<std::string>(h.bytes, '\0');
-    asio::async_read(*p.socket, asio::buffer(&(*reason)[0], reason->size()),
-                     [this, peer, reason](const boost::system::error_code& ec, size_t) {
-                       std::unique_lock<std::mutex> lock(mu_);
-                       if (ec) return break_locked(peer, ec.message());
-                       peers_[peer]->close_reason = *reason;
-                       lock.unlock();
-                       read_frame(peer);
-                     });
-    return;
-  }
-  if (h.type == kReady && h.total == 0) {  // withdrawn: this rank's send of the slot went eagerly
+  if (h.type == kClose) return on_close_frame(peer, h, lock);
+  if (h.type == kReady) return on_ready_frame(peer, h, lock);
+  if (p.posted.count(h.slot)) return on_posted_data(peer, h, lock);
+  on_unposted_data(peer, h, lock);
+}
+
+// The peer closes next: whom it blames (the culprit), and why (the text that follows).
+void TcpMesh::on_close_frame(int peer, const FrameHeader& h, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  if (h.bytes > kMaxReasonBytes) return break_locked(peer, "received a corrupt frame (a reason of " +
+                                                               std::to_string(h.bytes) + " bytes)");
+  if (h.slot != kNoCulprit && h.slot < static_cast<uint64_t>(size_) && h.slot != static_cast<uint64_t>(rank_))
+    p.culprit = static_cast<int>(h.slot);
+  p.closed_cleanly = h.slot == kNoCulprit && h.bytes == 0;
+  lock.unlock();
+  if (h.bytes == 0) return read_frame(peer);  // the end of the stream follows
+  auto reason = std::make_shared<std::string>(h.bytes, '\0');
+  asio::async_read(*p.socket, asio::buffer(&(*reason)[0], reason->size()),
+                   [this, peer, reason](const boost::system::error_code& ec, size_t) {
+                     std::unique_lock<std::mutex> lock(mu_);
+                     if (ec) return break_locked(peer, ec.message());
+                     peers_[peer]->close_reason = *reason;
+                     lock.unlock();
+                     read_frame(peer);
+                   });
+}
+
+// The peer posted a receive of h.total bytes for h.slot (0: withdrawn, the send went
+// eagerly): a send waiting for it goes, else the notice waits for the send.
+void TcpMesh::on_ready_frame(int peer, const FrameHeader& h, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  const std::string from = "rank " + std::to_string(peer);
+  auto w = p.waiting.find(h.slot);
+  if (h.total == 0) {
     p.ready.erase(h.slot);
-    lock.unlock();
-    return read_frame(peer);
-  }
-  if (h.type == kReady) {
-    auto w = p.waiting.find(h.slot);
-    if (w == p.waiting.end()) {
-      if (p.ready.size() >= kMaxUnmatched) {
-        return break_locked(peer, from + " posted more than " + std::to_string(kMaxUnmatched) +
-                                      " receives that this rank sent nothing for yet (not a zeroshard rank of this job?)");
-      }
-      p.ready[h.slot] = h.total;
-    } else {
-      Op* op = w->second;
-      p.waiting.erase(w);
-      if (op->bytes > h.total) {
-        // Out of every table now, so the break cannot reach it: fail it here.
-        const std::string why = from + " posted a receive of " + std::to_string(h.total) + " bytes for a send of " +
-                                std::to_string(op->bytes);
-        finish_locked(op, why);
-        return break_locked(peer, why);
-      }
-      clear_to_send_locked(peer, op);
+  } else if (w == p.waiting.end()) {
+    if (p.ready.size() >= kMaxUnmatched) {
+      return break_locked(peer, from + " posted more than " + std::to_string(kMaxUnmatched) +
+                                    " receives that this rank sent nothing for yet (not a zeroshard rank of this job?)");
     }
-    lock.unlock();
-    return read_frame(peer);
-  }
-  auto posted = p.posted.find(h.slot);
-  if (posted != p.posted.end()) {
-    Op* op = posted->second;
-    if (h.total > op->bytes || h.offset != op->moved || h.offset + h.bytes > h.total) {
-      return break_locked(peer, from + " sent bytes [" + std::to_string(h.offset) + ", " +
-                                    std::to_string(h.offset + h.bytes) + ") of " + std::to_string(h.total) +
-                                    " for a receive of " + std::to_string(op->bytes) + " that has " +
-                                    std::to_string(op->moved));
+    p.ready[h.slot] = h.total;
+  } else {
+    Op* op = w->second;
+    p.waiting.erase(w);
+    if (op->bytes > h.total) {
+      // Out of every table now, so the break cannot reach it: fail it here.
+      const std::string why = from + " posted a receive of " + std::to_string(h.total) + " bytes for a send of " +
+                              std::to_string(op->bytes);
+      finish_locked(op, why);
+      return break_locked(peer, why);
     }
-    op->active = true;
-    lock.unlock();
-    asio::async_read(*p.socket, asio::buffer(op->ptr + h.offset, h.bytes), Unbounded{},
-                     [this, peer, op, total = h.total](const boost::system::error_code& ec, size_t n) {
-                       std::unique_lock<std::mutex> lock(mu_);
-                       Peer& p = *peers_[peer];
-                       op->active = false;
-                       p.last_heard = std::chrono::steady_clock::now();
-                       if (ec) {
-                         p.posted.erase(op->slot);
-                         finish_locked(op, ec.message());
-                         return break_locked(peer, ec.message());
-                       }
-                       op->moved += n;
-                       if (op->moved == total) {
-                         p.posted.erase(op->slot);
-                         withdraw_notice_locked(peer, *op, total);
-                         finish_locked(op, "");
-                       } else if (!p.broken.empty()) {
-                         finish_locked(op, p.broken);  // the break skipped it while it was active
-                       }
-                       if (!p.broken.empty()) return;
-                       lock.unlock();
-                       read_frame(peer);
-                     });
-    return;
+    clear_to_send_locked(peer, op);
   }
+  lock.unlock();
+  read_frame(peer);
+}
+
+// Bytes [h.offset, h.offset + h.bytes) of a message for a posted receive: read
+// straight into its memory.
+void TcpMesh::on_posted_data(int peer, const FrameHeader& h, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  Op* op = p.posted.at(h.slot);
+  if (h.total > op->bytes || h.offset != op->moved || h.offset + h.bytes > h.total) {
+    return break_locked(peer, "rank " + std::to_string(peer) + " sent bytes [" + std::to_string(h.offset) + ", " +
+                                  std::to_string(h.offset + h.bytes) + ") of " + std::to_string(h.total) +
+                                  " for a receive of " + std::to_string(op->bytes) + " that has " +
+                                  std::to_string(op->moved));
+  }
+  op->active = true;
+  lock.unlock();
+  asio::async_read(*p.socket, asio::buffer(op->ptr + h.offset, h.bytes), Unbounded{},
+                   [this, peer, op, total = h.total](const boost::system::error_code& ec, size_t n) {
+                     std::unique_lock<std::mutex> lock(mu_);
+                     Peer& p = *peers_[peer];
+                     op->active = false;
+                     p.last_heard = std::chrono::steady_clock::now();
+                     if (ec) {
+                       p.posted.erase(op->slot);
+                       finish_locked(op, ec.message());
+                       return break_locked(peer, ec.message());
+                     }
+                     op->moved += n;
+                     if (op->moved == total) {
+                       p.posted.erase(op->slot);
+                       withdraw_notice_locked(peer, *op, total);
+                       finish_locked(op, "");
+                     } else if (!p.broken.empty()) {
+                       finish_locked(op, p.broken);  // the break skipped it while it was active
+                     }
+                     if (!p.broken.empty()) return;
+                     lock.unlock();
+                     read_frame(peer);
+                   });
+}
+
+// A whole small message (at most kEagerBytes) no receive was posted for when its
+// header arrived: staged, then given to the receive posted meanwhile, or kept
+// (`early`) until one is.
+void TcpMesh::on_unposted_data(int peer, const FrameHeader& h, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
   if (h.offset != 0 || h.bytes != h.total || h.total > kEagerBytes) {
-    return break_locked(peer, from + " sent " + std::to_string(h.total) + " bytes that no receive was posted for");
+    return break_locked(peer, "rank " + std::to_string(peer) + " sent " + std::to_string(h.total) +
+                                  " bytes that no receive was posted for");
   }
   lock.unlock();
   auto staged = std::make_shared<std::vector<char>>(h.bytes);
