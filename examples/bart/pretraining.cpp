@@ -404,12 +404,12 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     extra["efficiency"] = eff.efficiency;
     extra["goodput"] = eff.efficiency * m.tokens_per_second();
   }
-  if (!extra.empty()) m.extra_json = extra.dump();
   record_.train_seconds += m.seconds;
-  // The save carries this step's line as it stands (without the save's own time), and the run's record
-  // with this step in it.
-  step_line_ = zeroshard::MetricsLog::step_line(m);
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
+    // The save carries this step's line as it stands (without the save's own time), and the run's
+    // record with this step in it.
+    if (!extra.empty()) m.extra_json = extra.dump();
+    step_line_ = zeroshard::MetricsLog::step_line(m);
     m.checkpoint_stall_seconds = save(step_, end ? "end" : "interval");
     if (o.crash_after_save == step_ && rank_ == 0) {  // the instant a crash test asks for
       ckpt_->wait();
@@ -429,7 +429,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     extra["val_loss"] = last_val_;
   }
   if (!extra.empty()) m.extra_json = extra.dump();
-  step_line_ = zeroshard::MetricsLog::step_line(m);
+  step_line_ = zeroshard::MetricsLog::step_line(m);  // what a preemption's save of this step carries
   metrics_.write(m);
   progress_->update(m, eff.progress());
   zeroshard::publish_step(dist_, step_);
