@@ -1,7 +1,9 @@
 # zeroshard — the two commands a newcomer needs:
 #   make demo   install what is missing, build, and pretrain tiny BART on 4 local ranks (DATA=dir for your text)
 #   make test   install what is missing, build, and run the whole test suite (ctest)
-# Other targets: make build, make bench, make clean.
+# Other targets: make build, make bench, make clean, and
+#   make install PREFIX=dir   the library, its headers, the tools, the CMake package and zeroshard.pc
+#                             (then: find_package(zeroshard 0.2 CONFIG REQUIRED); docs/drop-in.md)
 # Variables:
 #   TORCH=venv    (default) LibTorch 2.x: PyPI's torch wheel in the project's Python environment
 #   TORCH=system  Debian's libtorch-dev 1.13, built in build-system/
@@ -17,9 +19,10 @@ else
 BUILD_DIR ?= build
 endif
 JOBS ?= 2
+PREFIX ?= /usr/local
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test demo bench clean
+.PHONY: all deps configure build install test demo bench clean
 
 all: build
 
@@ -37,6 +40,11 @@ configure: deps
 
 build: configure
 	@cmake --build $(BUILD_DIR) -j$(JOBS)
+
+# What a trainer links (the libraries and the tools), then installed under PREFIX.
+install: configure
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard-run zeroshard-ckpt zeroshard-plan
+	@cmake --install $(BUILD_DIR) --prefix $(PREFIX)
 
 # Which tests `make test` runs: all of them, or a ctest label. Against Debian's LibTorch 1.13
 # (TORCH=system) the default is the label "core": the unit tests and the oracle, checkpoint

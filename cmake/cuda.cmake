@@ -5,7 +5,8 @@
 # compile against must be its version. ZS_NCCL_ROOT overrides (a directory with
 # include/nccl.h and lib/libnccl.so*).
 #
-# Defines: zeroshard_cuda (the kernels), ZS_NCCL_INCLUDE_DIR, ZS_NCCL_LIBRARY.
+# Defines: ZS_CUDA_OBJECT (the kernels, which the library carries), zs_dep::nccl,
+# ZS_NCCL_INCLUDE_DIR, ZS_NCCL_LIBRARY.
 
 set(ZS_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING
     "GPU code to build: sm_90 machine code and compute_90 PTX (JIT-compiled for newer GPUs)")
@@ -15,13 +16,11 @@ set(ZS_NCCL_ROOT "" CACHE PATH "NCCL to build against (default: the one beside L
 # when it is not on PATH. The architectures are ours: CMake's default-architecture probe
 # is skipped, and an empty CMAKE_CUDA_ARCHITECTURES left in the cache by a failed
 # configure cannot stop this one.
-set(CMAKE_CUDA_COMPILER "${ZS_NVCC}" CACHE FILEPATH "The CUDA compiler (nvcc)" FORCE)
+# A project that adds zeroshard and chose its own CUDA compiler keeps it.
+if(PROJECT_IS_TOP_LEVEL OR NOT CMAKE_CUDA_COMPILER)
+  set(CMAKE_CUDA_COMPILER "${ZS_NVCC}" CACHE FILEPATH "The CUDA compiler (nvcc)" FORCE)
+endif()
 set(CMAKE_CUDA_ARCHITECTURES ${ZS_CUDA_ARCHITECTURES})
-# The shared CUDA runtime: CMake's default is cudart_static, which a program linking
-# zeroshard_cuda would carry beside the libcudart.so.N that LibTorch loads. The runtime a
-# program links follows the program's CUDA_RUNTIME_LIBRARY (initialized from this
-# variable), not the library's, so it is set for every target created from here on.
-set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
 enable_language(CUDA)
 set(CMAKE_CUDA_FLAGS "${_zs_user_cuda_flags}")
 # torch::cudart is the wheel's libcudart (cmake/torch.cmake); our C++ files that include
@@ -31,16 +30,15 @@ if(TARGET torch::cudart AND ZS_TORCH STREQUAL "venv")
 endif()
 
 set(_zs_nccl_hints ${ZS_NCCL_ROOT})
-if(DEFINED _zs_torch_dir)
-  list(APPEND _zs_nccl_hints "${_zs_torch_dir}/../nvidia/nccl")
-endif()
+list(APPEND _zs_nccl_hints "${ZS_TORCH_LIBRARY_DIR}/../../nvidia/nccl")
 list(APPEND _zs_nccl_hints ${CMAKE_CUDA_COMPILER_TOOLKIT_ROOT} /usr/local/cuda)
 find_path(ZS_NCCL_INCLUDE_DIR nccl.h HINTS ${_zs_nccl_hints} PATH_SUFFIXES include NO_DEFAULT_PATH)
-find_library(ZS_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_zs_nccl_hints} PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
-if(NOT ZS_NCCL_INCLUDE_DIR OR NOT ZS_NCCL_LIBRARY)
+if(NOT ZS_NCCL_INCLUDE_DIR)
   message(FATAL_ERROR "zeroshard: no NCCL found (looked in ${_zs_nccl_hints}); pass -DZS_NCCL_ROOT=<dir with "
                       "include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
 endif()
+get_filename_component(_zs_nccl_root "${ZS_NCCL_INCLUDE_DIR}" DIRECTORY)
+zs_find_nccl(${_zs_nccl_root})  # the library beside the header: zs_dep::nccl
 file(STRINGS "${ZS_NCCL_INCLUDE_DIR}/nccl.h" _zs_nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
 set(_zs_nccl_version "")
 foreach(_part MAJOR MINOR PATCH)
@@ -50,11 +48,33 @@ endforeach()
 string(JOIN "." _zs_nccl_version ${_zs_nccl_version})
 message(STATUS "zeroshard: NCCL ${_zs_nccl_version} (${ZS_NCCL_LIBRARY}), GPU code ${ZS_CUDA_ARCHITECTURES}")
 
-# The kernels: plain CUDA C++, no LibTorch headers (nvcc would spend minutes on them).
-add_library(zeroshard_cuda STATIC src/optim/cuda/adamw.cu)
-set_target_properties(zeroshard_cuda PROPERTIES
-  CUDA_ARCHITECTURES "${ZS_CUDA_ARCHITECTURES}" CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON
-  CUDA_RUNTIME_LIBRARY Shared POSITION_INDEPENDENT_CODE ON UNITY_BUILD OFF)
-target_include_directories(zeroshard_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# The kernels: plain CUDA C++, no LibTorch headers (nvcc would spend minutes on them),
+# compiled by a command of ours into an object that libzeroshard.a carries. Not a CMake CUDA
+# target: CMake would then record the library as needing the CUDA language at link time, and
+# every program linking it (the installed package's too) would have to enable CUDA and would
+# link the toolkit's CUDA runtime; the kernels need only the runtime LibTorch loads
+# (torch::cudart), which every program linking LibTorch's CUDA build already links.
+set(_zs_gencode "")
+foreach(_arch IN LISTS ZS_CUDA_ARCHITECTURES)
+  string(REGEX MATCH "^[0-9]+" _sm "${_arch}")
+  if(NOT _arch MATCHES "-virtual$")
+    list(APPEND _zs_gencode "-gencode=arch=compute_${_sm},code=sm_${_sm}")
+  endif()
+  if(NOT _arch MATCHES "-real$")
+    list(APPEND _zs_gencode "-gencode=arch=compute_${_sm},code=compute_${_sm}")
+  endif()
+endforeach()
+separate_arguments(_zs_user_cuda_flag_list UNIX_COMMAND "${_zs_user_cuda_flags}")
+set(ZS_CUDA_OBJECT ${PROJECT_BINARY_DIR}/zeroshard_cuda/adamw.cu.o)
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/zeroshard_cuda)
 # No multiply-add contraction: the device computes the CPU kernel's bits (adamw_math.h).
-target_compile_options(zeroshard_cuda PRIVATE -fmad=false -Xcompiler=-Wall,-Wextra,-Wno-unused-parameter)
+add_custom_command(
+  OUTPUT ${ZS_CUDA_OBJECT}
+  COMMAND ${CMAKE_CUDA_COMPILER} ${_zs_gencode} -std=c++17 -O3 -fmad=false ${_zs_user_cuda_flag_list}
+          -Xcompiler=-fPIC,-Wall,-Wextra,-Wno-unused-parameter -I${PROJECT_SOURCE_DIR}/src
+          -MD -MF ${ZS_CUDA_OBJECT}.d -c ${PROJECT_SOURCE_DIR}/src/optim/cuda/adamw.cu -o ${ZS_CUDA_OBJECT}
+  DEPENDS ${PROJECT_SOURCE_DIR}/src/optim/cuda/adamw.cu
+  DEPFILE ${ZS_CUDA_OBJECT}.d
+  COMMENT "Building CUDA object zeroshard_cuda/adamw.cu.o"
+  VERBATIM)
+set_source_files_properties(${ZS_CUDA_OBJECT} PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)

@@ -150,7 +150,8 @@ class Communicator {
   virtual std::shared_ptr<Work> reduce_scatter(at::Tensor out, at::Tensor in, ReduceOp op) = 0;
 
   // t = reduction of every rank's t, in place. Any numel (no divisibility needed).
-  // Implemented as a reduce-scatter then an all-gather of the reduced slices.
+  // The TCP transport runs it as a reduce-scatter then an all-gather of the reduced
+  // slices; NCCL runs ncclAllReduce.
   virtual std::shared_ptr<Work> all_reduce(at::Tensor t, ReduceOp op) = 0;
 
   // t on every rank = t on `root`, in place. REQUIRES: same numel/dtype everywhere.

@@ -1,0 +1,155 @@
+# Finds what zeroshard links, for its own build (CMakeLists.txt, cmake/torch.cmake) and for a
+# program that links the installed package (zeroshardConfig.cmake), the same way.
+#
+# zs_find_torch(<first hint> [<more hints>...])
+#   A macro (find_package's variables land in the caller's scope). Without a `torch` target
+#   already defined, it looks for TorchConfig.cmake where find_package(Torch) would
+#   (Torch_DIR, CMAKE_PREFIX_PATH, the system prefixes), then in the hint directories, and
+#   finds Torch there. A torch target already defined (the program found Torch itself) is
+#   used as it is. For a CUDA build of PyPI's torch wheel it first defines torch::cudart as
+#   the wheel's CUDA runtime, the one libtorch_cuda loads: a program then holds one
+#   libcudart, and LibTorch's Caffe2/public/cuda.cmake (guarded by that target) neither
+#   requires a CUDA toolkit to configure nor rewrites the program's CUDA settings.
+#   Sets:
+#     ZS_TORCH_HAS_CUDA      LibTorch was built with CUDA
+#     ZS_TORCH_LIBRARY_DIR   the directory of libtorch_cpu
+#     ZS_TORCH_LINK_DIRS     directories the linker must search for LibTorch's own
+#                            dependencies (the wheel's nvidia/*/lib: NCCL, cuBLAS, ...)
+#
+# zs_check_torch_version(<version> <where>)
+#   Fails unless the LibTorch found has <version>'s major.minor: LibTorch's C++ ABI changes
+#   with every release, so a library built against one cannot link another.
+#
+# zs_find_nccl(<hints>...)
+#   Defines zs_dep::nccl, the first libnccl.so.2 under the hints (their lib/ or lib64/).
+#   Sets ZS_NCCL_LIBRARY.
+#
+# zs_find_hdf5(<hints>...)
+#   Defines zs_dep::hdf5, HDF5's C library (a shared library carries its own dependencies).
+#   CMake's FindHDF5 needs the C language enabled, which a C++ program need not have.
+#
+# zs_find_xxhash()
+#   Defines zs_dep::xxhash (libxxhash; Debian's libxxhash-dev has no CMake package).
+#   Sets ZS_XXHASH_INCLUDE_DIR.
+
+macro(zs_find_torch)
+  if(NOT TARGET torch)
+    set(_zs_torch_hints ${ARGN})
+    find_file(_zs_torch_config NAMES TorchConfig.cmake torch-config.cmake NO_CACHE
+              HINTS ${Torch_DIR} $ENV{Torch_DIR} ${CMAKE_PREFIX_PATH} $ENV{CMAKE_PREFIX_PATH} ${CMAKE_SYSTEM_PREFIX_PATH}
+              PATHS ${_zs_torch_hints}
+              PATH_SUFFIXES Torch share/cmake/Torch lib/cmake/Torch lib/${CMAKE_LIBRARY_ARCHITECTURE}/cmake/Torch
+              NO_DEFAULT_PATH)
+    if(NOT _zs_torch_config)
+      message(FATAL_ERROR
+        "zeroshard: no LibTorch found (no TorchConfig.cmake under Torch_DIR, CMAKE_PREFIX_PATH, the system "
+        "prefixes or ${_zs_torch_hints}). Pass -DCMAKE_PREFIX_PATH=<LibTorch> (for PyPI's torch: "
+        "python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)'), or install libtorch-dev")
+    endif()
+    get_filename_component(_zs_torch_cmake_dir "${_zs_torch_config}" DIRECTORY)
+    # A wheel: torch/share/cmake/Torch, with torch/lib and the nvidia-* wheels beside torch.
+    get_filename_component(_zs_torch_root "${_zs_torch_cmake_dir}/../../.." ABSOLUTE)
+    if(EXISTS "${_zs_torch_root}/lib/libtorch_cuda.so" AND NOT TARGET torch::cudart)
+      file(GLOB _zs_cudart "${_zs_torch_root}/../nvidia/*/lib/libcudart.so.[0-9]*")
+      set(_zs_caffe2_cuda "${_zs_torch_cmake_dir}/../Caffe2/public/cuda.cmake")
+      list(LENGTH _zs_cudart _zs_n)
+      if(_zs_n GREATER 1)
+        message(FATAL_ERROR
+          "zeroshard: the torch wheel at ${_zs_torch_root} is a CUDA build, but its nvidia/*/lib directories "
+          "hold ${_zs_n} CUDA runtimes ('${_zs_cudart}') where one libcudart.so.N was expected. Reinstall "
+          "the wheels (scripts/install-deps.sh installs the pinned ones, scripts/requirements.txt)")
+      endif()
+      if(_zs_n EQUAL 1 AND EXISTS "${_zs_caffe2_cuda}")
+        file(STRINGS "${_zs_caffe2_cuda}" _zs_guard REGEX "^if\\(TARGET torch::cudart\\)")
+        if(NOT _zs_guard)
+          message(FATAL_ERROR
+            "zeroshard: ${_zs_caffe2_cuda} has no 'if(TARGET torch::cudart)' include guard, which zeroshard "
+            "relies on to configure this CUDA wheel without a CUDA toolkit. Use torch 2.7 or newer "
+            "(scripts/requirements.txt pins the tested one)")
+        endif()
+        add_library(torch::cudart INTERFACE IMPORTED)
+        set_property(TARGET torch::cudart PROPERTY INTERFACE_LINK_LIBRARIES "${_zs_cudart}")
+      endif()
+    endif()
+    set(Torch_DIR "${_zs_torch_cmake_dir}" CACHE PATH "The directory of LibTorch's TorchConfig.cmake" FORCE)
+    find_package(Torch CONFIG REQUIRED)
+  endif()
+  if(NOT DEFINED Torch_VERSION OR NOT DEFINED TORCH_INSTALL_PREFIX)
+    message(FATAL_ERROR "zeroshard: a 'torch' target is defined, but not by LibTorch's TorchConfig.cmake "
+                        "(Torch_VERSION and TORCH_INSTALL_PREFIX are not set); find LibTorch with find_package(Torch)")
+  endif()
+  # The library directory: libtorch_cpu's (Debian's is /usr/lib/<triplet>, the wheel's torch/lib).
+  find_library(_zs_torch_cpu torch_cpu NO_CACHE HINTS "${TORCH_INSTALL_PREFIX}/lib"
+               "${TORCH_INSTALL_PREFIX}/lib/${CMAKE_LIBRARY_ARCHITECTURE}" NO_DEFAULT_PATH)
+  if(NOT _zs_torch_cpu)
+    find_library(_zs_torch_cpu torch_cpu NO_CACHE)
+  endif()
+  get_filename_component(ZS_TORCH_LIBRARY_DIR "${_zs_torch_cpu}" DIRECTORY)
+  if(EXISTS "${ZS_TORCH_LIBRARY_DIR}/libtorch_cuda.so" OR TORCH_CUDA_LIBRARIES)
+    set(ZS_TORCH_HAS_CUDA ON)
+  else()
+    set(ZS_TORCH_HAS_CUDA OFF)
+  endif()
+  # The wheel's CUDA libraries (NCCL, cuDNN, cuBLAS, ...) are other wheels beside torch.
+  # libtorch_cuda finds them at run time through its RPATH; the linker needs them named.
+  file(GLOB ZS_TORCH_LINK_DIRS LIST_DIRECTORIES true "${ZS_TORCH_LIBRARY_DIR}/../../nvidia/*/lib")
+  if(Torch_VERSION VERSION_LESS 1.13 OR (Torch_VERSION VERSION_GREATER_EQUAL 2.0 AND Torch_VERSION VERSION_LESS 2.7))
+    message(FATAL_ERROR
+      "zeroshard: needs LibTorch 2.7 or newer (the cxx11 ABI) or Debian's 1.13; found ${Torch_VERSION} "
+      "at ${TORCH_INSTALL_PREFIX}. Install the pinned wheel with scripts/install-deps.sh")
+  endif()
+  if(TORCH_CXX_FLAGS MATCHES "_GLIBCXX_USE_CXX11_ABI=0")
+    message(FATAL_ERROR "zeroshard: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX} uses the pre-cxx11 ABI, "
+                        "which cannot link with Debian's C++ libraries; use torch 2.7 or newer")
+  endif()
+endmacro()
+
+function(zs_check_torch_version built_version built_where)
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _built "${built_version}")
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _found "${Torch_VERSION}")
+  if(NOT _built STREQUAL _found)
+    message(FATAL_ERROR
+      "zeroshard: this zeroshard was built against LibTorch ${built_version} (${built_where}), but this project "
+      "found LibTorch ${Torch_VERSION} (${TORCH_INSTALL_PREFIX}); LibTorch's C++ ABI differs between releases. "
+      "Point CMAKE_PREFIX_PATH (or Torch_DIR) at LibTorch ${_built}, or build zeroshard against ${_found}")
+  endif()
+endfunction()
+
+function(zs_find_nccl)
+  find_library(ZS_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${ARGN}
+               PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
+  if(NOT ZS_NCCL_LIBRARY)
+    message(FATAL_ERROR "zeroshard: no NCCL found (looked in ${ARGN}); pass -DZS_NCCL_ROOT=<dir with "
+                        "include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
+  endif()
+  if(NOT TARGET zs_dep::nccl)
+    add_library(zs_dep::nccl UNKNOWN IMPORTED)
+    set_property(TARGET zs_dep::nccl PROPERTY IMPORTED_LOCATION "${ZS_NCCL_LIBRARY}")
+  endif()
+endfunction()
+
+function(zs_find_xxhash)
+  find_path(ZS_XXHASH_INCLUDE_DIR xxhash.h)
+  find_library(ZS_XXHASH_LIBRARY xxhash)
+  if(NOT ZS_XXHASH_INCLUDE_DIR OR NOT ZS_XXHASH_LIBRARY)
+    message(FATAL_ERROR "zeroshard: no xxHash found (xxhash.h: '${ZS_XXHASH_INCLUDE_DIR}', libxxhash: "
+                        "'${ZS_XXHASH_LIBRARY}'); install libxxhash-dev (scripts/install-deps.sh)")
+  endif()
+  if(NOT TARGET zs_dep::xxhash)
+    add_library(zs_dep::xxhash UNKNOWN IMPORTED)
+    set_target_properties(zs_dep::xxhash PROPERTIES IMPORTED_LOCATION "${ZS_XXHASH_LIBRARY}"
+                          INTERFACE_INCLUDE_DIRECTORIES "${ZS_XXHASH_INCLUDE_DIR}")
+  endif()
+endfunction()
+
+function(zs_find_hdf5)
+  find_library(ZS_HDF5_LIBRARY NAMES hdf5_serial hdf5 NAMES_PER_DIR HINTS ${ARGN} PATH_SUFFIXES hdf5/serial)
+  if(NOT ZS_HDF5_LIBRARY)
+    message(FATAL_ERROR "zeroshard: no HDF5 C library found (looked in ${ARGN} and the system's); "
+                        "install libhdf5-dev (scripts/install-deps.sh)")
+  endif()
+  if(NOT TARGET zs_dep::hdf5)
+    add_library(zs_dep::hdf5 UNKNOWN IMPORTED)
+    set_property(TARGET zs_dep::hdf5 PROPERTY IMPORTED_LOCATION "${ZS_HDF5_LIBRARY}")
+  endif()
+endfunction()

@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""zeroshard as a user's project gets it: `cmake --install`'s tree, the CMake package, zeroshard.pc,
+and add_subdirectory, each driving a trainer outside the tree (tests/package/consumer).
+
+Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIBRARY_DIR CHECK...
+  install       `cmake --install BUILD --prefix` into a temporary directory, then moved elsewhere (the
+                package must be relocatable). The tree holds exactly include/zeroshard/*.h, the two
+                libraries, the three tools, the CMake package and zeroshard.pc; no installed CMake file
+                or .pc names the source tree, the build tree or NCCL's headers, and the exported
+                include directory is <prefix>/include alone.
+  package       (after install) a project with find_package(zeroshard 0.2 CONFIG REQUIRED) configures
+                with LibTorch's prefix as a user passes it, builds, and runs at 1 and at 2 ranks under
+                the installed zeroshard-run: the 2-rank losses equal the 1-rank run's within 1e-5
+                relative (the same global batch; only the order of the gradient sums differs), each of
+                the 2 ranks holds half of the 1-rank run's AdamW moments, the headers' and the
+                library's versions agree, one libc10 is loaded (the LibTorch zeroshard was built
+                against), and the installed zeroshard-ckpt verifies the checkpoint it saved.
+                Configured against the other LibTorch on this machine (the wheel's 2.x or Debian's
+                1.13), the project fails at configure with a message naming both versions.
+  pkgconfig     (after install) every installed header compiles alone with `pkg-config --cflags
+                zeroshard`, and the trainer built by the compiler alone with `pkg-config --cflags
+                --libs zeroshard` runs at 2 ranks with the package build's losses.
+  subdirectory  the project with SOURCE_DIR added through FetchContent (add_subdirectory underneath):
+                zeroshard's tests, examples and benchmarks are not configured, the project's own
+                compile line carries none of zeroshard's build settings (no precompiled header, no
+                compiler launcher, no -ffp-contract, no -Wextra, no source-tree include path); it
+                builds against the zeroshard:: targets and its 2-rank losses equal its 1-rank ones.
+"""
+import concurrent.futures
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check, skip  # noqa: E402
+
+TIMEOUT = 900  # seconds for any one command (a subdirectory build compiles zeroshard)
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONSUMER = os.path.join(HERE, "consumer")
+
+cmake, generator, build, source, torch_dir, torch_lib = sys.argv[1:7]
+checks = sys.argv[7:]
+work = tempfile.mkdtemp(prefix="zs-package.")
+prefix = os.path.join(work, "prefix")
+
+
+def run(cmd, what, env=None, cwd=None, ok=True):
+    start = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=cwd)
+    out = p.stdout + p.stderr
+    print(f"  {what}: exit {p.returncode}, {time.time() - start:.1f} s", flush=True)
+    if ok and p.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {p.returncode}): {shlex.join(cmd)}\n{out[-8000:]}")
+    return p.returncode, out
+
+
+def torch_prefix():
+    """What a user passes as CMAKE_PREFIX_PATH for this LibTorch: the directory above its Torch/
+    (the wheel's torch.utils.cmake_prefix_path); Debian's is found without one."""
+    return os.path.dirname(torch_dir) if "site-packages" in torch_dir else ""
+
+
+def configure(name, *args):
+    tree = os.path.join(work, name)
+    shutil.rmtree(tree, ignore_errors=True)
+    cmd = [cmake, "-S", CONSUMER, "-B", tree, "-G", generator, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", *args]
+    return tree, run(cmd, f"configure {name}")[1]
+
+
+def parse_run(out, what):
+    out = re.sub(r"^\[rank0\]: ", "", out, flags=re.M)  # zeroshard-run's prefix of rank 0's lines
+    losses = [float(m) for m in re.findall(r"^step \d+ loss (\S+)$", out, re.M)]
+    check(len(losses) == 8, lambda: f"{what}: expected 8 step losses, got {len(losses)}:\n{out[-3000:]}")
+    info = {"losses": losses}
+    m = re.search(r"^version headers (\d+) library (\S+)$", out, re.M)
+    check(m, lambda: f"{what}: no version line:\n{out[-3000:]}")
+    info["versions"] = (int(m.group(1)), m.group(2))
+    info["state_bytes"] = int(re.search(r"^optimizer state bytes (\d+)$", out, re.M).group(1))
+    info["c10"] = re.findall(r"^libc10 (\S+)$", out, re.M)
+    return info
+
+
+def moment_bytes(world):
+    """The AdamW moments one rank of `world` holds for the trainer's model (Linear 8->512, Linear 512->1,
+    one bucket): every parameter starts on a multiple of 64 elements, the bucket is padded to a multiple
+    of 64 x world and split evenly; two fp32 moments per element."""
+    aligned = sum(-(-n // 64) * 64 for n in (8 * 512, 512, 512, 1))
+    padded = -(-aligned // (64 * world)) * 64 * world
+    return 2 * 4 * padded // world
+
+
+def trainer_run(program, nproc, what, run_dir="", launcher=None):
+    launcher = launcher or os.path.join(prefix, "bin", "zeroshard-run")
+    cmd = [launcher, "--nproc-per-node", str(nproc), "--", program] + ([run_dir] if run_dir else [])
+    return parse_run(run(cmd, f"{what} at {nproc} rank(s)")[1], what)
+
+
+def same_losses(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b)):
+        check(abs(x - y) <= 1e-5 * abs(y), lambda: f"{what}: step {i} loss {x} vs {y} (more than 1e-5 relative)")
+
+
+def version_header():
+    text = open(os.path.join(source, "include", "zeroshard", "version.h")).read()
+    parts = [int(re.search(rf"#define ZEROSHARD_VERSION_{p} (\d+)", text).group(1)) for p in ("MAJOR", "MINOR", "PATCH")]
+    return parts[0] * 10000 + parts[1] * 100 + parts[2], ".".join(map(str, parts))
+
+
+def check_install():
+    staged = os.path.join(work, "staged")
+    run([cmake, "--install", build, "--prefix", staged], "cmake --install")
+    os.rename(staged, prefix)  # relocated: nothing may depend on where it was installed
+    files = sorted(os.path.relpath(os.path.join(d, f), prefix) for d, _, fs in os.walk(prefix) for f in fs)
+    print("  installed: " + " ".join(files))
+    headers = sorted(f for f in os.listdir(os.path.join(source, "include", "zeroshard")) if f.endswith(".h"))
+    got = sorted(os.path.basename(f) for f in files if f.startswith("include/"))
+    check(got == headers, lambda: f"installed headers {got} != include/zeroshard/ {headers}")
+    check(all(f.startswith("include/zeroshard/") for f in files if f.startswith("include/")),
+          lambda: f"headers outside include/zeroshard/: {[f for f in files if f.startswith('include/')]}")
+    for tool in ("zeroshard-run", "zeroshard-ckpt", "zeroshard-plan"):
+        check(f"bin/{tool}" in files, lambda: f"bin/{tool} not installed: {files}")
+    libs = [f for f in files if f.endswith(".a")]
+    check(sorted(os.path.basename(f) for f in libs) == ["libzeroshard.a", "libzeroshard_checkpoint.a"],
+          lambda: f"installed libraries: {libs}")
+    cmake_files = [f for f in files if "/cmake/zeroshard/" in f]
+    for name in ("zeroshardConfig.cmake", "zeroshardConfigVersion.cmake", "zeroshardTargets.cmake"):
+        check(any(f.endswith("/" + name) for f in cmake_files), lambda: f"no {name} in {cmake_files}")
+    pcs = [f for f in files if f.endswith("/pkgconfig/zeroshard.pc")]
+    check(len(pcs) == 1, lambda: f"zeroshard.pc: {pcs}")
+    nccl_include = re.search(r"^ZS_NCCL_INCLUDE_DIR:PATH=(.*)$", open(os.path.join(build, "CMakeCache.txt")).read(), re.M)
+    # (The project's Python environment may live in the source tree: the LibTorch hint may name it.)
+    forbidden = [os.path.join(root, d) for root in {source, os.path.realpath(source)}
+                 for d in ("src", "include", "cmake", "checkpoint", "examples")] + [build, os.path.realpath(build)]
+    if nccl_include and nccl_include.group(1).startswith("/"):
+        forbidden.append(nccl_include.group(1))
+    for f in cmake_files + pcs:
+        text = open(os.path.join(prefix, f)).read()
+        for path in forbidden:
+            check(path not in text, lambda: f"{f} names {path} (the build machine's source, build or NCCL include tree)")
+    targets = "".join(open(os.path.join(prefix, f)).read() for f in cmake_files if "/zeroshardTargets" in f)
+    includes = set(re.findall(r'INTERFACE_INCLUDE_DIRECTORIES "([^"]*)"', targets))
+    check(includes == {"${_IMPORT_PREFIX}/include"},
+          lambda: f"exported include directories {includes}, expected <prefix>/include alone")
+    # Every path the exported targets name is inside the prefix or a dependency's target name.
+    absolute = sorted(set(re.findall(r'(?<![\w}])/(?:usr|home|work|opt|tmp)[^";\s>]*', targets)))
+    check(not absolute, lambda: f"zeroshardTargets*.cmake names absolute paths {absolute}")
+
+
+def check_package():
+    args = [f"-DCMAKE_PREFIX_PATH={prefix};{torch_prefix()}" if torch_prefix() else f"-DCMAKE_PREFIX_PATH={prefix}"]
+    tree, _ = configure("package", *args)
+    run([cmake, "--build", tree, "-j2"], "build the trainer against the package")
+    program = os.path.join(tree, "trainer")
+    one = trainer_run(program, 1, "package trainer")
+    two = trainer_run(program, 2, "package trainer", os.path.join(work, "run"))
+    same_losses(two["losses"], one["losses"], "2 ranks vs 1 rank")
+    check(one["versions"] == version_header(), lambda: f"versions {one['versions']}, version.h says {version_header()}")
+    for info, world in ((one, 1), (two, 2)):
+        check(info["state_bytes"] == moment_bytes(world),
+              lambda: f"at {world} rank(s) each rank holds {info['state_bytes']} bytes of AdamW moments, "
+                      f"expected {moment_bytes(world)} (1/{world} of the model's, docs/drop-in.md's layout)")
+    real_lib = os.path.realpath(torch_lib)
+    for info in (one, two):
+        check(len(info["c10"]) == 1 and os.path.dirname(os.path.realpath(info["c10"][0])) == real_lib,
+              lambda: f"libc10 loaded: {info['c10']}, expected one, from {real_lib}")
+    runs = os.path.join(work, "run")
+    run([os.path.join(prefix, "bin", "zeroshard-ckpt"), "verify", runs], "installed zeroshard-ckpt verify")
+    print(f"  2-rank losses {two['losses'][0]:.6f} .. {two['losses'][-1]:.6f} equal 1 rank's; "
+          f"moments {one['state_bytes']} -> {two['state_bytes']} bytes per rank")
+
+    # Another LibTorch release than the one zeroshard was built against: refused at configure.
+    other = other_torch()
+    rc, out = configure_expect_failure("other-torch", f"-DCMAKE_PREFIX_PATH={prefix}", f"-DTorch_DIR={other[1]}")
+    check(rc != 0 and "built against LibTorch" in out and other[0] in out,
+          lambda: f"configuring against LibTorch {other[0]} ({other[1]}) should fail naming both versions:\n{out[-4000:]}")
+    print(f"  against LibTorch {other[0]}: refused at configure")
+    return one
+
+
+def configure_expect_failure(name, *args):
+    tree = os.path.join(work, name)
+    return run([cmake, "-S", CONSUMER, "-B", tree, "-G", generator, *args], f"configure {name}", ok=False)
+
+
+def other_torch():
+    """(version, TorchConfig directory) of the LibTorch this build was not made with."""
+    debian = "/usr/lib/x86_64-linux-gnu/cmake/Torch"
+    if "site-packages" in torch_dir:
+        if not os.path.exists(os.path.join(debian, "TorchConfig.cmake")):
+            skip("no second LibTorch (Debian's libtorch-dev) to refuse")
+        return "1.13", debian
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch, torch.utils; print(torch.__version__); "
+                              "print(torch.utils.cmake_prefix_path)"], capture_output=True, text=True, check=True).stdout
+    except subprocess.CalledProcessError:
+        skip(f"{sys.executable} has no torch: no second LibTorch (the wheel) to refuse")
+    version, cmake_prefix = out.split()
+    return ".".join(version.split(".")[:2]), os.path.join(cmake_prefix, "Torch")
+
+
+def pkg_config(*args):
+    env = dict(os.environ, PKG_CONFIG_PATH=os.path.dirname(os.path.join(prefix, next(
+        f for f in (os.path.relpath(os.path.join(d, x), prefix) for d, _, xs in os.walk(prefix) for x in xs)
+        if f.endswith("zeroshard.pc")))))
+    return shlex.split(run(["pkg-config", *args, "zeroshard"], "pkg-config " + " ".join(args), env=env)[1])
+
+
+def check_pkgconfig(reference):
+    cflags = pkg_config("--cflags")
+    libs = pkg_config("--libs")
+    headers = sorted(f for f in os.listdir(os.path.join(prefix, "include", "zeroshard")) if f.endswith(".h"))
+
+    def alone(header):
+        p = subprocess.run(["g++", "-fsyntax-only", *cflags, "-x", "c++", "-"], input=f"#include <zeroshard/{header}>\n",
+                           capture_output=True, text=True, timeout=TIMEOUT)
+        return header, p.returncode, p.stderr
+
+    start = time.time()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(alone, headers))
+    print(f"  {len(headers)} installed headers compiled alone: {time.time() - start:.1f} s", flush=True)
+    for header, rc, err in results:
+        check(rc == 0, lambda: f"<zeroshard/{header}> does not compile alone with pkg-config's flags:\n{err[-4000:]}")
+    program = os.path.join(work, "trainer-pc")
+    run(["g++", *cflags, os.path.join(CONSUMER, "trainer.cpp"), "-o", program, *libs], "g++ with pkg-config's flags")
+    two = trainer_run(program, 2, "pkg-config trainer")
+    same_losses(two["losses"], reference["losses"], "pkg-config build at 2 ranks vs the package build at 1")
+
+
+def check_subdirectory():
+    args = [f"-DZEROSHARD_SOURCE_DIR={source}"] + ([f"-DCMAKE_PREFIX_PATH={torch_prefix()}"] if torch_prefix() else [])
+    tree, out = configure("subdirectory", *args)
+    commands = json.load(open(os.path.join(tree, "compile_commands.json")))
+    ours = [c for c in commands if c["file"].endswith("consumer/trainer.cpp")]
+    check(len(ours) == 1, lambda: f"compile_commands.json has {len(ours)} entries for trainer.cpp")
+    line = ours[0]["command"]
+    for leak in ("cmake_pch", "ccache", "-ffp-contract", os.path.join(source, "src"), "-Wextra"):
+        check(leak not in line, lambda: f"the project's own compile line carries zeroshard's '{leak}': {line}")
+    _, targets = run([cmake, "--build", tree, "--target", "help"], "list targets")
+    for internal in ("zs_tests", "bart_pretrain", "zs_bench", "zs_minimal"):
+        check(not re.search(rf"^{internal}\b", targets, re.M), lambda: f"{internal} is configured in a subproject")
+    run([cmake, "--build", tree, "-j2", "--target", "trainer", "zeroshard-run"], "build zeroshard as a subdirectory")
+    launcher = os.path.join(tree, "zeroshard", "zeroshard-run")
+    one = trainer_run(os.path.join(tree, "trainer"), 1, "subdirectory trainer", launcher=launcher)
+    two = trainer_run(os.path.join(tree, "trainer"), 2, "subdirectory trainer", launcher=launcher)
+    same_losses(two["losses"], one["losses"], "subdirectory build at 2 ranks vs 1 rank")
+    check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
+
+
+try:
+    reference = None
+    for name in checks:
+        print(f"{name}:", flush=True)
+        if name == "install":
+            check_install()
+        elif name == "package":
+            reference = check_package()
+        elif name == "pkgconfig":
+            check_pkgconfig(reference)
+        elif name == "subdirectory":
+            check_subdirectory()
+        else:
+            raise SystemExit(f"unknown check {name}")
+    print("ok")
+finally:
+    shutil.rmtree(work, ignore_errors=True)
