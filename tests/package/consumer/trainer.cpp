@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   torch::nn::Sequential model(torch::nn::Linear(8, 512), torch::nn::Tanh(), torch::nn::Linear(512, 1));
   zeroshard::ShardedAdamWOptions sharding;
   sharding.zero_stage = 2;
-  zeroshard::ShardedAdamW opt(model->named_parameters(), comm, torch::optim::AdamWOptions(1e-2), sharding);
+  zeroshard::ShardedAdamW opt(model->named_parameters(), comm, torch::optim::AdamWOptions(3e-3), sharding);
 
   for (int step = 0; step < steps; ++step) {
     torch::manual_seed(1000 + step);
