@@ -3,7 +3,8 @@
 #   make test   install what is missing, build, and run the whole test suite (ctest)
 # Other targets: make build, make bench, make clean, and
 #   make install PREFIX=dir   the library, its headers, the tools, the CMake package and zeroshard.pc
-#                             (then: find_package(zeroshard 0.2 CONFIG REQUIRED); docs/drop-in.md)
+#                             (then: find_package(zeroshard 0.2 CONFIG REQUIRED); docs/getting-started.md)
+#   make deb                  zeroshard_<version>_amd64.deb, built against Debian's LibTorch (in build-system/)
 # Variables:
 #   TORCH=venv    (default) LibTorch 2.x: PyPI's torch wheel in the project's Python environment
 #   TORCH=system  Debian's libtorch-dev 1.13, built in build-system/
@@ -22,7 +23,7 @@ JOBS ?= 2
 PREFIX ?= /usr/local
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build install test demo bench clean
+.PHONY: all deps configure build install deb test demo bench clean
 
 all: build
 
@@ -45,6 +46,16 @@ build: configure
 install: configure
 	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard-run zeroshard-ckpt zeroshard-plan
 	@cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
+# The Debian package: against Debian's LibTorch only (a .deb cannot depend on a Python environment).
+ifeq ($(TORCH),system)
+deb: configure
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard-run zeroshard-ckpt zeroshard-plan
+	@cd $(BUILD_DIR) && cpack -G DEB
+else
+deb:
+	@$(MAKE) --no-print-directory deb TORCH=system
+endif
 
 # Which tests `make test` runs: all of them, or a ctest label. Against Debian's LibTorch 1.13
 # (TORCH=system) the default is the label "core": the unit tests and the oracle, checkpoint

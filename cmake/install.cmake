@@ -98,3 +98,28 @@ file(RELATIVE_PATH ZS_PC_PREFIX_FROM_PCFILEDIR "/p/${CMAKE_INSTALL_LIBDIR}/pkgco
 configure_file(cmake/zeroshard.pc.in ${PROJECT_BINARY_DIR}/package/zeroshard.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/package/zeroshard.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig
         COMPONENT development)
+
+# A Debian package (`make deb`: cpack -G DEB in the build against Debian's LibTorch): the
+# whole install tree under /usr, depending on the Debian packages a trainer then needs to
+# build and run against it. Against PyPI's wheel there is no Debian package to depend on
+# (its libraries have no versioned sonames and live in a Python environment): no .deb.
+if(PROJECT_IS_TOP_LEVEL)
+  set(CPACK_PACKAGE_NAME zeroshard)
+  set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
+  set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "ZeRO/FSDP-style sharded training for LibTorch C++ trainers")
+  set(CPACK_PACKAGE_DESCRIPTION "ShardedAdamW (ZeRO-1/2), fully_shard (ZeRO-3), pipelines, sharded HDF5 checkpoints, the zeroshard-run launcher. Headers, static libraries, a CMake package (find_package(zeroshard)) and zeroshard.pc, built against Debian's LibTorch ${Torch_VERSION}.")
+  set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
+  set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
+  set(CPACK_DEBIAN_PACKAGE_MAINTAINER "zeroshard developers <zeroshard@localhost>")
+  set(CPACK_DEBIAN_PACKAGE_SECTION libdevel)
+  # The LibTorch release it was built against, and no other (its C++ ABI changes with each).
+  string(REGEX MATCH "^([0-9]+)\\.([0-9]+)" _zs_torch_minor "${Torch_VERSION}")
+  math(EXPR _zs_torch_next "${CMAKE_MATCH_2} + 1")
+  set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev (>= ${_zs_torch_minor}), libtorch-dev (<< ${CMAKE_MATCH_1}.${_zs_torch_next}~), libspdlog-dev, libhdf5-dev, libxxhash-dev, g++")
+  if(ZS_TORCH STREQUAL "system")
+    set(CPACK_GENERATOR DEB)
+  else()
+    set(CPACK_GENERATOR TGZ)
+  endif()
+  include(CPack)
+endif()

@@ -20,6 +20,10 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
   pkgconfig     (after install) every installed header compiles alone with `pkg-config --cflags
                 zeroshard`, and the trainer built by the compiler alone with `pkg-config --cflags
                 --libs zeroshard` runs at 2 ranks with the package build's losses.
+  deb           (against Debian's LibTorch) `cpack -G DEB` makes zeroshard_<version>_amd64.deb, which
+                depends on libtorch-dev of the same release and the -dev packages a trainer needs; dpkg
+                installs it (in a private mount namespace, over an overlay of /usr and /var: needs root),
+                and the trainer configured with no prefix builds against /usr and runs at 1 and 2 ranks.
   subdirectory  the project with SOURCE_DIR added through FetchContent (add_subdirectory underneath):
                 zeroshard's tests, examples and benchmarks are not configured, the project's own
                 compile line carries none of zeroshard's build settings (no precompiled header, no
@@ -253,8 +257,59 @@ def check_subdirectory():
     check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
 
 
+def check_deb():
+    """The .deb of this build (cpack -G DEB), installed with dpkg into this machine's root as seen
+    from a private mount namespace (an overlay on /usr and /var: the real ones do not change)."""
+    out_dir = os.path.join(work, "deb")
+    run([os.path.join(os.path.dirname(cmake), "cpack"), "-G", "DEB", "-B", out_dir], "cpack -G DEB", cwd=build)
+    _, version = version_header()
+    deb = os.path.join(out_dir, f"zeroshard_{version}_amd64.deb")
+    check(os.path.exists(deb), lambda: f"no {deb}: {os.listdir(out_dir)}")
+    depends = run(["dpkg-deb", "-f", deb, "Depends"], "dpkg-deb -f Depends")[1]
+    for package in ("libtorch-dev", "libspdlog-dev", "libhdf5-dev", "libxxhash-dev"):
+        check(package in depends, lambda: f"the .deb does not depend on {package}: {depends}")
+    contents = run(["dpkg-deb", "-c", deb], "dpkg-deb -c")[1]
+    for path in ["./usr/bin/zeroshard-run", "./usr/lib/libzeroshard.a", "./usr/lib/cmake/zeroshard/zeroshardConfig.cmake",
+                 "./usr/include/zeroshard/version.h", "./usr/lib/pkgconfig/zeroshard.pc"]:
+        check(path in contents, lambda: f"the .deb has no {path}:\n{contents}")
+    if os.geteuid() != 0:
+        skip("installing the .deb (dpkg -i in a private mount namespace) needs root")
+    rc, out = run(["unshare", "--mount", "--propagation", "private", sys.executable, os.path.abspath(__file__),
+                   *sys.argv[1:7], "deb-installed", deb], "dpkg -i and the trainer, in a mount namespace", ok=False)
+    print("\n".join("    " + line for line in out.splitlines()))
+    check(rc == 0, "the .deb check inside the namespace failed (above)")
+
+
+def check_deb_installed(deb):
+    """Inside the namespace: overlays on /usr and /var, dpkg -i, then the trainer against /usr."""
+    layers = os.path.join(work, "layers")
+    os.makedirs(layers)
+    run(["mount", "-t", "tmpfs", "zs-package", layers], "mount a tmpfs")
+    for top in ("/usr", "/var"):
+        upper, lower_work = os.path.join(layers, top[1:]), os.path.join(layers, top[1:] + "-work")
+        os.makedirs(upper)
+        os.makedirs(lower_work)
+        run(["mount", "-t", "overlay", "zs-package", "-o", f"lowerdir={top},upperdir={upper},workdir={lower_work}", top],
+            f"overlay on {top}")
+    check(not os.path.exists("/usr/lib/cmake/zeroshard"), "zeroshard is installed in /usr already")
+    run(["dpkg", "-i", deb], "dpkg -i (its dependencies checked against this machine's packages)")
+    status = run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "zeroshard"], "dpkg-query")[1]
+    check(status.startswith("install ok installed"), lambda: f"dpkg says: {status}")
+    tree, _ = configure("deb")
+    run([cmake, "--build", tree, "-j2"], "build the trainer against the installed .deb")
+    launcher = "/usr/bin/zeroshard-run"
+    one = trainer_run(os.path.join(tree, "trainer"), 1, "deb trainer", launcher=launcher)
+    two = trainer_run(os.path.join(tree, "trainer"), 2, "deb trainer", launcher=launcher)
+    same_losses(two["losses"], one["losses"], ".deb build at 2 ranks vs 1 rank")
+    check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
+    print(f"  installed {status}; the trainer built against /usr runs at 1 and 2 ranks")
+
+
 try:
     reference = None
+    if checks[:1] == ["deb-installed"]:
+        check_deb_installed(checks[1])
+        checks = []
     for name in checks:
         print(f"{name}:", flush=True)
         if name == "install":
@@ -265,6 +320,8 @@ try:
             check_pkgconfig(reference)
         elif name == "subdirectory":
             check_subdirectory()
+        elif name == "deb":
+            check_deb()
         else:
             raise SystemExit(f"unknown check {name}")
     print("ok")
