@@ -15,7 +15,7 @@
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/log.h>
 #include <zeroshard/metrics.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>

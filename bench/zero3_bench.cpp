@@ -17,7 +17,7 @@
 //   zeroshard-run --nproc-per-node 4 -- bench/zero3_bench --mode zero3
 #include <zeroshard/comm.h>
 #include <zeroshard/fully_shard.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 #include <zeroshard/trace.h>
 
 #include "bench_util.h"

@@ -11,7 +11,7 @@
 //
 //   zeroshard-run --nproc-per-node 4 -- bench/zero_vs_ddp --mode zero2
 #include <zeroshard/comm.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include "bench_util.h"
 

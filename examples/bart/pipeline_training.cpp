@@ -2,7 +2,7 @@
 #include "pipeline_training.h"
 
 #include <zeroshard/fully_shard.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/VirtualGuardImpl.h>

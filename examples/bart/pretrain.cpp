@@ -121,6 +121,12 @@ int bart_pretrain_main(int argc, char** argv) {
   int64_t hf_step = -1;
   hf->add_option("--out", hf_out, "the directory to write")->required();
   hf->add_option("--step", hf_step, "the checkpoint's step (default: the latest committed)");
+  // The run's options export-hf reads, also after the subcommand (as a user types them).
+  hf->add_option("--run-dir", o.run_dir, "the run: its tokenizer/ and checkpoints/")->capture_default_str();
+  hf->add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints)");
+  hf->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt (default RUN_DIR/tokenizer)");
+  hf->add_option("--config", o.config, "the run's --config: tiny, base, large, or a config.json")->capture_default_str();
+  hf->add_option("--max-tokens", o.max_tokens, "the run's --max-tokens")->capture_default_str();
 
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();

@@ -7,6 +7,7 @@
 
 #include "training.h"
 
+#include "zeroshard/sharded_adamw.h"
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/log.h>
 #include <zeroshard/pipeline_schedule.h>

@@ -10,7 +10,7 @@
 //   zeroshard-run --nproc-per-node 4 -- ./zs_minimal --steps 200 --stage 2
 #include <zeroshard/comm.h>
 #include <zeroshard/log.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>

@@ -225,9 +225,9 @@ struct PipelineExecutor::Impl {
     if (sh.reduced) return;
     sh.local.reset();
     auto& opt = *sh.shards.optimizer;
-    sumsq += opt.local_sumsq();
-    unreduced_sumsq += opt.unreduced_sumsq();
-    rounds = std::max(rounds, opt.reduction_rounds());
+    sumsq += shard::OptimizerAccess::local_sumsq(opt);
+    unreduced_sumsq += shard::OptimizerAccess::unreduced_sumsq(opt);
+    rounds = std::max(rounds, shard::OptimizerAccess::reduction_rounds(opt));
     sh.reduced = true;
   }
 
@@ -371,7 +371,7 @@ struct PipelineExecutor::Impl {
     std::vector<double> v(1 + static_cast<size_t>(schedule.stages), 0.0);
     v[0] = static_cast<double>(sharded.size());
     for (auto& [stage, sh] : sharded) {
-      v[1 + static_cast<size_t>(stage)] = static_cast<double>(sh.shards.optimizer->local_had_grad().size());
+      v[1 + static_cast<size_t>(stage)] = static_cast<double>(shard::OptimizerAccess::local_had_grad(*sh.shards.optimizer).size());
     }
     auto t = at::tensor(v, at::kDouble);
     grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
@@ -406,7 +406,7 @@ struct PipelineExecutor::Impl {
     v[3] = unreduced_sumsq;
     v[4] = static_cast<double>(rounds);
     for (auto& [stage, sh] : sharded) {
-      const auto had = sh.shards.optimizer->local_had_grad();
+      const auto had = shard::OptimizerAccess::local_had_grad(*sh.shards.optimizer);
       const size_t at = kHeader + flag_offsets[static_cast<size_t>(stage)];
       for (size_t i = 0; i < had.size(); ++i) v[at + i] = had[i] ? 1.0 : 0.0;
     }
@@ -441,7 +441,7 @@ struct PipelineExecutor::Impl {
                            ? flag_offsets[static_cast<size_t>(stage) + 1] - flag_offsets[static_cast<size_t>(stage)]
                            : flag_slots - flag_offsets[static_cast<size_t>(stage)];
       // an inf norm skips the step (and shrinks the loss scale)
-      opt.apply_agreement(std::vector<double>(a + at, a + at + n), max_norm, r.grad_norm, r.noise);
+      shard::OptimizerAccess::apply_agreement(opt, std::vector<double>(a + at, a + at + n), max_norm, r.grad_norm, r.noise);
       opt.step();
       r.updated = r.updated && !opt.last_step_skipped();
     }

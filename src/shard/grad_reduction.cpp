@@ -23,6 +23,7 @@
 
 #include "compat/autograd_hooks.h"
 #include "shard/tensor_alias.h"
+#include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
 
 

@@ -5,6 +5,7 @@
 #include "comm/work.h"
 #include "shard/rank_agreement.h"
 #include "shard/tensor_alias.h"
+#include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
 
 #include <torch/csrc/autograd/variable.h>

@@ -6,7 +6,7 @@
 #include "shard/backward_round.h"
 #include "shard/front_end.h"
 #include "shard/shard_group.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include "compat/autograd_hooks.h"
 

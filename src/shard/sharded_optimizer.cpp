@@ -219,64 +219,9 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
   return std::sqrt(c.global_sumsq) / c.scaler.scale();
 }
 
-double ShardedOptimizer::local_sumsq() {
-  torch::NoGradGuard no_grad;
-  auto& c = *core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  c.shards.round->check_usable("local_sumsq");
-  core_->fe().check_ready("local_sumsq");
-  reduce_and_freeze();
-  const double scale = c.scaler.scale();
-  return c.local_sumsq() / (scale * scale);
-}
-
-double ShardedOptimizer::unreduced_sumsq() {
-  auto& c = *core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  const double scale = c.scaler.scale();
-  return c.unreduced_sumsq() / (scale * scale);
-}
-
-int ShardedOptimizer::reduction_rounds() const {
-  std::lock_guard<std::recursive_mutex> lock(core_->mu());
-  return core_->rounds();
-}
-
 GradientNoiseSample ShardedOptimizer::last_gradient_noise() const {
   std::lock_guard<std::recursive_mutex> lock(core_->mu());
   return core_->noise;
-}
-
-std::vector<char> ShardedOptimizer::local_had_grad() {
-  auto& c = *core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  TORCH_CHECK(c.shards.round->frozen(), c.name, "::local_had_grad: call local_sumsq() first (it reduces the step's "
-                                        "gradients)");
-  return c.had_grad();
-}
-
-void ShardedOptimizer::apply_agreement(const std::vector<double>& had_grad, double max_norm, double global_norm,
-                                       const GradientNoiseSample& noise) {
-  auto& c = *core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  TORCH_CHECK_VALUE(had_grad.size() == c.shards.infos.size(), c.name, "::apply_agreement: ", had_grad.size(),
-                    " had-gradient counts for ", c.shards.infos.size(), " parameters");
-  apply_clip(max_norm, global_norm);
-  c.flags = had_grad;
-  c.noise = noise;
-  c.agreed = true;
-}
-
-void ShardedOptimizer::apply_clip(double max_norm, double global_norm) {
-  TORCH_CHECK_VALUE(max_norm > 0, core_->name, "::apply_clip: max_norm is ", max_norm, "; it must be positive");
-  TORCH_CHECK_VALUE(!(global_norm < 0), core_->name, "::apply_clip: global_norm is ", global_norm,
-                    "; a norm is >= 0 (inf or NaN mark an overflow)");
-  auto& c = *core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  const double scaled = global_norm * c.scaler.scale();
-  c.global_sumsq = scaled * scaled;
-  c.norm_known = true;
-  c.clip_max_norm = max_norm;
 }
 
 ShardedOptimizer::NoSyncGuard::NoSyncGuard(ShardedOptimizer* opt) : opt_(opt) {
@@ -434,6 +379,61 @@ void OptimizerAccess::install_masters(ShardedOptimizer& opt) {
   torch::NoGradGuard no_grad;
   std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
   opt.core_->fe().install_masters();
+}
+
+double OptimizerAccess::local_sumsq(ShardedOptimizer& opt) {
+  torch::NoGradGuard no_grad;
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.shards.round->check_usable("local_sumsq");
+  opt.core_->fe().check_ready("local_sumsq");
+  opt.reduce_and_freeze();
+  const double scale = c.scaler.scale();
+  return c.local_sumsq() / (scale * scale);
+}
+
+double OptimizerAccess::unreduced_sumsq(ShardedOptimizer& opt) {
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  const double scale = c.scaler.scale();
+  return c.unreduced_sumsq() / (scale * scale);
+}
+
+int OptimizerAccess::reduction_rounds(const ShardedOptimizer& opt) {
+  std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
+  return opt.core_->rounds();
+}
+
+std::vector<char> OptimizerAccess::local_had_grad(ShardedOptimizer& opt) {
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  TORCH_CHECK(c.shards.round->frozen(), c.name, "::local_had_grad: call local_sumsq() first (it reduces the step's "
+                                        "gradients)");
+  return c.had_grad();
+}
+
+void OptimizerAccess::apply_agreement(ShardedOptimizer& opt, const std::vector<double>& had_grad, double max_norm,
+                                      double global_norm, const GradientNoiseSample& noise) {
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  TORCH_CHECK_VALUE(had_grad.size() == c.shards.infos.size(), c.name, "::apply_agreement: ", had_grad.size(),
+                    " had-gradient counts for ", c.shards.infos.size(), " parameters");
+  apply_clip(opt, max_norm, global_norm);
+  c.flags = had_grad;
+  c.noise = noise;
+  c.agreed = true;
+}
+
+void OptimizerAccess::apply_clip(ShardedOptimizer& opt, double max_norm, double global_norm) {
+  TORCH_CHECK_VALUE(max_norm > 0, opt.core_->name, "::apply_clip: max_norm is ", max_norm, "; it must be positive");
+  TORCH_CHECK_VALUE(!(global_norm < 0), opt.core_->name, "::apply_clip: global_norm is ", global_norm,
+                    "; a norm is >= 0 (inf or NaN mark an overflow)");
+  auto& c = *opt.core_;
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  const double scaled = global_norm * c.scaler.scale();
+  c.global_sumsq = scaled * scaled;
+  c.norm_known = true;
+  c.clip_max_norm = max_norm;
 }
 
 }  // namespace zeroshard::shard

@@ -16,7 +16,7 @@
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/fully_shard.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>

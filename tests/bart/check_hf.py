@@ -270,7 +270,7 @@ def check_export(build, work):
     pretrain(build, d, 2, "--max-steps", str(steps), "--save-every", str(steps), "--eval-every", "0", "--no-sample")
     # bart_pretrain export-hf writes everything from_pretrained reads; nothing is written here.
     exe = os.path.join(build, "examples", "bart_pretrain")
-    run([exe, "--run-dir", d, "export-hf", "--out", hf_dir])
+    run([exe, "export-hf", "--run-dir", d, "--out", hf_dir])  # the run's options after the subcommand, as typed
     files = sorted(os.listdir(hf_dir))
     check(files == ["config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
                     "tokenizer_config.json", "vocab.json"], lambda: f"export-hf wrote {files}")

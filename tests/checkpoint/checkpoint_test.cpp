@@ -11,7 +11,7 @@
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/fully_shard.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

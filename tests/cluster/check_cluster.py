@@ -414,7 +414,10 @@ def check_elastic(build, work):
             check(abs(r["loss"] - first_losses[r["step"]]) <= 1e-4 * r["loss"],
                   lambda: f"step {r['step']} redone at 2 ranks: loss {r['loss']}, at 3 {first_losses[r['step']]}")
             redone += 1
-    check(redone > 0, lambda: f"no step was redone after the shrink: killed after step {kill_at}, resumed from "
+    # None to redo when the survivors' own checkpoint (the agents' SIGTERM) came after every step the
+    # log held when host 2 died: on a loaded machine they can finish a step more before they stop.
+    check(redone > 0 or resumes[0]["step"] >= max(first_losses),
+          lambda: f"no step was redone after the shrink: killed after step {kill_at}, resumed from "
           f"{resumes[0]['step']}, {sorted(first_losses)} logged before")
     check(set(losses) == set(range(1, steps + 1)), sorted(losses))
     committed = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step-"))

@@ -6,7 +6,7 @@
 #include "test_util.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/noise_scale.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>

@@ -9,7 +9,7 @@
 #include "zeroshard/metrics.h"
 #include "zeroshard/pipeline_executor.h"
 #include "zeroshard/pipeline_partition.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -3,7 +3,7 @@
 // Runs at 1-4 ranks under zeroshard-run, like sharded_adamw_test.cpp.
 #include "test_util.h"
 #include "zeroshard/metrics.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

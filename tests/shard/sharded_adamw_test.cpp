@@ -3,7 +3,7 @@
 // computed inside every rank.
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

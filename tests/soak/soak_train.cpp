@@ -10,7 +10,7 @@
 #include <zeroshard/log.h>
 #include <zeroshard/preemption.h>
 #include <zeroshard/sampler.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>

@@ -6,7 +6,7 @@
 // every step's loss, the optimizer state this rank holds, and the libc10 the process loaded.
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/comm.h>
-#include <zeroshard/sharded_optimizer.h>
+#include <zeroshard/sharded_adamw.h>
 #include <zeroshard/version.h>
 
 #include <torch/torch.h>
