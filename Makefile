@@ -22,6 +22,10 @@ endif
 JOBS ?= 2
 PREFIX ?= /usr/local
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+# Against Debian's LibTorch no benchmark runs (make bench is the 2.x build's): not built.
+ifeq ($(TORCH),system)
+TORCH_FLAGS = -DZS_BUILD_BENCH=OFF
+endif
 
 .PHONY: all deps configure build install deb test demo bench clean
 
@@ -35,7 +39,7 @@ deps:
 GENERATOR = $(if $(wildcard $(BUILD_DIR)/CMakeCache.txt),,-G Ninja)
 
 configure: deps
-	@cmake -S . -B $(BUILD_DIR) $(GENERATOR) -DZS_TORCH=$(TORCH) -DZS_PYTHON=$(VENV)/bin/python $(CMAKE_FLAGS) \
+	@cmake -S . -B $(BUILD_DIR) $(GENERATOR) -DZS_TORCH=$(TORCH) -DZS_PYTHON=$(VENV)/bin/python $(TORCH_FLAGS) $(CMAKE_FLAGS) \
 	  > $(BUILD_DIR).configure.log 2>&1 || { cat $(BUILD_DIR).configure.log; exit 1; }
 	@grep "^-- zeroshard" $(BUILD_DIR).configure.log || true
 
