@@ -111,9 +111,8 @@ struct FullyShardedMemory {
 using FullyShardedWaits = CommWaits;
 
 namespace shard {
-class Unit;           // src/shard/unit.h
 struct ShardedModel;  // src/shard/unit.h
-struct DeferredUnit;  // src/shard/deferred_init.h
+struct ModuleAccess;  // src/shard/module_access.h
 }  // namespace shard
 
 // What fully_shard() looks for in the module tree: the base of every
@@ -124,11 +123,9 @@ class ShardedModule {
   virtual ~ShardedModule();
 
  protected:
-  bool is_unit() const { return unit_ != nullptr; }
+  bool is_unit() const;
   // Built under DeferredInit and not yet sharded: running it is an error.
-  void check_not_deferred() const {
-    if (deferred_) fail_deferred();
-  }
+  void check_not_deferred() const;
   void before_forward();
   void end_forward();
   // The forward's outputs (tensors, pairs, tuples, vectors of tensors; other
@@ -149,26 +146,23 @@ class ShardedModule {
     return out;
   }
 
- private:
-  friend class FullyShardedModel;  // detaches the unit when it goes
-  friend std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
-                                                        ProcessGroup group, FullyShardOptions options);
-  friend class DeferredUnitHook;  // sets deferred_
-  friend void initialize_parameters(torch::nn::Module& module,
-                                    const std::function<void(const std::string&, at::Tensor&)>& init);
-  // Built under DeferredInit: this rank's shard of the unit, until fully_shard() takes it.
-  [[noreturn]] void fail_deferred() const;
-  std::shared_ptr<shard::Unit> unit_;
-  std::shared_ptr<shard::DeferredUnit> deferred_;
-};
+  // Runs right after a Sharded<> module's own constructor (a member of
+  // ShardedImpl): under a DeferredInit it keeps this rank's shard of the
+  // unit's parameters and frees them. A copied module was not built under the
+  // scope: copying does nothing.
+  class ConstructionHook {
+   public:
+    ConstructionHook(torch::nn::Module& module, ShardedModule& marker);
+    ConstructionHook(const ConstructionHook&) {}
+    ConstructionHook& operator=(const ConstructionHook&) { return *this; }
+  };
 
-// Runs right after a Sharded<> module's own constructor: under a DeferredInit
-// it keeps this rank's shard of the unit's parameters and frees them.
-class DeferredUnitHook {
- public:
-  DeferredUnitHook(torch::nn::Module& module, ShardedModule& marker);
-  DeferredUnitHook(const DeferredUnitHook&) {}  // a copied module is not built under the scope
-  DeferredUnitHook& operator=(const DeferredUnitHook&) { return *this; }
+ private:
+  // fully_shard(), DeferredInit and initialize_parameters() reach the state
+  // through shard::ModuleAccess (src/shard/module_access.h).
+  friend struct shard::ModuleAccess;
+  struct State;                   // the unit once sharded; this rank's shard while deferred
+  std::shared_ptr<State> state_;  // null until either exists
 };
 
 // A module of type Impl that fully_shard() will make a unit. Same constructors,
@@ -192,7 +186,7 @@ class ShardedImpl : public Impl, public ShardedModule {
 
  private:
   // Initialized after Impl's constructor has run (inherited constructors too).
-  DeferredUnitHook deferred_hook_{static_cast<torch::nn::Module&>(*this), static_cast<ShardedModule&>(*this)};
+  ConstructionHook construction_hook_{static_cast<torch::nn::Module&>(*this), static_cast<ShardedModule&>(*this)};
 };
 
 // Sharded<EncoderLayer> for a TORCH_MODULE holder EncoderLayer.

@@ -2,6 +2,8 @@
 // (DeferredInit), and initializing their parameters one at a time.
 #include "shard/deferred_init.h"
 
+#include "shard/module_access.h"
+
 #include "shard/resharded_param.h"
 #include "shard/shard_topology.h"
 #include "zeroshard/fully_shard.h"
@@ -71,7 +73,7 @@ DeferredInit::~DeferredInit() {
 #endif
 }
 
-DeferredUnitHook::DeferredUnitHook(torch::nn::Module& module, ShardedModule& marker) {
+ShardedModule::ConstructionHook::ConstructionHook(torch::nn::Module& module, ShardedModule& marker) {
   auto* scope = shard::current_scope.get();
   if (scope == nullptr) return;
   torch::NoGradGuard no_grad;
@@ -105,11 +107,11 @@ DeferredUnitHook::DeferredUnitHook(torch::nn::Module& module, ShardedModule& mar
     scope->claimed.insert(tensors[i].unsafeGetTensorImpl());
   }
   unit->tensors = std::move(tensors);
-  marker.deferred_ = std::move(unit);
+  shard::ModuleAccess::deferred(marker) = std::move(unit);
 }
 
-void ShardedModule::fail_deferred() const {
-  TORCH_CHECK(false, "DeferredInit: a unit built under DeferredInit ran its forward before fully_shard(); it holds "
+void ShardedModule::check_not_deferred() const {
+  TORCH_CHECK(!state_ || !state_->deferred, "DeferredInit: a unit built under DeferredInit ran its forward before fully_shard(); it holds "
               "only this rank's shard of its parameters until then. Call fully_shard() on the model first");
 }
 
@@ -121,11 +123,12 @@ void initialize_parameters(torch::nn::Module& module,
   auto visit = [&](torch::nn::Module& m) {
     auto* marker = dynamic_cast<ShardedModule*>(&m);
     if (marker == nullptr) return;
-    TORCH_CHECK_VALUE(!marker->unit_, "initialize_parameters: a ", m.name(), " unit is already sharded by "
+    TORCH_CHECK_VALUE(!shard::ModuleAccess::unit(*marker), "initialize_parameters: a ", m.name(), " unit is already sharded by "
                       "fully_shard(); initialize the parameters before fully_shard()");
-    if (!marker->deferred_) return;
-    for (size_t i = 0; i < marker->deferred_->tensors.size(); ++i) {
-      deferred[marker->deferred_->tensors[i].unsafeGetTensorImpl()] = {marker->deferred_.get(), i};
+    const auto& unit = shard::ModuleAccess::deferred(*marker);
+    if (!unit) return;
+    for (size_t i = 0; i < unit->tensors.size(); ++i) {
+      deferred[unit->tensors[i].unsafeGetTensorImpl()] = {unit.get(), i};
     }
   };
   visit(module);

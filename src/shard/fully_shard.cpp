@@ -3,6 +3,8 @@
 // reductions in a fixed order, resharding at the end.
 #include "shard/unit.h"
 
+#include "shard/module_access.h"
+
 #include "comm/work.h"
 #include "compat/autograd_hooks.h"
 #include "compat/torch_compat.h"
@@ -17,14 +19,18 @@ namespace zeroshard {
 
 ShardedModule::~ShardedModule() = default;
 
+bool ShardedModule::is_unit() const { return state_ && state_->unit; }
+
 void ShardedModule::before_forward() {
-  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
-  unit_->before_forward();
+  auto& unit = *state_->unit;
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
+  unit.before_forward();
 }
 
 at::Tensor ShardedModule::after_forward(at::Tensor out) {
-  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
-  return unit_->after_forward(std::move(out));
+  auto& unit = *state_->unit;
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
+  return unit.after_forward(std::move(out));
 }
 
 std::vector<at::Tensor> ShardedModule::after_forward(std::vector<at::Tensor> out) {
@@ -33,8 +39,9 @@ std::vector<at::Tensor> ShardedModule::after_forward(std::vector<at::Tensor> out
 }
 
 void ShardedModule::end_forward() {
-  std::lock_guard<std::recursive_mutex> lock(unit_->model.mu());
-  unit_->end_forward();
+  auto& unit = *state_->unit;
+  std::lock_guard<std::recursive_mutex> lock(unit.model.mu());
+  unit.end_forward();
 }
 
 void shard::ShardedModel::begin_pass() {
@@ -188,7 +195,7 @@ FullyShardedModel::~FullyShardedModel() {
   // again (their parameters stay as they are: resharded ones hold no elements).
   for (auto& weak : state_->unit_modules) {
     if (auto module = weak.lock()) {
-      if (auto* marker = dynamic_cast<ShardedModule*>(module.get())) marker->unit_.reset();
+      if (auto* marker = dynamic_cast<ShardedModule*>(module.get())) shard::ModuleAccess::unit(*marker).reset();
     }
   }
 }
@@ -485,8 +492,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   std::vector<UnitsFound::Found> sharded;
   for (const auto& item : root->named_modules()) {
     if (auto* m = dynamic_cast<ShardedModule*>(item.value().get())) {
-      TORCH_CHECK_VALUE(!m->unit_, "fully_shard: unit '", item.key(), "' is already sharded");
-      sharded.push_back({item.key(), item.value(), m, m->deferred_.get()});
+      TORCH_CHECK_VALUE(!shard::ModuleAccess::unit(*m), "fully_shard: unit '", item.key(), "' is already sharded");
+      sharded.push_back({item.key(), item.value(), m, shard::ModuleAccess::deferred(*m).get()});
     }
   }
   UnitsFound units = claim_parameters(root, std::move(sharded));
@@ -514,8 +521,8 @@ std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::
   auto& m = *impl;
   build_units(m, units, options, *comm);
   for (size_t k = 0; k < found.size(); ++k) {
-    found[k].marker->unit_ = m.units[k];
-    found[k].marker->deferred_.reset();  // its shard is the unit's now
+    shard::ModuleAccess::unit(*found[k].marker) = m.units[k];
+    shard::ModuleAccess::deferred(*found[k].marker).reset();  // its shard is the unit's now
     m.unit_modules.push_back(found[k].module);
   }
   m.peak_gathered = m.gathered_bytes;  // the working set counts from here (every unit is resharded)
