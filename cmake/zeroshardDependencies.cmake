@@ -115,41 +115,38 @@ function(zs_check_torch_version built_version built_where)
   endif()
 endfunction()
 
+# The imported target `target` for the library file `library` (found by the caller), or a
+# failure naming `what` was missing and `fix`.
+function(_zs_import_library target library what fix)
+  if(NOT library)
+    message(FATAL_ERROR "zeroshard: no ${what} found; ${fix}")
+  endif()
+  if(NOT TARGET ${target})
+    add_library(${target} UNKNOWN IMPORTED)
+    set_property(TARGET ${target} PROPERTY IMPORTED_LOCATION "${library}")
+  endif()
+endfunction()
+
 function(zs_find_nccl)
   find_library(ZS_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${ARGN}
                PATH_SUFFIXES lib lib64 NO_DEFAULT_PATH)
-  if(NOT ZS_NCCL_LIBRARY)
-    message(FATAL_ERROR "zeroshard: no NCCL found (looked in ${ARGN}); pass -DZS_NCCL_ROOT=<dir with "
-                        "include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
-  endif()
-  if(NOT TARGET zs_dep::nccl)
-    add_library(zs_dep::nccl UNKNOWN IMPORTED)
-    set_property(TARGET zs_dep::nccl PROPERTY IMPORTED_LOCATION "${ZS_NCCL_LIBRARY}")
-  endif()
+  _zs_import_library(zs_dep::nccl "${ZS_NCCL_LIBRARY}" "NCCL (looked in ${ARGN})"
+                     "pass -DZS_NCCL_ROOT=<dir with include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
 endfunction()
 
 function(zs_find_xxhash)
   find_path(ZS_XXHASH_INCLUDE_DIR xxhash.h)
   find_library(ZS_XXHASH_LIBRARY xxhash)
-  if(NOT ZS_XXHASH_INCLUDE_DIR OR NOT ZS_XXHASH_LIBRARY)
-    message(FATAL_ERROR "zeroshard: no xxHash found (xxhash.h: '${ZS_XXHASH_INCLUDE_DIR}', libxxhash: "
-                        "'${ZS_XXHASH_LIBRARY}'); install libxxhash-dev (scripts/install-deps.sh)")
+  if(NOT ZS_XXHASH_INCLUDE_DIR)
+    set(ZS_XXHASH_LIBRARY "")  # the header is needed too
   endif()
-  if(NOT TARGET zs_dep::xxhash)
-    add_library(zs_dep::xxhash UNKNOWN IMPORTED)
-    set_target_properties(zs_dep::xxhash PROPERTIES IMPORTED_LOCATION "${ZS_XXHASH_LIBRARY}"
-                          INTERFACE_INCLUDE_DIRECTORIES "${ZS_XXHASH_INCLUDE_DIR}")
-  endif()
+  _zs_import_library(zs_dep::xxhash "${ZS_XXHASH_LIBRARY}" "xxHash (xxhash.h and libxxhash)"
+                     "install libxxhash-dev (scripts/install-deps.sh)")
+  set_property(TARGET zs_dep::xxhash PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${ZS_XXHASH_INCLUDE_DIR}")
 endfunction()
 
 function(zs_find_hdf5)
   find_library(ZS_HDF5_LIBRARY NAMES hdf5_serial hdf5 NAMES_PER_DIR HINTS ${ARGN} PATH_SUFFIXES hdf5/serial)
-  if(NOT ZS_HDF5_LIBRARY)
-    message(FATAL_ERROR "zeroshard: no HDF5 C library found (looked in ${ARGN} and the system's); "
-                        "install libhdf5-dev (scripts/install-deps.sh)")
-  endif()
-  if(NOT TARGET zs_dep::hdf5)
-    add_library(zs_dep::hdf5 UNKNOWN IMPORTED)
-    set_property(TARGET zs_dep::hdf5 PROPERTY IMPORTED_LOCATION "${ZS_HDF5_LIBRARY}")
-  endif()
+  _zs_import_library(zs_dep::hdf5 "${ZS_HDF5_LIBRARY}" "HDF5 C library (looked in ${ARGN} and the system's)"
+                     "install libhdf5-dev (scripts/install-deps.sh)")
 endfunction()
