@@ -20,6 +20,9 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
   pkgconfig     (after install) every installed header compiles alone with `pkg-config --cflags
                 zeroshard`, and the trainer built by the compiler alone with `pkg-config --cflags
                 --libs zeroshard` runs at 2 ranks with the package build's losses.
+  notoolkit     (after package; a build with CUDA against PyPI's CUDA wheel) the same trainer configures,
+                builds and runs at 2 ranks where no CUDA toolkit is: /usr/local/cuda hidden (a private mount
+                namespace: needs root), no nvcc on PATH. The package needs only the wheel's CUDA libraries.
   deb           (against Debian's LibTorch) `cpack -G DEB` makes zeroshard_<version>_amd64.deb, which
                 depends on libtorch-dev of the same release and the -dev packages a trainer needs; dpkg
                 installs it (in a private mount namespace, over an overlay of /usr and /var: needs root),
@@ -257,6 +260,35 @@ def check_subdirectory():
     check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
 
 
+def check_notoolkit():
+    """The package built with CUDA, used where no CUDA toolkit is: from a private mount namespace in
+    which /usr/local/cuda's directory is an empty tmpfs and no nvcc is on PATH."""
+    if os.geteuid() != 0:
+        skip("hiding the CUDA toolkit (a private mount namespace) needs root")
+    rc, out = run(["unshare", "--mount", "--propagation", "private", sys.executable, os.path.abspath(__file__),
+                   *sys.argv[1:7], "notoolkit-inside", prefix], "the trainer with the CUDA toolkit hidden", ok=False)
+    print("\n".join("    " + line for line in out.splitlines()))
+    check(rc == 0, "the check without a CUDA toolkit failed (above)")
+
+
+def check_notoolkit_inside(installed):
+    global prefix
+    prefix = installed
+    toolkit = os.path.realpath("/usr/local/cuda")
+    if os.path.isdir(toolkit):
+        run(["mount", "-t", "tmpfs", "zs-package", toolkit], f"hide {toolkit}")
+    path = [d for d in os.environ.get("PATH", "").split(":") if d and not os.path.exists(os.path.join(d, "nvcc"))]
+    os.environ["PATH"] = ":".join(path)
+    for var in ("CUDACXX", "CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT"):
+        os.environ.pop(var, None)
+    check(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"), "nvcc is still reachable")
+    tree, _ = configure("notoolkit", f"-DCMAKE_PREFIX_PATH={prefix};{torch_prefix()}")
+    run([cmake, "--build", tree, "-j2"], "build the trainer with no CUDA toolkit")
+    two = trainer_run(os.path.join(tree, "trainer"), 2, "trainer built without a CUDA toolkit")
+    check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
+    print(f"  no CUDA toolkit, no nvcc: configured against the CUDA wheel, built, ran at 2 ranks")
+
+
 def check_deb():
     """The .deb of this build (cpack -G DEB), installed with dpkg into this machine's root as seen
     from a private mount namespace (an overlay on /usr and /var: the real ones do not change)."""
@@ -310,6 +342,9 @@ try:
     if checks[:1] == ["deb-installed"]:
         check_deb_installed(checks[1])
         checks = []
+    elif checks[:1] == ["notoolkit-inside"]:
+        check_notoolkit_inside(checks[1])
+        checks = []
     for name in checks:
         print(f"{name}:", flush=True)
         if name == "install":
@@ -322,6 +357,8 @@ try:
             check_subdirectory()
         elif name == "deb":
             check_deb()
+        elif name == "notoolkit":
+            check_notoolkit()
         else:
             raise SystemExit(f"unknown check {name}")
     print("ok")
