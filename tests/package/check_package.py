@@ -164,6 +164,9 @@ def check_package():
     tree, _ = configure("package", *args)
     run([cmake, "--build", tree, "-j2"], "build the trainer against the package")
     program = os.path.join(tree, "trainer")
+    launcher = open(os.path.join(tree, "launcher.txt")).read()
+    check(launcher == os.path.join(prefix, "bin", "zeroshard-run"),
+          lambda: f"zeroshard::zeroshard-run is {launcher}, not the installed {prefix}/bin/zeroshard-run")
     one = trainer_run(program, 1, "package trainer")
     two = trainer_run(program, 2, "package trainer", os.path.join(work, "run"))
     same_losses(two["losses"], one["losses"], "2 ranks vs 1 rank")
@@ -253,7 +256,8 @@ def check_subdirectory():
     for internal in ("zs_tests", "bart_pretrain", "zs_bench", "zs_minimal"):
         check(not re.search(rf"^{internal}\b", targets, re.M), lambda: f"{internal} is configured in a subproject")
     run([cmake, "--build", tree, "-j2", "--target", "trainer", "zeroshard-run"], "build zeroshard as a subdirectory")
-    launcher = os.path.join(tree, "zeroshard", "zeroshard-run")
+    launcher = open(os.path.join(tree, "launcher.txt")).read()  # zeroshard::zeroshard-run, built here
+    check(launcher.startswith(tree), lambda: f"zeroshard::zeroshard-run is {launcher}, outside {tree}")
     one = trainer_run(os.path.join(tree, "trainer"), 1, "subdirectory trainer", launcher=launcher)
     two = trainer_run(os.path.join(tree, "trainer"), 2, "subdirectory trainer", launcher=launcher)
     same_losses(two["losses"], one["losses"], "subdirectory build at 2 ranks vs 1 rank")
