@@ -264,15 +264,21 @@ def check_subdirectory():
     check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
 
 
+def in_mount_namespace(step, arg, what):
+    """Runs this script's `step` (with `arg`) again in a private mount namespace, where its mounts
+    end with it; its output is shown indented. Needs root."""
+    if os.geteuid() != 0:
+        skip(f"{what} runs in a private mount namespace, which needs root")
+    rc, out = run(["unshare", "--mount", "--propagation", "private", sys.executable, os.path.abspath(__file__),
+                   *sys.argv[1:7], step, arg], f"{what}, in a mount namespace", ok=False)
+    print("\n".join("    " + line for line in out.splitlines()))
+    check(rc == 0, f"{what} failed in the mount namespace (above)")
+
+
 def check_notoolkit():
     """The package built with CUDA, used where no CUDA toolkit is: from a private mount namespace in
     which /usr/local/cuda's directory is an empty tmpfs and no nvcc is on PATH."""
-    if os.geteuid() != 0:
-        skip("hiding the CUDA toolkit (a private mount namespace) needs root")
-    rc, out = run(["unshare", "--mount", "--propagation", "private", sys.executable, os.path.abspath(__file__),
-                   *sys.argv[1:7], "notoolkit-inside", prefix], "the trainer with the CUDA toolkit hidden", ok=False)
-    print("\n".join("    " + line for line in out.splitlines()))
-    check(rc == 0, "the check without a CUDA toolkit failed (above)")
+    in_mount_namespace("notoolkit-inside", prefix, "the trainer with the CUDA toolkit hidden")
 
 
 def check_notoolkit_inside(installed):
@@ -308,12 +314,7 @@ def check_deb():
     for path in ["./usr/bin/zeroshard-run", "./usr/lib/libzeroshard.a", "./usr/lib/cmake/zeroshard/zeroshardConfig.cmake",
                  "./usr/include/zeroshard/version.h", "./usr/lib/pkgconfig/zeroshard.pc"]:
         check(path in contents, lambda: f"the .deb has no {path}:\n{contents}")
-    if os.geteuid() != 0:
-        skip("installing the .deb (dpkg -i in a private mount namespace) needs root")
-    rc, out = run(["unshare", "--mount", "--propagation", "private", sys.executable, os.path.abspath(__file__),
-                   *sys.argv[1:7], "deb-installed", deb], "dpkg -i and the trainer, in a mount namespace", ok=False)
-    print("\n".join("    " + line for line in out.splitlines()))
-    check(rc == 0, "the .deb check inside the namespace failed (above)")
+    in_mount_namespace("deb-installed", deb, "dpkg -i and the trainer")
 
 
 def check_deb_installed(deb):
