@@ -347,16 +347,17 @@ struct FullyShardedAdamWOptions {
 // this rank's fp32 gradient shard (gradient memory stays sharded).
 class FullyShardedAdamW : public ShardedOptimizer {
  public:
-  // One param group: every trainable parameter, with `defaults`.
+  // One param group: every trainable parameter, with `defaults`:
+  // torch::optim::AdamWOptions, or AdamOptions with weight_decay 0.
   FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model,
-                    torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+                    const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                     FullyShardedAdamWOptions options = {});
   // Param groups with their own AdamWOptions (lr, betas, eps, weight_decay);
   // groups without options take `defaults`. The groups hold the model's own
   // parameter tensors (as module->parameters() returns them) and together
   // every trainable one, each once. LR schedulers change param_groups() as usual.
   FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<torch::optim::OptimizerParamGroup> groups,
-                    torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+                    const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                     FullyShardedAdamWOptions options = {});
   ~FullyShardedAdamW() override;
 

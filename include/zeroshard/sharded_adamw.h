@@ -3,7 +3,9 @@
 //
 // Replace `torch::optim::AdamW opt(model->parameters(), AdamWOptions(3e-4));` by
 //   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
-// and keep the loop (zero_grad, backward, step). Every rank holds the whole
+// and keep the loop (zero_grad, backward, step). A loop written for
+// torch::optim::Adam keeps its AdamOptions (weight_decay 0: Adam's L2 decay is
+// not implemented; AdamW's decoupled decay is). docs/drop-in.md: every idiom. Every rank holds the whole
 // model; each keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) only for
 // its 1/N slice of the parameters (stage 1), and with stage 2 also only its
 // slice of the gradients. Stage 0 shards nothing (DDP-style replication: every
@@ -93,38 +95,31 @@ class ShardedAdamW : public ShardedOptimizer {
  public:
   // `group`: a CPU communicator (init_communicator), or a device one with its
   // CPU control plane (init_nccl, stage_through_host).
+  // `defaults` (and a param group's own options): torch::optim::AdamWOptions,
+  // or AdamOptions with weight_decay 0 (as torch::optim::Adam; refused otherwise).
   // REQUIRES: every parameter on the group's device (group.data->device()),
   //           Float/BFloat16/Half; every rank passes the same parameters
   //           (names, shapes, dtypes) and options.
   ShardedAdamW(std::vector<torch::Tensor> params, ProcessGroup group,
-               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   // Param groups with their own AdamWOptions (lr, weight_decay, ...).
   ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
-               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   // From module->named_parameters(): errors and checkpoints use these names.
   ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
                ProcessGroup group,
-               torch::optim::AdamWOptions defaults = torch::optim::AdamWOptions(),
+               const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
   ~ShardedAdamW() override;
-
-  // Clears the gradients before the next backward. Stage 1 keeps p.grad() as
-  // views of its flat reduction buffers and zeroes them in place, whatever
-  // `set_to_none` says; stage 2 sets them to none or zeroes them, as asked.
-  // (Hides, not overrides, the base class's, which is not virtual. Clearing
-  // through the base class or Module::zero_grad() works too: with stage 1 a
-  // gradient backward allocates afresh is moved into the flat buffer as soon
-  // as it is complete.)
-  void zero_grad(bool set_to_none = true);
 
   const ShardedAdamWOptions& sharded_options() const;
 
  private:
   struct Impl;
   ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
-               torch::optim::AdamWOptions defaults, ShardedAdamWOptions options,
+               const torch::optim::OptimizerOptions& defaults, ShardedAdamWOptions options,
                const torch::OrderedDict<std::string, torch::Tensor>* names);
   std::unique_ptr<Impl> impl_;
 };

@@ -73,6 +73,18 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // brings the parameters up to date. Collective.
   torch::Tensor step(LossClosure closure = nullptr) final;
 
+  // Drops every gradient of the step so far, as torch::optim's zero_grad()
+  // does: p.grad() (set to none whatever `set_to_none` says, except ZeRO-1's,
+  // views of its flat buffers, which are zeroed) and, at ZeRO-2, 0 and 3,
+  // what backward already reduced into this rank's shards: the same as
+  // discard_gradients(). Call it, not the model's zero_grad(), where a model's
+  // parameters can get gradients its step() must not use (a GAN's
+  // discriminator during the generator's backward): Module::zero_grad() and
+  // torch::optim::Optimizer::zero_grad() (not virtual) clear p.grad() only,
+  // and at ZeRO-2, 0 and 3 the gradients are no longer there.
+  // Collective (waits for reductions in flight).
+  void zero_grad(bool set_to_none = true);
+
   // Clips the mean gradient to `max_norm` in the next step() (global L2 norm
   // over all ranks and parameters, after unscaling) and returns the norm
   // before clipping. Call between the last backward and step(). Collective.
@@ -99,8 +111,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   NoSyncGuard no_sync();
 
   // Drops this step's gradients, reduced or not (e.g. to skip a step whose loss
-  // was not finite). zero_grad() alone cannot with ZeRO-2 and 3: the gradients
-  // already live in the shards, not in p.grad(). Collective (waits for
+  // was not finite): zero_grad() by its purpose's name. Collective (waits for
   // in-flight reductions).
   void discard_gradients();
 
@@ -149,9 +160,11 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   friend class FullyShardedAdamW;
   struct Core;
 
-  // `name` prefixes errors and logs ("ShardedAdamW").
-  ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults,
-                   std::string name, int zero_stage);
+  // `name` prefixes errors and logs ("ShardedAdamW"). `defaults` and the
+  // groups' options: AdamWOptions, or AdamOptions with weight_decay 0 (taken
+  // as AdamWOptions with the same lr, betas and eps); others are refused.
+  ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                   const torch::optim::OptimizerOptions& defaults, std::string name, int zero_stage);
   // Param group `g`'s options, checked to be AdamW's without amsgrad.
   const torch::optim::AdamWOptions& adamw_options(size_t g);
   // Once the front-end's shard groups exist (shard::Shards, src/shard/front_end.h).

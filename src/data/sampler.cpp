@@ -1,10 +1,13 @@
 // sampler.cpp — DistributedSampler.
 #include "zeroshard/sampler.h"
 
+#include "zeroshard/comm.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randperm.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
+#include <torch/serialize/archive.h>
 
 #include <algorithm>
 
@@ -36,6 +39,11 @@ void DistributedSampler::start_epoch(int64_t epoch, int64_t start) {
   for (int64_t k = start_ + rank_; k < end; k += world_) order_.push_back(perm[static_cast<size_t>(k % size_)]);
 }
 
+void DistributedSampler::set_epoch(int64_t epoch) {
+  TORCH_CHECK_VALUE(epoch >= 0, "DistributedSampler::set_epoch: epoch is ", epoch, "; it must be >= 0");
+  start_epoch(epoch);
+}
+
 std::vector<int64_t> DistributedSampler::next(int64_t batch) {
   TORCH_CHECK_VALUE(batch > 0, "DistributedSampler::next: batch is ", batch, "; it must be positive");
   if (position_ >= per_rank_) start_epoch(epoch_ + 1);
@@ -65,6 +73,39 @@ void DistributedSampler::load_state_json(const std::string& state) {
                     " samples of the epoch consumed, outside 0..", size_, " (the dataset's size); the state was "
                     "edited or belongs to another run");
   start_epoch(j.at("epoch").get<int64_t>(), consumed);
+}
+
+LoaderSampler::LoaderSampler(size_t dataset_size, const Communicator& comm, uint64_t seed, bool shuffle)
+    : LoaderSampler(dataset_size, comm.rank(), comm.size(), seed, shuffle) {}
+
+LoaderSampler::LoaderSampler(size_t dataset_size, int rank, int world_size, uint64_t seed, bool shuffle)
+    : rank_(rank), world_(world_size), seed_(seed), shuffle_(shuffle),
+      sampler_(static_cast<int64_t>(dataset_size), rank, world_size, seed, shuffle) {}
+
+void LoaderSampler::reset(c10::optional<size_t> new_size) {
+  if (new_size.has_value() && static_cast<int64_t>(*new_size) != sampler_.dataset_size()) {
+    sampler_ = DistributedSampler(static_cast<int64_t>(*new_size), rank_, world_, seed_, shuffle_);
+  } else if (!continue_epoch_) {
+    sampler_.set_epoch(sampler_.epoch() + 1);
+  }
+  continue_epoch_ = false;
+}
+
+c10::optional<std::vector<size_t>> LoaderSampler::next(size_t batch_size) {
+  if (sampler_.position() >= sampler_.samples_per_rank()) return c10::nullopt;
+  const auto indices = sampler_.next(static_cast<int64_t>(batch_size));
+  return std::vector<size_t>(indices.begin(), indices.end());
+}
+
+void LoaderSampler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("zeroshard_sampler", c10::IValue(sampler_.state_json()));
+}
+
+void LoaderSampler::load(torch::serialize::InputArchive& archive) {
+  c10::IValue state;
+  archive.read("zeroshard_sampler", state);
+  sampler_.load_state_json(state.toStringRef());
+  continue_epoch_ = true;
 }
 
 }  // namespace zeroshard

@@ -21,6 +21,7 @@ namespace zeroshard {
 namespace {
 
 using torch::optim::AdamWOptions;
+using torch::optim::OptimizerOptions;
 using torch::optim::OptimizerParamGroup;
 
 std::vector<torch::Tensor> trainable_params(const shard::ShardedModel& model) {
@@ -83,13 +84,13 @@ bool any_half(const shard::ShardedModel& model) {
 
 }  // namespace
 
-FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, AdamWOptions defaults,
+FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, const OptimizerOptions& defaults,
                                      FullyShardedAdamWOptions options)
     : FullyShardedAdamW(model, {OptimizerParamGroup(trainable_params(model->state()))}, defaults, options) {}
 
 FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, std::vector<OptimizerParamGroup> groups,
-                                     AdamWOptions defaults, FullyShardedAdamWOptions options)
-    : ShardedOptimizer(checked_groups(model->state(), std::move(groups)), std::move(defaults), "FullyShardedAdamW", 3),
+                                     const OptimizerOptions& defaults, FullyShardedAdamWOptions options)
+    : ShardedOptimizer(checked_groups(model->state(), std::move(groups)), defaults, "FullyShardedAdamW", 3),
       model_(std::move(model)) {
   TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "FullyShardedAdamW: max_grad_norm is ", options.max_grad_norm,
                     "; it must be >= 0 (0: no clipping)");

@@ -21,6 +21,7 @@ namespace zeroshard {
 namespace {
 
 using torch::optim::AdamWOptions;
+using torch::optim::OptimizerOptions;
 using torch::optim::OptimizerParamGroup;
 
 std::string describe_options(const ShardedAdamWOptions& o, bool scaling) {
@@ -128,18 +129,18 @@ bool ShardedAdamW::Impl::any_had_grad() const {
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<torch::Tensor> params, ProcessGroup group,
-                           AdamWOptions defaults, ShardedAdamWOptions options)
+                           const OptimizerOptions& defaults, ShardedAdamWOptions options)
     : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(std::move(params))}, std::move(group),
-                   std::move(defaults), std::move(options)) {}
+                   defaults, std::move(options)) {}
 
 ShardedAdamW::ShardedAdamW(const torch::OrderedDict<std::string, torch::Tensor>& named_params,
-                           ProcessGroup group, AdamWOptions defaults, ShardedAdamWOptions options)
+                           ProcessGroup group, const OptimizerOptions& defaults, ShardedAdamWOptions options)
     : ShardedAdamW(std::vector<OptimizerParamGroup>{OptimizerParamGroup(named_params.values())}, std::move(group),
-                   std::move(defaults), std::move(options), &named_params) {}
+                   defaults, std::move(options), &named_params) {}
 
 ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,
-                           AdamWOptions defaults, ShardedAdamWOptions options)
-    : ShardedAdamW(std::move(groups), std::move(group), std::move(defaults), std::move(options), nullptr) {}
+                           const OptimizerOptions& defaults, ShardedAdamWOptions options)
+    : ShardedAdamW(std::move(groups), std::move(group), defaults, std::move(options), nullptr) {}
 
 // The trained parameters of the param groups: requires_grad, each once (a tied weight
 // listed twice), on the communicator's device, dense, Float, BFloat16 or Half, each
@@ -232,8 +233,8 @@ void ShardedAdamW::Impl::build_buckets() {
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,
-                           AdamWOptions defaults, ShardedAdamWOptions options, const Names* names)
-    : ShardedOptimizer(checked(std::move(groups), names), std::move(defaults), "ShardedAdamW", options.zero_stage) {
+                           const OptimizerOptions& defaults, ShardedAdamWOptions options, const Names* names)
+    : ShardedOptimizer(checked(std::move(groups), names), defaults, "ShardedAdamW", options.zero_stage) {
   TORCH_CHECK_VALUE(group.data != nullptr, "ShardedAdamW: the communicator is null; pass zeroshard::init_communicator()");
   impl_ = std::make_unique<Impl>(*this, std::move(group), options);
   auto& im = *impl_;
@@ -304,19 +305,6 @@ ShardedAdamW::~ShardedAdamW() {
   std::lock_guard<std::recursive_mutex> lock(impl_->round->mutex());
   detach_shards();
   impl_->remove_hooks();
-}
-
-void ShardedAdamW::zero_grad(bool set_to_none) {
-  at::NoGradGuard no_grad;
-  for (auto& p : impl_->params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none && impl_->options.zero_stage != 1) {
-      p.mutable_grad() = at::Tensor();
-    } else {
-      p.mutable_grad().detach_();
-      p.mutable_grad().zero_();
-    }
-  }
 }
 
 void ShardedAdamW::Impl::group_updated(size_t k, bool changed) {

@@ -11,6 +11,8 @@
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
 
+#include <torch/optim/adam.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -108,9 +110,46 @@ struct ShardedOptimizer::Core {
   }
 };
 
+namespace {
+
+// AdamW's hyper-parameters from `options` (`what` names them in errors):
+// AdamWOptions as they are; AdamOptions, from a loop written for
+// torch::optim::Adam, with the same lr, betas and eps. Adam's weight decay is
+// an L2 term added to the gradient before the moments, which the fused kernel
+// does not compute (it decays decoupled, as AdamW): refused unless 0.
+std::unique_ptr<torch::optim::AdamWOptions> as_adamw(const torch::optim::OptimizerOptions& options,
+                                                     const std::string& name, const std::string& what) {
+  if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    return std::make_unique<torch::optim::AdamWOptions>(*w);
+  }
+  const auto* a = dynamic_cast<const torch::optim::AdamOptions*>(&options);
+  TORCH_CHECK_VALUE(a != nullptr, name, ": ", what, " are options of another optimizer than Adam or AdamW; give ",
+                    name, " torch::optim::AdamWOptions");
+  TORCH_CHECK_VALUE(a->weight_decay() == 0, name, ": ", what, " are torch::optim::AdamOptions with weight_decay(",
+                    a->weight_decay(), "), which is Adam's L2 penalty added to the gradient; ", name,
+                    " decays weights decoupled, as AdamW. Pass torch::optim::AdamWOptions(lr).weight_decay(",
+                    a->weight_decay(), ") for decoupled decay (not the same training), or weight_decay(0)");
+  auto w = std::make_unique<torch::optim::AdamWOptions>(a->lr());
+  w->betas(a->betas()).eps(a->eps()).weight_decay(0).amsgrad(a->amsgrad());
+  return w;
+}
+
+// Every group's options as AdamWOptions, before torch::optim::Optimizer sees
+// them (LibTorch 2.x would replace options of another type by the defaults).
+std::vector<torch::optim::OptimizerParamGroup> as_adamw_groups(std::vector<torch::optim::OptimizerParamGroup> groups,
+                                                               const std::string& name) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (!groups[g].has_options()) continue;
+    groups[g].set_options(as_adamw(groups[g].options(), name, "param group " + std::to_string(g) + "'s options"));
+  }
+  return groups;
+}
+
+}  // namespace
+
 ShardedOptimizer::ShardedOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
-                                   torch::optim::AdamWOptions defaults, std::string name, int zero_stage)
-    : Optimizer(std::move(groups), std::make_unique<torch::optim::AdamWOptions>(defaults)),
+                                   const torch::optim::OptimizerOptions& defaults, std::string name, int zero_stage)
+    : Optimizer(as_adamw_groups(std::move(groups), name), as_adamw(defaults, name, "the default options")),
       core_(std::make_unique<Core>()) {
   core_->name = std::move(name);
   core_->zero_stage = zero_stage;
@@ -239,6 +278,12 @@ ShardedOptimizer::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : opt_(
 
 ShardedOptimizer::NoSyncGuard ShardedOptimizer::no_sync() { return NoSyncGuard(this); }
 
+// p.grad() is dropped whatever `set_to_none` says, except ZeRO-1's views of its
+// flat buffers, which are zeroed: a zero tensor in p.grad() would cost the
+// memory sharding saves and change nothing (no gradient and a zero one are
+// the same to the update, as torch::optim::AdamW's with 1.13's zero_grad).
+void ShardedOptimizer::zero_grad(bool /*set_to_none*/) { discard_gradients(); }
+
 void ShardedOptimizer::discard_gradients() {
   torch::NoGradGuard no_grad;
   auto& c = *core_;
@@ -348,13 +393,16 @@ void ShardedOptimizer::restore_sharded_state(const std::vector<int64_t>& param_s
 }
 
 void ShardedOptimizer::save(torch::serialize::OutputArchive&) const {
-  TORCH_CHECK(false, core_->name, "::save: torch::optim serialization would save none of the sharded state; "
-                                  "save sharded_state() of every rank (zeroshard checkpoints) instead");
+  TORCH_CHECK(false, core_->name, "::save (torch::save of the optimizer) would save none of the sharded state: "
+                                  "each rank holds its own part of it. Save the model and the optimizer with "
+                                  "zeroshard::Checkpointer (zeroshard/checkpoint.h): Checkpointer(dir, comm).save(opt, "
+                                  "model, progress) on every rank, and resume with its load()");
 }
 
 void ShardedOptimizer::load(torch::serialize::InputArchive&) {
-  TORCH_CHECK(false, core_->name, "::load: the state is sharded across ranks; restore it through "
-                                  "sharded_state() (zeroshard checkpoints) instead");
+  TORCH_CHECK(false, core_->name, "::load (torch::load into the optimizer): the state is sharded across ranks; "
+                                  "resume from a zeroshard::Checkpointer checkpoint (zeroshard/checkpoint.h) with "
+                                  "Checkpointer(dir, comm).load(opt, model) on every rank");
 }
 
 }  // namespace zeroshard

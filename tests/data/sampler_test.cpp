@@ -1,11 +1,13 @@
 // DistributedSampler: every epoch is a permutation split across ranks, and its
 // saved position continues exactly, on the same or another number of ranks.
+// LoaderSampler: the same in torch's data loader.
 #include "test_util.h"
 
 #include <zeroshard/sampler.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #include <set>
 #include <string>
@@ -134,6 +136,74 @@ TEST(Sampler, ShrinkAndGrowMidEpochTakesEverySampleOnce) {
   never_changed.next(kSize);
   EXPECT_EQ(next.next(5), never_changed.next(5)) << "the next epoch is the same as without the changes";
   EXPECT_EQ(next.epoch(), 1);
+}
+
+// The indices of a dataset, as torch's data loader hands them out.
+struct Indices : torch::data::datasets::Dataset<Indices, int64_t> {
+  explicit Indices(size_t n) : n(n) {}
+  int64_t get(size_t index) override { return static_cast<int64_t>(index); }
+  c10::optional<size_t> size() const override { return n; }
+  size_t n;
+};
+
+// Every batch of `epochs` epochs of torch's data loader over LoaderSampler(rank, world).
+std::vector<std::vector<int64_t>> loader_batches(size_t n, int rank, int world, size_t batch, int epochs) {
+  auto loader = torch::data::make_data_loader(Indices(n), LoaderSampler(n, rank, world, /*seed=*/9), batch);
+  std::vector<std::vector<int64_t>> out;
+  for (int e = 0; e < epochs; ++e) {
+    for (auto& b : *loader) out.push_back(b);
+  }
+  return out;
+}
+
+// In torch's data loader with a per-rank batch of B / world, the ranks'
+// batches together are the batch of B one rank takes; each epoch is a new
+// permutation that the loader's begin() starts.
+TEST(Sampler, InTorchsDataLoaderRanksTogetherTakeOneRanksBatches) {
+  constexpr size_t kSize = 48, kBatch = 12;
+  const auto one = loader_batches(kSize, 0, 1, kBatch, 2);
+  ASSERT_EQ(one.size(), 2 * kSize / kBatch);
+  std::set<int64_t> epoch0, epoch1;
+  for (size_t k = 0; k < one.size(); ++k) (k < one.size() / 2 ? epoch0 : epoch1).insert(one[k].begin(), one[k].end());
+  EXPECT_EQ(epoch0.size(), kSize);
+  EXPECT_EQ(epoch1.size(), kSize);
+  EXPECT_NE(one[0], one[one.size() / 2]) << "the second epoch is another permutation";
+  for (int world : {2, 3, 4}) {
+    std::vector<std::vector<std::vector<int64_t>>> ranks;
+    for (int r = 0; r < world; ++r) ranks.push_back(loader_batches(kSize, r, world, kBatch / world, 2));
+    for (size_t k = 0; k < one.size(); ++k) {
+      std::multiset<int64_t> together, want(one[k].begin(), one[k].end());
+      for (const auto& batches : ranks) {
+        ASSERT_EQ(batches.size(), one.size()) << world << " ranks";
+        together.insert(batches[k].begin(), batches[k].end());
+      }
+      EXPECT_EQ(together, want) << "batch " << k << " at " << world << " ranks";
+    }
+  }
+}
+
+// torch::save of the sampler mid-epoch, torch::load into one of another world
+// size: the loader goes on with the rest of the epoch, each sample once.
+TEST(Sampler, LoaderSamplerSavedWithTorchSaveContinuesTheEpoch) {
+  constexpr size_t kSize = 40;
+  LoaderSampler before(kSize, 0, 1, /*seed=*/4);
+  before.reset();
+  std::multiset<int64_t> seen;
+  for (int k = 0; k < 4; ++k) {  // 20 of 40: what is left splits evenly (no padding)
+    const auto b = before.next(5);
+    ASSERT_TRUE(b.has_value());
+    seen.insert(b->begin(), b->end());
+  }
+  const auto path = testing::make_temp_dir("loader_sampler") + "/sampler.pt";
+  torch::save(before, path);
+  for (int r = 0; r < 2; ++r) {
+    LoaderSampler after(kSize, r, 2, /*seed=*/4);
+    torch::load(after, path);
+    after.reset();  // the loader's begin(): the loaded position stays
+    while (auto b = after.next(4)) seen.insert(b->begin(), b->end());
+  }
+  EXPECT_EQ(seen.size(), kSize) << "the epoch's samples, on 1 rank then on 2";
+  EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), kSize) << "each once";
 }
 
 }  // namespace sampler_test
