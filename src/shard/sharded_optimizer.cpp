@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <typeinfo>
 
 namespace zeroshard {
 
@@ -119,6 +120,9 @@ namespace {
 // does not compute (it decays decoupled, as AdamW): refused unless 0.
 std::unique_ptr<torch::optim::AdamWOptions> as_adamw(const torch::optim::OptimizerOptions& options,
                                                      const std::string& name, const std::string& what) {
+  if (typeid(options) == typeid(torch::optim::OptimizerOptions)) {  // `{}` for the argument: no options given
+    return std::make_unique<torch::optim::AdamWOptions>();
+  }
   if (const auto* w = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
     return std::make_unique<torch::optim::AdamWOptions>(*w);
   }

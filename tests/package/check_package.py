@@ -27,6 +27,15 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
                 depends on libtorch-dev of the same release and the -dev packages a trainer needs; dpkg
                 installs it (in a private mount namespace, over an overlay of /usr and /var: needs root),
                 and the trainer configured with no prefix builds against /usr and runs at 1 and 2 ranks.
+  outside       (after install) two trainers written for LibTorch alone (tests/outside: a regression
+                over torch's data loader with Adam and clip_grad_norm_, a GAN with two Adam optimizers),
+                copied out of the tree; each builds and trains as it is, then tests/outside/sharding.patch
+                is applied (its changed lines counted), and the sharded trainers build against the
+                installed package and run at 1 and 2 ranks under zeroshard-run (and, against LibTorch
+                2.x, at 2 ranks under torchrun): at every step the 2 ranks' mean loss equals the 1-rank
+                loss and the global gradient norm the 1-rank one, within 1e-4 relative, and each rank's
+                checkpoint file (read with h5py) holds half of the AdamW moments, within one alignment
+                block per bucket.
   subdirectory  the project with SOURCE_DIR added through FetchContent (add_subdirectory underneath):
                 zeroshard's tests, examples and benchmarks are not configured, the project's own
                 compile line carries none of zeroshard's build settings (no precompiled header, no
@@ -264,6 +273,134 @@ def check_subdirectory():
     check(two["state_bytes"] == moment_bytes(2), lambda: f"2 ranks hold {two['state_bytes']} bytes of moments each")
 
 
+OUTSIDE = os.path.join(HERE, "..", "outside")
+OUTSIDE_SOURCES = ("CMakeLists.txt", "regression.cpp", "gan.cpp")
+
+
+def outside_steps(out, what):
+    """Per step: {rank: (values...)} from every rank's "epoch E step S <name> V ..." lines, as
+    zeroshard-run ([rankN]: ) or torchrun --tee 3 ([defaultN]:) prefix them (no prefix: rank 0)."""
+    steps = {}
+    for line in out.splitlines():
+        m = re.match(r"^(?:\[(?:rank|default)(\d+)\]:\s?)?epoch \d+ step (\d+) (.*)$", line)
+        if not m:
+            continue
+        values = tuple(float(v) for v in m.group(3).split()[1::2])
+        steps.setdefault(int(m.group(2)), {})[int(m.group(1) or 0)] = values
+    check(steps, lambda: f"{what}: no step lines:\n{out[-3000:]}")
+    return steps
+
+
+def same_steps(got, want, world, what, tol=1e-4):
+    """got (world ranks) against want (1 rank): the ranks' mean of each loss (equal shares of the
+    batch), and values every rank reports alike (the global gradient norm), within `tol` relative."""
+    check(sorted(got) == sorted(want), lambda: f"{what}: steps {sorted(got)} vs {sorted(want)}")
+    worst = 0.0
+    for s in sorted(want):
+        check(sorted(got[s]) == list(range(world)), lambda: f"{what}: step {s} printed by ranks {sorted(got[s])}")
+        mean = [sum(r[i] for r in got[s].values()) / world for i in range(len(want[s][0]))]
+        for i, (x, y) in enumerate(zip(mean, want[s][0])):
+            worst = max(worst, abs(x - y) / max(abs(y), 1e-12))
+            check(abs(x - y) <= tol * abs(y), lambda: f"{what}: step {s} value {i}: {x} vs {y} at 1 rank")
+    return worst
+
+
+def moments_per_rank(run_dir):
+    """(elements of exp_avg in each rank's file, buckets) of the newest checkpoint in run_dir, by h5py."""
+    import h5py
+    step = os.path.join(run_dir, open(os.path.join(run_dir, "latest")).read().strip())
+    manifest = json.load(open(os.path.join(step, "manifest.json")))
+    counts = []
+    for name in sorted(f for f in os.listdir(step) if f.startswith("rank-")):
+        with h5py.File(os.path.join(step, name), "r") as f:
+            counts.append(sum(d.size for d in f["exp_avg"].values()) if "exp_avg" in f else 0)
+    return counts, len(manifest["groups"])
+
+
+def check_outside():
+    """The two outside trainers: as written, then sharded by their patch (see the docstring)."""
+    root = os.path.join(work, "outside")
+    original, sharded = os.path.join(root, "original"), os.path.join(root, "sharded")
+    for tree in (original, sharded):
+        os.makedirs(tree)
+        for f in OUTSIDE_SOURCES:
+            shutil.copy(os.path.join(OUTSIDE, f), tree)
+    patch = os.path.join(OUTSIDE, "sharding.patch")
+    run(["git", "apply", "-p1", "--whitespace=nowarn", patch], "git apply sharding.patch", cwd=sharded)
+    changed = {}
+    for block in open(patch).read().split("diff --git ")[1:]:
+        name = block.split()[0][2:]
+        lines = block.splitlines()
+        changed[name] = (sum(1 for l in lines if l.startswith("+") and not l.startswith("+++")),
+                         sum(1 for l in lines if l.startswith("-") and not l.startswith("---")))
+    print("  sharding.patch: " + ", ".join(f"{n} +{a} -{r}" for n, (a, r) in sorted(changed.items())))
+    # The originals build with find_package(Torch) alone against Debian's LibTorch. Against the CUDA
+    # wheel on a machine that also has Debian's libtorch-dev and a CUDA toolkit, LibTorch's own
+    # TorchConfig links the CUDA toolkit's NCCL where the wheel's is needed; zeroshard's package
+    # config avoids that for the sharded build (zeroshardDependencies.cmake), so the originals are
+    # built against Debian's only. ${TORCH_LIBRARIES} also names a libc10 found on the system paths
+    # before the wheel's unless the prefix is the torch package itself (torch/, not torch/share/cmake).
+    trees = [sharded] if "site-packages" in torch_dir else [original, sharded]
+    torch_root = os.path.dirname(os.path.dirname(torch_prefix())) if torch_prefix() else ""
+    builds = {}
+    for tree in trees:
+        prefixes = ";".join(p for p in ((prefix if tree == sharded else ""), torch_root) if p)
+        build_dir = tree + "-build"
+        run([cmake, "-S", tree, "-B", build_dir, "-G", generator, "-DCMAKE_BUILD_TYPE=Release"] +
+            ([f"-DCMAKE_PREFIX_PATH={prefixes}"] if prefixes else []), f"configure {os.path.basename(tree)}")
+        builds[tree] = build_dir
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda tree: run([cmake, "--build", builds[tree], f"-j{3 - len(trees)}"],
+                                       f"build {os.path.basename(tree)}"), trees))
+
+    # As written: each trains (the regression's last epoch's mean loss under half its first's) and
+    # saves with torch::save.
+    for program, saved in () if original not in builds else (("regression", ["model.pt", "optimizer.pt"]),
+                           ("gan", ["generator.pt", "generator-optimizer.pt", "discriminator.pt",
+                                    "discriminator-optimizer.pt"])):
+        out_dir = os.path.join(root, program + "-original-out")
+        os.makedirs(out_dir)
+        steps = outside_steps(run([os.path.join(builds[original], program), out_dir], f"{program} as written")[1],
+                              f"{program} as written")
+        half = len(steps) // 2
+        first = sum(steps[s][0][0] for s in sorted(steps)[:half]) / half
+        last = sum(steps[s][0][0] for s in sorted(steps)[half:]) / (len(steps) - half)
+        if program == "regression":
+            check(last < 0.5 * first, lambda: f"regression as written: mean loss {first} then {last}: it does not train")
+        for f in saved:
+            check(os.path.exists(os.path.join(out_dir, f)), lambda: f"{program} as written saved no {f}")
+
+    launchers = [("zeroshard-run", [os.path.join(prefix, "bin", "zeroshard-run"), "--nproc-per-node"])]
+    if "site-packages" in torch_dir:  # torchrun is the 2.x wheel's (CMakeLists.txt: torchrun_* tests)
+        launchers.append(("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+                                       "--tee", "3", "--nproc-per-node"]))
+    for program, checkpoints in (("regression", [""]), ("gan", ["generator", "discriminator"])):
+        exe = os.path.join(builds[sharded], program)
+        runs = {}
+        for name, launcher in launchers:
+            for world in ((1, 2) if name == "zeroshard-run" else (2,)):
+                out_dir = os.path.join(root, f"{program}-{name}-{world}")
+                os.makedirs(out_dir)
+                what = f"sharded {program} under {name} at {world} rank(s)"
+                runs[(name, world)] = (outside_steps(run(launcher + [str(world), exe, out_dir], what)[1], what), out_dir)
+        one = runs[("zeroshard-run", 1)][0]
+        for key, (steps, out_dir) in runs.items():
+            if key[1] == 1:
+                continue
+            worst = same_steps(steps, {s: {0: one[s][0]} for s in one}, key[1], f"sharded {program} under {key[0]}")
+            for ckpt in checkpoints:
+                counts, buckets = moments_per_rank(os.path.join(out_dir, ckpt))
+                total = moments_per_rank(os.path.join(runs[("zeroshard-run", 1)][1], ckpt))[0]
+                check(len(counts) == 2 and sum(counts) == total[0] and
+                      all(abs(c - total[0] / 2) <= 64 * buckets for c in counts),
+                      lambda: f"{program} {ckpt}: the ranks hold {counts} AdamW moment elements of {total[0]}, "
+                              f"not half each (within 64 per bucket, {buckets} buckets)")
+                print(f"  {program}{' ' + ckpt if ckpt else ''}: each of 2 ranks holds {counts} of {total[0]} "
+                      f"moment elements")
+            print(f"  {program} under {key[0]} at 2 ranks: {len(steps)} steps, each step's printed values (the "
+                  f"ranks' mean) within {worst:.2g} of 1 rank's")
+
+
 def in_mount_namespace(step, arg, what):
     """Runs this script's `step` (with `arg`) again in a private mount namespace, where its mounts
     end with it; its output is shown indented. Needs root."""
@@ -360,6 +497,8 @@ try:
             check_pkgconfig(reference)
         elif name == "subdirectory":
             check_subdirectory()
+        elif name == "outside":
+            check_outside()
         elif name == "deb":
             check_deb()
         elif name == "notoolkit":
