@@ -155,10 +155,10 @@ TEST_P(ShardedOptimizerDropIn, TorchLrSchedulersSetTheLearningRate) {
 #if TORCH_VERSION_MAJOR >= 2
     torch::optim::ReduceLROnPlateauScheduler on_plateau(*t.opt, torch::optim::ReduceLROnPlateauScheduler::min,
                                                         /*factor=*/0.3, /*patience=*/0);
-#endif
     // The metric a loop passes (a validation loss, the same on every rank):
     // it stops improving at steps 3 and 5.
     const float metric[] = {1.0f, 0.9f, 0.8f, 0.85f, 0.7f, 0.75f, 0.6f, 0.5f};
+#endif
     std::vector<double> lrs;
     for (int s = 0; s < 8; ++s) {
       t.zero_grad();
