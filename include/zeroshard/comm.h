@@ -231,8 +231,8 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
 std::string broadcast_text(Communicator& comm, const std::string& text, int root,
                            std::chrono::milliseconds wait = std::chrono::minutes(5));
 
-#ifdef ZS_WITH_CUDA
-// NCCL (a zeroshard built against a CUDA LibTorch): a communicator of CUDA
+// NCCL (a zeroshard built against a CUDA LibTorch; one built without CUDA
+// throws, saying so, as does zeroshard::cuda_enabled() == false): a communicator of CUDA
 // tensors on `device` for the ranks of `cpu`, paired with `cpu` as its control
 // plane. Collective over `cpu`, which must come from init_communicator (or a
 // split or dup of one): the NCCL unique id travels through its rendezvous
@@ -244,7 +244,8 @@ std::string broadcast_text(Communicator& comm, const std::string& text, int root
 // longer than options.timeout, and the error names the ranks that never issued it.
 // NCCL before 2.30 refuses two ranks on one GPU.
 ProcessGroup init_nccl(std::shared_ptr<Communicator> cpu, c10::Device device, const CommOptions& options = {});
-#endif
+// Whether this zeroshard was built with CUDA and NCCL (init_nccl works).
+bool cuda_enabled();
 
 // A communicator of `device` tensors that moves them through host memory over
 // `cpu` (a CPU communicator), paired with `cpu` as its control plane. For

@@ -125,13 +125,20 @@ ProcessGroup device_group(std::shared_ptr<Communicator> cpu, c10::Device device,
              "ranks on one GPU. Give each rank a GPU of its own for NCCL");
     return stage_through_host(std::move(cpu), device);
   }
-#ifdef ZS_WITH_CUDA
   return init_nccl(std::move(cpu), device, options);
-#else
-  TORCH_CHECK_VALUE(false, "device_group: this zeroshard was built without NCCL (a CPU LibTorch); rebuild "
-                    "against a CUDA LibTorch for ", device);
-#endif
 }
+
+#ifdef ZS_WITH_CUDA
+bool cuda_enabled() { return true; }
+#else
+bool cuda_enabled() { return false; }
+
+ProcessGroup init_nccl(std::shared_ptr<Communicator>, c10::Device device, const CommOptions&) {
+  TORCH_CHECK_VALUE(false, "init_nccl: this zeroshard was built without CUDA and NCCL (against a CPU LibTorch, "
+                    "or with -DZS_WITH_CUDA=OFF), so it has no NCCL communicator for ", device,
+                    "; rebuild it against a CUDA LibTorch, or use stage_through_host");
+}
+#endif
 
 ProcessGroup ProcessGroup::of(std::shared_ptr<Communicator> comm) {
   TORCH_CHECK_VALUE(comm != nullptr, "ProcessGroup::of: the communicator is null");

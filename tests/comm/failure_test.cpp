@@ -764,5 +764,16 @@ TEST_F(DistEnvTest, MalformedOrMissingVariablesSayWhatToSet) {
   EXPECT_NE(error_of().find("only one of RANK and WORLD_SIZE is set"), std::string::npos) << error_of();
 }
 
+// init_nccl is declared in every build; one without CUDA refuses it, saying why.
+TEST(CommCuda, CudaEnabledSaysWhetherInitNcclWorks) {
+#ifdef ZS_WITH_CUDA
+  EXPECT_TRUE(cuda_enabled());
+#else
+  EXPECT_FALSE(cuda_enabled());
+  const auto what = testing::error_of([] { init_nccl(nullptr, c10::Device(c10::kCUDA, 0)); });
+  EXPECT_NE(what.find("init_nccl: this zeroshard was built without CUDA and NCCL"), std::string::npos) << what;
+#endif
+}
+
 }  // namespace failure_test
 }  // namespace zeroshard
