@@ -14,18 +14,14 @@
 // taken once, plus the padding at its end (at most world - 1 samples of the
 // permutation's start, taken twice, when what is left does not divide).
 //
-// LoaderSampler is the same sampler as the sampler of torch's data loader.
+// The same as the sampler of torch's data loader: loader_sampler.h.
 #pragma once
-
-#include <torch/data/samplers/base.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace zeroshard {
-
-class Communicator;
 
 class DistributedSampler {
  public:
@@ -61,42 +57,6 @@ class DistributedSampler {
   int64_t start_ = 0;           // the epoch's samples consumed before this world size took it up
   std::vector<int64_t> order_;  // this epoch's permutation (padded)
   void start_epoch(int64_t epoch, int64_t start = 0);
-};
-
-// DistributedSampler as the sampler of torch's data loader, in place of its
-// RandomSampler or DistributedRandomSampler:
-//   auto loader = torch::data::make_data_loader(std::move(dataset),
-//       zeroshard::LoaderSampler(dataset_size, *comm), batch_size / comm->size());
-// With a per-rank batch of B / world, the ranks' batches together are the
-// batch of B one process would take (positions r, r + world, ... of the same
-// permutation): the same training at any number of ranks. torch's
-// DistributedRandomSampler hands each rank a contiguous part of the
-// permutation instead, so its global batches change with the world size.
-// Each reset() (the loader's begin(), once per epoch) starts the next epoch,
-// except the first and the first after load(), which continue where the
-// sampler is. save()/load() (torch::save/torch::load of the sampler) keep
-// state_json(), so a resumed run continues in the epoch, on any world size.
-class LoaderSampler : public torch::data::samplers::Sampler<> {
- public:
-  // comm: the data-parallel ranks (rank() and size()).
-  LoaderSampler(size_t dataset_size, const Communicator& comm, uint64_t seed = 0, bool shuffle = true);
-  LoaderSampler(size_t dataset_size, int rank, int world_size, uint64_t seed = 0, bool shuffle = true);
-
-  void reset(c10::optional<size_t> new_size = c10::nullopt) override;
-  // This rank's next `batch_size` indices (fewer at the end of the epoch),
-  // or none when the epoch is over.
-  c10::optional<std::vector<size_t>> next(size_t batch_size) override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
-  const DistributedSampler& sampler() const { return sampler_; }
-
- private:
-  int rank_, world_;
-  uint64_t seed_;
-  bool shuffle_;
-  DistributedSampler sampler_;
-  bool continue_epoch_ = true;  // the next reset() keeps the epoch and position
 };
 
 }  // namespace zeroshard

@@ -25,8 +25,11 @@
 //            step() reduce-scatters each bucket, so each rank gets the mean
 //            gradient of its slice.
 //   stage 2: a hook on each parameter's gradient accumulator copies the gradient
-//            into its bucket and frees p.grad(); a full bucket is reduce-scattered
-//            at once, during backward, in bucket order on every rank. Each
+//            into its bucket and frees p.grad(), which then holds a stand-in
+//            without values (code that reads it as the gradient, such as
+//            torch::nn::utils::clip_grad_norm_, throws, naming the fix); a
+//            full bucket is reduce-scattered at once, during backward, in
+//            bucket order on every rank. Each
 //            backward adds its reduced slice into the rank's gradient shard, so
 //            accumulating micro-batches keeps gradient memory sharded.
 //   stage 0: as stage 2, but each bucket is laid out for one rank and

@@ -1,13 +1,13 @@
 // zeroshard/zeroshard.h — what a training loop uses, in one include:
 // the communicator (comm.h), ZeRO-1/2 (sharded_adamw.h), ZeRO-3
-// (fully_shard.h), checkpoints (checkpoint.h: link zeroshard::checkpoint), the
-// data sampler (sampler.h) and the version (version.h). docs/drop-in.md
-// shows a loop before and after.
+// (fully_shard.h), checkpoints (checkpoint.h: link zeroshard::checkpoint),
+// the data samplers (sampler.h, loader_sampler.h) and the version
+// (version.h). docs/drop-in.md shows a loop before and after.
 #pragma once
 
 #include "zeroshard/checkpoint.h"
 #include "zeroshard/comm.h"
 #include "zeroshard/fully_shard.h"
-#include "zeroshard/sampler.h"
+#include "zeroshard/loader_sampler.h"
 #include "zeroshard/sharded_adamw.h"
 #include "zeroshard/version.h"

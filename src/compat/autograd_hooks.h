@@ -29,6 +29,10 @@ class GradReadyHook {
   // it has no gradient accumulator (it is not a leaf that requires grad).
   // The accumulator is created now, with the parameter's current shape.
   GradReadyHook(const at::Tensor& param, std::function<void()> fn, const std::string& what);
+  // Also runs `before` each time, before the accumulator adds the pass's
+  // gradient into p.grad() (a pre hook on the same accumulator).
+  GradReadyHook(const at::Tensor& param, std::function<void()> fn, std::function<void()> before,
+                const std::string& what);
   ~GradReadyHook() { remove(); }
   GradReadyHook(GradReadyHook&& other) noexcept;
   GradReadyHook& operator=(GradReadyHook&& other) noexcept;
@@ -40,6 +44,7 @@ class GradReadyHook {
  private:
   NodeRef node_;
   uintptr_t key_ = 0;
+  const void* pre_hook_ = nullptr;  // identifies the pre hook among the node's
 };
 
 // Runs `on_end` when the current backward pass ends, or `on_abandoned` if it

@@ -1,7 +1,8 @@
-// sampler.cpp — DistributedSampler.
+// sampler.cpp — DistributedSampler, and LoaderSampler over it.
 #include "zeroshard/sampler.h"
 
 #include "zeroshard/comm.h"
+#include "zeroshard/loader_sampler.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/randperm.h>

@@ -6,7 +6,9 @@
 //
 // Stage 2: a post hook on every parameter's gradient accumulator fires once
 // the parameter's gradient of this backward is complete; it is copied into the
-// bucket's flat buffer and p.grad() is freed. A complete bucket is
+// bucket's flat buffer and p.grad() becomes a stand-in without values
+// (shard::make_reduced_grad_marker), which a pre hook on the same accumulator
+// takes out before the next backward accumulates. A complete bucket is
 // reduce-scattered at once, but buckets launch strictly in index order, so
 // every rank issues the same collectives in the same order even if autograd
 // visits parameters differently. An autograd final callback launches what is
@@ -22,6 +24,7 @@
 #include "shard/sharded_adamw_impl.h"
 
 #include "compat/autograd_hooks.h"
+#include "shard/resharded_param.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
@@ -32,12 +35,27 @@ namespace zeroshard {
 
 void ShardedAdamW::Impl::register_hooks() {
   for (size_t i = 0; i < params.size(); ++i) {
-    hooks.emplace_back(params[i], round->guarded<Impl>([i](Impl& im) { im.on_grad_ready(i); }),
+    std::function<void()> before;
+    if (reduce_in_backward()) {
+      grad_markers.push_back(shard::make_reduced_grad_marker(
+          params[i], "ShardedAdamW (ZeRO-" + std::to_string(options.zero_stage) + ")", infos[i].name));
+      before = [p = params[i]]() mutable {  // the marker goes before autograd accumulates into p.grad()
+        if (shard::is_reduced_grad_marker(p.grad())) p.mutable_grad() = at::Tensor();
+      };
+    }
+    hooks.emplace_back(params[i], round->guarded<Impl>([i](Impl& im) { im.on_grad_ready(i); }), std::move(before),
                        "ShardedAdamW: parameter '" + infos[i].name + "'");
   }
 }
 
-void ShardedAdamW::Impl::remove_hooks() { hooks.clear(); }
+void ShardedAdamW::Impl::remove_hooks() {
+  hooks.clear();
+  for (size_t i = 0; i < grad_markers.size(); ++i) {
+    if (shard::is_reduced_grad_marker(params[i].grad())) params[i].mutable_grad() = at::Tensor();
+    shard::forget_reduced_grad_marker(grad_markers[i]);
+  }
+  grad_markers.clear();
+}
 
 void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
   auto& p = params[param];
@@ -49,7 +67,7 @@ void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
   b.rs_in.slice(0, b.layout.offsets[entry], b.layout.offsets[entry] + infos[param].numel())
       .view(p.sizes())
       .copy_(p.grad());
-  p.mutable_grad() = at::Tensor();
+  p.mutable_grad() = grad_markers.empty() ? at::Tensor() : grad_markers[param];
 }
 
 // Stage 1 keeps gradients in the bucket's flat buffer, which backward adds into
@@ -78,7 +96,7 @@ void ShardedAdamW::Impl::grad_into_flat(size_t param) {
 
 void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   round->begin();
-  if (!params[param].grad().defined()) return;  // an undefined gradient (a custom Function returned none)
+  if (!shard::has_gradient(params[param])) return;  // an undefined gradient (a custom Function returned none)
   had_grad(param) = 1;
   if (!round->syncs()) {  // stays in p.grad() (no_sync, or local accumulation), or in stage 1's flat buffer
     if (!reduce_in_backward()) grad_into_flat(param);
@@ -136,7 +154,7 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
       // Parameters without a gradient in this backward: a leftover p.grad()
       // (accumulated under no_sync) goes in; otherwise the slot stays zero.
       for (size_t param : b.params) {
-        if (!ready[param] && params[param].grad().defined()) {
+        if (!ready[param] && shard::has_gradient(params[param])) {
           had_grad(param) = 1;
           copy_grad_into(param, b);
         }

@@ -28,6 +28,26 @@ std::unordered_map<const c10::TensorImpl*, Names>& registry() {
   return r;
 }
 
+// Reduced-gradient markers, by storage (a detached copy has its own TensorImpl).
+struct GradMarker {
+  std::string owner, param;
+};
+std::unordered_map<const c10::StorageImpl*, GradMarker>& grad_markers() {
+  static std::unordered_map<const c10::StorageImpl*, GradMarker> r;
+  return r;
+}
+
+const GradMarker* find_marker(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(compat::kReshardedParamKey) || !t.has_storage()) return nullptr;
+  auto it = grad_markers().find(t.storage().unsafeGetStorageImpl());
+  return it == grad_markers().end() ? nullptr : &it->second;
+}
+
+// What clearing a gradient calls on it (Module::zero_grad, Optimizer::zero_grad).
+bool clears_a_gradient(const std::string& op) {
+  return op == "aten::zero_" || op == "aten::fill_" || op == "aten::detach_" || op == "aten::detach";
+}
+
 // Operators that only read or replace metadata: what sharding, autograd and
 // module bookkeeping call on a parameter while its unit is resharded.
 bool passes_through(const std::string& op) {
@@ -69,6 +89,23 @@ void resharded_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(std::min(n, stack->size())), stack->end());
   std::unique_lock<std::mutex> lock(registry_mutex());
+  const GradMarker* marker = nullptr;
+  for (const auto& v : args) {
+    if (v.isTensor() && (marker = find_marker(v.toTensor())) != nullptr) break;
+  }
+  if (marker != nullptr) {
+    if (clears_a_gradient(name)) {  // on no elements: nothing to do
+      lock.unlock();
+      op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, compat::kReshardedParamKey),
+                         stack);
+      return;
+    }
+    TORCH_CHECK(false, marker->owner, ": the gradient of '", marker->param, "' was reduced into the optimizer's "
+                "shards (each rank keeps its part), so p.grad() holds no values, only this stand-in (", name,
+                " was called on it). torch::nn::utils::clip_grad_norm_ cannot see a sharded gradient: call "
+                "opt.clip_grad_norm(max_norm) between backward and step(); it returns the global norm. To read "
+                "gradients in full, run that backward under opt.no_sync() (docs/drop-in.md)");
+  }
   const Names* names = find_named(args);
   if (names != nullptr && names->deferred) {
     if (converts(name) && n > 0) {
@@ -112,6 +149,25 @@ at::Tensor make_resharded_placeholder(const at::Tensor& like) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(empty.storage()),
                                                    empty.key_set().add(compat::kReshardedParamKey), empty.dtype());
   return at::Tensor(std::move(impl));
+}
+
+at::Tensor make_reduced_grad_marker(const at::Tensor& param, std::string owner, std::string param_name) {
+  auto marker = make_resharded_placeholder(param);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  grad_markers()[marker.storage().unsafeGetStorageImpl()] = {std::move(owner), std::move(param_name)};
+  return marker;
+}
+
+void forget_reduced_grad_marker(const at::Tensor& marker) {
+  if (!marker.defined()) return;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  grad_markers().erase(marker.storage().unsafeGetStorageImpl());
+}
+
+bool is_reduced_grad_marker(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(compat::kReshardedParamKey)) return false;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return find_marker(t) != nullptr;
 }
 
 void remember_resharded_param(const at::Tensor& p, std::string param, std::string unit, bool deferred) {

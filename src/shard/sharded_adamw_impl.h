@@ -65,6 +65,10 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   std::vector<std::shared_ptr<Work>> gathers;  // all-gathers of updated buckets, in flight
 
   std::vector<compat::GradReadyHook> hooks;
+  // Stages 2 and 0: what p.grad() holds once a gradient is in a bucket
+  // (shard::make_reduced_grad_marker), one per parameter; removed by a pre
+  // hook before the next backward accumulates into p.grad().
+  std::vector<at::Tensor> grad_markers;
 
   // grad_reduction.cpp
   void register_hooks();

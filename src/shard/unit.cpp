@@ -57,14 +57,33 @@ void Unit::register_hooks() {
     if (!trainable[i]) continue;
     // Created now, while the parameter has its full shape: the accumulator
     // records that shape, and gradients are checked against it.
+    if (grad_markers_.size() < tensors.size()) grad_markers_.resize(tensors.size());
+    if (!grad_markers_[i].defined()) {
+      grad_markers_[i] = shard::make_reduced_grad_marker(tensors[i], "FullyShardedAdamW (ZeRO-3)", layout.params[i].name);
+    }
     hooks_.emplace_back(tensors[i],
                         model.round->guarded<shard::ShardedModel>(
                             [unit = index, i](shard::ShardedModel& m) { m.units[unit]->on_grad_ready(i); }),
+                        [p = tensors[i]]() mutable {  // the marker goes before autograd accumulates into p.grad()
+                          if (shard::is_reduced_grad_marker(p.grad())) p.mutable_grad() = at::Tensor();
+                        },
                         "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
   }
 }
 
-void Unit::remove_hooks() { hooks_.clear(); }
+void Unit::remove_hooks() {
+  hooks_.clear();
+  for (size_t i = 0; i < grad_markers_.size(); ++i) {
+    if (!grad_markers_[i].defined()) continue;
+    if (shard::is_reduced_grad_marker(tensors[i].grad())) tensors[i].mutable_grad() = at::Tensor();
+    shard::forget_reduced_grad_marker(grad_markers_[i]);
+  }
+  grad_markers_.clear();
+}
+
+at::Tensor Unit::reduced_grad_marker(size_t param) const {
+  return param < grad_markers_.size() ? grad_markers_[param] : at::Tensor();
+}
 
 bool Unit::keeps_buffer() const { return is_root || model.world == 1; }
 
@@ -174,14 +193,14 @@ void Unit::pre_backward() {
 
 void Unit::on_grad_ready(size_t param) {
   model.round->begin();
-  if (!tensors[param].grad().defined()) return;
+  if (!shard::has_gradient(tensors[param])) return;
   if (complete_ && model.round->syncs()) {
     // A gradient after the unit completed: it ran again within this backward
     // (a checkpointed unit used twice recomputes in a nested backward of its own).
     if (rs_in_.defined()) {  // packed, not launched yet: add it in
       const int64_t off = layout.offsets[param];
       rs_in_.slice(0, off, off + layout.params[param].numel()).view(tensors[param].grad().sizes()).add_(tensors[param].grad());
-      tensors[param].mutable_grad() = at::Tensor();
+      tensors[param].mutable_grad() = reduced_grad_marker(param);
       had_grad[param] = 1;
       return;
     }
@@ -226,12 +245,12 @@ void Unit::complete_gradients() {
     if (off > pos) rs_in_.slice(0, pos, off).zero_();
     auto slot = rs_in_.slice(0, off, off + numel);
     pos = off + numel;
-    if (!trainable[i] || !p.grad().defined()) {
+    if (!trainable[i] || !shard::has_gradient(p)) {
       slot.zero_();
       continue;
     }
     slot.view(p.grad().sizes()).copy_(p.grad());
-    p.mutable_grad() = at::Tensor();
+    p.mutable_grad() = reduced_grad_marker(i);
     had_grad[i] = 1;
   }
   if (pos < layout.padded_numel) rs_in_.slice(0, pos, layout.padded_numel).zero_();

@@ -81,6 +81,8 @@ class Unit : public ShardGroup {
   void reshard();
   void register_hooks();
   void remove_hooks();
+  // What p.grad() holds once tensor `param`'s gradient is in the reduction buffer.
+  at::Tensor reduced_grad_marker(size_t param) const;
 
   ShardedModel& model;
   const size_t index;
@@ -104,6 +106,8 @@ class Unit : public ShardGroup {
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
   at::Tensor rs_in_;                   // packed gradients, until launched
   std::vector<compat::GradReadyHook> hooks_;
+  // What p.grad() holds once a gradient is in rs_in_ (shard::make_reduced_grad_marker), per tensor.
+  std::vector<at::Tensor> grad_markers_;
 };
 
 // Shared by the units of one fully_shard() call (FullyShardedModel's state);

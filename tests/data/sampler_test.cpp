@@ -3,6 +3,7 @@
 // LoaderSampler: the same in torch's data loader.
 #include "test_util.h"
 
+#include <zeroshard/loader_sampler.h>
 #include <zeroshard/sampler.h>
 
 #include <gtest/gtest.h>

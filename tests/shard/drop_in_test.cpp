@@ -276,5 +276,52 @@ TEST_P(ShardedOptimizerDropIn, TwoOptimizersTrainAGan) {
 INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerDropIn, ::testing::Values(0, 1, 2, 3),
                          [](const ::testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
 
+// The stages that reduce gradients during backward (ZeRO-0, 2, 3).
+class ShardedOptimizerDropInReducing : public ::testing::TestWithParam<int> {};
+
+// torch::nn::utils::clip_grad_norm_ after a backward that reduced the
+// gradients into the shards fails at once, naming the parameter and
+// opt.clip_grad_norm, instead of finding no gradient and clipping nothing.
+// What p.grad() holds then does not disturb the loop: zeroed in place
+// (LibTorch 1.13's Module::zero_grad), set to none, or left for the next
+// backward, the training is torch::optim's.
+TEST_P(ShardedOptimizerDropInReducing, TorchClipGradNormFailsNamingTheFix) {
+  auto t = make(GetParam(), mlp(6, 19, 1, 15), kAdamW);
+  regression_loss(t, 0).backward();
+  const auto what = testing::error_of([&] { torch::nn::utils::clip_grad_norm_(t.model->parameters(), 1.0); });
+  EXPECT_NE(what.find("the gradient of '"), std::string::npos) << what;
+  EXPECT_NE(what.find("call opt.clip_grad_norm(max_norm)"), std::string::npos) << what;
+  EXPECT_NE(what.find("ZeRO-" + std::to_string(GetParam())), std::string::npos) << what;
+
+  auto run = [](int stage) {
+    auto r = make(stage, mlp(6, 19, 1, 16), kAdamW);
+    for (int s = 0; s < 6; ++s) {
+      if (s % 3 == 0) {
+        for (auto& p : r.model->parameters()) {  // as LibTorch 1.13's Module::zero_grad() clears
+          if (p.grad().defined()) {
+            p.mutable_grad() = p.grad().detach();
+            p.mutable_grad().zero_();
+          }
+        }
+      } else if (s % 3 == 1) {
+        r.model->zero_grad();
+      }  // else: nothing cleared (the previous step's gradients are in no shard any more)
+      for (int k = 0; k < 2; ++k) (regression_loss(r, 2 * s + k) / 2).backward();
+      if (r.zs != nullptr) {
+        r.zs->clip_grad_norm(0.05);
+      } else {
+        torch::nn::utils::clip_grad_norm_(r.model->parameters(), 0.05);
+      }
+      r.opt->step();
+      if (r.zs == nullptr) r.zero_grad();  // torch::optim's gradients would still be in p.grad()
+    }
+    return r.params();
+  };
+  expect_same_training(run(GetParam()), run(kOracle), "clip_grad_norm after clearing in place, to none, or not");
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerDropInReducing, ::testing::Values(0, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
+
 }  // namespace drop_in_test
 }  // namespace zeroshard
