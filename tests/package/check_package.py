@@ -20,6 +20,7 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
   pkgconfig     (after install) every installed header compiles alone with `pkg-config --cflags
                 zeroshard`, and the trainer built by the compiler alone with `pkg-config --cflags
                 --libs zeroshard` runs at 2 ranks with the package build's losses.
+  pkgconfig-trainer  pkgconfig without the headers compiled alone (the other LibTorch's leg does that).
   notoolkit     (with package; a build with CUDA against PyPI's CUDA wheel) the package check runs where
                 no CUDA toolkit is: /usr/local/cuda hidden (a private mount namespace: needs root), no nvcc
                 on PATH. The package needs only the wheel's CUDA libraries.
@@ -230,9 +231,18 @@ def pkg_config(*args):
     return shlex.split(run(["pkg-config", *args, "zeroshard"], "pkg-config " + " ".join(args), env=env)[1])
 
 
-def check_pkgconfig(reference):
+def check_pkgconfig(reference, headers_alone=True):
     cflags = pkg_config("--cflags")
     libs = pkg_config("--libs")
+    if headers_alone:
+        check_headers_alone(cflags)
+    program = os.path.join(work, "trainer-pc")
+    run(["g++", *cflags, os.path.join(CONSUMER, "trainer.cpp"), "-o", program, *libs], "g++ with pkg-config's flags")
+    two = trainer_run(program, 2, "pkg-config trainer")
+    same_losses(two["losses"], reference["losses"], "pkg-config build at 2 ranks vs the package build at 1")
+
+
+def check_headers_alone(cflags):
     headers = sorted(f for f in os.listdir(os.path.join(prefix, "include", "zeroshard")) if f.endswith(".h"))
 
     def alone(header):
@@ -246,10 +256,6 @@ def check_pkgconfig(reference):
     print(f"  {len(headers)} installed headers compiled alone: {time.time() - start:.1f} s", flush=True)
     for header, rc, err in results:
         check(rc == 0, lambda: f"<zeroshard/{header}> does not compile alone with pkg-config's flags:\n{err[-4000:]}")
-    program = os.path.join(work, "trainer-pc")
-    run(["g++", *cflags, os.path.join(CONSUMER, "trainer.cpp"), "-o", program, *libs], "g++ with pkg-config's flags")
-    two = trainer_run(program, 2, "pkg-config trainer")
-    same_losses(two["losses"], reference["losses"], "pkg-config build at 2 ranks vs the package build at 1")
 
 
 def check_subdirectory():
@@ -497,6 +503,8 @@ try:
             reference = check_package_without_toolkit() if "notoolkit" in checks else check_package()
         elif name == "pkgconfig":
             check_pkgconfig(reference)
+        elif name == "pkgconfig-trainer":
+            check_pkgconfig(reference, headers_alone=False)
         elif name == "subdirectory":
             check_subdirectory()
         elif name == "outside":
