@@ -4,8 +4,9 @@
 // Replace `torch::optim::AdamW opt(model->parameters(), AdamWOptions(3e-4));` by
 //   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
 // and keep the loop (zero_grad, backward, step). A loop written for
-// torch::optim::Adam keeps its AdamOptions (weight_decay 0: Adam's L2 decay is
-// not implemented; AdamW's decoupled decay is). docs/drop-in.md: every idiom. Every rank holds the whole
+// torch::optim::Adam keeps its AdamOptions with weight_decay 0 (Adam's L2
+// decay is refused, naming AdamW's decoupled decay); docs/drop-in.md lists
+// every idiom of a LibTorch loop. Every rank holds the whole
 // model; each keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) only for
 // its 1/N slice of the parameters (stage 1), and with stage 2 also only its
 // slice of the gradients. Stage 0 shards nothing (DDP-style replication: every

@@ -39,9 +39,7 @@ void ShardedAdamW::Impl::register_hooks() {
     if (reduce_in_backward()) {
       grad_markers.push_back(shard::make_reduced_grad_marker(
           params[i], "ShardedAdamW (ZeRO-" + std::to_string(options.zero_stage) + ")", infos[i].name));
-      before = [p = params[i]]() mutable {  // the marker goes before autograd accumulates into p.grad()
-        if (shard::is_reduced_grad_marker(p.grad())) p.mutable_grad() = at::Tensor();
-      };
+      before = [p = params[i]] { shard::clear_reduced_grad_marker(p); };
     }
     hooks.emplace_back(params[i], round->guarded<Impl>([i](Impl& im) { im.on_grad_ready(i); }), std::move(before),
                        "ShardedAdamW: parameter '" + infos[i].name + "'");
@@ -51,7 +49,7 @@ void ShardedAdamW::Impl::register_hooks() {
 void ShardedAdamW::Impl::remove_hooks() {
   hooks.clear();
   for (size_t i = 0; i < grad_markers.size(); ++i) {
-    if (shard::is_reduced_grad_marker(params[i].grad())) params[i].mutable_grad() = at::Tensor();
+    shard::clear_reduced_grad_marker(params[i]);
     shard::forget_reduced_grad_marker(grad_markers[i]);
   }
   grad_markers.clear();

@@ -40,5 +40,10 @@ void forget_reduced_grad_marker(const at::Tensor& marker);
 bool is_reduced_grad_marker(const at::Tensor& t);
 // p.grad() holds a gradient: defined, and not a marker.
 inline bool has_gradient(const at::Tensor& p) { return p.grad().defined() && !is_reduced_grad_marker(p.grad()); }
+// Takes a marker (or a detached copy of one) out of p.grad(): before backward
+// accumulates into it, and when the optimizer goes.
+inline void clear_reduced_grad_marker(const at::Tensor& p) {
+  if (is_reduced_grad_marker(p.grad())) p.mutable_grad() = at::Tensor();
+}
 
 }  // namespace zeroshard::shard

@@ -64,9 +64,7 @@ void Unit::register_hooks() {
     hooks_.emplace_back(tensors[i],
                         model.round->guarded<shard::ShardedModel>(
                             [unit = index, i](shard::ShardedModel& m) { m.units[unit]->on_grad_ready(i); }),
-                        [p = tensors[i]]() mutable {  // the marker goes before autograd accumulates into p.grad()
-                          if (shard::is_reduced_grad_marker(p.grad())) p.mutable_grad() = at::Tensor();
-                        },
+                        [p = tensors[i]] { shard::clear_reduced_grad_marker(p); },
                         "fully_shard: parameter '" + layout.params[i].name + "' of unit '" + name + "'");
   }
 }
@@ -75,7 +73,7 @@ void Unit::remove_hooks() {
   hooks_.clear();
   for (size_t i = 0; i < grad_markers_.size(); ++i) {
     if (!grad_markers_[i].defined()) continue;
-    if (shard::is_reduced_grad_marker(tensors[i].grad())) tensors[i].mutable_grad() = at::Tensor();
+    shard::clear_reduced_grad_marker(tensors[i]);
     shard::forget_reduced_grad_marker(grad_markers_[i]);
   }
   grad_markers_.clear();
