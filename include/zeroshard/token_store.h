@@ -1,0 +1,122 @@
+// zeroshard/token_store.h — a corpus of token ids on disk, memory-mapped: the
+// Megatron-LM indexed dataset layout, so a store written here loads in
+// Megatron (megatron.core.datasets.indexed_dataset.IndexedDataset) and a store
+// Megatron's tools wrote loads here.
+//
+// A store is two files under one prefix:
+//   PREFIX.bin  every sequence's tokens, concatenated (little-endian, one type);
+//   PREFIX.idx  "MMIDIDX\0\0", u64 version 1, u8 token type code, u64 sequence
+//               count N, u64 document count D+1, then int32 lengths[N] (tokens
+//               per sequence), int64 pointers[N] (byte offset of each sequence in
+//               .bin), int64 documents[D+1] (0, then the sequence index that ends
+//               each document), and in multimodal stores int8 modes[N] (ignored).
+// A sequence is typically a sentence, a document a run of them (an article, a
+// file). Document d holds sequences [documents[d], documents[d+1]).
+//
+// TokenStore maps both files read-only: opening reads the 34-byte header and
+// checks each file's size against it, so it costs the same at any corpus
+// size, and a rank touches only the pages of the sequences it reads. A store
+// is immutable and a TokenStore is safe to read from many threads.
+//
+// TokenStoreWriter streams: tokens go to PREFIX.bin.partial as they come,
+// lengths and document ends to side files, so its memory does not grow with
+// the corpus; finish() writes PREFIX.idx.partial and renames both files into
+// place, .bin first, so a crash at any instant leaves either no PREFIX.idx or a
+// whole store (an .idx is the store's commit mark). Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+// Megatron's token type codes (megatron.core.datasets.indexed_dataset.DType).
+enum class TokenType : uint8_t { kUInt8 = 1, kInt8 = 2, kInt16 = 3, kInt32 = 4, kInt64 = 5, kUInt16 = 8 };
+std::string to_string(TokenType type);
+int64_t token_bytes(TokenType type);
+// The narrowest type Megatron picks for a vocabulary (its optimal dtype): uint16
+// below 65500 entries, else int32.
+TokenType token_type_for(int64_t vocab_size);
+
+class TokenStore {
+ public:
+  // Maps PREFIX.idx and PREFIX.bin. Throws (c10::Error) naming the file and what
+  // is wrong: missing, not an indexed dataset, an unknown version or token type
+  // (float stores), or a size its header does not account for (truncated,
+  // or written by something else).
+  explicit TokenStore(const std::string& prefix);
+  ~TokenStore();
+  TokenStore(TokenStore&&) noexcept;
+  TokenStore& operator=(TokenStore&&) noexcept;
+
+  const std::string& prefix() const;
+  TokenType type() const;
+  int64_t sequences() const;
+  int64_t documents() const;
+  int64_t tokens() const;  // every sequence's, from the size of .bin
+
+  // REQUIRES: 0 <= i < sequences(); 0 <= d < documents().
+  int64_t length(int64_t sequence) const;
+  int64_t document_begin(int64_t document) const;  // its first sequence
+  int64_t document_end(int64_t document) const;    // one past its last
+
+  // Tokens [offset, offset + count) of a sequence, appended to `out` as int64.
+  // Throws naming the store when the sequence's pointer and length fall
+  // outside .bin (a damaged index).
+  void read(int64_t sequence, int64_t offset, int64_t count, std::vector<int64_t>& out) const;
+  std::vector<int64_t> sequence(int64_t i) const;
+
+  // Every entry of the index checked (lengths not negative, each sequence in
+  // .bin, pointers consecutive, document ends increasing to N): reads the
+  // whole .idx once. Throws naming the first bad entry.
+  void verify() const;
+
+ private:
+  struct Mapped;
+  std::unique_ptr<Mapped> m_;
+};
+
+class TokenStoreWriter {
+ public:
+  // REQUIRES: the directory of `prefix` exists. Overwrites the .partial files
+  // of an earlier, unfinished writer.
+  TokenStoreWriter(std::string prefix, TokenType type);
+  // Without finish(): removes the partial files (an unfinished store never appears).
+  ~TokenStoreWriter();
+  TokenStoreWriter(const TokenStoreWriter&) = delete;
+  TokenStoreWriter& operator=(const TokenStoreWriter&) = delete;
+
+  // One sequence. Throws naming the token when one does not fit the type.
+  void add(const int64_t* tokens, int64_t count);
+  void add(const std::vector<int64_t>& tokens) { add(tokens.data(), static_cast<int64_t>(tokens.size())); }
+  // Ends the current document (after its last add). An empty document (no add
+  // since the last end) is recorded as one, as Megatron's builder does.
+  void end_document();
+  // Every document of `other` after ours (Megatron's IndexedDatasetBuilder.add_index):
+  // how stores prepared in parts, on several hosts, merge into one. Its .bin is
+  // copied in chunks. REQUIRES: no sequence added since the last end_document();
+  // other.type() == the writer's type.
+  void append(const TokenStore& other);
+  // Writes the index and renames both files into place. REQUIRES: the last
+  // document ended.
+  void finish();
+
+  int64_t sequences() const { return sequences_; }
+  int64_t documents() const { return documents_; }
+  int64_t tokens() const { return tokens_; }
+
+ private:
+  void write_lengths(const int32_t* lengths, int64_t count);
+  void write_document_end(int64_t end);
+  std::string prefix_;
+  TokenType type_;
+  struct Files;
+  std::unique_ptr<Files> f_;
+  int64_t sequences_ = 0, documents_ = 0, tokens_ = 0, open_sequences_ = 0;
+  bool finished_ = false;
+  std::vector<char> buffer_;  // one sequence in the store's type
+};
+
+}  // namespace zeroshard
