@@ -77,6 +77,7 @@ Corpus build_corpus(const std::vector<std::string>& texts, const ByteLevelBpe& t
   const int64_t budget = o.max_tokens - 2;  // bos, eos
   Corpus corpus;
   int64_t index = 0;
+  ByteLevelBpe::Cache cache;
   auto emit = [&](Example& ex) {
     if (ex.empty()) return;
     ((index % o.validation_every) == o.validation_every - 1 ? corpus.validation : corpus.train).push_back(std::move(ex));
@@ -88,7 +89,7 @@ Corpus build_corpus(const std::vector<std::string>& texts, const ByteLevelBpe& t
     int64_t used = 0;
     bool first = true;
     for (const auto& s : split_sentences(text)) {
-      auto ids = tokenizer.encode(first ? s : " " + s);
+      auto ids = tokenizer.encode(first ? s : " " + s, cache);
       first = false;
       corpus.tokens += static_cast<int64_t>(ids.size());
       for (size_t p = 0; p < ids.size();) {  // pieces of at most `budget`

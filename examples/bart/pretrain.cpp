@@ -16,6 +16,7 @@
 // which zeroshard-run answers with a restart. Also runs alone (1 rank) or
 // under torchrun. This file is part of the zs_bart library (it compiles in the
 // library's unity unit); main.cpp is the program.
+#include "prepare.h"
 #include "run.h"
 
 #include "bart_model.h"
@@ -114,6 +115,26 @@ int bart_pretrain_main(int argc, char** argv) {
   auto* enc = app.add_subcommand("encode", "tokenize text: one JSON string per line on stdin -> its ids, a JSON "
                                           "array per line on stdout");
   enc->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
+
+  auto* prep = app.add_subcommand("prepare", "a text corpus, once, into a dataset directory training maps (a "
+                                             "Megatron-LM indexed token store, the tokenizer, a manifest)");
+  bart::PrepareOptions po;
+  prep->add_option("--data", po.data, "directories (read recursively) or files of text; a document per file")
+      ->required();
+  prep->add_option("--tokenizer", po.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
+  prep->add_option("--out", po.out, "the dataset directory to write (must not exist)")->required();
+  prep->add_option("--workers", po.workers, "tokenizing threads (default: every core)");
+  prep->add_option("--chunk-bytes", po.chunk_bytes, "text per tokenizing task, cut where a sentence ends")
+      ->capture_default_str();
+
+  auto* insp = app.add_subcommand("inspect", "a token store's counts as JSON; with --sequences, those sequences' "
+                                             "ids, a JSON array per line");
+  std::string insp_dataset, insp_range;
+  bool insp_verify = false;
+  insp->add_option("--dataset", insp_dataset, "a prepared dataset directory, or a store's prefix (PREFIX.idx, "
+                                              "PREFIX.bin: Megatron's)")->required();
+  insp->add_option("--sequences", insp_range, "FIRST:END, the sequences to print");
+  insp->add_flag("--verify", insp_verify, "read the whole index and both files' checksums (against the manifest)");
 
   auto* hf = app.add_subcommand("export-hf", "write a run's checkpoint as a Hugging Face directory (config.json, "
                                             "model.safetensors, tokenizer): from_pretrained loads it as is");
@@ -244,6 +265,8 @@ int bart_pretrain_main(int argc, char** argv) {
   try {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
     if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
+    if (prep->parsed()) return bart::prepare_command(po);
+    if (insp->parsed()) return bart::inspect_command(insp_dataset, insp_range, insp_verify);
     if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
     return bart::run_pretraining(o);
   } catch (const std::exception& e) {  // the message says what to fix; LibTorch's C++ backtrace at debug level

@@ -112,12 +112,13 @@ int encode_command(const std::string& tokenizer_dir) {
   TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(tokenizer_dir)), "encode: --tokenizer '", tokenizer_dir,
                     "' has no vocab.json; give a directory with vocab.json and merges.txt");
   const auto tokenizer = load_tokenizer(tokenizer_dir);
+  ByteLevelBpe::Cache cache;
   std::string line;
   for (int64_t n = 1; std::getline(std::cin, line); ++n) {
     const json text = json::parse(line, nullptr, /*allow_exceptions=*/false);
     TORCH_CHECK_VALUE(text.is_string(), "encode: input line ", n, " is not a JSON string; give one per line, "
                       "e.g. \"it's 10\\u00b5m\"");
-    std::cout << json(tokenizer.encode(text.get<std::string>())).dump() << '\n';
+    std::cout << json(tokenizer.encode(text.get<std::string>(), cache)).dump() << '\n';
   }
   std::cout.flush();
   TORCH_CHECK(std::cout.good(), "encode: writing the ids failed");

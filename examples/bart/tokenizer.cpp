@@ -175,7 +175,6 @@ void ByteLevelBpe::index() {
   for (size_t k = 0; k < merges_.size(); ++k) rank_[merges_[k].first + " " + merges_[k].second] = static_cast<int64_t>(k);
   byte_of_.clear();
   for (int b = 0; b < 256; ++b) byte_of_[byte_symbols()[static_cast<size_t>(b)]] = b;
-  cache_.clear();
 }
 
 int64_t ByteLevelBpe::id(const std::string& token) const {
@@ -204,10 +203,16 @@ std::vector<std::string> ByteLevelBpe::bpe(const std::string& piece) const {
 }
 
 std::vector<int64_t> ByteLevelBpe::encode(const std::string& text) const {
+  Cache cache;
+  return encode(text, cache);
+}
+
+std::vector<int64_t> ByteLevelBpe::encode(const std::string& text, Cache& cache) const {
   std::vector<int64_t> out;
   for (const auto& piece : pretokenize(text)) {
-    auto hit = cache_.find(piece);
-    if (hit == cache_.end()) {
+    auto hit = cache.pieces.find(piece);
+    if (hit == cache.pieces.end()) {
+      if (cache.pieces.size() >= cache.limit) cache.pieces.clear();
       std::vector<int64_t> ids;
       for (const auto& s : bpe(piece)) {
         const int64_t k = id(s);
@@ -228,7 +233,7 @@ std::vector<int64_t> ByteLevelBpe::encode(const std::string& text) const {
           }
         }
       }
-      hit = cache_.emplace(piece, std::move(ids)).first;
+      hit = cache.pieces.emplace(piece, std::move(ids)).first;
     }
     out.insert(out.end(), hit->second.begin(), hit->second.end());
   }

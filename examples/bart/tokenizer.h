@@ -35,6 +35,15 @@ class ByteLevelBpe {
   static ByteLevelBpe train(const std::vector<std::string>& texts, int64_t vocab_size);
   void save(const std::string& vocab_json_path, const std::string& merges_txt_path) const;
 
+  // Pieces already encoded, kept by a caller that encodes much text (a corpus)
+  // with the same tokenizer: one per thread. Holds at most `limit` pieces, then
+  // starts over, so its memory is bounded at any corpus size.
+  struct Cache {
+    std::unordered_map<std::string, std::vector<int64_t>> pieces;
+    size_t limit = size_t{1} << 18;
+  };
+  // Thread-safe: a tokenizer is immutable once loaded, and encoding writes only `cache`.
+  std::vector<int64_t> encode(const std::string& text, Cache& cache) const;
   std::vector<int64_t> encode(const std::string& text) const;
   // Special tokens are left out unless keep_special.
   std::string decode(const std::vector<int64_t>& ids, bool keep_special = false) const;
@@ -57,7 +66,6 @@ class ByteLevelBpe {
   std::vector<std::pair<std::string, std::string>> merges_;
   std::unordered_map<std::string, int64_t> rank_;     // "a b" -> merge rank
   std::unordered_map<std::string, int64_t> byte_of_;  // symbol -> byte
-  mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;
   void index();
   std::vector<std::string> bpe(const std::string& piece) const;
 };

@@ -36,6 +36,11 @@ namespace zeroshard {
 enum class TokenType : uint8_t { kUInt8 = 1, kInt8 = 2, kInt16 = 3, kInt32 = 4, kInt64 = 5, kUInt16 = 8 };
 std::string to_string(TokenType type);
 int64_t token_bytes(TokenType type);
+
+// A store's two files: sizes and XXH3-64 checksums (seed 0; `xxhsum -H3` prints them).
+struct TokenStoreDigest {
+  uint64_t bin_bytes = 0, bin_xxh3 = 0, idx_bytes = 0, idx_xxh3 = 0;
+};
 // The narrowest type Megatron picks for a vocabulary (its optimal dtype): uint16
 // below 65500 entries, else int32.
 TokenType token_type_for(int64_t vocab_size);
@@ -72,6 +77,8 @@ class TokenStore {
   // .bin, pointers consecutive, document ends increasing to N): reads the
   // whole .idx once. Throws naming the first bad entry.
   void verify() const;
+  // Both files' checksums: reads them whole.
+  TokenStoreDigest digest() const;
 
  private:
   struct Mapped;
@@ -99,9 +106,9 @@ class TokenStoreWriter {
   // copied in chunks. REQUIRES: no sequence added since the last end_document();
   // other.type() == the writer's type.
   void append(const TokenStore& other);
-  // Writes the index and renames both files into place. REQUIRES: the last
-  // document ended.
-  void finish();
+  // Writes the index and renames both files into place; their checksums, taken
+  // as they were written. REQUIRES: the last document ended.
+  TokenStoreDigest finish();
 
   int64_t sequences() const { return sequences_; }
   int64_t documents() const { return documents_; }

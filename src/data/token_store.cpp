@@ -2,6 +2,7 @@
 #include <zeroshard/token_store.h>
 
 #include <c10/util/Exception.h>
+#include <xxhash.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -235,25 +236,51 @@ void TokenStore::verify() const {
   }
 }
 
+TokenStoreDigest TokenStore::digest() const {
+  const auto& m = *m_;
+  TokenStoreDigest d;
+  d.bin_bytes = static_cast<uint64_t>(m.bin->bytes);
+  if (m.bin->bytes > 0) {  // read front to back: ahead, this once
+    ::madvise(const_cast<char*>(m.bin->data), static_cast<size_t>(m.bin->bytes), MADV_SEQUENTIAL);
+    d.bin_xxh3 = XXH3_64bits(m.bin->data, static_cast<size_t>(m.bin->bytes));
+    ::madvise(const_cast<char*>(m.bin->data), static_cast<size_t>(m.bin->bytes), MADV_RANDOM);
+  } else {
+    d.bin_xxh3 = XXH3_64bits(nullptr, 0);
+  }
+  d.idx_bytes = static_cast<uint64_t>(m.idx->bytes);
+  d.idx_xxh3 = XXH3_64bits(m.idx->data, static_cast<size_t>(m.idx->bytes));
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writer
 
 // A file written through stdio with a large buffer; every failure names the file.
+// Its checksum is taken as it is written.
 struct TokenStoreOut {
   std::string path;
   std::FILE* f = nullptr;
+  XXH3_state_t* hash = XXH3_createState();
+  uint64_t bytes = 0;
   explicit TokenStoreOut(std::string p) : path(std::move(p)) {
+    XXH3_64bits_reset(hash);
     f = std::fopen(path.c_str(), "wb");
     TORCH_CHECK(f != nullptr, "token store: cannot create '", path, "': ", std::strerror(errno));
     std::setvbuf(f, nullptr, _IOFBF, kChunk);
   }
   ~TokenStoreOut() {
     if (f != nullptr) std::fclose(f);
+    XXH3_freeState(hash);
   }
+  TokenStoreOut(const TokenStoreOut&) = delete;
+  TokenStoreOut& operator=(const TokenStoreOut&) = delete;
   void write(const void* p, size_t n) {
     TORCH_CHECK(n == 0 || std::fwrite(p, 1, n, f) == n, "token store: writing '", path, "' failed: ",
                 std::strerror(errno), " (a full disk?)");
+    XXH3_64bits_update(hash, p, n);
+    bytes += n;
   }
+  uint64_t xxh3() const { return XXH3_64bits_digest(hash); }
   void close() {
     const bool ok = std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
     const int e = errno;
@@ -367,11 +394,14 @@ void TokenStoreWriter::append(const TokenStore& other) {
   tokens_ += other.tokens();
 }
 
-void TokenStoreWriter::finish() {
+TokenStoreDigest TokenStoreWriter::finish() {
   TORCH_CHECK(!finished_, "token store '", prefix_, "': finish twice");
   TORCH_CHECK_VALUE(open_sequences_ == 0, "token store '", prefix_, "': finish with a document open (", open_sequences_,
                     " sequences since the last end_document)");
   f_->bin->close();
+  TokenStoreDigest digest;
+  digest.bin_bytes = f_->bin->bytes;
+  digest.bin_xxh3 = f_->bin->xxh3();
   f_->lengths->close();
   f_->ends->close();
   {
@@ -401,6 +431,8 @@ void TokenStoreWriter::finish() {
     std::fclose(in);
     copy_file(f_->ends->path, 0, idx);
     idx.close();
+    digest.idx_bytes = idx.bytes;
+    digest.idx_xxh3 = idx.xxh3();
   }
   fs::remove(f_->lengths->path);
   fs::remove(f_->ends->path);
@@ -409,6 +441,7 @@ void TokenStoreWriter::finish() {
   fs::rename(prefix_ + ".bin.partial", prefix_ + ".bin");
   fs::rename(prefix_ + ".idx.partial", prefix_ + ".idx");
   finished_ = true;
+  return digest;
 }
 
 }  // namespace zeroshard

@@ -28,6 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from pycheck import check, skip  # noqa: E402  (check: an assert that python -O keeps)
+from corpus_oracle import split_sentences  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -103,42 +104,6 @@ def read_texts(directory):
         if data:
             texts.append(data)
     return texts
-
-
-SPACE = b" \t\n\r\f\v"
-
-
-def split_sentences(text):
-    """corpus.cpp split_sentences: after '.', '!' or '?' followed by whitespace (or the end), and at blank lines;
-    whitespace runs collapsed to one space; empty pieces dropped."""
-    out, cur, pending = [], bytearray(), False
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in SPACE:
-            if c == 0x0A:  # a blank line ends a paragraph
-                j = i + 1
-                while j < n and text[j] in b" \t\r":
-                    j += 1
-                if j < n and text[j] == 0x0A:
-                    if cur:
-                        out.append(bytes(cur))
-                    cur, pending, i = bytearray(), False, j + 1
-                    continue
-            pending = len(cur) > 0
-            i += 1
-            continue
-        if pending:
-            cur.append(0x20)
-        pending = False
-        cur.append(c)
-        if c in b".!?" and (i + 1 == n or text[i + 1] in SPACE):
-            out.append(bytes(cur))
-            cur, pending = bytearray(), False
-        i += 1
-    if cur:
-        out.append(bytes(cur))
-    return out
 
 
 def validation_examples(texts, encode, count):

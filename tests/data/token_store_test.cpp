@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <cstring>
 #include <filesystem>
@@ -37,18 +38,27 @@ Documents sample(int64_t top, int documents, int seed) {
   return out;
 }
 
+std::string bytes_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+// Writes the documents; checks the checksums the writer took against the files' own.
 void write(const std::string& prefix, TokenType type, const Documents& docs) {
   TokenStoreWriter w(prefix, type);
   for (const auto& d : docs) {
     for (const auto& s : d) w.add(s);
     w.end_document();
   }
-  w.finish();
-}
-
-std::string bytes_of(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
+  const auto digest = w.finish();
+  const auto bin = bytes_of(prefix + ".bin"), idx = bytes_of(prefix + ".idx");
+  EXPECT_EQ(digest.bin_bytes, bin.size());
+  EXPECT_EQ(digest.bin_xxh3, XXH3_64bits(bin.data(), bin.size()));
+  EXPECT_EQ(digest.idx_bytes, idx.size());
+  EXPECT_EQ(digest.idx_xxh3, XXH3_64bits(idx.data(), idx.size()));
+  const auto read = TokenStore(prefix).digest();
+  EXPECT_EQ(read.bin_xxh3, digest.bin_xxh3);
+  EXPECT_EQ(read.idx_xxh3, digest.idx_xxh3);
 }
 
 template <typename T>

@@ -1,0 +1,410 @@
+// prepare.cpp — a corpus into a token store: read (this thread), split and
+// tokenize (workers), write in order (whichever worker finishes the next chunk).
+#include "prepare.h"
+
+#include "corpus.h"
+#include "run.h"
+
+#include <zeroshard/log.h>
+#include <zeroshard/token_store.h>
+
+#include <c10/util/Exception.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <tuple>
+
+namespace bart {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string hex(uint64_t v) {
+  char s[17];
+  std::snprintf(s, sizeof(s), "%016llx", static_cast<unsigned long long>(v));
+  return s;
+}
+
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+bool is_binary(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  char head[8000];
+  in.read(head, sizeof(head));
+  return std::find(head, head + in.gcount(), '\0') != head + in.gcount();
+}
+
+std::string read_file(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  TORCH_CHECK_VALUE(in, "prepare: cannot read '", file.string(), "'");
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+// Text of one file between two sentence breaks.
+struct Chunk {
+  int64_t index = 0;   // in the order of the corpus
+  std::string text;
+  bool first = false;  // no text of its file before it: its first sentence has no leading space
+  bool last = false;   // its file ends here: the document ends after it
+};
+
+struct Tokenized {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> lengths;  // per sentence
+  bool last = false;
+};
+
+Tokenized tokenize(const Chunk& c, const ByteLevelBpe& tokenizer, ByteLevelBpe::Cache& cache) {
+  Tokenized out;
+  out.last = c.last;
+  bool first = c.first;
+  for (const auto& s : split_sentences(c.text)) {
+    const auto ids = tokenizer.encode(first ? s : " " + s, cache);
+    first = false;
+    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+    out.lengths.push_back(static_cast<int64_t>(ids.size()));
+  }
+  return out;
+}
+
+// Chunks flow from the reader to the workers; results go out in chunk order.
+// `mu` guards everything below it.
+class Pipeline {
+ public:
+  Pipeline(const ByteLevelBpe& tokenizer, zeroshard::TokenStoreWriter& writer, int workers)
+      : tokenizer_(tokenizer), writer_(writer), window_(4 * static_cast<int64_t>(workers)) {
+    for (int w = 0; w < workers; ++w) threads_.emplace_back([this] { work(); });
+  }
+  ~Pipeline() { close(); }
+
+  // Blocks while the workers are `window` chunks behind. False once one failed.
+  bool push(Chunk c) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return error_ || c.index - written_ < window_; });
+    if (error_) return false;
+    tasks_.push_back(std::move(c));
+    cv_.notify_all();
+    return true;
+  }
+
+  // Waits for every chunk pushed, joins the workers; rethrows a worker's error.
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void work() {
+    ByteLevelBpe::Cache cache;
+    for (;;) {
+      Chunk c;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return closed_ || error_ || !tasks_.empty(); });
+        if (error_ || tasks_.empty()) return;
+        c = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      try {
+        Tokenized t = tokenize(c, tokenizer_, cache);
+        std::unique_lock<std::mutex> lock(mu_);
+        done_.emplace(c.index, std::move(t));
+        if (writing_) continue;  // the worker writing now takes this one in its turn
+        writing_ = true;
+        for (auto it = done_.find(written_); it != done_.end(); it = done_.find(written_)) {
+          Tokenized next = std::move(it->second);
+          done_.erase(it);
+          lock.unlock();
+          write(next);
+          lock.lock();
+          ++written_;
+          cv_.notify_all();
+        }
+        writing_ = false;
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+        writing_ = false;
+        cv_.notify_all();
+        return;
+      }
+    }
+  }
+
+  void write(const Tokenized& t) {
+    const int64_t* p = t.tokens.data();
+    for (int64_t len : t.lengths) {
+      writer_.add(p, len);
+      p += len;
+    }
+    if (t.last) writer_.end_document();
+  }
+
+  const ByteLevelBpe& tokenizer_;
+  zeroshard::TokenStoreWriter& writer_;  // written by one worker at a time (writing_)
+  const int64_t window_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Chunk> tasks_;
+  std::map<int64_t, Tokenized> done_;
+  int64_t written_ = 0;
+  bool writing_ = false, closed_ = false;
+  std::exception_ptr error_;
+};
+
+// Streams one file into chunks of about `bytes`, each ending at a sentence break.
+void read_chunks(const std::string& file, int64_t bytes, int64_t& index, Pipeline& pipe, int64_t& text_bytes) {
+  std::ifstream in(file, std::ios::binary);
+  TORCH_CHECK_VALUE(in, "prepare: cannot read '", file, "'");
+  std::string buffer;
+  bool seen_text = false, eof = false;
+  std::vector<char> block(static_cast<size_t>(bytes));
+  while (!eof) {
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    const auto got = static_cast<size_t>(in.gcount());
+    TORCH_CHECK(!in.bad(), "prepare: reading '", file, "' failed");
+    eof = got < block.size();
+    buffer.append(block.data(), got);
+    text_bytes += static_cast<int64_t>(got);
+    size_t cut = eof ? buffer.size() : last_sentence_break(buffer, buffer.size());
+    // No sentence ends in 64 chunks: cut at whitespace (a sentence split in two), else anywhere.
+    if (cut == 0 && buffer.size() >= 64 * block.size()) {
+      cut = buffer.find_last_of(" \t\n\r\f\v");
+      cut = cut == std::string::npos ? buffer.size() : cut;
+    }
+    if (cut == 0 && !eof) continue;
+    Chunk c;
+    c.index = index++;
+    c.text = buffer.substr(0, cut);
+    c.first = !seen_text;
+    c.last = eof;
+    seen_text = seen_text || std::any_of(c.text.begin(), c.text.end(), [](char ch) { return !is_space(ch); });
+    buffer.erase(0, cut);
+    if (!pipe.push(std::move(c))) return;
+  }
+}
+
+}  // namespace
+
+size_t last_sentence_break(const std::string& text, size_t pos) {
+  for (size_t j = std::min(pos, text.size()); j-- > 1;) {
+    const char c = text[j];
+    if (!is_space(c)) continue;
+    const char before = text[j - 1];
+    if (before == '.' || before == '!' || before == '?') return j;
+    if (c == '\n') {  // a blank line: '\n', spaces, tabs or returns, '\n'
+      size_t k = j;
+      while (k-- > 0 && (text[k] == ' ' || text[k] == '\t' || text[k] == '\r')) {
+      }
+      if (k < j && text[k] == '\n') return j + 1;
+    }
+  }
+  return 0;
+}
+
+std::vector<std::string> corpus_files(const std::vector<std::string>& data) {
+  std::vector<std::string> out;
+  std::set<fs::path> seen;
+  for (const auto& d : data) {
+    std::error_code ec;
+    TORCH_CHECK_VALUE(fs::exists(d, ec), "prepare: --data '", d, "' does not exist; give directories or files of text");
+    std::vector<fs::path> files;
+    if (fs::is_directory(d, ec)) {
+      for (auto it = fs::recursive_directory_iterator(d, ec); !ec && it != fs::recursive_directory_iterator();
+           it.increment(ec)) {
+        if (it->is_regular_file(ec)) files.push_back(it->path());
+      }
+      TORCH_CHECK_VALUE(!ec, "prepare: cannot list '", d, "': ", ec.message());
+      std::sort(files.begin(), files.end());
+    } else {
+      files.push_back(d);
+    }
+    for (const auto& f : files) {
+      const auto real = fs::canonical(f, ec);
+      if (ec || !seen.insert(real).second) continue;  // a link to a file already listed
+      if (fs::file_size(f, ec) == 0 || ec || is_binary(f)) continue;
+      out.push_back(f.string());
+    }
+  }
+  TORCH_CHECK_VALUE(!out.empty(), "prepare: no text file under --data (binary files, those with a NUL byte in "
+                    "their first 8000 bytes, are left out)");
+  return out;
+}
+
+std::string tokenizer_hash(const std::string& vocab_json, const std::string& merges_txt) {
+  XXH3_state_t* s = XXH3_createState();
+  XXH3_64bits_reset(s);
+  XXH3_64bits_update(s, vocab_json.data(), vocab_json.size());
+  XXH3_64bits_update(s, "\0", 1);
+  XXH3_64bits_update(s, merges_txt.data(), merges_txt.size());
+  const auto h = XXH3_64bits_digest(s);
+  XXH3_freeState(s);
+  return hex(h);
+}
+
+json read_manifest(const std::string& dataset_dir) {
+  const auto path = fs::path(dataset_dir) / "manifest.json";
+  TORCH_CHECK_VALUE(fs::exists(path), "dataset '", dataset_dir, "' has no manifest.json: prepare it with "
+                    "`bart_pretrain prepare --data DIR --tokenizer T --out ", dataset_dir, "`");
+  json m = json::parse(read_file(path), nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK_VALUE(m.is_object() && m.value("format", "") == "zeroshard token store", "dataset '", dataset_dir,
+                    "': '", path.string(), "' is not a dataset manifest; prepare the dataset again");
+  return m;
+}
+
+PrepareReport prepare_dataset(const PrepareOptions& o) {
+  const auto t0 = Clock::now();
+  TORCH_CHECK_VALUE(!o.out.empty(), "prepare: give the dataset directory to write with --out");
+  TORCH_CHECK_VALUE(!fs::exists(o.out), "prepare: --out '", o.out, "' exists; remove it or give another directory");
+  TORCH_CHECK_VALUE(o.chunk_bytes >= 4096, "prepare: chunk_bytes ", o.chunk_bytes, " is below 4096");
+  TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(o.tokenizer_dir)), "prepare: --tokenizer '", o.tokenizer_dir,
+                    "' has no vocab.json; give a directory with vocab.json and merges.txt (bart_pretrain "
+                    "train-tokenizer makes one)");
+  const std::string vocab = read_file(fs::path(o.tokenizer_dir) / "vocab.json");
+  const std::string merges = read_file(fs::path(o.tokenizer_dir) / "merges.txt");
+  const auto tokenizer = ByteLevelBpe::parse(vocab, merges, (fs::path(o.tokenizer_dir) / "vocab.json").string(),
+                                             (fs::path(o.tokenizer_dir) / "merges.txt").string());
+  const auto files = corpus_files(o.data);
+
+  PrepareReport r;
+  r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  r.files = static_cast<int64_t>(files.size());
+  const fs::path partial = o.out + ".partial";
+  fs::remove_all(partial);  // an earlier prepare that was stopped: start over
+  fs::create_directories(partial / "tokenizer");
+  const auto type = zeroshard::token_type_for(tokenizer.vocab_size());
+  json sources = json::array();
+  zeroshard::TokenStoreDigest digest;
+  {
+    zeroshard::TokenStoreWriter writer((partial / "tokens").string(), type);
+    Pipeline pipe(tokenizer, writer, r.workers);
+    int64_t index = 0;
+    auto last_log = Clock::now();
+    for (const auto& f : files) {
+      const int64_t before = r.text_bytes;
+      read_chunks(f, o.chunk_bytes, index, pipe, r.text_bytes);
+      sources.push_back({{"path", f}, {"bytes", r.text_bytes - before}});
+      if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
+        last_log = Clock::now();
+        const double s = std::chrono::duration<double>(last_log - t0).count();
+        char msg[160];
+        std::snprintf(msg, sizeof(msg), "prepare: %.1f MB of text read, %.1f MB/s", r.text_bytes / 1e6,
+                      r.text_bytes / 1e6 / s);
+        zeroshard::log_info(msg);
+      }
+    }
+    pipe.close();
+    digest = writer.finish();
+    r.documents = writer.documents();
+    r.sequences = writer.sequences();
+    r.tokens = writer.tokens();
+  }
+  for (auto [name, text] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
+    std::ofstream(partial / "tokenizer" / name, std::ios::binary) << *text;
+  }
+  const json store_files = {{"tokens.bin", {{"bytes", digest.bin_bytes}, {"xxh3", hex(digest.bin_xxh3)}}},
+                            {"tokens.idx", {{"bytes", digest.idx_bytes}, {"xxh3", hex(digest.idx_xxh3)}}}};
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  const json manifest = {
+      {"format", "zeroshard token store"},
+      {"version", 1},
+      {"store", "tokens"},
+      {"token_type", zeroshard::to_string(type)},
+      {"tokenizer", {{"xxh3", tokenizer_hash(vocab, merges)}, {"vocab_size", tokenizer.vocab_size()}}},
+      {"sequences_are", "sentences (split after '.', '!' or '?' before whitespace, and at blank lines)"},
+      {"documents_are", "files"},
+      {"documents", r.documents},
+      {"sequences", r.sequences},
+      {"tokens", r.tokens},
+      {"text_bytes", r.text_bytes},
+      {"files", store_files},
+      {"sources", sources},
+      {"prepare", {{"workers", r.workers}, {"seconds", r.seconds}}},
+  };
+  {
+    std::ofstream out(partial / "manifest.json");
+    out << manifest.dump(1) << '\n';
+    out.close();
+    TORCH_CHECK(out.good(), "prepare: writing '", (partial / "manifest.json").string(), "' failed");
+  }
+  fs::rename(partial, o.out);  // the dataset appears whole, or not at all
+  return r;
+}
+
+std::string store_prefix(const std::string& dataset) {
+  const auto own = fs::path(dataset) / "tokens";
+  return fs::is_directory(dataset) && fs::exists(own.string() + ".idx") ? own.string() : dataset;
+}
+
+int prepare_command(const PrepareOptions& o) {
+  const auto r = prepare_dataset(o);
+  char msg[320];
+  std::snprintf(msg, sizeof(msg), "prepare: %lld files, %.1f MB of text -> %lld documents, %lld sentences, %lld tokens "
+                "in %.1f s (%.2f MB/s on %d workers) into ", static_cast<long long>(r.files), r.text_bytes / 1e6,
+                static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
+                static_cast<long long>(r.tokens), r.seconds, r.text_bytes / 1e6 / std::max(r.seconds, 1e-9), r.workers);
+  zeroshard::log_info(msg + o.out);
+  return 0;
+}
+
+int inspect_command(const std::string& dataset, const std::string& range, bool verify) {
+  const bool prepared = fs::exists(fs::path(dataset) / "manifest.json");
+  const json manifest = prepared ? read_manifest(dataset) : json(nullptr);
+  const zeroshard::TokenStore store(store_prefix(dataset));
+  json out = {{"prefix", store.prefix()}, {"token_type", zeroshard::to_string(store.type())},
+              {"documents", store.documents()}, {"sequences", store.sequences()}, {"tokens", store.tokens()}};
+  if (verify) {
+    store.verify();
+    const auto d = store.digest();
+    out["bin_xxh3"] = hex(d.bin_xxh3);
+    out["idx_xxh3"] = hex(d.idx_xxh3);
+    if (prepared) {
+      for (auto [name, bytes, h] : {std::tuple{"tokens.bin", d.bin_bytes, d.bin_xxh3},
+                                    std::tuple{"tokens.idx", d.idx_bytes, d.idx_xxh3}}) {
+        const auto& want = manifest.at("files").at(name);
+        TORCH_CHECK_VALUE(want.at("bytes").get<uint64_t>() == bytes && want.at("xxh3").get<std::string>() == hex(h),
+                          "dataset '", dataset, "': ", name, " is ", bytes, " bytes with xxh3 ", hex(h),
+                          "; its manifest says ", want.at("bytes").get<uint64_t>(), " bytes with xxh3 ",
+                          want.at("xxh3").get<std::string>(), ": the file is damaged; prepare the dataset again");
+      }
+    }
+    out["verified"] = true;
+  }
+  if (prepared) out["manifest"] = manifest;
+  std::cout << out.dump() << '\n';
+  if (!range.empty()) {
+    const auto colon = range.find(':');
+    TORCH_CHECK_VALUE(colon != std::string::npos, "inspect: --sequences '", range, "' is not FIRST:END");
+    const int64_t first = std::stoll(range.substr(0, colon));
+    const int64_t end = std::min<int64_t>(store.sequences(), std::stoll(range.substr(colon + 1)));
+    for (int64_t i = first; i < end; ++i) std::cout << json(store.sequence(i)).dump() << '\n';
+  }
+  std::cout.flush();
+  TORCH_CHECK(std::cout.good(), "inspect: writing failed");
+  return 0;
+}
+
+}  // namespace bart

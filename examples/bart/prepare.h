@@ -1,0 +1,77 @@
+// prepare.h — `bart_pretrain prepare`: a text corpus, once, into a dataset
+// directory that training maps (zeroshard/token_store.h):
+//
+//   DATASET/tokens.bin, tokens.idx  the token store (Megatron's indexed layout):
+//                                   a sequence per sentence, a document per file
+//   DATASET/tokenizer/              vocab.json and merges.txt, as given
+//   DATASET/manifest.json           the tokenizer's hash, the sources (path,
+//                                   bytes), counts, each store file's size and xxh3
+//
+// Text streams through in chunks cut where a sentence ends (a blank line, or
+// '.', '!', '?' before whitespace), so a chunk's sentences are the ones the
+// whole file would give; chunks are split and tokenized on `workers` threads and
+// written in order. Memory stays bounded (about 2 chunks per worker) at any
+// corpus size. Everything is written into DATASET.partial, renamed to DATASET
+// when whole: a prepare killed at any instant leaves no DATASET, and run again
+// it starts over.
+#pragma once
+
+#include "tokenizer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bart {
+
+struct PrepareOptions {
+  std::vector<std::string> data;  // directories (read recursively, by sorted path) or files
+  std::string tokenizer_dir;      // vocab.json and merges.txt
+  std::string out;                // the dataset directory; must not exist
+  int workers = 0;                // tokenizing threads; 0: every core
+  int64_t chunk_bytes = int64_t{1} << 20;  // text per task (more where no sentence ends within it)
+};
+
+struct PrepareReport {
+  int64_t files = 0, text_bytes = 0, documents = 0, sequences = 0, tokens = 0;
+  int workers = 0;
+  double seconds = 0;
+};
+
+PrepareReport prepare_dataset(const PrepareOptions& options);
+
+// The text files of `data` in the order prepare reads them: each directory's
+// regular files by sorted path, a file given by name as is; a second path to a
+// file already listed (a link) and binary files (a NUL byte in their first 8000
+// bytes, as git decides) left out. Throws naming a path that does not exist.
+std::vector<std::string> corpus_files(const std::vector<std::string>& data);
+
+// Where `pos` may end a chunk of `text`: one past the whitespace that follows
+// the last sentence end (a blank line, or '.', '!', '?' before whitespace)
+// before `pos`, or 0 when none does. split_sentences of the two parts gives the
+// sentences of the whole.
+size_t last_sentence_break(const std::string& text, size_t pos);
+
+// The hash the manifest records for a tokenizer: xxh3 of its two files' contents.
+std::string tokenizer_hash(const std::string& vocab_json, const std::string& merges_txt);
+
+// The prefix of the store `dataset` names: DATASET/tokens for a prepared
+// dataset directory, else `dataset` itself (Megatron's PREFIX.idx/.bin).
+std::string store_prefix(const std::string& dataset);
+
+// `bart_pretrain prepare`: prepare_dataset, and a line of what it did.
+int prepare_command(const PrepareOptions& options);
+// `bart_pretrain inspect --dataset D [--sequences A:B] [--verify]`: the store's
+// counts (and the manifest's, for a prepared dataset) as one JSON line; then
+// the sequences [A, B) as JSON arrays, a line each. --verify reads the whole
+// index and, for a prepared dataset, checks both files against the manifest's
+// sizes and checksums; a mismatch throws naming the file.
+int inspect_command(const std::string& dataset, const std::string& range, bool verify);
+
+// DATASET/manifest.json, parsed; throws naming the dataset when it is missing
+// or not a dataset's (a store without one: Megatron's, given by prefix).
+nlohmann::json read_manifest(const std::string& dataset_dir);
+
+}  // namespace bart
