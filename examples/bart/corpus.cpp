@@ -1,4 +1,4 @@
-// corpus.cpp — reading, sentence splitting and packing.
+// corpus.cpp — reading and sentence splitting.
 #include "corpus.h"
 
 #include <c10/util/Exception.h>
@@ -69,43 +69,6 @@ std::vector<std::string> split_sentences(const std::string& text) {
   }
   flush();
   return out;
-}
-
-Corpus build_corpus(const std::vector<std::string>& texts, const ByteLevelBpe& tokenizer, const CorpusOptions& o) {
-  TORCH_CHECK_VALUE(o.max_tokens >= 8, "corpus: max_tokens is ", o.max_tokens, "; use at least 8");
-  TORCH_CHECK_VALUE(o.validation_every >= 2, "corpus: validation_every is ", o.validation_every, "; use at least 2");
-  const int64_t budget = o.max_tokens - 2;  // bos, eos
-  Corpus corpus;
-  int64_t index = 0;
-  ByteLevelBpe::Cache cache;
-  auto emit = [&](Example& ex) {
-    if (ex.empty()) return;
-    ((index % o.validation_every) == o.validation_every - 1 ? corpus.validation : corpus.train).push_back(std::move(ex));
-    ex.clear();
-    ++index;
-  };
-  for (const auto& text : texts) {
-    Example ex;
-    int64_t used = 0;
-    bool first = true;
-    for (const auto& s : split_sentences(text)) {
-      auto ids = tokenizer.encode(first ? s : " " + s, cache);
-      first = false;
-      corpus.tokens += static_cast<int64_t>(ids.size());
-      for (size_t p = 0; p < ids.size();) {  // pieces of at most `budget`
-        const size_t take = std::min(ids.size() - p, static_cast<size_t>(budget));
-        if (used + static_cast<int64_t>(take) > budget) {
-          emit(ex);
-          used = 0;
-        }
-        ex.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(p), ids.begin() + static_cast<std::ptrdiff_t>(p + take));
-        used += static_cast<int64_t>(take);
-        p += take;
-      }
-    }
-    emit(ex);  // examples never span two texts
-  }
-  return corpus;
 }
 
 }  // namespace bart

@@ -1,8 +1,7 @@
-// corpus.h — text files to BART training examples: sentences, tokenized and
-// packed into examples of at most max_tokens (with bos/eos), a held-out split.
+// corpus.h — text: the files of a directory, and sentences (what
+// `bart_pretrain prepare` makes a token store's sequences of; packed_examples.h
+// packs them into examples).
 #pragma once
-
-#include "tokenizer.h"
 
 #include <cstdint>
 #include <string>
@@ -19,22 +18,5 @@ std::vector<std::string> read_texts(const std::string& dir);
 // Sentences: text split after '.', '!' or '?' followed by whitespace, and at
 // blank lines; whitespace collapsed to single spaces; empty pieces dropped.
 std::vector<std::string> split_sentences(const std::string& text);
-
-struct CorpusOptions {
-  int64_t max_tokens = 128;      // per example, bos and eos included
-  int64_t validation_every = 20; // every n-th example (the last of each n) is held out
-};
-
-// An example: consecutive sentences of one text, as token ids.
-using Example = std::vector<std::vector<int64_t>>;
-struct Corpus {
-  std::vector<Example> train, validation;
-  int64_t tokens = 0;  // all sentences' tokens
-};
-
-// Sentences are encoded with a leading space after the first of a text (as
-// running text tokenizes) and packed greedily; a sentence longer than an
-// example is cut into pieces. Deterministic.
-Corpus build_corpus(const std::vector<std::string>& texts, const ByteLevelBpe& tokenizer, const CorpusOptions& options);
 
 }  // namespace bart

@@ -254,6 +254,12 @@ std::vector<std::string> corpus_files(const std::vector<std::string>& data) {
   return out;
 }
 
+json corpus_sources(const std::vector<std::string>& data) {
+  json sources = json::array();
+  for (const auto& f : corpus_files(data)) sources.push_back({{"path", f}, {"bytes", fs::file_size(f)}});
+  return sources;
+}
+
 std::string tokenizer_hash(const std::string& vocab_json, const std::string& merges_txt) {
   XXH3_state_t* s = XXH3_createState();
   XXH3_64bits_reset(s);
@@ -280,11 +286,12 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   TORCH_CHECK_VALUE(!o.out.empty(), "prepare: give the dataset directory to write with --out");
   TORCH_CHECK_VALUE(!fs::exists(o.out), "prepare: --out '", o.out, "' exists; remove it or give another directory");
   TORCH_CHECK_VALUE(o.chunk_bytes >= 4096, "prepare: chunk_bytes ", o.chunk_bytes, " is below 4096");
-  TORCH_CHECK_VALUE(fs::exists(tokenizer_files_in(o.tokenizer_dir)), "prepare: --tokenizer '", o.tokenizer_dir,
-                    "' has no vocab.json; give a directory with vocab.json and merges.txt (bart_pretrain "
-                    "train-tokenizer makes one)");
-  const std::string vocab = read_file(fs::path(o.tokenizer_dir) / "vocab.json");
-  const std::string merges = read_file(fs::path(o.tokenizer_dir) / "merges.txt");
+  const bool given = !o.vocab_json.empty();
+  TORCH_CHECK_VALUE(given || fs::exists(tokenizer_files_in(o.tokenizer_dir)), "prepare: --tokenizer '",
+                    o.tokenizer_dir, "' has no vocab.json; give a directory with vocab.json and merges.txt "
+                    "(bart_pretrain train-tokenizer makes one)");
+  const std::string vocab = given ? o.vocab_json : read_file(fs::path(o.tokenizer_dir) / "vocab.json");
+  const std::string merges = given ? o.merges_txt : read_file(fs::path(o.tokenizer_dir) / "merges.txt");
   const auto tokenizer = ByteLevelBpe::parse(vocab, merges, (fs::path(o.tokenizer_dir) / "vocab.json").string(),
                                              (fs::path(o.tokenizer_dir) / "merges.txt").string());
   const auto files = corpus_files(o.data);
@@ -292,7 +299,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   PrepareReport r;
   r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   r.files = static_cast<int64_t>(files.size());
-  const fs::path partial = o.out + ".partial";
+  const fs::path partial = o.partial.empty() ? o.out + ".partial" : o.partial;
   fs::remove_all(partial);  // an earlier prepare that was stopped: start over
   fs::create_directories(partial / "tokenizer");
   const auto type = zeroshard::token_type_for(tokenizer.vocab_size());

@@ -29,9 +29,11 @@ namespace bart {
 struct PrepareOptions {
   std::vector<std::string> data;  // directories (read recursively, by sorted path) or files
   std::string tokenizer_dir;      // vocab.json and merges.txt
+  std::string vocab_json, merges_txt;  // or their contents (tokenizer_dir then names them in errors)
   std::string out;                // the dataset directory; must not exist
   int workers = 0;                // tokenizing threads; 0: every core
   int64_t chunk_bytes = int64_t{1} << 20;  // text per task (more where no sentence ends within it)
+  std::string partial;            // written here, then renamed to `out`; default OUT.partial (removed first)
 };
 
 struct PrepareReport {
@@ -41,6 +43,10 @@ struct PrepareReport {
 };
 
 PrepareReport prepare_dataset(const PrepareOptions& options);
+
+// The sources prepare records for `data` (corpus_files' paths and sizes), to
+// compare with a manifest's "sources".
+nlohmann::json corpus_sources(const std::vector<std::string>& data);
 
 // The text files of `data` in the order prepare reads them: each directory's
 // regular files by sorted path, a file given by name as is; a second path to a

@@ -38,7 +38,11 @@ void check_options(const RunOptions& o) {
   const auto need = [](bool ok, const char* name, const auto& value, const char* what) {
     TORCH_CHECK_VALUE(ok, name, " ", value, ": must be ", what);
   };
-  need(std::filesystem::is_directory(o.data), "--data", "'" + o.data + "'", "a directory of text files");
+  need(o.dataset.empty() || std::filesystem::exists(o.dataset) || std::filesystem::exists(o.dataset + ".idx"),
+       "--dataset", "'" + o.dataset + "'", "a dataset directory (bart_pretrain prepare writes one) or a token store's "
+       "prefix (PREFIX.idx and PREFIX.bin)");
+  need(!o.dataset.empty() || std::filesystem::is_directory(o.data), "--data", "'" + o.data + "'",
+       "a directory of text files (or give a prepared dataset with --dataset)");
   try {
     (void)BartConfig::named(o.config);  // names the config it cannot read, and where
   } catch (const c10::Error& e) {
@@ -150,7 +154,10 @@ int bart_pretrain_main(int argc, char** argv) {
   hf->add_option("--max-tokens", o.max_tokens, "the run's --max-tokens")->capture_default_str();
 
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
-  app.add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
+  app.add_option("--dataset", o.dataset, "a dataset directory bart_pretrain prepare wrote (or a token store's "
+                                         "prefix, PREFIX.idx + PREFIX.bin, with --tokenizer); every host needs a copy");
+  app.add_option("--data", o.data, "without --dataset: a directory of text files, prepared into RUN_DIR/dataset "
+                                   "first (each host's local rank 0 prepares its own copy)")->capture_default_str();
   app.add_option("--run-dir", o.run_dir, "tokenizer, checkpoints, metrics, plots, traces")->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "directory with vocab.json + merges.txt (a real BART vocabulary works); default: "

@@ -5,6 +5,7 @@
 // at the end calls each once.
 #include "pretraining_run.h"
 
+#include "prepare.h"
 #include "training.h"
 
 #include "zeroshard/sharded_adamw.h"
@@ -23,6 +24,8 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+
+#include <unistd.h>
 
 namespace bart {
 
@@ -99,15 +102,21 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   if (o.trace) zeroshard::trace::enable();
   zeroshard::trace::set_thread_name("training");
 
-  // Data: every rank builds the same corpus.
-  const auto texts = read_texts(o.data);
-  tokenizer_ = obtain_tokenizer(o, texts, *comm_);
-  CorpusOptions copts;
-  copts.max_tokens = o.max_tokens;
-  copts.validation_every = o.validation_every;
-  corpus_ = build_corpus(texts, tokenizer_, copts);
-  TORCH_CHECK_VALUE(static_cast<int64_t>(corpus_.train.size()) >= o.global_batch, "the corpus under '", o.data,
-                    "' has ", corpus_.train.size(), " training examples, fewer than --global-batch ", o.global_batch);
+  // Data: the prepared dataset's store, mapped; its examples packed once (a file beside it).
+  std::string vocab, merges;
+  tokenizer_ = obtain_tokenizer(o, *comm_, vocab, merges);
+  dataset_ = obtain_dataset(o, vocab, merges, dist_.local_rank, *comm_);
+  auto store = std::make_shared<const zeroshard::TokenStore>(store_prefix(dataset_));
+  PackingOptions packing;
+  packing.max_tokens = o.max_tokens;
+  packing.validation_every = o.validation_every;
+  const std::string packed = "packed-" + std::to_string(o.max_tokens) + "-" + std::to_string(o.validation_every) + ".bin";
+  // Beside a prepared dataset when its directory can take it (every run on it reuses the file), else in the run's.
+  const bool beside = fs::exists(fs::path(dataset_) / "manifest.json") && ::access(dataset_.c_str(), W_OK) == 0;
+  examples_ = std::make_unique<PackedExamples>(std::move(store), packing,
+                                               ((beside ? fs::path(dataset_) : fs::path(o.run_dir)) / packed).string());
+  TORCH_CHECK_VALUE(examples_->train().size() >= o.global_batch, "the dataset '", dataset_, "' has ",
+                    examples_->train().size(), " training examples, fewer than --global-batch ", o.global_batch);
   noise_ = o.noise;
   noise_.mask_id = tokenizer_.mask_id();
   noise_.bos_id = tokenizer_.id("<s>");
@@ -214,8 +223,7 @@ double PretrainingRun::waited() const {
 // the last checkpoint. Every stage of a data-parallel index draws the same examples.
 void PretrainingRun::resume() {
   const auto& o = o_;
-  sampler_ = std::make_unique<zeroshard::DistributedSampler>(static_cast<int64_t>(corpus_.train.size()), dp_rank_,
-                                                             dp_, o.seed);
+  sampler_ = std::make_unique<zeroshard::DistributedSampler>(examples_->train().size(), dp_rank_, dp_, o.seed);
   record_.noise = zeroshard::GradientNoiseScale(o.noise_smoothing);
   const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
   if (ckpt_dir != "none") {
@@ -229,9 +237,10 @@ void PretrainingRun::resume() {
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
         const auto saved = extra["sampler"].value("dataset_size", int64_t{-1});
-        TORCH_CHECK_VALUE(saved == static_cast<int64_t>(corpus_.train.size()), "cannot resume from step ", step_,
-                          " of ", ckpt_dir, ": it was saved training on ", saved, " examples and this run has ",
-                          corpus_.train.size(), "; resume with the --data, --max-tokens and tokenizer it was saved with");
+        TORCH_CHECK_VALUE(saved == examples_->train().size(), "cannot resume from step ", step_, " of ", ckpt_dir,
+                          ": it was saved training on ", saved, " examples and this run has ",
+                          examples_->train().size(), "; resume with the dataset (--dataset or --data), "
+                          "--max-tokens, --validation-every and tokenizer it was saved with");
         record_.from_json(extra, *sampler_);
         if (extra.contains("step_metrics")) carried_line_ = extra["step_metrics"].dump();
       } else {  // imported weights (zeroshard-ckpt import): a new run from them
@@ -264,8 +273,8 @@ void PretrainingRun::resume() {
 
 double PretrainingRun::evaluate(int64_t at) {
   const auto t0 = Clock::now();
-  const auto v = pipe_ ? validate(*pipe_, corpus_.validation, noise_, o_.eval_batch, pad_, device_)
-                       : validate(model_, corpus_.validation, noise_, o_.eval_batch, pad_, *comm_, device_);
+  const auto v = pipe_ ? validate(*pipe_, examples_->validation(), noise_, o_.eval_batch, pad_, device_)
+                       : validate(model_, examples_->validation(), noise_, o_.eval_batch, pad_, *comm_, device_);
   if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = v.loss;
   metrics_.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
   char msg[160];
@@ -309,7 +318,7 @@ StepResult PretrainingRun::step_once(int64_t step) {
     const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
     std::vector<int64_t> idx(indices.begin() + from, indices.begin() + to);
     std::vector<int64_t> ep(epochs_.begin() + from, epochs_.begin() + to);  // a batch may straddle two epochs
-    Batch b = make_batch(corpus_.train, idx, ep, noise_, o.seed, pad_, device_);
+    Batch b = make_batch(examples_->train(), idx, ep, noise_, o.seed, pad_, device_);
     local_tokens += b.target_tokens;
     micro.push_back(std::move(b));
   }

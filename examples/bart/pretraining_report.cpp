@@ -23,10 +23,11 @@ void PretrainingRun::log_start() const {
   const auto& o = o_;
   char msg[400];
   std::snprintf(msg, sizeof(msg),
-                "BART %s: %.2fM parameters, vocabulary %lld; %zu training / %zu validation examples (%lld tokens); "
+                "BART %s: %.2fM parameters, vocabulary %lld; %lld training / %lld validation examples (%lld tokens); "
                 "%d ranks on %s, ZeRO stage %d%s, %s, global batch %lld = %d x %lld micro-batches x %lld",
-                o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size), corpus_.train.size(),
-                corpus_.validation.size(), static_cast<long long>(corpus_.tokens), world_, device_.str().c_str(),
+                o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size),
+                static_cast<long long>(examples_->train().size()), static_cast<long long>(examples_->validation().size()),
+                static_cast<long long>(examples_->tokens()), world_, device_.str().c_str(),
                 o.stage, o.shard_size == "0" ? "" : (" (hybrid, shard groups: " + o.shard_size + ")").c_str(),
                 o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
                 static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
@@ -48,12 +49,12 @@ void PretrainingRun::log_start() const {
 // The last save committed; --save-logits: the model's logits on four validation examples.
 void PretrainingRun::finish() {
   if (ckpt_) ckpt_->wait();
-  if (o_.save_logits.empty() || corpus_.validation.empty()) return;
+  if (o_.save_logits.empty() || examples_->validation().empty()) return;
   torch::NoGradGuard no_grad;
   model_->eval();
   std::vector<int64_t> idx;
-  for (int64_t i = 0; i < std::min<int64_t>(4, corpus_.validation.size()); ++i) idx.push_back(i);
-  const auto b = make_batch(corpus_.validation, idx, std::vector<int64_t>(idx.size(), 0), noise_, 0, pad_, device_);
+  for (int64_t i = 0; i < std::min<int64_t>(4, examples_->validation().size()); ++i) idx.push_back(i);
+  const auto b = make_batch(examples_->validation(), idx, std::vector<int64_t>(idx.size(), 0), noise_, 0, pad_, device_);
   const auto logits = model_->forward(b.input_ids, shift_tokens_right(b.labels, pad_, config_.decoder_start_token_id))
                           .to(torch::kFloat).cpu().contiguous();
   model_->train();
@@ -107,8 +108,8 @@ void PretrainingRun::summarize() {
     s.bytes_sent += static_cast<int64_t>(all[3 * r + 2].item<double>());
   }
   s.bytes_sent += record_.bytes_sent;  // earlier attempts'
-  if (!o.no_sample && !pipe_ && !corpus_.validation.empty()) {  // decoding runs the whole model
-    s.denoising = denoising_accuracy(model_, corpus_.validation, o.sample_sentences,
+  if (!o.no_sample && !pipe_ && !examples_->validation().empty()) {  // decoding runs the whole model
+    s.denoising = denoising_accuracy(model_, examples_->validation(), o.sample_sentences,
                                      std::min<int64_t>(o.max_tokens - 2, 60), noise_, tokenizer_, device_);
     s.has_sample = s.denoising.sentences > 0;
   }

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "bart_model.h"
-#include "corpus.h"
+#include "packed_examples.h"
 #include "noise.h"
 #include "pipeline_training.h"
 #include "run.h"
@@ -79,7 +79,8 @@ class PretrainingRun {
   int shard_size_ = 0;  // --shard-size as ShardedAdamWOptions / FullyShardOptions::shard_size
   int64_t local_batch_ = 0;
   ByteLevelBpe tokenizer_;
-  Corpus corpus_;
+  std::string dataset_;                      // --dataset, or RUN_DIR/dataset
+  std::unique_ptr<PackedExamples> examples_;  // the store's, packed
   NoiseOptions noise_;
   int64_t pad_ = 0;
   BartConfig config_;

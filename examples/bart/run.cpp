@@ -4,10 +4,12 @@
 #include "run.h"
 
 #include "corpus.h"
+#include "prepare.h"
 #include "tokenizer.h"
 
 #include <zeroshard/comm.h>
 #include <zeroshard/log.h>
+#include <zeroshard/token_store.h>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +20,9 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <thread>
+
+#include <unistd.h>
 
 namespace bart {
 
@@ -49,17 +54,23 @@ void train_tokenizer_into(const std::vector<std::string>& texts, int64_t vocab_s
 // Rank 0 alone touches the tokenizer's files: it reads --tokenizer, or the run's own
 // tokenizer, or trains one into the run directory, and sends both files' contents to every
 // rank. No rank reads another host's disk, so hosts need no shared filesystem.
-ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string>& texts, zeroshard::Communicator& comm) {
-  const bool given = !o.tokenizer_dir.empty();
-  const std::string dir = given ? o.tokenizer_dir : (fs::path(o.run_dir) / "tokenizer").string();
-  std::string vocab, merges;
+ByteLevelBpe obtain_tokenizer(const RunOptions& o, zeroshard::Communicator& comm, std::string& vocab,
+                              std::string& merges) {
+  const bool given = !o.tokenizer_dir.empty(), from_dataset = !given && !o.dataset.empty();
+  const std::string dir = given          ? o.tokenizer_dir
+                          : from_dataset ? (fs::path(o.dataset) / "tokenizer").string()
+                                         : (fs::path(o.run_dir) / "tokenizer").string();
   std::exception_ptr error;
   if (comm.rank() == 0) {
     try {
       TORCH_CHECK_VALUE(!given || fs::exists(tokenizer_files_in(dir)), "--tokenizer '", dir,
                         "' has no vocab.json; give a directory with vocab.json and merges.txt, or leave --tokenizer "
                         "out to train one from --data");
-      if (!given && !fs::exists(tokenizer_files_in(dir))) train_tokenizer_into(texts, o.vocab_size, dir);
+      TORCH_CHECK_VALUE(!from_dataset || fs::exists(tokenizer_files_in(dir)), "--dataset '", o.dataset,
+                        "' holds no tokenizer (a store prepared by other tools): give its vocabulary with --tokenizer");
+      if (!given && !from_dataset && !fs::exists(tokenizer_files_in(dir))) {
+        train_tokenizer_into(read_texts(o.data), o.vocab_size, dir);
+      }
       for (auto [file, out] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
         std::ifstream in(fs::path(dir) / file);
         TORCH_CHECK_VALUE(in, "tokenizer: cannot read '", (fs::path(dir) / file).string(), "'");
@@ -84,6 +95,80 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string
     TORCH_CHECK_VALUE(false, given ? "--tokenizer: " : "the run's tokenizer (delete it to train one again): ",
                       e.what_without_backtrace());
   }
+}
+
+std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const std::string& merges, int local_rank,
+                           zeroshard::Communicator& comm) {
+  const bool prepared_here = o.dataset.empty();
+  const std::string dataset = prepared_here ? (fs::path(o.run_dir) / "dataset").string() : o.dataset;
+  const std::string hash = tokenizer_hash(vocab, merges);
+  const auto manifest_path = fs::path(dataset) / "manifest.json";
+  std::exception_ptr error;
+  try {
+    if (prepared_here && local_rank == 0) {
+      if (fs::exists(manifest_path)) {  // a restart, or a run directory used again
+        const auto m = read_manifest(dataset);
+        TORCH_CHECK_VALUE(m.at("sources") == corpus_sources({o.data}), "'", dataset, "' was prepared from other "
+                          "text than --data '", o.data, "' holds now; delete it to prepare it again, or give another "
+                          "--run-dir");
+      } else {
+        // Hosts that share the run directory's filesystem each prepare; the first rename wins.
+        char host[256] = {};
+        ::gethostname(host, sizeof(host) - 1);
+        PrepareOptions po;
+        po.data = {o.data};
+        po.tokenizer_dir = (fs::path(o.run_dir) / "tokenizer").string();
+        po.vocab_json = vocab;
+        po.merges_txt = merges;
+        po.out = dataset;
+        po.partial = dataset + ".partial." + host + "." + std::to_string(::getpid());
+        try {
+          const auto r = prepare_dataset(po);
+          char msg[200];
+          std::snprintf(msg, sizeof(msg), "data: --data prepared in %.1f s (%lld tokens) into ", r.seconds,
+                        static_cast<long long>(r.tokens));
+          zeroshard::log_info(msg + dataset);
+        } catch (const std::exception&) {
+          if (!fs::exists(manifest_path)) throw;
+          fs::remove_all(po.partial);  // another host's rank prepared it first
+        }
+      }
+    } else if (prepared_here) {  // the host's local rank 0 prepares it
+      while (!fs::exists(manifest_path)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (fs::exists(manifest_path)) {
+      const auto m = read_manifest(dataset);
+      const std::string theirs = m.at("tokenizer").at("xxh3").get<std::string>();
+      TORCH_CHECK_VALUE(theirs == hash, "dataset '", dataset, "' was prepared with another tokenizer (xxh3 ", theirs,
+                        ") than this run's (", hash, "); train with the tokenizer it was prepared with (leave out "
+                        "--tokenizer: the dataset's own), or prepare the dataset again with this one");
+    }
+  } catch (const std::exception&) {
+    error = std::current_exception();
+  }
+  // Every rank holds the same store: its index's size and first bytes' hash, against rank 0's.
+  std::string mine = "-";
+  if (!error) {
+    try {
+      const zeroshard::TokenStore store(store_prefix(dataset));
+      mine = std::to_string(store.sequences()) + "/" + std::to_string(store.documents()) + "/" +
+             std::to_string(store.tokens());
+      if (fs::exists(manifest_path)) mine += "/" + read_manifest(dataset).at("files").at("tokens.idx").at("xxh3").get<std::string>();
+    } catch (const std::exception&) {
+      error = std::current_exception();
+    }
+  }
+  auto failed = torch::tensor({error ? 1.0 : 0.0}, torch::kDouble);
+  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait();
+  if (error) std::rethrow_exception(error);
+  TORCH_CHECK(failed.item<double>() == 0, "data: another rank could not open the dataset (its output says why)");
+  const std::string rank0 = zeroshard::broadcast_text(comm, mine, 0);
+  auto differs = torch::tensor({rank0 == mine ? 0.0 : 1.0}, torch::kDouble);
+  comm.all_reduce(differs, zeroshard::ReduceOp::kMax)->wait();
+  TORCH_CHECK_VALUE(differs.item<double>() == 0, "data: the ranks hold different datasets at '", dataset,
+                    "' (rank 0: sequences/documents/tokens/index xxh3 ", rank0, ", rank ", comm.rank(), ": ", mine,
+                    "); give every host the same copy");
+  return dataset;
 }
 
 std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }

@@ -17,7 +17,8 @@ namespace bart {
 
 struct RunOptions {
   std::string config = "tiny";
-  std::string data = "/usr/share/common-licenses";
+  std::string data = "/usr/share/common-licenses";  // prepared into RUN_DIR/dataset, when --dataset is not given
+  std::string dataset;  // a prepared dataset directory (bart_pretrain prepare), or a token store's prefix
   std::string run_dir = "bart-run";
   std::string tokenizer_dir;  // "": RUN_DIR/tokenizer, trained when missing
   int64_t vocab_size = 2048;
@@ -87,10 +88,21 @@ int encode_command(const std::string& tokenizer_dir);
 std::string tokenizer_files_in(const std::string& dir);
 ByteLevelBpe load_tokenizer(const std::string& dir);
 
-// The run's tokenizer: --tokenizer's, or RUN_DIR/tokenizer, which rank 0
-// trains from `texts` first when it is not there yet. Collective.
-ByteLevelBpe obtain_tokenizer(const RunOptions& o, const std::vector<std::string>& texts,
-                              zeroshard::Communicator& comm);
+// The run's tokenizer: --tokenizer's, or the dataset's (DATASET/tokenizer), or
+// RUN_DIR/tokenizer, which rank 0 trains from --data first when it is not there
+// yet. Rank 0 reads the files and sends them to every rank; `vocab` and
+// `merges` receive their contents. Collective.
+ByteLevelBpe obtain_tokenizer(const RunOptions& o, zeroshard::Communicator& comm, std::string& vocab,
+                              std::string& merges);
+
+// The run's dataset: --dataset, or RUN_DIR/dataset, which each host's local rank
+// 0 prepares from --data (prepare_dataset) when it is not there yet, while the
+// host's other ranks wait for it; one prepared earlier from other text or with
+// another tokenizer is refused by name. Then, on every rank, a prepared
+// dataset's manifest must name this tokenizer, and every rank must hold the
+// same store (its index's checksum, compared with rank 0's). Collective.
+std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const std::string& merges, int local_rank,
+                           zeroshard::Communicator& comm);
 
 // The model a run trains: the named config with the tokenizer's vocabulary
 // and special tokens, room for --max-tokens, and --dropout.

@@ -9,17 +9,15 @@ namespace bart {
 
 namespace F = torch::nn::functional;
 
-NoisedExample noised_example(const std::vector<Example>& examples, int64_t index, const NoiseOptions& noise,
-                             uint64_t seed, int64_t epoch) {
-  TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(examples.size()), "BART data: example ", index,
-                    " of ", examples.size());
+NoisedExample noised_example(const Example& example, int64_t index, const NoiseOptions& noise, uint64_t seed,
+                             int64_t epoch) {
   std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), static_cast<uint32_t>(epoch),
                     static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32)};
   std::mt19937_64 rng(seq);
-  return add_noise(examples[static_cast<size_t>(index)], noise, rng);
+  return add_noise(example, noise, rng);
 }
 
-Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
+Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_t>& indices,
                  const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
                  torch::Device device) {
   TORCH_CHECK_VALUE(!indices.empty(), "BART data: an empty batch");
@@ -28,7 +26,7 @@ Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t
   std::vector<NoisedExample> noised;
   size_t src_len = 0, tgt_len = 0;
   for (size_t k = 0; k < indices.size(); ++k) {
-    noised.push_back(noised_example(examples, indices[k], noise, seed, epochs[k]));
+    noised.push_back(noised_example(examples.at(indices[k]), indices[k], noise, seed, epochs[k]));
     src_len = std::max(src_len, noised.back().source.size());
     tgt_len = std::max(tgt_len, noised.back().target.size());
   }
@@ -56,12 +54,12 @@ torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batc
                           F::CrossEntropyFuncOptions().ignore_index(c.pad_token_id).reduction(torch::kSum));
 }
 
-std::vector<ValidationBatch> validation_batches(const std::vector<Example>& validation, const NoiseOptions& noise,
+std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,
                                                int64_t batch_size, int64_t pad_id, int rank, int ranks,
                                                torch::Device device) {
   TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the held-out split is empty (more data, or a smaller "
                                          "--validation-every)");
-  const auto n = static_cast<int64_t>(validation.size());
+  const int64_t n = validation.size();
   const int64_t per_rank = (n + ranks - 1) / ranks;
   const int64_t batches = (per_rank + batch_size - 1) / batch_size;
   std::vector<ValidationBatch> out;
@@ -79,7 +77,7 @@ std::vector<ValidationBatch> validation_batches(const std::vector<Example>& vali
   return out;
 }
 
-Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+Validation validate(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                     const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
                     torch::Device device) {
   torch::NoGradGuard no_grad;
@@ -102,7 +100,7 @@ Validation validate(BartForConditionalGeneration& model, const std::vector<Examp
   return v;
 }
 
-Validation validate(PipelinedBart& pipe, const std::vector<Example>& validation, const NoiseOptions& noise,
+Validation validate(PipelinedBart& pipe, const PackedExamples::Split& validation, const NoiseOptions& noise,
                     int64_t batch_size, int64_t pad_id, torch::Device device) {
   const auto& grid = pipe.grid();
   auto batches = validation_batches(validation, noise, batch_size, pad_id, grid.dp_rank(), grid.dp(), device);
@@ -171,12 +169,12 @@ bool whole_sentence(const std::string& text) {
 
 }  // namespace
 
-DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                                      int64_t count, int64_t max_len, const NoiseOptions& noise,
                                      const ByteLevelBpe& tokenizer, torch::Device device, int64_t batch) {
   std::vector<Example> sentences;
-  for (const auto& e : validation) {
-    for (const auto& s : e) {
+  for (int64_t i = 0; i < validation.size() && static_cast<int64_t>(sentences.size()) < count; ++i) {
+    for (const auto& s : validation.at(i)) {
       if (static_cast<int64_t>(sentences.size()) < count && s.size() >= 12 && static_cast<int64_t>(s.size()) <= max_len) {
         sentences.push_back({s});
       }
@@ -193,7 +191,7 @@ DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const 
     std::vector<NoisedExample> noised;
     size_t src_len = 0, tgt_len = 0;
     for (size_t i = from; i < to; ++i) {
-      noised.push_back(noised_example(sentences, static_cast<int64_t>(i), one, /*seed=*/0, /*epoch=*/0));
+      noised.push_back(noised_example(sentences[i], static_cast<int64_t>(i), one, /*seed=*/0, /*epoch=*/0));
       src_len = std::max(src_len, noised.back().source.size());
       tgt_len = std::max(tgt_len, noised.back().target.size());
     }

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "bart_model.h"
-#include "corpus.h"
+#include "packed_examples.h"
 #include "noise.h"
 #include "pipeline_training.h"
 #include "tokenizer.h"
@@ -28,12 +28,12 @@ struct Batch {
 // The noise of an example depends only on (seed, epoch, index), never on the
 // rank or the world size, so any number of ranks sees the same global batch and
 // a resumed run sees the same noise.
-NoisedExample noised_example(const std::vector<Example>& examples, int64_t index, const NoiseOptions& noise,
-                             uint64_t seed, int64_t epoch);
+NoisedExample noised_example(const Example& example, int64_t index, const NoiseOptions& noise, uint64_t seed,
+                             int64_t epoch);
 
 // The examples at `indices` (epochs[i] is the epoch of indices[i]), noised and
 // padded to the longest in the batch, on `device`.
-Batch make_batch(const std::vector<Example>& examples, const std::vector<int64_t>& indices,
+Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_t>& indices,
                  const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
                  torch::Device device = torch::kCPU);
 
@@ -51,7 +51,7 @@ struct Validation {
 // ZeRO-3 needs. Noise is fixed (seed 0, epoch 0), so values compare across steps.
 // Batches go to `device` (the model's). Collective over `comm` (a CPU one).
 // Leaves the model in training mode.
-Validation validate(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+Validation validate(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                     const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
                     torch::Device device = torch::kCPU);
 
@@ -62,14 +62,14 @@ struct ValidationBatch {
   Batch batch;
   bool padding = false;
 };
-std::vector<ValidationBatch> validation_batches(const std::vector<Example>& validation, const NoiseOptions& noise,
+std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,
                                                int64_t batch_size, int64_t pad_id, int rank, int ranks,
                                                torch::Device device = torch::kCPU);
 
 // validate() through pipeline stages: the split over the data-parallel ranks,
 // each rank's batches as microbatches of a forward schedule. Collective over
 // the pipeline's world.
-Validation validate(PipelinedBart& pipe, const std::vector<Example>& validation, const NoiseOptions& noise,
+Validation validate(PipelinedBart& pipe, const PackedExamples::Split& validation, const NoiseOptions& noise,
                     int64_t batch_size, int64_t pad_id, torch::Device device = torch::kCPU);
 
 // A batch as the pipeline's microbatch: the decoder's input is the labels
@@ -96,7 +96,7 @@ struct DenoisingAccuracy {
   double masked_accuracy() const { return masked > 0 ? static_cast<double>(masked_right) / masked : 0.0; }
   DenoisingSample sample;  // the first whole sentence (else the first), as text
 };
-DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const std::vector<Example>& validation,
+DenoisingAccuracy denoising_accuracy(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                                      int64_t count, int64_t max_len, const NoiseOptions& noise,
                                      const ByteLevelBpe& tokenizer, torch::Device device = torch::kCPU,
                                      int64_t batch = 16);

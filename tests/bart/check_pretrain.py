@@ -501,9 +501,29 @@ def check_bad_input(build, work):
     out = pretrain(build, saved, 0, "--max-steps", "2", "--eval-every", "0", "--no-sample", "--max-tokens", "64",
                    "--global-batch", "4", expect=1)
     check("cannot resume from step 1 of" in out and
-          "; resume with the --data, --max-tokens and tokenizer it was saved with" in out and "frame #" not in out,
+          "; resume with the dataset (--dataset or --data), --max-tokens, --validation-every and tokenizer it was "
+          "saved with" in out and "frame #" not in out,
           lambda: f"a resume at another --max-tokens: {out[-3000:]}")
-    print(f"bad_input: {len(cases) + 2 + len(pipeline_cases)} wrong inputs, each one named with its fix")
+    # Data that does not fit the run: RUN_DIR/dataset prepared from other text, a dataset prepared with another
+    # tokenizer than --tokenizer, a dataset that is not there.
+    other = os.path.join(work, "bad_other_text")
+    shutil.rmtree(other, ignore_errors=True)
+    os.makedirs(other)
+    shutil.copy(os.path.join(DATA, "GPL-3"), other)
+    out = pretrain(build, saved, 0, "--data", other, "--max-steps", "2", "--max-tokens", "32", expect=1)
+    check(f"'{saved}/dataset' was prepared from other text than --data '{other}' holds now; delete it" in out,
+          lambda: f"a run directory's dataset from other text: {out[-3000:]}")
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    small_tok = os.path.join(work, "bad_small_tok")
+    shutil.rmtree(small_tok, ignore_errors=True)
+    run([exe, "train-tokenizer", "--data", other, "--vocab-size", "300", "--out", small_tok])
+    out = pretrain(build, os.path.join(work, "bad_tok_run"), 0, "--dataset", os.path.join(saved, "dataset"),
+                   "--tokenizer", small_tok, "--max-steps", "1", expect=1)
+    check(f"dataset '{saved}/dataset' was prepared with another tokenizer" in out and
+          "prepare the dataset again with this one" in out, lambda: f"a dataset of another tokenizer: {out[-3000:]}")
+    out = pretrain(build, os.path.join(work, "bad_no_dataset"), 0, "--dataset", "/nonexistent", expect=1)
+    check("--dataset '/nonexistent': must be a dataset directory" in out, lambda: out[-3000:])
+    print(f"bad_input: {len(cases) + 5 + len(pipeline_cases)} wrong inputs, each one named with its fix")
 
 
 if __name__ == "__main__":

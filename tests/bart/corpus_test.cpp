@@ -1,12 +1,15 @@
-// BART corpus: sentences split, packed within max_tokens, every token kept
-// exactly once, a deterministic held-out split; the default corpus is there.
+// BART corpus: sentences split; a token store packed within max_tokens, every
+// token kept exactly once, a deterministic held-out split; the default corpus is there.
 #include "corpus.h"
+#include "packed_examples.h"
+#include "tokenizer.h"
 #include "test_util.h"
 #include "training.h"
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 
 namespace corpus_test {
@@ -19,30 +22,71 @@ TEST(BartCorpus, SplitsSentencesAndParagraphs) {
                                          "Is it?", "Yes"}));
 }
 
+// The licenses as a token store (a document per file, a sequence per sentence,
+// as prepare writes it), packed: every token in exactly one example, in order,
+// within the budget and one document; every n-th example held out; the packing
+// file read again without building, and built again for other options.
 TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   const auto texts = bart::read_texts("/usr/share/common-licenses");  // on every Debian system
   ASSERT_GE(texts.size(), 5u);
   auto tok = bart::ByteLevelBpe::train({texts[0], texts[1]}, 600);
-  bart::CorpusOptions o;
-  o.max_tokens = 64;
-  const auto corpus = bart::build_corpus(texts, tok, o);
-  int64_t tokens = 0;
-  for (const auto* split : {&corpus.train, &corpus.validation}) {
-    for (const auto& ex : *split) {
-      int64_t n = 0;
-      for (const auto& s : ex) n += static_cast<int64_t>(s.size());
-      EXPECT_LE(n, o.max_tokens - 2);
-      EXPECT_GT(n, 0);
-      tokens += n;
+  const auto dir = zeroshard::testing::make_temp_dir("packed");
+  std::vector<std::vector<int64_t>> flat(texts.size());  // each document's tokens, in order
+  {
+    zeroshard::TokenStoreWriter w(dir + "/tokens", zeroshard::TokenType::kUInt16);
+    for (size_t d = 0; d < texts.size(); ++d) {
+      bool first = true;
+      for (const auto& s : bart::split_sentences(texts[d])) {
+        const auto ids = tok.encode(first ? s : " " + s);
+        first = false;
+        w.add(ids);
+        flat[d].insert(flat[d].end(), ids.begin(), ids.end());
+      }
+      w.end_document();
     }
+    w.finish();
   }
-  EXPECT_EQ(tokens, corpus.tokens) << "every token in exactly one example";
-  const double held = static_cast<double>(corpus.validation.size()) / (corpus.train.size() + corpus.validation.size());
-  std::printf("BART corpus: %zu texts, %lld tokens, %zu train + %zu validation examples\n", texts.size(),
-              static_cast<long long>(corpus.tokens), corpus.train.size(), corpus.validation.size());
-  EXPECT_NEAR(held, 1.0 / o.validation_every, 0.01);
-  const auto again = bart::build_corpus(texts, tok, o);
-  EXPECT_EQ(again.validation, corpus.validation);
+  auto store = std::make_shared<const zeroshard::TokenStore>(dir + "/tokens");
+  bart::PackingOptions o;
+  o.max_tokens = 64;
+  o.validation_every = 7;
+  bart::PackedExamples packed(store, o, dir + "/packed.bin");
+  EXPECT_TRUE(packed.built());
+  const int64_t total = packed.train().size() + packed.validation().size();
+  EXPECT_EQ(packed.validation().size(), total / o.validation_every);
+  // Back in corpus order (example k is held out when k % 7 == 6), the examples are the documents' tokens cut.
+  size_t doc = 0, at = 0;
+  int64_t t = 0, v = 0, tokens = 0;
+  for (int64_t k = 0; k < total; ++k) {
+    const bool held = k % o.validation_every == o.validation_every - 1;
+    const auto ex = held ? packed.validation().at(v++) : packed.train().at(t++);
+    while (doc < flat.size() && at == flat[doc].size()) ++doc, at = 0;
+    ASSERT_LT(doc, flat.size());
+    int64_t n = 0;
+    for (const auto& piece : ex) {
+      ASSERT_FALSE(piece.empty());
+      ASSERT_LE(at + piece.size(), flat[doc].size()) << "example " << k << " runs past its document";
+      EXPECT_TRUE(std::equal(piece.begin(), piece.end(), flat[doc].begin() + static_cast<std::ptrdiff_t>(at)))
+          << "example " << k;
+      at += piece.size();
+      n += static_cast<int64_t>(piece.size());
+    }
+    EXPECT_GT(n, 0);
+    EXPECT_LE(n, o.max_tokens - 2);
+    tokens += n;
+  }
+  EXPECT_EQ(tokens, store->tokens()) << "every token in exactly one example";
+  std::printf("BART examples: %zu documents, %lld tokens, %lld train + %lld validation examples\n", texts.size(),
+              static_cast<long long>(tokens), static_cast<long long>(packed.train().size()),
+              static_cast<long long>(packed.validation().size()));
+  bart::PackedExamples again(store, o, dir + "/packed.bin");
+  EXPECT_FALSE(again.built()) << "a packing already on disk is read, not computed";
+  EXPECT_EQ(again.validation().at(3), packed.validation().at(3));
+  o.max_tokens = 32;
+  bart::PackedExamples other(store, o, dir + "/packed.bin");
+  EXPECT_TRUE(other.built()) << "another --max-tokens packs again";
+  EXPECT_GT(other.train().size(), packed.train().size());
+  std::filesystem::remove_all(dir);
   EXPECT_THROW(bart::read_texts("/nonexistent-zeroshard-dir"), c10::Error);
 }
 
