@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # make demo: tiny BART pretrained on 2 local ranks with ZeRO-3 on the fortune
 # cookies of Debian's `fortunes` package (scripts/install-deps.sh installs it;
-# or DATA=dir), with a simulated spot interruption half-way: zeroshard-run
+# or DATA=dir). The text is prepared once, as a large corpus would be: a
+# vocabulary learned from it, then `bart_pretrain prepare` writes the token
+# store the run maps (RUN_DIR/dataset). A simulated spot interruption half-way: zeroshard-run
 # sends every rank SIGTERM, they save a checkpoint and exit 75, the launcher
 # restarts them, they resume from the checkpoint and finish. The run ends by
 # decoding held-out sentences: the summary gives the share of unmasked tokens
@@ -30,8 +32,12 @@ echo "demo: tiny BART, $ranks ranks, ZeRO-3, $steps steps on the text under $dat
 echo "demo: a simulated spot preemption (SIGTERM through zeroshard-run) comes at step $((steps / 2)); the run saves,"
 echo "demo: is restarted, resumes from its checkpoint and finishes. Run directory: $run_dir"
 echo
+mkdir -p "$run_dir"
+"$build/examples/bart_pretrain" train-tokenizer --data "$data" --vocab-size 2048 --out "$run_dir/tokenizer"
+"$build/examples/bart_pretrain" prepare --data "$data" --tokenizer "$run_dir/tokenizer" --out "$run_dir/dataset"
+echo
 "$build/zeroshard-run" --nproc-per-node "$ranks" --max-restarts 1 --simulate-preemption-at-step $((steps / 2)) -- \
-  "$build/examples/bart_pretrain" --config tiny --data "$data" --run-dir "$run_dir" --stage 3 \
+  "$build/examples/bart_pretrain" --config tiny --dataset "$run_dir/dataset" --run-dir "$run_dir" --stage 3 \
   --max-steps "$steps" --global-batch 32 --max-tokens 32 --lr 1e-3 --schedule cosine --warmup-steps "$warmup" \
   --mask-ratio 0.3 --no-permute --dropout 0 --eval-every "$every" --save-every "$every" --progress-interval 15 --trace
 echo

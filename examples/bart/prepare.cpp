@@ -207,6 +207,25 @@ void read_chunks(const std::string& file, int64_t bytes, int64_t& index, Pipelin
   }
 }
 
+// The tokenizer's files and the manifest (with the store's sizes and checksums)
+// into `partial`, then `partial` renamed to `out`: the dataset appears whole, or not at all.
+void commit_dataset(const fs::path& partial, const std::string& out, const std::string& vocab,
+                    const std::string& merges, const zeroshard::TokenStoreDigest& digest, json manifest) {
+  fs::create_directories(partial / "tokenizer");
+  for (auto [name, text] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
+    std::ofstream(partial / "tokenizer" / name, std::ios::binary) << *text;
+  }
+  manifest["files"] = {{"tokens.bin", {{"bytes", digest.bin_bytes}, {"xxh3", hex(digest.bin_xxh3)}}},
+                       {"tokens.idx", {{"bytes", digest.idx_bytes}, {"xxh3", hex(digest.idx_xxh3)}}}};
+  {
+    std::ofstream f(partial / "manifest.json");
+    f << manifest.dump(1) << '\n';
+    f.close();
+    TORCH_CHECK(f.good(), "prepare: writing '", (partial / "manifest.json").string(), "' failed");
+  }
+  fs::rename(partial, out);
+}
+
 }  // namespace
 
 size_t last_sentence_break(const std::string& text, size_t pos) {
@@ -301,7 +320,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   r.files = static_cast<int64_t>(files.size());
   const fs::path partial = o.partial.empty() ? o.out + ".partial" : o.partial;
   fs::remove_all(partial);  // an earlier prepare that was stopped: start over
-  fs::create_directories(partial / "tokenizer");
+  fs::create_directories(partial);
   const auto type = zeroshard::token_type_for(tokenizer.vocab_size());
   json sources = json::array();
   zeroshard::TokenStoreDigest digest;
@@ -329,11 +348,6 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
     r.sequences = writer.sequences();
     r.tokens = writer.tokens();
   }
-  for (auto [name, text] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
-    std::ofstream(partial / "tokenizer" / name, std::ios::binary) << *text;
-  }
-  const json store_files = {{"tokens.bin", {{"bytes", digest.bin_bytes}, {"xxh3", hex(digest.bin_xxh3)}}},
-                            {"tokens.idx", {{"bytes", digest.idx_bytes}, {"xxh3", hex(digest.idx_xxh3)}}}};
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   const json manifest = {
       {"format", "zeroshard token store"},
@@ -347,17 +361,59 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       {"sequences", r.sequences},
       {"tokens", r.tokens},
       {"text_bytes", r.text_bytes},
-      {"files", store_files},
       {"sources", sources},
       {"prepare", {{"workers", r.workers}, {"seconds", r.seconds}}},
   };
-  {
-    std::ofstream out(partial / "manifest.json");
-    out << manifest.dump(1) << '\n';
-    out.close();
-    TORCH_CHECK(out.good(), "prepare: writing '", (partial / "manifest.json").string(), "' failed");
+  commit_dataset(partial, o.out, vocab, merges, digest, manifest);
+  return r;
+}
+
+PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::string& out) {
+  const auto t0 = Clock::now();
+  TORCH_CHECK_VALUE(!parts.empty(), "merge: give the prepared datasets to merge");
+  TORCH_CHECK_VALUE(!fs::exists(out), "merge: --out '", out, "' exists; remove it or give another directory");
+  std::vector<json> manifests;
+  for (const auto& p : parts) {
+    manifests.push_back(read_manifest(p));
+    const auto& m = manifests.back();
+    for (const char* key : {"tokenizer", "token_type", "sequences_are", "documents_are"}) {
+      TORCH_CHECK_VALUE(m.at(key) == manifests.front().at(key), "merge: '", p, "' was prepared with another ", key,
+                        " than '", parts.front(), "' (", m.at(key).dump(), " against ",
+                        manifests.front().at(key).dump(), "); prepare every part the same way");
+    }
   }
-  fs::rename(partial, o.out);  // the dataset appears whole, or not at all
+  const std::string vocab = read_file(fs::path(parts.front()) / "tokenizer" / "vocab.json");
+  const std::string merges = read_file(fs::path(parts.front()) / "tokenizer" / "merges.txt");
+  TORCH_CHECK_VALUE(tokenizer_hash(vocab, merges) == manifests.front().at("tokenizer").at("xxh3").get<std::string>(),
+                    "merge: '", parts.front(), "/tokenizer' is not the tokenizer its manifest names; prepare it again");
+  const fs::path partial = out + ".partial";
+  fs::remove_all(partial);
+  fs::create_directories(partial);
+  json manifest = manifests.front();
+  manifest["sources"] = json::array();
+  PrepareReport r;
+  zeroshard::TokenStoreDigest digest;
+  {
+    zeroshard::TokenStoreWriter writer((partial / "tokens").string(),
+                                       zeroshard::TokenStore(store_prefix(parts.front())).type());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      writer.append(zeroshard::TokenStore(store_prefix(parts[i])));
+      for (const auto& src : manifests[i].at("sources")) manifest["sources"].push_back(src);
+      r.text_bytes += manifests[i].value("text_bytes", int64_t{0});
+      r.files += static_cast<int64_t>(manifests[i].at("sources").size());
+    }
+    digest = writer.finish();
+    r.documents = writer.documents();
+    r.sequences = writer.sequences();
+    r.tokens = writer.tokens();
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  manifest["documents"] = r.documents;
+  manifest["sequences"] = r.sequences;
+  manifest["tokens"] = r.tokens;
+  manifest["text_bytes"] = r.text_bytes;
+  manifest["prepare"] = {{"merged", parts}, {"seconds", r.seconds}};
+  commit_dataset(partial, out, vocab, merges, digest, manifest);
   return r;
 }
 
@@ -374,6 +430,16 @@ int prepare_command(const PrepareOptions& o) {
                 static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
                 static_cast<long long>(r.tokens), r.seconds, r.text_bytes / 1e6 / std::max(r.seconds, 1e-9), r.workers);
   zeroshard::log_info(msg + o.out);
+  return 0;
+}
+
+int merge_command(const std::vector<std::string>& parts, const std::string& out) {
+  const auto r = merge_datasets(parts, out);
+  char msg[200];
+  std::snprintf(msg, sizeof(msg), "merge: %zu datasets -> %lld documents, %lld sentences, %lld tokens in %.1f s into ",
+                parts.size(), static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
+                static_cast<long long>(r.tokens), r.seconds);
+  zeroshard::log_info(msg + out);
   return 0;
 }
 

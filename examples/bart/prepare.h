@@ -44,6 +44,13 @@ struct PrepareReport {
 
 PrepareReport prepare_dataset(const PrepareOptions& options);
 
+// `bart_pretrain merge --out DATASET PART...`: datasets prepared in parts (on
+// several hosts, from parts of a corpus) into one, their documents in the
+// order given: the stores' indexes concatenated and their tokens copied, the
+// sources listed in order. The parts must share the tokenizer and the rules
+// (the manifests say). Written as DATASET.partial, renamed when whole.
+PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::string& out);
+
 // The sources prepare records for `data` (corpus_files' paths and sizes), to
 // compare with a manifest's "sources".
 nlohmann::json corpus_sources(const std::vector<std::string>& data);
@@ -69,6 +76,7 @@ std::string store_prefix(const std::string& dataset);
 
 // `bart_pretrain prepare`: prepare_dataset, and a line of what it did.
 int prepare_command(const PrepareOptions& options);
+int merge_command(const std::vector<std::string>& parts, const std::string& out);
 // `bart_pretrain inspect --dataset D [--sequences A:B] [--verify]`: the store's
 // counts (and the manifest's, for a prepared dataset) as one JSON line; then
 // the sequences [A, B) as JSON arrays, a line each. --verify reads the whole

@@ -131,6 +131,12 @@ int bart_pretrain_main(int argc, char** argv) {
   prep->add_option("--chunk-bytes", po.chunk_bytes, "text per tokenizing task, cut where a sentence ends")
       ->capture_default_str();
 
+  auto* merge = app.add_subcommand("merge", "datasets prepared in parts (on several hosts) into one");
+  std::vector<std::string> merge_parts;
+  std::string merge_out;
+  merge->add_option("parts", merge_parts, "the prepared dataset directories, in order")->required();
+  merge->add_option("--out", merge_out, "the dataset directory to write (must not exist)")->required();
+
   auto* insp = app.add_subcommand("inspect", "a token store's counts as JSON; with --sequences, those sequences' "
                                              "ids, a JSON array per line");
   std::string insp_dataset, insp_range;
@@ -273,6 +279,7 @@ int bart_pretrain_main(int argc, char** argv) {
     if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
     if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
     if (prep->parsed()) return bart::prepare_command(po);
+    if (merge->parsed()) return bart::merge_command(merge_parts, merge_out);
     if (insp->parsed()) return bart::inspect_command(insp_dataset, insp_range, insp_verify);
     if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
     return bart::run_pretraining(o);

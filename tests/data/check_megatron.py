@@ -14,7 +14,8 @@ Usage: check_megatron.py BUILD_DIR WORK_DIR
      added whole, by item, and merged with add_index) and `bart_pretrain inspect` reads every sequence as
      Megatron's IndexedDataset does.
   4. A prepare killed (SIGKILL) while writing leaves no dataset; run again, it finishes, equal to step 2's.
-  5. A truncated tokens.bin is refused at opening, naming the file; a changed byte by `inspect --verify`, naming
+  5. Two parts prepared apart and merged (bart_pretrain merge): the same store and sources as both prepared at once.
+  6. A truncated tokens.bin is refused at opening, naming the file; a changed byte by `inspect --verify`, naming
      the manifest's checksum.
 
 Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
@@ -134,6 +135,28 @@ def check_prepare(exe, work, tok_dir, tok):
     return corpus, whole
 
 
+def check_merge(exe, work, tok_dir):
+    """Two parts prepared apart (as on two hosts) and merged: the same store as both prepared at once."""
+    parts = [os.path.join(work, "part-a"), os.path.join(work, "part-b")]
+    for k, p in enumerate(parts):
+        os.makedirs(p)
+        for name in ("GPL-3", "LGPL-3") if k == 0 else ("Apache-2.0", "Artistic", "BSD"):
+            shutil.copy(os.path.join("/usr/share/common-licenses", name), p)
+    for k, p in enumerate(parts):
+        run([exe, "prepare", "--data", p, "--tokenizer", tok_dir, "--out", p + ".ds", "--workers", str(k + 1)])
+    run([exe, "merge", parts[0] + ".ds", parts[1] + ".ds", "--out", os.path.join(work, "merged")])
+    run([exe, "prepare", "--data", *parts, "--tokenizer", tok_dir, "--out", os.path.join(work, "at-once")])
+    for f in ("tokens.bin", "tokens.idx"):
+        check(open(os.path.join(work, "merged", f), "rb").read() == open(os.path.join(work, "at-once", f), "rb").read(),
+              f"{f}: two parts merged differ from both prepared at once")
+    m = json.load(open(os.path.join(work, "merged", "manifest.json")))
+    a = json.load(open(os.path.join(work, "at-once", "manifest.json")))
+    check(m["sources"] == a["sources"] and m["documents"] == a["documents"] == 5 and m["files"] == a["files"],
+          f"merged manifest {m} against {a}")
+    run([exe, "inspect", "--dataset", os.path.join(work, "merged"), "--verify"])
+    print("merge: two parts prepared apart, merged: the same bytes as both prepared at once")
+
+
 def check_megatron_written(exe, work):
     rng = np.random.default_rng(7)
     for dtype, top in ((np.uint16, 65535), (np.int32, 1 << 30)):
@@ -242,6 +265,7 @@ def main():
     tok = ByteLevelBPETokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
                                 add_prefix_space=False)
     corpus, reference = check_prepare(exe, work, tok_dir, tok)
+    check_merge(exe, work, tok_dir)
     check_megatron_written(exe, work)
     check_killed(exe, work, corpus, reference, tok_dir)
     check_damage(exe, work, reference)
