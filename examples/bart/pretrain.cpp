@@ -99,6 +99,8 @@ void check_options(const RunOptions& o) {
   need(o.sample_sentences >= 1, "--sample-sentences", o.sample_sentences, "at least 1 (or --no-sample)");
   need(o.progress_interval > 0, "--progress-interval", o.progress_interval, "a positive number of seconds");
   need(o.pp >= 1, "--pp", o.pp, "at least 1");
+  need(o.loader_threads >= 0, "--loader-threads", o.loader_threads, "0 or more");
+  need(o.prefetch >= 1, "--prefetch", o.prefetch, "at least 1");
   need(o.chunks >= 1, "--chunks", o.chunks, "at least 1");
   need(!o.partition.empty(), "--partition", "''", "uniform, balanced, timed or a layout");
 }
@@ -249,6 +251,10 @@ int bart_pretrain_main(int argc, char** argv) {
                  "committed, before anything else of the step is recorded");
   app.add_option("--eval-every", o.eval_every, "validation loss every n steps (and at start and end)")
       ->capture_default_str();
+  app.add_option("--loader-threads", o.loader_threads,
+                 "threads building batches ahead of the step (0: the training thread builds each when it needs it)")
+      ->capture_default_str();
+  app.add_option("--prefetch", o.prefetch, "batches built ahead of the step")->capture_default_str();
   app.add_option("--eval-batch", o.eval_batch, "validation examples per forward pass and rank")->capture_default_str();
   app.add_option("--seed", o.seed, "initialisation, shuffling, noise and dropout")->capture_default_str();
   app.add_option("--mask-ratio", o.noise.mask_ratio, "fraction of tokens in masked spans")->capture_default_str();

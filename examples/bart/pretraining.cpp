@@ -307,21 +307,54 @@ double PretrainingRun::save(int64_t at, const char* why) {
 
 // One optimizer step: the global batch's share of this rank, forward and
 // backward (its micro-batches, or the pipeline's schedule), the update.
+StepBatches PretrainingRun::build_batches(const StepPlan& plan) const {
+  StepBatches out;
+  out.plan = plan;
+  const int64_t per_micro = local_batch_ / o_.micro_batches;
+  for (int64_t m = 0; m < o_.micro_batches; ++m) {
+    const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
+    std::vector<int64_t> idx(plan.indices.begin() + from, plan.indices.begin() + to);
+    std::vector<int64_t> ep(plan.epochs.begin() + from, plan.epochs.begin() + to);  // a batch may straddle two epochs
+    Batch b = make_batch(examples_->train(), idx, ep, noise_, o_.seed, pad_);
+    if (device_.is_cuda()) {  // page-locked, so the step's copy is asynchronous
+      b.input_ids = b.input_ids.pin_memory();
+      b.labels = b.labels.pin_memory();
+    }
+    out.micro.push_back(std::move(b));
+  }
+  return out;
+}
+
+StepBatches PretrainingRun::next_batches(double& waited) {
+  StepPlan plan;
+  plan.indices = next_indices(*sampler_, local_batch_, plan.epochs);  // where training stands, for checkpoints
+  const auto t0 = Clock::now();
+  StepBatches b;
+  if (loader_) {
+    const double before = loader_->waited_seconds();
+    b = loader_->next();
+    waited = loader_->waited_seconds() - before;
+    TORCH_CHECK(b.plan.indices == plan.indices && b.plan.epochs == plan.epochs, "BART data: the loader's batch is "
+                "not the sampler's (a bug: the loader's sampler must run as the run's)");
+  } else {
+    b = build_batches(plan);
+    waited = since(t0);
+  }
+  for (auto& m : b.micro) {
+    m.input_ids = m.input_ids.to(device_, /*non_blocking=*/true);
+    m.labels = m.labels.to(device_, /*non_blocking=*/true);
+  }
+  return b;
+}
+
+// One optimizer step: the global batch's share of this rank, forward and
+// backward (its micro-batches, or the pipeline's schedule), the update.
 StepResult PretrainingRun::step_once(int64_t step) {
   const auto& o = o_;
   StepResult r;
-  const auto indices = next_indices(*sampler_, local_batch_, epochs_);
-  std::vector<Batch> micro;
-  const int64_t per_micro = local_batch_ / o.micro_batches;
+  std::vector<Batch> micro = next_batches(r.data_wait).micro;
   int64_t local_tokens = 0;
-  for (int64_t m = 0; m < o.micro_batches; ++m) {
-    const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
-    std::vector<int64_t> idx(indices.begin() + from, indices.begin() + to);
-    std::vector<int64_t> ep(epochs_.begin() + from, epochs_.begin() + to);  // a batch may straddle two epochs
-    Batch b = make_batch(examples_->train(), idx, ep, noise_, o.seed, pad_, device_);
-    local_tokens += b.target_tokens;
-    micro.push_back(std::move(b));
-  }
+  for (const auto& b : micro) local_tokens += b.target_tokens;
   // Every stage of a data-parallel index counts the same tokens: the world's sum counts them pp times.
   r.global_tokens = all_sum(*comm_, static_cast<double>(local_tokens)) / o.pp;
   for (size_t i = 0; i < opts_.size(); ++i) r.lr = schedules_[i].apply(*opts_[i], step + 1);
@@ -415,6 +448,8 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     extra["goodput"] = eff.efficiency * m.tokens_per_second();
   }
   record_.train_seconds += m.seconds;
+  record_.data_wait_s += r.data_wait;
+  extra["data_wait_s"] = r.data_wait;
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
     // The save carries this step's line as it stands (without the save's own time), and the run's
     // record with this step in it.
@@ -448,6 +483,20 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
 
 std::optional<int> PretrainingRun::train() {
   bytes_before_ = bytes_sent();
+  if (o_.loader_threads > 0) {
+    // The loader draws from a copy of the sampler as it stands: the same batches, ahead of the step.
+    auto sampler = std::make_shared<zeroshard::DistributedSampler>(*sampler_);
+    zeroshard::PrefetchOptions po;
+    po.threads = o_.loader_threads;
+    po.ahead = o_.prefetch;
+    loader_ = std::make_unique<zeroshard::Prefetcher<StepPlan, StepBatches>>(
+        [this, sampler] {
+          StepPlan p;
+          p.indices = next_indices(*sampler, local_batch_, p.epochs);
+          return p;
+        },
+        [this](const StepPlan& p) { return build_batches(p); }, po);
+  }
   while (step_ < o_.max_steps) {
     const auto t_step = Clock::now();
     const double waited0 = waited();
@@ -474,6 +523,7 @@ std::optional<int> PretrainingRun::train() {
     return guard_->exit_code();
   }
   note_resume(false);  // a resume with no step left to take
+  loader_.reset();
   return std::nullopt;
 }
 

@@ -84,6 +84,7 @@ void PretrainingRun::summarize() {
   s.tokens = record_.tokens;
   s.train_seconds = record_.train_seconds;
   s.checkpoint_stall_s = record_.checkpoint_stall_s;
+  s.data_wait_s = record_.data_wait_s;
   s.interruptions = record_.interruptions.dump();
   s.noise_scale = record_.noise.noise_scale();
   s.reference_batch = o.reference_batch;

@@ -10,11 +10,13 @@
 #include "run.h"
 #include "run_record.h"
 #include "tokenizer.h"
+#include "training.h"
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/comm.h>
 #include <zeroshard/lr_schedule.h>
 #include <zeroshard/metrics.h>
+#include <zeroshard/prefetcher.h>
 #include <zeroshard/preemption.h>
 #include <zeroshard/sampler.h>
 #include <zeroshard/sharded_optimizer.h>
@@ -40,10 +42,22 @@ double unix_now();
 // trace-rank-N.json; a restarted run's: trace-rank-N.restart-K.json (each process traces its own part).
 std::string trace_path(const std::string& run_dir, int rank, int k);
 
+// One step's data: this rank's sample indices (epochs[i] is the epoch of
+// indices[i]) and their micro-batches, built on the CPU (in pinned memory when
+// the model is on a GPU).
+struct StepPlan {
+  std::vector<int64_t> indices, epochs;
+};
+struct StepBatches {
+  StepPlan plan;
+  std::vector<Batch> micro;
+};
+
 // What one optimizer step did, for its metrics.
 struct StepResult {
   double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
   double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, bubble_s = -1;
+  double data_wait = 0;  // waiting for the step's batches
   zeroshard::GradientNoiseSample noise;
   bool skipped = false;
 };
@@ -60,6 +74,8 @@ class PretrainingRun {
   void build_model();
   void log_start() const;
   StepResult step_once(int64_t step);
+  StepBatches build_batches(const StepPlan& plan) const;  // thread-safe
+  StepBatches next_batches(double& waited);  // the step's, from the loader (or built here without one)
   // After step `step` (counted): metrics, saves, validation. True at the last step.
   bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
   double evaluate(int64_t at);
@@ -93,7 +109,8 @@ class PretrainingRun {
   std::vector<zeroshard::LrSchedule> schedules_;      // one per optimizer
 
   // Where training stands.
-  std::unique_ptr<zeroshard::DistributedSampler> sampler_;
+  std::unique_ptr<zeroshard::DistributedSampler> sampler_;  // where training stands: the batches taken
+  std::unique_ptr<zeroshard::Prefetcher<StepPlan, StepBatches>> loader_;  // its own sampler, ahead
   RunRecord record_;
   int64_t step_ = 0;
   std::unique_ptr<zeroshard::Checkpointer> ckpt_;
@@ -107,7 +124,6 @@ class PretrainingRun {
   std::unique_ptr<zeroshard::ProgressLine> progress_;
   double last_val_ = NAN, loss_ = NAN;
   int64_t bytes_before_ = 0;
-  std::vector<int64_t> epochs_;
 };
 
 }  // namespace bart

@@ -57,6 +57,8 @@ struct RunOptions {
   int keep = 3;
   int64_t eval_every = 50;
   int64_t eval_batch = 16;
+  int loader_threads = 2;  // threads building batches ahead of the step; 0: on the training thread
+  int prefetch = 4;        // batches built ahead
   uint64_t seed = 1;
   NoiseOptions noise;
   double progress_interval = 10;

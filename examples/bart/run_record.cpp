@@ -13,7 +13,7 @@ json RunRecord::to_json(const zeroshard::DistributedSampler& sampler) const {
   const auto finite = [](double v) { return std::isfinite(v) ? json(v) : json(); };
   return {{"sampler", json::parse(sampler.state_json())}, {"tokens", tokens}, {"train_seconds", train_seconds},
           {"noise_scale", json::parse(noise.to_json())}, {"efficient_tokens", efficient_tokens},
-          {"efficient_seconds", efficient_seconds}, {"checkpoint_stall_s", checkpoint_stall_s},
+          {"efficient_seconds", efficient_seconds}, {"checkpoint_stall_s", checkpoint_stall_s}, {"data_wait_s", data_wait_s},
           {"first_loss", finite(first_loss)}, {"first_val_loss", finite(first_val_loss)},
           {"bytes_sent", bytes_sent}, {"interruptions", interruptions}};
 }
@@ -24,6 +24,7 @@ void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler)
   tokens = j.value("tokens", int64_t{0});
   train_seconds = j.value("train_seconds", 0.0);
   checkpoint_stall_s = j.value("checkpoint_stall_s", 0.0);
+  data_wait_s = j.value("data_wait_s", 0.0);
   first_loss = number("first_loss");
   first_val_loss = number("first_val_loss");
   bytes_sent = j.value("bytes_sent", int64_t{0});

@@ -17,6 +17,7 @@ namespace bart {
 struct RunRecord {
   int64_t tokens = 0;
   double train_seconds = 0, checkpoint_stall_s = 0;
+  double data_wait_s = 0;  // the training thread waiting for its batches
   double first_loss = NAN, first_val_loss = NAN;
   int64_t bytes_sent = 0;  // all ranks
   nlohmann::json interruptions = nlohmann::json::array();  // {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}

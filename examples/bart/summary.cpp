@@ -91,6 +91,9 @@ std::string Summary::text() const {
   o << buf;
   std::snprintf(buf, sizeof(buf), "checkpoints  %.2f s of training stalled by saves, in total\n", checkpoint_stall_s);
   o << buf;
+  std::snprintf(buf, sizeof(buf), "data         %.2f s of training waited for batches (%.2f%% of the steps' time)\n",
+                data_wait_s, train_seconds > 0 ? 100 * data_wait_s / train_seconds : 0.0);
+  o << buf;
   const json ints = json::parse(interruptions);
   if (ints.empty() && resumed.empty()) {
     o << "interrupted  no\n";
@@ -153,7 +156,7 @@ std::string Summary::to_json() const {
          {"model_state_bytes", model_states},
          {"unsharded_model_state_bytes", unsharded_model_states()},
          {"bytes_sent", bytes_sent},
-         {"checkpoint_stall_s", checkpoint_stall_s},
+         {"checkpoint_stall_s", checkpoint_stall_s}, {"data_wait_s", data_wait_s},
          {"noise_scale", noise_scale},
          {"efficiency", efficiency},
          {"goodput", goodput},

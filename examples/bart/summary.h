@@ -17,7 +17,7 @@ struct Summary {
   std::string shard_size = "0";       // --shard-size: hybrid sharding's groups ("0": every data-parallel rank)
   int64_t params = 0, steps = 0, tokens = 0, bytes_sent = 0;
   double first_loss = 0, last_loss = 0, first_val_loss = 0, last_val_loss = 0;
-  double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0;
+  double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0, data_wait_s = 0;
   // The gradient noise scale at the end (target tokens), the statistical
   // efficiency of the mean step's batch against `reference_batch` sequences,
   // and goodput (target tokens/s × efficiency) over the steps that had one.

@@ -155,6 +155,16 @@ def check_equal_ranks(build, work):
         # Adam normalises updates: float rounding moves a parameter by well under lr (1e-3 peak, 3.3e-4 at step 10).
         check(np.allclose(a, b, rtol=1e-4, atol=2e-5), lambda: f"{k}: max |diff| {np.max(np.abs(a - b))}")
     print(f"equal_ranks: parameters after 10 steps, max |difference| {worst:.2e} over {len(p1)} tensors")
+    # The batches built by the loader's threads ahead of the step are the ones the training thread builds itself.
+    d = os.path.join(work, "equal_np0_no_loader")
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(os.path.join(dirs[0], "tokenizer"), os.path.join(d, "tokenizer"))
+    pretrain(build, d, 0, *common, "--loader-threads", "0", "--ckpt-dir", "none")
+    same = [r["loss"] for r in metrics(d) if "event" not in r]
+    check(same == losses[0], f"1 rank: losses {losses[0]} with the loader's threads, {same} without")
+    waits = [r["data_wait_s"] for r in metrics(dirs[0]) if "event" not in r]
+    check(all(w >= 0 for w in waits) and len(waits) == 10, waits)
+    print("equal_ranks: 1 rank with batches built on the training thread: the same losses, bit for bit")
 
 
 def check_resume(build, work):
