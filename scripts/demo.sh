@@ -3,7 +3,8 @@
 # cookies of Debian's `fortunes` package (scripts/install-deps.sh installs it;
 # or DATA=dir). The text is prepared once, as a large corpus would be: a
 # vocabulary learned from it, then `bart_pretrain prepare` writes the token
-# store the run maps (RUN_DIR/dataset). A simulated spot interruption half-way: zeroshard-run
+# store the run maps (RUN_DIR/dataset), a document per fortune (they are
+# separated by lines of '%'); 100 of them are held out for validation. A simulated spot interruption half-way: zeroshard-run
 # sends every rank SIGTERM, they save a checkpoint and exit 75, the launcher
 # restarts them, they resume from the checkpoint and finish. The run ends by
 # decoding held-out sentences: the summary gives the share of unmasked tokens
@@ -34,7 +35,8 @@ echo "demo: is restarted, resumes from its checkpoint and finishes. Run director
 echo
 mkdir -p "$run_dir"
 "$build/examples/bart_pretrain" train-tokenizer --data "$data" --vocab-size 2048 --out "$run_dir/tokenizer"
-"$build/examples/bart_pretrain" prepare --data "$data" --tokenizer "$run_dir/tokenizer" --out "$run_dir/dataset"
+"$build/examples/bart_pretrain" prepare --data "$data" --document-separator % --tokenizer "$run_dir/tokenizer" \
+  --out "$run_dir/dataset"
 echo
 "$build/zeroshard-run" --nproc-per-node "$ranks" --max-restarts 1 --simulate-preemption-at-step $((steps / 2)) -- \
   "$build/examples/bart_pretrain" --config tiny --dataset "$run_dir/dataset" --run-dir "$run_dir" --stage 3 \

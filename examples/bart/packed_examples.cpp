@@ -24,7 +24,7 @@ constexpr int64_t kHeader = 64, kRecord = 16;
 struct Header {
   char magic[8];
   uint64_t version;
-  int64_t max_tokens, validation_every, train, validation, store_sequences, store_tokens;
+  int64_t max_tokens, validation_docs, train, validation, store_sequences, store_tokens;
 };
 static_assert(sizeof(Header) == kHeader);
 
@@ -48,7 +48,7 @@ bool read_at(int fd, void* out, size_t n, int64_t at) {
 
 // The packing's records, streamed: the training ones to `path`, the held-out ones
 // to a side file appended at the end; the header last.
-void build(const zeroshard::TokenStore& store, const PackingOptions& o, const std::string& path) {
+void build(const zeroshard::TokenStore& store, const PackingOptions& o, int64_t held_docs, const std::string& path) {
   const std::string held_path = path + ".held";
   std::FILE* out = std::fopen(path.c_str(), "wb");
   TORCH_CHECK(out != nullptr, "BART examples: cannot create '", path, "': ", std::strerror(errno));
@@ -58,22 +58,24 @@ void build(const zeroshard::TokenStore& store, const PackingOptions& o, const st
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.version = 1;
   h.max_tokens = o.max_tokens;
-  h.validation_every = o.validation_every;
+  h.validation_docs = held_docs;
   h.store_sequences = store.sequences();
   h.store_tokens = store.tokens();
   bool ok = std::fwrite(&h, sizeof(h), 1, out) == 1;
-  const int64_t budget = o.max_tokens - 2;
-  int64_t index = 0;
+  const int64_t budget = o.max_tokens - 2, docs = store.documents();
+  int64_t next_held = 0;  // the j of the next held-out document, floor((2j + 1) D / 2V)
+  auto held_doc = [&](int64_t j) { return j < held_docs ? (2 * j + 1) * docs / (2 * held_docs) : docs; };
+  bool validation = false;
   Record cur{0, 0, 0};
   auto emit = [&] {
     if (cur.tokens == 0) return;
-    const bool validation = index % o.validation_every == o.validation_every - 1;
     ok = ok && std::fwrite(&cur, sizeof(cur), 1, validation ? held : out) == 1;
     ++(validation ? h.validation : h.train);
-    ++index;
     cur.tokens = 0;
   };
-  for (int64_t d = 0; d < store.documents(); ++d) {
+  for (int64_t d = 0; d < docs; ++d) {
+    validation = held_doc(next_held) == d;
+    if (validation) ++next_held;
     int64_t used = 0;
     for (int64_t s = store.document_begin(d); s < store.document_end(d); ++s) {
       const int64_t len = store.length(s);
@@ -108,13 +110,12 @@ PackedExamples::PackedExamples(std::shared_ptr<const zeroshard::TokenStore> stor
                                const std::string& path)
     : store_(std::move(store)), options_(o), path_(path) {
   TORCH_CHECK_VALUE(o.max_tokens >= 8, "BART examples: max_tokens is ", o.max_tokens, "; use at least 8");
-  TORCH_CHECK_VALUE(o.validation_every >= 2, "BART examples: validation_every is ", o.validation_every,
-                    "; use at least 2");
+  held_ = held_out_documents(store_->documents(), o.validation_docs);
   auto matches = [&](int fd) {
     Header h{};
     struct stat st {};
     return read_at(fd, &h, sizeof(h), 0) && std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 && h.version == 1 &&
-           h.max_tokens == o.max_tokens && h.validation_every == o.validation_every &&
+           h.max_tokens == o.max_tokens && h.validation_docs == held_ &&
            h.store_sequences == store_->sequences() && h.store_tokens == store_->tokens() && h.train >= 0 &&
            h.validation >= 0 && ::fstat(fd, &st) == 0 && st.st_size == kHeader + kRecord * (h.train + h.validation);
   };
@@ -125,7 +126,7 @@ PackedExamples::PackedExamples(std::shared_ptr<const zeroshard::TokenStore> stor
     char host[256] = {};
     ::gethostname(host, sizeof(host) - 1);
     const std::string tmp = path + ".tmp." + host + "." + std::to_string(::getpid());
-    build(*store_, o, tmp);
+    build(*store_, o, held_, tmp);
     fs::rename(tmp, path);
     built_ = true;
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -137,6 +138,15 @@ PackedExamples::PackedExamples(std::shared_ptr<const zeroshard::TokenStore> stor
   train_.size_ = h.train;
   validation_.first_ = h.train;
   validation_.size_ = h.validation;
+}
+
+int64_t held_out_documents(int64_t documents, int64_t validation_docs) {
+  TORCH_CHECK_VALUE(validation_docs >= 0, "--validation-docs ", validation_docs, ": must be 0 (the default) or more");
+  if (validation_docs == 0) return std::min<int64_t>(100, (documents + 19) / 20);
+  TORCH_CHECK_VALUE(2 * validation_docs <= documents, "--validation-docs ", validation_docs, " holds out more than half "
+                    "of the dataset's ", documents, " documents; give at most ", documents / 2,
+                    " (or prepare the text in more documents: prepare --document-separator)");
+  return validation_docs;
 }
 
 PackedExamples::~PackedExamples() {

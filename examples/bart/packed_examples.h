@@ -1,8 +1,10 @@
 // packed_examples.h — BART's examples, packed from a token store's index
 // (zeroshard/token_store.h; a sequence is a sentence): consecutive sentences of
 // one document up to max_tokens - 2 tokens (room for bos and eos), a sentence
-// longer than that cut into pieces of at most that many; every
-// validation_every-th example (the last of each run of that many) held out.
+// longer than that cut into pieces of at most that many. The examples of
+// `validation_docs` documents spread evenly over the store (document
+// floor((2j + 1) D / 2V) for j < V, of D) are held out: the validation set is
+// a fixed number of whole documents, whatever the corpus size.
 //
 // The packing is computed once, in one pass over the store's index, and kept in
 // a file (PATH: a 64-byte header, then 16 bytes per example: its first
@@ -26,9 +28,13 @@ namespace bart {
 using Example = std::vector<std::vector<int64_t>>;
 
 struct PackingOptions {
-  int64_t max_tokens = 128;      // per example, bos and eos included; at least 8
-  int64_t validation_every = 20; // every n-th example is held out; at least 2
+  int64_t max_tokens = 128;    // per example, bos and eos included; at least 8
+  int64_t validation_docs = 0; // documents held out; 0: min(100, ceil(D / 20)) of the store's D
 };
+
+// The documents held out of `documents` for `validation_docs` (0: the default
+// above). Throws naming the option when it holds out more than half of them.
+int64_t held_out_documents(int64_t documents, int64_t validation_docs);
 
 class PackedExamples {
  public:
@@ -57,6 +63,7 @@ class PackedExamples {
   const Split& validation() const { return validation_; }
   int64_t tokens() const { return store_->tokens(); }  // every example's, both splits
   const zeroshard::TokenStore& store() const { return *store_; }
+  int64_t validation_documents() const { return held_; }
   const std::string& path() const { return path_; }
   bool built() const { return built_; }  // whether this opening computed the file
 
@@ -66,6 +73,7 @@ class PackedExamples {
   PackingOptions options_;
   std::string path_;
   int fd_ = -1;
+  int64_t held_ = 0;
   bool built_ = false;
   Split train_, validation_;
 };

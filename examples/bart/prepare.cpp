@@ -24,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <tuple>
 
@@ -57,29 +58,43 @@ std::string read_file(const fs::path& file) {
 }
 
 // Text of one file between two sentence breaks.
+bool has_text(std::string_view text) {
+  return std::any_of(text.begin(), text.end(), [](char c) { return !is_space(c); });
+}
+
+// Text of one file between two sentence breaks.
 struct Chunk {
   int64_t index = 0;   // in the order of the corpus
   std::string text;
-  bool first = false;  // no text of its file before it: its first sentence has no leading space
+  bool first = false;  // no text of its document before it: its first sentence has no leading space
   bool last = false;   // its file ends here: the document ends after it
+  bool line_start = true;  // it begins a line (a separator line can only start there or after a '\n')
 };
 
 struct Tokenized {
   std::vector<int64_t> tokens;
   std::vector<int64_t> lengths;  // per sentence
-  bool last = false;
+  std::vector<size_t> ends;      // a document ends after this many of the sentences
 };
 
-Tokenized tokenize(const Chunk& c, const ByteLevelBpe& tokenizer, ByteLevelBpe::Cache& cache) {
+Tokenized tokenize(const Chunk& c, const std::string& separator, const ByteLevelBpe& tokenizer,
+                   ByteLevelBpe::Cache& cache) {
   Tokenized out;
-  out.last = c.last;
   bool first = c.first;
-  for (const auto& s : split_sentences(c.text)) {
-    const auto ids = tokenizer.encode(first ? s : " " + s, cache);
-    first = false;
-    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
-    out.lengths.push_back(static_cast<int64_t>(ids.size()));
+  const auto parts = split_documents(c.text, separator, c.line_start);
+  for (size_t k = 0; k < parts.size(); ++k) {
+    if (k > 0) {
+      out.ends.push_back(out.lengths.size());
+      first = true;
+    }
+    for (const auto& s : split_sentences(std::string(parts[k]))) {
+      const auto ids = tokenizer.encode(first ? s : " " + s, cache);
+      first = false;
+      out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+      out.lengths.push_back(static_cast<int64_t>(ids.size()));
+    }
   }
+  if (c.last) out.ends.push_back(out.lengths.size());
   return out;
 }
 
@@ -87,8 +102,9 @@ Tokenized tokenize(const Chunk& c, const ByteLevelBpe& tokenizer, ByteLevelBpe::
 // `mu` guards everything below it.
 class Pipeline {
  public:
-  Pipeline(const ByteLevelBpe& tokenizer, zeroshard::TokenStoreWriter& writer, int workers)
-      : tokenizer_(tokenizer), writer_(writer), window_(4 * static_cast<int64_t>(workers)) {
+  Pipeline(const ByteLevelBpe& tokenizer, std::string separator, zeroshard::TokenStoreWriter& writer, int workers)
+      : tokenizer_(tokenizer), separator_(std::move(separator)), writer_(writer),
+        window_(4 * static_cast<int64_t>(workers)) {
     for (int w = 0; w < workers; ++w) threads_.emplace_back([this] { work(); });
   }
   ~Pipeline() { close(); }
@@ -128,7 +144,7 @@ class Pipeline {
         tasks_.pop_front();
       }
       try {
-        Tokenized t = tokenize(c, tokenizer_, cache);
+        Tokenized t = tokenize(c, separator_, tokenizer_, cache);
         std::unique_lock<std::mutex> lock(mu_);
         done_.emplace(c.index, std::move(t));
         if (writing_) continue;  // the worker writing now takes this one in its turn
@@ -153,16 +169,25 @@ class Pipeline {
     }
   }
 
+  // A document with no sentence (a file of whitespace, two separators in a row) is not recorded.
   void write(const Tokenized& t) {
     const int64_t* p = t.tokens.data();
-    for (int64_t len : t.lengths) {
-      writer_.add(p, len);
-      p += len;
+    size_t next_end = 0;
+    for (size_t k = 0; k <= t.lengths.size(); ++k) {
+      for (; next_end < t.ends.size() && t.ends[next_end] == k; ++next_end) {
+        if (open_ > 0) writer_.end_document();
+        open_ = 0;
+      }
+      if (k == t.lengths.size()) break;
+      writer_.add(p, t.lengths[k]);
+      p += t.lengths[k];
+      ++open_;
     }
-    if (t.last) writer_.end_document();
   }
 
   const ByteLevelBpe& tokenizer_;
+  const std::string separator_;
+  int64_t open_ = 0;  // sentences of the document being written (by the writing worker)
   zeroshard::TokenStoreWriter& writer_;  // written by one worker at a time (writing_)
   const int64_t window_;
   std::vector<std::thread> threads_;
@@ -176,11 +201,12 @@ class Pipeline {
 };
 
 // Streams one file into chunks of about `bytes`, each ending at a sentence break.
-void read_chunks(const std::string& file, int64_t bytes, int64_t& index, Pipeline& pipe, int64_t& text_bytes) {
+void read_chunks(const std::string& file, int64_t bytes, const std::string& separator, int64_t& index, Pipeline& pipe,
+                 int64_t& text_bytes) {
   std::ifstream in(file, std::ios::binary);
   TORCH_CHECK_VALUE(in, "prepare: cannot read '", file, "'");
   std::string buffer;
-  bool seen_text = false, eof = false;
+  bool seen_text = false, eof = false, line_start = true;
   std::vector<char> block(static_cast<size_t>(bytes));
   while (!eof) {
     in.read(block.data(), static_cast<std::streamsize>(block.size()));
@@ -201,7 +227,10 @@ void read_chunks(const std::string& file, int64_t bytes, int64_t& index, Pipelin
     c.text = buffer.substr(0, cut);
     c.first = !seen_text;
     c.last = eof;
-    seen_text = seen_text || std::any_of(c.text.begin(), c.text.end(), [](char ch) { return !is_space(ch); });
+    c.line_start = line_start;
+    const auto parts = split_documents(c.text, separator, line_start);
+    seen_text = (parts.size() == 1 && seen_text) || has_text(parts.back());  // of the document open at its end
+    line_start = c.text.empty() ? line_start : c.text.back() == '\n';
     buffer.erase(0, cut);
     if (!pipe.push(std::move(c))) return;
   }
@@ -227,6 +256,29 @@ void commit_dataset(const fs::path& partial, const std::string& out, const std::
 }
 
 }  // namespace
+
+std::vector<std::string_view> split_documents(std::string_view text, const std::string& separator, bool line_start) {
+  std::vector<std::string_view> parts;
+  if (separator.empty()) return {text};
+  size_t begin = 0;  // of the current part
+  for (size_t line = 0; line <= text.size();) {
+    size_t end = text.find('\n', line);
+    end = end == std::string_view::npos ? text.size() : end;
+    if (line > 0 || line_start) {
+      std::string_view l = text.substr(line, end - line);
+      while (!l.empty() && (l.front() == ' ' || l.front() == '\t')) l.remove_prefix(1);
+      while (!l.empty() && (l.back() == ' ' || l.back() == '\t' || l.back() == '\r')) l.remove_suffix(1);
+      if (l == separator) {
+        parts.push_back(text.substr(begin, line - begin));
+        begin = std::min(end + 1, text.size());
+      }
+    }
+    if (end == text.size()) break;
+    line = end + 1;
+  }
+  parts.push_back(text.substr(begin));
+  return parts;
+}
 
 size_t last_sentence_break(const std::string& text, size_t pos) {
   for (size_t j = std::min(pos, text.size()); j-- > 1;) {
@@ -326,12 +378,12 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   zeroshard::TokenStoreDigest digest;
   {
     zeroshard::TokenStoreWriter writer((partial / "tokens").string(), type);
-    Pipeline pipe(tokenizer, writer, r.workers);
+    Pipeline pipe(tokenizer, o.document_separator, writer, r.workers);
     int64_t index = 0;
     auto last_log = Clock::now();
     for (const auto& f : files) {
       const int64_t before = r.text_bytes;
-      read_chunks(f, o.chunk_bytes, index, pipe, r.text_bytes);
+      read_chunks(f, o.chunk_bytes, o.document_separator, index, pipe, r.text_bytes);
       sources.push_back({{"path", f}, {"bytes", r.text_bytes - before}});
       if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
         last_log = Clock::now();
@@ -356,7 +408,8 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       {"token_type", zeroshard::to_string(type)},
       {"tokenizer", {{"xxh3", tokenizer_hash(vocab, merges)}, {"vocab_size", tokenizer.vocab_size()}}},
       {"sequences_are", "sentences (split after '.', '!' or '?' before whitespace, and at blank lines)"},
-      {"documents_are", "files"},
+      {"documents_are", o.document_separator.empty() ? "files"
+                                                     : "files, cut at lines '" + o.document_separator + "'"},
       {"documents", r.documents},
       {"sequences", r.sequences},
       {"tokens", r.tokens},

@@ -3,6 +3,8 @@
 //
 //   DATASET/tokens.bin, tokens.idx  the token store (Megatron's indexed layout):
 //                                   a sequence per sentence, a document per file
+//                                   (or per run of lines between separator lines);
+//                                   a document without a sentence is not recorded
 //   DATASET/tokenizer/              vocab.json and merges.txt, as given
 //   DATASET/manifest.json           the tokenizer's hash, the sources (path,
 //                                   bytes), counts, each store file's size and xxh3
@@ -22,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace bart {
@@ -33,6 +36,10 @@ struct PrepareOptions {
   std::string out;                // the dataset directory; must not exist
   int workers = 0;                // tokenizing threads; 0: every core
   int64_t chunk_bytes = int64_t{1} << 20;  // text per task (more where no sentence ends within it)
+  // A line that is this text (spaces, tabs and '\r' around it aside) ends a
+  // document and is dropped (fortune's "%"); "": documents are files. It must
+  // hold no sentence end ('.', '!', '?' before whitespace).
+  std::string document_separator;
   std::string partial;            // written here, then renamed to `out`; default OUT.partial (removed first)
 };
 
@@ -66,6 +73,11 @@ std::vector<std::string> corpus_files(const std::vector<std::string>& data);
 // before `pos`, or 0 when none does. split_sentences of the two parts gives the
 // sentences of the whole.
 size_t last_sentence_break(const std::string& text, size_t pos);
+
+// `text` cut at its separator lines (the lines dropped), each part the end or
+// the start of a document; one part when `separator` is "" or none is found.
+// `line_start`: whether text[0] begins a line.
+std::vector<std::string_view> split_documents(std::string_view text, const std::string& separator, bool line_start);
 
 // The hash the manifest records for a tokenizer: xxh3 of its two files' contents.
 std::string tokenizer_hash(const std::string& vocab_json, const std::string& merges_txt);

@@ -51,8 +51,8 @@ void check_options(const RunOptions& o) {
   need(o.vocab_size >= 262 && o.vocab_size <= (int64_t{1} << 31), "--vocab-size", o.vocab_size,
        "at least 262 (the 5 specials, 256 bytes and a merge) and below 2^31");
   need(o.max_tokens >= 8, "--max-tokens", o.max_tokens, "at least 8 (bos, eos and some text)");
-  need(o.validation_every >= 2, "--validation-every", o.validation_every,
-       "at least 2 (every n-th example is held out)");
+  need(o.validation_docs >= 0, "--validation-docs", o.validation_docs,
+       "0 (the default: 100, or a twentieth of a smaller dataset's documents) or more");
   need(o.global_batch >= 1, "--global-batch", o.global_batch, "at least 1");
   need(o.micro_batches >= 1, "--micro-batches", o.micro_batches, "at least 1");
   need(o.max_steps >= 1, "--max-steps", o.max_steps, "at least 1");
@@ -130,6 +130,8 @@ int bart_pretrain_main(int argc, char** argv) {
   prep->add_option("--tokenizer", po.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
   prep->add_option("--out", po.out, "the dataset directory to write (must not exist)")->required();
   prep->add_option("--workers", po.workers, "tokenizing threads (default: every core)");
+  prep->add_option("--document-separator", po.document_separator,
+                   "a line of this text ends a document and is dropped (fortune's %); default: a document per file");
   prep->add_option("--chunk-bytes", po.chunk_bytes, "text per tokenizing task, cut where a sentence ends")
       ->capture_default_str();
 
@@ -172,7 +174,9 @@ int bart_pretrain_main(int argc, char** argv) {
                  "RUN_DIR/tokenizer, trained from --data when missing");
   app.add_option("--vocab-size", o.vocab_size, "size of a vocabulary trained from --data")->capture_default_str();
   app.add_option("--max-tokens", o.max_tokens, "tokens per example, bos/eos included")->capture_default_str();
-  app.add_option("--validation-every", o.validation_every, "every n-th example is held out")->capture_default_str();
+  app.add_option("--validation-docs", o.validation_docs, "documents held out for validation, spread evenly over the "
+                                                         "dataset (0: 100, or a twentieth of a smaller dataset's)")
+      ->capture_default_str();
   app.add_option("--global-batch", o.global_batch, "examples per optimizer step, all ranks")->capture_default_str();
   app.add_option("--micro-batches", o.micro_batches,
                  "gradient accumulation: forward/backward passes per step and rank (with --pp: the pipeline's "

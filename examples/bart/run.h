@@ -23,7 +23,7 @@ struct RunOptions {
   std::string tokenizer_dir;  // "": RUN_DIR/tokenizer, trained when missing
   int64_t vocab_size = 2048;
   int64_t max_tokens = 128;
-  int64_t validation_every = 20;
+  int64_t validation_docs = 0;  // documents held out for validation; 0: min(100, ceil(D / 20)) of D
   int64_t global_batch = 16;
   int64_t micro_batches = 1;
   int pp = 1;                          // pipeline stages; 1: the whole model on every rank

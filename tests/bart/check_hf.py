@@ -51,10 +51,10 @@ SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 # bart_model.cpp's "tiny": the shapes are read back from the exported tensors and checked against these;
 # the number of heads cannot be read from any shape, so it comes from here.
 TINY = dict(d_model=128, layers=2, heads=4, ffn_dim=512, max_position_embeddings=256)
-# The batch --save-logits evaluates: the first 4 validation examples (every 20th example, 128 tokens at most),
-# built here as corpus.cpp builds them. --mask-ratio 0 --no-permute make the noise the identity (text infilling
+# The batch --save-logits evaluates: the first 4 validation examples (of the held-out documents, 128 tokens at
+# most), built here as prepare and packed_examples.cpp build them. --mask-ratio 0 --no-permute make the noise the identity (text infilling
 # masks round(0 * n) = 0 tokens, no sentence permutation), so source = target = <s> sentences </s>, padded.
-MAX_TOKENS, VALIDATION_EVERY, LOGITS_BATCH = 128, 20, 4
+MAX_TOKENS, LOGITS_BATCH = 128, 4
 NO_NOISE = ["--mask-ratio", "0", "--no-permute"]
 # fp32 agreement of two implementations (LibTorch 1.13's kernels against PyTorch 2.x's, sdpa or eager attention,
 # other summation orders): max |ours - HF| <= FP32_BOUND * max |HF logits|. Measured: 4.0e-7 (export: max |diff|
@@ -107,34 +107,34 @@ def read_texts(directory):
 
 
 def validation_examples(texts, encode, count):
-    """corpus.cpp build_corpus: sentences encoded (a leading space after a text's first), packed greedily into
-    examples of at most MAX_TOKENS - 2 tokens, never across texts; every VALIDATION_EVERY-th is held out.
-    Returns the first `count` held-out examples as flat token lists."""
-    budget, index, out = MAX_TOKENS - 2, 0, []
-    for text in texts:
+    """packed_examples.cpp: sentences encoded (a leading space after a text's first), packed greedily into examples
+    of at most MAX_TOKENS - 2 tokens, never across texts (documents); the examples of min(100, ceil(D / 20)) of the D
+    documents, document floor((2j + 1) D / 2V) for each j < V, are held out. Returns the first `count` held-out
+    examples as flat token lists."""
+    docs = [[encode((b"" if k == 0 else b" ") + s) for k, s in enumerate(split_sentences(t))] for t in texts]
+    docs = [d for d in docs if d]  # a document without a sentence is not recorded
+    held_count = min(100, (len(docs) + 19) // 20)
+    held = {(2 * j + 1) * len(docs) // (2 * held_count) for j in range(held_count)}
+    budget, out = MAX_TOKENS - 2, []
+    for d, sentences in enumerate(docs):
+        if d not in held:
+            continue
         ex, used = [], 0
-        for k, s in enumerate(split_sentences(text)):
-            ids = encode((b"" if k == 0 else b" ") + s)
+        for ids in sentences:
             p = 0
             while p < len(ids):
                 take = min(len(ids) - p, budget)
                 if used + take > budget:
                     if ex:
-                        if index % VALIDATION_EVERY == VALIDATION_EVERY - 1:
-                            out.append(ex)
-                        index += 1
+                        out.append(ex)
                     ex, used = [], 0
                 ex += ids[p:p + take]
                 used += take
                 p += take
-            if len(out) == count:
-                return out
         if ex:
-            if index % VALIDATION_EVERY == VALIDATION_EVERY - 1:
-                out.append(ex)
-            index += 1
-        if len(out) == count:
-            return out
+            out.append(ex)
+        if len(out) >= count:
+            return out[:count]
     return out
 
 

@@ -448,7 +448,7 @@ def check_bad_input(build, work):
         (["--max-steps", "-5"], ["--max-steps -5: must be at least 1"]),
         (["--vocab-size", "100"], ["--vocab-size 100: must be at least 262"]),
         (["--max-tokens", "4"], ["--max-tokens 4: must be at least 8"]),
-        (["--validation-every", "1"], ["--validation-every 1: must be at least 2"]),
+        (["--validation-docs", "-1"], ["--validation-docs -1: must be 0"]),
         (["--micro-batches", "0"], ["--micro-batches 0: must be at least 1"]),
         (["--warmup-steps", "-1"], ["--warmup-steps -1: must be 0 or more"]),
         (["--min-lr-ratio", "2"], ["--min-lr-ratio 2: must be between 0 and 1"]),
@@ -511,7 +511,7 @@ def check_bad_input(build, work):
     out = pretrain(build, saved, 0, "--max-steps", "2", "--eval-every", "0", "--no-sample", "--max-tokens", "64",
                    "--global-batch", "4", expect=1)
     check("cannot resume from step 1 of" in out and
-          "; resume with the dataset (--dataset or --data), --max-tokens, --validation-every and tokenizer it was "
+          "; resume with the dataset (--dataset or --data), --max-tokens, --validation-docs and tokenizer it was "
           "saved with" in out and "frame #" not in out,
           lambda: f"a resume at another --max-tokens: {out[-3000:]}")
     # Data that does not fit the run: RUN_DIR/dataset prepared from other text, a dataset prepared with another

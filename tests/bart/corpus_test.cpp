@@ -24,8 +24,9 @@ TEST(BartCorpus, SplitsSentencesAndParagraphs) {
 
 // The licenses as a token store (a document per file, a sequence per sentence,
 // as prepare writes it), packed: every token in exactly one example, in order,
-// within the budget and one document; every n-th example held out; the packing
-// file read again without building, and built again for other options.
+// within the budget and one document; the examples of 2 documents spread over
+// the store held out; the packing file read again without building, and built
+// again for other options.
 TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   const auto texts = bart::read_texts("/usr/share/common-licenses");  // on every Debian system
   ASSERT_GE(texts.size(), 5u);
@@ -49,32 +50,40 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   auto store = std::make_shared<const zeroshard::TokenStore>(dir + "/tokens");
   bart::PackingOptions o;
   o.max_tokens = 64;
-  o.validation_every = 7;
+  o.validation_docs = 2;
   bart::PackedExamples packed(store, o, dir + "/packed.bin");
   EXPECT_TRUE(packed.built());
-  const int64_t total = packed.train().size() + packed.validation().size();
-  EXPECT_EQ(packed.validation().size(), total / o.validation_every);
-  // Back in corpus order (example k is held out when k % 7 == 6), the examples are the documents' tokens cut.
-  size_t doc = 0, at = 0;
+  // Held out: documents floor((2j + 1) D / 4) for j = 0, 1, the first and third quarters' middles.
+  const auto docs = static_cast<int64_t>(flat.size());
+  const std::vector<int64_t> held{docs / 4, 3 * docs / 4};
+  EXPECT_EQ(packed.validation_documents(), 2);
+  // Document by document, in order, its examples (from the split it went to) are its tokens cut.
   int64_t t = 0, v = 0, tokens = 0;
-  for (int64_t k = 0; k < total; ++k) {
-    const bool held = k % o.validation_every == o.validation_every - 1;
-    const auto ex = held ? packed.validation().at(v++) : packed.train().at(t++);
-    while (doc < flat.size() && at == flat[doc].size()) ++doc, at = 0;
-    ASSERT_LT(doc, flat.size());
-    int64_t n = 0;
-    for (const auto& piece : ex) {
-      ASSERT_FALSE(piece.empty());
-      ASSERT_LE(at + piece.size(), flat[doc].size()) << "example " << k << " runs past its document";
-      EXPECT_TRUE(std::equal(piece.begin(), piece.end(), flat[doc].begin() + static_cast<std::ptrdiff_t>(at)))
-          << "example " << k;
-      at += piece.size();
-      n += static_cast<int64_t>(piece.size());
+  for (int64_t d = 0; d < docs; ++d) {
+    const bool is_held = std::find(held.begin(), held.end(), d) != held.end();
+    size_t at = 0;
+    while (at < flat[static_cast<size_t>(d)].size()) {
+      const auto& split = is_held ? packed.validation() : packed.train();
+      int64_t& k = is_held ? v : t;
+      ASSERT_LT(k, split.size()) << "document " << d;
+      const auto ex = split.at(k++);
+      int64_t n = 0;
+      for (const auto& piece : ex) {
+        const auto& doc = flat[static_cast<size_t>(d)];
+        ASSERT_FALSE(piece.empty());
+        ASSERT_LE(at + piece.size(), doc.size()) << "an example runs past document " << d;
+        EXPECT_TRUE(std::equal(piece.begin(), piece.end(), doc.begin() + static_cast<std::ptrdiff_t>(at)))
+            << "document " << d;
+        at += piece.size();
+        n += static_cast<int64_t>(piece.size());
+      }
+      EXPECT_GT(n, 0);
+      EXPECT_LE(n, o.max_tokens - 2);
+      tokens += n;
     }
-    EXPECT_GT(n, 0);
-    EXPECT_LE(n, o.max_tokens - 2);
-    tokens += n;
   }
+  EXPECT_EQ(t, packed.train().size());
+  EXPECT_EQ(v, packed.validation().size());
   EXPECT_EQ(tokens, store->tokens()) << "every token in exactly one example";
   std::printf("BART examples: %zu documents, %lld tokens, %lld train + %lld validation examples\n", texts.size(),
               static_cast<long long>(tokens), static_cast<long long>(packed.train().size()),
@@ -84,6 +93,7 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   EXPECT_EQ(again.validation().at(3), packed.validation().at(3));
   o.max_tokens = 32;
   bart::PackedExamples other(store, o, dir + "/packed.bin");
+  EXPECT_THROW(bart::PackedExamples(store, bart::PackingOptions{64, docs / 2 + 1}, dir + "/p2.bin"), c10::Error);
   EXPECT_TRUE(other.built()) << "another --max-tokens packs again";
   EXPECT_GT(other.train().size(), packed.train().size());
   std::filesystem::remove_all(dir);

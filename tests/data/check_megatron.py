@@ -10,12 +10,14 @@ Usage: check_megatron.py BUILD_DIR WORK_DIR
      (split by corpus_oracle.py, a leading space after a file's first): the layout, the splitting across chunk
      boundaries, the order of the workers' output and the tokenizer, each against an independent reader.
   2. Prepared again with 1 worker and 1 MiB chunks: both store files byte for byte the same.
-  3. megatron.core's IndexedDatasetBuilder writes stores (uint16, and int32 with ids above 65535; documents
+  3. megatron.core's IndexedDatasetBuilder, given prepare's documents, writes the same bytes, and bart_pretrain
+     trains from its store (--dataset PREFIX --tokenizer) with the losses it has from ours.
+  4. megatron.core's IndexedDatasetBuilder writes stores (uint16, and int32 with ids above 65535; documents
      added whole, by item, and merged with add_index) and `bart_pretrain inspect` reads every sequence as
      Megatron's IndexedDataset does.
-  4. A prepare killed (SIGKILL) while writing leaves no dataset; run again, it finishes, equal to step 2's.
-  5. Two parts prepared apart and merged (bart_pretrain merge): the same store and sources as both prepared at once.
-  6. A truncated tokens.bin is refused at opening, naming the file; a changed byte by `inspect --verify`, naming
+  5. A prepare killed (SIGKILL) while writing leaves no dataset; run again, it finishes, equal to step 2's.
+  6. Two parts prepared apart and merged (bart_pretrain merge): the same store and sources as both prepared at once.
+  7. A truncated tokens.bin is refused at opening, naming the file; a changed byte by `inspect --verify`, naming
      the manifest's checksum.
 
 Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
@@ -80,11 +82,26 @@ def make_corpus(d):
     return [files[n] for n in ("a-gpl", "b-crlf", "c-odd", "d-space", "g-no-end", "sub/h")]
 
 
-def expected_documents(texts, tok):
+def expected_documents(texts, tok, separator=None):
+    """The documents prepare makes of the texts: a text each, or its runs of lines between separator lines (spaces,
+    tabs and \\r around them aside), each document's sentences encoded with a leading space after its first;
+    documents without a sentence dropped."""
     docs = []
     for text in texts:
-        sentences = split_sentences(text)
-        docs.append([encode(tok, (b"" if k == 0 else b" ") + s) for k, s in enumerate(sentences)])
+        parts = [text]
+        if separator is not None:
+            parts, cur = [], []
+            for line in text.split(b"\n"):
+                if line.strip(b" \t\r") == separator:
+                    parts.append(b"\n".join(cur))
+                    cur = []
+                else:
+                    cur.append(line)
+            parts.append(b"\n".join(cur))
+        for part in parts:
+            sentences = split_sentences(part)
+            if sentences:
+                docs.append([encode(tok, (b"" if k == 0 else b" ") + s) for k, s in enumerate(sentences)])
     return docs
 
 
@@ -109,7 +126,7 @@ def check_prepare(exe, work, tok_dir, tok):
     want = expected_documents(texts, tok)
     ds, got = megatron_documents(os.path.join(out, "tokens"))
     check(ds.index.dtype == np.uint16, f"megatron reads token type {ds.index.dtype}, expected uint16")
-    check(len(got) == len(want), f"{len(got)} documents, expected {len(want)} (one per text file)")
+    check(len(got) == len(want), f"{len(got)} documents, expected {len(want)} (one per text file with a sentence)")
     for d, (g, w) in enumerate(zip(got, want)):
         check(len(g) == len(w), f"document {d}: {len(g)} sentences, expected {len(w)}")
         for k, (gs, ws) in enumerate(zip(g, w)):
@@ -132,6 +149,28 @@ def check_prepare(exe, work, tok_dir, tok):
         check(open(os.path.join(out, f), "rb").read() == open(os.path.join(whole, f), "rb").read(),
               f"{f} differs between 4 KiB chunks on 3 workers and 1 MiB chunks on 1")
     print("prepare: 1 worker with 1 MiB chunks writes the same bytes")
+
+    # Documents cut at separator lines (fortune's %), across chunk boundaries; a separator-like text inside a line
+    # or a sentence is text.
+    fortunes = os.path.join(work, "fortunes")
+    os.makedirs(fortunes)
+    one = (b"A fortune. It has two sentences!\n%\nAnother one, 50% longer? Yes.\n  %\t\r\n%\n"
+           b"Ends with a percent %\n%\nA last one\nover two lines.\n")
+    with open(os.path.join(fortunes, "f1"), "wb") as f:
+        f.write(b"%\n" + one * 400)
+    with open(os.path.join(fortunes, "f2"), "wb") as f:
+        f.write(b"No separator here. Only text.\n")
+    texts = [b"%\n" + one * 400, b"No separator here. Only text.\n"]
+    out = os.path.join(work, "ds-fortunes")
+    run([exe, "prepare", "--data", fortunes, "--tokenizer", tok_dir, "--out", out, "--workers", "2",
+         "--chunk-bytes", "4096", "--document-separator", "%"])
+    want = expected_documents(texts, tok, separator=b"%")
+    _, got = megatron_documents(os.path.join(out, "tokens"))
+    check(got == want, f"--document-separator %: {len(got)} documents, expected {len(want)}; first differing: "
+          f"{next(((g, w) for g, w in zip(got, want) if g != w), None)}")
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    check(manifest["documents_are"] == "files, cut at lines '%'", manifest["documents_are"])
+    print(f"prepare --document-separator %: {len(want)} documents, as the lines between the separators make them")
     return corpus, whole
 
 
@@ -184,6 +223,31 @@ def check_megatron_written(exe, work):
             check(json.loads(lines[1 + i]) == ds[i].tolist(), f"sequence {i}: {lines[1 + i]} != {ds[i].tolist()}")
         print(f"inspect reads Megatron's {np.dtype(dtype).name} store ({len(ds)} sequences, "
               f"{len(ds.document_indices) - 1} documents) as IndexedDataset does")
+
+
+def check_train_from_megatron(exe, work, reference, tok_dir):
+    """prepare's store copied document by document through megatron-core's IndexedDatasetBuilder: the same bytes, and
+    bart_pretrain trains from Megatron's copy (--dataset PREFIX --tokenizer) with the losses it has on ours."""
+    ds = IndexedDataset(os.path.join(reference, "tokens"), mmap=True)
+    prefix = os.path.join(work, "mega-copy")
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for d in range(len(ds.document_indices) - 1):
+        seqs = [ds[i] for i in range(ds.document_indices[d], ds.document_indices[d + 1])]
+        b.add_document(np.concatenate(seqs) if seqs else np.zeros(0, np.uint16), [len(x) for x in seqs])
+    b.finalize(prefix + ".idx")
+    for ext in (".bin", ".idx"):
+        check(open(prefix + ext, "rb").read() == open(os.path.join(reference, "tokens" + ext), "rb").read(),
+              f"megatron-core's builder writes another {ext} for the same documents than prepare")
+    losses = []
+    for name, data in (("ours", ["--dataset", reference]), ("megatron", ["--dataset", prefix, "--tokenizer", tok_dir])):
+        run_dir = os.path.join(work, f"train-{name}")
+        run([exe, *data, "--run-dir", run_dir, "--max-steps", "3", "--global-batch", "4", "--max-tokens", "64",
+             "--eval-every", "0", "--no-sample", "--no-plot", "--ckpt-dir", "none", "--progress-interval", "1000"])
+        losses.append([json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))
+                       if '"event"' not in line])
+    check(len(losses[0]) == 3 and losses[0] == losses[1], f"losses from our store {losses[0]}, from Megatron's "
+          f"{losses[1]}")
+    print(f"megatron-core's builder writes prepare's bytes; trained from its store, the losses are ours: {losses[1]}")
 
 
 def check_killed(exe, work, corpus, reference, tok_dir):
@@ -266,6 +330,7 @@ def main():
                                 add_prefix_space=False)
     corpus, reference = check_prepare(exe, work, tok_dir, tok)
     check_merge(exe, work, tok_dir)
+    check_train_from_megatron(exe, work, reference, tok_dir)
     check_megatron_written(exe, work)
     check_killed(exe, work, corpus, reference, tok_dir)
     check_damage(exe, work, reference)
