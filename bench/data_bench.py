@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""BART's data path at corpus scale: `bart_pretrain prepare` beside Hugging Face `tokenizers` on the same text,
+vocabulary and cores, and the trainer's start-up, memory and data wait as the corpus grows.
+
+Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--work DIR] [--workers N] [--keep]
+(run with the project's Python: .venv/bin/python)
+
+1. A pool of this machine's own text (Debian's changelogs, licenses and fortunes; valid UTF-8 only) is cut into
+   documents of about 3 KB, and each corpus of S GB is files of 64 MB of them, a line '%' between documents.
+2. A vocabulary of 8,192 entries is learned from the licenses and fortunes (bart_pretrain train-tokenizer).
+3. Prepare: the smallest corpus, then each, on --workers threads (default: every core): MB of text per second,
+   and per core. Beside it, `tokenizers`' ByteLevelBPETokenizer (same vocab.json/merges.txt) encodes the smallest
+   corpus's sentences with encode_batch_fast (its fastest: no offsets) on the same number of threads (RAYON_NUM_THREADS; its sentence splitting,
+   in Python, is not timed), and its ids are checked equal to the store's, sentence by sentence.
+4. Training: tiny BART, 2 ranks, ZeRO-3, 20 steps of 32 sequences of 128 tokens (4 documents held out, evaluated
+   before the first step and after the last), from each dataset, twice (the
+   first run packs the examples into the dataset's file, the second only maps it): launch to the first step's
+   metrics line, peak RSS per rank, and the share of the steps' time spent waiting for batches.
+Prints the tables docs/performance.md keeps.
+"""
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "tests", "bart"))
+from corpus_oracle import split_sentences  # noqa: E402
+
+DOC_BYTES, FILE_BYTES = 3000, 64 << 20
+
+
+def pool_text():
+    parts = []
+    for f in sorted(glob.glob("/usr/share/doc/*/changelog*.gz")):
+        try:
+            parts.append(gzip.open(f).read())
+        except OSError:
+            pass
+    for f in sorted(glob.glob("/usr/share/common-licenses/*") + glob.glob("/usr/share/games/fortunes/*")):
+        if os.path.isfile(f) and not f.endswith(".dat"):
+            parts.append(open(f, "rb").read().replace(b"\n%\n", b"\n\n"))
+    text = b"\n\n".join(parts).decode("utf-8", "ignore").replace("\r", "")
+    # Documents of about DOC_BYTES, cut at line ends; no line is the separator.
+    docs, cur, size = [], [], 0
+    for line in text.split("\n"):
+        if line.strip() == "%":
+            continue
+        cur.append(line)
+        size += len(line) + 1
+        if size >= DOC_BYTES:
+            docs.append("\n".join(cur).strip("\n").encode())
+            cur, size = [], 0
+    return [d for d in docs if d.strip()]
+
+
+def make_corpus(directory, gb, docs):
+    os.makedirs(directory, exist_ok=True)
+    total, want, k, n = 0, int(gb * 1e9), 0, 0
+    while total < want:
+        with open(os.path.join(directory, f"part-{n:05}.txt"), "wb") as f:
+            size = 0
+            while size < FILE_BYTES and total + size < want:
+                d = docs[k % len(docs)] + b"\n%\n"
+                f.write(d)
+                size += len(d)
+                k += 1
+        total += size
+        n += 1
+    return total
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)}: exit {p.returncode}\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+    return p.stdout + p.stderr
+
+
+def prepare(exe, corpus, tok, out, workers):
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.monotonic()
+    run([exe, "prepare", "--data", corpus, "--tokenizer", tok, "--out", out, "--document-separator", "%",
+         "--workers", str(workers)])
+    return time.monotonic() - t0
+
+
+def hf_encode(corpus, tok, workers, dataset):
+    """tokenizers' encode_batch on the corpus's sentences (as prepare makes them), timed; checked against the store."""
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    import numpy as np
+    from tokenizers import ByteLevelBPETokenizer
+    t = ByteLevelBPETokenizer(os.path.join(tok, "vocab.json"), os.path.join(tok, "merges.txt"), add_prefix_space=False)
+    sentences, nbytes = [], 0
+    for f in sorted(glob.glob(os.path.join(corpus, "*"))):
+        data = open(f, "rb").read()
+        nbytes += len(data)
+        for doc in data.split(b"\n%\n"):
+            sentences += [((b"" if k == 0 else b" ") + s).decode() for k, s in enumerate(split_sentences(doc))]
+    t0 = time.monotonic()
+    encoded = t._tokenizer.encode_batch_fast(sentences, add_special_tokens=False)  # its fastest: no offsets
+    seconds = time.monotonic() - t0
+    idx = os.path.join(dataset, "tokens")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    ds = IndexedDataset(idx, mmap=True)
+    if len(ds) != len(encoded):
+        sys.exit(f"FAIL: the store holds {len(ds)} sentences, tokenizers encoded {len(encoded)}")
+    for i in range(len(ds)):
+        if not np.array_equal(ds[i], np.asarray(encoded[i].ids, dtype=ds[i].dtype)):
+            sys.exit(f"FAIL: sentence {i}: the store's ids differ from tokenizers' ({sentences[i][:80]!r})")
+    return nbytes, seconds, len(ds)
+
+
+def train(build, dataset, run_dir):
+    """2 ranks, 20 steps: seconds from launch to the first step's metrics line, the summary."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "2", "--", os.path.join(build, "examples",
+           "bart_pretrain"), "--dataset", dataset, "--run-dir", run_dir, "--config", "tiny", "--stage", "3",
+           "--max-steps", "20", "--global-batch", "32", "--max-tokens", "128", "--eval-every", "0", "--no-sample",
+           "--validation-docs", "4",
+           "--no-plot", "--ckpt-dir", "none", "--progress-interval", "1000"]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, ZS_LOG_LEVEL="warn", OMP_NUM_THREADS="1"))
+    first = None
+    while p.poll() is None:
+        if first is None and os.path.exists(metrics) and any('"event"' not in l for l in open(metrics)):
+            first = time.monotonic() - t0
+        time.sleep(0.01)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)}: exit {p.returncode}\n{p.stderr.read()[-3000:]}")
+    summary = [json.loads(l) for l in open(metrics) if '"summary"' in l][-1]
+    return first, summary
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 1, 10])
+    ap.add_argument("--work", default="/tmp/zs-data-bench")
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--keep", action="store_true", help="keep the corpora and datasets")
+    a = ap.parse_args()
+    exe = os.path.join(a.build, "examples", "bart_pretrain")
+    os.makedirs(a.work, exist_ok=True)
+    docs = pool_text()
+    print(f"pool: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} MB of text", flush=True)
+    tok = os.path.join(a.work, "tokenizer")
+    if not os.path.exists(os.path.join(tok, "vocab.json")):
+        run([exe, "train-tokenizer", "--data", "/usr/share/common-licenses", "--vocab-size", "8192", "--out", tok])
+    rows = []
+    for gb in sorted(a.sizes_gb):
+        corpus = os.path.join(a.work, f"corpus-{gb:g}")
+        shutil.rmtree(corpus, ignore_errors=True)
+        nbytes = make_corpus(corpus, gb, docs)
+        dataset = os.path.join(a.work, f"dataset-{gb:g}")
+        seconds = prepare(exe, corpus, tok, dataset, a.workers)
+        row = {"gb": gb, "bytes": nbytes, "prepare_s": seconds}
+        if gb == min(a.sizes_gb):
+            hb, hs, sentences = hf_encode(corpus, tok, a.workers, dataset)
+            row.update(hf_bytes=hb, hf_s=hs, sentences=sentences)
+        if not a.keep:
+            shutil.rmtree(corpus)
+        for k in ("first", "again"):
+            row[k] = train(a.build, dataset, os.path.join(a.work, f"run-{gb:g}-{k}"))
+        row["store_bytes"] = sum(os.path.getsize(os.path.join(dataset, f)) for f in ("tokens.bin", "tokens.idx"))
+        rows.append(row)
+        if not a.keep:
+            shutil.rmtree(dataset)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("first", "again")}), flush=True)
+
+    w = a.workers
+    print(f"\n| text | prepare (s) | MB/s | MB/s per core | tokenizers encode_batch, MB/s per core | ours / theirs |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mbs = r["bytes"] / 1e6 / r["prepare_s"]
+        hf = f"{r['hf_bytes'] / 1e6 / r['hf_s'] / w:.2f}" if "hf_s" in r else ""
+        ratio = f"{(r['bytes'] / r['prepare_s']) / (r['hf_bytes'] / r['hf_s']):.2f}x" if "hf_s" in r else ""
+        print(f"| {r['bytes'] / 1e9:.2f} GB | {r['prepare_s']:.1f} | {mbs:.2f} | {mbs / w:.2f} | {hf} | {ratio} |")
+    print(f"\n| text | store | launch to first step, first run (packs) | again (maps) | peak RSS per rank | "
+          f"data wait, share of step time |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        first, s1 = r["first"]
+        again, s2 = r["again"]
+        rss = max(s2["peak_rss_bytes"]) if isinstance(s2["peak_rss_bytes"], list) else s2["peak_rss_bytes"]
+        print(f"| {r['bytes'] / 1e9:.2f} GB | {r['store_bytes'] / 1e9:.2f} GB | {first:.2f} s | {again:.2f} s | "
+              f"{rss / 2**20:.0f} MiB | {100 * s2['data_wait_s'] / s2['train_seconds']:.2f}% |")
+
+
+if __name__ == "__main__":
+    main()
