@@ -15,9 +15,11 @@
 // draw and build are called on the workers; build must be thread-safe. An
 // exception from either is rethrown by the next() that would have returned its
 // batch. The destructor stops the workers (batches not handed out are dropped)
-// and joins them. next() is for one thread, the consumer.
+// and joins them. next() is for one thread, the consumer; after it rethrew an
+// error, no later batch comes.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>

@@ -1,7 +1,8 @@
 // zeroshard/zeroshard.h — what a training loop uses, in one include:
 // the communicator (comm.h), ZeRO-1/2 (sharded_adamw.h), ZeRO-3
 // (fully_shard.h), checkpoints (checkpoint.h: link zeroshard::checkpoint),
-// the data samplers (sampler.h, loader_sampler.h) and the version
+// the data samplers (sampler.h, loader_sampler.h), batches built ahead
+// (prefetcher.h), memory-mapped token stores (token_store.h) and the version
 // (version.h). docs/drop-in.md shows a loop before and after.
 #pragma once
 
@@ -9,5 +10,7 @@
 #include "zeroshard/comm.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/loader_sampler.h"
+#include "zeroshard/prefetcher.h"
 #include "zeroshard/sharded_adamw.h"
+#include "zeroshard/token_store.h"
 #include "zeroshard/version.h"
