@@ -10,7 +10,7 @@ Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--work DIR] [--worke
 2. A vocabulary of 8,192 entries is learned from the licenses and fortunes (bart_pretrain train-tokenizer).
 3. Prepare: the smallest corpus, then each, on --workers threads (default: every core): MB of text per second,
    and per core. Beside it, `tokenizers`' ByteLevelBPETokenizer (same vocab.json/merges.txt) encodes the smallest
-   corpus's sentences with encode_batch_fast (its fastest: no offsets) on the same number of threads (RAYON_NUM_THREADS; its sentence splitting,
+   corpus's sentences (when it is 1 GB or less) with encode_batch_fast (its fastest: no offsets) on the same number of threads (RAYON_NUM_THREADS; its sentence splitting,
    in Python, is not timed), and its ids are checked equal to the store's, sentence by sentence.
 4. Training: tiny BART, 2 ranks, ZeRO-3, 20 steps of 32 sequences of 128 tokens (4 documents held out, evaluated
    before the first step and after the last), from each dataset, twice (the
@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--work", default="/tmp/zs-data-bench")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--keep", action="store_true", help="keep the corpora and datasets")
+    ap.add_argument("--reuse", action="store_true", help="train from datasets --keep left (their prepare times are "
+                                                         "their manifests')")
     a = ap.parse_args()
     exe = os.path.join(a.build, "examples", "bart_pretrain")
     os.makedirs(a.work, exist_ok=True)
@@ -159,16 +161,20 @@ def main():
     rows = []
     for gb in sorted(a.sizes_gb):
         corpus = os.path.join(a.work, f"corpus-{gb:g}")
-        shutil.rmtree(corpus, ignore_errors=True)
-        nbytes = make_corpus(corpus, gb, docs)
         dataset = os.path.join(a.work, f"dataset-{gb:g}")
-        seconds = prepare(exe, corpus, tok, dataset, a.workers)
+        if a.reuse and os.path.exists(os.path.join(dataset, "manifest.json")):
+            m = json.load(open(os.path.join(dataset, "manifest.json")))
+            nbytes, seconds = m["text_bytes"], m["prepare"]["seconds"]
+        else:
+            shutil.rmtree(corpus, ignore_errors=True)
+            nbytes = make_corpus(corpus, gb, docs)
+            seconds = prepare(exe, corpus, tok, dataset, a.workers)
         row = {"gb": gb, "bytes": nbytes, "prepare_s": seconds}
-        if gb == min(a.sizes_gb):
+        if gb == min(a.sizes_gb) and gb <= 1 and os.path.exists(corpus):  # tokenizers in Python: 0.1 GB is minutes
             hb, hs, sentences = hf_encode(corpus, tok, a.workers, dataset)
             row.update(hf_bytes=hb, hf_s=hs, sentences=sentences)
         if not a.keep:
-            shutil.rmtree(corpus)
+            shutil.rmtree(corpus, ignore_errors=True)
         for k in ("first", "again"):
             row[k] = train(a.build, dataset, os.path.join(a.work, f"run-{gb:g}-{k}"))
         row["store_bytes"] = sum(os.path.getsize(os.path.join(dataset, f)) for f in ("tokens.bin", "tokens.idx"))
