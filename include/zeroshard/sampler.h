@@ -2,8 +2,10 @@
 // saved in checkpoints, so a resumed run sees exactly the samples it would
 // have seen.
 //
-// Each epoch the dataset's indices are shuffled with a generator seeded by
-// (seed, epoch): the same permutation on every rank. The permutation is padded
+// Each epoch the dataset's indices are shuffled by a bijection keyed by (seed,
+// epoch) and computed per position (a Feistel network, cycle-walked into
+// [0, size)): the same permutation on every rank, with no memory and no
+// start-up cost at any dataset size. The permutation is padded
 // (by repeating its start) to a multiple of the world size, and rank r takes
 // positions r, r + world, r + 2·world, … (PyTorch's DistributedSampler rule).
 // State is global (samples consumed by all ranks this epoch), so a run resumed
@@ -42,7 +44,7 @@ class DistributedSampler {
   // Samples this rank has taken this epoch.
   int64_t position() const { return position_; }
 
-  // {"seed":…, "epoch":…, "consumed":… (all ranks), "dataset_size":…, "shuffle":…}
+  // {"seed":…, "epoch":…, "consumed":… (all ranks), "dataset_size":…, "shuffle":…, "shuffle_rule":…}
   std::string state_json() const;
   // Continues from state_json(), on this sampler's world size (any). Throws
   // (naming the field) when the dataset size, seed or shuffle differ.
@@ -55,8 +57,8 @@ class DistributedSampler {
   bool shuffle_;
   int64_t epoch_ = 0, position_ = 0;
   int64_t start_ = 0;           // the epoch's samples consumed before this world size took it up
-  std::vector<int64_t> order_;  // this epoch's permutation (padded)
   void start_epoch(int64_t epoch, int64_t start = 0);
+  int64_t permuted(int64_t k) const;  // the epoch's permutation at position k < size
 };
 
 }  // namespace zeroshard

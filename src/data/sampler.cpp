@@ -4,8 +4,6 @@
 #include "zeroshard/comm.h"
 #include "zeroshard/loader_sampler.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/ops/randperm.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 #include <torch/serialize/archive.h>
@@ -13,6 +11,42 @@
 #include <algorithm>
 
 namespace zeroshard {
+
+namespace {
+
+// The shuffle's rule, recorded in the saved state: a position saved under another rule is not this epoch's.
+constexpr const char* kShuffleRule = "feistel-6";
+
+uint64_t mix(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+// A bijection of [0, size): a 6-round Feistel network on 2h bits (the fewest with
+// 4^h >= size), keyed by (seed, epoch), applied again while the result is out of
+// range (cycle walking: fewer than 4 rounds of it on average).
+int64_t DistributedSampler::permuted(int64_t k) const {
+  if (!shuffle_) return k;
+  int h = 1;
+  while ((int64_t{1} << (2 * h)) < size_) ++h;
+  const uint64_t mask = (uint64_t{1} << h) - 1;
+  const uint64_t key = mix(seed_ ^ mix(static_cast<uint64_t>(epoch_)));
+  auto x = static_cast<uint64_t>(k);
+  do {
+    uint64_t left = x >> h, right = x & mask;
+    for (uint64_t r = 0; r < 6; ++r) {
+      const uint64_t t = left ^ (mix(right ^ mix(key + r)) & mask);
+      left = right;
+      right = t;
+    }
+    x = (left << h) | right;
+  } while (x >= static_cast<uint64_t>(size_));
+  return static_cast<int64_t>(x);
+}
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world_size, uint64_t seed, bool shuffle)
     : size_(dataset_size), rank_(rank), world_(world_size), seed_(seed), shuffle_(shuffle) {
@@ -27,17 +61,6 @@ void DistributedSampler::start_epoch(int64_t epoch, int64_t start) {
   position_ = 0;
   start_ = start;
   per_rank_ = (size_ - start_ + world_ - 1) / world_;
-  std::vector<int64_t> perm(static_cast<size_t>(size_));
-  if (shuffle_) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ + static_cast<uint64_t>(epoch) * 0x9E3779B97F4A7C15ull);
-    auto p = at::randperm(size_, gen, at::TensorOptions().dtype(at::kLong));
-    std::copy(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + size_, perm.begin());
-  } else {
-    for (int64_t i = 0; i < size_; ++i) perm[static_cast<size_t>(i)] = i;
-  }
-  const int64_t end = start_ + per_rank_ * world_;
-  order_.clear();
-  for (int64_t k = start_ + rank_; k < end; k += world_) order_.push_back(perm[static_cast<size_t>(k % size_)]);
 }
 
 void DistributedSampler::set_epoch(int64_t epoch) {
@@ -49,14 +72,18 @@ std::vector<int64_t> DistributedSampler::next(int64_t batch) {
   TORCH_CHECK_VALUE(batch > 0, "DistributedSampler::next: batch is ", batch, "; it must be positive");
   if (position_ >= per_rank_) start_epoch(epoch_ + 1);
   const int64_t end = std::min(per_rank_, position_ + batch);
-  std::vector<int64_t> out(order_.begin() + position_, order_.begin() + end);
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(end - position_));
+  // This rank's i-th sample of the epoch: position start + rank + i * world of the permutation, past its end
+  // (the padding) its start again.
+  for (int64_t i = position_; i < end; ++i) out.push_back(permuted((start_ + rank_ + i * world_) % size_));
   position_ = end;
   return out;
 }
 
 std::string DistributedSampler::state_json() const {
   nlohmann::json j{{"seed", seed_}, {"epoch", epoch_}, {"consumed", std::min(size_, start_ + position_ * world_)},
-                   {"dataset_size", size_}, {"shuffle", shuffle_}};
+                   {"dataset_size", size_}, {"shuffle", shuffle_}, {"shuffle_rule", kShuffleRule}};
   return j.dump();
 }
 
@@ -69,6 +96,11 @@ void DistributedSampler::load_state_json(const std::string& state) {
                     j.at("seed").get<uint64_t>(), " but this sampler's is ", seed_);
   TORCH_CHECK_VALUE(j.at("shuffle").get<bool>() == shuffle_, "DistributedSampler: the saved shuffle is ",
                     j.at("shuffle").get<bool>(), " but this sampler's is ", shuffle_);
+  const std::string rule = j.value("shuffle_rule", "randperm");
+  TORCH_CHECK_VALUE(!shuffle_ || rule == kShuffleRule, "DistributedSampler: the saved position is in an epoch "
+                    "shuffled by the rule '", rule, "' (an older zeroshard's) and this one shuffles by '", kShuffleRule,
+                    "': the rest of that epoch would repeat and skip samples; resume with the version that saved it, "
+                    "or start the next epoch (set_epoch)");
   const int64_t consumed = j.at("consumed").get<int64_t>();
   TORCH_CHECK_VALUE(consumed >= 0 && consumed <= size_, "DistributedSampler: the saved position has ", consumed,
                     " samples of the epoch consumed, outside 0..", size_, " (the dataset's size); the state was "

@@ -10,12 +10,45 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <numeric>
 #include <set>
 #include <string>
 #include <vector>
 
 namespace zeroshard {
 namespace sampler_test {
+
+// The shuffle is computed per position: a permutation at every size (powers of 4
+// and their neighbours included), a different one each epoch and seed, and not
+// the identity; a position saved under another shuffle rule is refused.
+TEST(Sampler, TheComputedShuffleIsAPermutationAtEverySize) {
+  for (int64_t size : {1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 1000, 4097}) {
+    DistributedSampler s(size, 0, 1, /*seed=*/9);
+    std::vector<std::vector<int64_t>> epochs;
+    for (int e = 0; e < 3; ++e) {
+      auto got = s.next(size);
+      auto sorted = got;
+      std::sort(sorted.begin(), sorted.end());
+      std::vector<int64_t> all(static_cast<size_t>(size));
+      std::iota(all.begin(), all.end(), 0);
+      ASSERT_EQ(sorted, all) << "size " << size << " epoch " << e;
+      epochs.push_back(got);
+    }
+    if (size >= 15) {
+      EXPECT_NE(epochs[0], epochs[1]) << size;
+      std::vector<int64_t> identity(static_cast<size_t>(size));
+      std::iota(identity.begin(), identity.end(), 0);
+      EXPECT_NE(epochs[0], identity) << size;
+      EXPECT_NE(DistributedSampler(size, 0, 1, /*seed=*/10).next(size), epochs[0]) << size;
+    }
+  }
+  DistributedSampler s(100, 0, 2, 1);
+  const auto err = testing::error_of([&] {
+    s.load_state_json(R"({"seed":1,"epoch":0,"consumed":10,"dataset_size":100,"shuffle":true})");
+  });
+  EXPECT_NE(err.find("shuffled by the rule 'randperm'"), std::string::npos) << err;
+}
 
 TEST(Sampler, EachEpochIsAPermutationSplitAcrossRanks) {
   constexpr int64_t kSize = 23;
