@@ -306,8 +306,7 @@ double PretrainingRun::save(int64_t at, const char* why) {
   return stall;
 }
 
-// One optimizer step: the global batch's share of this rank, forward and
-// backward (its micro-batches, or the pipeline's schedule), the update.
+// A step's micro-batches from its plan (on a loader thread, or the training thread).
 StepBatches PretrainingRun::build_batches(const StepPlan& plan) const {
   StepBatches out;
   out.plan = plan;
@@ -454,7 +453,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
     // The save carries this step's line as it stands (without the save's own time), and the run's
     // record with this step in it.
-    if (!extra.empty()) m.extra_json = extra.dump();
+    m.extra_json = extra.dump();
     step_line_ = zeroshard::MetricsLog::step_line(m);
     m.checkpoint_stall_seconds = save(step_, end ? "end" : "interval");
     if (o.crash_after_save == step_ && rank_ == 0) {  // the instant a crash test asks for
@@ -474,7 +473,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     last_val_ = evaluate(step_);
     extra["val_loss"] = last_val_;
   }
-  if (!extra.empty()) m.extra_json = extra.dump();
+  m.extra_json = extra.dump();  // never empty: it carries the step's data wait
   step_line_ = zeroshard::MetricsLog::step_line(m);  // what a preemption's save of this step carries
   metrics_.write(m);
   progress_->update(m, eff.progress());

@@ -25,7 +25,7 @@ constexpr char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 constexpr int64_t kHeaderBytes = 34;  // magic, u64 version, u8 type, u64 sequences, u64 documents + 1
 constexpr size_t kChunk = size_t{1} << 20;
 
-bool known(uint8_t code) { return code >= 1 && code <= 5 ? true : code == 8; }
+bool known(uint8_t code) { return (code >= 1 && code <= 5) || code == 8; }
 
 template <typename T>
 T load(const char* p) {
