@@ -51,6 +51,40 @@ struct PrepareReport {
 
 PrepareReport prepare_dataset(const PrepareOptions& options);
 
+// Bytes [begin, end) of a file.
+struct TextRange {
+  std::string file;
+  int64_t begin = 0, end = 0;
+};
+
+// `bart_pretrain train-tokenizer`: a byte-level BPE vocabulary learned from a
+// sample of the corpus. The sample is the whole corpus when it holds
+// `sample_mb` or less, else windows of `chunk_bytes` spread evenly over it,
+// each cut to whole sentences. It is read as prepare reads the corpus (chunks
+// split into sentences on `workers` threads), and each sentence's GPT-2 pieces
+// are counted as prepare will encode it (a space before all but a document's
+// first), so the vocabulary is learned from the text it encodes. Writes
+// vocab.json, merges.txt and training.json (the options, the ranges sampled,
+// the counts and times) into OUT.partial, renamed to `out` when whole.
+struct TokenizerTrainingOptions {
+  std::vector<std::string> data;  // as PrepareOptions::data
+  int64_t vocab_size = 2048;
+  double sample_mb = 1000;        // MB of 10^6 bytes
+  int workers = 0;                // counting threads; 0: every core
+  std::string document_separator; // as PrepareOptions's
+  int64_t chunk_bytes = int64_t{1} << 20;
+  std::string out;
+};
+
+struct TokenizerTrainingReport {
+  int64_t corpus_bytes = 0, sample_bytes = 0, pieces = 0, vocab_size = 0, merges = 0;
+  std::vector<TextRange> sample;
+  int workers = 0;
+  double count_seconds = 0, learn_seconds = 0;
+};
+
+TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& options);
+
 // `bart_pretrain merge --out DATASET PART...`: datasets prepared in parts (on
 // several hosts, from parts of a corpus) into one, their documents in the
 // order given: the stores' indexes concatenated and their tokens copied, the
@@ -87,6 +121,7 @@ std::string tokenizer_hash(const std::string& vocab_json, const std::string& mer
 std::string store_prefix(const std::string& dataset);
 
 // `bart_pretrain prepare`: prepare_dataset, and a line of what it did.
+int train_tokenizer_command(const TokenizerTrainingOptions& options);
 int prepare_command(const PrepareOptions& options);
 int merge_command(const std::vector<std::string>& parts, const std::string& out);
 // `bart_pretrain inspect --dataset D [--sequences A:B] [--verify]`: the store's

@@ -113,10 +113,19 @@ int bart_pretrain_main(int argc, char** argv) {
   app.set_help_all_flag("--help-all", "every option, of the subcommands too");
 
   auto* tok = app.add_subcommand("train-tokenizer", "learn a byte-level BPE vocabulary from a text directory");
-  std::string tok_out = "tokenizer";
-  tok->add_option("--data", o.data, "directory of text files (read recursively)")->capture_default_str();
-  tok->add_option("--vocab-size", o.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
-  tok->add_option("--out", tok_out, "writes vocab.json and merges.txt here")->capture_default_str();
+  bart::TokenizerTrainingOptions to;
+  to.data = {o.data};
+  to.out = "tokenizer";
+  tok->add_option("--data", to.data, "directories (read recursively) or files of text")->capture_default_str();
+  tok->add_option("--vocab-size", to.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
+  tok->add_option("--sample-mb", to.sample_mb, "learn from this many MB of the text, in windows spread evenly over "
+                                               "it (all of it when it holds less)")->capture_default_str();
+  tok->add_option("--workers", to.workers, "counting threads (default: every core)");
+  tok->add_option("--document-separator", to.document_separator,
+                  "a line of this text ends a document and is dropped, as prepare's");
+  tok->add_option("--out", to.out, "writes vocab.json, merges.txt and training.json here")->capture_default_str();
+  tok->add_option("--chunk-bytes", to.chunk_bytes, "text per counting task, and per window of the sample")
+      ->capture_default_str();
 
   auto* enc = app.add_subcommand("encode", "tokenize text: one JSON string per line on stdin -> its ids, a JSON "
                                           "array per line on stdout");
@@ -173,6 +182,8 @@ int bart_pretrain_main(int argc, char** argv) {
                  "directory with vocab.json + merges.txt (a real BART vocabulary works); default: "
                  "RUN_DIR/tokenizer, trained from --data when missing");
   app.add_option("--vocab-size", o.vocab_size, "size of a vocabulary trained from --data")->capture_default_str();
+  app.add_option("--sample-mb", o.tokenizer_sample_mb, "MB of --data a vocabulary trained by the run learns from")
+      ->capture_default_str();
   app.add_option("--max-tokens", o.max_tokens, "tokens per example, bos/eos included")->capture_default_str();
   app.add_option("--validation-docs", o.validation_docs, "documents held out for validation, spread evenly over the "
                                                          "dataset (0: 100, or a twentieth of a smaller dataset's)")
@@ -286,7 +297,7 @@ int bart_pretrain_main(int argc, char** argv) {
   }
   o.noise.permute_sentences = !no_permute;
   try {
-    if (tok->parsed()) return bart::train_tokenizer_command(o, tok_out);
+    if (tok->parsed()) return bart::train_tokenizer_command(to);
     if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
     if (prep->parsed()) return bart::prepare_command(po);
     if (merge->parsed()) return bart::merge_command(merge_parts, merge_out);

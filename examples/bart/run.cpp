@@ -3,7 +3,6 @@
 // train-tokenizer and encode commands.
 #include "run.h"
 
-#include "corpus.h"
 #include "prepare.h"
 #include "tokenizer.h"
 
@@ -15,7 +14,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <atomic>
 #include <exception>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -32,21 +33,41 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Trains into `dir` atomically (a temporary directory renamed), so a crash
-// never leaves half a vocabulary that a restart would load.
-void train_tokenizer_into(const std::vector<std::string>& texts, int64_t vocab_size, const std::string& dir) {
-  const auto t0 = Clock::now();
-  const auto tok = ByteLevelBpe::train(texts, vocab_size);
-  const fs::path tmp = dir + ".tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  tok.save((tmp / "vocab.json").string(), (tmp / "merges.txt").string());
-  fs::remove_all(dir);
-  fs::rename(tmp, dir);
-  char msg[200];
-  std::snprintf(msg, sizeof(msg), "tokenizer: trained %lld entries in %.1f s into ", static_cast<long long>(tok.vocab_size()),
-                std::chrono::duration<double>(Clock::now() - t0).count());
-  zeroshard::log_info(msg + dir);
+// Runs `job` (when this rank has one) on a thread while every rank takes part
+// in a small all-reduce of how many jobs are still running, a few milliseconds
+// apart at first and a second apart later, until none is. A job may take long
+// (rank 0 training a tokenizer, a host preparing its data), yet no collective
+// waits on it, so the communicator's timeout still finds a rank that died.
+// Returns this rank's job's error, if any.
+std::exception_ptr run_while_ranks_wait(zeroshard::Communicator& comm, const std::function<void()>& job) {
+  std::atomic<bool> running{static_cast<bool>(job)};
+  std::exception_ptr error;
+  std::thread worker;
+  if (job) {
+    worker = std::thread([&] {
+      try {
+        job();
+      } catch (const std::exception&) {
+        error = std::current_exception();
+      }
+      running = false;
+    });
+  }
+  auto pause = std::chrono::milliseconds(2);
+  try {
+    for (;;) {
+      auto busy = torch::tensor({running ? 1.0 : 0.0}, torch::kDouble);
+      comm.all_reduce(busy, zeroshard::ReduceOp::kSum)->wait();
+      if (busy.item<double>() == 0) break;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(1000));
+    }
+  } catch (...) {  // a rank is gone: this one's job ends first (it holds references to the caller's state)
+    if (worker.joinable()) worker.join();
+    throw;
+  }
+  if (worker.joinable()) worker.join();
+  return error;
 }
 
 }  // namespace
@@ -60,29 +81,33 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, zeroshard::Communicator& comm
   const std::string dir = given          ? o.tokenizer_dir
                           : from_dataset ? (fs::path(o.dataset) / "tokenizer").string()
                                          : (fs::path(o.run_dir) / "tokenizer").string();
-  std::exception_ptr error;
+  std::function<void()> job;
   if (comm.rank() == 0) {
-    try {
+    job = [&] {
       TORCH_CHECK_VALUE(!given || fs::exists(tokenizer_files_in(dir)), "--tokenizer '", dir,
                         "' has no vocab.json; give a directory with vocab.json and merges.txt, or leave --tokenizer "
                         "out to train one from --data");
       TORCH_CHECK_VALUE(!from_dataset || fs::exists(tokenizer_files_in(dir)), "--dataset '", o.dataset,
                         "' holds no tokenizer (a store prepared by other tools): give its vocabulary with --tokenizer");
       if (!given && !from_dataset && !fs::exists(tokenizer_files_in(dir))) {
-        train_tokenizer_into(read_texts(o.data), o.vocab_size, dir);
+        TokenizerTrainingOptions t;
+        t.data = {o.data};
+        t.vocab_size = o.vocab_size;
+        t.sample_mb = o.tokenizer_sample_mb;
+        t.out = dir;
+        train_tokenizer_command(t);
       }
       for (auto [file, out] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
         std::ifstream in(fs::path(dir) / file);
         TORCH_CHECK_VALUE(in, "tokenizer: cannot read '", (fs::path(dir) / file).string(), "'");
         out->assign(std::istreambuf_iterator<char>(in), {});
       }
-    } catch (const std::exception&) {
-      error = std::current_exception();
-    }
+    };
   }
-  // The others wait here, for as long as the training takes: a barrier could time out.
+  // The others wait while rank 0 trains, however long that takes.
+  const std::exception_ptr error = run_while_ranks_wait(comm, job);
   auto failed = torch::tensor({error ? 1.0 : 0.0}, torch::kDouble);
-  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait(std::chrono::hours(1));
+  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait();
   if (error) std::rethrow_exception(error);
   TORCH_CHECK(failed.item<double>() == 0, "tokenizer: rank 0 could not provide it (its output says why)");
   vocab = zeroshard::broadcast_text(comm, vocab, 0);
@@ -103,40 +128,41 @@ std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const 
   const std::string dataset = prepared_here ? (fs::path(o.run_dir) / "dataset").string() : o.dataset;
   const std::string hash = tokenizer_hash(vocab, merges);
   const auto manifest_path = fs::path(dataset) / "manifest.json";
-  std::exception_ptr error;
-  try {
-    if (prepared_here && local_rank == 0) {
+  std::function<void()> job;
+  if (prepared_here && local_rank == 0) {  // each host's local rank 0 prepares, while the others wait
+    job = [&] {
       if (fs::exists(manifest_path)) {  // a restart, or a run directory used again
         const auto m = read_manifest(dataset);
         TORCH_CHECK_VALUE(m.at("sources") == corpus_sources({o.data}), "'", dataset, "' was prepared from other "
                           "text than --data '", o.data, "' holds now; delete it to prepare it again, or give another "
                           "--run-dir");
-      } else {
-        // Hosts that share the run directory's filesystem each prepare; the first rename wins.
-        char host[256] = {};
-        ::gethostname(host, sizeof(host) - 1);
-        PrepareOptions po;
-        po.data = {o.data};
-        po.tokenizer_dir = (fs::path(o.run_dir) / "tokenizer").string();
-        po.vocab_json = vocab;
-        po.merges_txt = merges;
-        po.out = dataset;
-        po.partial = dataset + ".partial." + host + "." + std::to_string(::getpid());
-        try {
-          const auto r = prepare_dataset(po);
-          char msg[200];
-          std::snprintf(msg, sizeof(msg), "data: --data prepared in %.1f s (%lld tokens) into ", r.seconds,
-                        static_cast<long long>(r.tokens));
-          zeroshard::log_info(msg + dataset);
-        } catch (const std::exception&) {
-          if (!fs::exists(manifest_path)) throw;
-          fs::remove_all(po.partial);  // another host's rank prepared it first
-        }
+        return;
       }
-    } else if (prepared_here) {  // the host's local rank 0 prepares it
-      while (!fs::exists(manifest_path)) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (fs::exists(manifest_path)) {
+      // Hosts that share the run directory's filesystem each prepare; the first rename wins.
+      char host[256] = {};
+      ::gethostname(host, sizeof(host) - 1);
+      PrepareOptions po;
+      po.data = {o.data};
+      po.tokenizer_dir = (fs::path(o.run_dir) / "tokenizer").string();
+      po.vocab_json = vocab;
+      po.merges_txt = merges;
+      po.out = dataset;
+      po.partial = dataset + ".partial." + host + "." + std::to_string(::getpid());
+      try {
+        const auto r = prepare_dataset(po);
+        char msg[200];
+        std::snprintf(msg, sizeof(msg), "data: --data prepared in %.1f s (%lld tokens) into ", r.seconds,
+                      static_cast<long long>(r.tokens));
+        zeroshard::log_info(msg + dataset);
+      } catch (const std::exception&) {
+        if (!fs::exists(manifest_path)) throw;
+        fs::remove_all(po.partial);  // another host's rank prepared it first
+      }
+    };
+  }
+  std::exception_ptr error = run_while_ranks_wait(comm, job);
+  try {
+    if (!error && fs::exists(manifest_path)) {
       const auto m = read_manifest(dataset);
       const std::string theirs = m.at("tokenizer").at("xxh3").get<std::string>();
       TORCH_CHECK_VALUE(theirs == hash, "dataset '", dataset, "' was prepared with another tokenizer (xxh3 ", theirs,
@@ -186,11 +212,6 @@ BartConfig run_config(const RunOptions& o, const ByteLevelBpe& tokenizer) {
   config.max_position_embeddings = std::max(config.max_position_embeddings, o.max_tokens + 16);
   if (o.dropout >= 0) config.dropout = config.attention_dropout = config.activation_dropout = o.dropout;
   return config;
-}
-
-int train_tokenizer_command(const RunOptions& o, const std::string& out_dir) {
-  train_tokenizer_into(read_texts(o.data), o.vocab_size, out_dir);
-  return 0;
 }
 
 int encode_command(const std::string& tokenizer_dir) {

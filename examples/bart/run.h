@@ -22,6 +22,7 @@ struct RunOptions {
   std::string run_dir = "bart-run";
   std::string tokenizer_dir;  // "": RUN_DIR/tokenizer, trained when missing
   int64_t vocab_size = 2048;
+  double tokenizer_sample_mb = 1000;  // MB of --data a tokenizer trained by the run learns from
   int64_t max_tokens = 128;
   int64_t validation_docs = 0;  // documents held out for validation; 0: min(100, ceil(D / 20)) of D
   int64_t global_batch = 16;
@@ -78,7 +79,6 @@ struct RunOptions {
 void check_options(const RunOptions& o);
 
 // `bart_pretrain train-tokenizer`: learns a vocabulary from o.data into out_dir.
-int train_tokenizer_command(const RunOptions& o, const std::string& out_dir);
 
 // `bart_pretrain encode --tokenizer DIR`: stdin holds one JSON string per line
 // (any text: "\t", "\n", "\u00e9" escapes); stdout gets, per line, the ids of

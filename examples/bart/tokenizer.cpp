@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <fstream>
 #include <iterator>
-#include <map>
 #include <sstream>
 
 namespace bart {
@@ -38,7 +37,7 @@ std::string utf8(uint32_t cp) {
 
 // One UTF-8 character at `i`: its code point and byte length (an invalid
 // byte is a character of its own, code point 0xFFFD).
-std::pair<uint32_t, size_t> next_char(const std::string& s, size_t i) {
+std::pair<uint32_t, size_t> next_char(std::string_view s, size_t i) {
   const auto b = static_cast<unsigned char>(s[i]);
   auto cont = [&](size_t k) { return i + k < s.size() && (static_cast<unsigned char>(s[i + k]) & 0xC0) == 0x80; };
   if (b < 0x80) return {b, 1};
@@ -107,7 +106,12 @@ const std::vector<std::string>& ByteLevelBpe::byte_symbols() {
 }
 
 std::vector<std::string> ByteLevelBpe::pretokenize(const std::string& text) {
-  std::vector<std::string> out;
+  std::vector<std::string_view> views;
+  pretokenize(text, views);
+  return {views.begin(), views.end()};
+}
+
+void ByteLevelBpe::pretokenize(std::string_view text, std::vector<std::string_view>& out) {
   size_t i = 0;
   const size_t n = text.size();
   auto char_at = [&](size_t k) { return next_char(text, k); };
@@ -115,11 +119,10 @@ std::vector<std::string> ByteLevelBpe::pretokenize(const std::string& text) {
     // 's 't 're 've 'm 'll 'd
     if (text[i] == '\'') {
       bool matched = false;
-      for (const char* c : {"s", "t", "re", "ve", "m", "ll", "d"}) {
-        const size_t len = std::char_traits<char>::length(c);
-        if (text.compare(i + 1, len, c) == 0) {
-          out.push_back(text.substr(i, len + 1));
-          i += len + 1;
+      for (std::string_view c : {"s", "t", "re", "ve", "m", "ll", "d"}) {
+        if (text.substr(i + 1, c.size()) == c) {
+          out.push_back(text.substr(i, c.size() + 1));
+          i += c.size() + 1;
           matched = true;
           break;
         }
@@ -165,7 +168,6 @@ std::vector<std::string> ByteLevelBpe::pretokenize(const std::string& text) {
     out.push_back(text.substr(i, j - i));
     i = j;
   }
-  return out;
 }
 
 void ByteLevelBpe::index() {
@@ -304,49 +306,191 @@ void ByteLevelBpe::save(const std::string& vocab_path, const std::string& merges
   for (const auto& [a, b] : merges_) m << a << " " << b << "\n";
 }
 
+void PieceCounts::add(std::string_view piece, int64_t n) {
+  auto it = counts_.find(piece);
+  if (it != counts_.end()) {
+    it->second += n;
+    return;
+  }
+  if (blocks_.empty() || blocks_.back().capacity() - blocks_.back().size() < piece.size()) {
+    blocks_.emplace_back();
+    blocks_.back().reserve(std::max<size_t>(size_t{1} << 20, piece.size()));
+  }
+  auto& block = blocks_.back();
+  const size_t at = block.size();
+  block.append(piece);  // within the capacity: the block's bytes do not move
+  counts_.emplace(std::string_view(block.data() + at, piece.size()), n);
+}
+
+void PieceCounts::add(const PieceCounts& other) {
+  for (const auto& [piece, n] : other.counts_) add(piece, n);
+}
+
+void PieceCounts::add_text(std::string_view text) {
+  thread_local std::vector<std::string_view> pieces;
+  pieces.clear();
+  ByteLevelBpe::pretokenize(text, pieces);
+  for (auto p : pieces) add(p);
+}
+
 ByteLevelBpe ByteLevelBpe::train(const std::vector<std::string>& texts, int64_t vocab_size) {
+  PieceCounts pieces;
+  for (const auto& text : texts) pieces.add_text(text);
+  return train(pieces, vocab_size);
+}
+
+namespace {
+
+// A pair of symbols (token ids) as one key: first << 32 | second.
+uint64_t pair_key(int32_t a, int32_t b) { return static_cast<uint64_t>(a) << 32 | static_cast<uint32_t>(b); }
+
+struct Candidate {
+  int64_t count;
+  uint64_t pair;
+};
+
+}  // namespace
+
+ByteLevelBpe ByteLevelBpe::train(const PieceCounts& pieces, int64_t vocab_size) {
   ByteLevelBpe t;
   t.tokens_ = {"<s>", "<pad>", "</s>", "<unk>"};
-  for (const auto& s : byte_symbols()) t.tokens_.push_back(s);
+  const int32_t first_byte = static_cast<int32_t>(t.tokens_.size());
+  std::unordered_map<std::string, int32_t> id_of;
+  for (const auto& s : byte_symbols()) {
+    id_of.emplace(s, static_cast<int32_t>(t.tokens_.size()));
+    t.tokens_.push_back(s);
+  }
+  const int32_t first_merged = static_cast<int32_t>(t.tokens_.size());
   const int64_t target = vocab_size - 1;  // <mask> comes last
   TORCH_CHECK_VALUE(vocab_size > static_cast<int64_t>(t.tokens_.size()) + 1, "tokenizer: vocab_size ", vocab_size,
                     " leaves no room for merges (the specials and 256 bytes take ", t.tokens_.size() + 1, ")");
-  // Words: pieces with their counts, as symbol lists.
-  std::map<std::string, int64_t> counts;
-  for (const auto& text : texts) {
-    for (const auto& piece : pretokenize(text)) ++counts[piece];
-  }
-  std::vector<std::vector<std::string>> words;
-  std::vector<int64_t> freq;
-  for (const auto& [piece, c] : counts) {
-    std::vector<std::string> sym;
-    for (unsigned char b : piece) sym.push_back(byte_symbols()[b]);
-    words.push_back(std::move(sym));
-    freq.push_back(c);
-  }
-  std::map<std::pair<std::string, std::string>, int64_t> pairs;  // ordered: ties break the same way every time
-  for (size_t w = 0; w < words.size(); ++w) {
-    for (size_t k = 0; k + 1 < words[w].size(); ++k) pairs[{words[w][k], words[w][k + 1]}] += freq[w];
-  }
-  while (static_cast<int64_t>(t.tokens_.size()) < target) {
-    auto best = pairs.end();
-    for (auto it = pairs.begin(); it != pairs.end(); ++it) {
-      if (it->second > 0 && (best == pairs.end() || it->second > best->second)) best = it;
+  // A symbol's place in ties: a byte's character's code point; merged symbols after all of them, as learned.
+  std::vector<uint32_t> order;
+  for (const auto& s : byte_symbols()) order.push_back(next_char(s, 0).first);
+  auto rank = [&](int32_t id) -> uint64_t {
+    return id < first_merged ? order[static_cast<size_t>(id - first_byte)] : uint64_t{0x110000} + static_cast<uint64_t>(id);
+  };
+  // The queue's top is the most frequent pair, then the one whose symbols rank first.
+  auto after = [&](const Candidate& x, const Candidate& y) {
+    if (x.count != y.count) return x.count < y.count;
+    const int32_t xa = static_cast<int32_t>(x.pair >> 32), ya = static_cast<int32_t>(y.pair >> 32);
+    if (xa != ya) return rank(xa) > rank(ya);
+    return rank(static_cast<int32_t>(x.pair & 0xFFFFFFFFu)) > rank(static_cast<int32_t>(y.pair & 0xFFFFFFFFu));
+  };
+
+  // Words: every piece's symbols, end to end (a word shrinks in place as it merges).
+  const size_t words = pieces.size();
+  std::vector<int32_t> symbols;
+  std::vector<size_t> begin(words + 1);
+  std::vector<uint32_t> length(words);
+  std::vector<int64_t> freq(words);
+  {
+    size_t w = 0;
+    for (const auto& [piece, n] : pieces.counts()) {
+      begin[w] = symbols.size();
+      for (unsigned char b : piece) symbols.push_back(first_byte + b);
+      length[w] = static_cast<uint32_t>(piece.size());
+      freq[w] = n;
+      ++w;
     }
-    if (best == pairs.end()) break;  // nothing left to merge
-    const auto [a, b] = best->first;
-    t.merges_.emplace_back(a, b);
-    t.tokens_.push_back(a + b);
-    for (size_t w = 0; w < words.size(); ++w) {
-      auto& sym = words[w];
-      bool has = false;
-      for (size_t k = 0; k + 1 < sym.size() && !has; ++k) has = sym[k] == a && sym[k + 1] == b;
-      if (!has) continue;
-      for (size_t k = 0; k + 1 < sym.size(); ++k) pairs[{sym[k], sym[k + 1]}] -= freq[w];
-      merge_pair(sym, a, b);
-      for (size_t k = 0; k + 1 < sym.size(); ++k) pairs[{sym[k], sym[k + 1]}] += freq[w];
+    begin[w] = symbols.size();
+  }
+  std::unordered_map<uint64_t, int64_t> count;                // pair -> occurrences, weighted by the words' counts
+  std::unordered_map<uint64_t, std::vector<uint32_t>> where;  // pair -> words that held it (some may no longer)
+  auto note = [&](uint64_t pair, uint32_t w) {
+    auto& ws = where[pair];
+    if (ws.empty() || ws.back() != w) ws.push_back(w);
+  };
+  for (uint32_t w = 0; w < words; ++w) {
+    const int32_t* s = symbols.data() + begin[w];
+    for (uint32_t k = 0; k + 1 < length[w]; ++k) {
+      const uint64_t p = pair_key(s[k], s[k + 1]);
+      count[p] += freq[w];
+      note(p, w);
     }
-    pairs.erase({a, b});
+  }
+  std::vector<Candidate> queue;
+  queue.reserve(count.size());
+  for (const auto& [p, n] : count) queue.push_back({n, p});
+  std::make_heap(queue.begin(), queue.end(), after);
+
+  std::vector<uint32_t> visited(words, 0);  // the merge that last visited each word (1-based)
+  std::vector<uint64_t> fresh;              // pairs holding the new symbol
+  std::unordered_map<std::string, int32_t> merged_id;
+  uint32_t step = 0;
+  int64_t entries = static_cast<int64_t>(t.tokens_.size());
+  while (entries < target && !queue.empty()) {
+    std::pop_heap(queue.begin(), queue.end(), after);
+    const Candidate top = queue.back();
+    queue.pop_back();
+    const auto it = count.find(top.pair);
+    const int64_t now = it == count.end() ? 0 : it->second;
+    if (now != top.count) {  // the count fell since it was queued: queue it again at its count
+      if (now > 0) {
+        queue.push_back({now, top.pair});
+        std::push_heap(queue.begin(), queue.end(), after);
+      }
+      continue;
+    }
+    if (now < 1) break;
+    const int32_t a = static_cast<int32_t>(top.pair >> 32), b = static_cast<int32_t>(top.pair & 0xFFFFFFFFu);
+    const std::string joined = t.tokens_[static_cast<size_t>(a)] + t.tokens_[static_cast<size_t>(b)];
+    t.merges_.emplace_back(t.tokens_[static_cast<size_t>(a)], t.tokens_[static_cast<size_t>(b)]);
+    // Two merges can spell the same token ("a bc", "ab c"): it keeps its first id.
+    int32_t id;
+    if (auto known = merged_id.find(joined); known != merged_id.end()) {
+      id = known->second;
+    } else {
+      id = static_cast<int32_t>(t.tokens_.size());
+      merged_id.emplace(joined, id);
+      t.tokens_.push_back(joined);
+      ++entries;
+    }
+    ++step;
+    fresh.clear();
+    const std::vector<uint32_t> holders = std::move(where[top.pair]);
+    where.erase(top.pair);
+    count.erase(top.pair);
+    for (uint32_t w : holders) {
+      if (visited[w] == step) continue;
+      visited[w] = step;
+      int32_t* s = symbols.data() + begin[w];
+      const uint32_t len = length[w];
+      bool holds = false;
+      for (uint32_t k = 0; k + 1 < len && !holds; ++k) holds = s[k] == a && s[k + 1] == b;
+      if (!holds) continue;
+      const int64_t f = freq[w];
+      auto take = [&](uint64_t p) {
+        if (p == top.pair) return;
+        auto c = count.find(p);
+        if ((c->second -= f) == 0) count.erase(c);
+      };
+      for (uint32_t k = 0; k + 1 < len; ++k) take(pair_key(s[k], s[k + 1]));
+      uint32_t out = 0;  // left to right, as GPT-2 applies a merge
+      for (uint32_t k = 0; k < len; ++k) {
+        if (k + 1 < len && s[k] == a && s[k + 1] == b) {
+          s[out++] = id;
+          ++k;
+        } else {
+          s[out++] = s[k];
+        }
+      }
+      length[w] = out;
+      for (uint32_t k = 0; k + 1 < out; ++k) {
+        const uint64_t p = pair_key(s[k], s[k + 1]);
+        count[p] += f;
+        if (s[k] == id || s[k + 1] == id) {
+          note(p, w);
+          fresh.push_back(p);
+        }
+      }
+    }
+    std::sort(fresh.begin(), fresh.end());
+    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
+    for (uint64_t p : fresh) {
+      queue.push_back({count.at(p), p});
+      std::push_heap(queue.begin(), queue.end(), after);
+    }
   }
   t.tokens_.push_back("<mask>");
   t.index();

@@ -1,6 +1,6 @@
 // tokenizer.h — byte-level BPE in the GPT-2/BART format (vocab.json +
-// merges.txt), so a real BART vocabulary loads, and training of a small
-// vocabulary from a corpus.
+// merges.txt), so a real BART vocabulary loads, and training of a vocabulary
+// from the pieces of a corpus (prepare.h's train_tokenizer samples and counts them).
 //
 // Text is split GPT-2's way (contractions, letter runs, digit runs, other
 // symbols, each with an optional leading space; whitespace runs), each piece's
@@ -15,12 +15,31 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace bart {
+
+// How often each piece (ByteLevelBpe::pretokenize's unit) occurs in a text.
+// The pieces' bytes are kept in blocks owned here, so counting takes no
+// allocation per piece.
+class PieceCounts {
+ public:
+  void add(std::string_view piece, int64_t n = 1);
+  void add(const PieceCounts& other);
+  // The GPT-2 pieces of `text`, each counted once.
+  void add_text(std::string_view text);
+  const std::unordered_map<std::string_view, int64_t>& counts() const { return counts_; }
+  size_t size() const { return counts_.size(); }
+
+ private:
+  std::unordered_map<std::string_view, int64_t> counts_;
+  std::deque<std::string> blocks_;  // the keys' bytes; a block never grows past its capacity
+};
 
 class ByteLevelBpe {
  public:
@@ -30,8 +49,17 @@ class ByteLevelBpe {
   // The same from the two files' contents (the names are the files' in errors).
   static ByteLevelBpe parse(const std::string& vocab_json, const std::string& merges_txt,
                             const std::string& vocab_name, const std::string& merges_name);
-  // Learns merges from `texts` until the vocabulary has `vocab_size` entries
-  // (specials, the 256 bytes, merges, <mask>). Deterministic.
+  // Learns merges from the pieces until the vocabulary has `vocab_size`
+  // entries (specials, the 256 bytes, merges, <mask>), or no pair is left. The
+  // most frequent pair of symbols is merged first; a tie goes to the pair whose
+  // first (then second) symbol is the smaller, a byte's symbol being its
+  // character's code point and a merged one coming after every byte, in the
+  // order learned. Those are Hugging Face's BpeTrainer's rules, so both learn
+  // the same merges from the same pieces (tests/bart/check_tokenizer_training.py).
+  // Pair counts are kept up to date as words merge (only the words holding the
+  // merged pair are visited) and the next pair comes from a priority queue.
+  static ByteLevelBpe train(const PieceCounts& pieces, int64_t vocab_size);
+  // The same from the pieces of `texts`.
   static ByteLevelBpe train(const std::vector<std::string>& texts, int64_t vocab_size);
   void save(const std::string& vocab_json_path, const std::string& merges_txt_path) const;
 
@@ -49,6 +77,7 @@ class ByteLevelBpe {
   std::string decode(const std::vector<int64_t>& ids, bool keep_special = false) const;
 
   int64_t vocab_size() const { return static_cast<int64_t>(tokens_.size()); }
+  int64_t merges() const { return static_cast<int64_t>(merges_.size()); }
   // The id of a token in the byte alphabet ("Ġworld"), or of a special token; -1 if absent.
   int64_t id(const std::string& token) const;
   const std::string& token(int64_t id) const { return tokens_.at(static_cast<size_t>(id)); }
@@ -57,6 +86,8 @@ class ByteLevelBpe {
 
   // GPT-2's pre-tokenization of `text` into pieces (byte substrings).
   static std::vector<std::string> pretokenize(const std::string& text);
+  // The same, appended to `pieces` as views into `text`.
+  static void pretokenize(std::string_view text, std::vector<std::string_view>& pieces);
   // The byte alphabet: byte -> its printable character (UTF-8), and back.
   static const std::vector<std::string>& byte_symbols();
 

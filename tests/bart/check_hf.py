@@ -504,6 +504,7 @@ def check_tokenizer(build, work):
                         f"    HF   {around(b, k)}")
         sys.exit(f"FAIL: tokenizer: {len(bad)} of {2 * len(texts) - skipped} encodings ({len({x[0] for x in bad})} "
                  f"texts) differ from Hugging Face's:\n" + "\n".join(show))
+    check_tokenizer_training(exe, work, files + [page])
     non_ascii = sum(1 for t in texts if any(ord(c) > 127 for c in t))
     tokens = sum(len(a) for a in ours)
     print(f"tokenizer: ByteLevelBPETokenizer ({hf.get_vocab_size()} entries, trained on {len(files)} corpus files + a "
@@ -511,6 +512,108 @@ def check_tokenizer(build, work):
           f"lines, {len(whole)} whole files, {len(MULTILINGUAL) + len(EDGE_CASES)} more texts ({non_ascii} non-ASCII) "
           f"- {tokens} tokens; unicode_classes.h = tokenizers' classes ({len(ranges_of(classes, 'L'))} letter, "
           f"{len(ranges_of(classes, 'N'))} number ranges; {len(spaces)} whitespace code points)")
+
+
+def sampled_sentences(training):
+    """The sentences `bart_pretrain train-tokenizer` learned from, rebuilt from its training.json: each range of
+    the sample cut at separator lines (the first line only where the range starts a line), split into sentences
+    (corpus_oracle), a space before every sentence but a document's first (a range starting a file starts one)."""
+    sep = training["document_separator"].encode()
+    out = []
+    for r in training["sample"]:
+        with open(r["path"], "rb") as f:
+            data = f.read()
+        text = data[r["begin"]:r["end"]]
+        line_start = r["begin"] == 0 or data[r["begin"] - 1] == 0x0A
+        parts, cur = [], []
+        for k, line in enumerate(text.split(b"\n")):
+            if sep and (k > 0 or line_start) and line.strip(b" \t\r") == sep:
+                parts.append(b"\n".join(cur))
+                cur = []
+            else:
+                cur.append(line)
+        parts.append(b"\n".join(cur))
+        for k, part in enumerate(parts):
+            first = r["begin"] == 0 if k == 0 else True
+            for sentence in split_sentences(part):
+                out.append(sentence if first else b" " + sentence)
+                first = False
+    return out
+
+
+def hf_trained_merges(sentences, vocab_size, out_dir):
+    """tokenizers' BpeTrainer, BART's way (byte-level, no prefix space, every byte in the alphabet), on the
+    sentences: its merges.txt's lines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator([s.decode("utf-8") for s in sentences], trainer=trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    tk.model.save(out_dir)
+    return merges_of(out_dir)
+
+
+def merges_of(tok_dir):
+    with open(os.path.join(tok_dir, "merges.txt"), encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#version")]
+
+
+def check_tokenizer_training(exe, work, files):
+    """3. Our trainer learns the merges tokenizers' BpeTrainer learns from the same sentences: from a whole corpus,
+    and from a sample of windows spread over a larger one cut into documents at separator lines."""
+    corpus = os.path.join(work, "training-corpus")
+    shutil.rmtree(corpus, ignore_errors=True)
+    os.makedirs(corpus)
+    for f in files:
+        shutil.copy(f, corpus)
+    sampled = os.path.join(work, "sampled-corpus")  # 3 files of about 1 MB: documents of 40 lines, '%' between
+    shutil.rmtree(sampled, ignore_errors=True)
+    os.makedirs(sampled)
+    lines = []
+    for f in files:
+        with open(f, "rb") as fh:
+            lines += fh.read().split(b"\n")
+    for n in range(3):
+        with open(os.path.join(sampled, f"part-{n}"), "wb") as out:
+            size, k = 0, n * 997
+            while size < 1_000_000:
+                doc = b"\n".join(lines[(k + i) % len(lines)] for i in range(40)) + b"\n%\n"
+                out.write(doc)
+                size += len(doc)
+                k += 40
+    for name, data, vocab, extra in (
+            ("whole", corpus, 2048, ["--sample-mb", "1000"]),
+            ("sampled", sampled, 3000, ["--sample-mb", "0.4", "--chunk-bytes", "16384", "--document-separator", "%",
+                                        "--workers", "3"])):
+        out = os.path.join(work, f"trained-{name}")
+        shutil.rmtree(out, ignore_errors=True)
+        run([exe, "train-tokenizer", "--data", data, "--vocab-size", str(vocab), "--out", out] + extra)
+        with open(os.path.join(out, "training.json")) as f:
+            training = json.load(f)
+        total = sum(os.path.getsize(os.path.join(data, x)) for x in os.listdir(data))
+        check(training["corpus_bytes"] == total, f"{name}: training.json says {training['corpus_bytes']} corpus "
+                                                 f"bytes, the files hold {total}")
+        if name == "whole":
+            check(training["sample_bytes"] == total, f"whole: sampled {training['sample_bytes']} of {total} bytes")
+        else:
+            ranges = training["sample"]
+            check(0.3e6 < training["sample_bytes"] <= 0.4e6 + 16384 and len(ranges) >= 20
+                  and len({r["path"] for r in ranges}) == 3,
+                  f"sampled: {training['sample_bytes']} bytes in {len(ranges)} ranges of "
+                  f"{len({r['path'] for r in ranges})} files; expected about 0.4 MB in windows over all 3")
+        ours = merges_of(out)
+        theirs = hf_trained_merges(sampled_sentences(training), vocab, os.path.join(work, f"hf-trained-{name}"))
+        first = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        check(ours == theirs, f"train-tokenizer ({name}): {len(ours)} merges, tokenizers' BpeTrainer learned "
+                              f"{len(theirs)} from the same sentences; first difference at merge {first}: ours "
+                              f"{ours[first:first + 3]}, theirs {theirs[first:first + 3]}")
+        with open(os.path.join(out, "vocab.json"), encoding="utf-8") as f:
+            vocab_json = json.load(f)
+        check(len(vocab_json) == vocab, f"{name}: {len(vocab_json)} distinct entries in vocab.json, not {vocab}")
+        print(f"train-tokenizer ({name}): the {len(ours)} merges tokenizers' BpeTrainer learns from the same "
+              f"{training['sample_bytes'] / 1e6:.2f} MB ({len(training['sample'])} ranges)")
 
 
 if __name__ == "__main__":

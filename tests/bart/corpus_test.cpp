@@ -2,6 +2,7 @@
 // token kept exactly once, a deterministic held-out split; the default corpus is there.
 #include "corpus.h"
 #include "packed_examples.h"
+#include "prepare.h"
 #include "tokenizer.h"
 #include "test_util.h"
 #include "training.h"
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 
 namespace corpus_test {
 
@@ -28,7 +30,11 @@ TEST(BartCorpus, SplitsSentencesAndParagraphs) {
 // the store held out; the packing file read again without building, and built
 // again for other options.
 TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
-  const auto texts = bart::read_texts("/usr/share/common-licenses");  // on every Debian system
+  std::vector<std::string> texts;  // the licenses, on every Debian system
+  for (const auto& f : bart::corpus_files({"/usr/share/common-licenses"})) {
+    std::ifstream in(f, std::ios::binary);
+    texts.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
   ASSERT_GE(texts.size(), 5u);
   auto tok = bart::ByteLevelBpe::train({texts[0], texts[1]}, 600);
   const auto dir = zeroshard::testing::make_temp_dir("packed");
@@ -97,16 +103,16 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   EXPECT_TRUE(other.built()) << "another --max-tokens packs again";
   EXPECT_GT(other.train().size(), packed.train().size());
   std::filesystem::remove_all(dir);
-  EXPECT_THROW(bart::read_texts("/nonexistent-zeroshard-dir"), c10::Error);
+  EXPECT_THROW(bart::corpus_files({"/nonexistent-zeroshard-dir"}), c10::Error);
 }
 
 TEST(BartCorpus, SkipsBinaryFiles) {
   const auto dir = zeroshard::testing::make_temp_dir("corpus-binary");
   std::ofstream(dir + "/a.txt") << "Some text. More text.";
   std::ofstream(dir + "/a.dat", std::ios::binary) << std::string("\x02\x00\x00\x00index", 9);
-  const auto texts = bart::read_texts(dir);
-  ASSERT_EQ(texts.size(), 1u) << "a file holding a NUL byte is not text";
-  EXPECT_EQ(texts[0], "Some text. More text.");
+  const auto files = bart::corpus_files({dir});
+  ASSERT_EQ(files.size(), 1u) << "a file holding a NUL byte is not text";
+  EXPECT_EQ(files[0], dir + "/a.txt");
   std::filesystem::remove_all(dir);
 }
 
