@@ -2,7 +2,7 @@
 """BART's data path at corpus scale: `bart_pretrain prepare` beside Hugging Face `tokenizers` on the same text,
 vocabulary and cores, and the trainer's start-up, memory and data wait as the corpus grows.
 
-Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--work DIR] [--workers N] [--keep]
+Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--tokenizer-gb 1] [--work DIR] [--workers N] [--keep]
 (run with the project's Python: .venv/bin/python)
 
 1. A pool of this machine's own text (Debian's changelogs, licenses and fortunes; valid UTF-8 only) is cut into
@@ -16,6 +16,12 @@ Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--work DIR] [--worke
    before the first step and after the last), from each dataset, twice (the
    first run packs the examples into the dataset's file, the second only maps it): launch to the first step's
    metrics line, peak RSS per rank, and the share of the steps' time spent waiting for batches.
+5. Tokenizer training (--tokenizer-gb, default 1; 0: skipped): a corpus of that size, learned whole (--sample-mb
+   its size) into BART's 50,265 entries by `bart_pretrain train-tokenizer`, and by `tokenizers`' BpeTrainer (BART's
+   settings: byte-level, no prefix space, every byte in the alphabet, no minimum count) reading the same files
+   itself (its fastest way: lines, in Rust), each in its own process on --workers threads: seconds, peak RSS, and
+   the share of the two vocabularies' entries in common (ours learns from sentences, theirs from lines; from the
+   same sentences they learn the same merges, tests/bart/check_hf.py).
 Prints the tables docs/performance.md keeps.
 """
 import argparse
@@ -117,6 +123,51 @@ def hf_encode(corpus, tok, workers, dataset):
     return nbytes, seconds, len(ds)
 
 
+def timed(cmd, env=None):
+    """Runs cmd; its seconds and peak RSS in bytes."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    seconds = time.monotonic() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)}: exit {p.returncode}\n{out[-3000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+HF_TRAIN = """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+out, vocab, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+tk = Tokenizer(models.BPE())
+tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=0, special_tokens=["<s>", "<pad>", "</s>", "<unk>",
+                              "<mask>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+tk.train(files, trainer=trainer)
+tk.model.save(out)
+"""
+
+
+def tokenizer_training(exe, corpus, work, workers, vocab=50265):
+    ours, theirs = os.path.join(work, "trained-ours"), os.path.join(work, "trained-hf")
+    for d in (ours, theirs):
+        shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(theirs)
+    files = sorted(glob.glob(os.path.join(corpus, "*")))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    env = dict(os.environ, ZS_LOG_LEVEL="info")
+    our_s, our_rss = timed([exe, "train-tokenizer", "--data", corpus, "--vocab-size", str(vocab), "--sample-mb",
+                            str(nbytes / 1e6 + 1), "--workers", str(workers), "--out", ours], env)
+    training = json.load(open(os.path.join(ours, "training.json")))
+    hf_s, hf_rss = timed([sys.executable, "-c", HF_TRAIN, theirs, str(vocab)] + files,
+                         dict(os.environ, RAYON_NUM_THREADS=str(workers), TOKENIZERS_PARALLELISM="true"))
+    a, b = (set(json.load(open(os.path.join(d, "vocab.json")))) for d in (ours, theirs))
+    return {"bytes": nbytes, "sample_bytes": training["sample_bytes"], "ours_s": our_s, "ours_rss": our_rss,
+            "count_s": training["seconds"]["count"], "learn_s": training["seconds"]["learn"], "hf_s": hf_s,
+            "hf_rss": hf_rss, "common": len(a & b) / len(b), "vocab": vocab}
+
+
 def train(build, dataset, run_dir):
     """2 ranks, 20 steps: seconds from launch to the first step's metrics line, the summary."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -144,7 +195,8 @@ def train(build, dataset, run_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
-    ap.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 1, 10])
+    ap.add_argument("--sizes-gb", type=float, nargs="*", default=[0.1, 1, 10])
+    ap.add_argument("--tokenizer-gb", type=float, default=1, help="the corpus tokenizers are trained on; 0: none")
     ap.add_argument("--work", default="/tmp/zs-data-bench")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--keep", action="store_true", help="keep the corpora and datasets")
@@ -184,6 +236,21 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k not in ("first", "again")}), flush=True)
 
     w = a.workers
+    if a.tokenizer_gb > 0:
+        corpus = os.path.join(a.work, f"corpus-tok-{a.tokenizer_gb:g}")
+        if not (a.reuse and os.path.isdir(corpus)):
+            shutil.rmtree(corpus, ignore_errors=True)
+            make_corpus(corpus, a.tokenizer_gb, docs)
+        t = tokenizer_training(exe, corpus, a.work, w)
+        if not a.keep:
+            shutil.rmtree(corpus, ignore_errors=True)
+        print(json.dumps(t), flush=True)
+        print(f"\n| text | entries | train-tokenizer (count + learn) | peak RSS | tokenizers BpeTrainer | peak RSS | "
+              f"ours / theirs | entries in common |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"| {t['sample_bytes'] / 1e9:.2f} GB | {t['vocab']:,} | {t['ours_s']:.0f} s ({t['count_s']:.0f} + "
+              f"{t['learn_s']:.0f}) | {t['ours_rss'] / 2**20:,.0f} MiB | {t['hf_s']:.0f} s | "
+              f"{t['hf_rss'] / 2**20:,.0f} MiB | {t['ours_s'] / t['hf_s']:.2f}x | {100 * t['common']:.1f}% |")
     print(f"\n| text | prepare (s) | MB/s | MB/s per core | tokenizers encode_batch, MB/s per core | ours / theirs |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -34,7 +34,8 @@ echo "demo: a simulated spot preemption (SIGTERM through zeroshard-run) comes at
 echo "demo: is restarted, resumes from its checkpoint and finishes. Run directory: $run_dir"
 echo
 mkdir -p "$run_dir"
-"$build/examples/bart_pretrain" train-tokenizer --data "$data" --vocab-size 2048 --out "$run_dir/tokenizer"
+"$build/examples/bart_pretrain" train-tokenizer --data "$data" --document-separator % --vocab-size 2048 \
+  --out "$run_dir/tokenizer"
 "$build/examples/bart_pretrain" prepare --data "$data" --document-separator % --tokenizer "$run_dir/tokenizer" \
   --out "$run_dir/dataset"
 echo
