@@ -298,12 +298,23 @@ ByteLevelBpe ByteLevelBpe::parse(const std::string& vocab_json, const std::strin
 }
 
 void ByteLevelBpe::save(const std::string& vocab_path, const std::string& merges_path) const {
-  nlohmann::ordered_json v;
-  for (size_t k = 0; k < tokens_.size(); ++k) v[tokens_[k]] = k;
-  std::ofstream(vocab_path) << v.dump();
+  // Written by hand, in id order: nlohmann's ordered_json looks each key up in a list (50k entries: seconds).
+  std::ofstream v(vocab_path);
+  v << '{';
+  bool first = true;
+  for (size_t k = 0; k < tokens_.size(); ++k) {
+    if (tokens_[k].empty()) continue;  // an id a loaded vocabulary skipped
+    v << (first ? "" : ",") << nlohmann::json(tokens_[k]).dump() << ':' << k;
+    first = false;
+  }
+  v << '}';
+  v.close();
+  TORCH_CHECK(v.good(), "tokenizer: writing '", vocab_path, "' failed");
   std::ofstream m(merges_path);
   m << "#version: 0.2\n";
   for (const auto& [a, b] : merges_) m << a << " " << b << "\n";
+  m.close();
+  TORCH_CHECK(m.good(), "tokenizer: writing '", merges_path, "' failed");
 }
 
 void PieceCounts::add(std::string_view piece, int64_t n) {
