@@ -1,5 +1,5 @@
-// zeroshard/token_store.h — a corpus of token ids on disk, memory-mapped: the
-// Megatron-LM indexed dataset layout, so a store written here loads in
+// zeroshard/token_store.h — a corpus of token ids on disk: the Megatron-LM
+// indexed dataset layout, so a store written here loads in
 // Megatron (megatron.core.datasets.indexed_dataset.IndexedDataset) and a store
 // Megatron's tools wrote loads here.
 //
@@ -13,10 +13,15 @@
 // A sequence is typically a sentence, a document a run of them (an article, a
 // file). Document d holds sequences [documents[d], documents[d+1]).
 //
-// TokenStore maps both files read-only: opening reads the 34-byte header and
-// checks each file's size against it, so it costs the same at any corpus
-// size, and a rank touches only the pages of the sequences it reads. A store
-// is immutable and a TokenStore is safe to read from many threads.
+// TokenStore reads both files with pread, as it needs them: opening reads the
+// 34-byte header and checks each file's size against it, so it costs the same
+// at any corpus size; a rank reads only the sequences it asks for, and what it
+// reads stays in the host's page cache (shared by its ranks), not in the rank's
+// resident memory. (Mapped, the files' pages would count there: a kernel with
+// large page-cache folios maps megabytes around each page touched, so the whole
+// index of a hot store would soon be resident in every rank.) Index entries go
+// through a 16 KiB block per thread and array, so a scan reads each block once.
+// A store is immutable and a TokenStore is safe to read from many threads.
 //
 // TokenStoreWriter streams: tokens go to PREFIX.bin.partial as they come,
 // lengths and document ends to side files, so its memory does not grow with
@@ -47,7 +52,7 @@ TokenType token_type_for(int64_t vocab_size);
 
 class TokenStore {
  public:
-  // Maps PREFIX.idx and PREFIX.bin. Throws (c10::Error) naming the file and what
+  // Opens PREFIX.idx and PREFIX.bin. Throws (c10::Error) naming the file and what
   // is wrong: missing, not an indexed dataset, an unknown version or token type
   // (float stores), or a size its header does not account for (truncated,
   // or written by something else).

@@ -1,14 +1,15 @@
-// token_store.cpp — the Megatron-LM indexed dataset: mapped reader, streaming writer.
+// token_store.cpp — the Megatron-LM indexed dataset: reader (pread), streaming writer.
 #include <zeroshard/token_store.h>
 
 #include <c10/util/Exception.h>
 #include <xxhash.h>
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -36,12 +37,15 @@ T load(const char* p) {
 
 }  // namespace
 
-// A file mapped read-only; `bytes` 0 maps nothing.
-struct TokenStoreMapping {
-  const char* data = nullptr;
+// A file open for reading with pread: many threads read it at once, and what
+// is read lands in the page cache (shared by every process of the host), not
+// in this process's resident memory as a mapping's pages would.
+struct TokenStoreFile {
+  std::string path;
+  int fd = -1;
   int64_t bytes = 0;
-  explicit TokenStoreMapping(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  explicit TokenStoreFile(std::string p) : path(std::move(p)) {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     TORCH_CHECK_VALUE(fd >= 0, "token store: cannot open '", path, "': ", std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
@@ -50,22 +54,40 @@ struct TokenStoreMapping {
       TORCH_CHECK(false, "token store: cannot stat '", path, "': ", std::strerror(e));
     }
     bytes = static_cast<int64_t>(st.st_size);
-    if (bytes > 0) {
-      void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_SHARED, fd, 0);
-      const int e = errno;
-      ::close(fd);
-      TORCH_CHECK(p != MAP_FAILED, "token store: cannot map '", path, "' (", bytes, " bytes): ", std::strerror(e));
-      data = static_cast<const char*>(p);
-    } else {
-      ::close(fd);
+  }
+  ~TokenStoreFile() { ::close(fd); }
+  TokenStoreFile(const TokenStoreFile&) = delete;
+  TokenStoreFile& operator=(const TokenStoreFile&) = delete;
+  // Bytes [at, at + n), all of them or an error naming the file.
+  void read(void* out, int64_t n, int64_t at) const {
+    auto* p = static_cast<char*>(out);
+    while (n > 0) {
+      const ssize_t got = ::pread(fd, p, static_cast<size_t>(n), at);
+      if (got < 0 && errno == EINTR) continue;
+      TORCH_CHECK(got > 0, "token store: reading '", path, "' at byte ", at, " failed: ",
+                  got == 0 ? "it ended (truncated while open?)" : std::strerror(errno));
+      p += got;
+      at += got;
+      n -= got;
     }
   }
-  ~TokenStoreMapping() {
-    if (data != nullptr) ::munmap(const_cast<char*>(data), static_cast<size_t>(bytes));
-  }
-  TokenStoreMapping(const TokenStoreMapping&) = delete;
-  TokenStoreMapping& operator=(const TokenStoreMapping&) = delete;
 };
+
+namespace {
+
+// The last block of one of a store's index arrays a thread read, so that a
+// scan (packing, verify, append) reads each block once. Blocks are keyed by
+// the store's serial number (never reused) and the array's byte offset.
+struct IndexBlock {
+  uint64_t store = 0;
+  int64_t first = -1;  // byte offset in .idx
+  int64_t bytes = 0;
+  char data[16384];
+};
+
+std::atomic<uint64_t> next_store_serial{1};
+
+}  // namespace
 
 std::string to_string(TokenType type) {
   switch (type) {
@@ -98,13 +120,31 @@ TokenType token_type_for(int64_t vocab_size) { return vocab_size < 65500 ? Token
 
 struct TokenStore::Mapped {
   std::string prefix;
-  std::unique_ptr<TokenStoreMapping> idx, bin;
+  std::unique_ptr<TokenStoreFile> idx, bin;
+  uint64_t serial = next_store_serial++;
   TokenType type = TokenType::kUInt16;
   int64_t item = 2, sequences = 0, documents = 0;  // documents: entries of the document array less one
-  const char* lengths = nullptr;
-  const char* pointers = nullptr;
-  const char* ends = nullptr;
-  int64_t pointer(int64_t i) const { return load<int64_t>(pointers + 8 * i); }
+  int64_t lengths = 0, pointers = 0, ends = 0;     // the arrays' byte offsets in .idx
+
+  // Entry i of the index array at byte `array`, of T, through this thread's block for that array.
+  template <typename T>
+  T entry(int64_t array, int64_t i, int which) const {
+    thread_local std::array<IndexBlock, 3> blocks;
+    IndexBlock& b = blocks[static_cast<size_t>(which)];
+    const int64_t at = array + static_cast<int64_t>(sizeof(T)) * i;
+    if (b.store != serial || at < b.first || at + static_cast<int64_t>(sizeof(T)) > b.first + b.bytes) {
+      const int64_t start = array + (at - array) / static_cast<int64_t>(sizeof(b.data)) * static_cast<int64_t>(sizeof(b.data));
+      b.bytes = std::min<int64_t>(sizeof(b.data), idx->bytes - start);
+      b.first = -1;
+      idx->read(b.data, b.bytes, start);
+      b.store = serial;
+      b.first = start;
+    }
+    return load<T>(b.data + (at - b.first));
+  }
+  int64_t length(int64_t i) const { return entry<int32_t>(lengths, i, 0); }
+  int64_t pointer(int64_t i) const { return entry<int64_t>(pointers, i, 1); }
+  int64_t end(int64_t d) const { return entry<int64_t>(ends, d, 2); }  // documents[d]
 };
 
 TokenStore::TokenStore(const std::string& prefix) : m_(std::make_unique<Mapped>()) {
@@ -113,8 +153,9 @@ TokenStore::TokenStore(const std::string& prefix) : m_(std::make_unique<Mapped>(
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
   TORCH_CHECK_VALUE(fs::exists(idx), "token store '", prefix, "': no index '", idx, "' (prepare the corpus into it, "
                     "or give the prefix of a store: PREFIX.idx and PREFIX.bin)");
-  m.idx = std::make_unique<TokenStoreMapping>(idx);
-  const char* h = m.idx->data;
+  m.idx = std::make_unique<TokenStoreFile>(idx);
+  char h[kHeaderBytes] = {};
+  if (m.idx->bytes >= kHeaderBytes) m.idx->read(h, kHeaderBytes, 0);
   TORCH_CHECK_VALUE(m.idx->bytes >= kHeaderBytes && std::memcmp(h, kMagic, sizeof(kMagic)) == 0, "token store: '",
                     idx, "' is not an indexed dataset index (it does not start with MMIDIDX)");
   const auto version = load<uint64_t>(h + 9);
@@ -133,22 +174,21 @@ TokenStore::TokenStore(const std::string& prefix) : m_(std::make_unique<Mapped>(
                     " document entries (", expect, " bytes): the index is truncated or damaged; prepare it again");
   m.sequences = static_cast<int64_t>(n);
   m.documents = static_cast<int64_t>(d) - 1;
-  m.lengths = h + kHeaderBytes;
-  m.pointers = m.lengths + 4 * n;
-  m.ends = m.pointers + 8 * n;
-  TORCH_CHECK_VALUE(load<int64_t>(m.ends) == 0 && load<int64_t>(m.ends + 8 * m.documents) == m.sequences,
-                    "token store: '", idx, "': its document array runs from ", load<int64_t>(m.ends), " to ",
-                    load<int64_t>(m.ends + 8 * m.documents), ", not from 0 to its ", n,
-                    " sequences: the index is damaged; prepare it again");
+  m.lengths = kHeaderBytes;
+  m.pointers = m.lengths + 4 * m.sequences;
+  m.ends = m.pointers + 8 * m.sequences;
+  TORCH_CHECK_VALUE(m.end(0) == 0 && m.end(m.documents) == m.sequences, "token store: '", idx,
+                    "': its document array runs from ", m.end(0), " to ", m.end(m.documents), ", not from 0 to its ",
+                    n, " sequences: the index is damaged; prepare it again");
   TORCH_CHECK_VALUE(fs::exists(bin), "token store '", prefix, "': its index is there but not its tokens '", bin, "'");
-  m.bin = std::make_unique<TokenStoreMapping>(bin);
-  const int64_t need = n == 0 ? 0 : m.pointer(m.sequences - 1) + length(m.sequences - 1) * m.item;
+  m.bin = std::make_unique<TokenStoreFile>(bin);
+  const int64_t need = n == 0 ? 0 : m.pointer(m.sequences - 1) + m.length(m.sequences - 1) * m.item;
   TORCH_CHECK_VALUE(m.bin->bytes == need && m.bin->bytes % m.item == 0, "token store: '", bin, "' is ", m.bin->bytes,
                     " bytes but its index ends at byte ", need, " (", to_string(m.type), " tokens): ",
                     m.bin->bytes < need ? "the tokens are truncated" : "the index is not this file's",
                     "; prepare the store again");
   // The kernel reads what a batch touches, not ahead: sequences are read in random order.
-  if (m.bin->bytes > 0) ::madvise(const_cast<char*>(m.bin->data), static_cast<size_t>(m.bin->bytes), MADV_RANDOM);
+  ::posix_fadvise(m.bin->fd, 0, 0, POSIX_FADV_RANDOM);
 }
 
 TokenStore::~TokenStore() = default;
@@ -164,19 +204,19 @@ int64_t TokenStore::tokens() const { return m_->bin->bytes / m_->item; }
 int64_t TokenStore::length(int64_t i) const {
   TORCH_CHECK_INDEX(i >= 0 && i < m_->sequences, "token store '", m_->prefix, "': sequence ", i, " of ",
                     m_->sequences);
-  return load<int32_t>(m_->lengths + 4 * i);
+  return m_->length(i);
 }
 
 int64_t TokenStore::document_begin(int64_t d) const {
   TORCH_CHECK_INDEX(d >= 0 && d < m_->documents, "token store '", m_->prefix, "': document ", d, " of ",
                     m_->documents);
-  return load<int64_t>(m_->ends + 8 * d);
+  return m_->end(d);
 }
 
 int64_t TokenStore::document_end(int64_t d) const {
   TORCH_CHECK_INDEX(d >= 0 && d < m_->documents, "token store '", m_->prefix, "': document ", d, " of ",
                     m_->documents);
-  return load<int64_t>(m_->ends + 8 * (d + 1));
+  return m_->end(d + 1);
 }
 
 void TokenStore::read(int64_t i, int64_t offset, int64_t count, std::vector<int64_t>& out) const {
@@ -188,7 +228,10 @@ void TokenStore::read(int64_t i, int64_t offset, int64_t count, std::vector<int6
   TORCH_CHECK_VALUE(len >= 0 && at >= 0 && at + len * m.item <= m.bin->bytes, "token store '", m.prefix,
                     "': sequence ", i, " (", len, " tokens at byte ", at, ") lies outside its ", m.bin->bytes,
                     "-byte .bin: the index is damaged; prepare the store again");
-  const char* p = m.bin->data + at + offset * m.item;
+  thread_local std::vector<char> bytes;
+  bytes.resize(static_cast<size_t>(count * m.item));
+  m.bin->read(bytes.data(), count * m.item, at + offset * m.item);
+  const char* p = bytes.data();
   const size_t base = out.size();
   out.resize(base + static_cast<size_t>(count));
   int64_t* o = out.data() + base;
@@ -224,31 +267,52 @@ void TokenStore::verify() const {
   const auto& m = *m_;
   int64_t at = 0;
   for (int64_t i = 0; i < m.sequences; ++i) {
-    const int64_t len = load<int32_t>(m.lengths + 4 * i);
+    const int64_t len = m.length(i);
     TORCH_CHECK_VALUE(len >= 0 && m.pointer(i) == at, "token store '", m.prefix, "': sequence ", i, " has length ",
                       len, " at byte ", m.pointer(i), " where byte ", at,
                       " was expected: the index is damaged; prepare the store again");
     at += len * m.item;
   }
   for (int64_t d = 0; d < m.documents; ++d) {
-    TORCH_CHECK_VALUE(load<int64_t>(m.ends + 8 * d) <= load<int64_t>(m.ends + 8 * (d + 1)), "token store '", m.prefix,
-                      "': document ", d, " ends before it begins: the index is damaged; prepare the store again");
+    TORCH_CHECK_VALUE(m.end(d) <= m.end(d + 1), "token store '", m.prefix, "': document ", d,
+                      " ends before it begins: the index is damaged; prepare the store again");
   }
 }
+
+namespace {
+
+// XXH3-64 of a whole file, read front to back in chunks.
+uint64_t file_xxh3(const TokenStoreFile& f) {
+  ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  std::vector<char> buf(kChunk);
+  for (int64_t at = 0; at < f.bytes;) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(buf.size()), f.bytes - at);
+    try {
+      f.read(buf.data(), n, at);
+    } catch (...) {
+      XXH3_freeState(h);
+      throw;
+    }
+    XXH3_64bits_update(h, buf.data(), static_cast<size_t>(n));
+    at += n;
+  }
+  const uint64_t digest = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_RANDOM);
+  return digest;
+}
+
+}  // namespace
 
 TokenStoreDigest TokenStore::digest() const {
   const auto& m = *m_;
   TokenStoreDigest d;
   d.bin_bytes = static_cast<uint64_t>(m.bin->bytes);
-  if (m.bin->bytes > 0) {  // read front to back: ahead, this once
-    ::madvise(const_cast<char*>(m.bin->data), static_cast<size_t>(m.bin->bytes), MADV_SEQUENTIAL);
-    d.bin_xxh3 = XXH3_64bits(m.bin->data, static_cast<size_t>(m.bin->bytes));
-    ::madvise(const_cast<char*>(m.bin->data), static_cast<size_t>(m.bin->bytes), MADV_RANDOM);
-  } else {
-    d.bin_xxh3 = XXH3_64bits(nullptr, 0);
-  }
+  d.bin_xxh3 = file_xxh3(*m.bin);
   d.idx_bytes = static_cast<uint64_t>(m.idx->bytes);
-  d.idx_xxh3 = XXH3_64bits(m.idx->data, static_cast<size_t>(m.idx->bytes));
+  d.idx_xxh3 = file_xxh3(*m.idx);
   return d;
 }
 
