@@ -599,6 +599,16 @@ def check_tokenizer_training(exe, work, files):
             check(training["sample_bytes"] == total, f"whole: sampled {training['sample_bytes']} of {total} bytes")
         else:
             ranges = training["sample"]
+            for r in ranges:  # each cut where a sentence ends: '.', '!' or '?' before whitespace, or a blank line
+                with open(r["path"], "rb") as fh:
+                    text = fh.read()
+                for at in (r["begin"], r["end"]):
+                    after_end = text[at:at + 1] in (b" ", b"\t", b"\n", b"\r", b"\f", b"\v") and \
+                        text[at - 1:at] in (b".", b"!", b"?")
+                    after_blank_line = text[at - 1:at] == b"\n" and text[:at - 1].rstrip(b" \t\r").endswith(b"\n")
+                    check(at in (0, len(text)) or after_end or after_blank_line,
+                          f"sampled: {r['path']} is cut at byte {at}, not where a sentence ends: "
+                          f"{text[max(0, at - 40):at + 40]!r}")
             check(0.3e6 < training["sample_bytes"] <= 0.4e6 + 16384 and len(ranges) >= 20
                   and len({r["path"] for r in ranges}) == 3,
                   f"sampled: {training['sample_bytes']} bytes in {len(ranges)} ranges of "
