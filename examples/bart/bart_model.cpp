@@ -4,6 +4,8 @@
 
 #include <zeroshard/activation_checkpoint.h>
 
+#include "compat/torch_compat.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 #include <xxhash.h>
@@ -115,20 +117,24 @@ torch::Tensor BartAttentionImpl::forward(const torch::Tensor& query, const torch
                                          const torch::Tensor& key_padding, bool causal) {
   const int64_t B = query.size(0), T = query.size(1), S = key_value.size(1);
   auto split = [&](const torch::Tensor& x, int64_t len) { return x.view({B, len, heads, head_dim}).transpose(1, 2); };
-  const auto q = split(q_proj(query) * (1.0 / std::sqrt(static_cast<double>(head_dim))), T);
-  const auto k = split(k_proj(key_value), S);
-  const auto v = split(v_proj(key_value), S);
-  auto scores = torch::matmul(q, k.transpose(-1, -2));  // [B, H, T, S]
-  if (key_padding.defined()) {
-    scores = scores.masked_fill(key_padding.view({B, 1, 1, S}), -std::numeric_limits<float>::infinity());
+  // One GEMM for the projections that share an input: q, k and v in self-attention, k and v in cross-attention.
+  torch::Tensor q, k, v;
+  if (query.is_same(key_value)) {
+    const auto qkv = torch::nn::functional::linear(query, torch::cat({q_proj->weight, k_proj->weight, v_proj->weight}),
+                                                   torch::cat({q_proj->bias, k_proj->bias, v_proj->bias}))
+                         .chunk(3, -1);
+    q = qkv[0], k = qkv[1], v = qkv[2];
+  } else {
+    const auto kv = torch::nn::functional::linear(key_value, torch::cat({k_proj->weight, v_proj->weight}),
+                                                  torch::cat({k_proj->bias, v_proj->bias}))
+                        .chunk(2, -1);
+    q = q_proj(query), k = kv[0], v = kv[1];
   }
-  if (causal) {
-    const auto future = torch::ones({T, S}, torch::TensorOptions().dtype(torch::kBool).device(query.device())).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  }
-  auto probs = F::dropout(torch::softmax(scores, -1), F::DropoutFuncOptions().p(dropout).training(is_training()));
-  auto out = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, heads * head_dim});
-  return out_proj(out);
+  torch::Tensor keep;  // the keys that take part: all but padding
+  if (key_padding.defined()) keep = key_padding.logical_not().view({B, 1, 1, S});
+  const auto out = zeroshard::compat::attention(split(q, T), split(k, S), split(v, S), keep, causal,
+                                                is_training() ? dropout : 0.0);
+  return out_proj(out.transpose(1, 2).reshape({B, T, heads * head_dim}));
 }
 
 BartEncoderLayerImpl::BartEncoderLayerImpl(const BartConfig& c)
@@ -284,6 +290,66 @@ torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& inp
   }
   // The output projection is the shared embedding (tied).
   return torch::matmul(decoded, model->shared->weight.t()) + final_logits_bias;
+}
+
+namespace {
+
+int64_t cross_entropy_chunk(const torch::Tensor& logits, int64_t chunk_rows) {
+  return chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, logits.size(1)));
+}
+
+// Rows [begin, end): their summed loss (fp32, 0-dim), and into `grad` (when defined) its gradient.
+torch::Tensor cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
+                                 int64_t begin, int64_t end, const torch::Tensor& grad) {
+  const auto x = logits.slice(0, begin, end).to(torch::kFloat);
+  const auto y = labels.slice(0, begin, end);
+  const auto valid = y.ne(ignore_index);
+  const auto label = y.masked_fill(valid.logical_not(), 0).unsqueeze(1);
+  const auto lse = x.logsumexp(1);
+  const auto loss = (lse - x.gather(1, label).squeeze(1)).masked_fill(valid.logical_not(), 0).sum();
+  if (grad.defined()) {
+    auto g = (x - lse.unsqueeze(1)).exp_();  // softmax
+    const auto v = valid.to(torch::kFloat).unsqueeze(1);
+    g.scatter_add_(1, label, -v);  // minus the label's one-hot
+    g.mul_(v);
+    grad.slice(0, begin, end).copy_(g);
+  }
+  return loss;
+}
+
+class SummedCrossEntropy : public torch::autograd::Function<SummedCrossEntropy> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& logits,
+                               const torch::Tensor& labels, int64_t ignore_index, int64_t chunk_rows) {
+    const int64_t n = logits.size(0), chunk = cross_entropy_chunk(logits, chunk_rows);
+    auto grad = torch::empty_like(logits);
+    auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
+    for (int64_t b = 0; b < n; b += chunk) total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), grad);
+    ctx->save_for_backward({grad});
+    return total;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    const auto grad = ctx->get_saved_variables()[0];
+    return {grad * grad_out[0].to(grad.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
+                                   int64_t chunk_rows) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && labels.dim() == 1 && labels.size(0) == logits.size(0),
+                    "summed_cross_entropy: logits [N, V] and labels [N], got ", logits.sizes(), " and ", labels.sizes());
+  if (torch::GradMode::is_enabled() && logits.requires_grad()) {
+    return SummedCrossEntropy::apply(logits, labels, ignore_index, chunk_rows);
+  }
+  const int64_t n = logits.size(0), chunk = cross_entropy_chunk(logits, chunk_rows);
+  auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
+  for (int64_t b = 0; b < n; b += chunk) {
+    total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), torch::Tensor());
+  }
+  return total;
 }
 
 torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {

@@ -118,6 +118,16 @@ struct BartModelImpl : torch::nn::Module {
 };
 TORCH_MODULE(BartModel);
 
+// The cross-entropy of logits [N, V] against labels [N], summed over the rows
+// whose label is not `ignore_index`, computed in fp32 whatever the logits'
+// dtype, without an fp32 copy of them all: rows go through in chunks (of
+// `chunk_rows`; 0: about 2^26 logits), and when the logits need a gradient it
+// is computed in the same pass (softmax minus the label's one-hot) and kept
+// in the logits' dtype for backward, instead of autograd keeping the fp32
+// log-softmax. Equals F::cross_entropy on the fp32 logits with reduction sum.
+torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
+                                   int64_t chunk_rows = 0);
+
 struct BartForConditionalGenerationImpl : torch::nn::Module {
   explicit BartForConditionalGenerationImpl(const BartConfig& c);
   // input_ids [B, S], decoder_input_ids [B, T] -> logits [B, T, vocab]

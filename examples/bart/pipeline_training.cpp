@@ -51,8 +51,8 @@ std::vector<Block> timed_blocks(const BartConfig& c, const PipelineOptions& o, c
       const auto out = stage->forward(in, batch);
       torch::Tensor loss;
       if (k == 3) {  // the head's stage also takes the loss
-        loss = F::cross_entropy(out.at(0).second.reshape({-1, c.vocab_size}).to(torch::kFloat),
-                                batch.decoder_input_ids.reshape(-1), F::CrossEntropyFuncOptions().reduction(torch::kSum));
+        loss = summed_cross_entropy(out.at(0).second.reshape({-1, c.vocab_size}), batch.decoder_input_ids.reshape(-1),
+                                    /*ignore_index=*/-100);
       } else {
         loss = torch::zeros({}, torch::TensorOptions(torch::kFloat).device(o.device));
         for (const auto& [name, t] : out) loss = loss + t.to(torch::kFloat).sum();
@@ -116,9 +116,8 @@ struct PipelinedBart::Impl {
     };
     f.loss = [this](int mb, const Payload& out) {
       const auto& m = micro.at(static_cast<size_t>(mb));
-      const auto ce = F::cross_entropy(out.at(0).second.reshape({-1, config.vocab_size}).to(torch::kFloat),
-                                       m.labels.reshape(-1),
-                                       F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id).reduction(torch::kSum));
+      const auto ce = summed_cross_entropy(out.at(0).second.reshape({-1, config.vocab_size}), m.labels.reshape(-1),
+                                           config.pad_token_id);
       return ce * weight.at(static_cast<size_t>(mb));
     };
     return f;

@@ -382,12 +382,15 @@ StepResult PretrainingRun::step_once(int64_t step) {
   opt.zero_grad();  // stage 1 keeps gradients in p.grad(); stages 2 and 3 have already moved them into shards
   const auto t_fb = Clock::now();
   const double waited_fb0 = waited();
-  double loss_sum = 0;
+  // Summed on the device (in double, as the host would): reading it after each microbatch would stop the host
+  // until the device drains; it is read once, after the optimizer step.
+  torch::Tensor loss_sum;
   for (size_t m = 0; m < micro.size(); ++m) {
     // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
     model_->dropout_key = key(static_cast<int64_t>(m));
     auto l = summed_loss(model_, micro[m]);
-    loss_sum += l.item<double>();
+    const auto ld = l.detach().to(torch::kDouble);
+    loss_sum = loss_sum.defined() ? loss_sum + ld : ld;
     (l * (static_cast<double>(world_) / r.global_tokens)).backward();
   }
   r.fb_s = since(t_fb);
@@ -401,7 +404,7 @@ StepResult PretrainingRun::step_once(int64_t step) {
   r.skipped = opt.last_step_skipped();
   r.noise = opt.last_gradient_noise();
   const auto t_loss = Clock::now();
-  r.loss = all_sum(*comm_, loss_sum) / r.global_tokens;
+  r.loss = all_sum(*comm_, loss_sum.defined() ? loss_sum.item<double>() : 0.0) / r.global_tokens;
   r.loss_comm = since(t_loss);
   return r;
 }

@@ -50,8 +50,7 @@ Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_
 torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch) {
   const auto& c = model->config;
   const auto logits = model->forward(batch.input_ids, shift_tokens_right(batch.labels, c.pad_token_id, c.decoder_start_token_id));
-  return F::cross_entropy(logits.reshape({-1, c.vocab_size}).to(torch::kFloat), batch.labels.reshape(-1),
-                          F::CrossEntropyFuncOptions().ignore_index(c.pad_token_id).reduction(torch::kSum));
+  return summed_cross_entropy(logits.reshape({-1, c.vocab_size}), batch.labels.reshape(-1), c.pad_token_id);
 }
 
 std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 
 namespace bart_model_test {
@@ -92,6 +93,78 @@ TEST(BartModel, DecoderSeesNoFutureTokens) {
 
 // The output projection is model.shared: zero a token's row and its logit is
 // final_logits_bias alone; the embedding and the head share the gradient.
+// The attention (fused projections; LibTorch 2.x's scaled_dot_product_attention)
+// against the formula written out: q, k, v from the separate projections,
+// softmax(q k^T / sqrt(d)) with padded keys and, in the causal case, future
+// keys at -inf, times v, through out_proj. fp32, no dropout.
+TEST(BartModel, AttentionMatchesTheFormula) {
+  torch::manual_seed(3);
+  auto c = BartConfig::named("tiny");
+  c.attention_dropout = 0;
+  bart::BartAttention attn(c);
+  const int64_t B = 3, T = 7, S = 5, H = c.attention_heads, d = c.head_dim();
+  const auto x = torch::randn({B, T, c.d_model}), mem = torch::randn({B, S, c.d_model});
+  auto padding = torch::zeros({B, S}, torch::kBool);
+  padding.index_put_({1, torch::indexing::Slice(3)}, true);  // sequence 1 has 3 keys, sequence 2 has 4
+  padding.index_put_({2, 4}, true);
+  auto formula = [&](const torch::Tensor& q_in, const torch::Tensor& kv_in, const torch::Tensor& pad, bool causal) {
+    const int64_t t = q_in.size(1), s = kv_in.size(1);
+    auto heads = [&](const torch::Tensor& y, int64_t n) { return y.view({B, n, H, d}).transpose(1, 2); };
+    const auto q = heads(attn->q_proj(q_in), t), k = heads(attn->k_proj(kv_in), s), v = heads(attn->v_proj(kv_in), s);
+    auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(d));
+    if (pad.defined()) scores = scores.masked_fill(pad.view({B, 1, 1, s}), -INFINITY);
+    if (causal) scores = scores.masked_fill(torch::ones({t, s}, torch::kBool).triu(1), -INFINITY);
+    const auto out = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({B, t, H * d});
+    return attn->out_proj(out);
+  };
+  for (bool training : {false, true}) {  // training: dropout 0 takes the same path
+    attn->train(training);
+    EXPECT_TRUE(torch::allclose(attn(x, mem, padding, false), formula(x, mem, padding, false), 1e-5, 1e-5))
+        << "cross-attention over padded keys";
+    EXPECT_TRUE(torch::allclose(attn(x, x, torch::Tensor(), true), formula(x, x, torch::Tensor(), true), 1e-5, 1e-5))
+        << "causal self-attention";
+    const auto xs = x.slice(1, 0, S);
+    EXPECT_TRUE(torch::allclose(attn(xs, xs, padding, false), formula(xs, xs, padding, false), 1e-5, 1e-5))
+        << "self-attention over padded keys";
+  }
+}
+
+// The summed cross-entropy (chunked, its gradient computed with the loss)
+// against LibTorch's cross_entropy at fp32: the loss and the logits' gradient,
+// with ignored rows, in chunks of 1, 3 and all rows; and from bf16 logits,
+// within bf16 rounding of the fp32 result.
+TEST(BartModel, SummedCrossEntropyMatchesLibTorch) {
+  torch::manual_seed(4);
+  const int64_t N = 10, V = 37, pad = 1;
+  const auto logits = torch::randn({N, V}) * 3;
+  auto labels = torch::randint(0, V, {N}, torch::kLong);
+  labels.index_put_({torch::tensor({2, 5, 6})}, pad);
+  auto want_logits = logits.clone().requires_grad_(true);
+  const auto want = torch::nn::functional::cross_entropy(
+      want_logits, labels, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(pad).reduction(torch::kSum));
+  (want * 0.5).backward();
+  for (int64_t chunk : {1, 3, 0}) {
+    auto got_logits = logits.clone().requires_grad_(true);
+    const auto got = bart::summed_cross_entropy(got_logits, labels, pad, chunk);
+    (got * 0.5).backward();
+    EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * std::abs(want.item<double>())) << "chunk " << chunk;
+    EXPECT_TRUE(torch::allclose(got_logits.grad(), want_logits.grad(), 1e-6, 1e-6)) << "chunk " << chunk;
+    EXPECT_EQ(got_logits.grad().select(0, 5).abs().sum().item<double>(), 0.0) << "an ignored row has no gradient";
+    torch::NoGradGuard no_grad;
+    EXPECT_NEAR(bart::summed_cross_entropy(logits, labels, pad, chunk).item<double>(), want.item<double>(),
+                1e-5 * std::abs(want.item<double>())) << "without a gradient, chunk " << chunk;
+  }
+  auto half = logits.to(torch::kBFloat16).requires_grad_(true);
+  const auto got = bart::summed_cross_entropy(half, labels, pad, 4);
+  got.backward();
+  EXPECT_EQ(got.scalar_type(), torch::kFloat) << "the loss is accumulated in fp32";
+  EXPECT_EQ(half.grad().scalar_type(), torch::kBFloat16);
+  auto ref = half.detach().to(torch::kFloat).requires_grad_(true);
+  torch::nn::functional::cross_entropy(ref, labels, torch::nn::functional::CrossEntropyFuncOptions()
+                                                        .ignore_index(pad).reduction(torch::kSum)).backward();
+  EXPECT_TRUE(torch::allclose(half.grad().to(torch::kFloat), ref.grad(), 1e-2, 4e-3)) << "bf16 gradient";
+}
+
 TEST(BartModel, HeadIsTiedToTheSharedEmbedding) {
   torch::manual_seed(1);
   Tiny t;
