@@ -14,7 +14,7 @@ Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--tokenizer-gb 1] [-
    in Python, is not timed), and its ids are checked equal to the store's, sentence by sentence.
 4. Training: tiny BART, 2 ranks, ZeRO-3, 20 steps of 32 sequences of 128 tokens (4 documents held out, evaluated
    before the first step and after the last), from each dataset, twice (the
-   first run packs the examples into the dataset's file, the second only maps it): launch to the first step's
+   first run packs the examples into the dataset's file, the second only reads it): launch to the first step's
    metrics line, peak RSS per rank, and the share of the steps' time spent waiting for batches.
 5. Tokenizer training (--tokenizer-gb, default 1; 0: skipped): a corpus of that size, learned whole (--sample-mb
    its size) into BART's 50,265 entries by `bart_pretrain train-tokenizer`, and by `tokenizers`' BpeTrainer (BART's

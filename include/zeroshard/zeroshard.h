@@ -2,7 +2,7 @@
 // the communicator (comm.h), ZeRO-1/2 (sharded_adamw.h), ZeRO-3
 // (fully_shard.h), checkpoints (checkpoint.h: link zeroshard::checkpoint),
 // the data samplers (sampler.h, loader_sampler.h), batches built ahead
-// (prefetcher.h), memory-mapped token stores (token_store.h) and the version
+// (prefetcher.h), token stores (token_store.h) and the version
 // (version.h). docs/drop-in.md shows a loop before and after.
 #pragma once
 
