@@ -158,6 +158,18 @@ Example PackedExamples::Split::at(int64_t i) const {
   return owner_->read(first_ + i);
 }
 
+int64_t PackedExamples::Split::target_tokens(int64_t i) const {
+  TORCH_CHECK_INDEX(i >= 0 && i < size_, "BART examples: example ", i, " of ", size_);
+  return owner_->record_tokens(first_ + i) + 2;
+}
+
+int64_t PackedExamples::record_tokens(int64_t record) const {
+  Record r{};
+  TORCH_CHECK(read_at(fd_, &r, sizeof(r), kHeader + kRecord * record), "BART examples: reading example ", record,
+              " of '", path_, "' failed");
+  return r.tokens;
+}
+
 Example PackedExamples::read(int64_t record) const {
   Record r{};
   TORCH_CHECK(read_at(fd_, &r, sizeof(r), kHeader + kRecord * record), "BART examples: reading example ", record,

@@ -43,6 +43,8 @@ class PackedExamples {
    public:
     int64_t size() const { return size_; }
     Example at(int64_t i) const;  // REQUIRES: 0 <= i < size()
+    // The tokens of example i's target (<s>, its text, </s>), from its record alone.
+    int64_t target_tokens(int64_t i) const;
     bool empty() const { return size_ == 0; }
 
    private:
@@ -69,6 +71,7 @@ class PackedExamples {
 
  private:
   Example read(int64_t record) const;
+  int64_t record_tokens(int64_t record) const;
   std::shared_ptr<const zeroshard::TokenStore> store_;
   PackingOptions options_;
   std::string path_;

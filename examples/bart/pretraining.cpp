@@ -259,6 +259,13 @@ void PretrainingRun::resume() {
                           std::to_string(sampler_->epoch()) + ")");
     }
   }
+  peers_.clear();
+  for (int r = 0; r < dp_; ++r) {
+    if (r == dp_rank_) continue;
+    zeroshard::DistributedSampler peer(examples_->train().size(), r, dp_, o.seed);
+    peer.load_state_json(sampler_->state_json());
+    peers_.push_back(std::move(peer));
+  }
   guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
   if (rank_ == 0) {
     metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
@@ -355,8 +362,20 @@ StepResult PretrainingRun::step_once(int64_t step) {
   std::vector<Batch> micro = next_batches(r.data_wait).micro;
   int64_t local_tokens = 0;
   for (const auto& b : micro) local_tokens += b.target_tokens;
-  // Every stage of a data-parallel index counts the same tokens: the world's sum counts them pp times.
-  r.global_tokens = all_sum(*comm_, static_cast<double>(local_tokens)) / o.pp;
+  // The global batch's target tokens, from the other ranks' examples' records: no collective.
+  int64_t tokens = local_tokens;
+  for (auto& peer : peers_) {
+    std::vector<int64_t> epochs;
+    for (int64_t i : next_indices(peer, local_batch_, epochs)) tokens += examples_->train().target_tokens(i);
+  }
+  r.global_tokens = static_cast<double>(tokens);
+  if (!tokens_checked_) {  // once per run: the ranks' own counts, summed (every stage of a dp index counts the same)
+    const double summed = all_sum(*comm_, static_cast<double>(local_tokens)) / o.pp;
+    TORCH_CHECK(summed == r.global_tokens, "BART data: this rank counts ", r.global_tokens, " target tokens in the "
+                "global batch from the samplers, the ranks' batches hold ", summed, " (a bug: the ranks' samplers "
+                "are not in step)");
+    tokens_checked_ = true;
+  }
   for (size_t i = 0; i < opts_.size(); ++i) r.lr = schedules_[i].apply(*opts_[i], step + 1);
   // Dropout keyed by (seed, step, microbatch of the global batch, block): the same masks at any pp.
   const auto key = [&](int64_t m) { return DropoutKey{o.seed, step, m * dp_ + dp_rank_}; };

@@ -110,6 +110,10 @@ class PretrainingRun {
 
   // Where training stands.
   std::unique_ptr<zeroshard::DistributedSampler> sampler_;  // where training stands: the batches taken
+  // The other data-parallel ranks' samplers, drawn in step with sampler_: every rank knows the global batch's
+  // target tokens (the loss's divisor) without a collective.
+  std::vector<zeroshard::DistributedSampler> peers_;
+  bool tokens_checked_ = false;  // the first step checks the count against the ranks' sum
   std::unique_ptr<zeroshard::Prefetcher<StepPlan, StepBatches>> loader_;  // its own sampler, ahead
   RunRecord record_;
   int64_t step_ = 0;
