@@ -294,10 +294,6 @@ torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& inp
 
 namespace {
 
-int64_t cross_entropy_chunk(const torch::Tensor& logits, int64_t chunk_rows) {
-  return chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, logits.size(1)));
-}
-
 // Rows [begin, end): their summed loss (fp32, 0-dim), and into `grad` (when defined) its gradient.
 torch::Tensor cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
                                  int64_t begin, int64_t end, const torch::Tensor& grad) {
@@ -317,14 +313,23 @@ torch::Tensor cross_entropy_rows(const torch::Tensor& logits, const torch::Tenso
   return loss;
 }
 
+// Every row, `chunk_rows` at a time (0: about 2^26 logits).
+torch::Tensor cross_entropy_chunks(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
+                                   int64_t chunk_rows, const torch::Tensor& grad) {
+  const int64_t n = logits.size(0);
+  const int64_t chunk =
+      chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, logits.size(1)));
+  auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
+  for (int64_t b = 0; b < n; b += chunk) total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), grad);
+  return total;
+}
+
 class SummedCrossEntropy : public torch::autograd::Function<SummedCrossEntropy> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& logits,
                                const torch::Tensor& labels, int64_t ignore_index, int64_t chunk_rows) {
-    const int64_t n = logits.size(0), chunk = cross_entropy_chunk(logits, chunk_rows);
     auto grad = torch::empty_like(logits);
-    auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
-    for (int64_t b = 0; b < n; b += chunk) total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), grad);
+    auto total = cross_entropy_chunks(logits, labels, ignore_index, chunk_rows, grad);
     ctx->save_for_backward({grad});
     return total;
   }
@@ -344,12 +349,7 @@ torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Ten
   if (torch::GradMode::is_enabled() && logits.requires_grad()) {
     return SummedCrossEntropy::apply(logits, labels, ignore_index, chunk_rows);
   }
-  const int64_t n = logits.size(0), chunk = cross_entropy_chunk(logits, chunk_rows);
-  auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
-  for (int64_t b = 0; b < n; b += chunk) {
-    total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), torch::Tensor());
-  }
-  return total;
+  return cross_entropy_chunks(logits, labels, ignore_index, chunk_rows, torch::Tensor());
 }
 
 torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {

@@ -86,8 +86,8 @@ class TokenStore {
   TokenStoreDigest digest() const;
 
  private:
-  struct Mapped;
-  std::unique_ptr<Mapped> m_;
+  struct Files;
+  std::unique_ptr<Files> m_;
 };
 
 class TokenStoreWriter {

@@ -118,7 +118,7 @@ TokenType token_type_for(int64_t vocab_size) { return vocab_size < 65500 ? Token
 // ---------------------------------------------------------------------------------------------
 // Reader
 
-struct TokenStore::Mapped {
+struct TokenStore::Files {
   std::string prefix;
   std::unique_ptr<TokenStoreFile> idx, bin;
   uint64_t serial = next_store_serial++;
@@ -147,7 +147,7 @@ struct TokenStore::Mapped {
   int64_t end(int64_t d) const { return entry<int64_t>(ends, d, 2); }  // documents[d]
 };
 
-TokenStore::TokenStore(const std::string& prefix) : m_(std::make_unique<Mapped>()) {
+TokenStore::TokenStore(const std::string& prefix) : m_(std::make_unique<Files>()) {
   auto& m = *m_;
   m.prefix = prefix;
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
