@@ -227,6 +227,8 @@ double PipelinedBart::evaluate(std::vector<Microbatch> micro, const std::vector<
   return r.loss;
 }
 
+std::shared_ptr<zeroshard::StepAgreement> PipelinedBart::agreement() const { return impl_->train->agreement(); }
+
 const BartConfig& PipelinedBart::config() const { return impl_->config; }
 const PipelineGrid& PipelinedBart::grid() const { return *impl_->grid; }
 const Partition& PipelinedBart::partition() const { return impl_->partition; }

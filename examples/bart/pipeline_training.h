@@ -73,6 +73,9 @@ class PipelinedBart {
   // weight, over every data-parallel rank. The same number of microbatches
   // on every rank. Collective over the world.
   double evaluate(std::vector<Microbatch> micro, const std::vector<double>& weights);
+  // train_step()'s one blocking world collective (its executor's): the
+  // preemption vote joins it.
+  std::shared_ptr<zeroshard::StepAgreement> agreement() const;
 
   const BartConfig& config() const;
   const zeroshard::pipeline::PipelineGrid& grid() const;

@@ -267,6 +267,16 @@ void PretrainingRun::resume() {
     peers_.push_back(std::move(peer));
   }
   guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
+  // The step's one blocking collective: the optimizer's agreement (or the
+  // pipeline executor's, which carries the loss), the loss and the preemption vote.
+  agreement_ = pipe_ ? pipe_->agreement() : std::make_shared<zeroshard::StepAgreement>(comm_);
+  if (!pipe_) {
+    opts_.front()->join(agreement_);
+    agreement_->add(
+        "summed token loss", 1, [this](double* v) { v[0] = loss_sum_.defined() ? loss_sum_.item<double>() : 0.0; },
+        [this](const double* sum) { agreed_loss_ = sum[0]; });
+  }
+  guard_->join(agreement_);
   if (rank_ == 0) {
     metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
     // The run stopped after this checkpoint committed and before its step's line was written.
@@ -402,29 +412,28 @@ StepResult PretrainingRun::step_once(int64_t step) {
   const auto t_fb = Clock::now();
   const double waited_fb0 = waited();
   // Summed on the device (in double, as the host would): reading it after each microbatch would stop the host
-  // until the device drains; it is read once, after the optimizer step.
-  torch::Tensor loss_sum;
+  // until the device drains; it is read once, for the step's agreement.
+  loss_sum_ = torch::Tensor();
   for (size_t m = 0; m < micro.size(); ++m) {
     // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
     model_->dropout_key = key(static_cast<int64_t>(m));
     auto l = summed_loss(model_, micro[m]);
     const auto ld = l.detach().to(torch::kDouble);
-    loss_sum = loss_sum.defined() ? loss_sum + ld : ld;
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + ld : ld;
     (l * (static_cast<double>(world_) / r.global_tokens)).backward();
   }
   r.fb_s = since(t_fb);
   r.fb_wait = waited() - waited_fb0;
   const auto t_opt = Clock::now();
   const double waited_opt0 = waited();
+  // Runs the step's agreement: the optimizer's norms and flags, the loss and the preemption vote in one all-reduce.
   r.grad_norm = opt.clip_grad_norm(o.max_grad_norm > 0 ? o.max_grad_norm : 1e30);
   opt.step();
   r.opt_s = since(t_opt);
   r.opt_wait = waited() - waited_opt0;
   r.skipped = opt.last_step_skipped();
   r.noise = opt.last_gradient_noise();
-  const auto t_loss = Clock::now();
-  r.loss = all_sum(*comm_, loss_sum.defined() ? loss_sum.item<double>() : 0.0) / r.global_tokens;
-  r.loss_comm = since(t_loss);
+  r.loss = agreed_loss_ / r.global_tokens;
   return r;
 }
 
@@ -444,7 +453,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   m.tokens = static_cast<int64_t>(r.global_tokens);
   m.seconds = since(t_step);
   m.compute_seconds = r.fb_s - r.fb_wait;
-  m.exposed_comm_seconds = waited() - waited0 + r.loss_comm;
+  m.exposed_comm_seconds = waited() - waited0;
   m.optimizer_seconds = std::max(0.0, r.opt_s - r.opt_wait);
   const auto other = [&] {
     return std::max(0.0, m.seconds - m.compute_seconds - m.exposed_comm_seconds - m.optimizer_seconds -

@@ -56,7 +56,7 @@ struct StepBatches {
 // What one optimizer step did, for its metrics.
 struct StepResult {
   double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
-  double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, loss_comm = 0, bubble_s = -1;
+  double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, bubble_s = -1;
   double data_wait = 0;  // waiting for the step's batches
   zeroshard::GradientNoiseSample noise;
   bool skipped = false;
@@ -124,6 +124,9 @@ class PretrainingRun {
   std::string step_line_, carried_line_;
   bool resume_noted_ = false;
   std::unique_ptr<zeroshard::PreemptionGuard> guard_;
+  std::shared_ptr<zeroshard::StepAgreement> agreement_;  // the step's one blocking collective
+  torch::Tensor loss_sum_;    // this rank's summed token loss this step, on the device
+  double agreed_loss_ = 0;    // the ranks' sum of it, from the step's agreement
   zeroshard::MetricsLog metrics_;
   std::unique_ptr<zeroshard::ProgressLine> progress_;
   double last_val_ = NAN, loss_ = NAN;

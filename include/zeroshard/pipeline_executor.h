@@ -155,6 +155,10 @@ class PipelineExecutor {
   StepResult run_step();
 
   const Schedule& schedule() const;
+  // The step's one world agreement (run_step()'s all-reduce): join a
+  // PreemptionGuard to it, or add slots, and their values travel with the
+  // step's (step_agreement.h). Every rank must join the same things.
+  std::shared_ptr<StepAgreement> agreement() const;
 
  private:
   struct Impl;

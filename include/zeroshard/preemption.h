@@ -13,14 +13,16 @@
 // Spot and preemptible machines get a signal and a grace period (AWS: a
 // 2-minute notice; GCP: 30 s; Kubernetes: the pod's terminationGracePeriodSeconds),
 // or vanish. A signal seen by any rank, or the notice file appearing, makes
-// should_stop() return true on every rank at the same step boundary (one
-// all-reduce MAX of two numbers per call: the flag and the notice's time). The
+// should_stop() return true on every rank at the same step boundary (each
+// rank's flag and the time it saw a notice, in one all-reduce per call, or in
+// the step's one agreement after join()). The
 // guard handles the signals from construction to destruction (a Boost.Asio
 // signal_set on a thread of its own), so they no longer kill the process: call
 // should_stop() at every step.
 #pragma once
 
 #include "zeroshard/comm.h"
+#include "zeroshard/step_agreement.h"
 
 #include <atomic>
 #include <cmath>
@@ -65,7 +67,14 @@ class PreemptionGuard {
 
   // Collective, at a step boundary: true on every rank when any rank got a
   // signal or saw the notice file since construction. Logs (once) which.
+  // Its own all-reduce, unless join() made the vote part of the step's.
   bool should_stop();
+  // Makes the vote a slot of `agreement` (step_agreement.h), the step's one
+  // blocking collective: should_stop() then reads what the step's agree()
+  // voted, and throws if it did not run since the last should_stop(). A
+  // notice that comes after agree() counts at the next step. Keeps
+  // `agreement` alive. REQUIRES: `agreement` over the communicator's ranks.
+  void join(std::shared_ptr<StepAgreement> agreement);
   // Whether this rank itself got a signal (no communication).
   bool signaled() const { return signal_.load() != 0; }
   // Once should_stop() returned true: the earliest moment any rank learned of
@@ -89,6 +98,16 @@ class PreemptionGuard {
   std::atomic<int> signal_{0};
   std::atomic<bool> url_notice_{false};
   std::atomic<int64_t> seen_ns_{0};  // when this rank first saw a signal or the URL's notice (system clock)
+  struct Vote {
+    int64_t at = -1;  // the agreement (its count) that took it
+    bool any = false;
+    double earliest = INFINITY;  // the first notice any rank saw (Unix s)
+  };
+  std::shared_ptr<StepAgreement> agreement_;
+  int64_t slot_ = -1;
+  bool own_agreement_ = false;  // made by should_stop(): agreed there
+  Vote vote_;
+  int64_t read_at_ = -1;  // vote_.at when should_stop() last read it
   bool stopped_ = false;
   double notice_time_ = NAN;
   std::string cause_;

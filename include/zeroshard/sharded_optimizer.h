@@ -12,6 +12,7 @@
 #include "zeroshard/comm.h"
 #include "zeroshard/sharded_state.h"
 #include "zeroshard/sharded_stats.h"
+#include "zeroshard/step_agreement.h"
 
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
@@ -89,6 +90,14 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // over all ranks and parameters, after unscaling) and returns the norm
   // before clipping. Call between the last backward and step(). Collective.
   double clip_grad_norm(double max_norm);
+  // Makes the step's agreement (which parameters had a gradient on any rank,
+  // the gradient norms) a slot of `agreement` instead of an all-reduce of its
+  // own, so that the loss, the preemption vote and other optimizers' values
+  // travel in the same one (step_agreement.h). clip_grad_norm() and step() run
+  // agreement->agree() unless it ran since this step's backward; calling it
+  // first (after the last backward) is the same. Keeps `agreement` alive.
+  // REQUIRES: `agreement` over this optimizer's ranks (its control group).
+  void join(std::shared_ptr<StepAgreement> agreement);
   // What the last step() measured (NaNs before the first).
   GradientNoiseSample last_gradient_noise() const;
 

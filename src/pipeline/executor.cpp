@@ -41,11 +41,14 @@ struct PipelineExecutor::Impl {
     bool reduced = false;
   };
   std::map<int, Sharding> sharded;
-  // Where each stage's had-gradient flags sit in the step's all-reduce
-  // (after the header): offsets[s], one slot per parameter of stage s; found
-  // by one exchange of the stages' parameter counts at the first step.
-  std::vector<size_t> flag_offsets;
-  size_t flag_slots = 0;
+  // The step's agreement over the world: the header's slot, then one slot
+  // per stage (laid out by one exchange of the stages' parameter counts at the
+  // first step), and what others joined; what the last agree() read.
+  std::shared_ptr<StepAgreement> agreement;
+  std::vector<int64_t> slots;  // this executor's
+  static constexpr size_t kHeader = 5;
+  std::vector<double> header;
+  std::map<int, std::vector<double>> stage_flags;  // this rank's stages'
   double sumsq = 0;  // this rank's stages' gradient shards, this step
   double unreduced_sumsq = 0;  // what this rank's stages fed their reductions (the noise sample's small norm)
   int rounds = 0;              // the most reductions of a stage's group this step
@@ -79,7 +82,12 @@ struct PipelineExecutor::Impl {
 
   Impl(const PipelineGrid& g, Schedule s, StageFunctions f, ExecutorOptions o)
       : grid(g), schedule(std::move(s)), fns(std::move(f)), options(o), pipe(*g.pp_group().data),
-        training(!forward_only(schedule)) {}
+        training(!forward_only(schedule)), agreement(std::make_shared<StepAgreement>(g.world().control)) {
+    add_header();
+  }
+  ~Impl() {
+    for (int64_t id : slots) agreement->remove(id);
+  }
 
   const std::vector<Action>& my_actions() const { return schedule.actions[static_cast<size_t>(pipe.rank())]; }
 
@@ -363,9 +371,9 @@ struct PipelineExecutor::Impl {
                           "pipeline: the step left work behind");
   }
 
-  // First step: every stage's parameter count, to lay out the step's
-  // all-reduce (one exchange over the world, once); checks that every stage
-  // on every rank has StageShards, or none does.
+  // First step: every stage's parameter count, to lay out the stages' slots
+  // of the step's agreement (one exchange over the world, once); checks that
+  // every stage on every rank has StageShards, or none does.
   void lay_out_flags() {
     if (checked_shards) return;
     std::vector<double> v(1 + static_cast<size_t>(schedule.stages), 0.0);
@@ -380,39 +388,50 @@ struct PipelineExecutor::Impl {
     TORCH_CHECK_VALUE(c[0] == 0 || static_cast<int>(c[0]) == every, "PipelineExecutor: ", static_cast<int>(c[0]),
                       " of the ", every, " (stage, data-parallel rank) pairs have StageShards; give every stage on "
                       "every rank its StageShards (shard_stage), or none");
-    flag_offsets.assign(static_cast<size_t>(schedule.stages), 0);
-    flag_slots = 0;
+    // Per stage, per parameter: how many of the stage's data-parallel ranks had
+    // a gradient (each of the stage's dp ranks counted its parameters).
     for (int s = 0; s < schedule.stages; ++s) {
-      flag_offsets[static_cast<size_t>(s)] = flag_slots;
-      flag_slots += static_cast<size_t>(std::lround(c[1 + s] / grid.dp()));  // each of the stage's dp ranks counted it
+      const auto n = static_cast<size_t>(std::lround(c[1 + s] / grid.dp()));
+      if (n == 0) continue;
+      slots.push_back(agreement->add(
+          "pipeline stage " + std::to_string(s) + " (parameters with a gradient)", n,
+          [this, s](double* f) {
+            const auto it = sharded.find(s);
+            if (it == sharded.end()) return;  // another rank's stage: zeros
+            const auto had = shard::OptimizerAccess::local_had_grad(*it->second.shards.optimizer);
+            for (size_t i = 0; i < had.size(); ++i) f[i] = had[i] ? 1.0 : 0.0;
+          },
+          [this, s, n](const double* sums) {
+            if (sharded.count(s)) stage_flags[s].assign(sums, sums + n);
+          }));
     }
     checked_shards = true;
   }
 
-  // One world all-reduce: [gradient sum of squares, loss, non-finite flag,
-  // the noise sample's unreduced sum of squares and rounds, then per stage
-  // per parameter how many of the stage's data-parallel ranks had a
-  // gradient]. It is the whole step's agreement: every stage's optimizer is
-  // handed its part (apply_agreement) and steps without a collective of its
-  // own; then every stage updates, or none does.
+  // The step's header in the agreement: [gradient sum of squares, loss,
+  // non-finite flag, the noise sample's unreduced sum of squares, rounds].
+  void add_header() {
+    slots.push_back(agreement->add(
+        "pipeline step (gradient norm, loss, non-finite, noise sample, rounds)", kHeader,
+        [this](double* v) {
+          v[0] = std::isfinite(sumsq) ? sumsq : 0.0;
+          v[1] = std::isfinite(loss_sum) ? loss_sum : 0.0;
+          v[2] = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
+          v[3] = unreduced_sumsq;
+          v[4] = static_cast<double>(rounds);
+        },
+        [this](const double* v) { header.assign(v, v + kHeader); }));
+  }
+
+  // The step's one world all-reduce (StepAgreement): the header, each stage's
+  // flags (the stages' slots side by side), and whatever else joined it (a
+  // PreemptionGuard's vote). It is the whole step's agreement: every stage's
+  // optimizer is handed its part (apply_agreement) and steps without a
+  // collective of its own; then every stage updates, or none does.
   StepResult finish_step() {
     lay_out_flags();
-    constexpr size_t kHeader = 5;
-    const double nonfinite = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
-    std::vector<double> v(kHeader + flag_slots, 0.0);
-    v[0] = std::isfinite(sumsq) ? sumsq : 0.0;
-    v[1] = std::isfinite(loss_sum) ? loss_sum : 0.0;
-    v[2] = nonfinite;
-    v[3] = unreduced_sumsq;
-    v[4] = static_cast<double>(rounds);
-    for (auto& [stage, sh] : sharded) {
-      const auto had = shard::OptimizerAccess::local_had_grad(*sh.shards.optimizer);
-      const size_t at = kHeader + flag_offsets[static_cast<size_t>(stage)];
-      for (size_t i = 0; i < had.size(); ++i) v[at + i] = had[i] ? 1.0 : 0.0;
-    }
-    auto t = at::tensor(v, at::kDouble);
-    grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
-    const double* a = t.data_ptr<double>();
+    agreement->agree();
+    const double* a = header.data();
     StepResult r;
     r.peak_in_flight = peak_in_flight;
     r.peak_memory_bytes = memory_peak;
@@ -436,12 +455,8 @@ struct PipelineExecutor::Impl {
         r.updated = false;
         continue;
       }
-      const size_t at = kHeader + flag_offsets[static_cast<size_t>(stage)];
-      const size_t n = flag_offsets.size() > static_cast<size_t>(stage) + 1
-                           ? flag_offsets[static_cast<size_t>(stage) + 1] - flag_offsets[static_cast<size_t>(stage)]
-                           : flag_slots - flag_offsets[static_cast<size_t>(stage)];
       // an inf norm skips the step (and shrinks the loss scale)
-      shard::OptimizerAccess::apply_agreement(opt, std::vector<double>(a + at, a + at + n), max_norm, r.grad_norm, r.noise);
+      shard::OptimizerAccess::apply_agreement(opt, stage_flags[stage], max_norm, r.grad_norm, r.noise);
       opt.step();
       r.updated = r.updated && !opt.last_step_skipped();
     }
@@ -465,6 +480,8 @@ PipelineExecutor::PipelineExecutor(const PipelineGrid& grid, Schedule schedule, 
 PipelineExecutor::~PipelineExecutor() = default;
 
 const Schedule& PipelineExecutor::schedule() const { return impl_->schedule; }
+
+std::shared_ptr<StepAgreement> PipelineExecutor::agreement() const { return impl_->agreement; }
 
 void PipelineExecutor::shard_stage(int stage, StageShards shards) {
   auto& im = *impl_;

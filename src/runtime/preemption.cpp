@@ -138,6 +138,7 @@ PreemptionGuard::PreemptionGuard(std::shared_ptr<Communicator> comm, PreemptionO
 }
 
 PreemptionGuard::~PreemptionGuard() {
+  if (agreement_ != nullptr) agreement_->remove(slot_);
   boost::system::error_code ec;
   impl_->signals.cancel(ec);
   impl_->signals.clear(ec);  // default dispositions again
@@ -146,25 +147,56 @@ PreemptionGuard::~PreemptionGuard() {
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 
+void PreemptionGuard::join(std::shared_ptr<StepAgreement> agreement) {
+  TORCH_CHECK_VALUE(agreement != nullptr, "PreemptionGuard::join: the agreement is null");
+  TORCH_CHECK_VALUE(agreement->communicator().size() == comm_->size(), "PreemptionGuard::join: the agreement is over ",
+                    agreement->communicator().size(), " ranks but the guard's communicator has ", comm_->size(),
+                    "; every rank that must stop at the same step votes in the same agreement");
+  if (agreement_ != nullptr) agreement_->remove(slot_);
+  agreement_ = std::move(agreement);
+  // Per rank [notice, when this rank first saw it (s, 0: not yet)]: any notice stops every rank, and the earliest time is kept.
+  slot_ = agreement_->add_per_rank(
+      "preemption vote", 2,
+      [this](double* v) {
+        const int sig = signal_.load();
+        const bool file_notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
+        if (file_notice) {
+          int64_t none = 0;
+          seen_ns_.compare_exchange_strong(none, unix_ns());
+        }
+        v[0] = (sig != 0 || url_notice_.load() || file_notice) ? 1.0 : 0.0;
+        v[1] = static_cast<double>(seen_ns_.load()) * 1e-9;
+      },
+      [this](const double* all) {
+        vote_ = Vote{};
+        vote_.at = agreement_->agreements() + 1;  // read before agree() counts itself
+        for (int r = 0; r < comm_->size(); ++r) {
+          vote_.any = vote_.any || all[2 * r] != 0;
+          if (all[2 * r + 1] > 0) vote_.earliest = std::min(vote_.earliest, all[2 * r + 1]);
+        }
+      });
+}
+
 bool PreemptionGuard::should_stop() {
   if (stopped_) return true;
+  if (agreement_ == nullptr) {  // its own agreement: one all-reduce here
+    StepAgreementOptions ao;
+    ao.check_slots = false;  // one slot, the same on every rank
+    join(std::make_shared<StepAgreement>(comm_, ao));
+    own_agreement_ = true;
+  }
+  if (own_agreement_) agreement_->agree();
+  TORCH_CHECK(vote_.at > read_at_, "PreemptionGuard::should_stop: the step's agreement has not run since the last "
+              "call (", agreement_->agreements(), " agreements); call should_stop() once per step, after the step's "
+              "agree() (a joined optimizer's step() runs it)");
+  read_at_ = vote_.at;
   const int sig = signal_.load();
   const bool url_notice = url_notice_.load();
   const bool file_notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
   const bool notice = url_notice || file_notice;
-  if (file_notice) {
-    int64_t none = 0;
-    seen_ns_.compare_exchange_strong(none, unix_ns());
-  }
-  // One MAX over [flag, -time]: the flag, and the earliest time a rank saw a notice.
-  const int64_t seen_ns = seen_ns_.load();
-  auto flag = at::tensor({(sig != 0 || notice) ? 1.0 : 0.0,
-                          seen_ns != 0 ? -static_cast<double>(seen_ns) * 1e-9 : -INFINITY}, at::kDouble);
-  if (comm_->size() > 1) comm_->all_reduce(flag, ReduceOp::kMax)->wait();
-  if (flag[0].item<double>() == 0) return false;
+  if (!vote_.any) return false;
   stopped_ = true;
-  const double earliest = -flag[1].item<double>();
-  notice_time_ = std::isfinite(earliest) ? earliest : unix_ns() * 1e-9;
+  notice_time_ = std::isfinite(vote_.earliest) ? vote_.earliest : unix_ns() * 1e-9;
   cause_ = sig != 0      ? "SIG" + std::string(sigabbrev_np(sig) != nullptr ? sigabbrev_np(sig) : std::to_string(sig))
            : url_notice ? "notice URL"
            : notice     ? "notice file"

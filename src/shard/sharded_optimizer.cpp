@@ -10,6 +10,7 @@
 #include "shard/optimizer_access.h"
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
+#include "zeroshard/step_agreement.h"
 
 #include <torch/optim/adam.h>
 
@@ -71,32 +72,56 @@ struct ShardedOptimizer::Core {
     for (const auto* g : shards.groups) r = std::max(r, g->reductions);
     return r;
   }
-  // One all-reduce per step: which parameters had a gradient on any rank, and
-  // the squared norms of the gradient noise sample (the mean gradient, which
-  // is also what clipping uses unless apply_clip() gave a wider norm, and the
-  // ranks' unreduced inputs).
-  void agree() {
-    if (agreed) return;
-    const size_t n = shards.infos.size();
-    std::vector<double> ctrl(2 + n, 0.0);
-    ctrl[0] = local_sumsq();
-    ctrl[1] = unreduced_sumsq();
+  // The step's agreement (one slot of a StepAgreement: the optimizer's own,
+  // or the one a trainer joined it to): which parameters had a gradient on any
+  // rank, the squared norms of the gradient noise sample (the mean gradient,
+  // which is also what clipping uses unless apply_clip() gave a wider norm, and
+  // the ranks' unreduced inputs) and the ranks' mean of reduction rounds.
+  std::shared_ptr<StepAgreement> agreement;
+  int64_t slot = -1;
+  static constexpr size_t kHeader = 3;
+  void join(std::shared_ptr<StepAgreement> a) {
+    if (agreement != nullptr) agreement->remove(slot);
+    agreement = std::move(a);
+    slot = agreement->add(name + " (gradient norms, rounds, parameters with a gradient)", kHeader + shards.infos.size(),
+                          [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
+  }
+  void leave() {
+    if (agreement != nullptr) agreement->remove(slot);
+    agreement = nullptr;
+  }
+  ~Core() { leave(); }
+  void fill(double* v) {
+    std::lock_guard<std::recursive_mutex> lock(mu());
+    shards.round->check_usable("the step's agreement");
+    fe().check_ready("the step's agreement");
+    fe().reduce_gradients();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
+    shards.round->freeze();
+    v[0] = local_sumsq();
+    v[1] = unreduced_sumsq();
+    v[2] = rounds();
     const auto had = had_grad();
-    for (size_t p = 0; p < n; ++p) ctrl[2 + p] = had[p] ? 1.0 : 0.0;
-    auto t = at::tensor(ctrl, at::kDouble);
-    shards.process_group.control->all_reduce(t, ReduceOp::kSum)->wait();
-    const double* v = t.data_ptr<double>();
+    for (size_t p = 0; p < had.size(); ++p) v[kHeader + p] = had[p] ? 1.0 : 0.0;
+  }
+  void read(const double* v) {
+    std::lock_guard<std::recursive_mutex> lock(mu());
     if (!norm_known) {
       global_sumsq = v[0];
       norm_known = true;
     }
     const double scale2 = scaler.scale() * scaler.scale();
     noise.ranks = shards.process_group.control->size();
-    noise.rounds = rounds();
+    noise.rounds = static_cast<int>(std::lround(v[2] / noise.ranks));
     noise.big_sumsq = v[0] / scale2;
     noise.small_sumsq = v[1] / noise.ranks / scale2;
-    flags.assign(v + 2, v + 2 + n);
+    flags.assign(v + kHeader, v + kHeader + shards.infos.size());
     agreed = true;
+  }
+  void agree() {
+    if (agreed) return;  // the trainer's agree() ran since the backward
+    TORCH_CHECK(agreement != nullptr, name, ": its model's shards are gone (the model was destroyed first)");
+    agreement->agree();
+    TORCH_CHECK(agreed, name, ": the step's agreement ran without this optimizer's slot (a bug)");
   }
   // The step's agreement and clipping (also when its backward failed: the round cleared the groups).
   void forget_agreement() {
@@ -179,10 +204,28 @@ void ShardedOptimizer::attach_shards(shard::Shards shards) {
   c.steps.assign(c.shards.infos.size(), 0);
   c.scaler = optim::LossScaler(c.shards.loss_scale, c.shards.loss_scaling);
   c.shards.round->set_on_abandon([&c] { c.forget_agreement(); });
+  // Its own agreement until join(): the slots follow from the parameters, checked equal at construction.
+  StepAgreementOptions ao;
+  ao.check_slots = false;
+  c.join(std::make_shared<StepAgreement>(c.shards.process_group.control, ao));
+}
+
+void ShardedOptimizer::join(std::shared_ptr<StepAgreement> agreement) {
+  auto& c = *core_;
+  TORCH_CHECK_VALUE(agreement != nullptr, c.name, "::join: the agreement is null");
+  const Communicator& mine = *c.shards.process_group.control;
+  TORCH_CHECK_VALUE(agreement->communicator().size() == mine.size() && agreement->communicator().rank() == mine.rank(),
+                    c.name, "::join: the agreement's communicator is rank ", agreement->communicator().rank(), " of ",
+                    agreement->communicator().size(), " but the optimizer's data-parallel group is rank ", mine.rank(),
+                    " of ", mine.size(), "; give it an agreement over the optimizer's ranks (a pipeline's stages "
+                    "agree through the PipelineExecutor)");
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  c.join(std::move(agreement));
 }
 
 void ShardedOptimizer::detach_shards() {
   if (core_->shards.round == nullptr) return;
+  core_->leave();  // its slot reads the shards
   core_->shards.round->set_on_abandon(nullptr);
   core_->shards.round = nullptr;
 }

@@ -121,12 +121,18 @@ def check_equal_ranks(build, work):
         pretrain(build, d, 4, *common, "--stage", str(stage), "--shard-size", shard, "--ckpt-dir", "none", *extra)
     losses = {n: [r["loss"] for r in metrics(d) if "event" not in r] for n, d in dirs.items()}
     # Recomputing every layer in backward moves exactly the bytes of the run that does not (each backward is one
-    # reduction of every bucket, not one per checkpointed layer): ZeRO-2 and ZeRO-3, every step, rank 0.
+    # reduction of every bucket, not one per checkpointed layer): ZeRO-2 and ZeRO-3, every step, rank 0. A step's
+    # count is what completed by its end: ZeRO-3's gather of the next step's first unit, issued as a step ends, may
+    # land in either step. So the runs' counts up to each step may differ by one step's difference at most; a
+    # difference that repeats (recomputing sends more every step) adds up and fails.
     for stage in (2, 3):
         plain, recompute = ([r["bytes_sent"] for r in metrics(dirs[n]) if "event" not in r]
                             for n in ((f"stage{stage}" if stage == 2 else 4), f"stage{stage}_recompute"))
-        check(plain == recompute, f"ZeRO-{stage}: bytes per step {plain} without activation checkpointing, "
-                                  f"{recompute} with it")
+        check(len(plain) == len(recompute) == 10, f"ZeRO-{stage}: {len(plain)} and {len(recompute)} steps")
+        shift = max(abs(a - b) for a, b in zip(plain, recompute))
+        apart = [abs(sum(plain[:k]) - sum(recompute[:k])) for k in range(2, len(plain) + 1)]
+        check(plain[0] == recompute[0] and max(apart) <= shift and shift < min(plain) / 10,
+              f"ZeRO-{stage}: bytes per step {plain} without activation checkpointing, {recompute} with it")
         print(f"equal_ranks: ZeRO-{stage} sends {plain[0] / 1e6:.2f} MB per step (rank 0) with activation "
               f"checkpointing and without")
     # Goodput in every run: 1 rank reduces each of its 2 micro-batches (ZeRO-3), 4 ranks reduce theirs.

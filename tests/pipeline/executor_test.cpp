@@ -8,6 +8,7 @@
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/metrics.h"
 #include "zeroshard/pipeline_executor.h"
+#include "zeroshard/preemption.h"
 #include "zeroshard/pipeline_partition.h"
 #include "zeroshard/sharded_adamw.h"
 
@@ -187,6 +188,9 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     ex.shard_stage(s, sh);
     shards[s] = sh;
   }
+  // The preemption vote travels in the step's agreement too.
+  PreemptionGuard guard(grid.world().control, PreemptionOptions{{}, ""});
+  guard.join(ex.agreement());
   const Oracle want = unpipelined(microbatches);
   for (step = 0; step < kSteps; ++step) {
     std::tie(x, y) = batch(step);
@@ -196,9 +200,10 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     const int64_t control_reduces = control_all_reduces(grid);
     const StepResult r = ex.run_step();
     ASSERT_TRUE(r.finite && r.updated) << "step " << step;
+    EXPECT_FALSE(guard.should_stop()) << "step " << step;
     // The step's agreement is one world all-reduce, whatever the stages and
-    // ZeRO stage: no stage's optimizer agrees again (the first step also lays
-    // out the flags, once). ZeRO-0's gradient all-reduces share a CPU
+    // ZeRO stage, with the preemption vote: no stage's optimizer agrees again
+    // (the first step also lays out the flags, once). ZeRO-0's gradient all-reduces share a CPU
     // communicator's control plane, so there only the world's is counted.
     if (step > 0) {
       EXPECT_EQ(grid.world().control->stats().by_kind[OpKind::kAllReduce].calls - world_reduces, 1) << "step " << step;

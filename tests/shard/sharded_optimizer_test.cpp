@@ -4,12 +4,17 @@
 #include "shard/optimizer_access.h"
 #include "test_util.h"
 #include "zeroshard/fully_shard.h"
+#include "zeroshard/preemption.h"
 #include "zeroshard/sharded_adamw.h"
+#include "zeroshard/step_agreement.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 
 namespace zeroshard {
@@ -25,12 +30,13 @@ struct Trainer {
   int64_t numel = 0;                           // parameters, counted before sharding
   std::shared_ptr<FullyShardedModel> sharded;  // stage 3
   std::unique_ptr<ShardedOptimizer> opt;
-  explicit Trainer(int stage, LossScaleOptions scaling = {}) {
+  explicit Trainer(int stage, LossScaleOptions scaling = {}) : Trainer(stage, ProcessGroup(world_ptr()), scaling) {}
+  Trainer(int stage, const ProcessGroup& group, LossScaleOptions scaling = {}) {
     torch::manual_seed(3);
     model = Tiny();
     for (const auto& p : model->parameters()) numel += p.numel();
     if (stage == 3) {
-      sharded = fully_shard(model, world_ptr());
+      sharded = fully_shard(model, group);
       FullyShardedAdamWOptions o;
       o.loss_scale = scaling;
       opt = std::make_unique<FullyShardedAdamW>(sharded, kAdamW, o);
@@ -39,16 +45,19 @@ struct Trainer {
       o.zero_stage = stage;
       o.bucket_bytes = 2048;  // several buckets
       o.loss_scale = scaling;
-      opt = std::make_unique<ShardedAdamW>(model->named_parameters(), world_ptr(), kAdamW, o);
+      opt = std::make_unique<ShardedAdamW>(model->named_parameters(), group, kAdamW, o);
     }
   }
-  void backward(int step) {
+  // Returns this rank's part of the step's loss (summed over the ranks: the batch's).
+  double backward(int step) {
     const int n = world().size(), r = world().rank();
     auto [x, y] = batch(step, 0);
     x = x.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
     y = y.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
     opt->zero_grad();
-    opt->scale_loss(torch::mse_loss(model->forward(x), y) * (static_cast<double>(x.size(0)) * n / kBatch)).backward();
+    auto loss = torch::mse_loss(model->forward(x), y) * (static_cast<double>(x.size(0)) * n / kBatch);
+    opt->scale_loss(loss).backward();
+    return loss.item<double>() / n;
   }
   torch::Tensor params() {
     if (!sharded) return flat(model);
@@ -213,6 +222,86 @@ TEST_P(ShardedOptimizerStages, AFailedBackwardLeavesNoTrace) {
   }
   EXPECT_TRUE(torch::equal(clean.params(), failing.params())) << "ZeRO-" << stage;
   EXPECT_FALSE(failing.opt->last_step_skipped());
+}
+
+int64_t all_reduces(const Communicator& comm) {
+  const auto st = comm.stats();
+  return st.by_kind.count(OpKind::kAllReduce) ? st.by_kind.at(OpKind::kAllReduce).calls : 0;
+}
+
+// The step's agreement (the optimizer's norms and flags), the loss and the
+// preemption vote in one StepAgreement: one blocking all-reduce per step on
+// the control plane, where each on its own takes three; the same norms,
+// noise samples, losses, stop decision and parameters to the bit.
+TEST_P(ShardedOptimizerStages, OneStepAgreementCarriesTheNormsTheLossAndTheVote) {
+  const int stage = GetParam(), n = world().size(), r = world().rank();
+  // Control planes of their own, so their all-reduces are the step's agreements alone.
+  const ProcessGroup joined_group(world_ptr(), world().dup()), plain_group(world_ptr(), world().dup());
+  Trainer joined(stage, joined_group), plain(stage, plain_group);
+  const std::string dir = testing::make_temp_dir("step_agreement");  // the last rank's notice file
+  PreemptionOptions po;
+  po.signals = {};
+  po.notice_file = dir + "/notice-" + std::to_string(r);
+  PreemptionGuard joined_guard(joined_group.control, po), plain_guard(plain_group.control, po);
+  auto agreement = std::make_shared<StepAgreement>(joined_group.control);
+  joined.opt->join(agreement);
+  double local_loss = 0, agreed_loss = 0;
+  agreement->add("loss", 1, [&](double* v) { v[0] = local_loss; }, [&](const double* sum) { agreed_loss = sum[0]; });
+  joined_guard.join(agreement);
+  constexpr int kNoticeAt = 3;
+  const auto unix_seconds = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  double noticed_after = 0;
+  for (int s = 0; s < 5; ++s) {
+    if (s == kNoticeAt) {
+      noticed_after = unix_seconds();
+      if (r == n - 1) std::ofstream(po.notice_file) << "going away";
+    }
+    const int64_t joined_before = all_reduces(*joined_group.control), plain_before = all_reduces(*plain_group.control);
+    local_loss = joined.backward(s);
+    const double joined_norm = joined.opt->clip_grad_norm(0.05);
+    joined.opt->step();
+    const bool joined_stop = joined_guard.should_stop();
+
+    const double plain_local = plain.backward(s);
+    const double plain_norm = plain.opt->clip_grad_norm(0.05);
+    plain.opt->step();
+    auto loss = torch::tensor({plain_local}, torch::kDouble);
+    plain_group.control->all_reduce(loss, ReduceOp::kSum)->wait();
+    const bool plain_stop = plain_guard.should_stop();
+
+    EXPECT_EQ(all_reduces(*joined_group.control) - joined_before, 1) << "step " << s;
+    // (a guard that stopped votes no more)
+    EXPECT_EQ(all_reduces(*plain_group.control) - plain_before, s > kNoticeAt ? 2 : 3) << "step " << s;
+    EXPECT_EQ(joined_norm, plain_norm) << "step " << s;
+    EXPECT_GT(joined_norm, 0.05) << "step " << s << ": the clip must bite for the test to mean something";
+    EXPECT_EQ(agreed_loss, loss.item<double>()) << "step " << s;
+    const auto jn = joined.opt->last_gradient_noise(), pn = plain.opt->last_gradient_noise();
+    EXPECT_EQ(jn.big_sumsq, pn.big_sumsq) << "step " << s;
+    EXPECT_EQ(jn.small_sumsq, pn.small_sumsq) << "step " << s;
+    EXPECT_EQ(jn.rounds, pn.rounds) << "step " << s;
+    EXPECT_EQ(joined_stop, s >= kNoticeAt) << "step " << s;
+    EXPECT_EQ(plain_stop, s >= kNoticeAt) << "step " << s;
+  }
+  const double noticed_before = unix_seconds();
+  EXPECT_EQ(joined_guard.cause(), r == n - 1 ? "notice file" : "another rank's notice");
+  // The notice's time: when the last rank first saw its file, the same on every rank.
+  auto times = torch::tensor({joined_guard.notice_time(), -joined_guard.notice_time()}, torch::kDouble);
+  world().all_reduce(times, ReduceOp::kMax)->wait();
+  EXPECT_EQ(times[0].item<double>(), -times[1].item<double>());
+  EXPECT_GE(joined_guard.notice_time(), noticed_after);
+  EXPECT_LE(joined_guard.notice_time(), noticed_before);
+  EXPECT_TRUE(torch::equal(joined.params(), plain.params()));
+  // A vote read twice without an agreement in between is refused, by name.
+  PreemptionGuard late(joined_group.control, PreemptionOptions{{}, ""});
+  late.join(agreement);
+  joined.backward(5);
+  joined.opt->step();
+  EXPECT_FALSE(late.should_stop());
+  const auto msg = testing::error_of([&] { late.should_stop(); });
+  EXPECT_NE(msg.find("the step's agreement has not run since the last call"), std::string::npos) << msg;
+  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerStages, ::testing::Values(0, 1, 2, 3),
