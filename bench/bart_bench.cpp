@@ -11,6 +11,7 @@
 // bench/bart_bench.sh, which runs every mode and prints the table.
 #include "bart_model.h"
 #include "bench_util.h"
+#include "step_profile.h"
 
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/log.h>
@@ -53,7 +54,7 @@ double matmul_peak_gflops(int64_t n, double seconds, torch::Device device, torch
 
 int bart_bench_main(int argc, char** argv) {
   using namespace bart_bench;
-  std::string mode = "zero3", config = "base", device_name = "cpu", precision = "fp32";
+  std::string mode = "zero3", config = "base", device_name = "cpu", precision = "fp32", profile;
   int64_t batch = 2, src_len = 64, tgt_len = 64, steps = 3, warmup = 1, matmul_n = 2048;
   CLI::App app{"bart_bench: BART training steps under dp / zero2 / zero3, and the matmul peak"};
   app.add_option("--mode", mode, "peak, dp, zero2 or zero3")
@@ -66,6 +67,8 @@ int bart_bench_main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--matmul-n", matmul_n, "peak: square matrix size")->capture_default_str();
+  app.add_option("--profile", profile, "after the timed steps, one more traced on rank 0 (LibTorch's profiler): "
+                 "its Chrome trace to this file, and the top kernels and device busy time printed (LibTorch 2.x)");
   app.add_option("--device", device_name, "cpu, or cuda (rank r on cuda:(LOCAL_RANK mod GPUs))")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -121,16 +124,11 @@ int bart_bench_main(int argc, char** argv) {
 
   std::vector<double> times, exposed;
   torch::manual_seed(1000 + rank);
-  for (int64_t s = 0; s < warmup + steps; ++s) {
-    const auto input = torch::randint(4, cfg.vocab_size, {batch, src_len}, torch::kLong).to(device);
-    const auto labels = torch::randint(4, cfg.vocab_size, {batch, tgt_len}, torch::kLong).to(device);
-    zeroshard::bench::sync_device(device);
-    comm->barrier();  // every rank starts the step together: the slowest rank's time is the step's
-    const auto t0 = Clock::now();
-    const double w0 = waited();
+  double dp_wait = 0;
+  const auto run_step = [&](const torch::Tensor& input, const torch::Tensor& labels) {
     opt->zero_grad();
     model->loss(input, labels).backward();
-    double dp_wait = 0;
+    dp_wait = 0;
     if (sharding == nullptr) {
       const auto a0 = Clock::now();
       zeroshard::bench::average_gradients(*group.data, model->parameters());
@@ -138,6 +136,24 @@ int bart_bench_main(int argc, char** argv) {
     }
     opt->step();
     zeroshard::bench::sync_device(device);
+  };
+  // With --profile, one more step after the timed ones, traced on rank 0 (untimed: the profiler slows it).
+  for (int64_t s = 0; s < warmup + steps + (profile.empty() ? 0 : 1); ++s) {
+    const auto input = torch::randint(4, cfg.vocab_size, {batch, src_len}, torch::kLong).to(device);
+    const auto labels = torch::randint(4, cfg.vocab_size, {batch, tgt_len}, torch::kLong).to(device);
+    zeroshard::bench::sync_device(device);
+    comm->barrier();  // every rank starts the step together: the slowest rank's time is the step's
+    if (s == warmup + steps) {
+      if (rank == 0) {
+        zeroshard::bench::profile_step(profile, device, [&] { run_step(input, labels); });
+      } else {
+        run_step(input, labels);
+      }
+      continue;
+    }
+    const auto t0 = Clock::now();
+    const double w0 = waited();
+    run_step(input, labels);
     const double t = since(t0);
     if (s >= warmup) {
       times.push_back(t);

@@ -7,9 +7,18 @@ Modes:
   ddp    the model in --precision (bf16: bf16 weights and AdamW states, as
          bart_bench's dp), torch.optim.AdamW (fused on CUDA), DistributedDataParallel
   fsdp2  an fp32 model, FSDP2's fully_shard on every encoder and decoder layer
-         and then the root; with --precision bf16 a MixedPrecisionPolicy computes
-         in bf16 and reduces gradients in fp32 (fp32 master weights and AdamW
-         states, as bart_bench's zero2 and zero3); torch.optim.AdamW (fused on CUDA)
+         and then the root, as torchtitan applies it; with --precision bf16 a
+         MixedPrecisionPolicy computes in bf16 and reduces gradients in fp32
+         (fp32 master weights and AdamW states, as bart_bench's zero2 and zero3)
+         and the buffer final_logits_bias is cast to bf16 first (FSDP2 casts
+         parameters only; an fp32 bias would make the logits and the loss fp32,
+         unlike the DDP peer's); at 1 rank the layers are not resharded after
+         forward (nothing to free: zeroshard's units do the same there), on more
+         they are (FSDP2's default); torch.optim.AdamW (fused on CUDA)
+
+Both build the model with attn_implementation="sdpa" (PyTorch's fused
+attention), and rank 0 prints "PEER torch VERSION transformers VERSION
+attention IMPLEMENTATION" before its row.
 
 Launched with torchrun's environment variables (NCCL on CUDA, Gloo on CPU), e.g.
 
@@ -50,7 +59,37 @@ def hf_config(name):
                       max_position_embeddings=c["positions"], dropout=0.0, attention_dropout=0.0,
                       activation_dropout=0.0, activation_function="gelu", scale_embedding=False,
                       tie_word_embeddings=True, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                      decoder_start_token_id=2, forced_eos_token_id=2)
+                      decoder_start_token_id=2, forced_eos_token_id=2, attn_implementation="sdpa")
+
+
+def profile_step(path, cuda, step):
+    """bench/step_profile.h's summary for the peer: the trace, the top kernels (host ops on the CPU, inclusive)
+    and, on CUDA, the time some kernel or copy ran against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True, with_flops=True) as prof:
+        t0 = time.perf_counter()
+        step()
+        span_us = (time.perf_counter() - t0) * 1e6
+    prof.export_chrome_trace(path)
+    wanted = "cuda" if cuda else "cpu"
+    totals, intervals = {}, []
+    for e in prof.events():
+        if e.device_type.name.lower() != wanted:
+            continue
+        t, n = totals.get(e.name, (0.0, 0))
+        totals[e.name] = (t + e.time_range.elapsed_us(), n + 1)
+        if cuda:
+            intervals.append((e.time_range.start, e.time_range.end))
+    for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:10]:
+        print(f"PROFILE top {t:.0f} {n} {name}", flush=True)
+    if cuda:
+        busy, end = 0.0, 0.0
+        for s, e in sorted(intervals):
+            if e > end:
+                busy += e - max(s, end)
+                end = e
+        print(f"PROFILE busy {busy:.0f} {span_us:.0f}", flush=True)
 
 
 def main():
@@ -64,6 +103,8 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profile", help="after the timed steps, one more traced on rank 0 (torch.profiler): its "
+                    "Chrome trace to this file, and PROFILE lines as bart_bench prints them")
     args = ap.parse_args()
 
     cuda = args.device == "cuda"
@@ -86,11 +127,21 @@ def main():
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = model.to(device)
+        if bf16:
+            for buf in model.buffers():
+                if buf.is_floating_point():
+                    buf.data = buf.data.to(torch.bfloat16)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32 if bf16 else None)
+        reshard = world > 1
         for layer in list(model.model.encoder.layers) + list(model.model.decoder.layers):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    if rank == 0:
+        import transformers
+        print(f"PEER torch {torch.__version__} transformers {transformers.__version__} "
+              f"attention {model.config._attn_implementation if args.mode == 'fsdp2' else model.module.config._attn_implementation}",
+              flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True if cuda else None)
 
     def sync():
@@ -98,18 +149,27 @@ def main():
             torch.cuda.synchronize(device)
 
     vocab = CONFIGS[args.config]["vocab_size"]
-    times = []
-    torch.manual_seed(1000 + rank)
-    for step in range(args.warmup + args.steps):
-        ids = torch.randint(4, vocab, (args.batch, args.src_len), device=device)
-        labels = torch.randint(4, vocab, (args.batch, args.tgt_len), device=device)
-        sync()
-        dist.barrier()  # every rank starts the step together: the slowest rank's time is the step's
-        t0 = time.perf_counter()
+    def run_step(ids, labels):
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
         sync()
+
+    times = []
+    torch.manual_seed(1000 + rank)
+    for step in range(args.warmup + args.steps + (1 if args.profile else 0)):
+        ids = torch.randint(4, vocab, (args.batch, args.src_len), device=device)
+        labels = torch.randint(4, vocab, (args.batch, args.tgt_len), device=device)
+        sync()
+        dist.barrier()  # every rank starts the step together: the slowest rank's time is the step's
+        if step == args.warmup + args.steps:  # untimed: the profiler slows it
+            if rank == 0:
+                profile_step(args.profile, cuda, lambda: run_step(ids, labels))
+            else:
+                run_step(ids, labels)
+            continue
+        t0 = time.perf_counter()
+        run_step(ids, labels)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
 

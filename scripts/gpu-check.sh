@@ -30,6 +30,10 @@
 # less than a minute is reported "not run: time budget", and the command line that
 # runs the rows left is printed after the table. The tests' communicators time out
 # after ZS_TEST_TIMEOUT_S (default 60) seconds, so a hang costs a minute.
+# Rehearsal: GPU_CHECK_REHEARSE=1 GPU_CHECK_BUILD=build PYTHON=.venv/bin/python
+# scripts/gpu-check.sh check step-base step-large step-fit step-2ranks runs the step's
+# rows on this machine's CPU with a tiny model (their detail says so), against a build
+# made here; results go to BUILD/gpu-check-rehearsal.
 # Other settings: PYTHON (default python3), JOBS (default: every core),
 # GPU_CHECK_TARGETS (what `build` builds; default zs_tests zs_bench zeroshard-run
 # bart_pretrain).
@@ -56,6 +60,10 @@ packages=(
 
 # The rows, cheapest and most informative first: name|ranks|time limit (s)|what it checks.
 catalogue=(
+  "step-base|1|200|BART-base bf16 step, batch 8 x 512: zeroshard zero2/zero3 beside HF + DDP / FSDP2 (MFU against the spec and the measured peak, peak memory) and a Kineto trace of zero3's step"
+  "step-large|1|200|the same for a BART-large-shaped model (12 + 12 layers, width 1024)"
+  "step-fit|1|200|BART-large-shaped: the largest batch of 512 + 512 tokens that fits zero3 (64, 32, 16 tried), zero3 beside HF + DDP there"
+  "step-2ranks|2|150|BART-base 8 x 512 on 2 ranks sharing the GPU (NCCL): zero2/zero3, their exposed communication"
   "kernel|1|180|CUDA AdamW kernel: bits equal the CPU kernel's, matches torch AdamW on the device"
   "nccl1|1|120|NCCL communicator, 1 rank: every op in 3 dtypes, block(), split/dup (NCCL_DEBUG=INFO)"
   "nccl2|2|180|NCCL collective tests, 2 ranks on one GPU (a host each: socket transport on lo)"
@@ -75,22 +83,25 @@ catalogue=(
   "sanitize-staged|2|300|compute-sanitizer memcheck: oracle tests, 2 ranks, stage_through_host (caching allocator off)"
   "multirank230|2|300|oracle and NCCL collective tests, 2 ranks on one host with NCCL_MULTI_RANK_GPU_ENABLE (NCCL 2.30+)"
   "optim|1|180|AdamW kernel GB/s vs a device copy and at::_fused_adamw_ (optim_bench --device cuda)"
-  "bart-base|1|300|BART-base bf16 training step, batch 8 x 512 tokens, dp/zero2/zero3 beside PyTorch DDP/FSDP2 (HF BART), 1 GPU (bart_bench)"
   "bart60|1|300|bart_pretrain --device cuda, tiny, ZeRO-3, 60 steps with checkpoints, 1 rank"
 )
 # Rows whose purpose is NCCL traffic: they fail when their processes report no NCCL operation.
 nccl_rows=" nccl1 nccl2 pingpong skip nccl3 oracle-nccl2 sanitize-nccl multirank230 "
-# The two commands that split the rows (docs/performance.md, "The GPU run").
+# The commands that split the rows (docs/performance.md, "The GPU run"): the step's
+# rows first (they need only zs_bench and zeroshard-run built), then the rest.
+step_rows="step-base step-large step-fit step-2ranks"
 first_rows="kernel nccl1 nccl2 pingpong skip nccl3 oracle-nccl1 oracle-nccl2 staged2 bart-pp2"
-second_rows="memcheck racecheck synccheck staged3 staged4 sanitize-nccl sanitize-staged multirank230 optim bart-base bart60"
+second_rows="memcheck racecheck synccheck staged3 staged4 sanitize-nccl sanitize-staged multirank230 optim bart60"
 
 oracles='*ShardedAdamWStage*:*ShardedAdamWHybrid*:FullyShardHybrid.*:FullyShardDeferred*:FullyShard.MatchesAdamW*:FullyShardMixed.*:CheckpointDevice.*'
 collectives='NcclCommunicator.*:NcclUniqueId.*'
 kernels='AdamWCuda*'
 
 python=${PYTHON:-python3}
-build="build-gpu"
+build=${GPU_CHECK_BUILD:-build-gpu}
 state=$build/gpu-check
+rehearsal=""  # the step rows' detail starts with it
+[ -z "${GPU_CHECK_REHEARSE:-}" ] || { state=$build/gpu-check-rehearsal; rehearsal="no GPU: a rehearsal on the CPU, tiny shapes; "; }
 logs=$state/logs
 arch=x86_64-linux-gnu
 cores=$(nproc)
@@ -109,9 +120,10 @@ run_lines() {  # dir
   local begin='export GPU_CHECK_DEADLINE=$(($(date +%s)+570)); scripts/gpu-check.sh build'
   [ "$1" = .gpu-deps ] || begin+=" $1"
   echo "Next, on the GPU machine (the device tool's run; each call carry: [\"$1\"], timeout_s: 600):"
-  echo "  1. $begin && scripts/gpu-check.sh check $first_rows"
-  echo "  2. $begin && scripts/gpu-check.sh check $second_rows"
-  echo "  3. (rows reported \"not run: time budget\") the line the previous call printed after its table"
+  echo "  1. GPU_CHECK_TARGETS='zs_bench zeroshard-run' $begin && scripts/gpu-check.sh check $step_rows"
+  echo "  2. $begin && scripts/gpu-check.sh check $first_rows"
+  echo "  3. $begin && scripts/gpu-check.sh check $second_rows"
+  echo "  4. (rows reported \"not run: time budget\") the line the previous call printed after its table"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -443,15 +455,90 @@ row_optim() {
   verdict measured "$(grep '^ROW | cuda' "$log" | awk -F' *[|] *' '{printf "%s%s %s: %s ms, %s GB/s, %s", sep, $3, $4, $5, $6, $7; sep = "; "}')"
 }
 
-row_bart_base() {
-  timed env PEER_PYTHON="$python" bench/bart_bench.sh "$build" 1 --device cuda --precision bf16 --config base --batch 8 --src-len 512 \
-    --tgt-len 512 --steps 5 --warmup 2
-  local rc=$? modes peak
-  if [ $rc -ne 0 ]; then verdict FAIL "bart_bench exit status $rc"; return; fi
-  modes=$(grep '^| \(dp\|zero2\|zero3\|peer-ddp\|peer-fsdp2\) ' "$log" |
-          awk -F' *[|] *' '{printf "%s%s: %s s/step, %s tokens/s, MFU %s, peak %s MiB", sep, $2, $5, $6, $7, $9; sep = "; "}')
-  peak=$(sed -n 's/.*measured now): //p' "$log")
-  verdict measured "$modes; bf16 matmul peak $peak"
+# The step's rows: bench/bart_bench.sh (zeroshard's modes, then the HF peers) at the
+# step's shapes. Rehearsed on a CPU (GPU_CHECK_REHEARSE=1): the same commands, a tiny
+# model and short sequences, on the CPU.
+if [ -n "${GPU_CHECK_REHEARSE:-}" ]; then
+  step_device=(--device cpu --precision bf16 --steps 2 --warmup 1)
+  base_shape=(--config tiny --batch 2 --src-len 64 --tgt-len 64)
+  large_shape=(--config tiny --src-len 64 --tgt-len 64)
+  fit_ladder="8 4 2"
+else
+  step_device=(--device cuda --precision bf16 --steps 5 --warmup 2)
+  base_shape=(--config base --batch 8 --src-len 512 --tgt-len 512)
+  large_shape=(--config large --src-len 512 --tgt-len 512)
+  fit_ladder="64 32 16"
+fi
+
+# bart_bench.sh with the row's time left, its output added to the row's log.
+step_bench() {  # ranks [env...] -- [bart_bench args...]
+  local ranks=$1 envs=()
+  shift
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  timeout -k 15 "$(( row_end - $(date +%s) > 1 ? row_end - $(date +%s) : 1 ))" \
+    env PEER_PYTHON="$python" "${envs[@]}" bench/bart_bench.sh "$build" "$ranks" "${step_device[@]}" "$@" >>"$log" 2>&1
+}
+
+# The table rows of the log, one clause each; the profile's summary; the peers' versions.
+step_detail() {
+  local rows peak spec top busy peers
+  rows=$(grep '^| \(dp\|zero2\|zero3\|peer-ddp\|peer-fsdp2\) ' "$log" |
+         awk -F' *[|] *' '{printf "%s%s: %s s/step, %s tokens/s, MFU %s of spec (%s of measured), peak %s MiB%s", sep, $2, $5, $6, $7, $8,
+                          $10, ($9 != "-" && $9 != "" ? ", exposed comm s " $9 : ""); sep = "; "}')
+  peak=$(sed -n 's/.*measured now): \([0-9.]*\).*/\1/p' "$log" | head -1)
+  spec=$(sed -n 's/^device: .*dense bf16 peak: \(.*\) TF\/s$/\1/p' "$log" | head -1)
+  top=$(grep '^PROFILE zero3 top' "$log" | head -5 | awk '{t = $4; n = $5; $1 = $2 = $3 = $4 = $5 = ""; sub(/^ +/, "");
+        printf "%s%s %.2f ms x%d", sep, substr($0, 1, 50), t / 1000, n; sep = ", "}')
+  busy=$(awk '/^PROFILE [a-z0-9-]* busy/ {printf "%s%s %.1f of %.1f ms (%.0f%%)", sep, $2, $4 / 1000, $5 / 1000, 100 * $4 / $5; sep = ", "}' "$log")
+  peers=$(grep -m1 '^peer-[a-z0-9]*: torch' "$log" | sed 's/^peer-[a-z0-9]*: //')
+  detail="${rehearsal}${rows}; measured matmul peak ${peak:-?} GFLOP/s, spec ${spec:-?} TF/s${top:+; zero3 top kernels: $top}${busy:+; device busy: $busy}${peers:+; peers: $peers}"
+}
+
+step_row() {  # shape... : zeroshard's modes and the peers; zero3 profiled
+  : >"$log"
+  row_end=$(( $(date +%s) + limit ))
+  local traces=$state/$name-traces rc
+  rm -rf "$traces" && mkdir -p "$traces"
+  step_bench 1 MODES="zero2 zero3" PROFILE_DIR="$traces" -- "$@"
+  rc=$?
+  gzip -f "$traces"/*.json 2>/dev/null
+  step_detail
+  if timed_out "$rc"; then verdict FAIL "timed out after $limit s; $detail"
+  elif [ $rc -ne 0 ]; then verdict FAIL "bart_bench.sh exit status $rc; $detail"
+  elif ! grep -q '^| zero3 ' "$log"; then verdict FAIL "no zero3 row; $detail"
+  else verdict measured "$detail; traces: $(cd "$traces" && ls | paste -sd ' ')"; fi
+}
+row_step_base() { step_row "${base_shape[@]}"; }
+row_step_large() { step_row "${large_shape[@]}" --batch 8; }
+
+# The largest batch on the ladder whose zero3 step runs, then zero3 and the DDP peer there.
+row_step_fit() {
+  : >"$log"
+  row_end=$(( $(date +%s) + limit ))
+  local b fit="" rc ladder=$logs/$name-ladder.log
+  : >"$ladder"
+  for b in $fit_ladder; do
+    echo "== trying batch $b" >>"$ladder"
+    if log=$ladder step_bench 1 MODES=zero3 PEER_MODES= -- "${large_shape[@]}" --batch "$b"; then fit=$b; break; fi
+  done
+  if [ -z "$fit" ]; then verdict FAIL "no batch of $fit_ladder fits (the end of ${ladder##*/} says why)"; return; fi
+  step_bench 1 MODES=zero3 PEER_MODES=ddp -- "${large_shape[@]}" --batch "$fit"
+  rc=$?
+  step_detail
+  if [ $rc -ne 0 ]; then verdict FAIL "batch $fit: bart_bench.sh exit status $rc; $detail"
+  else verdict measured "largest batch tried that fits: $fit; $detail"; fi
+}
+
+row_step_2ranks() {
+  : >"$log"
+  row_end=$(( $(date +%s) + limit ))
+  local rc
+  step_bench 2 MODES="zero2 zero3" PEER_MODES=ddp NCCL_HOST_PER_RANK=1 "${shared_gpu_env[@]}" "$(omp 2)" -- "${base_shape[@]}"
+  rc=$?
+  step_detail
+  if [ $rc -ne 0 ]; then verdict FAIL "bart_bench.sh exit status $rc; $detail"
+  else verdict measured "$detail"; fi
 }
 
 # bart_pretrain's summary lines (its model, losses and bytes sent).
@@ -532,7 +619,7 @@ pack() {
   table >"$state/table.md" 2>/dev/null
   [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
   cp "$state/table.md" "$OUT/gpu-check-table.md"
-  tar czf "$OUT/gpu-check-logs.tgz.tmp" -C "$build" gpu-check && mv "$OUT/gpu-check-logs.tgz.tmp" "$OUT/gpu-check-logs.tgz"
+  tar czf "$OUT/gpu-check-logs.tgz.tmp" -C "$build" "${state##*/}" && mv "$OUT/gpu-check-logs.tgz.tmp" "$OUT/gpu-check-logs.tgz"
 }
 
 # Runs one row: its limit cut to the budget, or "not run" for the budget or the compute mode.
@@ -571,9 +658,15 @@ gpu_present() {
 
 check_phase() {  # [row[=seconds]...]
   local arg name limit selected=() limits=()
-  gpu_present
-  { [ -x "$build/tests/zs_tests" ] && [ -f "$state/info.txt" ]; } ||
-    die "check: no build in $build (a machine that went cold lost it); run 'scripts/gpu-check.sh build' first"
+  if [ -n "${GPU_CHECK_REHEARSE:-}" ]; then
+    [ -x "$build/bench/zs_bench" ] || die "check: GPU_CHECK_REHEARSE: no $build/bench/zs_bench (set GPU_CHECK_BUILD)"
+    mkdir -p "$state"
+    echo "gpu: none (a rehearsal on the CPU)" >"$state/info.txt"
+  else
+    gpu_present
+    { [ -x "$build/bench/zs_bench" ] && [ -f "$state/info.txt" ]; } ||
+      die "check: no build in $build (a machine that went cold lost it); run 'scripts/gpu-check.sh build' first"
+  fi
   for arg in "$@"; do
     name=${arg%%=*}
     limit=""

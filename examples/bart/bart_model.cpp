@@ -354,8 +354,11 @@ torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Ten
 
 torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
   const auto logits = forward(input_ids, shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id));
-  return F::cross_entropy(logits.reshape({-1, config.vocab_size}), labels.reshape(-1),
-                          F::CrossEntropyFuncOptions().ignore_index(config.pad_token_id));
+  // The trainer's loss (summed_cross_entropy: fp32 chunks), over the targets that are not padding; the count
+  // stays on the device.
+  const auto flat = labels.reshape(-1);
+  return summed_cross_entropy(logits.reshape({-1, config.vocab_size}), flat, config.pad_token_id) /
+         flat.ne(config.pad_token_id).sum().clamp_min(1).to(torch::kFloat);
 }
 
 std::vector<std::vector<int64_t>> BartForConditionalGenerationImpl::generate(const torch::Tensor& input_ids,
