@@ -120,7 +120,8 @@ run_lines() {  # dir
   local begin='export GPU_CHECK_DEADLINE=$(($(date +%s)+570)); scripts/gpu-check.sh build'
   [ "$1" = .gpu-deps ] || begin+=" $1"
   echo "Next, on the GPU machine (the device tool's run; each call carry: [\"$1\"], timeout_s: 600):"
-  echo "  1. GPU_CHECK_TARGETS='zs_bench zeroshard-run' $begin && scripts/gpu-check.sh check $step_rows"
+  local step_begin="export GPU_CHECK_TARGETS='zs_bench zeroshard-run' ${begin#export }"
+  echo "  1. $step_begin && scripts/gpu-check.sh check $step_rows"
   echo "  2. $begin && scripts/gpu-check.sh check $first_rows"
   echo "  3. $begin && scripts/gpu-check.sh check $second_rows"
   echo "  4. (rows reported \"not run: time budget\") the line the previous call printed after its table"
