@@ -3,6 +3,7 @@
 #pragma once
 
 #include "zeroshard/comm.h"
+#include "zeroshard/preemption.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -67,6 +68,13 @@ int free_port();
 // run on `world` threads, returning each thread's error text ("" if none).
 DistEnv thread_env(int rank, int world, int port);
 std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body);
+
+// PreemptionOptions that handle no signal: a test's guard leaves the process's signals alone.
+inline PreemptionOptions no_signals() {
+  PreemptionOptions o;
+  o.signals = {};
+  return o;
+}
 
 // A fresh empty directory under the system temp dir.
 std::string make_temp_dir(const std::string& tag);

@@ -64,25 +64,51 @@ double sum_of_squares(const void* data, c10::ScalarType dtype, int64_t n) {
   }
 }
 
-double sum_of_squares(const std::vector<at::Tensor>& tensors) {
-  double sum = 0;
-  std::vector<at::Tensor> on_device;  // one running sum per device
+PendingSum pending_sum_of_squares(const std::vector<at::Tensor>& tensors) {
+  PendingSum sum;
   for (const auto& t : tensors) {
     if (!t.defined()) continue;
     if (t.device().is_cpu()) {
-      sum += sum_of_squares(t.data_ptr(), t.scalar_type(), t.numel());
+      sum.host += sum_of_squares(t.data_ptr(), t.scalar_type(), t.numel());
       continue;
     }
     const auto sq = at::linalg_vector_norm(t, 2, c10::nullopt, false, at::kFloat).to(at::kDouble).square();
-    auto it = std::find_if(on_device.begin(), on_device.end(), [&](const at::Tensor& s) { return s.device() == t.device(); });
-    if (it == on_device.end()) {
-      on_device.push_back(sq);
+    auto it = std::find_if(sum.device.begin(), sum.device.end(), [&](const at::Tensor& s) { return s.device() == t.device(); });
+    if (it == sum.device.end()) {
+      sum.device.push_back(sq);
     } else {
       *it = *it + sq;
     }
   }
-  for (const auto& s : on_device) sum += s.item<double>();
   return sum;
+}
+
+double sum_of_squares(const std::vector<at::Tensor>& tensors) { return read_sums({pending_sum_of_squares(tensors)})[0]; }
+
+void PendingSum::add(const PendingSum& other, double factor) {
+  host += factor * other.host;
+  for (const auto& d : other.device) device.push_back(factor == 1.0 ? d : d * factor);
+}
+
+std::vector<double> read_sums(const std::vector<PendingSum>& sums) {
+  std::vector<double> out;
+  std::vector<std::pair<c10::Device, std::vector<std::pair<size_t, at::Tensor>>>> by_device;  // (sum, part)
+  for (size_t i = 0; i < sums.size(); ++i) {
+    out.push_back(sums[i].host);
+    for (const auto& d : sums[i].device) {
+      auto it = std::find_if(by_device.begin(), by_device.end(), [&](const auto& e) { return e.first == d.device(); });
+      if (it == by_device.end()) it = by_device.insert(by_device.end(), {d.device(), {}});
+      it->second.emplace_back(i, d.reshape({}));
+    }
+  }
+  for (const auto& [device, parts] : by_device) {
+    std::vector<at::Tensor> scalars;
+    for (const auto& p : parts) scalars.push_back(p.second);
+    const auto host = at::stack(scalars).to(at::kCPU, at::kDouble);  // the one stop of the host for this device
+    const double* v = host.data_ptr<double>();
+    for (size_t k = 0; k < parts.size(); ++k) out[parts[k].first] += v[k];
+  }
+  return out;
 }
 
 }  // namespace zeroshard::optim

@@ -39,10 +39,11 @@ void ShardGroup::note_unreduced(const at::Tensor& in) {
   unreduced_device_sumsq = unreduced_device_sumsq.defined() ? unreduced_device_sumsq + sq : sq;
 }
 
-double ShardGroup::unreduced_sumsq() const {
-  double s = unreduced_host_sumsq;
-  if (unreduced_device_sumsq.defined()) s += unreduced_device_sumsq.item<double>();
-  return static_cast<double>(reductions) * s;
+optim::PendingSum ShardGroup::unreduced_sumsq() const {
+  optim::PendingSum s;
+  s.host = static_cast<double>(reductions) * unreduced_host_sumsq;
+  if (unreduced_device_sumsq.defined()) s.device.push_back(unreduced_device_sumsq * static_cast<double>(reductions));
+  return s;
 }
 
 void ShardGroup::clear_gradient() {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "optim/fused_adamw.h"
+#include "optim/grad_norm.h"
 #include "zeroshard/comm.h"
 #include "zeroshard/flat_layout.h"
 
@@ -40,7 +41,7 @@ struct ShardGroup {
   // What this rank fed the group's reductions this step, before reducing (the
   // gradient noise measurement, noise_scale.h): how many inputs, and the sum
   // of their squared norms (CPU inputs summed here; device ones on the device,
-  // read only by unreduced_sumsq(), so backward never waits for the host).
+  // read only with unreduced_sumsq()'s reader, so backward never waits for the host).
   int reductions = 0;
   double unreduced_host_sumsq = 0;
   at::Tensor unreduced_device_sumsq;
@@ -55,7 +56,8 @@ struct ShardGroup {
   // reductions × the sum of the inputs' squared norms: with `reductions` equal
   // parts of a rank's batch, the mean squared norm of one part's gradient
   // taken as a mean over its own examples (each input is 1/reductions of one).
-  double unreduced_sumsq() const;
+  // Its device part stays there (optim::read_sums reads it).
+  optim::PendingSum unreduced_sumsq() const;
   // Drops this step's gradient (and its measurement).
   void clear_gradient();
 };

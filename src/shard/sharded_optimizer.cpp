@@ -47,16 +47,18 @@ struct ShardedOptimizer::Core {
   }
   // This rank's part of the squared norm of the mean gradient: summed over the
   // ranks, the whole (a replicated shard counts 1/replicas on each).
-  double local_sumsq() const {
+  double local_sumsq() const { return optim::read_sums({grad_sumsq()})[0] / replicas(); }
+  optim::PendingSum grad_sumsq() const {  // of this rank's gradient shards
     std::vector<at::Tensor> grads;
     for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
-    return optim::sum_of_squares(grads) / replicas();
+    return optim::pending_sum_of_squares(grads);
   }
   int replicas() const { return zero_stage == 0 ? shards.process_group.data->size() : shards.topology.num_replicas; }
   // this rank's Σ over groups of reductions × their inputs' squared norms (scaled), and the most reductions of a group
-  double unreduced_sumsq() const {
-    double s = 0;
-    for (const auto* g : shards.groups) s += g->unreduced_sumsq();
+  double unreduced_sumsq() const { return optim::read_sums({unreduced_sumsq_pending()})[0]; }
+  optim::PendingSum unreduced_sumsq_pending() const {
+    optim::PendingSum s;
+    for (const auto* g : shards.groups) s.add(g->unreduced_sumsq());
     return s;
   }
   // Per parameter: got a gradient on this rank this step.
@@ -97,8 +99,10 @@ struct ShardedOptimizer::Core {
     fe().check_ready("the step's agreement");
     fe().reduce_gradients();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
     shards.round->freeze();
-    v[0] = local_sumsq();
-    v[1] = unreduced_sumsq();
+    // The step's one read of the device (both sums' device parts in one copy).
+    const auto sums = optim::read_sums({grad_sumsq(), unreduced_sumsq_pending()});
+    v[0] = sums[0] / replicas();
+    v[1] = sums[1];
     v[2] = rounds();
     const auto had = had_grad();
     for (size_t p = 0; p < had.size(); ++p) v[kHeader + p] = had[p] ? 1.0 : 0.0;

@@ -188,6 +188,33 @@ TEST(GradNorm, SumOfSquaresMatchesTorchAndIgnoresThreadCount) {
   EXPECT_THROW(sum_of_squares(bad.data_ptr(), bad.scalar_type(), 4), c10::ValueError);
 }
 
+// Sums whose parts wait on a device are read together: each sum is its host
+// part plus its own parts, whatever the order they were added in, scaled by
+// add()'s factor. (CPU scalars stand in for device ones: the reader groups by
+// device and reads each group in one copy.)
+TEST(GradNorm, PendingSumsAreReadTogether) {
+  const auto scalar = [](double v) { return torch::tensor(v, torch::kDouble); };
+  PendingSum a, b, c;
+  a.host = 1.5;
+  a.device = {scalar(2.0), scalar(0.25)};
+  b.device = {scalar(8.0)};
+  c.add(a, 2.0);
+  c.add(b);
+  c.host += 0.5;
+  const auto got = read_sums({a, b, c, PendingSum{}});
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[0], 3.75);
+  EXPECT_EQ(got[1], 8.0);
+  EXPECT_EQ(got[2], 2 * 3.75 + 8.0 + 0.5);
+  EXPECT_EQ(got[3], 0.0);
+  // sum_of_squares is its pending form, read
+  torch::manual_seed(6);
+  const std::vector<at::Tensor> ts{torch::randn({100}), at::Tensor(), torch::randn({7}).to(torch::kBFloat16)};
+  EXPECT_EQ(read_sums({pending_sum_of_squares(ts)})[0], sum_of_squares(ts));
+  EXPECT_NEAR(sum_of_squares(ts), ts[0].to(torch::kDouble).pow(2).sum().item<double>() +
+                                      ts[2].to(torch::kDouble).pow(2).sum().item<double>(), 1e-9);
+}
+
 TEST(FusedAdamW, ConversionsMatchLibTorch) {
   using namespace kernel;
   // every fp16 and bf16 bit pattern widens as LibTorch widens it

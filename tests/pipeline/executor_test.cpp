@@ -189,7 +189,7 @@ void expect_matches_unpipelined(int pp, ScheduleKind kind, int microbatches, int
     shards[s] = sh;
   }
   // The preemption vote travels in the step's agreement too.
-  PreemptionGuard guard(grid.world().control, PreemptionOptions{{}, ""});
+  PreemptionGuard guard(grid.world().control, testing::no_signals());
   guard.join(ex.agreement());
   const Oracle want = unpipelined(microbatches);
   for (step = 0; step < kSteps; ++step) {

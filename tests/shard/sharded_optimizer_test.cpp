@@ -239,8 +239,7 @@ TEST_P(ShardedOptimizerStages, OneStepAgreementCarriesTheNormsTheLossAndTheVote)
   const ProcessGroup joined_group(world_ptr(), world().dup()), plain_group(world_ptr(), world().dup());
   Trainer joined(stage, joined_group), plain(stage, plain_group);
   const std::string dir = testing::make_temp_dir("step_agreement");  // the last rank's notice file
-  PreemptionOptions po;
-  po.signals = {};
+  PreemptionOptions po = testing::no_signals();
   po.notice_file = dir + "/notice-" + std::to_string(r);
   PreemptionGuard joined_guard(joined_group.control, po), plain_guard(plain_group.control, po);
   auto agreement = std::make_shared<StepAgreement>(joined_group.control);
@@ -294,7 +293,7 @@ TEST_P(ShardedOptimizerStages, OneStepAgreementCarriesTheNormsTheLossAndTheVote)
   EXPECT_LE(joined_guard.notice_time(), noticed_before);
   EXPECT_TRUE(torch::equal(joined.params(), plain.params()));
   // A vote read twice without an agreement in between is refused, by name.
-  PreemptionGuard late(joined_group.control, PreemptionOptions{{}, ""});
+  PreemptionGuard late(joined_group.control, testing::no_signals());
   late.join(agreement);
   joined.backward(5);
   joined.opt->step();
