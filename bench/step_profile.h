@@ -57,7 +57,7 @@ inline void profile_step(const std::string& path, torch::Device device, const st
     auto& [total, calls] = by_name[e.name()];
     total += static_cast<double>(e.durationNs()) / 1e3;
     ++calls;
-    if (device.is_cuda()) intervals.emplace_back(e.startNs(), e.endNs());
+    if (device.is_cuda()) intervals.emplace_back(e.startNs(), e.startNs() + e.durationNs());
   }
   std::vector<std::pair<std::string, std::pair<double, int64_t>>> top(by_name.begin(), by_name.end());
   std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
