@@ -54,7 +54,7 @@ double matmul_peak_gflops(int64_t n, double seconds, torch::Device device, torch
 
 int bart_bench_main(int argc, char** argv) {
   using namespace bart_bench;
-  std::string mode = "zero3", config = "base", device_name = "cpu", precision = "fp32", profile;
+  std::string mode = "zero3", config = "base", device_name = "cpu", precision = "fp32", profile, device_comm = "auto";
   int64_t batch = 2, src_len = 64, tgt_len = 64, steps = 3, warmup = 1, matmul_n = 2048;
   CLI::App app{"bart_bench: BART training steps under dp / zero2 / zero3, and the matmul peak"};
   app.add_option("--mode", mode, "peak, dp, zero2 or zero3")
@@ -67,6 +67,10 @@ int bart_bench_main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--matmul-n", matmul_n, "peak: square matrix size")->capture_default_str();
+  app.add_option("--device-comm", device_comm, "cuda: nccl, staged (through host memory) or auto (NCCL, unless "
+                 "ranks share a GPU)")
+      ->check(CLI::IsMember({"auto", "nccl", "staged"}))
+      ->capture_default_str();
   app.add_option("--profile", profile, "after the timed steps, one more traced on rank 0 (LibTorch's profiler): "
                  "its Chrome trace to this file, and the top kernels and device busy time printed (LibTorch 2.x)");
   app.add_option("--device", device_name, "cpu, or cuda (rank r on cuda:(LOCAL_RANK mod GPUs))")
@@ -91,7 +95,10 @@ int bart_bench_main(int argc, char** argv) {
     return 0;
   }
   auto comm = zeroshard::init_communicator();
-  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device);
+  const auto transport = device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
+                         : device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
+                                                   : zeroshard::DeviceTransport::kAuto;
+  const zeroshard::ProcessGroup group = zeroshard::device_group(comm, device, {}, transport);
   const int rank = comm->rank(), world = comm->size();
   auto cfg = bart::BartConfig::named(config);
   cfg.dropout = cfg.attention_dropout = cfg.activation_dropout = 0.0;

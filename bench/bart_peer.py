@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--tgt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device-comm", default="auto", help="bart_bench's device transport; the peer's is NCCL on "
+                    "CUDA, whatever this says")
     ap.add_argument("--profile", help="after the timed steps, one more traced on rank 0 (torch.profiler): its "
                     "Chrome trace to this file, and PROFILE lines as bart_bench prints them")
     args = ap.parse_args()
