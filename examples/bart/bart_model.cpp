@@ -259,7 +259,7 @@ void reseed_for_block(const DropoutKey& key, size_t block) {
 }
 
 torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& input_ids,
-                                                        const torch::Tensor& decoder_input_ids) {
+                                                        const torch::Tensor& decoder_input_ids, bool source_padded) {
   // In the pipeline's block order (bart_pipeline.h): both embeddings, the
   // encoder layers, the decoder layers, the head.
   auto& enc = *model->encoder;
@@ -269,7 +269,7 @@ torch::Tensor BartForConditionalGenerationImpl::forward(const torch::Tensor& inp
                                 config.dropout, is_training());
   auto decoded = embed_sequence(model->shared(decoder_input_ids), dec.embed_positions, dec.layernorm_embedding,
                                 config.dropout, is_training());
-  const auto padding = input_ids.eq(config.pad_token_id);
+  const auto padding = source_padded ? input_ids.eq(config.pad_token_id) : torch::Tensor();
   size_t block = 1;
   // The recomputation restores the generators, so it draws the same dropout masks.
   for (auto& l : enc.layers) {
@@ -352,8 +352,10 @@ torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Ten
   return cross_entropy_chunks(logits, labels, ignore_index, chunk_rows, torch::Tensor());
 }
 
-torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels) {
-  const auto logits = forward(input_ids, shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id));
+torch::Tensor BartForConditionalGenerationImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels,
+                                                     bool source_padded) {
+  const auto logits =
+      forward(input_ids, shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id), source_padded);
   // The trainer's loss (summed_cross_entropy: fp32 chunks), over the targets that are not padding; the count
   // stays on the device.
   const auto flat = labels.reshape(-1);

@@ -131,10 +131,16 @@ torch::Tensor summed_cross_entropy(const torch::Tensor& logits, const torch::Ten
 struct BartForConditionalGenerationImpl : torch::nn::Module {
   explicit BartForConditionalGenerationImpl(const BartConfig& c);
   // input_ids [B, S], decoder_input_ids [B, T] -> logits [B, T, vocab]
-  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& decoder_input_ids);
+  // `source_padded` false: the caller knows that no source token is padding
+  // (every row full), so attention to the source takes no mask and
+  // scaled_dot_product_attention may use its flash kernels (a mask rules them
+  // out); a padded source given false attends to its padding. true: the mask
+  // from input_ids' pad_token_id.
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& decoder_input_ids,
+                        bool source_padded = true);
   // Cross-entropy of the logits against `labels` (pad_token_id ignored); the
   // decoder reads labels shifted right behind decoder_start_token_id.
-  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels);
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels, bool source_padded = true);
   // Greedy decoding of a batch: input_ids [B, S] (padded with pad_token_id)
   // -> per sequence, the decoder's tokens after decoder_start_token_id, up to
   // and including eos (at most max_len). Runs exactly max_len decoder passes

@@ -42,6 +42,7 @@ Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_
     for (size_t j = 0; j < n.target.size(); ++j) lab[r][static_cast<int64_t>(j)] = n.target[j];
     out.target_tokens += static_cast<int64_t>(n.target.size());
   }
+  out.source_padded = std::any_of(noised.begin(), noised.end(), [&](const NoisedExample& n) { return n.source.size() < src_len; });
   out.input_ids = out.input_ids.to(device);
   out.labels = out.labels.to(device);
   return out;
@@ -49,7 +50,8 @@ Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_
 
 torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch) {
   const auto& c = model->config;
-  const auto logits = model->forward(batch.input_ids, shift_tokens_right(batch.labels, c.pad_token_id, c.decoder_start_token_id));
+  const auto logits = model->forward(batch.input_ids, shift_tokens_right(batch.labels, c.pad_token_id, c.decoder_start_token_id),
+                                     batch.source_padded);
   return summed_cross_entropy(logits.reshape({-1, c.vocab_size}), batch.labels.reshape(-1), c.pad_token_id);
 }
 

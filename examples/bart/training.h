@@ -23,6 +23,7 @@ struct Batch {
   torch::Tensor input_ids;  // [B, S] noised, padded with pad_id
   torch::Tensor labels;     // [B, T] original, padded with pad_id (ignored by the loss)
   int64_t target_tokens = 0;  // labels that are not padding
+  bool source_padded = true;  // some source is shorter than the longest (known on the host: no mask when false)
 };
 
 // The noise of an example depends only on (seed, epoch, index), never on the

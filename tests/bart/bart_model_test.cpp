@@ -77,6 +77,20 @@ TEST(BartModel, PaddingChangesNothing) {
   EXPECT_NEAR(t.m->loss(src, tgt).item<double>(), t.m->loss(src, labels).item<double>(), 1e-5);
 }
 
+// A source known to be unpadded (source_padded false) runs attention without a
+// mask: the same logits and loss as with the mask, which then masks nothing.
+TEST(BartModel, AnUnpaddedSourceNeedsNoMask) {
+  torch::manual_seed(1);
+  Tiny t;
+  torch::NoGradGuard no_grad;
+  const auto src = ids(3, 12, 10), tgt = ids(3, 8, 11);
+  EXPECT_TRUE(torch::allclose(t.m->forward(src, tgt, /*source_padded=*/false), t.m->forward(src, tgt), 1e-5, 1e-5));
+  EXPECT_NEAR(t.m->loss(src, tgt, false).item<double>(), t.m->loss(src, tgt).item<double>(), 1e-6);
+  // and the flag matters: a padded source read as unpadded attends to its padding
+  const auto padded = torch::cat({src, torch::full({3, 5}, 1, torch::kLong)}, 1);
+  EXPECT_FALSE(torch::allclose(t.m->forward(padded, tgt, false), t.m->forward(padded, tgt), 1e-3, 1e-3));
+}
+
 // The decoder is causal: changing the target at position t changes no logits before t.
 TEST(BartModel, DecoderSeesNoFutureTokens) {
   torch::manual_seed(1);
