@@ -208,6 +208,11 @@ int64_t PretrainingRun::bytes_sent() const {
   return b;
 }
 
+int64_t PretrainingRun::world_all_reduces() const {
+  const auto st = comm_->stats();
+  return st.by_kind.count(zeroshard::OpKind::kAllReduce) ? st.by_kind.at(zeroshard::OpKind::kAllReduce).calls : 0;
+}
+
 int64_t PretrainingRun::peak_model_states() const {
   int64_t b = 0;
   for (const auto& x : opts_) b += x->stats().memory.peak_model_states;
@@ -467,6 +472,9 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   m.loss_scale = opts_.front()->loss_scale();
   m.skipped = r.skipped;
   json extra = json::object();
+  // The step's blocking world collectives: its agreement, once (the first step also checks the token count, and
+  // with a pipeline lays out the stages' slots); more would be a collective the step should not have.
+  extra["world_all_reduces"] = r.world_all_reduces;
   if (pipe_) {  // this rank's (rank 0 writes the metrics: stage 0's), beside the schedule's formula
     extra["bubble_s"] = r.bubble_s;
     extra["bubble_formula"] = zeroshard::pipeline::formula_bubble(pipe_->schedule());
@@ -531,7 +539,9 @@ std::optional<int> PretrainingRun::train() {
   while (step_ < o_.max_steps) {
     const auto t_step = Clock::now();
     const double waited0 = waited();
-    const StepResult r = step_once(step_);
+    const int64_t reduces0 = world_all_reduces();
+    StepResult r = step_once(step_);
+    r.world_all_reduces = world_all_reduces() - reduces0;
     ++step_;
     loss_ = r.loss;
     const bool end = record_step(r, t_step, waited0);

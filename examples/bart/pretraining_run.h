@@ -57,6 +57,7 @@ struct StepBatches {
 struct StepResult {
   double lr = 0, global_tokens = 0, loss = NAN, grad_norm = 0;
   double fb_s = 0, fb_wait = 0, opt_s = 0, opt_wait = 0, bubble_s = -1;
+  int64_t world_all_reduces = 0;  // issued on the world communicator during the step
   double data_wait = 0;  // waiting for the step's batches
   zeroshard::GradientNoiseSample noise;
   bool skipped = false;
@@ -83,6 +84,7 @@ class PretrainingRun {
   void note_resume(bool stepped);
   int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
   int64_t peak_model_states() const;
+  int64_t world_all_reduces() const;  // so far, on the world communicator
   double waited() const;
   std::string trace_file() const { return trace_path(o_.run_dir, rank_, dist_.restart_count); }
 

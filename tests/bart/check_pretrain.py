@@ -324,6 +324,14 @@ def check_pipeline(build, work):
           "--partition", "timed")
     train("flat1", 0, "--stage", "2", "--ckpt-dir", "none")
     train("pp4", 4, "--pp", "4", "--stage", "2", "--partition", "E e | e | d | d L", "--ckpt-dir", "none")
+    # One blocking world collective per step, with a pipeline and without: the step's agreement (the loss, the
+    # norms and flags, the preemption vote). The first step also checks the token count (and lays out the stages).
+    for name in dirs:
+        rows = [r for r in metrics(dirs[name]) if "event" not in r]
+        counts = [r["world_all_reduces"] for r in rows]
+        check(len(rows) == 12 and counts[0] >= 2 and all(c == 1 for c in counts[1:]),
+              f"{name}: world all-reduces per step {counts}; want one per step after the first")
+    print(f"pipeline: one world all-reduce per step after the first in {', '.join(dirs)}")
     for base, runs in (("flat2", ("pp2_1f1b", "pp2_1f1b_gather_per_pass", "pp2_1f1b_replicated", "pp2_1f1b_hybrid",
                                   "pp2_gpipe", "pp2_interleaved")),
                        ("flat1", ("pp4",))):
