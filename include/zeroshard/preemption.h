@@ -107,6 +107,11 @@ class PreemptionGuard {
   int64_t slot_ = -1;
   bool own_agreement_ = false;  // made by should_stop(): agreed there
   Vote vote_;
+  struct Seen {  // what this rank saw when it last voted
+    int signal = 0;
+    bool url_notice = false, file_notice = false;
+  };
+  Seen seen_;
   int64_t read_at_ = -1;  // vote_.at when should_stop() last read it
   bool stopped_ = false;
   double notice_time_ = NAN;

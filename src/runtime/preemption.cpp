@@ -158,13 +158,13 @@ void PreemptionGuard::join(std::shared_ptr<StepAgreement> agreement) {
   slot_ = agreement_->add_per_rank(
       "preemption vote", 2,
       [this](double* v) {
-        const int sig = signal_.load();
-        const bool file_notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
-        if (file_notice) {
+        seen_ = Seen{signal_.load(), url_notice_.load(),
+                     !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file)};
+        if (seen_.file_notice) {
           int64_t none = 0;
           seen_ns_.compare_exchange_strong(none, unix_ns());
         }
-        v[0] = (sig != 0 || url_notice_.load() || file_notice) ? 1.0 : 0.0;
+        v[0] = (seen_.signal != 0 || seen_.url_notice || seen_.file_notice) ? 1.0 : 0.0;
         v[1] = static_cast<double>(seen_ns_.load()) * 1e-9;
       },
       [this](const double* all) {
@@ -190,10 +190,10 @@ bool PreemptionGuard::should_stop() {
               "call (", agreement_->agreements(), " agreements); call should_stop() once per step, after the step's "
               "agree() (a joined optimizer's step() runs it)");
   read_at_ = vote_.at;
-  const int sig = signal_.load();
-  const bool url_notice = url_notice_.load();
-  const bool file_notice = !options_.notice_file.empty() && std::filesystem::exists(options_.notice_file);
-  const bool notice = url_notice || file_notice;
+  // What this rank saw when it voted: the cause it names is its vote's.
+  const int sig = seen_.signal;
+  const bool url_notice = seen_.url_notice;
+  const bool notice = url_notice || seen_.file_notice;
   if (!vote_.any) return false;
   stopped_ = true;
   notice_time_ = std::isfinite(vote_.earliest) ? vote_.earliest : unix_ns() * 1e-9;

@@ -93,12 +93,16 @@ struct ShardedOptimizer::Core {
     agreement = nullptr;
   }
   ~Core() { leave(); }
+  // Finishes the step's gradient reductions; backward may not add to them after this.
+  void reduce_and_freeze() {
+    fe().reduce_gradients();
+    shards.round->freeze();
+  }
   void fill(double* v) {
     std::lock_guard<std::recursive_mutex> lock(mu());
     shards.round->check_usable("the step's agreement");
     fe().check_ready("the step's agreement");
-    fe().reduce_gradients();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
-    shards.round->freeze();
+    reduce_and_freeze();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
     // The step's one read of the device (both sums' device parts in one copy).
     const auto sums = optim::read_sums({grad_sumsq(), unreduced_sumsq_pending()});
     v[0] = sums[0] / replicas();
@@ -234,10 +238,7 @@ void ShardedOptimizer::detach_shards() {
   core_->shards.round = nullptr;
 }
 
-void ShardedOptimizer::reduce_and_freeze() {
-  core_->fe().reduce_gradients();
-  core_->shards.round->freeze();
-}
+void ShardedOptimizer::reduce_and_freeze() { core_->reduce_and_freeze(); }
 
 torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   torch::Tensor loss;
