@@ -143,9 +143,10 @@ void shard::ShardedModel::try_launch() {
       [this](size_t k) { launch(launch_order[k]); });
 }
 
-void shard::ShardedModel::launch(size_t unit) {
+void shard::ShardedModel::launch(size_t unit, ReductionQueue::Input kind) {
   auto& u = *units[unit];
-  round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label());
+  round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true,
+                             u.label() + (kind == ReductionQueue::Input::kLate ? " (late)" : ""), kind);
   round->reductions().drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 

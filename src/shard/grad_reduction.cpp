@@ -8,7 +8,14 @@
 // the parameter's gradient of this backward is complete; it is copied into the
 // bucket's flat buffer and p.grad() becomes a stand-in without values
 // (shard::make_reduced_grad_marker), which a pre hook on the same accumulator
-// takes out before the next backward accumulates. A complete bucket is
+// takes out before the next backward accumulates. Under activation
+// checkpointing the accumulator can fire more than once in one backward (once
+// per nested backward of a segment that uses the parameter, and once for the
+// outer graph's uses): each arrival is added to the first. A bucket is
+// complete once each of its parameters had as many arrivals as any backward
+// has shown it so far; an arrival after its bucket launched (a parameter's
+// first backward with several) is reduced in a late round of that bucket when
+// the pass ends, so no contribution is left behind. A complete bucket is
 // reduce-scattered at once, but buckets launch strictly in index order, so
 // every rank issues the same collectives in the same order even if autograd
 // visits parameters differently. An autograd final callback launches what is
@@ -55,16 +62,19 @@ void ShardedAdamW::Impl::remove_hooks() {
   grad_markers.clear();
 }
 
-void ShardedAdamW::Impl::copy_grad_into(size_t param, shard::Bucket& b) {
+void ShardedAdamW::Impl::move_grad_into(size_t param, const shard::Bucket& b, at::Tensor& into, bool first) {
   auto& p = params[param];
   const size_t entry = location[param].second;
-  if (!b.rs_in.defined()) {
-    b.rs_in = at::zeros({b.layout.padded_numel}, b.flat_params.options());
-    track(b.rs_in.nbytes());
+  if (!into.defined()) {
+    into = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+    track(into.nbytes());
   }
-  b.rs_in.slice(0, b.layout.offsets[entry], b.layout.offsets[entry] + infos[param].numel())
-      .view(p.sizes())
-      .copy_(p.grad());
+  auto slot = into.slice(0, b.layout.offsets[entry], b.layout.offsets[entry] + infos[param].numel()).view(p.sizes());
+  if (first) {
+    slot.copy_(p.grad());
+  } else {
+    slot.add_(p.grad());
+  }
   p.mutable_grad() = grad_markers.empty() ? at::Tensor() : grad_markers[param];
 }
 
@@ -100,15 +110,22 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
     if (!reduce_in_backward()) grad_into_flat(param);
     return;
   }
-  if (ready[param]) return;
-  ready[param] = 1;
-  auto& b = buckets[location[param].first];
-  copy_grad_into(param, b);
-  if (++b.ready == b.params.size()) launch_ready_in_order(false);
+  const size_t k = location[param].first;
+  auto& b = buckets[k];
+  const int n = ++arrivals[param];
+  if (k >= round->next_launch()) {
+    // Not launched yet: the first arrival is copied in, a later one (another
+    // checkpointed segment's nested backward) added to it.
+    move_grad_into(param, b, b.rs_in, n == 1);
+  } else {
+    // The bucket is reducing already: this arrival goes in a late round.
+    move_grad_into(param, b, b.late_in, false);
+  }
+  if (n == expected(param) && ++b.ready == b.params.size()) launch_ready_in_order(false);
 }
 
 void ShardedAdamW::Impl::begin_pass() {
-  std::fill(ready.begin(), ready.end(), 0);
+  std::fill(arrivals.begin(), arrivals.end(), 0);
   for (auto& b : buckets) b.ready = 0;
 }
 
@@ -120,22 +137,28 @@ void ShardedAdamW::Impl::abandon_pass() {
   // The failed pass's gradients are partly in buckets (dropped here) and partly
   // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
   transient_bytes = 0;
-  for (auto& b : buckets) b.rs_in = at::Tensor();
+  for (auto& b : buckets) b.rs_in = b.late_in = at::Tensor();
   begin_pass();  // no bucket holds a gradient of this backward
   flushed_since_step = false;
 }
 
-void ShardedAdamW::Impl::launch(size_t index) {
+void ShardedAdamW::Impl::launch(size_t index, at::Tensor in, shard::ReductionQueue::Input kind) {
   auto& b = buckets[index];
-  at::Tensor in = std::move(b.rs_in);
-  b.rs_in = at::Tensor();  // the next backward fills a fresh buffer
   // Stage 2's (and 0's) input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
-  const auto& e = round->reductions().launch(*comm, b, std::move(in), reduce_in_backward(),
-                                            "bucket " + std::to_string(index));
+  const auto label = "bucket " + std::to_string(index) + (kind == shard::ReductionQueue::Input::kLate ? " (late)" : "");
+  const auto& e = round->reductions().launch(*comm, b, std::move(in), reduce_in_backward(), label, kind);
   if (!e.out.is_same(e.in)) track(e.out.nbytes());
   if (reduce_in_backward()) {
     round->reductions().drain_to(static_cast<size_t>(options.max_inflight_buckets),
                         [this](const shard::ReductionQueue::Entry& e) { untrack(e); });
+  }
+}
+
+// Every rank runs the same graph, so the same parameters arrive late on every
+// rank and these rounds are issued identically (as ZeRO-3's late rounds).
+void ShardedAdamW::Impl::launch_late_rounds() {
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    if (buckets[k].late_in.defined()) launch(k, std::move(buckets[k].late_in), shard::ReductionQueue::Input::kLate);
   }
 }
 
@@ -152,9 +175,9 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
       // Parameters without a gradient in this backward: a leftover p.grad()
       // (accumulated under no_sync) goes in; otherwise the slot stays zero.
       for (size_t param : b.params) {
-        if (!ready[param] && shard::has_gradient(params[param])) {
+        if (arrivals[param] == 0 && shard::has_gradient(params[param])) {
           had_grad(param) = 1;
-          copy_grad_into(param, b);
+          move_grad_into(param, b, b.rs_in, true);
         }
       }
       if (!b.rs_in.defined()) {
@@ -162,12 +185,14 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
         track(b.rs_in.nbytes());
       }
     }
-    launch(k);
+    launch(k, std::move(b.rs_in), shard::ReductionQueue::Input::kPart);
   });
 }
 
 void ShardedAdamW::Impl::flush_backward() {
   launch_ready_in_order(true);
+  launch_late_rounds();
+  for (size_t i = 0; i < params.size(); ++i) expected_arrivals[i] = std::max(expected_arrivals[i], arrivals[i]);
   round->clear_local_pending();
   begin_pass();
   round->restart_order();
@@ -185,8 +210,7 @@ void ShardedAdamW::Impl::reduce_gradients() {
       auto& b = buckets[index];
       for (size_t param : b.params) grad_into_flat(param);
       if (!b.flat_grads.defined()) b.flat_grads = at::zeros({b.layout.padded_numel}, b.flat_params.options());
-      b.rs_in = b.flat_grads;
-      launch(index);
+      launch(index, b.flat_grads, shard::ReductionQueue::Input::kPart);
     }
   } else if (!flushed_since_step || round->local_pending()) {
     flush_backward();  // gradients still in p.grad(): from no_sync or local accumulation

@@ -94,11 +94,11 @@ void update_shard(ShardGroup& group, const EntryCoefficients& coeffs) {
 }
 
 const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGroup& group, at::Tensor in,
-                                                    bool in_is_scratch, std::string label) {
+                                                    bool in_is_scratch, std::string label, Input kind) {
   Entry e;
   e.group = &group;
   e.in = std::move(in);
-  group.note_unreduced(e.in);
+  if (kind == Input::kPart) group.note_unreduced(e.in);
   if (comm.size() == 1) {  // the mean over one rank is the input itself: nothing to wait for
     e.out = in_is_scratch ? e.in : e.in.clone();
   } else if (group.layout.world_size == 1) {  // replicated: the whole mean on every rank

@@ -95,12 +95,18 @@ class ReductionQueue {
   // (null: none). Replicated groups (ZeRO stage 0) are reduced over every rank
   // already and skip it.
   void set_replicas(std::shared_ptr<Communicator> replicas) { replicas_ = std::move(replicas); }
+  // What a reduction's input is to the gradient noise measurement: one part
+  // of the rank's batch (counted: each backward's reduction), or more of a
+  // part already counted (a late round: gradients that arrived after their
+  // group's reduction of this backward had launched; not counted again).
+  enum class Input { kPart, kLate };
   // Reduce-scatters `in` (the group's whole flat buffer, padded) on `comm`,
   // or all-reduces it when the group is replicated. At one rank the mean is
   // `in` itself, and in place the all-reduce's output is `in`: adopted when
   // the caller says `in` is scratch (nobody else writes it), else copied.
   // Returns the entry (the caller may count its buffers' bytes).
-  const Entry& launch(Communicator& comm, ShardGroup& group, at::Tensor in, bool in_is_scratch, std::string label);
+  const Entry& launch(Communicator& comm, ShardGroup& group, at::Tensor in, bool in_is_scratch, std::string label,
+                      Input kind = Input::kPart);
   // Waits for the oldest and adds it into its group; returns it (its tensors
   // are freed when the caller drops it). The wait counts in waited_seconds().
   Entry drain_oldest();

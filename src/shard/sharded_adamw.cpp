@@ -229,7 +229,8 @@ void ShardedAdamW::Impl::build_buckets() {
     b.master = b.layout.dtype == at::kFloat ? b.values : b.values.to(at::kFloat);
     b.ensure_moments();
   }
-  ready.assign(params.size(), 0);
+  arrivals.assign(params.size(), 0);
+  expected_arrivals.assign(params.size(), 0);
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup group,

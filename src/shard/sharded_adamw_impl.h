@@ -10,6 +10,7 @@
 
 #include "compat/autograd_hooks.h"
 
+#include <algorithm>
 #include <memory>
 
 namespace zeroshard {
@@ -23,7 +24,8 @@ struct Bucket : ShardGroup {
   at::Tensor flat_params;  // [padded_numel], the model's parameters alias it
   at::Tensor flat_grads;   // stage 1: [padded_numel], p.grad() aliases it (created at the first step)
   at::Tensor rs_in;        // stages 2 and 0: this backward's gradients, filling up
-  size_t ready = 0;        // parameters whose gradient is in rs_in this backward
+  at::Tensor late_in;      // stages 2 and 0: gradients that arrived after rs_in launched (a late round)
+  size_t ready = 0;        // parameters with every expected arrival of this backward in rs_in
 };
 
 }  // namespace shard
@@ -56,7 +58,15 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   bool any_had_grad() const;
 
   // Per backward (the round's protocol: syncs(), the launch order, the reductions in flight).
-  std::vector<char> ready;             // stages 2 and 0: gradient already in its bucket this backward
+  // Stages 2 and 0: how many times each parameter's gradient arrived in this
+  // backward, and the most arrivals any backward so far has shown it. Each
+  // arrival is one call of its accumulator: one per backward, plus one per
+  // nested backward of a checkpointed segment that uses it (a parameter in two
+  // segments, or in one and outside it). A bucket launches once every
+  // parameter in it had the expected number; an arrival beyond that, after
+  // the bucket launched, is reduced in a late round at the end of the pass.
+  std::vector<int> arrivals, expected_arrivals;
+  int expected(size_t param) const { return std::max(1, expected_arrivals[param]); }
   double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
   bool flushed_since_step = false;
 
@@ -106,9 +116,12 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   std::unique_ptr<shard::BackwardRound> round;
 
  private:
-  void copy_grad_into(size_t param, shard::Bucket& b);
+  // Moves p.grad() into its slot of `into` (allocated with zeros when
+  // undefined): copied when `first`, else added; p.grad() becomes the stand-in.
+  void move_grad_into(size_t param, const shard::Bucket& b, at::Tensor& into, bool first);
   void grad_into_flat(size_t param);  // stage 1: p.grad() becomes its slot of the bucket's flat_grads
-  void launch(size_t bucket);
+  void launch(size_t bucket, at::Tensor in, shard::ReductionQueue::Input kind);
+  void launch_late_rounds();  // in bucket order, as every rank does
   void untrack(const shard::ReductionQueue::Entry& e);  // a drained reduction's buffers are gone
   void launch_ready_in_order(bool force);
 };

@@ -182,7 +182,15 @@ void Unit::start_backward() {
 
 void Unit::pre_backward() {
   model.round->begin();
-  if (pre_backward_done_ || complete_) return;
+  if (complete_) {
+    // Its backward again in this pass, after the unit's gradients were complete
+    // and it resharded: a use outside a checkpointed segment whose nested
+    // backward came first. That backward needs the parameters gathered again;
+    // its gradients go in a late round (on_grad_ready).
+    unshard();
+    return;
+  }
+  if (pre_backward_done_) return;
   pre_backward_done_ = true;
   model.on_pre_backward(index);
   unshard();
@@ -224,7 +232,7 @@ void Unit::on_grad_ready(size_t param) {
 void Unit::finish_round() {
   if (late_round_) {
     late_round_ = false;
-    model.launch(index);  // its place in the order has passed; every rank does the same here
+    model.launch(index, ReductionQueue::Input::kLate);  // its place in the order has passed; every rank does the same here
   } else {
     model.try_launch();
   }

@@ -187,7 +187,7 @@ struct ShardedModel : BackwardRound::Client, FrontEnd {
   Communicator& check_comm() const {
     return group.control == group.data && !topology.hybrid() ? *reduce_comm : *group.control;
   }
-  void launch(size_t unit);
+  void launch(size_t unit, ReductionQueue::Input kind = ReductionQueue::Input::kPart);
 
   void begin_pass() override;         // the first hook of a backward
   void end_pass() override;           // launch what is left, reshard

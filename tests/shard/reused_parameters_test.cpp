@@ -1,0 +1,231 @@
+// A parameter whose gradient arrives more than once in one backward, at
+// ZeRO-0..3 and 1-4 ranks, against single-process torch::optim::AdamW on the
+// same model and global batch.
+//
+// Under activation_checkpoint each checkpointed segment recomputes in a nested
+// backward of its own, and a parameter's accumulator fires in each one that
+// uses it, and once more for the outer graph's uses: a layer in two segments,
+// a layer inside a segment and outside it (in either order), tied input and
+// output embeddings with every layer checkpointed. Every arrival must reach
+// the reduced gradient; none may be left in p.grad().
+#include "shard/resharded_param.h"
+#include "test_util.h"
+#include "zeroshard/activation_checkpoint.h"
+#include "zeroshard/fully_shard.h"
+#include "zeroshard/sharded_adamw.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace zeroshard {
+namespace reused_parameters_test {
+
+using testing::world;
+using testing::world_ptr;
+
+constexpr int kVocab = 13, kWidth = 16, kSeq = 5, kBatch = 12;  // 12 sequences: 1-4 ranks split them evenly
+
+struct LayerImpl : torch::nn::Module {
+  LayerImpl() { fc = register_module("fc", torch::nn::Linear(kWidth, kWidth)); }
+  torch::Tensor forward(const torch::Tensor& x) { return x + torch::tanh(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Layer);
+
+enum class Reuse {
+  kTwoSegments,        // one layer applied twice, each application checkpointed
+  kInsideThenOutside,  // the layer in a checkpointed segment, then outside one
+  kOutsideThenInside,  // the layer outside, then in a checkpointed segment
+  kTiedEmbeddings,     // the embedding is the output projection; every layer (the projection too) checkpointed
+};
+
+std::string to_string(Reuse r) {
+  switch (r) {
+    case Reuse::kTwoSegments: return "TwoSegments";
+    case Reuse::kInsideThenOutside: return "InsideThenOutside";
+    case Reuse::kOutsideThenInside: return "OutsideThenInside";
+    case Reuse::kTiedEmbeddings: return "TiedEmbeddings";
+  }
+  return "?";
+}
+
+// A token model: tied embedding, `block` (its own ZeRO-3 unit), `last`, and
+// the output projection through the embedding's weight.
+struct LmImpl : torch::nn::Module {
+  explicit LmImpl(Reuse how) : how(how) {
+    embed = register_module("embed", torch::nn::Embedding(kVocab, kWidth));
+    block = register_module("block", Sharded<Layer>());
+    last = register_module("last", Sharded<Layer>());
+  }
+  torch::Tensor segment(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& h) {
+    return checkpointed ? activation_checkpoint(fn, h) : fn(h);
+  }
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto b = block.ptr();
+    auto run_block = [b](const torch::Tensor& in) { return b->forward(in); };
+    auto h = embed(ids);
+    switch (how) {
+      case Reuse::kTwoSegments:
+        h = segment(run_block, segment(run_block, h));
+        break;
+      case Reuse::kInsideThenOutside:
+        h = b->forward(segment(run_block, h));
+        break;
+      case Reuse::kOutsideThenInside:
+        h = segment(run_block, b->forward(h));
+        break;
+      case Reuse::kTiedEmbeddings:
+        h = segment(run_block, h);
+        break;
+    }
+    h = segment([l = last.ptr()](const torch::Tensor& in) { return l->forward(in); }, h);
+    auto project = [w = embed->weight](const torch::Tensor& in) { return torch::nn::functional::linear(in, w); };
+    return how == Reuse::kTiedEmbeddings ? segment(project, h) : project(h);
+  }
+  Reuse how;
+  bool checkpointed = false;
+  torch::nn::Embedding embed{nullptr};
+  Sharded<Layer> block{nullptr}, last{nullptr};
+};
+TORCH_MODULE(Lm);
+
+// Step s's global batch: token ids and their next-token targets.
+std::pair<torch::Tensor, torch::Tensor> batch(int step) {
+  torch::manual_seed(300 + step);
+  auto ids = torch::randint(kVocab, {kBatch, kSeq + 1}, torch::kLong);
+  return {ids.slice(1, 0, kSeq), ids.slice(1, 1, kSeq + 1)};
+}
+
+torch::Tensor loss_of(Lm& m, const torch::Tensor& ids, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(m->forward(ids).reshape({-1, kVocab}), targets.reshape(-1));
+}
+
+torch::Tensor flat(Lm& m) {
+  std::vector<torch::Tensor> ps;
+  for (auto& p : m->parameters()) ps.push_back(p.detach().reshape(-1).clone());
+  return torch::cat(ps);
+}
+
+const auto kAdamW = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.05);
+constexpr int kSteps = 10;
+
+torch::Tensor run_oracle(Reuse how) {
+  torch::manual_seed(7);
+  Lm m(how);
+  torch::optim::AdamW opt(m->parameters(), kAdamW);
+  for (int s = 0; s < kSteps; ++s) {
+    auto [ids, targets] = batch(s);
+    opt.zero_grad();
+    loss_of(m, ids, targets).backward();
+    opt.step();
+  }
+  return flat(m);
+}
+
+struct Run {
+  torch::Tensor params;
+  std::vector<int64_t> step_bytes;  // this rank's bytes sent per step
+  std::vector<int> rounds;          // reduction rounds of each step's noise sample
+  std::vector<std::string> left_in_grad;  // "step s: name" for a gradient left in p.grad() after a backward
+};
+
+Run run_sharded(Reuse how, int stage, bool checkpointed) {
+  const int n = world().size(), r = world().rank(), local = kBatch / n;
+  torch::manual_seed(7);
+  Lm m(how);
+  m->checkpointed = checkpointed;
+  std::shared_ptr<FullyShardedModel> sharded;
+  std::unique_ptr<ShardedOptimizer> opt;
+  if (stage == 3) {
+    sharded = fully_shard(m, world_ptr());
+    opt = std::make_unique<FullyShardedAdamW>(sharded, kAdamW);
+  } else {
+    ShardedAdamWOptions o;
+    o.zero_stage = stage;
+    o.bucket_bytes = 1024;  // a bucket or two per layer
+    opt = std::make_unique<ShardedAdamW>(m->named_parameters(), testing::test_group(), kAdamW, o);
+  }
+  Run run;
+  for (int s = 0; s < kSteps; ++s) {
+    const int64_t before = opt->stats().traffic.total().bytes_sent;
+    auto [ids, targets] = batch(s);
+    opt->zero_grad();
+    loss_of(m, ids.slice(0, r * local, (r + 1) * local), targets.slice(0, r * local, (r + 1) * local)).backward();
+    if (stage != 1) {  // stage 1 keeps gradients in its flat buffers (p.grad() is a view of them) until step()
+      for (const auto& item : m->named_parameters()) {
+        if (shard::has_gradient(item.value())) run.left_in_grad.push_back("step " + std::to_string(s) + ": " + item.key());
+      }
+    }
+    opt->step();
+    run.step_bytes.push_back(opt->stats().traffic.total().bytes_sent - before);
+    run.rounds.push_back(opt->last_gradient_noise().rounds);
+  }
+  if (sharded) {
+    auto full = sharded->summon_full_params();
+    run.params = flat(m);
+  } else {
+    run.params = flat(m);
+  }
+  return run;
+}
+
+class ShardedAdamWReuse : public ::testing::TestWithParam<std::tuple<int, Reuse>> {};
+
+// 10 steps: the same parameters as torch::optim::AdamW (the relative
+// difference of every element, as the other oracle tests measure it), nothing
+// left in p.grad() after any backward, one reduction round per backward in
+// the noise sample, and every rank the same parameters. The bytes each step
+// sends: exactly those of the run without checkpointing from the second step
+// on at ZeRO-0/2 (the first backward learns how often each gradient arrives;
+// its late arrivals cost one more reduction of their buckets), and at ZeRO-3 a
+// unit whose gradients arrive after its reduction launched is reduced again
+// in every step (printed).
+TEST_P(ShardedAdamWReuse, EveryArrivalOfAGradientIsReduced) {
+  const auto [stage, how] = GetParam();
+  const auto want = run_oracle(how);
+  const auto got = run_sharded(how, stage, /*checkpointed=*/true);
+  ASSERT_EQ(got.params.numel(), want.numel());
+  const double err = ((got.params - want).abs() / (want.abs() + 1e-2)).max().item<double>();
+  EXPECT_LT(err, 3e-5) << "stage " << stage << ", " << to_string(how) << ", " << world().size() << " ranks";
+  EXPECT_TRUE(got.left_in_grad.empty()) << got.left_in_grad.front() << " (and " << got.left_in_grad.size() - 1
+                                        << " more): a contribution left out of the reduced gradient";
+  for (int s = 0; s < kSteps; ++s) EXPECT_EQ(got.rounds[s], 1) << "step " << s;
+
+  const auto plain = run_sharded(how, stage, /*checkpointed=*/false);
+  EXPECT_LT(((plain.params - want).abs() / (want.abs() + 1e-2)).max().item<double>(), 3e-5);
+  std::string bytes;
+  for (int s = 0; s < 3; ++s) {
+    bytes += " " + std::to_string(got.step_bytes[s]) + " (" + std::to_string(plain.step_bytes[s]) + ")";
+  }
+  if (world().rank() == 0) {
+    std::printf("stage %d %s at %d ranks: max relative difference from torch::optim::AdamW %.3g; bytes sent by "
+                "rank 0 in steps 0-2, checkpointed (not):%s\n",
+                stage, to_string(how).c_str(), world().size(), err, bytes.c_str());
+  }
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_GE(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
+    if (stage != 3 && s > 0) EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
+  }
+  auto all = torch::empty({got.params.numel() * world().size()});
+  world().all_gather(all, got.params)->wait();
+  for (int q = 0; q < world().size(); ++q) {
+    EXPECT_TRUE(torch::equal(all.slice(0, q * got.params.numel(), (q + 1) * got.params.numel()), got.params))
+        << "rank " << q << " differs";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuse,
+                         ::testing::Combine(::testing::Values(0, 1, 2, 3),
+                                            ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
+                                                              Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings)),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
+
+}  // namespace reused_parameters_test
+}  // namespace zeroshard
