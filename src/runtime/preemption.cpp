@@ -154,6 +154,10 @@ void PreemptionGuard::join(std::shared_ptr<StepAgreement> agreement) {
                     "; every rank that must stop at the same step votes in the same agreement");
   if (agreement_ != nullptr) agreement_->remove(slot_);
   agreement_ = std::move(agreement);
+  // A vote read from the agreement before (its own, made by should_stop()) says nothing of this one's.
+  own_agreement_ = false;
+  read_at_ = -1;
+  vote_ = Vote{};
   // Per rank [notice, when this rank first saw it (s, 0: not yet)]: any notice stops every rank, and the earliest time is kept.
   slot_ = agreement_->add_per_rank(
       "preemption vote", 2,

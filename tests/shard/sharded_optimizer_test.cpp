@@ -49,12 +49,14 @@ struct Trainer {
     }
   }
   // Returns this rank's part of the step's loss (summed over the ranks: the batch's).
-  double backward(int step) {
+  // `zero_grad`: clear the last step's gradients first (a loop may leave it out:
+  // at ZeRO-0/2/3 they are in no shard after step()).
+  double backward(int step, bool zero_grad = true) {
     const int n = world().size(), r = world().rank();
     auto [x, y] = batch(step, 0);
     x = x.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
     y = y.slice(0, r * kBatch / n, (r + 1) * kBatch / n);
-    opt->zero_grad();
+    if (zero_grad) opt->zero_grad();
     auto loss = torch::mse_loss(model->forward(x), y) * (static_cast<double>(x.size(0)) * n / kBatch);
     opt->scale_loss(loss).backward();
     return loss.item<double>() / n;
@@ -301,6 +303,45 @@ TEST_P(ShardedOptimizerStages, OneStepAgreementCarriesTheNormsTheLossAndTheVote)
   const auto msg = testing::error_of([&] { late.should_stop(); });
   EXPECT_NE(msg.find("the step's agreement has not run since the last call"), std::string::npos) << msg;
   std::filesystem::remove_all(dir);
+}
+
+// The order docs/getting-started.md teaches: the guard votes in an agreement
+// of its own for a few steps, then joins the step's agreement. From then on
+// each step is one all-reduce (the joined agreement, which the optimizer's
+// step() runs), should_stop() reads it without running it again, and the
+// optimizer is not frozen after its step: the next backward runs, with or
+// without zero_grad() before it. The training is that of the same optimizer
+// without a guard.
+TEST_P(ShardedOptimizerStages, AGuardJoinedAfterVotingAloneVotesInTheStepsAgreement) {
+  const int stage = GetParam();
+  const ProcessGroup group(world_ptr(), world().dup()), plain_group(world_ptr(), world().dup());
+  Trainer t(stage, group), plain(stage, plain_group);
+  PreemptionGuard guard(group.control, testing::no_signals());
+  for (int s = 0; s < 3; ++s) {
+    t.backward(s);
+    plain.backward(s);
+    t.opt->step();
+    plain.opt->step();
+    const int64_t before = all_reduces(*group.control);
+    EXPECT_FALSE(guard.should_stop()) << "step " << s;
+    EXPECT_EQ(all_reduces(*group.control) - before, 1) << "step " << s << ": the guard's own agreement";
+  }
+  auto agreement = std::make_shared<StepAgreement>(group.control);
+  t.opt->join(agreement);
+  guard.join(agreement);
+  for (int s = 3; s < 9; ++s) {
+    const bool zero_grad = s % 2 == 0;
+    const int64_t before = all_reduces(*group.control);
+    EXPECT_NO_THROW(t.backward(s, zero_grad)) << "step " << s;
+    plain.backward(s, zero_grad);
+    t.opt->step();
+    plain.opt->step();
+    bool stop = true;
+    EXPECT_NO_THROW(stop = guard.should_stop()) << "step " << s;
+    EXPECT_FALSE(stop) << "step " << s;
+    EXPECT_EQ(all_reduces(*group.control) - before, 1) << "step " << s << ": the step's one agreement";
+  }
+  EXPECT_TRUE(torch::equal(t.params(), plain.params()));
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerStages, ::testing::Values(0, 1, 2, 3),
