@@ -95,7 +95,13 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   // own, so that the loss, the preemption vote and other optimizers' values
   // travel in the same one (step_agreement.h). clip_grad_norm() and step() run
   // agreement->agree() unless it ran since this step's backward; calling it
-  // first (after the last backward) is the same. Keeps `agreement` alive.
+  // first (after the last backward) is the same. Several optimizers may join
+  // one agreement and step at different times (a GAN): the agree() that one
+  // optimizer's clip_grad_norm() or step() runs is that optimizer's alone (the
+  // others' slots sit it out, and the other slots, such as a joined
+  // PreemptionGuard's, take part); an agree() the trainer calls itself is every
+  // joined optimizer's, so call it after all their backwards of the step.
+  // Keeps `agreement` alive.
   // REQUIRES: `agreement` over this optimizer's ranks (its control group).
   void join(std::shared_ptr<StepAgreement> agreement);
   // What the last step() measured (NaNs before the first).

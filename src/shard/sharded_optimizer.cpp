@@ -98,8 +98,18 @@ struct ShardedOptimizer::Core {
     fe().reduce_gradients();
     shards.round->freeze();
   }
+  // Another optimizer joined to the same agreement ran it for its own step()
+  // or clip_grad_norm() (a GAN's discriminator, stepping before the generator
+  // has run its backward): this optimizer's slot sits that agreement out
+  // (zeros on every rank, not read), so it neither reduces nor freezes what it
+  // has. An agree() the trainer calls itself is every joined optimizer's.
+  bool sits_out() const { return stepping != nullptr && stepping != this; }
+  static thread_local const Core* stepping;  // whose step() or clip_grad_norm() runs agree() now
+  bool sat_out = false;                        // in the agreement running now
   void fill(double* v) {
     std::lock_guard<std::recursive_mutex> lock(mu());
+    sat_out = sits_out();
+    if (sat_out) return;
     shards.round->check_usable("the step's agreement");
     fe().check_ready("the step's agreement");
     reduce_and_freeze();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
@@ -113,6 +123,7 @@ struct ShardedOptimizer::Core {
   }
   void read(const double* v) {
     std::lock_guard<std::recursive_mutex> lock(mu());
+    if (sat_out) return;
     if (!norm_known) {
       global_sumsq = v[0];
       norm_known = true;
@@ -128,6 +139,11 @@ struct ShardedOptimizer::Core {
   void agree() {
     if (agreed) return;  // the trainer's agree() ran since the backward
     TORCH_CHECK(agreement != nullptr, name, ": its model's shards are gone (the model was destroyed first)");
+    struct Stepping {  // this optimizer's, until agree() returns or throws
+      const Core* outer = stepping;
+      explicit Stepping(const Core* c) { stepping = c; }
+      ~Stepping() { stepping = outer; }
+    } scope(this);
     agreement->agree();
     TORCH_CHECK(agreed, name, ": the step's agreement ran without this optimizer's slot (a bug)");
   }
@@ -143,6 +159,8 @@ struct ShardedOptimizer::Core {
     shards.round->end_step();
   }
 };
+
+thread_local const ShardedOptimizer::Core* ShardedOptimizer::Core::stepping = nullptr;
 
 namespace {
 

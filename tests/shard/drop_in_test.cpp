@@ -5,6 +5,7 @@
 #include "test_util.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/sharded_adamw.h"
+#include "zeroshard/step_agreement.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -245,11 +246,19 @@ TEST_P(ShardedOptimizerDropIn, TorchSaveAndLoadAreRefusedNamingTheCheckpointer) 
 // Two optimizers in one process, as a GAN trains: the discriminator's
 // parameters get gradients in the generator's backward too, which its next
 // zero_grad() must drop (with ZeRO-2, 0 and 3 they were already reduced into
-// its shards when that backward ended).
+// its shards when that backward ended). Then both joined to one step
+// agreement: each step() runs it for its own optimizer (the discriminator's
+// step comes before the generator's backward, which must not find the
+// generator frozen), and the training is the same.
 TEST_P(ShardedOptimizerDropIn, TwoOptimizersTrainAGan) {
-  auto run = [](int stage) {
+  auto run = [](int stage, bool joined) {
     auto g = make(stage, mlp(4, 16, 2, 21), torch::optim::AdamOptions(2e-3).betas({0.5, 0.999}), true);
     auto d = make(stage, mlp(2, 16, 1, 22), torch::optim::AdamOptions(2e-3).betas({0.5, 0.999}), true);
+    if (joined) {
+      auto agreement = std::make_shared<StepAgreement>(world_ptr());
+      g.zs->join(agreement);
+      d.zs->join(agreement);
+    }
     auto bce = [](const torch::Tensor& logits, double label) {
       return torch::binary_cross_entropy_with_logits(logits, torch::full_like(logits, label));
     };
@@ -267,10 +276,13 @@ TEST_P(ShardedOptimizerDropIn, TwoOptimizersTrainAGan) {
     }
     return std::make_pair(g.params(), d.params());
   };
-  auto [got_g, got_d] = run(GetParam());
-  auto [want_g, want_d] = run(kOracle);
-  expect_same_training(got_g, want_g, "GAN generator");
-  expect_same_training(got_d, want_d, "GAN discriminator");
+  auto [want_g, want_d] = run(kOracle, false);
+  for (bool joined : {false, true}) {
+    auto [got_g, got_d] = run(GetParam(), joined);
+    const std::string how = joined ? " (joined to one agreement)" : "";
+    expect_same_training(got_g, want_g, "GAN generator" + how);
+    expect_same_training(got_d, want_d, "GAN discriminator" + how);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, ShardedOptimizerDropIn, ::testing::Values(0, 1, 2, 3),
