@@ -336,7 +336,10 @@ class SummedCrossEntropy : public torch::autograd::Function<SummedCrossEntropy> 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const auto grad = ctx->get_saved_variables()[0];
-    return {grad * grad_out[0].to(grad.scalar_type()), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // The factor stays fp32 (a 0-dim tensor does not decide the result's
+    // dtype, and the product is taken in fp32): rounded to bf16 first, it
+    // would scale every element of the step's gradient by one error of up to 0.39%.
+    return {grad * grad_out[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 

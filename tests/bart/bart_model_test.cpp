@@ -177,6 +177,20 @@ TEST(BartModel, SummedCrossEntropyMatchesLibTorch) {
   torch::nn::functional::cross_entropy(ref, labels, torch::nn::functional::CrossEntropyFuncOptions()
                                                         .ignore_index(pad).reduction(torch::kSum)).backward();
   EXPECT_TRUE(torch::allclose(half.grad().to(torch::kFloat), ref.grad(), 1e-2, 4e-3)) << "bf16 gradient";
+
+  // The trainer backpropagates world / global_tokens, which bf16 cannot hold
+  // (4/1003 rounds by 0.27%): the gradient is the unscaled one times the factor
+  // taken in fp32, each element rounded once, not times the factor's bf16.
+  const double factor = 4.0 / 1003;
+  const double in_bf16 = torch::tensor(factor).to(torch::kBFloat16).item<double>();
+  ASSERT_GT(std::abs(in_bf16 / factor - 1), 1e-3) << "a factor bf16 holds would not test the rounding";
+  auto scaled = logits.to(torch::kBFloat16).requires_grad_(true);
+  (bart::summed_cross_entropy(scaled, labels, pad, 4) * factor).backward();
+  const auto want_scaled = (half.grad().to(torch::kFloat) * factor).to(torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(scaled.grad(), want_scaled)) << "each element rounded once, after an fp32 product";
+  const auto g = scaled.grad().to(torch::kDouble), w = ref.grad().to(torch::kDouble) * factor;
+  const double ratio = ((g * w).sum() / (w * w).sum()).item<double>();
+  EXPECT_NEAR(ratio, 1.0, 1e-3) << "the gradient's scale against fp32 cross_entropy's";
 }
 
 TEST(BartModel, HeadIsTiedToTheSharedEmbedding) {
