@@ -34,18 +34,6 @@ struct Record {
 };
 static_assert(sizeof(Record) == kRecord);
 
-bool read_at(int fd, void* out, size_t n, int64_t at) {
-  auto* p = static_cast<char*>(out);
-  while (n > 0) {
-    const ssize_t got = ::pread(fd, p, n, at);
-    if (got <= 0) return false;
-    p += got;
-    n -= static_cast<size_t>(got);
-    at += got;
-  }
-  return true;
-}
-
 // The packing's records, streamed: the training ones to `path`, the held-out ones
 // to a side file appended at the end; the header last.
 void build(const zeroshard::TokenStore& store, const PackingOptions& o, int64_t held_docs, const std::string& path) {
@@ -114,10 +102,12 @@ PackedExamples::PackedExamples(std::shared_ptr<const zeroshard::TokenStore> stor
   auto matches = [&](int fd) {
     Header h{};
     struct stat st {};
-    return read_at(fd, &h, sizeof(h), 0) && std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 && h.version == 1 &&
+    if (::fstat(fd, &st) != 0 || st.st_size < kHeader) return false;
+    zeroshard::read_file_range(fd, &h, sizeof(h), 0, path);
+    return std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0 && h.version == 1 &&
            h.max_tokens == o.max_tokens && h.validation_docs == held_ &&
            h.store_sequences == store_->sequences() && h.store_tokens == store_->tokens() && h.train >= 0 &&
-           h.validation >= 0 && ::fstat(fd, &st) == 0 && st.st_size == kHeader + kRecord * (h.train + h.validation);
+           h.validation >= 0 && st.st_size == kHeader + kRecord * (h.train + h.validation);
   };
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0 || !matches(fd_)) {
@@ -133,7 +123,7 @@ PackedExamples::PackedExamples(std::shared_ptr<const zeroshard::TokenStore> stor
     TORCH_CHECK(fd_ >= 0 && matches(fd_), "BART examples: '", path, "' cannot be read back after building it");
   }
   Header h{};
-  read_at(fd_, &h, sizeof(h), 0);
+  zeroshard::read_file_range(fd_, &h, sizeof(h), 0, path_);
   train_.owner_ = validation_.owner_ = this;
   train_.size_ = h.train;
   validation_.first_ = h.train;
@@ -165,15 +155,13 @@ int64_t PackedExamples::Split::target_tokens(int64_t i) const {
 
 int64_t PackedExamples::record_tokens(int64_t record) const {
   Record r{};
-  TORCH_CHECK(read_at(fd_, &r, sizeof(r), kHeader + kRecord * record), "BART examples: reading example ", record,
-              " of '", path_, "' failed");
+  zeroshard::read_file_range(fd_, &r, sizeof(r), kHeader + kRecord * record, path_);
   return r.tokens;
 }
 
 Example PackedExamples::read(int64_t record) const {
   Record r{};
-  TORCH_CHECK(read_at(fd_, &r, sizeof(r), kHeader + kRecord * record), "BART examples: reading example ", record,
-              " of '", path_, "' failed");
+  zeroshard::read_file_range(fd_, &r, sizeof(r), kHeader + kRecord * record, path_);
   const int64_t budget = options_.max_tokens - 2;
   Example ex;
   int64_t s = r.sequence, off = r.offset, left = r.tokens;

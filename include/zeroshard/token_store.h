@@ -131,4 +131,12 @@ class TokenStoreWriter {
   std::vector<char> buffer_;  // one sequence in the store's type
 };
 
+// Bytes [at, at + n) of the open file `fd` into `out`, whole: pread again
+// after a short read or a read a signal interrupted (EINTR: a PreemptionGuard's
+// handlers do not restart system calls, and network file systems such as
+// gcsfuse or s3fs return it), and throws naming `path`, the offset and the
+// cause when the file ends first or a read fails. Thread-safe; moves no file
+// offset. TokenStore reads through it; so may a trainer's own data files.
+void read_file_range(int fd, void* out, int64_t n, int64_t at, const std::string& path);
+
 }  // namespace zeroshard

@@ -37,6 +37,19 @@ T load(const char* p) {
 
 }  // namespace
 
+void read_file_range(int fd, void* out, int64_t n, int64_t at, const std::string& path) {
+  auto* p = static_cast<char*>(out);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, static_cast<size_t>(n), at);
+    if (got < 0 && errno == EINTR) continue;
+    TORCH_CHECK(got > 0, "reading '", path, "' at byte ", at, " failed: ",
+                got == 0 ? "the file ends there (truncated while open?)" : std::strerror(errno));
+    p += got;
+    at += got;
+    n -= got;
+  }
+}
+
 // A file open for reading with pread: many threads read it at once, and what
 // is read lands in the page cache (shared by every process of the host), not
 // in this process's resident memory as a mapping's pages would.
@@ -59,18 +72,7 @@ struct TokenStoreFile {
   TokenStoreFile(const TokenStoreFile&) = delete;
   TokenStoreFile& operator=(const TokenStoreFile&) = delete;
   // Bytes [at, at + n), all of them or an error naming the file.
-  void read(void* out, int64_t n, int64_t at) const {
-    auto* p = static_cast<char*>(out);
-    while (n > 0) {
-      const ssize_t got = ::pread(fd, p, static_cast<size_t>(n), at);
-      if (got < 0 && errno == EINTR) continue;
-      TORCH_CHECK(got > 0, "token store: reading '", path, "' at byte ", at, " failed: ",
-                  got == 0 ? "it ended (truncated while open?)" : std::strerror(errno));
-      p += got;
-      at += got;
-      n -= got;
-    }
-  }
+  void read(void* out, int64_t n, int64_t at) const { read_file_range(fd, out, n, at, path); }
 };
 
 namespace {
@@ -135,7 +137,7 @@ struct TokenStore::Files {
     if (b.store != serial || at < b.first || at + static_cast<int64_t>(sizeof(T)) > b.first + b.bytes) {
       const int64_t start = array + (at - array) / static_cast<int64_t>(sizeof(b.data)) * static_cast<int64_t>(sizeof(b.data));
       b.bytes = std::min<int64_t>(sizeof(b.data), idx->bytes - start);
-      b.first = -1;
+      b.store = 0;  // no store's block until the read succeeds (serials start at 1)
       idx->read(b.data, b.bytes, start);
       b.store = serial;
       b.first = start;

@@ -10,7 +10,12 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -223,6 +228,61 @@ TEST(TokenStore, DamageIsRefusedNamingTheFile) {
   fs::remove_all(dir);
 }
 
+// An index read that fails part-way (the file truncated while open) throws,
+// and leaves nothing behind for later reads of the same thread: the block it
+// was reading into is no longer taken for the store's, so an entry of the
+// first block comes from the file again, not from the failed read's bytes.
+TEST(TokenStore, AFailedIndexReadLeavesNoStaleEntries) {
+  const auto dir = testing::make_temp_dir("token_store_failed_read");
+  const std::string p = dir + "/s";
+  constexpr int64_t kSequences = 6000;  // lengths: 24,000 bytes, two 16 KiB blocks
+  {
+    TokenStoreWriter w(p, TokenType::kUInt16);
+    for (int64_t i = 0; i < kSequences; ++i) w.add(std::vector<int64_t>(static_cast<size_t>(1 + i % 7), 5));
+    w.end_document();
+    w.finish();
+  }
+  TokenStore store(p);
+  ASSERT_EQ(store.sequences(), kSequences);
+  EXPECT_EQ(store.length(0), 1);
+  fs::resize_file(p + ".idx", 34 + 16384 + 100);  // the second block of lengths: 100 bytes, then the end
+  const auto error = testing::error_of([&] { store.length(5000); });
+  EXPECT_NE(error.find("reading '" + p + ".idx' at byte"), std::string::npos) << error;
+  EXPECT_NE(error.find("the file ends there"), std::string::npos) << error;
+  for (int64_t i : {0, 1, 2, 3, 4095}) EXPECT_EQ(store.length(i), 1 + i % 7) << "sequence " << i;
+  fs::remove_all(dir);
+}
+
+// A short read or a read a signal interrupted (EINTR: the preemption guard's
+// handlers do not restart system calls) is read again; the file's end and
+// other errors are named. The interruptions are injected by this test
+// program's pread (below), which returns EINTR or a short count when asked.
+std::atomic<int> preads_interrupted{0}, preads_short{0};
+
+TEST(TokenStore, ReadFileRangeRetriesInterruptedAndShortReads) {
+  const auto dir = testing::make_temp_dir("read_file_range");
+  const std::string path = dir + "/f";
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += static_cast<char>('a' + i % 26);
+  std::ofstream(path, std::ios::binary) << text;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::string got(300, '\0');
+  preads_interrupted = 3;
+  preads_short = 2;
+  read_file_range(fd, got.data(), 300, 100, path);
+  EXPECT_EQ(got, text.substr(100, 300));
+  EXPECT_EQ(preads_interrupted.load(), 0) << "the injected interruptions were not all met";
+  EXPECT_EQ(preads_short.load(), 0);
+  const auto past_end = testing::error_of([&] { read_file_range(fd, got.data(), 300, 800, path); });
+  EXPECT_NE(past_end.find("reading '" + path + "' at byte 1000 failed: the file ends there"), std::string::npos)
+      << past_end;
+  ::close(fd);
+  const auto closed = testing::error_of([&] { read_file_range(fd, got.data(), 10, 0, path); });
+  EXPECT_NE(closed.find("reading '" + path + "' at byte 0 failed: Bad file descriptor"), std::string::npos) << closed;
+  fs::remove_all(dir);
+}
+
 TEST(TokenStore, ATokenThatDoesNotFitIsRefusedByName) {
   const auto dir = testing::make_temp_dir("token_store_fit");
   TokenStoreWriter w(dir + "/s", TokenType::kUInt16);
@@ -240,3 +300,22 @@ TEST(TokenStore, ATokenThatDoesNotFitIsRefusedByName) {
 
 }  // namespace token_store_test
 }  // namespace zeroshard
+
+// The test program's pread: libc's, except that while the counters above are
+// positive a call fails with EINTR or reads half of what was asked.
+extern "C" ssize_t pread(int fd, void* buf, size_t n, off_t at) {
+  using Pread = ssize_t (*)(int, void*, size_t, off_t);
+  static const auto real = reinterpret_cast<Pread>(::dlsym(RTLD_NEXT, "pread"));
+  auto& interrupted = zeroshard::token_store_test::preads_interrupted;
+  auto& short_reads = zeroshard::token_store_test::preads_short;
+  if (interrupted.load() > 0) {
+    --interrupted;
+    errno = EINTR;
+    return -1;
+  }
+  if (short_reads.load() > 0 && n > 1) {
+    --short_reads;
+    return real(fd, buf, n / 2, at);
+  }
+  return real(fd, buf, n, at);
+}
