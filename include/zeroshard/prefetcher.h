@@ -15,8 +15,10 @@
 // draw and build are called on the workers; build must be thread-safe. An
 // exception from either is rethrown by the next() that would have returned its
 // batch. The destructor stops the workers (batches not handed out are dropped)
-// and joins them. next() is for one thread, the consumer; after it rethrew an
-// error, no later batch comes.
+// and joins them. next() is for one thread, the consumer. An error ends the
+// stream: nothing is drawn after a failed draw or build, and every next()
+// after the one that rethrew it rethrows the same error (no later batch
+// comes, and no call waits for one).
 #pragma once
 
 #include <algorithm>
@@ -60,14 +62,19 @@ class Prefetcher {
   Batch next() {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mu_);
+    if (ended_) std::rethrow_exception(ended_);
     cv_.wait(lock, [&] { return ready_.count(taken_) > 0; });
     auto slot = std::move(ready_.at(taken_));
     ready_.erase(taken_);
     ++taken_;
     waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (slot.error) {
+      ended_ = slot.error;
+      ready_.clear();  // batches built after it are not handed out
+      std::rethrow_exception(slot.error);
+    }
     lock.unlock();
     cv_.notify_all();  // room for one more
-    if (slot.error) std::rethrow_exception(slot.error);
     return std::move(slot.batch);
   }
 
@@ -112,6 +119,7 @@ class Prefetcher {
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
+        if (slot.error) failed_ = true;  // nothing after a failed build is drawn either
         ready_.emplace(n, std::move(slot));
       }
       cv_.notify_all();
@@ -127,7 +135,8 @@ class Prefetcher {
   std::map<int64_t, Slot> ready_;
   int64_t drawn_ = 0, taken_ = 0;
   double waited_ = 0;
-  bool stop_ = false, failed_ = false;
+  bool stop_ = false, failed_ = false;  // failed_: a draw or build failed, so no more draws
+  std::exception_ptr ended_;              // the error next() rethrew: every later next() rethrows it
 };
 
 }  // namespace zeroshard
