@@ -1,6 +1,7 @@
 // export_hf.cpp — `bart_pretrain export-hf`: a run's checkpoint as a
 // directory Hugging Face's from_pretrained loads as is (run.h).
 #include "run.h"
+#include "text_file.h"
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/log.h>
@@ -20,17 +21,6 @@ namespace bart {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
-namespace {
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.flush();
-  TORCH_CHECK(out.good(), "export-hf: writing '", path.string(), "' failed");
-}
-
-}  // namespace
 
 int export_hf_command(const RunOptions& o, const std::string& out_dir, int64_t step) {
   TORCH_CHECK_VALUE(!out_dir.empty(), "export-hf: --out is empty; give the directory to write");
@@ -75,18 +65,18 @@ int export_hf_command(const RunOptions& o, const std::string& out_dir, int64_t s
   TORCH_CHECK_VALUE(!shape.count("model.encoder.layers." + std::to_string(config.encoder_layers) + ".fc1.weight") &&
                         !shape.count("model.decoder.layers." + std::to_string(config.decoder_layers) + ".fc1.weight"),
                     "export-hf: the checkpoint in '", ckpt_dir, "' has more layers than --config ", o.config);
-  write_text(tmp / "config.json", config.hf_config_json());
+  write_text_file(tmp / "config.json", config.hf_config_json(), "export-hf");
   fs::copy_file(fs::path(tokenizer_dir) / "vocab.json", tmp / "vocab.json");
   fs::copy_file(fs::path(tokenizer_dir) / "merges.txt", tmp / "merges.txt");
   json specials = {{"bos_token", "<s>"},  {"eos_token", "</s>"}, {"sep_token", "</s>"},   {"cls_token", "<s>"},
                    {"unk_token", "<unk>"}, {"pad_token", "<pad>"}, {"mask_token", "<mask>"}};
-  write_text(tmp / "special_tokens_map.json", specials.dump(2) + "\n");
+  write_text_file(tmp / "special_tokens_map.json", specials.dump(2) + "\n", "export-hf");
   json tok = specials;
   tok["tokenizer_class"] = "BartTokenizer";
   tok["model_max_length"] = config.max_position_embeddings;
   tok["add_prefix_space"] = false;
   tok["errors"] = "replace";
-  write_text(tmp / "tokenizer_config.json", tok.dump(2) + "\n");
+  write_text_file(tmp / "tokenizer_config.json", tok.dump(2) + "\n", "export-hf");
   fs::remove_all(out);
   fs::rename(tmp, out);
   partial.done = true;

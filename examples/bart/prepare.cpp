@@ -2,6 +2,8 @@
 // tokenize (workers), write in order (whichever worker finishes the next chunk).
 #include "prepare.h"
 
+#include "text_file.h"
+
 #include "run.h"
 #include "text_chunks.h"
 
@@ -101,17 +103,11 @@ class StoreWriting {
 void commit_dataset(const fs::path& partial, const std::string& out, const std::string& vocab,
                     const std::string& merges, const zeroshard::TokenStoreDigest& digest, json manifest) {
   fs::create_directories(partial / "tokenizer");
-  for (auto [name, text] : {std::pair{"vocab.json", &vocab}, std::pair{"merges.txt", &merges}}) {
-    std::ofstream(partial / "tokenizer" / name, std::ios::binary) << *text;
-  }
+  write_text_file(partial / "tokenizer" / "vocab.json", vocab, "prepare");
+  write_text_file(partial / "tokenizer" / "merges.txt", merges, "prepare");
   manifest["files"] = {{"tokens.bin", {{"bytes", digest.bin_bytes}, {"xxh3", hex(digest.bin_xxh3)}}},
                        {"tokens.idx", {{"bytes", digest.idx_bytes}, {"xxh3", hex(digest.idx_xxh3)}}}};
-  {
-    std::ofstream f(partial / "manifest.json");
-    f << manifest.dump(1) << '\n';
-    f.close();
-    TORCH_CHECK(f.good(), "prepare: writing '", (partial / "manifest.json").string(), "' failed");
-  }
+  write_text_file(partial / "manifest.json", manifest.dump(1) + "\n", "prepare");
   fs::rename(partial, out);
 }
 

@@ -3,6 +3,7 @@
 // vocabulary learned from the counts (prepare.h says what and how).
 #include "prepare.h"
 #include "text_chunks.h"
+#include "text_file.h"
 
 #include <zeroshard/log.h>
 
@@ -116,12 +117,7 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
       {"seconds", {{"count", r.count_seconds}, {"learn", r.learn_seconds}}},
       {"sample", sample},
   };
-  {
-    std::ofstream f(partial / "training.json");
-    f << training.dump(1) << '\n';
-    f.close();
-    TORCH_CHECK(f.good(), "train-tokenizer: writing '", (partial / "training.json").string(), "' failed");
-  }
+  write_text_file(partial / "training.json", training.dump(1) + "\n", "train-tokenizer");
   fs::remove_all(o.out);
   fs::rename(partial, o.out);
   return r;

@@ -9,6 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
+
 #include <filesystem>
 #include <algorithm>
 #include <fstream>
@@ -104,6 +108,42 @@ TEST(BartCorpus, PacksEveryTokenOnceWithinTheBudget) {
   EXPECT_GT(other.train().size(), packed.train().size());
   std::filesystem::remove_all(dir);
   EXPECT_THROW(bart::corpus_files({"/nonexistent-zeroshard-dir"}), c10::Error);
+}
+
+// A tokenizer file that cannot be written whole (here: a file size limit
+// below vocab.json's size, as a full disk would cut it) fails prepare, naming
+// the file, and commits no dataset.
+TEST(BartCorpus, PrepareRefusesToCommitATruncatedTokenizerFile) {
+  const auto dir = zeroshard::testing::make_temp_dir("prepare_full");
+  std::ofstream(dir + "/text.txt") << "A short text. It has two sentences.\n";
+  auto tok = bart::ByteLevelBpe::train({std::string("a few words, and a few more words")}, 300);
+  tok.save(dir + "/vocab.json", dir + "/merges.txt");
+  bart::PrepareOptions o;
+  o.data = {dir + "/text.txt"};
+  o.tokenizer_dir = dir;
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  o.vocab_json = read(dir + "/vocab.json");
+  o.merges_txt = read(dir + "/merges.txt");
+  o.out = dir + "/dataset";
+  o.workers = 1;
+  const auto limit = static_cast<rlim_t>(o.vocab_json.size() - 1);
+  ASSERT_GT(limit, 2000u) << "the other files must fit under the limit";
+  struct rlimit before {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);  // the write fails (EFBIG) instead of killing the process
+  struct rlimit capped = before;
+  capped.rlim_cur = limit;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &capped), 0);
+  const auto error = zeroshard::testing::error_of([&] { bart::prepare_dataset(o); });
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find("prepare: writing '" + dir + "/dataset.partial/tokenizer/vocab.json' failed"),
+            std::string::npos) << error;
+  EXPECT_FALSE(std::filesystem::exists(o.out)) << "a dataset with a truncated vocab.json was committed";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(BartCorpus, SkipsBinaryFiles) {
