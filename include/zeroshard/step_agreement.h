@@ -20,9 +20,21 @@
 //     if (guard.should_stop()) ...          // reads the vote agree() took
 //   }
 //
-// Every rank must hold the same slots (names and sizes, in the order added);
-// the first agree() after a change checks it (one all-gather of a hash) and
-// names the first slot that differs.
+// Every rank must hold the same slots (names and sizes, in the order added),
+// so every rank adds and removes them at the same point of the program (as
+// contributors do when they are set up and destroyed). What is checked:
+// - the first agree() after this rank's slots changed runs one all-gather of
+//   a hash of them before the all-reduce; where every rank changed its slots,
+//   as they must, a difference is named (the first slot that differs, with
+//   each version);
+// - a change on some ranks only: those ranks all-gather while the others
+//   all-reduce, and the transport fails that collective on every rank, naming
+//   the rank and what each issued ("rank 0 issued all_gather #2 ... where this
+//   rank issued all_reduce #2"); each rank's error lists the slots it holds,
+//   so the ranks' errors show the difference;
+// - an agreement made with check_slots = false (a ShardedOptimizer's own, a
+//   PreemptionGuard's own: one slot each, whose size follows from what their
+//   construction checked) is never checked.
 //
 // Ownership and threads: contributors keep the agreement alive (shared_ptr)
 // and remove their slots when destroyed. Use it from the training thread
@@ -95,6 +107,8 @@ class StepAgreement {
     Read read;
   };
   int64_t add_slot(std::string name, size_t n, bool per_rank, Fill fill, Read read);
+  std::vector<std::string> describe_slots() const;  // "'name' (n values)", in order
+  [[noreturn]] void collective_failed(const std::string& reason) const;  // names this rank's slots
 
   std::shared_ptr<Communicator> comm_;
   StepAgreementOptions options_;

@@ -45,13 +45,33 @@ size_t StepAgreement::width() const {
   return w;
 }
 
+std::vector<std::string> StepAgreement::describe_slots() const {
+  std::vector<std::string> entries;
+  for (const auto& s : slots_) {
+    entries.push_back("'" + s.name + "' (" + std::to_string(s.n) + (s.per_rank ? " values per rank)" : " values)"));
+  }
+  return entries;
+}
+
+// A collective of agree() that failed: the transport's reason, with this rank's slots, so that
+// ranks whose slots differ (some added or removed one the others did not) tell it apart.
+[[noreturn]] void StepAgreement::collective_failed(const std::string& reason) const {
+  std::string slots;
+  for (const auto& d : describe_slots()) slots += (slots.empty() ? "" : ", ") + d;
+  TORCH_CHECK(false, "StepAgreement::agree on rank ", comm_->rank(), ", holding the slots [", slots, "]: ",
+              reason, " (where the ranks' slots differ, add and remove them at the same point of "
+              "the program on every rank)");
+}
+
 void StepAgreement::agree() {
   if (options_.check_slots && !checked_) {
-    std::vector<std::string> entries;
-    for (const auto& s : slots_) {
-      entries.push_back("'" + s.name + "' (" + std::to_string(s.n) + (s.per_rank ? " values per rank)" : " values)"));
+    try {
+      shard::check_same_on_all_ranks(*comm_, describe_slots(), "StepAgreement slots");
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      if (what.find("StepAgreement slots") != std::string::npos) throw;  // names the difference already
+      collective_failed(what);
     }
-    shard::check_same_on_all_ranks(*comm_, entries, "StepAgreement slots");
     checked_ = true;
   }
   auto t = at::zeros({static_cast<int64_t>(width())}, at::kDouble);
@@ -62,7 +82,11 @@ void StepAgreement::agree() {
     s.fill(v + at + (s.per_rank ? rank * s.n : 0));
     at += s.per_rank ? s.n * static_cast<size_t>(comm_->size()) : s.n;
   }
-  comm_->all_reduce(t, ReduceOp::kSum)->wait();
+  try {
+    comm_->all_reduce(t, ReduceOp::kSum)->wait();
+  } catch (const c10::Error& e) {
+    collective_failed(e.what_without_backtrace());
+  }
   at = 0;
   // A read may remove its slot or add others: walk a copy.
   const auto slots = slots_;

@@ -4,6 +4,7 @@
 #include "comm/wire.h"
 #include "compat/torch_compat.h"
 #include "test_util.h"
+#include "zeroshard/step_agreement.h"
 
 #include <gtest/gtest.h>
 
@@ -162,6 +163,43 @@ TEST(CommFailure, MissingRankTimesOutNamingIt) {
 // A rank that fails its own rendezvous (here: an interface this host does not have) says so
 // through the store: the others stop with its reason instead of waiting out the rendezvous
 // timeout (60 s) for a rank that will never come.
+// StepAgreement's slot check (step_agreement.h): slots that differ on every
+// rank are named, each rank's version; a slot added on one rank only fails
+// the agreement on every rank (its all-gather meets the others' all-reduce),
+// well before the 30 s timeout, instead of summing mismatched values.
+TEST(CommFailure, StepAgreementSlotsThatDifferFailTheAgreement) {
+  auto fill = [](double* v) { v[0] = 1; };
+  const int port = testing::free_port();
+  auto named = run_ranks(3, [&](int r) {
+    auto c = init_communicator(thread_env(r, 3, port), patient());
+    StepAgreement a(c);
+    a.add("norms", 2, fill, nullptr);
+    a.add(r == 1 ? "loss" : "tokens", 1, fill, nullptr);
+    a.agree();
+  });
+  expect_errors_contain(named, {0, 1, 2}, {"StepAgreement slots", "'tokens' (1 values)", "'loss' (1 values)"});
+
+  const int port2 = testing::free_port();
+  const auto start = std::chrono::steady_clock::now();
+  auto one_rank = run_ranks(3, [&](int r) {
+    auto c = init_communicator(thread_env(r, 3, port2), patient());
+    StepAgreement a(c);
+    a.add("norms", 2, fill, nullptr);
+    a.agree();
+    if (r == 0) a.add("loss", 1, fill, nullptr);
+    a.agree();
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(one_rank[r], "") << "rank " << r << " agreed on mismatched slots";
+    std::printf("a slot added on rank 0 only, rank %d: %s\n", r, one_rank[r].substr(0, 300).c_str());
+  }
+  expect_errors_contain(one_rank, {1, 2}, {"rank 0 issued all_gather #2", "where this rank issued all_reduce #2",
+                                           "holding the slots ['norms' (2 values)]:"});
+  expect_errors_contain(one_rank, {0}, {"holding the slots ['norms' (2 values), 'loss' (1 values)]:"});
+  EXPECT_LT(seconds, 20.0) << "the mismatch must fail the agreement before the 30 s timeout";
+}
+
 TEST(CommFailure, ARankThatFailsItsRendezvousStopsTheOthersAtOnce) {
   const int port = testing::free_port();
   auto errors = run_ranks(3, [&](int r) {
