@@ -137,7 +137,11 @@ void PretrainingRun::build_model() {
   const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
                          : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
                                                      : zeroshard::DeviceTransport::kAuto;
-  const zeroshard::ProcessGroup group = zeroshard::device_group(comm_, device_, {}, transport);
+  // On the CPU the sharding's data plane is a communicator of its own, so the
+  // world communicator carries only the step's control values (ZeRO-0's bucket
+  // all-reduces would otherwise share it): world_all_reduces counts those alone.
+  const zeroshard::ProcessGroup group = device_.is_cpu() ? zeroshard::ProcessGroup(comm_->dup(), comm_)
+                                                         : zeroshard::device_group(comm_, device_, {}, transport);
   const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
   auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
   if (o.pp > 1) {

@@ -7,7 +7,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   equal_ranks  4-rank ZeRO-3 and 1-rank runs agree over the first 10 steps:
                every step's loss (rel. 1e-5) and the parameters after step 10;
                4-rank ZeRO-0/1/2, hybrid, and ZeRO-2/3 with activation checkpointing take the same steps too,
-               the latter sending exactly the bytes of the runs without it
+               the latter sending the bytes of the runs without it (per step up to one step's difference,
+               which must not add up: ZeRO-3's next gather may land in either step)
   resume       4 ranks, SIGTERM through zeroshard-run half-way, restart, resume:
                final parameters and AdamW moments equal an uninterrupted run's, bit for bit; and rank 0
                killed between a checkpoint's commit and its step's metrics line: the line is restored
@@ -168,8 +169,10 @@ def check_equal_ranks(build, work):
     pretrain(build, d, 0, *common, "--loader-threads", "0", "--ckpt-dir", "none")
     same = [r["loss"] for r in metrics(d) if "event" not in r]
     check(same == losses[0], f"1 rank: losses {losses[0]} with the loader's threads, {same} without")
-    waits = [r["data_wait_s"] for r in metrics(dirs[0]) if "event" not in r]
-    check(all(w >= 0 for w in waits) and len(waits) == 10, waits)
+    # The time a step waited for its batch is part of that step's time.
+    steps = [r for r in metrics(dirs[0]) if "event" not in r]
+    check(len(steps) == 10 and all(0 <= r["data_wait_s"] <= r["step_s"] for r in steps),
+          [(r["data_wait_s"], r["step_s"]) for r in steps])
     print("equal_ranks: 1 rank with batches built on the training thread: the same losses, bit for bit")
 
 
@@ -313,7 +316,8 @@ def check_pipeline(build, work):
         return {r["step"]: r["val_loss"] for r in rows if r.get("event") == "validation"}
 
     # The same data parallelism, so the same microbatches and dropout keys: dp 2, then dp 1.
-    train("flat2", 2, "--stage", "2")
+    # flat2 at ZeRO-0: its bucket all-reduces go on the sharding's data plane, not the world's control one.
+    train("flat2", 2, "--stage", "0")
     train("pp2_1f1b", 4, "--pp", "2", "--stage", "3", "--trace")
     train("pp2_1f1b_gather_per_pass", 4, "--pp", "2", "--stage", "3", "--pp-gather", "pass", "--ckpt-dir", "none")
     train("pp2_1f1b_replicated", 4, "--pp", "2", "--stage", "0", "--ckpt-dir", "none")
