@@ -6,7 +6,7 @@
 //     ...one step...
 //     metrics.write(m);                      // one JSON object per line, flushed
 //     progress.update(m);                    // "step 120/400 (30%) | loss 5.214 | ... | ETA 1m58s"
-//     zeroshard::publish_step();             // for zeroshard-run (see below)
+//     zeroshard::publish_step(env, m.step);  // for zeroshard-run (dist_env.h)
 //   }
 //   zeroshard::plot_metrics(run_dir + "/metrics.jsonl", run_dir + "/loss.png");
 //
