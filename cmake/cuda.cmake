@@ -6,7 +6,8 @@
 # include/nccl.h and lib/libnccl.so*).
 #
 # Defines: ZS_CUDA_OBJECT (the kernels, which the library carries), zs_dep::nccl,
-# ZS_NCCL_INCLUDE_DIR, ZS_NCCL_LIBRARY.
+# ZS_NCCL_INCLUDE_DIR, ZS_NCCL_LIBRARY, ZS_CUDA_INCLUDE_DIRS (NCCL's and the toolkit's headers,
+# for the targets of this project that include them).
 
 set(ZS_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING
     "GPU code to build: sm_90 machine code and compute_90 PTX (JIT-compiled for newer GPUs)")
@@ -23,11 +24,11 @@ endif()
 set(CMAKE_CUDA_ARCHITECTURES ${ZS_CUDA_ARCHITECTURES})
 enable_language(CUDA)
 set(CMAKE_CUDA_FLAGS "${_zs_user_cuda_flags}")
-# torch::cudart is the wheel's libcudart (cmake/torch.cmake); our C++ files that include
-# CUDA headers take the toolkit's, the ones nvcc compiles the kernels with.
-if(TARGET torch::cudart AND ZS_TORCH STREQUAL "venv")
-  set_property(TARGET torch::cudart APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
-endif()
+# Our C++ files that include CUDA headers (LibTorch's ATen/cuda ones among them) take the
+# toolkit's, the ones nvcc compiles the kernels with: ZS_CUDA_INCLUDE_DIRS (with NCCL's,
+# below), on our own targets alone, whoever builds them (this project, or one that adds it as
+# a subdirectory). The runtime they link is the one LibTorch loads (torch::cudart), whose
+# wheel carries no headers; a box need not have them in a default include path.
 
 set(_zs_nccl_hints ${ZS_NCCL_ROOT})
 list(APPEND _zs_nccl_hints "${ZS_TORCH_LIBRARY_DIR}/../../nvidia/nccl")
@@ -37,6 +38,7 @@ if(NOT ZS_NCCL_INCLUDE_DIR)
   message(FATAL_ERROR "zeroshard: no NCCL found (looked in ${_zs_nccl_hints}); pass -DZS_NCCL_ROOT=<dir with "
                       "include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
 endif()
+set(ZS_CUDA_INCLUDE_DIRS ${ZS_NCCL_INCLUDE_DIR} ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
 get_filename_component(_zs_nccl_root "${ZS_NCCL_INCLUDE_DIR}" DIRECTORY)
 zs_find_nccl(${_zs_nccl_root})  # the library beside the header: zs_dep::nccl
 file(STRINGS "${ZS_NCCL_INCLUDE_DIR}/nccl.h" _zs_nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")

@@ -21,8 +21,9 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
                 zeroshard`, and the trainer built by the compiler alone with `pkg-config --cflags
                 --libs zeroshard` runs at 2 ranks with the package build's losses.
   pkgconfig-trainer  pkgconfig without the headers compiled alone (the other LibTorch's leg does that).
-  notoolkit     (with package; a build with CUDA against PyPI's CUDA wheel) the package check runs where
-                no CUDA toolkit is: /usr/local/cuda hidden (a private mount namespace: needs root), no nvcc
+  notoolkit     (with package; a build with CUDA against PyPI's CUDA wheel) the package check, and the
+                trainer built with pkg-config's flags, run where no CUDA toolkit is: /usr/local/cuda and
+                /usr/local/include's CUDA links hidden (a private mount namespace: needs root), no nvcc
                 on PATH. The package needs only the wheel's CUDA libraries.
   deb           (against Debian's LibTorch) `cpack -G DEB` makes zeroshard_<version>_amd64.deb, which
                 depends on libtorch-dev of the same release and the -dev packages a trainer needs; dpkg
@@ -37,7 +38,9 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
                 loss and the global gradient norm the 1-rank one, within 1e-4 relative, and each rank's
                 checkpoint file (read with h5py) holds half of the AdamW moments, within one alignment
                 block per bucket.
-  subdirectory  the project with SOURCE_DIR added through FetchContent (add_subdirectory underneath):
+  subdirectory  (in a private mount namespace where /usr/local/include's CUDA links are hidden: needs root;
+                the toolkit's headers only in its own directory, as NVIDIA's packages install them)
+                the project with SOURCE_DIR added through FetchContent (add_subdirectory underneath):
                 zeroshard's tests, examples and benchmarks are not configured, the project's own
                 compile line carries none of zeroshard's build settings (no precompiled header, no
                 compiler launcher, no -ffp-contract, no -Wextra, no source-tree include path); it
@@ -429,9 +432,28 @@ def check_package_without_toolkit():
     return {"losses": json.loads(m.group(1))}
 
 
+def hide_cuda_headers_in_default_paths():
+    """In a mount namespace: an empty /usr/local/include where it holds links into a CUDA toolkit (as the
+    build machines link every CUDA header there), so that a compile finds CUDA's headers only where
+    the build says. A box with NVIDIA's toolkit has them in /usr/local/cuda/include alone."""
+    d = "/usr/local/include"
+    if os.path.isdir(d) and any("cuda" in os.path.realpath(os.path.join(d, f)) for f in os.listdir(d)):
+        run(["mount", "-t", "tmpfs", "zs-package-include", d], f"hide {d}")
+    check(not os.path.exists("/usr/local/include/cuda_runtime.h"), "cuda_runtime.h is still in /usr/local/include")
+
+
+def check_subdirectory_without_default_cuda_headers():
+    """check_subdirectory() in a private mount namespace where /usr/local/include is empty: a box with
+    NVIDIA's toolkit in /usr/local/cuda and nothing in the compiler's default paths."""
+    if os.geteuid() != 0:
+        skip("the subdirectory check runs in a private mount namespace, which needs root")
+    in_mount_namespace("subdirectory-inside", "-", "the subdirectory check with /usr/local/include's CUDA links hidden")
+
+
 def check_package_without_toolkit_inside(installed):
     global prefix
     prefix = installed
+    hide_cuda_headers_in_default_paths()
     toolkit = os.path.realpath("/usr/local/cuda")
     if os.path.isdir(toolkit):
         run(["mount", "-t", "tmpfs", "zs-package", toolkit], f"hide {toolkit}")
@@ -441,7 +463,10 @@ def check_package_without_toolkit_inside(installed):
         os.environ.pop(var, None)
     check(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"), "nvcc is still reachable")
     print("  no CUDA toolkit, no nvcc: the package check configures against the CUDA wheel", flush=True)
-    print("reference " + json.dumps(check_package()["losses"]), flush=True)
+    reference = check_package()
+    print("  the same, with pkg-config's flags:", flush=True)
+    check_pkgconfig(reference, headers_alone=False)
+    print("reference " + json.dumps(reference["losses"]), flush=True)
 
 
 def check_deb():
@@ -495,6 +520,10 @@ try:
     elif checks[:1] == ["package-without-toolkit"]:
         check_package_without_toolkit_inside(checks[1])
         checks = []
+    elif checks[:1] == ["subdirectory-inside"]:
+        hide_cuda_headers_in_default_paths()
+        check_subdirectory()
+        checks = []
     for name in checks:
         print(f"{name}:", flush=True)
         if name == "install":
@@ -506,7 +535,7 @@ try:
         elif name == "pkgconfig-trainer":
             check_pkgconfig(reference, headers_alone=False)
         elif name == "subdirectory":
-            check_subdirectory()
+            check_subdirectory_without_default_cuda_headers()
         elif name == "outside":
             check_outside()
         elif name == "deb":
