@@ -313,12 +313,16 @@ torch::Tensor cross_entropy_rows(const torch::Tensor& logits, const torch::Tenso
   return loss;
 }
 
-// Every row, `chunk_rows` at a time (0: about 2^26 logits).
+// Rows per chunk: `chunk_rows`, or (0) about 2^26 logits.
+int64_t rows_per_chunk(int64_t columns, int64_t chunk_rows) {
+  return chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, columns));
+}
+
+// Every row, a chunk at a time.
 torch::Tensor cross_entropy_chunks(const torch::Tensor& logits, const torch::Tensor& labels, int64_t ignore_index,
                                    int64_t chunk_rows, const torch::Tensor& grad) {
   const int64_t n = logits.size(0);
-  const int64_t chunk =
-      chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(1, logits.size(1)));
+  const int64_t chunk = rows_per_chunk(logits.size(1), chunk_rows);
   auto total = torch::zeros({}, logits.options().dtype(torch::kFloat));
   for (int64_t b = 0; b < n; b += chunk) total += cross_entropy_rows(logits, labels, ignore_index, b, std::min(n, b + chunk), grad);
   return total;
@@ -331,15 +335,24 @@ class SummedCrossEntropy : public torch::autograd::Function<SummedCrossEntropy> 
     auto grad = torch::empty_like(logits);
     auto total = cross_entropy_chunks(logits, labels, ignore_index, chunk_rows, grad);
     ctx->save_for_backward({grad});
+    ctx->saved_data["chunk_rows"] = chunk_rows;
     return total;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     const auto grad = ctx->get_saved_variables()[0];
-    // The factor stays fp32 (a 0-dim tensor does not decide the result's
-    // dtype, and the product is taken in fp32): rounded to bf16 first, it
-    // would scale every element of the step's gradient by one error of up to 0.39%.
-    return {grad * grad_out[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto& factor = grad_out[0];  // fp32, 0-dim, on the logits' device: no read of it here
+    if (grad.scalar_type() == torch::kFloat) return {grad * factor, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // 16-bit logits: each element is the fp32 product, rounded once. The factor
+    // rounded to bf16 (what LibTorch 1.13's CPU kernels do with a 0-dim fp32
+    // operand) would scale the whole gradient by one error of up to 0.39%.
+    auto out = torch::empty_like(grad);
+    const int64_t n = grad.size(0), chunk = rows_per_chunk(grad.size(1), ctx->saved_data["chunk_rows"].toInt());
+    for (int64_t b = 0; b < n; b += chunk) {
+      const int64_t e = std::min(n, b + chunk);
+      out.slice(0, b, e).copy_(grad.slice(0, b, e).to(torch::kFloat).mul_(factor));
+    }
+    return {out, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
