@@ -29,7 +29,8 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
                 depends on libtorch-dev of the same release and the -dev packages a trainer needs; dpkg
                 installs it (in a private mount namespace, over an overlay of /usr and /var: needs root),
                 and the trainer configured with no prefix builds against /usr and runs at 1 and 2 ranks.
-  outside       (after install) two trainers written for LibTorch alone (tests/outside: a regression
+  outside       (after install; in a private mount namespace where /usr/local/include's CUDA links are
+                hidden: needs root) two trainers written for LibTorch alone (tests/outside: a regression
                 over torch's data loader with Adam and clip_grad_norm_, a GAN with two Adam optimizers),
                 copied out of the tree; each builds and trains as it is, then tests/outside/sharding.patch
                 is applied (its changed lines counted), and the sharded trainers build against the
@@ -524,6 +525,11 @@ try:
         hide_cuda_headers_in_default_paths()
         check_subdirectory()
         checks = []
+    elif checks[:1] == ["outside-inside"]:
+        prefix = checks[1]
+        hide_cuda_headers_in_default_paths()
+        check_outside()
+        checks = []
     for name in checks:
         print(f"{name}:", flush=True)
         if name == "install":
@@ -537,7 +543,9 @@ try:
         elif name == "subdirectory":
             check_subdirectory_without_default_cuda_headers()
         elif name == "outside":
-            check_outside()
+            if os.geteuid() != 0:
+                skip("the outside trainers build in a private mount namespace, which needs root")
+            in_mount_namespace("outside-inside", prefix, "the outside trainers with /usr/local/include's CUDA links hidden")
         elif name == "deb":
             check_deb()
         elif name == "notoolkit":
