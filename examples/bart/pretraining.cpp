@@ -131,15 +131,12 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
 void PretrainingRun::build_model() {
   const auto& o = o_;
   config_ = run_config(o, tokenizer_);
-  // The sharding's collectives follow the device (agreement, validation sums
-  // and checkpoints stay on the CPU communicator).
+  // The sharding's collectives follow the device, on the CPU a communicator of their own (a dup): the world one
+  // carries only control values (agreement, validation sums, checkpoints), which world_all_reduces counts.
   device_ = training_device(o.device, dist_.local_rank);
   const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
                          : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
                                                      : zeroshard::DeviceTransport::kAuto;
-  // On the CPU the sharding's data plane is a communicator of its own, so the
-  // world communicator carries only the step's control values (ZeRO-0's bucket
-  // all-reduces would otherwise share it): world_all_reduces counts those alone.
   const zeroshard::ProcessGroup group = device_.is_cpu() ? zeroshard::ProcessGroup(comm_->dup(), comm_)
                                                          : zeroshard::device_group(comm_, device_, {}, transport);
   const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
@@ -585,7 +582,6 @@ void PretrainingRun::note_resume(bool stepped) {
   }
   if (rank_ == 0) metrics_.write_event("resume", resumed_["step"].get<int64_t>(), resumed_.dump());
 }
-
 
 int run_pretraining(const RunOptions& o) {
   check_options(o);
