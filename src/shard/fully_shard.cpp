@@ -145,8 +145,7 @@ void shard::ShardedModel::try_launch() {
 
 void shard::ShardedModel::launch(size_t unit, ReductionQueue::Input kind) {
   auto& u = *units[unit];
-  round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true,
-                             u.label() + (kind == ReductionQueue::Input::kLate ? " (late)" : ""), kind);
+  round->reductions().launch(*reduce_comm, u, u.take_packed_gradients(), /*in_is_scratch=*/true, u.label(), kind);
   round->reductions().drain_to(static_cast<size_t>(options.max_inflight_reductions));
 }
 

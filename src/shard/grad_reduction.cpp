@@ -145,8 +145,8 @@ void ShardedAdamW::Impl::abandon_pass() {
 void ShardedAdamW::Impl::launch(size_t index, at::Tensor in, shard::ReductionQueue::Input kind) {
   auto& b = buckets[index];
   // Stage 2's (and 0's) input is this backward's scratch buffer; stage 1's is flat_grads, which p.grad() aliases.
-  const auto label = "bucket " + std::to_string(index) + (kind == shard::ReductionQueue::Input::kLate ? " (late)" : "");
-  const auto& e = round->reductions().launch(*comm, b, std::move(in), reduce_in_backward(), label, kind);
+  const auto& e = round->reductions().launch(*comm, b, std::move(in), reduce_in_backward(),
+                                            "bucket " + std::to_string(index), kind);
   if (!e.out.is_same(e.in)) track(e.out.nbytes());
   if (reduce_in_backward()) {
     round->reductions().drain_to(static_cast<size_t>(options.max_inflight_buckets),

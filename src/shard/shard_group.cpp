@@ -109,7 +109,7 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
     e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);
   }
   e.across_replicas = replicas_ != nullptr && group.layout.world_size == comm.size();
-  e.label = std::move(label);
+  e.label = kind == Input::kLate ? std::move(label) + " (late)" : std::move(label);
   inflight_.push_back(std::move(e));
   start_replica_reductions();
   return inflight_.back();

@@ -104,7 +104,8 @@ class ReductionQueue {
   // or all-reduces it when the group is replicated. At one rank the mean is
   // `in` itself, and in place the all-reduce's output is `in`: adopted when
   // the caller says `in` is scratch (nobody else writes it), else copied.
-  // Returns the entry (the caller may count its buffers' bytes).
+  // A late round's label gets " (late)". Returns the entry (the caller may
+  // count its buffers' bytes).
   const Entry& launch(Communicator& comm, ShardGroup& group, at::Tensor in, bool in_is_scratch, std::string label,
                       Input kind = Input::kPart);
   // Waits for the oldest and adds it into its group; returns it (its tensors
