@@ -206,10 +206,15 @@ TEST_P(ShardedAdamWReuse, EveryArrivalOfAGradientIsReduced) {
                 "rank 0 in steps 0-2, checkpointed (not):%s\n",
                 stage, to_string(how).c_str(), world().size(), err, bytes.c_str());
   }
+  // ZeRO-3's gather of the next step's first unit may land in either step: its bytes are compared in all.
+  int64_t got_all = 0, plain_all = 0;
   for (int s = 0; s < kSteps; ++s) {
-    EXPECT_GE(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
+    got_all += got.step_bytes[s];
+    plain_all += plain.step_bytes[s];
+    if (stage != 3) EXPECT_GE(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
     if (stage != 3 && s > 0) EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
   }
+  EXPECT_GE(got_all, plain_all);
   auto all = torch::empty({got.params.numel() * world().size()});
   world().all_gather(all, got.params)->wait();
   for (int q = 0; q < world().size(); ++q) {
