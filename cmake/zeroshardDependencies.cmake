@@ -31,6 +31,10 @@
 # zs_find_xxhash()
 #   Defines zs_dep::xxhash (libxxhash; Debian's libxxhash-dev has no CMake package).
 #   Sets ZS_XXHASH_INCLUDE_DIR.
+#
+# zs_find_object_store_deps()
+#   Defines zs_dep::curl (libcurl: the durable tier's HTTP and SigV4) and zs_dep::pugixml
+#   (the S3 API's XML answers). Sets ZS_CURL_LIBRARY, ZS_PUGIXML_LIBRARY.
 
 macro(zs_find_torch)
   if(NOT TARGET torch)
@@ -149,4 +153,21 @@ function(zs_find_hdf5)
   find_library(ZS_HDF5_LIBRARY NAMES hdf5_serial hdf5 NAMES_PER_DIR HINTS ${ARGN} PATH_SUFFIXES hdf5/serial)
   _zs_import_library(zs_dep::hdf5 "${ZS_HDF5_LIBRARY}" "HDF5 C library (looked in ${ARGN} and the system's)"
                      "install libhdf5-dev (scripts/install-deps.sh)")
+endfunction()
+
+function(zs_find_object_store_deps)
+  find_path(ZS_CURL_INCLUDE_DIR curl/curl.h)
+  find_library(ZS_CURL_LIBRARY curl)
+  if(NOT ZS_CURL_INCLUDE_DIR)
+    set(ZS_CURL_LIBRARY "")
+  endif()
+  _zs_import_library(zs_dep::curl "${ZS_CURL_LIBRARY}" "libcurl (curl/curl.h and libcurl)"
+                     "install libcurl4-openssl-dev (scripts/install-deps.sh)")
+  find_path(ZS_PUGIXML_INCLUDE_DIR pugixml.hpp)
+  find_library(ZS_PUGIXML_LIBRARY pugixml)
+  if(NOT ZS_PUGIXML_INCLUDE_DIR)
+    set(ZS_PUGIXML_LIBRARY "")
+  endif()
+  _zs_import_library(zs_dep::pugixml "${ZS_PUGIXML_LIBRARY}" "pugixml (pugixml.hpp and libpugixml)"
+                     "install libpugixml-dev (scripts/install-deps.sh)")
 endfunction()

@@ -24,6 +24,8 @@ packages=(
   # communication, checkpoints, runtime
   libhdf5-dev libboost-dev libspdlog-dev libfmt-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev
+  # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates
+  libcurl4-openssl-dev libpugixml-dev ca-certificates
   # tests and benchmarks (xxhash's CLI is an independent oracle; binutils' nm checks symbols)
   libgtest-dev libgmock-dev libbenchmark-dev xxhash binutils
   # the multi-host tests' cluster of network namespaces (scripts/cluster.sh: ip, tc; unshare, nsenter)

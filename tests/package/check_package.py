@@ -55,7 +55,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -67,8 +66,18 @@ CONSUMER = os.path.join(HERE, "consumer")
 
 cmake, generator, build, source, torch_dir, torch_lib = sys.argv[1:7]
 checks = sys.argv[7:]
-work = tempfile.mkdtemp(prefix="zs-package.")
+# The checks' trees sit at a fixed place in the build directory, one per check: compiler caches key
+# on paths, and a tree at a new temporary path each run compiled everything again (the
+# subdirectory's zeroshard build alone took 400 s of a warm CI's time).
+work = os.path.join(os.path.abspath(build), "package-checks", checks[0] if checks[0].endswith("-inside") or
+                    checks[0] in ("package-without-toolkit", "deb-installed") else "-".join(checks))
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
 prefix = os.path.join(work, "prefix")
+# The user's own compiler cache for what the checks compile as a user would (a trainer, each header
+# alone): it changes no compile's result, and zeroshard's package must not depend on it.
+CCACHE = shutil.which("ccache")
+LAUNCHER = [f"-DCMAKE_CXX_COMPILER_LAUNCHER={CCACHE}"] if CCACHE else []
 
 
 def run(cmd, what, env=None, cwd=None, ok=True):
@@ -90,7 +99,8 @@ def torch_prefix():
 def configure(name, *args):
     tree = os.path.join(work, name)
     shutil.rmtree(tree, ignore_errors=True)
-    cmd = [cmake, "-S", CONSUMER, "-B", tree, "-G", generator, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", *args]
+    cmd = [cmake, "-S", CONSUMER, "-B", tree, "-G", generator, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+           *(LAUNCHER if name != "subdirectory" else []), *args]  # the subdirectory check reads the line
     return tree, run(cmd, f"configure {name}")[1]
 
 
@@ -241,7 +251,9 @@ def check_pkgconfig(reference, headers_alone=True):
     if headers_alone:
         check_headers_alone(cflags)
     program = os.path.join(work, "trainer-pc")
-    run(["g++", *cflags, os.path.join(CONSUMER, "trainer.cpp"), "-o", program, *libs], "g++ with pkg-config's flags")
+    run([*([CCACHE] if CCACHE else []), "g++", *cflags, "-c", os.path.join(CONSUMER, "trainer.cpp"), "-o", program + ".o"],
+        "g++ -c with pkg-config's --cflags")
+    run(["g++", program + ".o", "-o", program, *libs], "g++ with pkg-config's --libs")
     two = trainer_run(program, 2, "pkg-config trainer")
     same_losses(two["losses"], reference["losses"], "pkg-config build at 2 ranks vs the package build at 1")
 
@@ -249,8 +261,14 @@ def check_pkgconfig(reference, headers_alone=True):
 def check_headers_alone(cflags):
     headers = sorted(f for f in os.listdir(os.path.join(prefix, "include", "zeroshard")) if f.endswith(".h"))
 
+    alone_dir = os.path.join(work, "headers-alone")
+    os.makedirs(alone_dir, exist_ok=True)
+
     def alone(header):
-        p = subprocess.run(["g++", "-fsyntax-only", *cflags, "-x", "c++", "-"], input=f"#include <zeroshard/{header}>\n",
+        unit = os.path.join(alone_dir, header[:-2] + ".cpp")
+        with open(unit, "w") as f:
+            f.write(f"#include <zeroshard/{header}>\n")
+        p = subprocess.run([*([CCACHE] if CCACHE else []), "g++", "-c", *cflags, unit, "-o", unit[:-4] + ".o"],
                            capture_output=True, text=True, timeout=TIMEOUT)
         return header, p.returncode, p.stderr
 
@@ -356,7 +374,7 @@ def check_outside():
     for tree in trees:
         prefixes = ";".join(p for p in ((prefix if tree == sharded else ""), torch_root) if p)
         build_dir = tree + "-build"
-        run([cmake, "-S", tree, "-B", build_dir, "-G", generator, "-DCMAKE_BUILD_TYPE=Release"] +
+        run([cmake, "-S", tree, "-B", build_dir, "-G", generator, "-DCMAKE_BUILD_TYPE=Release", *LAUNCHER] +
             ([f"-DCMAKE_PREFIX_PATH={prefixes}"] if prefixes else []), f"configure {os.path.basename(tree)}")
         builds[tree] = build_dir
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -1,0 +1,572 @@
+// s3_client.cpp — the S3 requests checkpoints need (s3_client.h).
+#include "s3_client.h"
+
+#include <boost/asio/post.hpp>
+#include <c10/util/Exception.h>
+#include <pugixml.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <random>
+#include <thread>
+
+namespace zeroshard::ckpt::s3 {
+
+namespace {
+
+using Steady = std::chrono::steady_clock;
+
+std::string error_code(const std::string& body) {
+  pugi::xml_document doc;
+  if (!doc.load_string(body.c_str())) return "";
+  return doc.child("Error").child("Code").text().as_string();
+}
+
+std::string error_text(const http::Response& r) {
+  if (r.status == 0) return (r.timed_out ? "timed out: " : "no response: ") + r.transport_error;
+  pugi::xml_document doc;
+  std::string code, message;
+  if (doc.load_string(r.body.c_str())) {
+    code = doc.child("Error").child("Code").text().as_string();
+    message = doc.child("Error").child("Message").text().as_string();
+  }
+  return "HTTP " + std::to_string(r.status) + (code.empty() ? "" : " " + code) + (message.empty() ? "" : ": " + message);
+}
+
+// Why `r` is worth another attempt ("" when it is final).
+std::string retry_reason(const http::Response& r) {
+  if (r.status == 0) return error_text(r);
+  if (r.status >= 500 || r.status == 429 || r.status == 408) return error_text(r);
+  if (r.status == 400 && error_code(r.body) == "RequestTimeout") return error_text(r);
+  return "";
+}
+
+bool credentials_expired(const http::Response& r) {
+  if (r.status != 400 && r.status != 403) return false;
+  std::string code = error_code(r.body);
+  return code == "ExpiredToken" || code == "TokenRefreshRequired" || code == "InvalidToken" ||
+         code == "RequestExpired";
+}
+
+double seconds_since(Steady::time_point start) {
+  return std::chrono::duration<double>(Steady::now() - start).count();
+}
+
+struct File {
+  int fd = -1;
+  ~File() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+size_t pread_full(int fd, char* buffer, size_t size, int64_t offset) {
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pread(fd, buffer + done, size - done, offset + static_cast<int64_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return done;
+}
+
+}  // namespace
+
+std::string Location::uri() const { return "s3://" + bucket + (prefix.empty() ? "" : "/" + prefix); }
+
+std::string Location::key(const std::string& name) const { return prefix.empty() ? name : prefix + "/" + name; }
+
+bool is_uri(const std::string& text) { return text.rfind("s3://", 0) == 0; }
+
+Location parse_uri(const std::string& uri) {
+  TORCH_CHECK(is_uri(uri), "checkpoint location '", uri, "' is not an S3 URI; expected s3://BUCKET[/PREFIX]");
+  std::string rest = uri.substr(5);
+  auto slash = rest.find('/');
+  Location l;
+  l.bucket = rest.substr(0, slash);
+  l.prefix = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  while (!l.prefix.empty() && l.prefix.back() == '/') l.prefix.pop_back();
+  auto inner = [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '-'; };
+  bool valid = l.bucket.size() >= 3 && l.bucket.size() <= 63 && std::all_of(l.bucket.begin(), l.bucket.end(), inner) &&
+               std::isalnum(static_cast<unsigned char>(l.bucket.front())) &&
+               std::isalnum(static_cast<unsigned char>(l.bucket.back()));
+  TORCH_CHECK(valid, "checkpoint location '", uri, "': '", l.bucket,
+              "' is not an S3 bucket name (3 to 63 lowercase letters, digits, '.' and '-'); expected s3://BUCKET[/PREFIX]");
+  TORCH_CHECK(l.prefix.find("//") == std::string::npos && (l.prefix.empty() || l.prefix[0] != '/'),
+              "checkpoint location '", uri, "': the prefix '", l.prefix, "' has an empty path segment");
+  return l;
+}
+
+Client::Client(Location location, Environment env, ClientOptions options)
+    : location_(std::move(location)),
+      options_(options),
+      credentials_(std::move(env), options.credentials),
+      pool_(std::make_unique<boost::asio::thread_pool>(static_cast<size_t>(std::max(1, options.parallel)))) {
+  const auto& s = credentials_.settings();
+  endpoint_ = s.s3_endpoint;
+  path_style_ = !endpoint_.empty() || location_.bucket.find('.') != std::string::npos;
+  if (endpoint_.empty()) endpoint_ = "https://s3." + s.region + ".amazonaws.com";
+  TORCH_CHECK(endpoint_.rfind("http://", 0) == 0 || endpoint_.rfind("https://", 0) == 0, "S3 endpoint '", endpoint_,
+              "' (AWS_ENDPOINT_URL or the profile's endpoint_url) is not an http:// or https:// URL");
+}
+
+Client::~Client() {
+  pool_->join();
+}
+
+std::string Client::describe() {
+  return location_.uri() + " at " + endpoint_ + " (region " + credentials_.settings().region + ")";
+}
+
+std::string Client::bucket_url(const std::string& query) const {
+  std::string base = path_style_ ? endpoint_ + "/" + location_.bucket
+                                 : "https://" + location_.bucket + ".s3." + credentials_.settings().region + ".amazonaws.com";
+  return base + "/" + (query.empty() ? "" : "?" + query);
+}
+
+std::string Client::url(const std::string& key, const std::string& query) const {
+  std::string base = bucket_url("");
+  return base + http::uri_encode(key, true) + (query.empty() ? "" : "?" + query);
+}
+
+http::Response Client::send(const std::string& what, const std::function<http::Request()>& build) {
+  thread_local std::mt19937_64 random(std::random_device{}());
+  auto start = Steady::now();
+  bool refreshed = false;
+  for (int attempt = 1;; ++attempt) {
+    Credentials c = credentials_.get();
+    http::Request r = build();
+    r.ca_bundle = credentials_.settings().ca_bundle;
+    r.sigv4 = "aws:amz:" + credentials_.settings().region + ":s3";
+    r.user_password = c.access_key_id + ":" + c.secret_access_key;
+    r.headers.push_back("x-amz-content-sha256: UNSIGNED-PAYLOAD");  // libcurl signs it; AWS requires it
+    if (!c.session_token.empty()) r.headers.push_back("x-amz-security-token: " + c.session_token);
+    ++requests_;
+    http::Response resp = http::perform(r, options_.limits);
+    std::string why = retry_reason(resp);
+    if (why.empty() && credentials_expired(resp) && !refreshed) {
+      credentials_.expire();  // fetched again from their source by the next attempt
+      refreshed = true;
+      why = error_text(resp) + " (credentials fetched again)";
+    }
+    if (why.empty()) return resp;
+    double elapsed = seconds_since(start);
+    auto budget = std::chrono::duration<double>(options_.max_retry_time).count();
+    TORCH_CHECK(attempt < options_.max_attempts && elapsed < budget, "S3: ", what, " failed after ", attempt,
+                " attempt(s) in ", static_cast<int>(elapsed + 0.5), " s: ", why);
+    double cap = std::min(std::chrono::duration<double>(options_.backoff_cap).count(),
+                          std::chrono::duration<double>(options_.backoff_base).count() * std::pow(2.0, attempt - 1));
+    double wait = std::uniform_real_distribution<double>(0, cap)(random);
+    wait = std::min(wait, std::max(0.0, budget - elapsed));
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+    ++retries_;
+  }
+}
+
+void Client::expect_ok(const http::Response& r, const std::string& what, bool allow_404) const {
+  if ((r.status >= 200 && r.status < 300) || (allow_404 && r.status == 404)) return;
+  TORCH_CHECK(false, "S3: ", what, ": ", error_text(r));
+}
+
+void Client::check_access() {
+  std::string where = describe();
+  http::Response r;
+  try {
+    r = send("list " + location_.uri(), [&] {
+      http::Request q;
+      q.url = bucket_url("list-type=2&max-keys=1&prefix=" + http::uri_encode(location_.key(""), false));
+      return q;
+    });
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "S3: cannot reach ", where, ": ", e.what_without_backtrace(),
+                "; fix: check AWS_ENDPOINT_URL (or the network, or the region)");
+  }
+  std::string code = error_code(r.body);
+  std::string source = credentials_.get().source;
+  TORCH_CHECK(r.status != 403 || code != "InvalidAccessKeyId", "S3: ", where, " does not know the access key ID from ",
+              source, "; fix: use a key of this store (AWS_ACCESS_KEY_ID or the profile)");
+  TORCH_CHECK(r.status != 403 || code != "SignatureDoesNotMatch", "S3: ", where,
+              " rejects the signature: the secret key from ", source,
+              " does not belong to its access key ID; fix: correct AWS_SECRET_ACCESS_KEY (or the profile)");
+  TORCH_CHECK(r.status != 403, "S3: the credentials from ", source, " may not list ", where, " (HTTP 403 ", code,
+              "); fix: grant s3:ListBucket, s3:GetObject, s3:PutObject, s3:DeleteObject and "
+              "s3:AbortMultipartUpload on the bucket and prefix");
+  TORCH_CHECK(r.status != 404, "S3: bucket '", location_.bucket, "' does not exist at ", where, " (", error_text(r),
+              "); fix: create it, or correct the URI");
+  TORCH_CHECK(r.status != 301 && r.status != 307 && !(r.status == 400 && code == "AuthorizationHeaderMalformed"), "S3: ",
+              where, ": the bucket is in another region",
+              r.headers.count("x-amz-bucket-region") ? " (" + r.headers.at("x-amz-bucket-region") + ")" : std::string(),
+              "; fix: set AWS_REGION to it");
+  expect_ok(r, "list " + where);
+  // Writing and deleting: a probe of this process's own name.
+  std::string probe = ".zeroshard-probe-" + std::to_string(::getpid()) + "-" +
+                      std::to_string(Steady::now().time_since_epoch().count());
+  try {
+    put(probe, "probe");
+    remove(probe);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "S3: the credentials from ", source, " may list but not write and delete under ", where, ": ",
+                e.what_without_backtrace(), "; fix: grant s3:PutObject and s3:DeleteObject there");
+  }
+}
+
+void Client::put(const std::string& name, const std::string& bytes) {
+  std::string key = location_.key(name);
+  auto r = send("PUT " + location_.uri() + "/" + name, [&] {
+    http::Request q;
+    q.method = "PUT";
+    q.url = url(key);
+    q.body = bytes;
+    return q;
+  });
+  expect_ok(r, "PUT " + location_.bucket + "/" + key);
+}
+
+bool Client::put_if_absent(const std::string& name, const std::string& bytes) {
+  std::string key = location_.key(name);
+  auto r = send("conditional PUT " + location_.bucket + "/" + key, [&] {
+    http::Request q;
+    q.method = "PUT";
+    q.url = url(key);
+    q.body = bytes;
+    q.headers = {"If-None-Match: *"};
+    return q;
+  });
+  if (r.status == 412 || (r.status == 409 && error_code(r.body) == "ConditionalRequestConflict")) return false;
+  expect_ok(r, "conditional PUT " + location_.bucket + "/" + key);
+  return true;
+}
+
+bool Client::upload_file(const std::string& name, const std::string& path, bool if_absent,
+                         const std::function<void(int64_t)>& progress) {
+  File f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(f.fd >= 0, "S3 upload: cannot open '", path, "': ", std::strerror(errno));
+  off_t end = ::lseek(f.fd, 0, SEEK_END);
+  TORCH_CHECK(end >= 0, "S3 upload: cannot size '", path, "': ", std::strerror(errno));
+  int64_t size = end;
+  std::string key = location_.key(name);
+  if (size > options_.part_bytes) return multipart_upload(key, path, size, if_absent, progress);
+  std::string what = "PUT " + location_.bucket + "/" + key + " from " + path;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.method = "PUT";
+    q.url = url(key);
+    q.body_size = size;
+    int fd = f.fd;
+    q.read_body = [fd](int64_t offset, char* buffer, size_t n) { return pread_full(fd, buffer, n, offset); };
+    if (if_absent) q.headers = {"If-None-Match: *"};
+    return q;
+  });
+  if (if_absent && r.status == 412) return false;
+  expect_ok(r, what);
+  if (progress) progress(size);
+  return true;
+}
+
+bool Client::multipart_upload(const std::string& key, const std::string& path, int64_t size, bool if_absent,
+                              const std::function<void(int64_t)>& progress) {
+  std::string object = location_.bucket + "/" + key;
+  auto init = send("start the multipart upload of " + object, [&] {
+    http::Request q;
+    q.method = "POST";
+    q.url = url(key, "uploads=");
+    return q;
+  });
+  expect_ok(init, "start the multipart upload of " + object);
+  pugi::xml_document doc;
+  doc.load_string(init.body.c_str());
+  std::string id = doc.child("InitiateMultipartUploadResult").child("UploadId").text().as_string();
+  TORCH_CHECK(!id.empty(), "S3: the store's answer to starting the multipart upload of ", object, " has no UploadId");
+  std::string id_query = "uploadId=" + http::uri_encode(id, false);
+  auto abort = [&] {
+    try {
+      send("abort the multipart upload of " + object, [&] {
+        http::Request q;
+        q.method = "DELETE";
+        q.url = url(key, id_query);
+        return q;
+      });
+    } catch (...) {  // best effort: remove_all and the store's lifecycle rules clean up what is left
+    }
+  };
+  try {
+    // At most 10,000 parts (S3's limit), each at least part_bytes.
+    int64_t part = std::max(options_.part_bytes, (size + 9999) / 10000);
+    int64_t parts = (size + part - 1) / part;
+    std::vector<std::string> etags(static_cast<size_t>(parts));
+    File f;
+    f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    TORCH_CHECK(f.fd >= 0, "S3 upload: cannot open '", path, "': ", std::strerror(errno));
+    parallel_for(parts, [&](int64_t i) {
+      int64_t begin = i * part, n = std::min(part, size - begin);
+      std::string what = "PUT part " + std::to_string(i + 1) + " of " + std::to_string(parts) + " of " + object;
+      auto r = send(what, [&] {
+        http::Request q;
+        q.method = "PUT";
+        q.url = url(key, "partNumber=" + std::to_string(i + 1) + "&" + id_query);
+        q.body_size = n;
+        int fd = f.fd;
+        q.read_body = [fd, begin](int64_t offset, char* buffer, size_t len) {
+          return pread_full(fd, buffer, len, begin + offset);
+        };
+        return q;
+      });
+      expect_ok(r, what);
+      auto etag = r.headers.find("etag");
+      TORCH_CHECK(etag != r.headers.end() && !etag->second.empty(), "S3: the store's answer to ", what, " has no ETag");
+      etags[static_cast<size_t>(i)] = etag->second;
+      if (progress) progress(n);
+    });
+    std::string body = "<CompleteMultipartUpload>";
+    for (size_t i = 0; i < etags.size(); ++i) {
+      body += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags[i] + "</ETag></Part>";
+    }
+    body += "</CompleteMultipartUpload>";
+    std::string what = "complete the multipart upload of " + object;
+    auto r = send(what, [&] {
+      http::Request q;
+      q.method = "POST";
+      q.url = url(key, id_query);
+      q.body = body;
+      q.headers = {"Content-Type: application/xml"};
+      if (if_absent) q.headers.push_back("If-None-Match: *");
+      return q;
+    });
+    if (if_absent && r.status == 412) {
+      abort();
+      return false;
+    }
+    expect_ok(r, what);
+    // A 200 whose body is an error: S3 reports a failure found after it started answering so.
+    TORCH_CHECK(error_code(r.body).empty(), "S3: ", what, ": the store answered 200 with an error: ", error_text(r));
+  } catch (...) {
+    abort();
+    throw;
+  }
+  return true;
+}
+
+void Client::parallel_for(int64_t n, const std::function<void(int64_t)>& f) {
+  if (n <= 1 || options_.parallel <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;  // guards error
+  std::exception_ptr error;
+  int workers = static_cast<int>(std::min<int64_t>(n, options_.parallel));
+  std::vector<std::future<void>> done;
+  for (int w = 0; w < workers; ++w) {
+    auto task = std::make_shared<std::packaged_task<void()>>([&] {
+      for (int64_t i = next++; i < n && !failed; i = next++) {
+        try {
+          f(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!error) error = std::current_exception();
+          failed = true;
+        }
+      }
+    });
+    done.push_back(task->get_future());
+    boost::asio::post(*pool_, [task] { (*task)(); });
+  }
+  for (auto& d : done) d.wait();
+  if (error) std::rethrow_exception(error);
+}
+
+std::optional<std::string> Client::get(const std::string& name) {
+  std::string key = location_.key(name);
+  std::string what = "GET " + location_.bucket + "/" + key;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.url = url(key);
+    return q;
+  });
+  if (r.status == 404) return std::nullopt;
+  expect_ok(r, what);
+  return r.body;
+}
+
+void Client::get_range(const std::string& name, int64_t offset, int64_t size, char* out) {
+  if (size == 0) return;
+  std::string key = location_.key(name);
+  std::string what = "GET bytes " + std::to_string(offset) + "-" + std::to_string(offset + size - 1) + " of " +
+                     location_.bucket + "/" + key;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.url = url(key);
+    q.headers = {"Range: bytes=" + std::to_string(offset) + "-" + std::to_string(offset + size - 1)};
+    q.write_body = [out, size](int64_t at, const char* data, size_t n) {
+      if (at + static_cast<int64_t>(n) > size) return false;  // more than asked for: not the range
+      std::memcpy(out + at, data, n);
+      return true;
+    };
+    return q;
+  });
+  expect_ok(r, what);
+  TORCH_CHECK(r.body_bytes == size, "S3: ", what, ": got ", r.body_bytes, " bytes (the object is shorter)");
+}
+
+int64_t Client::download_file(const std::string& name, const std::string& path) {
+  auto info = head(name);
+  TORCH_CHECK(info, "S3: ", location_.uri(), "/", name, " does not exist");
+  File f;
+  f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(f.fd >= 0, "S3 download: cannot create '", path, "': ", std::strerror(errno));
+  TORCH_CHECK(::ftruncate(f.fd, info->size) == 0, "S3 download: cannot size '", path, "': ", std::strerror(errno));
+  int64_t part = options_.part_bytes;
+  int64_t parts = (info->size + part - 1) / part;
+  std::string key = location_.key(name);
+  parallel_for(parts, [&](int64_t i) {
+    int64_t begin = i * part, n = std::min(part, info->size - begin);
+    std::string what = "GET bytes " + std::to_string(begin) + "-" + std::to_string(begin + n - 1) + " of " +
+                       location_.bucket + "/" + key;
+    int fd = f.fd;
+    std::atomic<bool> write_failed{false};
+    auto r = send(what, [&] {
+      http::Request q;
+      q.url = url(key);
+      q.headers = {"Range: bytes=" + std::to_string(begin) + "-" + std::to_string(begin + n - 1)};
+      q.write_body = [fd, begin, n, &write_failed](int64_t at, const char* data, size_t len) {
+        if (at + static_cast<int64_t>(len) > n) return false;
+        for (size_t done = 0; done < len;) {
+          ssize_t w = ::pwrite(fd, data + done, len - done, begin + at + static_cast<int64_t>(done));
+          if (w < 0 && errno == EINTR) continue;
+          if (w <= 0) {
+            write_failed = true;
+            return false;
+          }
+          done += static_cast<size_t>(w);
+        }
+        return true;
+      };
+      return q;
+    });
+    TORCH_CHECK(!write_failed, "S3 download: writing '", path, "' failed (disk full?)");
+    expect_ok(r, what);
+    TORCH_CHECK(r.body_bytes == n, "S3: ", what, ": got ", r.body_bytes, " bytes of ", n);
+  });
+  TORCH_CHECK(::fsync(f.fd) == 0, "S3 download: fsync of '", path, "' failed: ", std::strerror(errno));
+  return info->size;
+}
+
+std::optional<ObjectInfo> Client::head(const std::string& name) {
+  std::string key = location_.key(name);
+  std::string what = "HEAD " + location_.bucket + "/" + key;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.method = "HEAD";
+    q.url = url(key);
+    return q;
+  });
+  if (r.status == 404) return std::nullopt;
+  expect_ok(r, what);
+  ObjectInfo info{name, 0, r.headers.count("etag") ? r.headers.at("etag") : ""};
+  TORCH_CHECK(r.headers.count("content-length"), "S3: ", what, ": the answer has no Content-Length");
+  info.size = std::stoll(r.headers.at("content-length"));
+  return info;
+}
+
+std::vector<ObjectInfo> Client::list(const std::string& name_prefix) {
+  std::vector<ObjectInfo> out;
+  std::string token;
+  std::string strip = location_.key("");
+  do {
+    // Query parameters in SigV4's canonical (sorted) order.
+    std::string query = (token.empty() ? "" : "continuation-token=" + http::uri_encode(token, false) + "&") +
+                        "list-type=2&prefix=" + http::uri_encode(location_.key(name_prefix), false);
+    std::string what = "list " + location_.uri() + "/" + name_prefix;
+    auto r = send(what, [&] {
+      http::Request q;
+      q.url = bucket_url(query);
+      return q;
+    });
+    expect_ok(r, what);
+    pugi::xml_document doc;
+    TORCH_CHECK(doc.load_string(r.body.c_str()), "S3: ", what, ": the answer is not XML");
+    auto result = doc.child("ListBucketResult");
+    for (auto c : result.children("Contents")) {
+      std::string key = c.child("Key").text().as_string();
+      out.push_back({key.substr(std::min(strip.size(), key.size())), c.child("Size").text().as_llong(),
+                     c.child("ETag").text().as_string()});
+    }
+    token = result.child("IsTruncated").text().as_bool() ? result.child("NextContinuationToken").text().as_string() : "";
+  } while (!token.empty());
+  return out;
+}
+
+std::vector<std::string> Client::list_directories(const std::string& name_prefix) {
+  std::vector<std::string> out;
+  std::string token;
+  std::string strip = location_.key("");
+  do {
+    std::string query = (token.empty() ? "" : "continuation-token=" + http::uri_encode(token, false) + "&") +
+                        "delimiter=%2F&list-type=2&prefix=" + http::uri_encode(location_.key(name_prefix), false);
+    std::string what = "list " + location_.uri() + "/" + name_prefix;
+    auto r = send(what, [&] {
+      http::Request q;
+      q.url = bucket_url(query);
+      return q;
+    });
+    expect_ok(r, what);
+    pugi::xml_document doc;
+    TORCH_CHECK(doc.load_string(r.body.c_str()), "S3: ", what, ": the answer is not XML");
+    auto result = doc.child("ListBucketResult");
+    for (auto c : result.children("CommonPrefixes")) {
+      std::string key = c.child("Prefix").text().as_string();
+      out.push_back(key.substr(std::min(strip.size(), key.size())));
+    }
+    token = result.child("IsTruncated").text().as_bool() ? result.child("NextContinuationToken").text().as_string() : "";
+  } while (!token.empty());
+  return out;
+}
+
+void Client::remove(const std::string& name) {
+  std::string key = location_.key(name);
+  std::string what = "DELETE " + location_.bucket + "/" + key;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.method = "DELETE";
+    q.url = url(key);
+    return q;
+  });
+  expect_ok(r, what, /*allow_404=*/true);
+}
+
+void Client::remove_all(const std::string& name_prefix) {
+  auto objects = list(name_prefix);
+  parallel_for(static_cast<int64_t>(objects.size()), [&](int64_t i) { remove(objects[static_cast<size_t>(i)].name); });
+  // Unfinished multipart uploads hold storage (and cost) until aborted.
+  std::string what = "list the multipart uploads under " + location_.uri() + "/" + name_prefix;
+  auto r = send(what, [&] {
+    http::Request q;
+    q.url = bucket_url("prefix=" + http::uri_encode(location_.key(name_prefix), false) + "&uploads=");
+    return q;
+  });
+  expect_ok(r, what);
+  pugi::xml_document doc;
+  doc.load_string(r.body.c_str());
+  for (auto u : doc.child("ListMultipartUploadsResult").children("Upload")) {
+    std::string key = u.child("Key").text().as_string();
+    std::string query = "uploadId=" + http::uri_encode(u.child("UploadId").text().as_string(), false);
+    auto a = send("abort the multipart upload of " + key, [&] {
+      http::Request q;
+      q.method = "DELETE";
+      q.url = url(key, query);
+      return q;
+    });
+    expect_ok(a, "abort the multipart upload of " + key, /*allow_404=*/true);
+  }
+}
+
+}  // namespace zeroshard::ckpt::s3

@@ -1,0 +1,134 @@
+// s3_client.h — an S3 client for checkpoints: objects under one bucket and
+// prefix (s3://bucket/prefix) on AWS S3 or any S3-compatible store (GCS's S3
+// interface, MinIO, Ceph, SeaweedFS, R2).
+//
+// Requests are libcurl's, signed with its SigV4 (http.h); settings and
+// credentials come from the AWS conventions (s3_credentials.h). Every request
+// is bounded in time (connect, stall, overall) and retried, with exponential
+// backoff and full jitter, on what is worth retrying: no response, a timeout,
+// 5xx, 503 SlowDown, 429, S3's RequestTimeout; credentials the store calls
+// expired are fetched again once. Retries of one request are bounded in count
+// and in time; what remains is an error naming the request, the object and the
+// store's own code, never a credential. Large files go up as multipart uploads
+// and come down as ranged GETs, `parallel` parts at a time.
+//
+// Thread-safe: any number of threads may use one Client.
+#pragma once
+
+#include "http.h"
+#include "s3_credentials.h"
+
+#include <boost/asio/thread_pool.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeroshard::ckpt::s3 {
+
+// s3://bucket/prefix: the prefix without leading or trailing '/', possibly empty.
+struct Location {
+  std::string bucket, prefix;
+  std::string uri() const;                         // s3://bucket/prefix
+  std::string key(const std::string& name) const;  // prefix/name
+};
+bool is_uri(const std::string& text);
+// Throws, naming the text and the expected form, unless it is s3://BUCKET[/PREFIX]
+// with a valid bucket name.
+Location parse_uri(const std::string& uri);
+
+struct ClientOptions {
+  // Attempts per request, and the time all attempts of one request may take. Default: 10, 3 minutes.
+  int max_attempts = 10;
+  std::chrono::milliseconds max_retry_time{180000};
+  // Backoff before attempt k (k >= 1): uniform in [0, min(cap, base * 2^(k-1))]. Default: 200 ms, 20 s.
+  std::chrono::milliseconds backoff_base{200};
+  std::chrono::milliseconds backoff_cap{20000};
+  // Files larger than this go up in parts of this size (more when 10,000 parts would not hold
+  // them). Default: 32 MiB.
+  int64_t part_bytes = int64_t{32} << 20;
+  // Parts in flight per upload or download. Default: 8.
+  int parallel = 8;
+  http::Limits limits;  // each request (http.h's defaults)
+  CredentialOptions credentials;
+};
+
+struct ObjectInfo {
+  std::string name;  // relative to the location's prefix
+  int64_t size = 0;
+  std::string etag;
+};
+
+class Client {
+ public:
+  // Reads the settings and prepares the credential chain; contacts nothing (check_access does).
+  Client(Location location, Environment env, ClientOptions options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const Location& location() const { return location_; }
+  // "s3://bucket/prefix at ENDPOINT (region R, credentials from SOURCE)", for messages.
+  std::string describe();
+
+  // Lists under the prefix, puts and deletes a probe object. Throws one line naming
+  // what is wrong and the fix: an unreachable endpoint, a wrong key or secret, a
+  // missing bucket, a bucket in another region, missing permissions.
+  void check_access();
+
+  // `name`s are relative to the location's prefix.
+  void put(const std::string& name, const std::string& bytes);
+  // A conditional put (If-None-Match: *): false, writing nothing, when `name` exists.
+  bool put_if_absent(const std::string& name, const std::string& bytes);
+  // The file at `path` as `name` (multipart above part_bytes); with `if_absent` as
+  // put_if_absent. `progress` (optional) is called with each part's bytes once sent.
+  bool upload_file(const std::string& name, const std::string& path, bool if_absent = false,
+                   const std::function<void(int64_t)>& progress = {});
+  // The whole object; nullopt when it does not exist.
+  std::optional<std::string> get(const std::string& name);
+  // `size` bytes from `offset` into `out`. Throws when the object is shorter.
+  void get_range(const std::string& name, int64_t offset, int64_t size, char* out);
+  // The object into the file at `path` (created or truncated), `parallel` ranges at a time; returns its size.
+  int64_t download_file(const std::string& name, const std::string& path);
+  std::optional<ObjectInfo> head(const std::string& name);
+  // Objects whose names start with `name_prefix`, in key order (every page).
+  std::vector<ObjectInfo> list(const std::string& name_prefix);
+  // "Directories" directly under `name_prefix` (ListObjectsV2 with delimiter '/'), as names ending in '/'.
+  std::vector<std::string> list_directories(const std::string& name_prefix);
+  void remove(const std::string& name);  // absent objects included
+  // Every object under `name_prefix`, and the unfinished multipart uploads there.
+  void remove_all(const std::string& name_prefix);
+
+  // Requests sent (retries included) and retried, since construction.
+  int64_t requests() const { return requests_; }
+  int64_t retries() const { return retries_; }
+
+ private:
+  struct Target;
+  // Sends the request `build` makes (for the current credentials) until it gets
+  // an answer that is not worth retrying, or attempts or time run out (throws,
+  // naming `what`). Returns the last response.
+  http::Response send(const std::string& what, const std::function<http::Request()>& build);
+  std::string url(const std::string& key, const std::string& query = "") const;
+  std::string bucket_url(const std::string& query) const;
+  // Throws for a response other than 2xx (or 404 when `allow_404`), naming `what` and the store's code.
+  void expect_ok(const http::Response& r, const std::string& what, bool allow_404 = false) const;
+  bool multipart_upload(const std::string& key, const std::string& path, int64_t size, bool if_absent,
+                        const std::function<void(int64_t)>& progress);
+  // Runs f(i) for i in [0, n) on the pool, `parallel` at a time; rethrows the first error.
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
+
+  Location location_;
+  ClientOptions options_;
+  CredentialChain credentials_;
+  std::string endpoint_;  // scheme://host[:port], no trailing '/'
+  bool path_style_;
+  std::atomic<int64_t> requests_{0}, retries_{0};
+  std::unique_ptr<boost::asio::thread_pool> pool_;
+};
+
+}  // namespace zeroshard::ckpt::s3

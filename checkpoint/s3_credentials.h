@@ -1,0 +1,101 @@
+// s3_credentials.h — where an S3 client's settings and credentials come from,
+// found as the AWS SDKs find them, so that a trainer needs no configuration of
+// its own on AWS, on EKS, on a spot instance or against a local store.
+//
+// Settings: the region (AWS_REGION, AWS_DEFAULT_REGION, the profile's `region`;
+// default us-east-1) and the endpoint (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the
+// profile's `endpoint_url`; default AWS's own); the CA certificates for HTTPS
+// (AWS_CA_BUNDLE, the profile's `ca_bundle`; default the system's).
+//
+// Credentials, the first source that has them, in the SDKs' order:
+//   1. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN);
+//   2. a web identity (EKS): AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN,
+//      exchanged with STS (AssumeRoleWithWebIdentity; AWS_ENDPOINT_URL_STS);
+//   3. the profile AWS_PROFILE (default "default") in ~/.aws/credentials and
+//      ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE): static keys,
+//      or web_identity_token_file with role_arn;
+//   4. the EC2 instance metadata service, IMDSv2 (AWS_EC2_METADATA_SERVICE_ENDPOINT;
+//      off with AWS_EC2_METADATA_DISABLED=true): a spot instance's role.
+// Temporary credentials (2 and 4, and STS-issued ones) are fetched again from
+// their source before they expire. A source that is configured but fails (an
+// unreadable token file, a profile that does not exist, STS refusing the
+// token) is an error naming it, not a silent fall-through to the next source.
+// No message of this module ever contains a secret or a session token.
+// Thread-safe.
+#pragma once
+
+#include "http.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+
+namespace zeroshard::ckpt::s3 {
+
+// The variables the settings come from (a map, so that tests give their own).
+using Environment = std::map<std::string, std::string>;
+// This process's AWS_* variables and HOME.
+Environment process_environment();
+
+struct Credentials {
+  std::string access_key_id, secret_access_key, session_token;
+  // When temporary credentials stop working; none for static keys.
+  std::optional<std::chrono::system_clock::time_point> expiration;
+  std::string source;  // for messages: "environment", "profile 'ci' (/root/.aws/credentials)", ...
+};
+
+struct Settings {
+  std::string region;        // never empty
+  std::string s3_endpoint;   // "" for AWS (https://s3.REGION.amazonaws.com, virtual-hosted)
+  std::string sts_endpoint;  // never empty
+  std::string profile;       // the profile consulted ("default" unless AWS_PROFILE)
+  std::string ca_bundle;     // AWS_CA_BUNDLE or the profile's ca_bundle: HTTPS's CA certificates ("" = the system's)
+};
+// REQUIRES: a profile named by AWS_PROFILE exists in one of the files (throws otherwise).
+Settings settings_from(const Environment& env);
+
+struct CredentialOptions {
+  // Temporary credentials are fetched again this long before they expire. Default: 5 minutes.
+  std::chrono::seconds refresh_before{300};
+  // Each request to the metadata service or STS. Default: connect in 1 s, all of it in 5 s.
+  http::Limits service_limits{std::chrono::milliseconds(1000), 1, std::chrono::milliseconds(5000),
+                              std::chrono::milliseconds(5000)};
+};
+
+class CredentialChain {
+ public:
+  explicit CredentialChain(Environment env, CredentialOptions options = {});
+  // The current credentials, fetched (the first time) or refreshed (near their
+  // expiration) from the source that gave them. Throws, naming every source
+  // tried and why each had none, when no source has credentials.
+  Credentials get();
+  // The store said the credentials expired or are invalid: the next get() fetches anew.
+  void expire();
+  const Settings& settings() const { return settings_; }
+
+ private:
+  enum class Source { kNone, kEnvironment, kWebIdentity, kProfile, kProfileWebIdentity, kMetadata };
+  // The first source with credentials (in the order above); sets source_.
+  Credentials resolve();
+  Credentials fetch(Source source);
+  Credentials web_identity(const std::string& token_file, const std::string& role_arn, const std::string& session,
+                           const std::string& where);
+  Credentials instance_metadata();
+  std::optional<std::string> profile_value(const std::string& key) const;
+
+  Environment env_;
+  CredentialOptions options_;
+  Settings settings_;
+  std::map<std::string, std::string> profile_;  // the profile's keys (credentials file over config file)
+  std::string profile_where_;                   // the files it was read from, for messages
+  std::mutex mu_;                               // guards source_, current_
+  Source source_ = Source::kNone;
+  std::optional<Credentials> current_;
+};
+
+// "2026-11-29T18:04:05Z" (optionally with fractional seconds) as a time point; none if malformed.
+std::optional<std::chrono::system_clock::time_point> parse_iso8601(const std::string& text);
+
+}  // namespace zeroshard::ckpt::s3

