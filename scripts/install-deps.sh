@@ -26,6 +26,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev libxxhash-dev
   # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates
   libcurl4-openssl-dev libpugixml-dev ca-certificates
+  # the S3 store of the tests: curl signs its readiness probe (tests/checkpoint/s3_store.py)
+  curl
   # tests and benchmarks (xxhash's CLI is an independent oracle; binutils' nm checks symbols)
   libgtest-dev libgmock-dev libbenchmark-dev xxhash binutils
   # the multi-host tests' cluster of network namespaces (scripts/cluster.sh: ip, tc; unshare, nsenter)
