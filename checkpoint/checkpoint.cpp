@@ -28,7 +28,30 @@ Checkpointer::Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, 
   impl_->options = options;
   impl_->disks = Impl::find_disks(*impl_->comm, impl_->dir);
   impl_->io_comm = impl_->comm->dup();
+  if (!options.durable_uri.empty()) {
+    std::string err;
+    try {
+      ckpt::DurableOptions d;
+      d.keep = options.keep;
+      d.upload_timeout = options.durable_upload_timeout;
+      d.client.max_retry_time = options.durable_retry_time;
+      impl_->durable = std::make_unique<ckpt::DurableTier>(ckpt::s3::parse_uri(options.durable_uri),
+                                                           ckpt::s3::process_environment(), impl_->comm->rank(),
+                                                           impl_->comm->size(), d);
+      impl_->durable->check_access();  // a wrong key, bucket or endpoint: here, before the first step
+    } catch (const std::exception& e) {
+      err = error_message(e);
+    }
+    Impl::agree(*impl_->comm, "opening the durable tier " + options.durable_uri, err);
+    if (impl_->comm->rank() == 0) log_info("checkpoint: durable tier " + impl_->durable->describe());
+  }
 }
+
+bool Checkpointer::wait_durable(std::chrono::milliseconds timeout) {
+  return !impl_->durable || impl_->durable->wait(timeout);
+}
+
+DurableStatus Checkpointer::durable_status() const { return impl_->durable ? impl_->durable->status() : DurableStatus{}; }
 
 std::vector<int> ckpt::Disks::members(int rank) const {
   std::vector<int> out;

@@ -7,6 +7,7 @@
 #include "zeroshard/checkpoint.h"
 
 #include "checksum.h"
+#include "durable.h"
 #include "h5.h"
 #include "host_copy.h"
 
@@ -241,6 +242,16 @@ struct Checkpointer::Impl {
                    const std::function<void(std::function<void()>)>& fence);
   // Blocks until the background save (if any) is committed; rethrows its error.
   void wait_pending();
+  // The durable tier (CheckpointOptions::durable_uri), or null.
+  std::unique_ptr<ckpt::DurableTier> durable;
+  std::set<int64_t> durable_steps;  // committed in the store, as agree_on_candidates() found
+  // Collective on `c`, after the local commit of `step_dir`: starts its upload on every
+  // rank, or on none (an upload still in flight somewhere). Sends nothing to the store.
+  void start_durable_upload(Communicator& c, const fs::path& step_dir, int64_t step);
+  // Collective: a disk that lacks the committed step `cand` (its manifest), or a load at
+  // another world size or number of stages, copies the files it lacks from the store
+  // (its leader does). Returns this rank's failure ("" when none).
+  std::string fetch_from_durable(const fs::path& cand);
   using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
                                      const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
@@ -279,7 +290,8 @@ struct Checkpointer::Impl {
   // Collective: the step directories to try, in order, the same on every rank:
   // `step`, or the oldest step a `latest` names, then the steps every disk holds,
   // newest first. Throws when some disks hold checkpoints and others none in common.
-  std::vector<fs::path> agree_on_candidates(std::optional<int64_t> step) const;
+  // With a durable tier also the steps committed there (durable_steps).
+  std::vector<fs::path> agree_on_candidates(std::optional<int64_t> step);
 };
 
 }  // namespace zeroshard

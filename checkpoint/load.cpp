@@ -18,8 +18,21 @@ namespace zeroshard {
 
 using namespace ckpt;
 
-std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int64_t> step) const {
+std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int64_t> step) {
   const fs::path root(dir);
+  durable_steps.clear();
+  if (durable) {  // the store's committed steps, as rank 0 lists them
+    std::string text = "[]";
+    if (comm->rank() == 0) {
+      try {
+        text = json(durable->committed_steps()).dump();
+      } catch (const std::exception& e) {
+        log_warn("checkpoint: cannot list the durable tier (" + error_message(e) + "); loading from '" + dir +
+                 "' alone");
+      }
+    }
+    for (const auto& s : json::parse(broadcast_text(*comm, text, 0))) durable_steps.insert(s.get<int64_t>());
+  }
   if (step) return {root / step_dir_name(*step)};
   // This rank's view: what `latest` names and the committed steps, newest first.
   json mine{{"latest", nullptr}, {"committed", json::array()}};
@@ -61,16 +74,19 @@ std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int6
                  ") " + (held.empty() ? std::string("none") : "steps " + v.at("committed").dump());
     }
   }
+  // The durable tier's steps too: a disk that lacks one copies it from the store (fetch_from_durable).
+  std::set<int64_t> loadable = everywhere;
+  loadable.insert(durable_steps.begin(), durable_steps.end());
   std::vector<fs::path> out;
   if (latest) out.push_back(root / step_dir_name(*latest));
-  for (auto it = everywhere.rbegin(); it != everywhere.rend(); ++it) {
+  for (auto it = loadable.rbegin(); it != loadable.rend(); ++it) {
     if (!latest || *it != *latest) out.push_back(root / step_dir_name(*it));
   }
   bool any = false;
   for (const auto& v : views) any = any || !v.at("committed").empty();
   // Some disks hold checkpoints and others none (a host replaced by a fresh one): starting
   // from scratch would silently throw the run away.
-  TORCH_CHECK(!any || !everywhere.empty(), "checkpoint: the hosts' run directories '", dir,
+  TORCH_CHECK(!any || !loadable.empty(), "checkpoint: the hosts' run directories '", dir,
               "' hold no committed step in common (", holders,
               "). Bring every host's step directories together (a shared filesystem, or copy them onto each host: "
               "docs/checkpoints.md), or empty the directory on every host to start afresh");
@@ -407,6 +423,38 @@ void stage_gradients(PieceReader& in, const ShardedState& state, const std::vect
 
 }  // namespace
 
+std::string Checkpointer::Impl::fetch_from_durable(const fs::path& cand) {
+  const auto step = step_of_dir_name(cand.filename().string());
+  std::string why;
+  if (step && durable_steps.count(*step) && disks.leads(comm->rank())) {
+    try {
+      bool fetch = !fs::exists(cand / "manifest.json");
+      if (!fetch) {  // held here: at the topology that saved it, each disk has what its ranks read
+        const json m = read_manifest(cand);
+        fetch = m.at("world_size").get<int>() != comm->size() ||
+                m.value("topology", json::object()).value("pp_stages", 1) != options.pp_stages;
+      }
+      if (fetch) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const int64_t bytes = durable->fetch(*step, dir);
+        char msg[160];
+        std::snprintf(msg, sizeof(msg), "checkpoint: copied %.1f MB of %s from the durable tier in %.2f s (host %s)",
+                      bytes / 1e6, cand.filename().string().c_str(),
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                      disks.hosts[static_cast<size_t>(comm->rank())].c_str());
+        log_warn(msg);
+      }
+    } catch (const std::exception& e) {
+      why = "copying it from the durable tier " + options.durable_uri + " failed: " + error_message(e);
+    }
+  }
+  // Nobody reads the step before every disk holds it.
+  auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
+  if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
+  if (why.empty() && bad.item<double>() > 0) why = "another host could not copy it from the durable tier (its log says why)";
+  return why;
+}
+
 std::string Checkpointer::Impl::check_candidate(const fs::path& cand, json& m) const {
   std::string why;
   try {
@@ -441,9 +489,12 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
   if (candidates.empty()) return std::nullopt;
   const auto mine = model_entries(model, state, names, options.saved_names);
   for (const auto& cand : candidates) {
+    // 0. what a disk lacks, copied from the durable tier
+    std::string fetched = durable ? fetch_from_durable(cand) : "";
     // 1. manifest and files, checked by every rank (each a share of the files)
     json m;
     std::string why = check_candidate(cand, m);
+    if (!fetched.empty()) why = fetched;
     auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
     if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
     if (bad.item<double>() > 0) {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -36,6 +37,14 @@ std::string error_text(const http::Response& r) {
   if (doc.load_string(r.body.c_str())) {
     code = doc.child("Error").child("Code").text().as_string();
     message = doc.child("Error").child("Message").text().as_string();
+  }
+  if (code.empty()) {  // no body (an answer to HEAD, or a proxy's): the status's meaning
+    static const std::map<long, std::string> meaning{
+        {400, "bad request"}, {403, "forbidden: AccessDenied or a wrong signature"}, {404, "not found"},
+        {412, "precondition failed: the object exists"}, {429, "too many requests"}, {500, "internal error"},
+        {502, "bad gateway"}, {503, "service unavailable: SlowDown"}, {504, "gateway timeout"}};
+    auto it = meaning.find(r.status);
+    if (it != meaning.end()) code = "(" + it->second + ")";
   }
   return "HTTP " + std::to_string(r.status) + (code.empty() ? "" : " " + code) + (message.empty() ? "" : ": " + message);
 }

@@ -250,8 +250,22 @@ void Checkpointer::Impl::retain(const fs::path& keep_dir) {
   }
   auto all = committed();
   const size_t keep = static_cast<size_t>(std::max(options.keep, 2));
+  const fs::path uploading = durable ? durable->pinned() : fs::path();  // read by the durable tier's upload
   for (size_t i = keep; i < all.size(); ++i) {
-    if (all[i] != keep_dir) fs::remove_all(all[i], ec);
+    if (all[i] != keep_dir && all[i] != uploading) fs::remove_all(all[i], ec);
+  }
+}
+
+void Checkpointer::Impl::start_durable_upload(Communicator& c, const fs::path& step_dir, int64_t step) {
+  // One decision on every rank: while some rank's previous upload is in flight, this step
+  // is not uploaded anywhere (a step in the store is every rank's files or none).
+  auto busy = torch::tensor({durable->busy() ? 1.0 : 0.0}, torch::kDouble);
+  if (c.size() > 1) c.all_reduce(busy, ReduceOp::kMax)->wait();
+  if (busy.item<double>() == 0) {
+    durable->start_upload(step_dir, step);
+  } else if (c.rank() == 0) {
+    log_warn("checkpoint: " + step_dir_name(step) + " is not uploaded to the durable tier: the previous step's " +
+             "upload is still in flight on some rank (saves come faster than the store takes them)");
   }
 }
 
@@ -407,6 +421,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   // Without a shared filesystem, a crash between two disks' commits leaves one a step
   // ahead: a load takes the newest step every disk holds (each keeps at least 2).
   agree(c, "committing " + final_dir.string(), err);
+  if (durable) start_durable_upload(c, final_dir, snap.progress.step);
   if (leads) retain(final_dir);
   c.barrier();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

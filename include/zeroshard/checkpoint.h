@@ -29,6 +29,7 @@
 
 #include <torch/nn/module.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -65,6 +66,31 @@ struct CheckpointOptions {
   // every copy, at any number of stages, or into an unpipelined model where
   // the copies are one tensor. Default: none.
   std::map<std::string, std::string> saved_names;
+  // The durable tier: an S3-compatible store, "s3://bucket/prefix" (AWS S3, GCS's
+  // S3 interface, MinIO, Ceph, SeaweedFS, R2). The run directory stays the first
+  // tier; every committed checkpoint is also uploaded in the background (each rank
+  // its own files) and committed in the store by a conditional put of its manifest,
+  // so a host lost with its disk loses nothing: a load copies what its disk lacks
+  // from the store. Settings and credentials as the AWS SDKs find them (AWS_*,
+  // ~/.aws, EKS web identity, EC2 instance metadata; AWS_ENDPOINT_URL for other
+  // stores); checked when the Checkpointer is made. docs/checkpoints.md. Default: none.
+  std::string durable_uri;
+  // Rank 0 abandons a step's durable copy when some rank has not uploaded its files
+  // this long after the upload began. Default: 30 minutes.
+  std::chrono::seconds durable_upload_timeout{1800};
+  // How long one request to the store is retried (backoff with jitter) before the
+  // upload, or the fetch, fails. Default: 3 minutes.
+  std::chrono::seconds durable_retry_time{180};
+};
+
+// Where the durable tier stands (Checkpointer::durable_status()).
+struct DurableStatus {
+  int64_t durable_step = -1;    // the newest step this process saw committed in the store; -1: none
+  int64_t uploading_step = -1;  // the step whose upload is in flight; -1: none
+  double lag_seconds = 0;       // durable_step's upload, from its start to its commit
+  int64_t durable_bytes = 0;    // what this rank uploaded for durable_step
+  std::string last_error;       // why the last abandoned upload was abandoned ("" if none was)
+  int64_t abandoned = 0;        // uploads abandoned so far
 };
 
 // How long the last save took.
@@ -128,6 +154,11 @@ class Checkpointer {
   // in effect (the save it waits for is).
   void wait();
   SaveTimes last_save_times() const;
+  // The durable tier (durable_uri): waits up to `timeout` for the upload in flight
+  // (e.g. within a preemption's grace period); true when none is in flight after.
+  // Without a durable tier: true at once. Not collective.
+  bool wait_durable(std::chrono::milliseconds timeout);
+  DurableStatus durable_status() const;
 
   const std::string& dir() const;
 

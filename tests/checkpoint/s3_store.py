@@ -4,7 +4,8 @@ environment) on 127.0.0.1 only, telemetry off, signatures checked; with a fault-
 front of it and fake AWS credential services (the EC2 instance metadata service, STS) beside it. It
 runs a command with the store's settings in its environment, then stops everything.
 
-Usage: s3_store.py [--weed PATH] -- COMMAND [ARGS...]
+Usage: s3_store.py [--weed PATH] -- COMMAND [ARGS...] [--then COMMAND [ARGS...]]...
+(the commands one after another, against the same store, until one fails)
 
 The command's environment:
   AWS_ENDPOINT_URL         the store (http://127.0.0.1:PORT, path-style), bucket ZS_TEST_S3_BUCKET
@@ -282,13 +283,23 @@ def main():
             env.pop(name, None)
         signal.signal(signal.SIGUSR1, restart)
         signal.signal(signal.SIGUSR2, restart)
-        child = subprocess.Popen(args, env=env)
-        while True:
-            try:
-                code = child.wait()
+        commands = [[]]
+        for a in args:
+            if a == "--then":
+                commands.append([])
+            else:
+                commands[-1].append(a)
+        code = 0
+        for command in commands:
+            child = subprocess.Popen(command, env=env)
+            while True:
+                try:
+                    code = child.wait()
+                    break
+                except InterruptedError:
+                    continue
+            if code != 0:
                 break
-            except InterruptedError:
-                continue
         sys.exit(code)
     finally:
         if child and child.poll() is None:

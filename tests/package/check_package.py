@@ -48,6 +48,7 @@ Usage: check_package.py CMAKE GENERATOR BUILD_DIR SOURCE_DIR TORCH_DIR TORCH_LIB
                 builds against the zeroshard:: targets and its 2-rank losses equal its 1-rank ones.
 """
 import concurrent.futures
+import hashlib
 import json
 import os
 import re
@@ -55,6 +56,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -66,11 +68,13 @@ CONSUMER = os.path.join(HERE, "consumer")
 
 cmake, generator, build, source, torch_dir, torch_lib = sys.argv[1:7]
 checks = sys.argv[7:]
-# The checks' trees sit at a fixed place in the build directory, one per check: compiler caches key
-# on paths, and a tree at a new temporary path each run compiled everything again (the
-# subdirectory's zeroshard build alone took 400 s of a warm CI's time).
-work = os.path.join(os.path.abspath(build), "package-checks", checks[0] if checks[0].endswith("-inside") or
-                    checks[0] in ("package-without-toolkit", "deb-installed") else "-".join(checks))
+# The checks' trees sit at a fixed place for this build directory, one per check: compiler caches
+# key on paths, and a tree at a new temporary path each run compiled everything again (the
+# subdirectory's zeroshard build alone took 400 s of a warm CI's time). Outside the source tree: a
+# user's project is no part of zeroshard's git work tree (`git apply` there would patch nothing).
+work = os.path.join(tempfile.gettempdir(), "zs-package-checks-" + hashlib.sha1(os.path.abspath(build).encode()).hexdigest()[:12],
+                    checks[0] if checks[0].endswith("-inside") or checks[0] in ("package-without-toolkit", "deb-installed")
+                    else "-".join(checks))
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
 prefix = os.path.join(work, "prefix")
@@ -355,6 +359,7 @@ def check_outside():
             shutil.copy(os.path.join(OUTSIDE, f), tree)
     patch = os.path.join(OUTSIDE, "sharding.patch")
     run(["git", "apply", "-p1", "--whitespace=nowarn", patch], "git apply sharding.patch", cwd=sharded)
+    check("zeroshard" in open(os.path.join(sharded, "CMakeLists.txt")).read(), "git apply sharding.patch changed nothing")
     changed = {}
     for block in open(patch).read().split("diff --git ")[1:]:
         name = block.split()[0][2:]

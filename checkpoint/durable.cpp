@@ -1,0 +1,250 @@
+// durable.cpp — uploads, commits, retention and fetches of the durable tier (durable.h).
+#include "durable.h"
+
+#include "checkpointer_impl.h"
+#include "zeroshard/log.h"
+#include "zeroshard/trace.h"
+
+#include <boost/asio/post.hpp>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+#include <thread>
+
+namespace zeroshard::ckpt {
+
+namespace fs = std::filesystem;
+using Steady = std::chrono::steady_clock;
+
+namespace {
+
+std::string report_name(const std::string& step_name, int rank, bool ok) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "/.ranks/rank-%05d.%s", rank, ok ? "ok" : "failed");
+  return step_name + buf;
+}
+
+double seconds_since(Steady::time_point t) { return std::chrono::duration<double>(Steady::now() - t).count(); }
+
+}  // namespace
+
+DurableTier::DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options)
+    : client_(std::make_unique<s3::Client>(std::move(where), std::move(env), options.client)),
+      rank_(rank),
+      world_(world),
+      options_(options) {}
+
+DurableTier::~DurableTier() {
+  thread_.join();
+}
+
+bool DurableTier::busy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_.valid() && in_flight_.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+}
+
+void DurableTier::start_upload(const fs::path& step_dir, int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!in_flight_.valid() || in_flight_.wait_for(std::chrono::seconds(0)) == std::future_status::ready,
+              "durable tier: an upload is in flight");
+  pinned_ = step_dir;
+  status_.uploading_step = step;
+  auto task = std::make_shared<std::packaged_task<void()>>([this, step_dir, step] { upload(step_dir, step); });
+  in_flight_ = task->get_future();
+  boost::asio::post(thread_, [task] { (*task)(); });
+}
+
+bool DurableTier::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!in_flight_.valid()) return true;
+  auto f = std::move(in_flight_);
+  lock.unlock();
+  bool done = f.wait_for(timeout) == std::future_status::ready;
+  lock.lock();
+  if (!done) in_flight_ = std::move(f);
+  return done;
+}
+
+DurableStatus DurableTier::status() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return status_;
+}
+
+fs::path DurableTier::pinned() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pinned_;
+}
+
+void DurableTier::upload(const fs::path& step_dir, int64_t step) {
+  const auto t0 = Steady::now();
+  const std::string step_name = step_dir_name(step);
+  std::string why;
+  int64_t bytes = 0;
+  // This rank's files: its rank file; rank 0 also what rank 0 alone writes.
+  std::vector<std::string> mine{rank_file_name(rank_, world_)};
+  if (rank_ == 0) mine.push_back("model.h5");
+  try {
+    if (client_->head(step_name + "/manifest.json")) {  // committed before (a resumed job saving a step again)
+      if (rank_ == 0) log_warn("checkpoint: " + step_name + " is already committed in the durable tier; kept as it is");
+      std::lock_guard<std::mutex> lock(mu_);
+      status_.uploading_step = -1;
+      status_.durable_step = step;
+      pinned_.clear();
+      return;
+    }
+    for (const auto& name : mine) {
+      std::error_code ec;
+      if (!fs::exists(step_dir / name, ec)) {
+        TORCH_CHECK(name == "model.h5", "'", (step_dir / name).string(), "' is missing");
+        continue;  // CheckpointOptions::write_model_view off
+      }
+      trace::Span span("checkpoint", "checkpoint upload " + name);
+      client_->upload_file(step_name + "/" + name, (step_dir / name).string(), false,
+                           [&bytes](int64_t n) { bytes += n; });
+    }
+    client_->put(report_name(step_name, rank_, true), std::to_string(bytes));
+  } catch (const std::exception& e) {
+    why = error_message(e);
+    try {  // tell rank 0 at once, rather than at its deadline
+      client_->put(report_name(step_name, rank_, false), why);
+    } catch (const std::exception&) {
+    }
+  }
+  if (why.empty()) {
+    try {
+      if (rank_ == 0) {  // every rank's files up: the commit
+        why = await_reports(step_name, t0 + options_.upload_timeout, /*commit=*/false);
+        if (why.empty()) commit(step_dir, step_name);
+      } else {  // the commit, or another rank's failure (a margin past rank 0's deadline, for its commit)
+        why = await_reports(step_name, t0 + options_.upload_timeout + std::chrono::minutes(1), /*commit=*/true);
+      }
+    } catch (const std::exception& e) {
+      why = error_message(e);
+      if (rank_ == 0) {  // the others wait for the commit: tell them
+        try {
+          client_->put(report_name(step_name, 0, false), "committing failed: " + why);
+        } catch (const std::exception&) {
+        }
+      }
+    }
+  }
+  const double lag = seconds_since(t0);
+  std::lock_guard<std::mutex> lock(mu_);
+  status_.uploading_step = -1;
+  pinned_.clear();
+  if (why.empty()) {
+    status_.durable_step = step;
+    status_.lag_seconds = lag;
+    status_.durable_bytes = bytes;
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "checkpoint: step %lld is durable in %.1f s (%.1f MB from rank 0) at ",
+                  static_cast<long long>(step), lag, bytes / 1e6);
+    log_info(msg + client_->location().uri());
+  } else {
+    status_.last_error = why;
+    ++status_.abandoned;
+    log_error("checkpoint: the durable copy of step " + std::to_string(step) + " is abandoned (training goes on; the " +
+              "next save tries again): " + why);
+  }
+}
+
+std::string DurableTier::await_reports(const std::string& step_name, Steady::time_point deadline, bool commit) {
+  auto pause = std::chrono::milliseconds(200);
+  while (true) {
+    if (commit && client_->head(step_name + "/manifest.json")) return "";
+    std::set<int> ok;
+    for (const auto& o : client_->list(step_name + "/.ranks/")) {
+      int r = -1;
+      char kind[8] = {0};
+      if (std::sscanf(o.name.c_str() + step_name.size(), "/.ranks/rank-%05d.%7s", &r, kind) != 2) continue;
+      if (std::string(kind) == "failed") {
+        std::string cause = client_->get(o.name).value_or("(no reason given)");
+        return "rank " + std::to_string(r) + ": " + cause;
+      }
+      ok.insert(r);
+    }
+    if (!commit && static_cast<int>(ok.size()) >= world_) return "";
+    if (Steady::now() >= deadline) {
+      if (commit) return "rank 0 did not commit " + step_name + " by its deadline";
+      std::string missing;
+      for (int r = 0; r < world_ && missing.size() < 200; ++r) {
+        if (!ok.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      return "rank(s) " + missing + " did not report their files uploaded within " +
+             std::to_string(std::chrono::duration_cast<std::chrono::seconds>(options_.upload_timeout).count()) + " s";
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+void DurableTier::commit(const fs::path& step_dir, const std::string& step_name) {
+  client_->put(step_name + "/manifest.xxh3", read_text(step_dir / "manifest.xxh3"));
+  // The commit: one writer of a step's manifest, ever.
+  if (!client_->put_if_absent(step_name + "/manifest.json", read_text(step_dir / "manifest.json"))) {
+    log_warn("checkpoint: " + client_->location().uri() + "/" + step_name +
+             " was committed by another writer first (another job on the same prefix?); keeping its manifest");
+  }
+  client_->put("latest", step_name + "\n");
+  retain();
+}
+
+std::vector<int64_t> DurableTier::committed_steps() {
+  std::vector<int64_t> steps;
+  for (const auto& o : client_->list("step-")) {
+    auto slash = o.name.find('/');
+    if (slash == std::string::npos || o.name.substr(slash) != "/manifest.json") continue;
+    if (auto s = step_of_dir_name(o.name.substr(0, slash))) steps.push_back(*s);
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+void DurableTier::retain() {
+  auto steps = committed_steps();
+  const size_t keep = static_cast<size_t>(std::max(options_.keep, 2));
+  std::set<int64_t> kept(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(std::min(keep, steps.size())));
+  const int64_t newest = steps.empty() ? -1 : steps.front();
+  for (const auto& d : client_->list_directories("step-")) {
+    auto s = step_of_dir_name(d.substr(0, d.size() - 1));
+    if (!s || kept.count(*s)) continue;
+    // Older committed steps beyond `keep`, and uncommitted ones older than the newest commit (abandoned).
+    if (*s < newest) client_->remove_all(d);
+  }
+}
+
+int64_t DurableTier::fetch(int64_t step, const fs::path& run_dir) {
+  const std::string step_name = step_dir_name(step);
+  const fs::path final_dir = run_dir / step_name, tmp = run_dir / (step_name + ".fetch");
+  auto manifest = client_->get(step_name + "/manifest.json");
+  auto digest = client_->get(step_name + "/manifest.xxh3");
+  TORCH_CHECK(manifest && digest, "checkpoint: ", client_->location().uri(), "/", step_name,
+              "/manifest.json or manifest.xxh3 is gone (removed by a newer job's retention?)");
+  const json m = json::parse(*manifest);
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot create '", tmp.string(), "': ", ec.message());
+  int64_t bytes = 0;
+  for (const auto& f : m.at("files")) {  // what this disk lacks (its own files stay as they are)
+    const std::string name = f.at("name").get<std::string>();
+    const fs::path here = final_dir / name;
+    if (fs::exists(here, ec) && static_cast<int64_t>(fs::file_size(here, ec)) == f.at("bytes").get<int64_t>()) continue;
+    trace::Span span("checkpoint", "checkpoint fetch " + name);
+    bytes += client_->download_file(step_name + "/" + name, (tmp / name).string());
+  }
+  write_atomically(tmp / "manifest.xxh3", *digest);
+  // Into the step directory; the manifest last: it marks the step complete on this disk.
+  fs::create_directories(final_dir, ec);
+  for (const auto& e : fs::directory_iterator(tmp)) {
+    fs::rename(e.path(), final_dir / e.path().filename(), ec);
+    TORCH_CHECK(!ec, "checkpoint: cannot move '", e.path().string(), "' into '", final_dir.string(), "': ", ec.message());
+  }
+  write_atomically(final_dir / "manifest.json", *manifest);
+  fs::remove_all(tmp, ec);
+  return bytes;
+}
+
+}  // namespace zeroshard::ckpt

@@ -1,0 +1,98 @@
+// durable.h — the durable tier (DESIGN.md §7): committed local steps copied to
+// an S3-compatible store and committed there, so that a host lost with its disk
+// takes nothing the run needs; and steps copied back for a resume.
+//
+// In the store, under s3://bucket/prefix, the same names as in the run directory:
+//   latest                   names the newest step committed here (written after its manifest)
+//   step-00001200/
+//     rank-00000-of-00004.h5 ...  model.h5  manifest.xxh3
+//     manifest.json          the commit: put last, with If-None-Match: * (one writer wins)
+//     .ranks/rank-00003.ok   each rank's report that its files are up (or .failed, with why)
+// A step directory without manifest.json does not exist for a load; retention
+// removes it once a newer step is committed, and removes committed steps beyond
+// the newest `keep`.
+//
+// An upload runs on this object's thread while training goes on: each rank puts
+// its own files, then its report; rank 0 waits for every report (bounded by
+// `upload_timeout`), then commits; the other ranks wait for the commit, or for a
+// report of failure, so every rank knows the step's fate. A failure or a stall abandons the step's
+// durable copy (one line naming the rank and the cause; training goes on) and
+// the next save tries again. Thread-safe; one upload at a time.
+#pragma once
+
+#include "s3_client.h"
+#include "zeroshard/checkpoint.h"
+
+#include <boost/asio/thread_pool.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace zeroshard::ckpt {
+
+struct DurableOptions {
+  // Committed steps kept in the store. Default: CheckpointOptions::keep.
+  int keep = 3;
+  // Rank 0 waits this long, from the start of an upload, for every rank's report. Default: 30 minutes.
+  std::chrono::milliseconds upload_timeout{30 * 60 * 1000};
+  s3::ClientOptions client;
+};
+
+class DurableTier {
+ public:
+  // `env`: where credentials and settings come from (s3_credentials.h).
+  DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options);
+  ~DurableTier();  // waits for the upload in flight
+  DurableTier(const DurableTier&) = delete;
+  DurableTier& operator=(const DurableTier&) = delete;
+
+  // Lists, puts and deletes a probe: throws one line naming what is wrong (s3_client.h).
+  void check_access() { client_->check_access(); }
+  std::string describe() { return client_->describe(); }
+  s3::Client& client() { return *client_; }
+
+  bool busy();
+  // Starts uploading this rank's files of the committed step directory `step_dir`
+  // (rank 0: also model.h5, the manifest, the commit and retention), unless the store
+  // already holds a commit of `step` (never overwritten). Returns at once.
+  // REQUIRES: !busy().
+  void start_upload(const std::filesystem::path& step_dir, int64_t step);
+  // Waits up to `timeout` for the upload in flight; true when none is in flight.
+  bool wait(std::chrono::milliseconds timeout);
+  DurableStatus status();
+  // The directory being uploaded (local retention must not delete it), or empty.
+  std::filesystem::path pinned();
+
+  // The steps committed in the store, newest first.
+  std::vector<int64_t> committed_steps();
+  // Copies the committed step `step` into `run_dir/step-N`: the files of its manifest
+  // that the directory lacks (or holds at another size; through step-N.fetch), then the
+  // manifest, which makes it a committed step there. Returns the bytes copied.
+  int64_t fetch(int64_t step, const std::filesystem::path& run_dir);
+
+ private:
+  void upload(const std::filesystem::path& step_dir, int64_t step);
+  // Waits for every rank's report (rank 0), or with `commit` for the step's manifest (the
+  // others); "" when it came, else why not (a rank's failure report, or the deadline).
+  std::string await_reports(const std::string& step_name, std::chrono::steady_clock::time_point deadline, bool commit);
+  void commit(const std::filesystem::path& step_dir, const std::string& step_name);
+  void retain();
+
+  std::unique_ptr<s3::Client> client_;
+  int rank_, world_;
+  DurableOptions options_;
+  boost::asio::thread_pool thread_{1};
+  std::mutex mu_;  // guards in_flight_, status_, pinned_
+  std::future<void> in_flight_;
+  DurableStatus status_;
+  std::filesystem::path pinned_;
+};
+
+}  // namespace zeroshard::ckpt

@@ -1,0 +1,213 @@
+// The durable tier (CheckpointOptions::durable_uri) against a real store: SeaweedFS
+// started by tests/checkpoint/s3_store.py around the ranks (ctest's durable_*).
+// Each rank keeps its own run directory, as hosts without a shared filesystem do.
+//
+// DurableCheckpointSave (at N ranks, ZeRO stages 0, 2, 3) saves through the store,
+// checks what the store holds against the run directories (the same bytes, the
+// manifest as the commit, `latest`), loses one rank's disk and resumes bit-identical
+// at N, and writes the uninterrupted run's parameters. DurableCheckpointResume (at
+// M ranks, every rank's disk empty) loads every N's checkpoint from the store alone
+// and must reach the same parameters to float rounding. Oracles: the bytes on disk,
+// the uninterrupted run.
+#include "checkpoint/checkpoint_models.h"
+#include "s3_client.h"
+#include "test_util.h"
+
+#include <zeroshard/checkpoint.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace zeroshard {
+namespace checkpoint_test {
+namespace {
+
+using namespace std::chrono_literals;
+namespace s3 = ckpt::s3;
+
+std::string bucket() {
+  const char* b = std::getenv("ZS_TEST_S3_BUCKET");
+  EXPECT_NE(b, nullptr) << "run under tests/checkpoint/s3_store.py (ctest's durable_* do)";
+  return b ? b : "missing";
+}
+
+// The store's prefix for the run saved at N ranks and ZeRO stage s.
+std::string durable_run(int n, int stage) { return "durable-test/n" + std::to_string(n) + "_stage" + std::to_string(stage); }
+
+// This rank's own run directory (a disk of its own), empty.
+std::string own_disk(const std::string& tag) {
+  const fs::path d = fs::path(testing::make_temp_dir(tag + "-rank" + std::to_string(world().rank())));
+  return d.string();
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+CheckpointOptions durable(const std::string& prefix) {
+  CheckpointOptions o;
+  o.durable_uri = "s3://" + bucket() + "/" + prefix;
+  o.durable_retry_time = 20s;
+  return o;
+}
+
+TEST(DurableCheckpointSave, CommitsInTheStoreAndResumesOnALostDisk) {
+  const int n = world().size(), rank = world().rank();
+  for (int stage : {0, 2, 3}) {
+    SCOPED_TRACE("ZeRO stage " + std::to_string(stage));
+    const std::string prefix = durable_run(n, stage);
+    s3::Client store({bucket(), prefix}, s3::process_environment());
+    if (rank == 0) store.remove_all("");
+    world().barrier();
+    const std::string disk = own_disk("durable-save");
+    fs::path step_dir;
+    torch::Tensor want;
+    {
+      Checkpointer ckpt(disk, world_ptr(), durable(prefix));
+      Trainer run(stage);
+      run.train(0, kSaveAt);
+      step_dir = run.save(ckpt, kSaveAt);
+      ASSERT_TRUE(ckpt.wait_durable(120s));
+      const auto status = ckpt.durable_status();
+      EXPECT_EQ(status.durable_step, kSaveAt) << status.last_error;
+      EXPECT_EQ(status.abandoned, 0);
+      world().barrier();  // every rank's upload is done (rank 0 committed after all reported)
+      // The store holds this rank's file, byte for byte, and the committed manifest.
+      const std::string name = fs::path(step_dir).filename().string();
+      char mine[48];
+      std::snprintf(mine, sizeof(mine), "rank-%05d-of-%05d.h5", rank, n);
+      EXPECT_TRUE(store.get(name + "/" + mine).value_or("") == file_bytes(step_dir / mine)) << mine;
+      EXPECT_EQ(store.get(name + "/manifest.json").value_or(""), file_bytes(step_dir / "manifest.json"));
+      EXPECT_EQ(store.get("latest").value_or(""), name + "\n");
+      run.train(kSaveAt, kEnd);
+      want = run.flat();
+      if (rank == 0) {
+        const std::string dir = shared_dir() + "/durable";
+        fs::create_directories(dir);
+        write_tensor(dir + "/" + std::to_string(n) + "_" + std::to_string(stage) + ".f32", want);
+      }
+    }
+    // The last rank's host is lost with its disk; a replacement starts with an empty one.
+    if (rank == n - 1) {
+      fs::remove_all(disk);
+      fs::create_directories(disk);
+    }
+    world().barrier();
+    Checkpointer again(disk, world_ptr(), durable(prefix));
+    Trainer b(stage, /*seed=*/99);
+    const auto progress = b.load(again);
+    ASSERT_TRUE(progress.has_value());
+    EXPECT_EQ(progress->step, kSaveAt);
+    EXPECT_TRUE(fs::exists(fs::path(disk) / fs::path(step_dir).filename() / "manifest.json"));
+    b.train(kSaveAt, kEnd);
+    EXPECT_TRUE(torch::equal(b.flat(), want)) << "max diff " << (b.flat() - want).abs().max().item<double>();
+    fs::remove_all(disk);
+  }
+}
+
+TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
+  const int m = world().size();
+  for (int n = 1; n <= 4; ++n) {
+    for (int saved_stage : {0, 2, 3}) {
+      const std::string want_path =
+          shared_dir() + "/durable/" + std::to_string(n) + "_" + std::to_string(saved_stage) + ".f32";
+      if (!fs::exists(want_path)) continue;  // that world size's save is not part of this run
+      for (int stage : {0, 3}) {
+        SCOPED_TRACE("saved at " + std::to_string(n) + " ranks, stage " + std::to_string(saved_stage) +
+                     "; loaded at " + std::to_string(m) + " ranks, stage " + std::to_string(stage));
+        const std::string disk = own_disk("durable-resume");
+        Checkpointer ckpt(disk, world_ptr(), durable(durable_run(n, saved_stage)));
+        Trainer run(stage, /*seed=*/5);
+        const auto progress = run.load(ckpt);
+        ASSERT_TRUE(progress.has_value());
+        EXPECT_EQ(progress->step, kSaveAt);
+        run.train(kSaveAt, kEnd);
+        const auto got = run.flat();
+        expect_close(got, read_tensor(want_path, got.numel()));
+        fs::remove_all(disk);
+      }
+    }
+  }
+}
+
+// Through the fault proxy: uploads that keep failing are abandoned on every rank with the
+// cause named, training goes on, nothing partial is committed, and the next save is durable.
+TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) {
+  const int rank = world().rank();
+  const char* proxy = std::getenv("ZS_TEST_S3_PROXY");
+  ASSERT_NE(proxy, nullptr);
+  const std::string prefix = "durable-test/faults-n" + std::to_string(world().size());
+  s3::Client store({bucket(), prefix}, s3::process_environment());
+  if (rank == 0) store.remove_all("");
+  world().barrier();
+  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
+  setenv("AWS_ENDPOINT_URL", proxy, 1);  // this process's Checkpointers go through the proxy
+  const std::string disk = own_disk("durable-faults");
+  auto o = durable(prefix);
+  o.durable_retry_time = 2s;
+  Checkpointer ckpt(disk, world_ptr(), o);
+  Trainer run(2);
+  run.train(0, 2);
+  world().barrier();
+  auto control = [](const std::string& body) {
+    ckpt::http::Request r;
+    r.method = "POST";
+    r.url = std::string(std::getenv("ZS_TEST_FAKE_AWS")) + "/control/faults";
+    r.body = body;
+    return ckpt::http::perform(r, {}).status;
+  };
+  if (rank == 0) {
+    EXPECT_EQ(control("503 100000"), 200);  // every request, for a while
+  }
+  world().barrier();
+  run.save(ckpt, 2);  // the local save commits; its durable copy cannot
+  EXPECT_TRUE(ckpt.wait_durable(60s));
+  auto status = ckpt.durable_status();
+  EXPECT_EQ(status.durable_step, -1);
+  EXPECT_EQ(status.abandoned, 1);
+  EXPECT_NE(status.last_error.find("SlowDown"), std::string::npos) << status.last_error;
+  EXPECT_NE(status.last_error.find("503"), std::string::npos) << status.last_error;
+  world().barrier();
+  if (rank == 0) {
+    EXPECT_EQ(control("pass"), 200);
+  }
+  world().barrier();
+  EXPECT_TRUE(fs::exists(fs::path(disk) / "step-00000002" / "manifest.json")) << "the local tier is unaffected";
+  run.train(2, 4);
+  run.save(ckpt, 4);
+  EXPECT_TRUE(ckpt.wait_durable(60s));
+  status = ckpt.durable_status();
+  EXPECT_EQ(status.durable_step, 4) << status.last_error;
+  world().barrier();
+  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  if (rank == 0) {
+    EXPECT_FALSE(store.get("step-00000002/manifest.json").has_value()) << "an abandoned step is never committed";
+    EXPECT_TRUE(store.get("step-00000004/manifest.json").has_value());
+  }
+  fs::remove_all(disk);
+}
+
+TEST(DurableCheckpointFaults, AWrongKeyFailsAtTheCheckpointerOnEveryRank) {
+  const std::string secret = std::getenv("AWS_SECRET_ACCESS_KEY");
+  setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-987", 1);
+  const std::string disk = own_disk("durable-wrong-key");
+  auto o = durable("durable-test/wrong-key");
+  o.durable_retry_time = 2s;
+  const std::string m = testing::error_of([&] { Checkpointer ckpt(disk, world_ptr(), o); });
+  setenv("AWS_SECRET_ACCESS_KEY", secret.c_str(), 1);
+  EXPECT_NE(m.find("opening the durable tier"), std::string::npos) << m;
+  EXPECT_NE(m.find("secret key"), std::string::npos) << m;
+  EXPECT_EQ(m.find("wrong-secret-987"), std::string::npos) << m;
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  fs::remove_all(disk);
+}
+
+}  // namespace
+}  // namespace checkpoint_test
+}  // namespace zeroshard
