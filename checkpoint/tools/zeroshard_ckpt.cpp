@@ -9,6 +9,7 @@
 #include "h5.h"
 #include "checkpointer_impl.h"
 #include "reader.h"
+#include "durable.h"
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -16,6 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -288,6 +291,56 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   return 0;
 }
 
+// A checkpoint in a durable tier (s3://bucket/prefix, or .../step-N): the step the
+// path or --step names (else the store's newest committed one) copied into a
+// temporary run directory, where the other commands read it as a local one.
+struct StoreCopy {
+  fs::path run_dir;
+  int64_t step = -1;
+  StoreCopy() = default;
+  StoreCopy(const StoreCopy&) = delete;
+  ~StoreCopy() {
+    std::error_code ec;
+    if (!run_dir.empty()) fs::remove_all(run_dir, ec);
+  }
+};
+
+std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step) {
+  auto where = zeroshard::ckpt::s3::parse_uri(uri);
+  const auto slash = where.prefix.rfind('/');
+  const std::string last = slash == std::string::npos ? where.prefix : where.prefix.substr(slash + 1);
+  if (auto named = zeroshard::ckpt::step_of_dir_name(last)) {  // .../step-N
+    TORCH_CHECK(step < 0 || step == *named, uri, " names step ", *named, " and --step says ", step);
+    step = *named;
+    where.prefix = slash == std::string::npos ? "" : where.prefix.substr(0, slash);
+  }
+  zeroshard::ckpt::DurableTier store(where, zeroshard::ckpt::s3::process_environment(), 0, 1, {});
+  if (step < 0) {
+    const auto steps = store.committed_steps();
+    TORCH_CHECK(!steps.empty(), where.uri(), " holds no committed checkpoint (no step-N/manifest.json)");
+    step = steps.front();
+  }
+  auto copy = std::make_unique<StoreCopy>();
+  char tmpl[] = "/tmp/zeroshard-ckpt-XXXXXX";
+  TORCH_CHECK(::mkdtemp(tmpl) != nullptr, "cannot make a temporary directory: ", std::strerror(errno));
+  copy->run_dir = tmpl;
+  copy->step = step;
+  store.fetch(step, copy->run_dir);
+  return copy;
+}
+
+// `zeroshard-ckpt import ... s3://...`: the imported step, committed in the store as a
+// one-rank job's save would be.
+void commit_to_store(const std::string& uri, const fs::path& run_dir, int64_t step) {
+  zeroshard::ckpt::DurableTier store(zeroshard::ckpt::s3::parse_uri(uri), zeroshard::ckpt::s3::process_environment(), 0,
+                                     1, {});
+  store.check_access();
+  store.start_upload(run_dir / zeroshard::ckpt::step_dir_name(step), step);
+  store.wait(std::chrono::hours(24));
+  const auto status = store.status();
+  TORCH_CHECK(status.durable_step == step, "the upload of the imported step to ", uri, " failed: ", status.last_error);
+}
+
 }  // namespace zeroshard_ckpt
 
 namespace zeroshard {
@@ -364,22 +417,22 @@ int zeroshard_ckpt_main(int argc, char** argv) {
   bool params = false, moments = false, safetensors = false, buffers = false;
 
   auto* ins = app.add_subcommand("inspect", "steps, world size, sizes and (--params) every parameter");
-  ins->add_option("path", path, "run directory or step directory")->required();
+  ins->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   ins->add_option("--step", step, "a step of the run directory (default: latest)");
   ins->add_flag("--params", params, "list every parameter");
 
   auto* ver = app.add_subcommand("verify", "checksums, sizes, datasets and model.h5 against the manifest; exit 1 when bad");
-  ver->add_option("path", path, "run directory or step directory")->required();
+  ver->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   ver->add_option("--step", step, "a step of the run directory (default: latest)");
 
   auto* con = app.add_subcommand("consolidate", "one HDF5 file with every full parameter (streamed)");
-  con->add_option("path", path, "run directory or step directory")->required();
+  con->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   con->add_option("out", out, "the HDF5 file to write")->required();
   con->add_option("--step", step, "a step of the run directory (default: latest)");
   con->add_flag("--moments", moments, "also the AdamW moments, under optimizer/");
 
   auto* exp = app.add_subcommand("export", "full weights in another format");
-  exp->add_option("path", path, "run directory or step directory")->required();
+  exp->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   exp->add_option("out", out, "the file to write")->required();
   exp->add_flag("--safetensors", safetensors, "the safetensors format (required: the only one so far)")->required();
   exp->add_option("--step", step, "a step of the run directory (default: latest)");
@@ -391,7 +444,7 @@ int zeroshard_ckpt_main(int argc, char** argv) {
   std::string in;
   auto* imp = app.add_subcommand("import", "start a run from a safetensors file: writes a step checkpoint it loads");
   imp->add_option("in", in, "the safetensors file")->required();
-  imp->add_option("run_dir", out, "the run directory to create or extend")->required();
+  imp->add_option("run_dir", out, "the run directory to create or extend, or s3://BUCKET/PREFIX (committed in a durable tier)")->required();
   imp->add_flag("--safetensors", safetensors, "the input is safetensors (required)")->required();
   imp->add_option("--name-map", name_map, "rename tensors: JSON {\"theirs\": \"ours\"} or lines 'theirs ours'");
   int64_t import_step = 0;
@@ -399,6 +452,22 @@ int zeroshard_ckpt_main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
+    // A durable tier's checkpoint: read from a local copy; an import: written locally, then committed there.
+    std::unique_ptr<StoreCopy> copy;
+    if (zeroshard::ckpt::s3::is_uri(path)) {
+      copy = copy_from_store(path, step);
+      path = copy->run_dir.string();
+      step = copy->step;
+    }
+    if (*imp && zeroshard::ckpt::s3::is_uri(out)) {
+      StoreCopy staged;
+      char tmpl[] = "/tmp/zeroshard-ckpt-XXXXXX";
+      TORCH_CHECK(::mkdtemp(tmpl) != nullptr, "cannot make a temporary directory: ", std::strerror(errno));
+      staged.run_dir = tmpl;
+      const int rc = import_safetensors(in, staged.run_dir.string(), name_map, import_step);
+      if (rc == 0) commit_to_store(out, staged.run_dir, import_step);
+      return rc;
+    }
     if (*ins) return inspect(path, step, params);
     if (*ver) return verify(path, step);
     if (*con) return consolidate(path, step, out, moments);

@@ -257,7 +257,12 @@ int bart_pretrain_main(int argc, char** argv) {
                  "seconds a peer may stay silent before its host is taken for dead or cut off: every rank then "
                  "stops, naming it")
       ->capture_default_str();
-  app.add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints; 'none': no checkpoints)");
+  app.add_option("--ckpt-dir", o.ckpt_dir,
+                 "checkpoints: a directory (default RUN_DIR/checkpoints; 'none': no checkpoints), or s3://BUCKET/PREFIX, "
+                 "a durable tier on any S3-compatible store (AWS_* settings; docs/checkpoints.md) with the local copies "
+                 "in --ckpt-local-dir");
+  app.add_option("--ckpt-local-dir", o.ckpt_local_dir,
+                 "with --ckpt-dir s3://...: the local first tier, saved to first and read first (default RUN_DIR/checkpoints)");
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
   app.add_flag("--async-save", o.async_save, "write checkpoints in the background");
   app.add_option("--keep", o.keep, "committed checkpoints kept")->capture_default_str();

@@ -237,7 +237,13 @@ void PretrainingRun::resume() {
     zeroshard::CheckpointOptions co;
     co.keep = o.keep;
     co.async = o.async_save;
-    ckpt_ = std::make_unique<zeroshard::Checkpointer>(ckpt_dir, comm_, pipe_ ? pipe_->checkpoint_options(co) : co);
+    std::string local = ckpt_dir;
+    if (ckpt_dir.rfind("s3://", 0) == 0) {  // the durable tier, with the local first tier under the run directory
+      co.durable_uri = ckpt_dir;
+      local = o.ckpt_local_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_local_dir;
+    }
+    ckpt_ = std::make_unique<zeroshard::Checkpointer>(local, comm_, pipe_ ? pipe_->checkpoint_options(co) : co);
+    durable_ = !co.durable_uri.empty();
     const auto t0 = Clock::now();
     if (auto progress = ckpt_->load(parts_)) {
       step_ = progress->step;
@@ -490,6 +496,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   record_.train_seconds += m.seconds;
   record_.data_wait_s += r.data_wait;
   extra["data_wait_s"] = r.data_wait;
+  if (durable_) note_durable(extra);
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
     // The save carries this step's line as it stands (without the save's own time), and the run's
     // record with this step in it.
@@ -556,8 +563,9 @@ std::optional<int> PretrainingRun::train() {
       zeroshard::log_warn("preempted at step " + std::to_string(step_) + " with --ckpt-dir none: nothing saved");
       return guard_->exit_code();
     }
-    const double s = save(step_, "preemption");
+    double s = save(step_, "preemption");
     ckpt_->wait();
+    if (durable_) s += wait_durable();
     guard_->check_save_fits(s);
     if (o_.trace) zeroshard::trace::write_chrome_trace(trace_file(), rank_);
     zeroshard::log_info("preempted after step " + std::to_string(step_) + ": checkpoint committed; exiting with " +
@@ -567,6 +575,43 @@ std::optional<int> PretrainingRun::train() {
   note_resume(false);  // a resume with no step left to take
   loader_.reset();
   return std::nullopt;
+}
+
+// The durable tier's progress: the newest durable step in every step's line, and an
+// event when a step became durable (with its upload's lag) or its upload was abandoned.
+void PretrainingRun::note_durable(json& extra) {
+  const auto st = ckpt_->durable_status();
+  extra["durable_step"] = st.durable_step;
+  if (st.durable_step > durable_seen_) {
+    durable_seen_ = st.durable_step;
+    record_.durable_step = st.durable_step;
+    record_.durable_lag_s = st.lag_seconds;
+    if (rank_ == 0) {
+      metrics_.write_event("durable", st.durable_step,
+                           json{{"lag_s", st.lag_seconds}, {"bytes", st.durable_bytes}, {"seen_at_step", step_}}.dump());
+    }
+  }
+  if (st.abandoned > abandoned_seen_) {
+    record_.durable_abandoned += st.abandoned - abandoned_seen_;
+    abandoned_seen_ = st.abandoned;
+    if (rank_ == 0) metrics_.write_event("durable_abandoned", step_, json{{"error", st.last_error}}.dump());
+  }
+}
+
+// After a preemption's save: the upload in flight, within what is left of the grace period.
+double PretrainingRun::wait_durable() {
+  const auto t0 = Clock::now();
+  const double left = guard_->options().grace_period_s - (unix_now() - guard_->notice_time()) - 1.0;
+  const bool done = ckpt_->wait_durable(std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, left) * 1000)));
+  const auto st = ckpt_->durable_status();
+  if (done && st.durable_step == step_) {
+    zeroshard::log_info("preemption: step " + std::to_string(step_) + " is durable (" + o_.ckpt_dir + ")");
+  } else {
+    zeroshard::log_warn("preemption: step " + std::to_string(step_) + " is " +
+                        (done ? "not durable (" + st.last_error + ")" : "still uploading as the grace period ends") +
+                        "; the durable tier holds step " + std::to_string(st.durable_step));
+  }
+  return since(t0);
 }
 
 // The resume event, written once the first step after it ended: with the time

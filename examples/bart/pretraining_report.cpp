@@ -49,6 +49,11 @@ void PretrainingRun::log_start() const {
 // The last save committed; --save-logits: the model's logits on four validation examples.
 void PretrainingRun::finish() {
   if (ckpt_) ckpt_->wait();
+  if (durable_) {  // the last checkpoint's upload: the run ends with it durable (or its failure said)
+    ckpt_->wait_durable(std::chrono::hours(24));  // bounded by the upload's own limits
+    json ignored;
+    note_durable(ignored);
+  }
   if (o_.save_logits.empty() || examples_->validation().empty()) return;
   torch::NoGradGuard no_grad;
   model_->eval();
@@ -86,6 +91,10 @@ void PretrainingRun::summarize() {
   s.checkpoint_stall_s = record_.checkpoint_stall_s;
   s.data_wait_s = record_.data_wait_s;
   s.interruptions = record_.interruptions.dump();
+  if (durable_) {
+    s.durable = json{{"uri", o.ckpt_dir}, {"step", record_.durable_step}, {"lag_s", record_.durable_lag_s},
+                     {"abandoned", record_.durable_abandoned}}.dump();
+  }
   s.noise_scale = record_.noise.noise_scale();
   s.reference_batch = o.reference_batch;
   const double steps = static_cast<double>(std::max<int64_t>(step_, 1));

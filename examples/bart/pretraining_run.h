@@ -82,6 +82,8 @@ class PretrainingRun {
   double evaluate(int64_t at);
   double save(int64_t at, const char* why);
   void note_resume(bool stepped);
+  void note_durable(json& extra);  // the durable tier's progress into the step's line and the events
+  double wait_durable();           // a preemption's wait for the upload in flight; its seconds
   int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
   int64_t peak_model_states() const;
   int64_t world_all_reduces() const;  // so far, on the world communicator
@@ -120,6 +122,8 @@ class PretrainingRun {
   RunRecord record_;
   int64_t step_ = 0;
   std::unique_ptr<zeroshard::Checkpointer> ckpt_;
+  bool durable_ = false;  // --ckpt-dir s3://...
+  int64_t durable_seen_ = -1, abandoned_seen_ = 0;
   json resumed_ = nullptr;  // {"step", "load_s", "restart", "after"[, "to_first_step_s"]} after a resume
   // The metrics line of the last step (MetricsLog::step_line), which a save of
   // that step carries; and the one the checkpoint resumed from carried.

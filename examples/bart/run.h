@@ -51,7 +51,8 @@ struct RunOptions {
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
   std::string device_comm = "auto";  // cuda: auto, nccl or staged (zeroshard::DeviceTransport)
   double liveness = 30;  // seconds a peer may stay silent before its host is taken for lost (CommOptions::liveness)
-  std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off
+  std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off; s3://bucket/prefix: the durable tier
+  std::string ckpt_local_dir;  // with an s3:// ckpt_dir: the local first tier ("": RUN_DIR/checkpoints)
   int64_t save_every = 100;
   bool async_save = false;
   int64_t crash_after_save = 0;  // > 0: rank 0 SIGKILLs itself once this step's checkpoint has committed (tests)

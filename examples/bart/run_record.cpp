@@ -15,7 +15,8 @@ json RunRecord::to_json(const zeroshard::DistributedSampler& sampler) const {
           {"noise_scale", json::parse(noise.to_json())}, {"efficient_tokens", efficient_tokens},
           {"efficient_seconds", efficient_seconds}, {"checkpoint_stall_s", checkpoint_stall_s}, {"data_wait_s", data_wait_s},
           {"first_loss", finite(first_loss)}, {"first_val_loss", finite(first_val_loss)},
-          {"bytes_sent", bytes_sent}, {"interruptions", interruptions}};
+          {"bytes_sent", bytes_sent}, {"interruptions", interruptions}, {"durable_step", durable_step},
+          {"durable_lag_s", durable_lag_s}, {"durable_abandoned", durable_abandoned}};
 }
 
 void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler) {
@@ -29,6 +30,9 @@ void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler)
   first_val_loss = number("first_val_loss");
   bytes_sent = j.value("bytes_sent", int64_t{0});
   interruptions = j.value("interruptions", json::array());
+  durable_step = j.value("durable_step", int64_t{-1});
+  durable_lag_s = j.value("durable_lag_s", 0.0);
+  durable_abandoned = j.value("durable_abandoned", int64_t{0});
   if (j.contains("noise_scale")) noise.from_json(j["noise_scale"].dump());
   efficient_tokens = j.value("efficient_tokens", 0.0);
   efficient_seconds = j.value("efficient_seconds", 0.0);

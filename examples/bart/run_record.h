@@ -20,6 +20,10 @@ struct RunRecord {
   double data_wait_s = 0;  // the training thread waiting for its batches
   double first_loss = NAN, first_val_loss = NAN;
   int64_t bytes_sent = 0;  // all ranks
+  // The durable tier (--ckpt-dir s3://...): the newest step committed there, its upload's lag,
+  // and the uploads abandoned so far.
+  int64_t durable_step = -1, durable_abandoned = 0;
+  double durable_lag_s = 0;
   nlohmann::json interruptions = nlohmann::json::array();  // {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}
   // The interruption a checkpoint of `step` was saved for (the last one, after that
   // step); null when the checkpoint was not saved for one.

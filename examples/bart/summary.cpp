@@ -91,6 +91,19 @@ std::string Summary::text() const {
   o << buf;
   std::snprintf(buf, sizeof(buf), "checkpoints  %.2f s of training stalled by saves, in total\n", checkpoint_stall_s);
   o << buf;
+  if (!durable.empty()) {
+    const json d = json::parse(durable);
+    const int64_t step = d.value("step", int64_t{-1});
+    if (step >= 0) {
+      std::snprintf(buf, sizeof(buf), "durable      step %lld committed in %s, %.1f s after its save began; %lld "
+                    "upload(s) abandoned\n", static_cast<long long>(step), d.value("uri", std::string()).c_str(),
+                    d.value("lag_s", 0.0), static_cast<long long>(d.value("abandoned", int64_t{0})));
+    } else {
+      std::snprintf(buf, sizeof(buf), "durable      no step committed in %s yet; %lld upload(s) abandoned\n",
+                    d.value("uri", std::string()).c_str(), static_cast<long long>(d.value("abandoned", int64_t{0})));
+    }
+    o << buf;
+  }
   std::snprintf(buf, sizeof(buf), "data         %.2f s of training waited for batches (%.2f%% of the steps' time)\n",
                 data_wait_s, train_seconds > 0 ? 100 * data_wait_s / train_seconds : 0.0);
   o << buf;
@@ -163,6 +176,7 @@ std::string Summary::to_json() const {
          {"reference_batch", reference_batch},
          {"interruptions", json::parse(interruptions)}};
   if (!resumed.empty()) j["resumed"] = json::parse(resumed);
+  if (!durable.empty()) j["durable"] = json::parse(durable);
   if (has_sample) {
     const auto& d = denoising;
     j["sample"] = {{"masked", d.sample.masked}, {"reconstruction", d.sample.reconstruction}, {"original", d.sample.original}};

@@ -26,6 +26,7 @@ struct Summary {
   std::vector<int64_t> peak_rss, model_states;  // per rank
   std::string interruptions = "[]";  // JSON array of {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}
   std::string resumed;               // JSON {"step", "load_s", "restart", "after", ...} when this process resumed; "" when not
+  std::string durable;               // JSON {"uri", "step", "lag_s", "abandoned"} with a durable tier; "" without
   bool has_sample = false;
   DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 

@@ -117,7 +117,8 @@ int64_t heap_bytes_in_use();
 
 // Draws the loss curve of a metrics file (train loss per step, and validation
 // loss where lines carry "val_loss") into a PNG with gnuplot, with its events
-// marked: a point on the curve at each "checkpoint", and a dashed vertical line
+// marked: a point on the curve at each "checkpoint", a ring at each "durable" (a
+// step committed in a durable tier, CheckpointOptions::durable_uri), and a dashed vertical line
 // labelled with its cause at each "interruption" ({"cause"}) and "resume"
 // ({"restart", "after", "to_first_step_s"}). Returns "" on success, else why
 // not (no gnuplot on PATH, no steps in the file, gnuplot's error).

@@ -250,6 +250,7 @@ std::string gnuplot_text(std::string s) {
 struct PlotMarks {
   std::map<int64_t, double> loss;        // train loss by step
   std::vector<int64_t> checkpoints;      // steps
+  std::vector<int64_t> durable;          // steps committed in a durable tier
   std::map<int64_t, json> interruptions;  // by step: {"cause", ...}
   std::vector<json> resumes;             // {"step", "restart", "after", ["to_first_step_s"]}
 
@@ -314,6 +315,7 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
       ++n_val;
     }
     if (event == "checkpoint") marks.checkpoints.push_back(step);
+    if (event == "durable") marks.durable.push_back(step);
     if (event == "interruption") marks.interruptions[step] = j;
     if (event == "resume") marks.resumes.push_back(j);
   }
@@ -323,6 +325,11 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
     const auto it = marks.loss.find(step);
     if (it != marks.loss.end()) saved << step << " " << it->second << "\n";
   }
+  std::ostringstream durable;
+  for (int64_t step : marks.durable) {
+    const auto it = marks.loss.find(step);
+    if (it != marks.loss.end()) durable << step << " " << it->second << "\n";
+  }
   const auto lines = marks.lines();
   const std::string script_path = png_path + ".gp";
   {
@@ -330,6 +337,7 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
     gp << "$train << EOD\n" << train.str() << "EOD\n";
     if (n_val > 0) gp << "$val << EOD\n" << val.str() << "EOD\n";
     if (!saved.str().empty()) gp << "$saved << EOD\n" << saved.str() << "EOD\n";
+    if (!durable.str().empty()) gp << "$durable << EOD\n" << durable.str() << "EOD\n";
     gp << "set terminal pngcairo size 900,540 font ',10'\n"
        << "set output '" << png_path << "'\n"
        << "set title \"" << gnuplot_text(title) << "\"\n"
@@ -347,6 +355,9 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
     gp << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
     if (n_val > 0) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
     if (!saved.str().empty()) gp << ", $saved using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'checkpoint saved'";
+    if (!durable.str().empty()) {
+      gp << ", $durable using 1:2 with points pt 6 ps 2.4 lw 2 lc rgb '#ff7f0e' title 'checkpoint durable (object store)'";
+    }
     if (!lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#9467bd' title 'interruption / restart'";
     gp << "\n";
     if (!gp) return "cannot write '" + script_path + "'";

@@ -20,6 +20,9 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                bit-exact; the pipelined checkpoint resumes without a pipeline; metrics carry the bubble,
                traces each stage's passes and sends
   bad_input    wrong flags and data: one clear line naming the thing and the fix, exit 1, no backtrace
+  durable      --ckpt-dir s3://... (under tests/checkpoint/s3_store.py): saves committed in the store; the local
+               checkpoints deleted (a host lost with its disk), the next launch resumes from the store alone with
+               the uninterrupted run's losses
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -237,6 +240,40 @@ def check_resume(build, work):
                                                       if a["loss"] != b][:3])
     print("resume: rank 0 killed between step 10's checkpoint commit and its metrics line: the restart wrote "
           "step 10's line from the checkpoint; steps 1-20 once each, every loss equal to the uninterrupted run's")
+
+
+def check_durable(build, work):
+    """--ckpt-dir s3://... (under tests/checkpoint/s3_store.py): every save is committed in the store; the
+    host's disk lost (its checkpoints gone), the next launch resumes from the store alone and takes the
+    uninterrupted run's steps."""
+    bucket = os.environ.get("ZS_TEST_S3_BUCKET")
+    check(bucket, "run under tests/checkpoint/s3_store.py (ctest's bart_pretrain_durable does)")
+    uri = f"s3://{bucket}/bart-durable-{os.getpid()}"
+    common = ["--save-every", "4", "--eval-every", "100", "--max-tokens", "32"]
+    ref, cut = os.path.join(work, "durable_ref"), os.path.join(work, "durable_cut")
+    for d in (ref, cut):
+        shutil.rmtree(d, ignore_errors=True)
+    pretrain(build, ref, 2, "--max-steps", "12", *common)
+    shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(cut, "tokenizer"))
+    pretrain(build, cut, 2, "--max-steps", "8", *common, "--ckpt-dir", uri)
+    durable = [r["step"] for r in metrics(cut) if r.get("event") == "durable"]
+    check(durable and durable[-1] <= 8 and set(durable) <= {4, 8}, f"durable events at steps {durable}")
+    summary = [r for r in metrics(cut) if r.get("event") == "summary"][-1]
+    check(summary["durable"]["uri"] == uri and summary["durable"]["abandoned"] == 0, summary.get("durable"))
+    lines = [r for r in metrics(cut) if "event" not in r]
+    check(all("durable_step" in r for r in lines), "a step line without durable_step")
+    # The host is lost with its disk: nothing of the checkpoints is left on it.
+    shutil.rmtree(os.path.join(cut, "checkpoints"))
+    out = pretrain(build, cut, 2, "--max-steps", "12", *common, "--ckpt-dir", uri)
+    check("from the durable tier" in out, f"the resume did not copy from the durable tier:\n{out[-3000:]}")
+    summary = [r for r in metrics(cut) if r.get("event") == "summary"][-1]
+    check(summary["resumed"]["step"] == 8, summary.get("resumed"))
+    got = {r["step"]: r["loss"] for r in metrics(cut) if "event" not in r}
+    want = {r["step"]: r["loss"] for r in metrics(ref) if "event" not in r}
+    check(all(got[s] == want[s] for s in range(9, 13)), lambda: [(s, got.get(s), want[s]) for s in range(9, 13)])
+    check(summary["durable"]["step"] == 12, summary["durable"])
+    print(f"durable: saves committed in {uri} (steps {durable}); the local checkpoints deleted, the next launch "
+          "resumed from the store at step 8 and steps 9-12 took the uninterrupted run's losses exactly")
 
 
 def check_safetensors(build, work):
@@ -559,5 +596,5 @@ if __name__ == "__main__":
     os.makedirs(work, exist_ok=True)
     {"converge": check_converge, "equal_ranks": check_equal_ranks, "resume": check_resume,
      "safetensors": check_safetensors, "bad_input": check_bad_input, "pipeline": check_pipeline,
-     "bf16": check_bf16}[which](build, work)
+     "bf16": check_bf16, "durable": check_durable}[which](build, work)
     print("OK")

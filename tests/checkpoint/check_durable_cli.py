@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""zeroshard-ckpt on a durable tier's checkpoints (s3://), under tests/checkpoint/s3_store.py: import a
+safetensors file into the store, inspect, verify and export it from there; the export equals the file
+imported (read by the safetensors library, the oracle); an object damaged in the store fails verify;
+a second import of the same step leaves the committed one as it was.
+
+Usage: s3_store.py -- python check_durable_cli.py BUILD_DIR
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pycheck import check  # noqa: E402
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+build = sys.argv[1]
+tool = os.path.join(build, "zeroshard-ckpt")
+bucket = os.environ.get("ZS_TEST_S3_BUCKET")
+check(bucket, "run under tests/checkpoint/s3_store.py")
+uri = f"s3://{bucket}/cli-test-{os.getpid()}"
+endpoint, key, secret = os.environ["AWS_ENDPOINT_URL"], os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+
+
+def ckpt(*args, ok=True):
+    p = subprocess.run([tool, *args], capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    print(f"zeroshard-ckpt {' '.join(args)}: exit {p.returncode}", flush=True)
+    if ok:
+        check(p.returncode == 0, f"zeroshard-ckpt {' '.join(args)} exited {p.returncode}:\n{out[-3000:]}")
+    return p.returncode, out
+
+
+def s3(method, name, data_file=None):
+    """A signed request with curl (an independent client), returning the body."""
+    cmd = ["curl", "-sf", "-X", method, "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}",
+           "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", f"{endpoint}/{bucket}/{uri.split('/', 3)[3]}/{name}"]
+    if data_file:
+        cmd[4:4] = ["--data-binary", f"@{data_file}"]
+    p = subprocess.run(cmd, capture_output=True, timeout=60)
+    check(p.returncode == 0, f"curl {method} {name} failed ({p.returncode}): {p.stderr[-500:]!r}")
+    return p.stdout
+
+
+with tempfile.TemporaryDirectory(prefix="zs-durable-cli.") as work:
+    torch.manual_seed(3)
+    tensors = {"encoder.weight": torch.randn(33, 17), "encoder.bias": torch.randn(17), "head.weight": torch.randn(5, 33)}
+    original = os.path.join(work, "model.safetensors")
+    save_file(tensors, original)
+
+    ckpt("import", "--safetensors", original, uri, "--step", "7")
+    manifest = s3("GET", "step-00000007/manifest.json")
+    check(s3("GET", "latest").strip() == b"step-00000007", "latest does not name step-00000007")
+
+    _, out = ckpt("inspect", uri)
+    check("step 7" in out or "step-00000007" in out, f"inspect does not show step 7:\n{out}")
+    ckpt("verify", uri + "/step-00000007")
+
+    exported = os.path.join(work, "exported.safetensors")
+    ckpt("export", uri, exported, "--safetensors")
+    back = load_file(exported)
+    check(set(back) == set(tensors), f"exported {sorted(back)}, imported {sorted(tensors)}")
+    for name, t in tensors.items():
+        check(torch.equal(back[name], t), f"{name}: the export differs from the file imported")
+    print(f"  export from {uri}: {len(back)} tensors equal to the file imported", flush=True)
+
+    # A second import of the same step: the committed one stays as it was.
+    torch.manual_seed(4)
+    other = os.path.join(work, "other.safetensors")
+    save_file({k: torch.randn_like(v) for k, v in tensors.items()}, other)
+    ckpt("import", "--safetensors", other, uri, "--step", "7")
+    check(s3("GET", "step-00000007/manifest.json") == manifest, "a second import of step 7 replaced its manifest")
+    ckpt("export", uri, exported, "--safetensors")
+    check(all(torch.equal(load_file(exported)[k], v) for k, v in tensors.items()), "step 7's weights changed")
+
+    # Damaged in the store: verify fails, naming the file.
+    rank_file = "step-00000007/rank-00000-of-00001.h5"
+    data = bytearray(s3("GET", rank_file))
+    data[len(data) // 2] ^= 0xFF
+    damaged = os.path.join(work, "damaged.h5")
+    with open(damaged, "wb") as f:
+        f.write(data)
+    s3("PUT", rank_file, damaged)
+    rc, out = ckpt("verify", uri, ok=False)
+    check(rc == 1, f"verify of a damaged checkpoint exited {rc}, not 1:\n{out[-2000:]}")
+    check("rank-00000-of-00001.h5" in out, f"verify does not name the damaged file:\n{out[-2000:]}")
+    print("  a byte flipped in the store's rank file: verify exits 1 naming it", flush=True)
+
+    rc, out = ckpt("inspect", f"s3://{bucket}/no-such-prefix", ok=False)
+    check(rc == 2 and "holds no committed checkpoint" in out, f"inspect of an empty prefix: exit {rc}:\n{out[-1000:]}")
+print("ok")
