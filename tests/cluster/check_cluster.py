@@ -26,6 +26,10 @@ Usage: check_cluster.py BUILD_DIR CHECK
           finishes, every checkpoint verifies. Prints the times from the kill to the first step without the
           host, and from the new agent's start to the first step with it
 
+  durable bart_pretrain ZeRO-3 on 2 hosts x 2 ranks, a disk each, checkpoints committed in an S3 store
+          (SeaweedFS) on a third host: host 1 killed and its disk wiped, a replacement with an empty disk: the
+          run resumes from the store by itself with the uninterrupted run's losses
+
 Exits 77 (skipped, with the reason printed) where the cluster cannot be made (not root, no namespaces).
 """
 import json
@@ -230,6 +234,98 @@ def check_own_disks(c, build, work, exe, args, tokenizer, want):
           f"{committed[1]}; restarted on both hosts, resumed step {resumed.group(1)} from local files: the same 8 "
           "losses as the uninterrupted run; each disk ends with its own 2 rank files, the manifest and latest = "
           "step 8", flush=True)
+
+
+S3_STORE = os.path.join(HERE, "..", "checkpoint", "s3_store.py")
+
+
+def durable_steps(run_dir):
+    """The steps the metrics' "durable" events name, so far."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [r["step"] for r in map(json.loads, filter(str.strip, f)) if r.get("event") == "durable"]
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return []
+
+
+def check_durable(build, work):
+    """The spot loss the durable tier is for: bart_pretrain ZeRO-3 on 2 hosts x 2 ranks, each host with a disk of
+    its own, checkpoints every 2 steps committed in an S3 store on a third host (SeaweedFS, with
+    tests/checkpoint/s3_store.py). Once a step is durable, host 1 is killed and its disk wiped; host 0 and a
+    replacement host 1 with an empty disk start again, with the same command: the run resumes from the store by
+    itself (host 1 copies the step) and takes the uninterrupted run's losses (the one-host run's, within check_bart's
+    1e-6 relative)."""
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    common = ["--data", "/usr/share/common-licenses", "--max-steps", "8", "--eval-every", "0", "--no-sample",
+              "--no-plot", "--global-batch", "16", "--micro-batches", "2", "--progress-interval", "1000",
+              "--max-tokens", "32", "--stage", "3"]
+    ref = os.path.join(work, "durable_ref")
+    shutil.rmtree(ref, ignore_errors=True)
+    p = subprocess.run([os.path.join(build, "zeroshard-run"), "--nproc-per-node", "4", "--", exe, *common,
+                        "--ckpt-dir", "none", "--run-dir", ref], capture_output=True, text=True, timeout=TIMEOUT, env=ENV)
+    check(p.returncode == 0, lambda: f"the uninterrupted run failed:\n{p.stdout[-4000:]}{p.stderr[-4000:]}")
+    want = losses(ref)
+    run_path = os.path.join(work, "run_durable")
+    disks = [os.path.join(work, f"durable_disk{i}") for i in range(2)]
+    for dd in disks:
+        shutil.rmtree(dd, ignore_errors=True)
+        os.makedirs(dd)
+    shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(disks[0], "tokenizer"))
+    mounts = lambda i: [(disks[i], run_path)]  # noqa: E731
+    with Cluster(15, 3) as c:
+        store_ip = c.addr(2)
+        store = c.start(2, [sys.executable, S3_STORE, "--ip", store_ip, "--s3-port", 8333, "--", "sleep", 3600], env=ENV)
+        deadline = time.monotonic() + 60
+        while "ready in" not in store.output():
+            check(time.monotonic() < deadline and store.proc.poll() is None,
+                  lambda: "the store on host 2 did not start:\n" + store.output()[-3000:])
+            time.sleep(0.1)
+        uri = "s3://ckpt/cluster-run"
+        env = dict(ENV, AWS_ENDPOINT_URL=f"http://{store_ip}:8333", AWS_ACCESS_KEY_ID="testkey",
+                   AWS_SECRET_ACCESS_KEY="testsecret", AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+        cmd = [exe, *common, "--run-dir", run_path, "--save-every", "2", "--ckpt-dir", uri, "--liveness", str(LIVENESS_S)]
+        jobs = [c.start(i, [os.path.join(build, "zeroshard-run"), "--nnodes", 2, "--node-rank", i, "--nproc-per-node",
+                            2, "--master-addr", c.addr(0), "--master-port", PORT + 9, "--grace-period", 5, "--", *cmd],
+                        env=env, disks=mounts(i))
+                for i in range(2)]
+        deadline = time.monotonic() + TIMEOUT
+        while not durable_steps(disks[0]):
+            check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
+                  lambda: "no checkpoint became durable:\n" + c.outputs(jobs))
+            time.sleep(0.01)
+        durable_at_kill = durable_steps(disks[0])[-1]
+        cluster_kill(c, 1)
+        try:
+            jobs[0].proc.wait(LIVENESS_S + 10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("host 0's launcher still runs after host 1 was killed:\n" + c.outputs(jobs))
+        cluster_heal(c, 1)
+        c.wait(jobs[1:], 60)
+        # The instance is gone, and its disk with it: the replacement starts empty.
+        shutil.rmtree(disks[1])
+        os.makedirs(disks[1])
+        local = sorted(os.listdir(os.path.join(disks[0], "checkpoints")))
+        start = time.monotonic()
+        outs = launch(c, build, 2, 2, c.addr(0), cmd, env=dict(env, ZS_LOG_LEVEL="info"), disks=mounts)
+        took = time.monotonic() - start
+        resumed = re.search(r"checkpoint: loaded step (\d+)", outs[0])
+        check(resumed and int(resumed.group(1)) >= durable_at_kill,
+              lambda: "the restarted run did not resume from a durable step:\n" + outs[0][-3000:])
+        copied = re.search(r"copied ([0-9.]+) MB of (step-\d+) from the durable tier in ([0-9.]+) s", outs[1])
+        check(copied, lambda: "host 1 did not copy the step from the store:\n" + outs[1][-3000:])
+        got = losses(disks[0])
+        # Within the two-host runs' tolerance of the one-host run (check_bart: the reductions' order differs).
+        worst = max(abs(a - b) / abs(a) for a, b in zip(want, got)) if len(got) == len(want) else float("inf")
+        check(worst <= 1e-6, lambda: f"killed, disk wiped, resumed from the store: losses {got}, uninterrupted {want}")
+        check(durable_steps(disks[0])[-1] == 8, f"durable events {durable_steps(disks[0])}")
+        files = sorted(os.listdir(os.path.join(disks[1], "checkpoints", "step-00000008")))
+        check([f for f in files if f.startswith("rank-")] == ["rank-00002-of-00004.h5", "rank-00003-of-00004.h5"],
+              f"the replacement's disk holds {files} of step 8")
+    print(f"durable: zero3 on 2 hosts x 2 ranks, each with its own disk, checkpoints every 2 steps committed in "
+          f"SeaweedFS on a third host; host 1 killed once step {durable_at_kill} was durable (host 0's disk held "
+          f"{local}), its disk wiped; restarted with the same command: host 1 copied {copied.group(1)} MB of "
+          f"{copied.group(2)} from the store in {copied.group(3)} s, the run resumed step {resumed.group(1)} and "
+          f"finished in {took:.1f} s with the uninterrupted run's 8 losses (within {worst:.1e} relative)", flush=True)
 
 
 SOAK_ARGS = ["--stage", "3", "--liveness", "3", "--save-every", "1000"]
@@ -453,7 +549,8 @@ def main():
     build, which = os.path.abspath(sys.argv[1]), sys.argv[2]
     work = tempfile.mkdtemp(prefix=f"zs-cluster-{which}-")
     try:
-        {"zero": check_zero, "bart": check_bart, "failures": check_failures, "elastic": check_elastic}[which](
+        {"zero": check_zero, "bart": check_bart, "failures": check_failures, "elastic": check_elastic,
+         "durable": check_durable}[which](
             build, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
