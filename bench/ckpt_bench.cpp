@@ -7,6 +7,15 @@
 // The model: `layers` fully sharded 2048x2048 linear layers (24: 100.7M
 // parameters, 1.2 GB of fp32 masters and AdamW moments over all ranks).
 // Rank 0 prints "ROW |...|" lines.
+//
+// With --durable s3://BUCKET/PREFIX (bench/durable_bench.sh, against a store the
+// AWS_* variables name) it measures the durable tier instead: a save until it is
+// committed in the store, the training loop's stall of an async durable save, a
+// load on an empty disk (copied from the store, verified, read), and the client's
+// raw ceiling: rank 0 putting and getting one object of the checkpoint's size in
+// parallel parts.
+#include "s3_client.h"
+
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/comm.h>
 #include <zeroshard/fully_shard.h>
@@ -18,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include <unistd.h>
 
@@ -42,16 +52,124 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The durable tier's rows (see the top of the file).
+int durable_rows(const std::string& uri, const std::string& dir, int repeats, zeroshard::Communicator& comm,
+                 const std::shared_ptr<zeroshard::Communicator>& comm_ptr, Stack& model,
+                 zeroshard::FullyShardedAdamW& opt, int width, int64_t psi) {
+  namespace s3 = zeroshard::ckpt::s3;
+  const int rank = comm.rank();
+  auto slowest = [&](double mine) {
+    auto t = torch::tensor({mine}, torch::kDouble);
+    comm.all_reduce(t, zeroshard::ReduceOp::kMax)->wait();
+    return t.item<double>();
+  };
+  auto train_step = [&] {
+    opt.zero_grad();
+    model->forward(torch::randn({2, width})).sum().backward();
+    opt.step();
+  };
+  zeroshard::CheckpointOptions o;
+  o.write_model_view = false;
+  o.durable_uri = uri + "/zeroshard";
+  std::vector<double> durable_s, upload_s, load_s, stall_s;
+  int64_t bytes = 0;
+  {
+    zeroshard::Checkpointer ckpt(dir + "/durable", comm_ptr, o);
+    for (int i = 0; i < repeats; ++i) {  // sync local save, then until committed in the store (rank 0 commits)
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      ckpt.save(opt, *model, {i + 1, 0, "{}"});
+      ckpt.wait_durable(std::chrono::hours(1));
+      durable_s.push_back(seconds_since(t0));
+      const auto st = ckpt.durable_status();
+      TORCH_CHECK(st.durable_step == i + 1, "ckpt_bench: step ", i + 1, " did not become durable: ", st.last_error);
+      upload_s.push_back(st.lag_seconds);
+      bytes = ckpt.last_save_times().bytes;
+      comm.barrier();
+    }
+  }
+  {  // async local save with the durable tier: what the training loop waits
+    zeroshard::CheckpointOptions a = o;
+    a.async = true;
+    zeroshard::Checkpointer ckpt(dir + "/durable-async", comm_ptr, a);
+    for (int i = 0; i < repeats; ++i) {
+      comm.barrier();
+      ckpt.save(opt, *model, {100 + i, 0, "{}"});
+      train_step();
+      stall_s.push_back(slowest(ckpt.last_save_times().stall_seconds));
+      ckpt.wait();
+      ckpt.wait_durable(std::chrono::hours(1));
+    }
+  }
+  for (int i = 0; i < repeats; ++i) {  // an empty disk: copied from the store, verified, read
+    const std::string empty = dir + "/empty-" + std::to_string(i) + "-rank" + std::to_string(rank);
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    zeroshard::Checkpointer ckpt(empty, comm_ptr, o);
+    ckpt.load(opt, *model, repeats);
+    load_s.push_back(slowest(seconds_since(t0)));
+    std::filesystem::remove_all(empty);
+  }
+  // The raw ceiling: one object of the same bytes, in parallel parts, by rank 0's client alone.
+  std::vector<double> put_s, get_s;
+  if (rank == 0) {
+    s3::Client client(s3::parse_uri(uri + "/raw"), s3::process_environment());
+    const std::string file = dir + "/raw.bin", back = dir + "/raw.back";
+    {
+      auto t = torch::randint(0, 255, {bytes}, torch::kUInt8);
+      std::ofstream(file, std::ios::binary).write(static_cast<const char*>(t.data_ptr()), bytes);
+    }
+    for (int i = 0; i < repeats; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      client.upload_file("object", file);
+      put_s.push_back(seconds_since(t0));
+      t0 = std::chrono::steady_clock::now();
+      client.download_file("object", back);
+      get_s.push_back(seconds_since(t0));
+    }
+    client.remove_all("");
+    std::filesystem::remove(file);
+    std::filesystem::remove(back);
+  }
+  comm.barrier();
+  if (rank == 0) {
+    const double gb = bytes / 1e9;
+    const double put = median(put_s), get = median(get_s);
+    std::printf("ckpt_bench --durable: %d ranks, %.1fM parameters, %.2f GB of checkpoint files per save, %s, median of %d\n",
+                comm.size(), psi / 1e6, gb, uri.c_str(), repeats);
+    std::printf("ROW | raw ceiling: one %.2f GB object PUT in parallel parts (rank 0's client) | %.2f s | %.2f GB/s | 1 |\n",
+                gb, put, gb / put);
+    std::printf("ROW | raw ceiling: the same object GET in parallel ranges | %.2f s | %.2f GB/s | 1 |\n", get, gb / get);
+    std::printf("ROW | zeroshard durable save: local save + upload + commit in the store | %.2f s | %.2f GB/s | - |\n",
+                median(durable_s), gb / median(durable_s));
+    std::printf("ROW | zeroshard durable save: the upload alone (start to commit, rank 0) | %.2f s | %.2f GB/s | %.2f of PUT |\n",
+                median(upload_s), gb / median(upload_s), put / median(upload_s));
+    std::printf("ROW | zeroshard durable load: an empty disk (copy from the store, verify, read) | %.2f s | %.2f GB/s | "
+                "%.2f of GET |\n", median(load_s), gb / median(load_s), get / median(load_s));
+    std::printf("ROW | zeroshard async durable save: training loop stall | %.3f s | - | - |\n", median(stall_s));
+  }
+  comm.barrier();
+  if (rank == 0) std::filesystem::remove_all(dir);
+  return 0;
+}
+
 }  // namespace ckpt_bench
 
 int ckpt_bench_main(int argc, char** argv) {
   using namespace ckpt_bench;
   std::string dir = "build/ckpt_bench";
   int layers = 24, width = 2048, repeats = 5;
+  std::string durable;
   CLI::App app{"sharded checkpoint save/load throughput vs dd, and the async save stall"};
   app.add_option("--dir", dir, "checkpoint directory (on the disk to measure)")->capture_default_str();
   app.add_option("--layers", layers, "2048x2048 layers")->capture_default_str();
   app.add_option("--repeats", repeats, "saves and loads timed (median)")->capture_default_str();
+  app.add_option("--durable", durable, "s3://BUCKET/PREFIX: measure the durable tier there instead (bench/durable_bench.sh)");
   CLI11_PARSE(app, argc, argv);
 
   auto comm = zeroshard::init_communicator();
@@ -69,11 +187,8 @@ int ckpt_bench_main(int argc, char** argv) {
   for (const auto& u : sharded->units()) psi += u.layout.numel;
   if (rank == 0) std::filesystem::remove_all(dir);
   comm->barrier();
+  if (!durable.empty()) return durable_rows(durable, dir, repeats, *comm, comm, model, opt, width, psi);
 
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   auto slowest = [&](double mine) {
     auto t = torch::tensor({mine}, torch::kDouble);
     comm->all_reduce(t, zeroshard::ReduceOp::kMax)->wait();

@@ -71,6 +71,53 @@ def fail_row(what, e):
     return "ROW | %s | failed: %s | - | - |" % (what, " ".join(("%s: %s" % (type(e).__name__, e)).split())[:200])
 
 
+def fsspec_rows(a, model, opt, state, slowest, train_step, rank):
+    """DCP to an S3 store through fsspec (s3fs): save, load and async_save's stall, timed as the local ones."""
+    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    import s3fs
+    options = {"client_kwargs": {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"),
+                                 "region_name": os.environ.get("AWS_REGION", "us-east-1")}}
+    fs = s3fs.S3FileSystem(**options)
+    rows, save_s, load_s, stall_s, nbytes = [], [], [], [], 0
+    try:
+        for i in range(a.repeats):
+            path = "%s/dcp/step%d" % (a.fsspec, i + 1)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dcp.save(state(), storage_writer=FsspecWriter(path, **options))
+            save_s.append(slowest(time.perf_counter() - t0))
+            if rank == 0:
+                nbytes = sum(f["size"] for f in fs.ls(path[5:], detail=True))
+        gb = nbytes / 1e9
+        save_med = statistics.median(save_s)
+        rows.append("ROW | PyTorch DCP + s3fs save (FsspecWriter) | %.2f s | %.2f GB/s | - |" % (save_med, gb / save_med))
+        for _ in range(a.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sd = state()
+            dcp.load(sd, storage_reader=FsspecReader("%s/dcp/step%d" % (a.fsspec, a.repeats), **options))
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            load_s.append(slowest(time.perf_counter() - t0))
+        load_med = statistics.median(load_s)
+        rows.append("ROW | PyTorch DCP + s3fs load (FsspecReader, no checksums) + set_state_dict | %.2f s | %.2f GB/s | - |"
+                    % (load_med, gb / load_med))
+        group = dist.new_group(backend="gloo")
+        for i in range(a.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pending = dcp.async_save(state(), storage_writer=FsspecWriter("%s/dcp-async/step%d" % (a.fsspec, i + 1),
+                                                                          **options), process_group=group)
+            stall_s.append(slowest(time.perf_counter() - t0))
+            train_step()
+            (pending.upload_completion if hasattr(pending, "upload_completion") else pending).result()
+        rows.append("ROW | PyTorch DCP + s3fs async_save: training loop stall (until async_save returns) | %.3f s | - | - |"
+                    % statistics.median(stall_s))
+    except Exception as e:
+        traceback.print_exc()
+        rows.append(fail_row("PyTorch DCP + s3fs", e))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="build/ckpt_peer", help="checkpoint directory (on the disk to measure)")
@@ -78,6 +125,9 @@ def main():
     ap.add_argument("--width", type=int, default=2048, help="layer width")
     ap.add_argument("--repeats", type=int, default=3,
                     help="saves and loads timed (median; ckpt_bench takes 5, which takes 2.5 minutes here)")
+    ap.add_argument("--fsspec", default="",
+                    help="s3://BUCKET/PREFIX: instead, DCP through FsspecWriter/FsspecReader and s3fs to that store "
+                         "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), as bench/durable_bench.sh runs it")
     a = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -115,6 +165,15 @@ def main():
         return {"model": msd, "optim": osd}
 
     rows = []
+    if a.fsspec:
+        rows = fsspec_rows(a, model, opt, state, slowest, train_step, rank)
+        if rank == 0:
+            print("ckpt_peer.py: %d ranks, %.1fM parameters, DCP + s3fs %s" % (world, psi / 1e6, a.fsspec), flush=True)
+            for r in rows:
+                print(r, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
 
     # Synchronous saves, alternating with the dd anchor.
     save_s, dd_s, load_s = [], [], []
