@@ -248,10 +248,12 @@ struct Checkpointer::Impl {
   // Collective on `c`, after the local commit of `step_dir`: starts its upload on every
   // rank, or on none (an upload still in flight somewhere). Sends nothing to the store.
   void start_durable_upload(Communicator& c, const fs::path& step_dir, int64_t step);
-  // Collective: a disk that lacks the committed step `cand` (its manifest), or a load at
-  // another world size or number of stages, copies the files it lacks from the store
-  // (its leader does). Returns this rank's failure ("" when none).
+  // Collective: a disk that lacks the committed step `cand` copies its manifest from the
+  // store (its leader does); the files its ranks read follow as they are read, each
+  // verified (PieceReader). Returns this rank's failure ("" when none).
   std::string fetch_from_durable(const fs::path& cand);
+  // Whether the step directory `cand` names a step committed in the durable tier.
+  bool fetchable(const fs::path& cand) const;
   using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
                                      const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,

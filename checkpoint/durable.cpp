@@ -8,7 +8,10 @@
 #include <boost/asio/post.hpp>
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <functional>
 #include <cstdio>
 #include <set>
 #include <thread>
@@ -215,35 +218,58 @@ void DurableTier::retain() {
   }
 }
 
-int64_t DurableTier::fetch(int64_t step, const fs::path& run_dir) {
+void DurableTier::fetch_manifest(int64_t step, const fs::path& run_dir) {
   const std::string step_name = step_dir_name(step);
-  const fs::path final_dir = run_dir / step_name, tmp = run_dir / (step_name + ".fetch");
   auto manifest = client_->get(step_name + "/manifest.json");
   auto digest = client_->get(step_name + "/manifest.xxh3");
   TORCH_CHECK(manifest && digest, "checkpoint: ", client_->location().uri(), "/", step_name,
               "/manifest.json or manifest.xxh3 is gone (removed by a newer job's retention?)");
-  const json m = json::parse(*manifest);
+  const fs::path dir = run_dir / step_name;
   std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  TORCH_CHECK(!ec, "checkpoint: cannot create '", tmp.string(), "': ", ec.message());
+  fs::create_directories(dir, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot create '", dir.string(), "': ", ec.message());
+  write_atomically(dir / "manifest.xxh3", *digest);
+  write_atomically(dir / "manifest.json", *manifest);  // last: read_manifest checks it against the checksum
+}
+
+int64_t DurableTier::fetch_file(const fs::path& step_dir, const json& file, bool verify) {
+  const std::string name = file.at("name").get<std::string>();
+  const fs::path final_path = step_dir / name;
+  // A name of this process and thread: ranks sharing the directory may fetch the same file at once.
+  const fs::path tmp = step_dir / (name + ".fetch-" + std::to_string(::getpid()) + "-" +
+                                   std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id())));
+  trace::Span span("checkpoint", "checkpoint fetch " + name);
+  const auto t0 = Steady::now();
+  const int64_t bytes = client_->download_file(step_dir.filename().string() + "/" + name, tmp.string());
+  const auto digest = verify ? checkpoint::digest_file(tmp.string()) : checkpoint::FileDigest{};
+  std::error_code ec;
+  if (verify && (bytes != file.at("bytes").get<int64_t>() ||
+                 checkpoint::to_hex(digest.xxh3) != file.at("xxh3").get<std::string>())) {
+    fs::remove(tmp, ec);
+    TORCH_CHECK(false, "checkpoint: ", client_->location().uri(), "/", step_dir.filename().string(), "/", name, " has ",
+                bytes, " bytes and xxh3 ", checkpoint::to_hex(digest.xxh3), "; the manifest says ",
+                file.at("bytes").get<int64_t>(), " and ", file.at("xxh3").get<std::string>(), ": the store's copy is damaged");
+  }
+  fs::rename(tmp, final_path, ec);
+  TORCH_CHECK(!ec, "checkpoint: cannot move '", tmp.string(), "' to '", final_path.string(), "': ", ec.message());
+  char msg[200];
+  std::snprintf(msg, sizeof(msg), "checkpoint: copied %.1f MB of %s/%s from the durable tier in %.2f s", bytes / 1e6,
+                step_dir.filename().string().c_str(), name.c_str(), seconds_since(t0));
+  log_warn(msg);
+  return bytes;
+}
+
+int64_t DurableTier::fetch(int64_t step, const fs::path& run_dir, bool verify) {
+  fetch_manifest(step, run_dir);
+  const fs::path dir = run_dir / step_dir_name(step);
+  const json m = read_manifest(dir);
   int64_t bytes = 0;
-  for (const auto& f : m.at("files")) {  // what this disk lacks (its own files stay as they are)
-    const std::string name = f.at("name").get<std::string>();
-    const fs::path here = final_dir / name;
+  for (const auto& f : m.at("files")) {
+    std::error_code ec;
+    const fs::path here = dir / f.at("name").get<std::string>();
     if (fs::exists(here, ec) && static_cast<int64_t>(fs::file_size(here, ec)) == f.at("bytes").get<int64_t>()) continue;
-    trace::Span span("checkpoint", "checkpoint fetch " + name);
-    bytes += client_->download_file(step_name + "/" + name, (tmp / name).string());
+    bytes += fetch_file(dir, f, verify);
   }
-  write_atomically(tmp / "manifest.xxh3", *digest);
-  // Into the step directory; the manifest last: it marks the step complete on this disk.
-  fs::create_directories(final_dir, ec);
-  for (const auto& e : fs::directory_iterator(tmp)) {
-    fs::rename(e.path(), final_dir / e.path().filename(), ec);
-    TORCH_CHECK(!ec, "checkpoint: cannot move '", e.path().string(), "' into '", final_dir.string(), "': ", ec.message());
-  }
-  write_atomically(final_dir / "manifest.json", *manifest);
-  fs::remove_all(tmp, ec);
   return bytes;
 }
 

@@ -72,10 +72,16 @@ class DurableTier {
 
   // The steps committed in the store, newest first.
   std::vector<int64_t> committed_steps();
-  // Copies the committed step `step` into `run_dir/step-N`: the files of its manifest
-  // that the directory lacks (or holds at another size; through step-N.fetch), then the
-  // manifest, which makes it a committed step there. Returns the bytes copied.
-  int64_t fetch(int64_t step, const std::filesystem::path& run_dir);
+  // Copies the committed step `step`'s manifest (and its checksum) into `run_dir/step-N`.
+  void fetch_manifest(int64_t step, const std::filesystem::path& run_dir);
+  // Copies one file of a fetched manifest (`file`: its entry) into the step directory
+  // `step_dir`, verified against the entry's size and xxh3 before it takes its name
+  // (a damaged copy throws, naming the file). Returns the bytes copied.
+  // verify false: copied as the store holds it (zeroshard-ckpt verify checks it after).
+  int64_t fetch_file(const std::filesystem::path& step_dir, const nlohmann::json& file, bool verify = true);
+  // The whole committed step into `run_dir/step-N` (the manifest, then every file it
+  // lacks). Returns the bytes copied.
+  int64_t fetch(int64_t step, const std::filesystem::path& run_dir, bool verify = true);
 
  private:
   void upload(const std::filesystem::path& step_dir, int64_t step);

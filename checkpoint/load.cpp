@@ -117,7 +117,8 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
   // filesystem a file may be on another host's disk only; one on none is missing.
   const auto group = disks.members(comm->rank());
   const size_t at = static_cast<size_t>(std::find(group.begin(), group.end(), comm->rank()) - group.begin());
-  for (size_t j = 0; j < anywhere.size(); ++j) {
+  const bool in_store = fetchable(step_dir);  // a file no disk holds is copied from there when read
+  for (size_t j = 0; j < anywhere.size() && !in_store; ++j) {
     if (!anywhere[j]) {
       return "'" + (step_dir / files[j].at("name").get<std::string>()).string() + "' is missing on every host";
     }
@@ -126,7 +127,7 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
     const fs::path p = step_dir / files[j].at("name").get<std::string>();
     std::error_code ec;
     if (!fs::exists(p, ec)) {
-      if (!disks.shared()) continue;  // on another host's disk
+      if (!disks.shared() || in_store) continue;  // on another host's disk, or copied from the store when read
       const auto host = files[j].value("host", std::string());
       const auto& mine = disks.hosts[static_cast<size_t>(comm->rank())];
       return "'" + p.string() + "' is missing" +
@@ -212,9 +213,11 @@ namespace {
 class PieceReader {
  public:
   // `on_disk(file)`: whether one of the manifest's files is in this rank's directory.
+  // `fetch(file)` (optional: the step is in a durable tier): copies a file this
+  // directory lacks into it, verified, when it is first read.
   PieceReader(const fs::path& cand, const json& m, const Disks& disks, int rank,
-              std::function<bool(const json& file)> on_disk)
-      : cand_(cand), m_(m), disks_(disks), rank_(rank), on_disk_(std::move(on_disk)) {
+              std::function<bool(const json& file)> on_disk, std::function<void(const json& file)> fetch = {})
+      : cand_(cand), m_(m), disks_(disks), rank_(rank), on_disk_(std::move(on_disk)), fetch_(std::move(fetch)) {
     for (const auto& p : m.at("params")) saved_[p.at("name").get<std::string>()] = &p;
     for (const auto& r : m.at("replicated")) replicated_[r.at("name").get<std::string>()] = &r;
   }
@@ -224,11 +227,22 @@ class PieceReader {
   bool replicated(const std::string& name) const { return replicated_.count(name) > 0; }
   // Whether rank r's file is on this host's disk.
   bool local(int r) const { return disks_.shared() || on_disk_(file_entry(r)); }
+  // How dear reading rank r's file is: 0 on this disk, 1 a file this disk's ranks copy
+  // from the durable tier for themselves (at the topology that saved it, their own), 2
+  // another file there, 3 none at all.
+  int cost(int r) const {
+    if (local(r)) return 0;
+    if (!fetch_) return 3;
+    const auto mine = disks_.members(rank_);
+    return std::find(mine.begin(), mine.end(), r) != mine.end() ? 1 : 2;
+  }
   const json& file_entry(int r) const { return m_.at("files").at(static_cast<size_t>(r)); }
 
   checkpoint::h5::File& file(int r) {
     auto it = open_.find(r);
     if (it == open_.end()) {
+      std::error_code ec;
+      if (fetch_ && !fs::exists(cand_ / file_entry(r).at("name").get<std::string>(), ec)) fetch_(file_entry(r));
       it = open_.emplace(r, checkpoint::h5::File::open_read((cand_ / file_entry(r).at("name").get<std::string>()).string()))
                .first;
     }
@@ -242,8 +256,8 @@ class PieceReader {
     auto t = torch::empty(shape, torch::TensorOptions().dtype(dtype));
     std::vector<int> holders{entry.value("rank", 0)};  // the file saved with it, then copies on other disks
     for (const auto& c : entry.value("copies", json::array())) holders.push_back(c.get<int>());
-    const auto it = std::find_if(holders.begin(), holders.end(), [&](int r) { return local(r); });
-    if (it == holders.end()) not_here(holders.front(), name);
+    const auto it = std::min_element(holders.begin(), holders.end(), [&](int a, int b) { return cost(a) < cost(b); });
+    if (cost(*it) == 3) not_here(holders.front(), name);
     file(*it).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
     return t;
   }
@@ -254,17 +268,19 @@ class PieceReader {
     const json& p = *saved_.at(name);
     auto overlaps = [&](const json& pc) { return std::max(a, pc[1].get<int64_t>()) < std::min(e, pc[2].get<int64_t>()); };
     // The saved pieces, or (without a shared filesystem) the first alternate set whose
-    // pieces over [a, e) are all on this disk: another stage's, or a disk's copy.
+    // pieces over [a, e) are cheapest to read: all on this disk, else in files this disk
+    // copies from the durable tier anyway (cost()).
     const json* cover = &p.at("pieces");
-    auto all_here = [&](const json& c) {
-      return std::all_of(c.begin(), c.end(), [&](const json& pc) { return !overlaps(pc) || local(pc[0].get<int>()); });
+    auto worst = [&](const json& c) {
+      int w = 0;
+      for (const auto& pc : c) {
+        if (overlaps(pc)) w = std::max(w, cost(pc[0].get<int>()));
+      }
+      return w;
     };
-    if (!all_here(*cover) && p.contains("alternates")) {
+    if (worst(*cover) > 0 && p.contains("alternates")) {
       for (const auto& alt : p.at("alternates")) {
-        if (all_here(alt)) {
-          cover = &alt;
-          break;
-        }
+        if (worst(alt) < worst(*cover)) cover = &alt;
       }
     }
     for (const auto& pc : *cover) {
@@ -272,7 +288,7 @@ class PieceReader {
       const int r = pc[0].get<int>();
       const int64_t pb = pc[1].get<int64_t>(), pe = pc[2].get<int64_t>();
       const int64_t lo = std::max(a, pb), hi = std::min(e, pe);
-      if (!local(r)) not_here(r, name);
+      if (cost(r) == 3) not_here(r, name);
       file(r).read(std::string("/") + kind + "/" + name, checkpoint::h5::Type::kFloat32,
                    static_cast<uint64_t>(lo - pb), static_cast<uint64_t>(hi - lo), out + (lo - a));
     }
@@ -296,6 +312,7 @@ class PieceReader {
   const Disks& disks_;
   const int rank_;
   const std::function<bool(const json& file)> on_disk_;
+  const std::function<void(const json& file)> fetch_;
   std::unordered_map<std::string, const json*> saved_, replicated_;
   std::map<int, checkpoint::h5::File> open_;
 };
@@ -426,33 +443,26 @@ void stage_gradients(PieceReader& in, const ShardedState& state, const std::vect
 std::string Checkpointer::Impl::fetch_from_durable(const fs::path& cand) {
   const auto step = step_of_dir_name(cand.filename().string());
   std::string why;
-  if (step && durable_steps.count(*step) && disks.leads(comm->rank())) {
-    try {
-      bool fetch = !fs::exists(cand / "manifest.json");
-      if (!fetch) {  // held here: at the topology that saved it, each disk has what its ranks read
-        const json m = read_manifest(cand);
-        fetch = m.at("world_size").get<int>() != comm->size() ||
-                m.value("topology", json::object()).value("pp_stages", 1) != options.pp_stages;
-      }
-      if (fetch) {
-        const auto t0 = std::chrono::steady_clock::now();
-        const int64_t bytes = durable->fetch(*step, dir);
-        char msg[160];
-        std::snprintf(msg, sizeof(msg), "checkpoint: copied %.1f MB of %s from the durable tier in %.2f s (host %s)",
-                      bytes / 1e6, cand.filename().string().c_str(),
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                      disks.hosts[static_cast<size_t>(comm->rank())].c_str());
-        log_warn(msg);
-      }
+  if (step && durable_steps.count(*step) && disks.leads(comm->rank()) && !fs::exists(cand / "manifest.json")) {
+    try {  // the manifest now; each file a rank reads follows when it is read (PieceReader)
+      durable->fetch_manifest(*step, dir);
+      log_warn("checkpoint: " + cand.filename().string() + " is not on this disk (host " +
+               disks.hosts[static_cast<size_t>(comm->rank())] + "): its manifest copied from the durable tier " +
+               options.durable_uri + ", the files its ranks read follow");
     } catch (const std::exception& e) {
-      why = "copying it from the durable tier " + options.durable_uri + " failed: " + error_message(e);
+      why = "copying its manifest from the durable tier " + options.durable_uri + " failed: " + error_message(e);
     }
   }
-  // Nobody reads the step before every disk holds it.
+  // Nobody reads the step before every disk holds its manifest.
   auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
   if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
   if (why.empty() && bad.item<double>() > 0) why = "another host could not copy it from the durable tier (its log says why)";
   return why;
+}
+
+bool Checkpointer::Impl::fetchable(const fs::path& cand) const {
+  const auto step = step_of_dir_name(cand.filename().string());
+  return durable && step && durable_steps.count(*step) > 0;
 }
 
 std::string Checkpointer::Impl::check_candidate(const fs::path& cand, json& m) const {
@@ -508,7 +518,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     // 3. this rank's pieces, from whichever old files hold them
     Staged staged;
     try {
-      PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); });
+      std::function<void(const json&)> fetch;
+      if (fetchable(cand)) fetch = [this, &cand](const json& file) { durable->fetch_file(cand, file); };
+      PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); }, fetch);
       stage_shards(in, state, names, staged);
       const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
       stage_module_rest(in, model, names, options.saved_names, imported, staged);

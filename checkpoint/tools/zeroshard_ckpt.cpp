@@ -305,7 +305,8 @@ struct StoreCopy {
   }
 };
 
-std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step) {
+// verify false: the files as the store holds them (for `verify`, which reports what is wrong).
+std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step, bool verify) {
   auto where = zeroshard::ckpt::s3::parse_uri(uri);
   const auto slash = where.prefix.rfind('/');
   const std::string last = slash == std::string::npos ? where.prefix : where.prefix.substr(slash + 1);
@@ -325,7 +326,7 @@ std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step)
   TORCH_CHECK(::mkdtemp(tmpl) != nullptr, "cannot make a temporary directory: ", std::strerror(errno));
   copy->run_dir = tmpl;
   copy->step = step;
-  store.fetch(step, copy->run_dir);
+  store.fetch(step, copy->run_dir, verify);
   return copy;
 }
 
@@ -455,7 +456,7 @@ int zeroshard_ckpt_main(int argc, char** argv) {
     // A durable tier's checkpoint: read from a local copy; an import: written locally, then committed there.
     std::unique_ptr<StoreCopy> copy;
     if (zeroshard::ckpt::s3::is_uri(path)) {
-      copy = copy_from_store(path, step);
+      copy = copy_from_store(path, step, /*verify=*/!*ver);
       path = copy->run_dir.string();
       step = copy->step;
     }
