@@ -111,7 +111,7 @@ int durable_rows(const std::string& uri, const std::string& dir, int repeats, ze
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     zeroshard::Checkpointer ckpt(empty, comm_ptr, o);
-    ckpt.load(opt, *model, repeats);
+    ckpt.load(opt, *model);  // the newest durable step (retention keeps the last `keep`)
     load_s.push_back(slowest(seconds_since(t0)));
     std::filesystem::remove_all(empty);
   }
