@@ -486,14 +486,14 @@ std::optional<ObjectInfo> Client::head(const std::string& name) {
   return info;
 }
 
-std::vector<ObjectInfo> Client::list(const std::string& name_prefix) {
-  std::vector<ObjectInfo> out;
+void Client::list_pages(const std::string& name_prefix, bool directories,
+                        const std::function<void(const pugi::xml_node& result)>& page) {
   std::string token;
-  std::string strip = location_.key("");
   do {
     // Query parameters in SigV4's canonical (sorted) order.
     std::string query = (token.empty() ? "" : "continuation-token=" + http::uri_encode(token, false) + "&") +
-                        "list-type=2&prefix=" + http::uri_encode(location_.key(name_prefix), false);
+                        (directories ? "delimiter=%2F&" : "") + "list-type=2&prefix=" +
+                        http::uri_encode(location_.key(name_prefix), false);
     std::string what = "list " + location_.uri() + "/" + name_prefix;
     auto r = send(what, [&] {
       http::Request q;
@@ -504,39 +504,33 @@ std::vector<ObjectInfo> Client::list(const std::string& name_prefix) {
     pugi::xml_document doc;
     TORCH_CHECK(doc.load_string(r.body.c_str()), "S3: ", what, ": the answer is not XML");
     auto result = doc.child("ListBucketResult");
+    page(result);
+    token = result.child("IsTruncated").text().as_bool() ? result.child("NextContinuationToken").text().as_string() : "";
+  } while (!token.empty());
+}
+
+std::vector<ObjectInfo> Client::list(const std::string& name_prefix) {
+  std::vector<ObjectInfo> out;
+  const std::string strip = location_.key("");
+  list_pages(name_prefix, false, [&](const pugi::xml_node& result) {
     for (auto c : result.children("Contents")) {
       std::string key = c.child("Key").text().as_string();
       out.push_back({key.substr(std::min(strip.size(), key.size())), c.child("Size").text().as_llong(),
                      c.child("ETag").text().as_string()});
     }
-    token = result.child("IsTruncated").text().as_bool() ? result.child("NextContinuationToken").text().as_string() : "";
-  } while (!token.empty());
+  });
   return out;
 }
 
 std::vector<std::string> Client::list_directories(const std::string& name_prefix) {
   std::vector<std::string> out;
-  std::string token;
-  std::string strip = location_.key("");
-  do {
-    std::string query = (token.empty() ? "" : "continuation-token=" + http::uri_encode(token, false) + "&") +
-                        "delimiter=%2F&list-type=2&prefix=" + http::uri_encode(location_.key(name_prefix), false);
-    std::string what = "list " + location_.uri() + "/" + name_prefix;
-    auto r = send(what, [&] {
-      http::Request q;
-      q.url = bucket_url(query);
-      return q;
-    });
-    expect_ok(r, what);
-    pugi::xml_document doc;
-    TORCH_CHECK(doc.load_string(r.body.c_str()), "S3: ", what, ": the answer is not XML");
-    auto result = doc.child("ListBucketResult");
+  const std::string strip = location_.key("");
+  list_pages(name_prefix, true, [&](const pugi::xml_node& result) {
     for (auto c : result.children("CommonPrefixes")) {
       std::string key = c.child("Prefix").text().as_string();
       out.push_back(key.substr(std::min(strip.size(), key.size())));
     }
-    token = result.child("IsTruncated").text().as_bool() ? result.child("NextContinuationToken").text().as_string() : "";
-  } while (!token.empty());
+  });
   return out;
 }
 

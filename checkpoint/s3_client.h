@@ -19,6 +19,7 @@
 #include "s3_credentials.h"
 
 #include <boost/asio/thread_pool.hpp>
+#include <pugixml.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -117,6 +118,10 @@ class Client {
   std::string bucket_url(const std::string& query) const;
   // Throws for a response other than 2xx (or 404 when `allow_404`), naming `what` and the store's code.
   void expect_ok(const http::Response& r, const std::string& what, bool allow_404 = false) const;
+  // ListObjectsV2 under `name_prefix` (with `directories`: delimiter '/'), every page
+  // passed to `page` as its ListBucketResult node.
+  void list_pages(const std::string& name_prefix, bool directories,
+                  const std::function<void(const pugi::xml_node& result)>& page);
   bool multipart_upload(const std::string& key, const std::string& path, int64_t size, bool if_absent,
                         const std::function<void(int64_t)>& progress);
   // Runs f(i) for i in [0, n) on the pool, `parallel` at a time; rethrows the first error.
