@@ -23,11 +23,24 @@ using Steady = std::chrono::steady_clock;
 
 namespace {
 
-std::string report_name(const std::string& step_name, int rank, bool ok) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "/.ranks/rank-%05d.%s", rank, ok ? "ok" : "failed");
+// Where one upload attempt of a step keeps its reports: an attempt's own directory, so that
+// what an earlier attempt at the same step left (a failure report, files of a run that went
+// another way since) is never taken for this one's.
+std::string reports_dir(const std::string& step_name, uint64_t attempt) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "/.ranks/%012llx/", static_cast<unsigned long long>(attempt));
   return step_name + buf;
 }
+
+std::string report_name(const std::string& reports, int rank, bool ok) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank-%05d.%s", rank, ok ? "ok" : "failed");
+  return reports + buf;
+}
+
+// Put by rank 0 when a step's upload fails anywhere, with the cause: what the other ranks wait for
+// instead of the commit.
+constexpr const char* kAbandoned = "abandoned";
 
 double seconds_since(Steady::time_point t) { return std::chrono::duration<double>(Steady::now() - t).count(); }
 
@@ -48,13 +61,13 @@ bool DurableTier::busy() {
   return in_flight_.valid() && in_flight_.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
 }
 
-void DurableTier::start_upload(const fs::path& step_dir, int64_t step) {
+void DurableTier::start_upload(const fs::path& step_dir, int64_t step, uint64_t attempt) {
   std::lock_guard<std::mutex> lock(mu_);
   TORCH_CHECK(!in_flight_.valid() || in_flight_.wait_for(std::chrono::seconds(0)) == std::future_status::ready,
               "durable tier: an upload is in flight");
   pinned_ = step_dir;
   status_.uploading_step = step;
-  auto task = std::make_shared<std::packaged_task<void()>>([this, step_dir, step] { upload(step_dir, step); });
+  auto task = std::make_shared<std::packaged_task<void()>>([this, step_dir, step, attempt] { upload(step_dir, step, attempt); });
   in_flight_ = task->get_future();
   boost::asio::post(thread_, [task] { (*task)(); });
 }
@@ -80,9 +93,10 @@ fs::path DurableTier::pinned() {
   return pinned_;
 }
 
-void DurableTier::upload(const fs::path& step_dir, int64_t step) {
+void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attempt) {
   const auto t0 = Steady::now();
   const std::string step_name = step_dir_name(step);
+  const std::string reports = reports_dir(step_name, attempt);
   std::string why;
   int64_t bytes = 0;
   // This rank's files: its rank file; rank 0 also what rank 0 alone writes.
@@ -107,30 +121,31 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step) {
       client_->upload_file(step_name + "/" + name, (step_dir / name).string(), false,
                            [&bytes](int64_t n) { bytes += n; });
     }
-    client_->put(report_name(step_name, rank_, true), std::to_string(bytes));
+    client_->put(report_name(reports, rank_, true), std::to_string(bytes));
   } catch (const std::exception& e) {
     why = error_message(e);
     try {  // tell rank 0 at once, rather than at its deadline
-      client_->put(report_name(step_name, rank_, false), why);
+      client_->put(report_name(reports, rank_, false), why);
     } catch (const std::exception&) {
     }
   }
-  if (why.empty()) {
+  if (why.empty() || rank_ == 0) {
     try {
       if (rank_ == 0) {  // every rank's files up: the commit
-        why = await_reports(step_name, t0 + options_.upload_timeout, /*commit=*/false);
+        if (why.empty()) why = await_reports(reports, t0 + options_.upload_timeout);
         if (why.empty()) commit(step_dir, step_name);
-      } else {  // the commit, or another rank's failure (a margin past rank 0's deadline, for its commit)
-        why = await_reports(step_name, t0 + options_.upload_timeout + std::chrono::minutes(1), /*commit=*/true);
+      } else {  // the commit, or rank 0's word that the step is abandoned (a margin past its deadline)
+        why = await_commit(step_name, reports, t0 + options_.upload_timeout + std::chrono::minutes(1));
       }
     } catch (const std::exception& e) {
       why = error_message(e);
-      if (rank_ == 0) {  // the others wait for the commit: tell them
-        try {
-          client_->put(report_name(step_name, 0, false), "committing failed: " + why);
-        } catch (const std::exception&) {
-        }
-      }
+      if (rank_ == 0) why = "committing failed: " + why;
+    }
+  }
+  if (!why.empty() && rank_ == 0) {  // the others wait for the commit or this: tell them at once
+    try {
+      client_->put(reports + kAbandoned, why);
+    } catch (const std::exception&) {
     }
   }
   const double lag = seconds_since(t0);
@@ -153,24 +168,22 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step) {
   }
 }
 
-std::string DurableTier::await_reports(const std::string& step_name, Steady::time_point deadline, bool commit) {
+std::string DurableTier::await_reports(const std::string& reports, Steady::time_point deadline) {
   auto pause = std::chrono::milliseconds(200);
   while (true) {
-    if (commit && client_->head(step_name + "/manifest.json")) return "";
     std::set<int> ok;
-    for (const auto& o : client_->list(step_name + "/.ranks/")) {
+    for (const auto& o : client_->list(reports)) {
       int r = -1;
       char kind[8] = {0};
-      if (std::sscanf(o.name.c_str() + step_name.size(), "/.ranks/rank-%05d.%7s", &r, kind) != 2) continue;
+      if (std::sscanf(o.name.c_str() + reports.size(), "rank-%05d.%7s", &r, kind) != 2) continue;
       if (std::string(kind) == "failed") {
         std::string cause = client_->get(o.name).value_or("(no reason given)");
         return "rank " + std::to_string(r) + ": " + cause;
       }
       ok.insert(r);
     }
-    if (!commit && static_cast<int>(ok.size()) >= world_) return "";
+    if (static_cast<int>(ok.size()) >= world_) return "";
     if (Steady::now() >= deadline) {
-      if (commit) return "rank 0 did not commit " + step_name + " by its deadline";
       std::string missing;
       for (int r = 0; r < world_ && missing.size() < 200; ++r) {
         if (!ok.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
@@ -180,6 +193,20 @@ std::string DurableTier::await_reports(const std::string& step_name, Steady::tim
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+std::string DurableTier::await_commit(const std::string& step_name, const std::string& reports,
+                                      Steady::time_point deadline) {
+  // Two requests a poll, whatever the world size (a listing of the reports grows with it), and
+  // polls further apart than rank 0's: thousands of ranks wait here at once.
+  auto pause = std::chrono::milliseconds(250);
+  while (true) {
+    if (client_->head(step_name + "/manifest.json")) return "";
+    if (auto cause = client_->get(reports + kAbandoned)) return *cause;
+    if (Steady::now() >= deadline) return "rank 0 did not commit " + step_name + " by its deadline";
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(5000));
   }
 }
 
@@ -195,11 +222,12 @@ void DurableTier::commit(const fs::path& step_dir, const std::string& step_name)
 }
 
 std::vector<int64_t> DurableTier::committed_steps() {
+  // The step directories, then each one's commit: requests grow with the steps kept, not with
+  // their files (a listing of every object would page through each rank's file of each step).
   std::vector<int64_t> steps;
-  for (const auto& o : client_->list("step-")) {
-    auto slash = o.name.find('/');
-    if (slash == std::string::npos || o.name.substr(slash) != "/manifest.json") continue;
-    if (auto s = step_of_dir_name(o.name.substr(0, slash))) steps.push_back(*s);
+  for (const auto& d : client_->list_directories("step-")) {
+    auto s = step_of_dir_name(d.substr(0, d.size() - 1));
+    if (s && client_->head(d + "manifest.json")) steps.push_back(*s);
   }
   std::sort(steps.rbegin(), steps.rend());
   return steps;

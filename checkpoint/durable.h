@@ -7,15 +7,17 @@
 //   step-00001200/
 //     rank-00000-of-00004.h5 ...  model.h5  manifest.xxh3
 //     manifest.json          the commit: put last, with If-None-Match: * (one writer wins)
-//     .ranks/rank-00003.ok   each rank's report that its files are up (or .failed, with why)
+//     .ranks/ATTEMPT/        one upload attempt's reports (ATTEMPT: 12 hex digits rank 0 drew):
+//       rank-00003.ok        each rank's report that its files are up (or .failed, with why)
+//       abandoned            rank 0's word that the step will not be committed, with why
 // A step directory without manifest.json does not exist for a load; retention
 // removes it once a newer step is committed, and removes committed steps beyond
 // the newest `keep`.
 //
 // An upload runs on this object's thread while training goes on: each rank puts
 // its own files, then its report; rank 0 waits for every report (bounded by
-// `upload_timeout`), then commits; the other ranks wait for the commit, or for a
-// report of failure, so every rank knows the step's fate. A failure or a stall abandons the step's
+// `upload_timeout`), then commits; the other ranks wait for the commit, or for rank
+// 0's word that the step is abandoned, so every rank knows the step's fate. A failure or a stall abandons the step's
 // durable copy (one line naming the rank and the cause; training goes on) and
 // the next save tries again. Thread-safe; one upload at a time.
 #pragma once
@@ -62,8 +64,9 @@ class DurableTier {
   // Starts uploading this rank's files of the committed step directory `step_dir`
   // (rank 0: also model.h5, the manifest, the commit and retention), unless the store
   // already holds a commit of `step` (never overwritten). Returns at once.
+  // `attempt`: the same on every rank, and new for each upload (its reports' directory).
   // REQUIRES: !busy().
-  void start_upload(const std::filesystem::path& step_dir, int64_t step);
+  void start_upload(const std::filesystem::path& step_dir, int64_t step, uint64_t attempt);
   // Waits up to `timeout` for the upload in flight; true when none is in flight.
   bool wait(std::chrono::milliseconds timeout);
   DurableStatus status();
@@ -84,10 +87,14 @@ class DurableTier {
   int64_t fetch(int64_t step, const std::filesystem::path& run_dir, bool verify = true);
 
  private:
-  void upload(const std::filesystem::path& step_dir, int64_t step);
-  // Waits for every rank's report (rank 0), or with `commit` for the step's manifest (the
-  // others); "" when it came, else why not (a rank's failure report, or the deadline).
-  std::string await_reports(const std::string& step_name, std::chrono::steady_clock::time_point deadline, bool commit);
+  void upload(const std::filesystem::path& step_dir, int64_t step, uint64_t attempt);
+  // Rank 0: waits for every rank's report in `reports` (the attempt's directory); "" when all
+  // came, else why not (a rank's failure report, or the deadline).
+  std::string await_reports(const std::string& reports, std::chrono::steady_clock::time_point deadline);
+  // The other ranks: waits for the step's manifest; "" when it came, else why not (rank 0's
+  // `abandoned` in `reports`, or the deadline).
+  std::string await_commit(const std::string& step_name, const std::string& reports,
+                           std::chrono::steady_clock::time_point deadline);
   void commit(const std::filesystem::path& step_dir, const std::string& step_name);
   void retain();
 

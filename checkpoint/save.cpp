@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <random>
 #include <unordered_map>
 
 namespace zeroshard {
@@ -258,11 +259,13 @@ void Checkpointer::Impl::retain(const fs::path& keep_dir) {
 
 void Checkpointer::Impl::start_durable_upload(Communicator& c, const fs::path& step_dir, int64_t step) {
   // One decision on every rank: while some rank's previous upload is in flight, this step
-  // is not uploaded anywhere (a step in the store is every rank's files or none).
-  auto busy = torch::tensor({durable->busy() ? 1.0 : 0.0}, torch::kDouble);
-  if (c.size() > 1) c.all_reduce(busy, ReduceOp::kMax)->wait();
-  if (busy.item<double>() == 0) {
-    durable->start_upload(step_dir, step);
+  // is not uploaded anywhere (a step in the store is every rank's files or none). The same
+  // all-reduce carries rank 0's draw of the attempt's name (48 bits: exact in a double).
+  const double attempt = c.rank() == 0 ? static_cast<double>(std::mt19937_64(std::random_device{}())() >> 16) : 0.0;
+  auto agreed = torch::tensor({durable->busy() ? 1.0 : 0.0, attempt}, torch::kDouble);
+  if (c.size() > 1) c.all_reduce(agreed, ReduceOp::kMax)->wait();
+  if (agreed[0].item<double>() == 0) {
+    durable->start_upload(step_dir, step, static_cast<uint64_t>(agreed[1].item<double>()));
   } else if (c.rank() == 0) {
     log_warn("checkpoint: " + step_dir_name(step) + " is not uploaded to the durable tier: the previous step's " +
              "upload is still in flight on some rank (saves come faster than the store takes them)");

@@ -23,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <random>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -336,7 +337,7 @@ void commit_to_store(const std::string& uri, const fs::path& run_dir, int64_t st
   zeroshard::ckpt::DurableTier store(zeroshard::ckpt::s3::parse_uri(uri), zeroshard::ckpt::s3::process_environment(), 0,
                                      1, {});
   store.check_access();
-  store.start_upload(run_dir / zeroshard::ckpt::step_dir_name(step), step);
+  store.start_upload(run_dir / zeroshard::ckpt::step_dir_name(step), step, std::random_device{}());
   store.wait(std::chrono::hours(24));
   const auto status = store.status();
   TORCH_CHECK(status.durable_step == step, "the upload of the imported step to ", uri, " failed: ", status.last_error);

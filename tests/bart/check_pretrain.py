@@ -22,7 +22,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   bad_input    wrong flags and data: one clear line naming the thing and the fix, exit 1, no backtrace
   durable      --ckpt-dir s3://... (under tests/checkpoint/s3_store.py): saves committed in the store; the local
                checkpoints deleted (a host lost with its disk), the next launch resumes from the store alone with
-               the uninterrupted run's losses
+               the uninterrupted run's losses; a pipeline's (pp 2, ZeRO-1) durable step resumed by one process
+               without a pipeline, its newest commit taken away (the step before it is loaded)
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -274,6 +275,35 @@ def check_durable(build, work):
     check(summary["durable"]["step"] == 12, summary["durable"])
     print(f"durable: saves committed in {uri} (steps {durable}); the local checkpoints deleted, the next launch "
           "resumed from the store at step 8 and steps 9-12 took the uninterrupted run's losses exactly")
+    # A pipeline's checkpoints through the store, resumed at another layout: pp 2 with ZeRO-1 commits steps 4, 8
+    # and 12; step 12's commit is taken away (as if its upload had never finished: a step without its manifest
+    # does not exist) and the disk is lost; one process without a pipeline resumes from step 8 in the store and
+    # takes the pipelined run's steps 9-12 (within 1e-6 relative: the stages sum in another order).
+    import s3fs
+    pipe = ["--global-batch", "8", "--micro-batches", "4", "--save-every", "4", "--eval-every", "100",
+            "--max-tokens", "32", "--no-sample", "--stage", "1", "--max-steps", "12", "--ckpt-dir", uri + "-pp"]
+    pp, flat = os.path.join(work, "durable_pp"), os.path.join(work, "durable_pp_resumed")
+    for d in (pp, flat):
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(d, "tokenizer"))
+    pretrain(build, pp, 2, *pipe, "--pp", "2")
+    check([r["step"] for r in metrics(pp) if r.get("event") == "durable"][-1] == 12, "the pipelined run's step 12")
+    store = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"],
+                                             "region_name": os.environ["AWS_REGION"]})
+    store.rm(f"{bucket}/bart-durable-{os.getpid()}-pp/step-00000012/manifest.json")
+    shutil.rmtree(os.path.join(pp, "checkpoints"))
+    out = pretrain(build, flat, 0, *pipe)
+    check("from the durable tier" in out, f"the resume did not copy from the durable tier:\n{out[-3000:]}")
+    summary = [r for r in metrics(flat) if r.get("event") == "summary"][-1]
+    check(summary["resumed"]["step"] == 8 and summary["pp"] == 1, (summary.get("resumed"), summary.get("pp")))
+    got = {r["step"]: r["loss"] for r in metrics(flat) if "event" not in r and r["step"] > 8}
+    want = {r["step"]: r["loss"] for r in metrics(pp) if "event" not in r}
+    check(sorted(got) == list(range(9, 13)), got)
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    check(worst < 1e-6, lambda: [(s, got[s], want[s]) for s in got])
+    print(f"durable: pp 2 (ZeRO-1) committed steps {[4, 8, 12]}; step 12's commit taken away and the disk lost, one "
+          f"process without a pipeline resumed from step 8 in the store: steps 9-12 within {worst:.1e} of the "
+          "pipelined run's")
 
 
 def check_safetensors(build, work):

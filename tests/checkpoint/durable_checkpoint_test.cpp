@@ -179,6 +179,13 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
   }
   world().barrier();
   EXPECT_TRUE(fs::exists(fs::path(disk) / "step-00000002" / "manifest.json")) << "the local tier is unaffected";
+  // What an earlier attempt at step 4 left in the store (a rank's failure report, rank 0's word that
+  // it was abandoned: a run that saved step 4, failed, restarted from step 2) decides nothing now.
+  if (rank == 0) {
+    store.put("step-00000004/.ranks/00000000abcd/rank-00001.failed", "an earlier attempt's failure");
+    store.put("step-00000004/.ranks/00000000abcd/abandoned", "rank 1: an earlier attempt's failure");
+  }
+  world().barrier();
   run.train(2, 4);
   run.save(ckpt, 4);
   EXPECT_TRUE(ckpt.wait_durable(60s));
