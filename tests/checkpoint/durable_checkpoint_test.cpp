@@ -2,7 +2,7 @@
 // started by tests/checkpoint/s3_store.py around the ranks (ctest's durable_*).
 // Each rank keeps its own run directory, as hosts without a shared filesystem do.
 //
-// DurableCheckpointSave (at N ranks, ZeRO stages 0, 2, 3) saves through the store,
+// DurableCheckpointSave (at N ranks, ZeRO stages 0-3) saves through the store,
 // checks what the store holds against the run directories (the same bytes, the
 // manifest as the commit, `latest`), loses one rank's disk and resumes bit-identical
 // at N, and writes the uninterrupted run's parameters. DurableCheckpointResume (at
@@ -59,7 +59,7 @@ CheckpointOptions durable(const std::string& prefix) {
 
 TEST(DurableCheckpointSave, CommitsInTheStoreAndResumesOnALostDisk) {
   const int n = world().size(), rank = world().rank();
-  for (int stage : {0, 2, 3}) {
+  for (int stage : {0, 1, 2, 3}) {
     SCOPED_TRACE("ZeRO stage " + std::to_string(stage));
     const std::string prefix = durable_run(n, stage);
     s3::Client store({bucket(), prefix}, s3::process_environment());
@@ -114,7 +114,7 @@ TEST(DurableCheckpointSave, CommitsInTheStoreAndResumesOnALostDisk) {
 TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
   const int m = world().size();
   for (int n = 1; n <= 4; ++n) {
-    for (int saved_stage : {0, 2, 3}) {
+    for (int saved_stage : {0, 1, 2, 3}) {
       const std::string want_path =
           shared_dir() + "/durable/" + std::to_string(n) + "_" + std::to_string(saved_stage) + ".f32";
       if (!fs::exists(want_path)) continue;  // that world size's save is not part of this run
