@@ -193,7 +193,9 @@ struct Snapshot {
 // zeroshard-ckpt import alike). `skip`: names this rank holds that another stage
 // writes (the lowest stage holding a name writes it). No /rng datasets when the
 // snapshot holds no generator state (an import).
-void write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip);
+// Returns where each dataset lies in the file (durable.h's index of it).
+std::vector<checkpoint::h5::Extent> write_rank_file(const fs::path& path, const Snapshot& snap,
+                                                    const std::set<std::string>& skip);
 
 }  // namespace ckpt
 
@@ -213,9 +215,9 @@ struct Checkpointer::Impl {
   };
   std::shared_ptr<LastSave> last = std::make_shared<LastSave>();
 
-  // Every rank learns whether every rank succeeded at a phase; throws on all
-  // of them if not, with this rank's own error or the failing ranks' numbers.
-  static void agree(Communicator& c, const std::string& phase, const std::string& my_error) {
+  // Every rank learns whether every rank succeeded at a phase: "" when all did, else
+  // (on all of them) a line with this rank's own error or the failing ranks' numbers.
+  static std::string agreed_failure(Communicator& c, const std::string& phase, const std::string& my_error) {
     auto flags = torch::zeros({c.size()}, torch::kDouble);
     if (!my_error.empty()) flags[c.rank()] = 1.0;
     if (c.size() > 1) c.all_reduce(flags, ReduceOp::kMax)->wait();
@@ -223,11 +225,16 @@ struct Checkpointer::Impl {
     for (int r = 0; r < c.size(); ++r) {
       if (flags[r].item<double>() > 0) failed.push_back(r);
     }
-    if (failed.empty()) return;
+    if (failed.empty()) return "";
     std::string who;
     for (int r : failed) who += (who.empty() ? "" : ", ") + std::to_string(r);
-    TORCH_CHECK(false, "checkpoint: ", phase, " failed on rank(s) ", who,
-                my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
+    return "checkpoint: " + phase + " failed on rank(s) " + who +
+           (my_error.empty() ? std::string(" (their logs say why)") : ": " + my_error);
+  }
+  // agreed_failure(), thrown on every rank when some rank failed.
+  static void agree(Communicator& c, const std::string& phase, const std::string& my_error) {
+    const std::string failure = agreed_failure(c, phase, my_error);
+    TORCH_CHECK(failure.empty(), failure);
   }
 
   // Collective over `c`: every rank makes `dir` and a probe file in it with a

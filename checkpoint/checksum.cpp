@@ -36,6 +36,8 @@ FileDigest digest_file(const std::string& path) {
   return d;
 }
 
+uint64_t digest_bytes(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
 std::string to_hex(uint64_t value) {
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(value));

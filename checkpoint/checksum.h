@@ -4,6 +4,7 @@
 // file size). Pure functions; thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -16,6 +17,9 @@ struct FileDigest {
 
 // Throws c10::Error naming the file when it cannot be read.
 FileDigest digest_file(const std::string& path);
+
+// XXH3_64bits of `bytes` bytes at `data`, seed 0 (a file's digest when they are its contents).
+uint64_t digest_bytes(const void* data, size_t bytes);
 
 // 16 lowercase hex digits, as `xxhsum -H3` prints them.
 std::string to_hex(uint64_t value);

@@ -1,8 +1,6 @@
 // common.cpp — checkpoint names, durable file writes, the commit, dtype storage, model identity.
 #include "checkpointer_impl.h"
 
-#include <xxhash.h>
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -140,7 +138,7 @@ std::vector<ModelEntry> model_entries(torch::nn::Module& model, const ShardedSta
   return out;
 }
 
-std::string hash_hex(const std::string& s) { return checkpoint::to_hex(XXH3_64bits(s.data(), s.size())); }
+std::string hash_hex(const std::string& s) { return checkpoint::to_hex(checkpoint::digest_bytes(s.data(), s.size())); }
 
 std::string saved_name(const std::map<std::string, std::string>& saved_names, const std::string& module_name) {
   const auto it = saved_names.find(module_name);

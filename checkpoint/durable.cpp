@@ -13,8 +13,10 @@
 #include <algorithm>
 #include <functional>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <thread>
+#include <unordered_map>
 
 namespace zeroshard::ckpt {
 
@@ -44,7 +46,128 @@ constexpr const char* kAbandoned = "abandoned";
 
 double seconds_since(Steady::time_point t) { return std::chrono::duration<double>(Steady::now() - t).count(); }
 
+const char* const kTypeNames[] = {"f32", "f64", "i64", "i32", "u8", "u16"};  // h5::Type's order
+
+// A rank file in the store, read dataset by dataset (DurableTier::open_ranged).
+class StoreFile : public checkpoint::h5::Readable {
+ public:
+  StoreFile(s3::Client& client, std::string key, const json& entry) : client_(client), key_(std::move(key)) {
+    const auto& want = entry.at("index");
+    const auto text = client_.get(key_ + ".index");
+    TORCH_CHECK(text, "checkpoint: ", where(), ".index is missing from the store");
+    TORCH_CHECK(static_cast<int64_t>(text->size()) == want.at("bytes").get<int64_t>() &&
+                    checkpoint::to_hex(checkpoint::digest_bytes(text->data(), text->size())) ==
+                        want.at("xxh3").get<std::string>(),
+                "checkpoint: ", where(), ".index does not match its manifest entry (size and xxh3): the store's copy is "
+                "damaged");
+    const json index = json::parse(*text);
+    TORCH_CHECK(index.at("file") == entry.at("name") && index.at("xxh3") == entry.at("xxh3"), "checkpoint: ", where(),
+                ".index describes another file");
+    for (const auto& [name, d] : index.at("datasets").items()) {
+      Dataset ds;
+      const auto type = std::find(std::begin(kTypeNames), std::end(kTypeNames), d.at("type").get<std::string>());
+      TORCH_CHECK(type != std::end(kTypeNames), "checkpoint: ", where(), ".index: dataset '", name, "' has type ",
+                  d.at("type"));
+      ds.type = static_cast<checkpoint::h5::Type>(type - std::begin(kTypeNames));
+      ds.dims = d.at("dims").get<std::vector<uint64_t>>();
+      ds.offset = d.at("offset").get<uint64_t>();
+      ds.bytes = d.at("bytes").get<uint64_t>();
+      ds.xxh3 = d.at("xxh3").get<std::string>();
+      uint64_t n = 1;
+      for (auto x : ds.dims) n *= x;
+      TORCH_CHECK(n * checkpoint::h5::type_size(ds.type) == ds.bytes &&
+                      ds.offset + ds.bytes <= entry.at("bytes").get<uint64_t>(),
+                  "checkpoint: ", where(), ".index: dataset '", name, "' does not fit its file");
+      datasets_.emplace(name, std::move(ds));
+    }
+    file_bytes_ = entry.at("bytes").get<int64_t>();
+  }
+  ~StoreFile() override {
+    char msg[240];
+    std::snprintf(msg, sizeof(msg), "checkpoint: read %.1f MB of %s (%.1f MB) from the durable tier in %d ranged GETs",
+                  fetched_ / 1e6, key_.c_str(), file_bytes_ / 1e6, requests_);
+    log_info(msg);
+  }
+  bool has(const std::string& name) const override { return datasets_.count(name) > 0; }
+  std::vector<uint64_t> dims(const std::string& name) const override { return dataset(name).dims; }
+  void read(const std::string& name, checkpoint::h5::Type type, uint64_t offset, uint64_t count,
+            void* out) const override {
+    const Dataset& ds = dataset(name);
+    TORCH_CHECK(ds.dims.size() == 1 && offset + count <= ds.dims[0], "checkpoint: ", where(), ": dataset '", name,
+                "' has shape ", json(ds.dims).dump(), "; elements [", offset, ", ", offset + count, ") were asked for");
+    copy(name, ds, type, offset, count, out);
+  }
+  void read_all(const std::string& name, checkpoint::h5::Type type, uint64_t count, void* out) const override {
+    const Dataset& ds = dataset(name);
+    TORCH_CHECK(ds.bytes == count * checkpoint::h5::type_size(ds.type), "checkpoint: ", where(), ": dataset '", name,
+                "' has ", ds.bytes / checkpoint::h5::type_size(ds.type), " elements where its manifest entry describes ",
+                count, ": refusing to read it");
+    copy(name, ds, type, 0, count, out);
+  }
+
+ private:
+  struct Dataset {
+    checkpoint::h5::Type type;
+    std::vector<uint64_t> dims;
+    uint64_t offset = 0, bytes = 0;
+    std::string xxh3;
+  };
+  std::string where() const { return client_.location().uri() + "/" + key_; }
+  const Dataset& dataset(const std::string& name) const {
+    auto it = datasets_.find(name);
+    TORCH_CHECK(it != datasets_.end(), "checkpoint: ", where(), " has no dataset '", name, "'");
+    return it->second;
+  }
+  // The dataset's bytes (one ranged GET, verified; the last one kept: a reader takes a
+  // parameter's ranges of a dataset one after another), elements [offset, offset + count) out.
+  void copy(const std::string& name, const Dataset& ds, checkpoint::h5::Type type, uint64_t offset, uint64_t count,
+            void* out) const {
+    TORCH_CHECK(type == ds.type, "checkpoint: ", where(), ": dataset '", name, "' is stored as ",
+                kTypeNames[static_cast<int>(ds.type)], " and was asked for as ", kTypeNames[static_cast<int>(type)]);
+    if (cached_ != name) {
+      cached_.clear();
+      bytes_.resize(ds.bytes);
+      if (ds.bytes > 0) {
+        client_.get_range(key_, static_cast<int64_t>(ds.offset), static_cast<int64_t>(ds.bytes), bytes_.data());
+        fetched_ += static_cast<int64_t>(ds.bytes);
+        ++requests_;
+      }
+      const auto got = checkpoint::to_hex(checkpoint::digest_bytes(bytes_.data(), bytes_.size()));
+      TORCH_CHECK(got == ds.xxh3, "checkpoint: ", where(), ": dataset '", name, "' has xxh3 ", got,
+                  " and its index says ", ds.xxh3, ": the store's copy is damaged");
+      cached_ = name;
+    }
+    const size_t size = checkpoint::h5::type_size(type);
+    std::memcpy(out, bytes_.data() + offset * size, count * size);
+  }
+
+  s3::Client& client_;
+  const std::string key_;
+  std::unordered_map<std::string, Dataset> datasets_;
+  int64_t file_bytes_ = 0;
+  mutable std::string cached_;
+  mutable std::vector<char> bytes_;
+  mutable int64_t fetched_ = 0;
+  mutable int requests_ = 0;
+};
+
 }  // namespace
+
+json dataset_index(const std::string& file_name, const checkpoint::FileDigest& file,
+                   const std::vector<checkpoint::h5::Extent>& extents) {
+  json datasets = json::object();
+  for (const auto& e : extents) {
+    datasets[e.name] = {{"type", kTypeNames[static_cast<int>(e.type)]}, {"dims", e.dims}, {"offset", e.offset},
+                        {"bytes", e.bytes}, {"xxh3", checkpoint::to_hex(e.xxh3)}};
+  }
+  return {{"file", file_name}, {"bytes", file.bytes}, {"xxh3", checkpoint::to_hex(file.xxh3)}, {"datasets", datasets}};
+}
+
+fs::path index_path(const fs::path& rank_file) { return rank_file.string() + ".index"; }
+
+std::unique_ptr<checkpoint::h5::Readable> DurableTier::open_ranged(const std::string& step_name, const json& file) {
+  return std::make_unique<StoreFile>(*client_, step_name + "/" + file.at("name").get<std::string>(), file);
+}
 
 DurableTier::DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options)
     : client_(std::make_unique<s3::Client>(std::move(where), std::move(env), options.client)),
@@ -99,8 +222,9 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
   const std::string reports = reports_dir(step_name, attempt);
   std::string why;
   int64_t bytes = 0;
-  // This rank's files: its rank file; rank 0 also what rank 0 alone writes.
-  std::vector<std::string> mine{rank_file_name(rank_, world_)};
+  // This rank's files: its rank file and the file's index; rank 0 also what rank 0 alone writes.
+  const std::string own = rank_file_name(rank_, world_);
+  std::vector<std::string> mine{own, index_path(own).string()};
   if (rank_ == 0) mine.push_back("model.h5");
   try {
     if (client_->head(step_name + "/manifest.json")) {  // committed before (a resumed job saving a step again)
@@ -114,8 +238,8 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
     for (const auto& name : mine) {
       std::error_code ec;
       if (!fs::exists(step_dir / name, ec)) {
-        TORCH_CHECK(name == "model.h5", "'", (step_dir / name).string(), "' is missing");
-        continue;  // CheckpointOptions::write_model_view off
+        TORCH_CHECK(name != own, "'", (step_dir / name).string(), "' is missing");
+        continue;  // model.h5 without CheckpointOptions::write_model_view; no index (zeroshard-ckpt import)
       }
       trace::Span span("checkpoint", "checkpoint upload " + name);
       client_->upload_file(step_name + "/" + name, (step_dir / name).string(), false,

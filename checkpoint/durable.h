@@ -22,6 +22,8 @@
 // the next save tries again. Thread-safe; one upload at a time.
 #pragma once
 
+#include "checksum.h"
+#include "h5.h"
 #include "s3_client.h"
 #include "zeroshard/checkpoint.h"
 
@@ -38,6 +40,13 @@
 #include <vector>
 
 namespace zeroshard::ckpt {
+
+// The index of a rank file written beside it (`rank-*.h5.index`, JSON) when the
+// checkpoint has a durable tier: where each dataset lies in the file and the xxh3
+// of its bytes. Its own size and xxh3 are in the manifest's entry of the file.
+nlohmann::json dataset_index(const std::string& file_name, const checkpoint::FileDigest& file,
+                             const std::vector<checkpoint::h5::Extent>& extents);
+std::filesystem::path index_path(const std::filesystem::path& rank_file);
 
 struct DurableOptions {
   // Committed steps kept in the store. Default: CheckpointOptions::keep.
@@ -85,6 +94,11 @@ class DurableTier {
   // The whole committed step into `run_dir/step-N` (the manifest, then every file it
   // lacks). Returns the bytes copied.
   int64_t fetch(int64_t step, const std::filesystem::path& run_dir, bool verify = true);
+  // One rank file of the committed step `step_name` (`file`: its manifest entry, which
+  // names an index), read where it is: each dataset by one ranged GET when first read,
+  // verified against the index (itself verified against the entry) before it is used.
+  // Logs what it read when destroyed.
+  std::unique_ptr<checkpoint::h5::Readable> open_ranged(const std::string& step_name, const nlohmann::json& file);
 
  private:
   void upload(const std::filesystem::path& step_dir, int64_t step, uint64_t attempt);

@@ -1,6 +1,8 @@
 // h5.cpp — HDF5 wrappers (see h5.h).
 #include "h5.h"
 
+#include "checksum.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -122,6 +124,12 @@ void File::write(const std::string& name, Type type, const std::vector<uint64_t>
                   path_, "cannot create dataset '" + name + "'"),
             H5Dclose);
   check(H5Dwrite(ds.get(), memory_type(type), H5S_ALL, H5S_ALL, H5P_DEFAULT, data), path_, "writing dataset", name);
+  uint64_t n = 1;
+  for (auto x : dims) n *= x;
+  const uint64_t bytes = n * type_size(type);
+  const haddr_t at = H5Dget_offset(ds.get());  // undefined for a dataset without elements
+  TORCH_CHECK(bytes == 0 || at != HADDR_UNDEF, "checkpoint file '", path_, "': dataset '", name, "' has no place in it");
+  extents_.push_back({name, type, dims, bytes == 0 ? 0 : static_cast<uint64_t>(at), bytes, digest_bytes(data, bytes)});
 }
 
 namespace {

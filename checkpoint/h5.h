@@ -47,7 +47,31 @@ hid_t file_type(Type t);
 hid_t memory_type(Type t);
 size_t type_size(Type t);
 
-class File {
+// What reading a saved file takes, wherever its bytes are: a File on disk, or a
+// rank file in the durable tier read dataset by dataset (durable.h).
+class Readable {
+ public:
+  virtual ~Readable() = default;
+  virtual bool has(const std::string& name) const = 0;
+  virtual std::vector<uint64_t> dims(const std::string& name) const = 0;
+  // Elements [offset, offset + count) of a 1-D dataset, converted to `type` in memory.
+  virtual void read(const std::string& name, Type type, uint64_t offset, uint64_t count, void* out) const = 0;
+  // The whole dataset, into `count` elements at `out`: a dataset of another
+  // number of elements (any shape) is refused before anything is read.
+  virtual void read_all(const std::string& name, Type type, uint64_t count, void* out) const = 0;
+};
+
+// Where a dataset a File wrote lies in it (contiguous, unfiltered: its bytes as
+// they were in memory) and the xxh3 of those bytes, so that a reader can fetch
+// it alone by a ranged read and verify it.
+struct Extent {
+  std::string name;
+  Type type;
+  std::vector<uint64_t> dims;
+  uint64_t offset = 0, bytes = 0, xxh3 = 0;
+};
+
+class File : public Readable {
  public:
   // Creates (truncating) a file for writing.
   static File create(const std::string& path);
@@ -80,20 +104,19 @@ class File {
   // The source file names a virtual dataset maps (empty for a plain dataset).
   std::vector<std::string> virtual_sources(const std::string& name) const;
 
-  bool has(const std::string& name) const;
-  std::vector<uint64_t> dims(const std::string& name) const;
-  // Elements [offset, offset + count) of a 1-D dataset (or of a dataset read as
-  // flat), converted to `type` in memory.
-  void read(const std::string& name, Type type, uint64_t offset, uint64_t count, void* out) const;
-  // The whole dataset, into `count` elements at `out`: a dataset of another
-  // number of elements (any shape) is refused before anything is read.
-  void read_all(const std::string& name, Type type, uint64_t count, void* out) const;
+  bool has(const std::string& name) const override;
+  std::vector<uint64_t> dims(const std::string& name) const override;
+  void read(const std::string& name, Type type, uint64_t offset, uint64_t count, void* out) const override;
+  void read_all(const std::string& name, Type type, uint64_t count, void* out) const override;
   // Flushes HDF5's buffers and closes the file (then fsync it by path).
   void close();
+  // The datasets write() wrote, in order.
+  const std::vector<Extent>& extents() const { return extents_; }
 
  private:
   std::string path_;
   Handle file_;
+  std::vector<Extent> extents_;
 };
 
 // Turns off HDF5's printing of error stacks (errors are reported as exceptions).

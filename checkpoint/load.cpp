@@ -212,12 +212,17 @@ namespace {
 // can be read; a read that needs another throws, naming the file and the fix.
 class PieceReader {
  public:
+  using Ranged = std::function<std::unique_ptr<checkpoint::h5::Readable>(const json& file)>;
   // `on_disk(file)`: whether one of the manifest's files is in this rank's directory.
-  // `fetch(file)` (optional: the step is in a durable tier): copies a file this
-  // directory lacks into it, verified, when it is first read.
+  // `fetch(file)` and `ranged(file)` (optional: the step is in a durable tier): a file
+  // this directory lacks, when it is first read: copied into it whole, verified, when
+  // it is one of this disk's ranks' own (the local tier again), else read where it is,
+  // dataset by dataset (when the save left an index of it).
   PieceReader(const fs::path& cand, const json& m, const Disks& disks, int rank,
-              std::function<bool(const json& file)> on_disk, std::function<void(const json& file)> fetch = {})
-      : cand_(cand), m_(m), disks_(disks), rank_(rank), on_disk_(std::move(on_disk)), fetch_(std::move(fetch)) {
+              std::function<bool(const json& file)> on_disk, std::function<void(const json& file)> fetch = {},
+              Ranged ranged = {})
+      : cand_(cand), m_(m), disks_(disks), rank_(rank), on_disk_(std::move(on_disk)), fetch_(std::move(fetch)),
+        ranged_(std::move(ranged)) {
     for (const auto& p : m.at("params")) saved_[p.at("name").get<std::string>()] = &p;
     for (const auto& r : m.at("replicated")) replicated_[r.at("name").get<std::string>()] = &r;
   }
@@ -238,15 +243,25 @@ class PieceReader {
   }
   const json& file_entry(int r) const { return m_.at("files").at(static_cast<size_t>(r)); }
 
-  checkpoint::h5::File& file(int r) {
+  const checkpoint::h5::Readable& file(int r) {
     auto it = open_.find(r);
     if (it == open_.end()) {
+      const json& f = file_entry(r);
+      const fs::path path = cand_ / f.at("name").get<std::string>();
+      std::unique_ptr<checkpoint::h5::Readable> opened;
       std::error_code ec;
-      if (fetch_ && !fs::exists(cand_ / file_entry(r).at("name").get<std::string>(), ec)) fetch_(file_entry(r));
-      it = open_.emplace(r, checkpoint::h5::File::open_read((cand_ / file_entry(r).at("name").get<std::string>()).string()))
-               .first;
+      if (fetch_ && !fs::exists(path, ec)) {
+        const auto mine = disks_.members(rank_);
+        if (ranged_ && f.contains("index") && std::find(mine.begin(), mine.end(), r) == mine.end()) {
+          opened = ranged_(f);
+        } else {
+          fetch_(f);
+        }
+      }
+      if (!opened) opened = std::make_unique<checkpoint::h5::File>(checkpoint::h5::File::open_read(path.string()));
+      it = open_.emplace(r, std::move(opened)).first;
     }
-    return it->second;
+    return *it->second;
   }
 
   // A parameter saved in full (untrained at save time, e.g. frozen at stage 2), in its saved dtype.
@@ -313,8 +328,9 @@ class PieceReader {
   const int rank_;
   const std::function<bool(const json& file)> on_disk_;
   const std::function<void(const json& file)> fetch_;
+  const Ranged ranged_;
   std::unordered_map<std::string, const json*> saved_, replicated_;
-  std::map<int, checkpoint::h5::File> open_;
+  std::map<int, std::unique_ptr<checkpoint::h5::Readable>> open_;
 };
 
 // What a load changes, read but not applied yet: every rank applies it, or none does.
@@ -498,6 +514,12 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
   const std::vector<fs::path> candidates = agree_on_candidates(step);
   if (candidates.empty()) return std::nullopt;
   const auto mine = model_entries(model, state, names, options.saved_names);
+  std::string skipped;  // why each candidate was passed over, for the error when every one is
+  auto skip = [&](const fs::path& cand, const std::string& why) {
+    TORCH_CHECK(!step, "checkpoint: step ", step.value_or(0), " in '", dir, "' cannot be loaded: ", why);
+    log_warn("checkpoint: not loading " + cand.string() + ": " + why + "; trying the previous committed checkpoint");
+    skipped += "; " + cand.filename().string() + ": " + why;
+  };
   for (const auto& cand : candidates) {
     // 0. what a disk lacks, copied from the durable tier
     std::string fetched = durable ? fetch_from_durable(cand) : "";
@@ -508,9 +530,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
     if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
     if (bad.item<double>() > 0) {
-      if (why.empty()) why = "another rank found a bad file (its log says which)";
-      TORCH_CHECK(!step, "checkpoint: step ", step.value_or(0), " in '", dir, "' cannot be loaded: ", why);
-      log_warn("checkpoint: not loading " + cand.string() + ": " + why + "; trying the previous committed checkpoint");
+      skip(cand, why.empty() ? "another rank found a bad file (its log says which)" : why);
       continue;
     }
     // 2. the same model (a different one is an error, not a reason to fall back)
@@ -519,8 +539,13 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     Staged staged;
     try {
       std::function<void(const json&)> fetch;
-      if (fetchable(cand)) fetch = [this, &cand](const json& file) { durable->fetch_file(cand, file); };
-      PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); }, fetch);
+      PieceReader::Ranged ranged;
+      if (fetchable(cand)) {
+        fetch = [this, &cand](const json& file) { durable->fetch_file(cand, file); };
+        ranged = [this, &cand](const json& file) { return durable->open_ranged(cand.filename().string(), file); };
+      }
+      PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); }, fetch,
+                     ranged);
       stage_shards(in, state, names, staged);
       const bool imported = m.at("model_hash").get<std::string>().empty();  // zeroshard-ckpt import: no hash
       stage_module_rest(in, model, names, options.saved_names, imported, staged);
@@ -530,9 +555,14 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     } catch (const std::exception& e) {
       why = error_message(e);
     }
-    // All or nothing: a load that fails on any rank leaves every rank's model, optimizer
-    // and generators as they were.
-    agree(*comm, "loading " + cand.string(), why);
+    // All or nothing: a load that fails on any rank (a file damaged in the durable tier,
+    // another host's file out of reach) leaves every rank's model, optimizer and
+    // generators as they were, and the ranks go on to the previous committed step together.
+    why = agreed_failure(*comm, "loading " + cand.string(), why);
+    if (!why.empty()) {
+      skip(cand, why);
+      continue;
+    }
     for (auto& [live, value] : staged.tensors) live.copy_(value);
     for (auto& [dev, rng] : staged.generators) {
       auto gen = compat::default_generator(dev);  // a handle on the process's generator
@@ -551,7 +581,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
              ")");
     return progress;
   }
-  TORCH_CHECK(false, "checkpoint: no checkpoint in '", dir, "' can be loaded (each was skipped above, with the reason)");
+  TORCH_CHECK(false, "checkpoint: no checkpoint in '", dir, "' can be loaded: ", skipped.substr(2));
 }
 
 }  // namespace zeroshard

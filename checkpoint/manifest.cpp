@@ -387,7 +387,11 @@ std::string schema_problem(const json& m) {
     if (!f.is_object()) return "a file entry is " + f.dump().substr(0, 80);
     first("file " + f.value("name", json()).dump() + ": ",
           {field(f, "name", file_name), field(f, "bytes", count), field(f, "xxh3", text),
-           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false), field(f, "host", text, false)});
+           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false), field(f, "host", text, false),
+           field(f, "index", [&](const json& j) {
+             return j.is_object() && j.contains("bytes") && count(j.at("bytes")) && j.contains("xxh3") &&
+                    text(j.at("xxh3"));
+           }, false)});
   }
   if (m.contains("model_view")) {
     const json& v = m.at("model_view");

@@ -137,7 +137,8 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
   return snap;
 }
 
-void ckpt::write_rank_file(const fs::path& path, const Snapshot& snap, const std::set<std::string>& skip) {
+std::vector<checkpoint::h5::Extent> ckpt::write_rank_file(const fs::path& path, const Snapshot& snap,
+                                                          const std::set<std::string>& skip) {
   using checkpoint::h5::Type;
   const auto start = std::chrono::steady_clock::now();
   auto f = checkpoint::h5::File::create(path.string());
@@ -183,6 +184,7 @@ void ckpt::write_rank_file(const fs::path& path, const Snapshot& snap, const std
   }
   const auto c0 = std::chrono::steady_clock::now();
   log_debug("checkpoint: datasets written in " + std::to_string(std::chrono::duration<double>(c0 - start).count()) + " s");
+  auto extents = f.extents();
   f.close();
   const auto c1 = std::chrono::steady_clock::now();
   fsync_path(path, false);
@@ -190,6 +192,7 @@ void ckpt::write_rank_file(const fs::path& path, const Snapshot& snap, const std
   std::snprintf(msg, sizeof(msg), "checkpoint: close %.3f s, fsync %.3f s", std::chrono::duration<double>(c1 - c0).count(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - c1).count());
   log_debug(msg);
+  return extents;
 }
 
 void Checkpointer::Impl::write_model_view(const fs::path& path, const json& m) {
@@ -361,17 +364,23 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   }
   agree(c, "creating " + tmp.string(), err);
   const fs::path file = tmp / rank_file_name(rank, world);
-  checkpoint::FileDigest digest;
+  checkpoint::FileDigest digest, index{0, 0};
   try {
     const auto w0 = std::chrono::steady_clock::now();
+    std::vector<checkpoint::h5::Extent> extents;
     {
       trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
-      write_rank_file(file, snap, contents.skip);
+      extents = write_rank_file(file, snap, contents.skip);
     }
     const auto w1 = std::chrono::steady_clock::now();
     {
       trace::Span span("checkpoint", "checkpoint checksum " + file.filename().string());
       digest = checkpoint::digest_file(file.string());
+    }
+    if (durable) {  // where each dataset lies: a load elsewhere reads only the datasets it needs from the store
+      const std::string text = dataset_index(file.filename().string(), digest, extents).dump();
+      write_atomically(index_path(file), text);
+      index = {checkpoint::digest_bytes(text.data(), text.size()), text.size()};
     }
     char msg[160];
     std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
@@ -382,12 +391,14 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     err = std::string("writing '") + file.string() + "': " + error_message(e);
   }
   agree(c, "writing rank files", err);
-  auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3)}, torch::kLong);
-  auto all = torch::empty({2 * world}, torch::kLong);
+  auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3),
+                          static_cast<int64_t>(index.bytes), static_cast<int64_t>(index.xxh3)}, torch::kLong);
+  auto all = torch::empty({4 * world}, torch::kLong);
   c.all_gather(all, d)->wait();
-  std::vector<std::pair<int64_t, uint64_t>> digests;
+  std::vector<std::pair<int64_t, uint64_t>> digests, indexes;
   for (int r = 0; r < world; ++r) {
-    digests.emplace_back(all[2 * r].item<int64_t>(), static_cast<uint64_t>(all[2 * r + 1].item<int64_t>()));
+    digests.emplace_back(all[4 * r].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 1].item<int64_t>()));
+    indexes.emplace_back(all[4 * r + 2].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 3].item<int64_t>()));
   }
   auto took = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}, torch::kDouble);
   if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
@@ -397,7 +408,12 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
       trace::Span span("checkpoint", "checkpoint manifest " + final_dir.filename().string());
       m = build_manifest(snap, std::move(contents), digests);
       m["save_seconds"] = took.item<double>();  // writing the rank files, as measured by the slowest rank
-      for (int r = 0; r < world; ++r) m["files"][static_cast<size_t>(r)]["host"] = disks.hosts[static_cast<size_t>(r)];
+      for (int r = 0; r < world; ++r) {
+        json& f = m["files"][static_cast<size_t>(r)];
+        f["host"] = disks.hosts[static_cast<size_t>(r)];
+        const auto& [bytes, xxh3] = indexes[static_cast<size_t>(r)];
+        if (bytes > 0) f["index"] = {{"bytes", bytes}, {"xxh3", checkpoint::to_hex(xxh3)}};
+      }
       if (options.write_model_view) {  // on rank 0's disk: it presents the files where they are brought together
         write_model_view(tmp / "model.h5", m);
         // Its checksum too: readers hand HDF5 no file whose bytes they have not verified.

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -50,6 +51,18 @@ std::string file_bytes(const fs::path& p) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file(int rank, int world) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "rank-%05d-of-%05d.h5", rank, world);
+  return buf;
+}
+
 CheckpointOptions durable(const std::string& prefix) {
   CheckpointOptions o;
   o.durable_uri = "s3://" + bucket() + "/" + prefix;
@@ -80,8 +93,7 @@ TEST(DurableCheckpointSave, CommitsInTheStoreAndResumesOnALostDisk) {
       world().barrier();  // every rank's upload is done (rank 0 committed after all reported)
       // The store holds this rank's file, byte for byte, and the committed manifest.
       const std::string name = fs::path(step_dir).filename().string();
-      char mine[48];
-      std::snprintf(mine, sizeof(mine), "rank-%05d-of-%05d.h5", rank, n);
+      const std::string mine = rank_file(rank, n);
       EXPECT_TRUE(store.get(name + "/" + mine).value_or("") == file_bytes(step_dir / mine)) << mine;
       EXPECT_EQ(store.get(name + "/manifest.json").value_or(""), file_bytes(step_dir / "manifest.json"));
       EXPECT_EQ(store.get("latest").value_or(""), name + "\n");
@@ -127,6 +139,12 @@ TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
         const auto progress = run.load(ckpt);
         ASSERT_TRUE(progress.has_value());
         EXPECT_EQ(progress->step, kSaveAt);
+        // At another world size a rank copies whole at most the file saved at its own rank; the
+        // pieces it needs of the others it reads where they are, dataset by dataset (ranged GETs).
+        for (int q = 0; q < n; ++q) {
+          if (q == world().rank()) continue;
+          EXPECT_FALSE(fs::exists(fs::path(disk) / step_name(kSaveAt) / rank_file(q, n))) << rank_file(q, n);
+        }
         run.train(kSaveAt, kEnd);
         const auto got = run.flat();
         expect_close(got, read_tensor(want_path, got.numel()));
@@ -134,6 +152,46 @@ TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
       }
     }
   }
+}
+
+// A byte flipped in the store's copy of the 2-rank save's last rank file, inside a dataset: a
+// load at this world size reads that dataset (a ranged GET, or the whole file), its checksum
+// fails, and the load refuses the step on every rank, naming the damage.
+TEST(DurableCheckpointResume, ADamagedDatasetInTheStoreIsRefused) {
+  const int n = 2;
+  ASSERT_TRUE(fs::exists(shared_dir() + "/durable/" + std::to_string(n) + "_3.f32"))
+      << "runs after DurableCheckpointSave at 2 ranks (ctest's durable_checkpoint)";
+  s3::Client store({bucket(), durable_run(n, 3)}, s3::process_environment());
+  const std::string key = step_name(kSaveAt) + "/" + rank_file(n - 1, n);
+  std::string original;
+  if (world().rank() == 0) {
+    original = store.get(key).value_or("");
+    const auto index = nlohmann::json::parse(store.get(key + ".index").value_or("{}"));
+    uint64_t at = 0;
+    for (const auto& [name, d] : index.at("datasets").items()) {
+      if (name.rfind("/master/", 0) == 0 && d.at("bytes").get<uint64_t>() > 0) at = d.at("offset").get<uint64_t>() + 1;
+    }
+    ASSERT_GT(at, 0u);
+    std::string damaged = original;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x40);
+    store.put(key, damaged);
+  }
+  world().barrier();
+  const std::string disk = own_disk("durable-damaged");
+  {
+    Checkpointer ckpt(disk, world_ptr(), durable(durable_run(n, 3)));
+    Trainer run(0, /*seed=*/5);  // ZeRO-0: every rank reads every dataset
+    const std::string err = testing::error_of([&] { run.load(ckpt, kSaveAt); });
+    EXPECT_NE(err.find("cannot be loaded"), std::string::npos) << err;
+    const auto errs = all_gather_text(world(), err);
+    EXPECT_TRUE(std::any_of(errs.begin(), errs.end(), [&](const std::string& e) {
+      return e.find("the store's copy is damaged") != std::string::npos && e.find(rank_file(n - 1, n)) != std::string::npos;
+    })) << err;
+  }
+  world().barrier();
+  if (world().rank() == 0) store.put(key, original);
+  world().barrier();
+  fs::remove_all(disk);
 }
 
 // Through the fault proxy: uploads that keep failing are abandoned on every rank with the
