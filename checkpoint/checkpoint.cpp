@@ -51,6 +51,29 @@ bool Checkpointer::wait_durable(std::chrono::milliseconds timeout) {
   return !impl_->durable || impl_->durable->wait(timeout);
 }
 
+bool Checkpointer::make_durable(std::chrono::milliseconds timeout) {
+  if (!impl_->durable) return true;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(0), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                      deadline - std::chrono::steady_clock::now()));
+  };
+  impl_->wait_pending();  // a background save commits first (and starts its upload)
+  impl_->durable->wait(left());
+  const int64_t newest = impl_->newest_saved;
+  if (newest < 0) return true;
+  // Every rank's view: an upload still in flight; the newest step not durable here.
+  auto v = torch::tensor({impl_->durable->busy() ? 1.0 : 0.0,
+                          impl_->durable->status().durable_step == newest ? 0.0 : 1.0}, torch::kDouble);
+  if (impl_->io_comm->size() > 1) impl_->io_comm->all_reduce(v, ReduceOp::kMax)->wait();
+  if (v[0].item<double>() > 0) return false;  // the upload before it outlasted `timeout`
+  if (v[1].item<double>() > 0) {
+    impl_->start_durable_upload(*impl_->io_comm, fs::path(impl_->dir) / ckpt::step_dir_name(newest), newest);
+    impl_->durable->wait(left());
+  }
+  return impl_->durable->status().durable_step == newest;
+}
+
 DurableStatus Checkpointer::durable_status() const { return impl_->durable ? impl_->durable->status() : DurableStatus{}; }
 
 std::vector<int> ckpt::Disks::members(int rank) const {

@@ -176,7 +176,15 @@ DurableTier::DurableTier(s3::Location where, s3::Environment env, int rank, int 
       options_(options) {}
 
 DurableTier::~DurableTier() {
+  stopping_ = true;  // an upload in flight stops waiting for the other ranks
   thread_.join();
+}
+
+bool DurableTier::pause_unless_stopping(std::chrono::milliseconds pause) {
+  for (auto left = pause; left.count() > 0 && !stopping_; left -= std::chrono::milliseconds(50)) {
+    std::this_thread::sleep_for(std::min(left, std::chrono::milliseconds(50)));
+  }
+  return !stopping_;
 }
 
 bool DurableTier::busy() {
@@ -315,7 +323,7 @@ std::string DurableTier::await_reports(const std::string& reports, Steady::time_
       return "rank(s) " + missing + " did not report their files uploaded within " +
              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(options_.upload_timeout).count()) + " s";
     }
-    std::this_thread::sleep_for(pause);
+    if (!pause_unless_stopping(pause)) return "the job ended before every rank reported its files uploaded";
     pause = std::min(pause * 2, std::chrono::milliseconds(2000));
   }
 }
@@ -329,7 +337,7 @@ std::string DurableTier::await_commit(const std::string& step_name, const std::s
     if (client_->head(step_name + "/manifest.json")) return "";
     if (auto cause = client_->get(reports + kAbandoned)) return *cause;
     if (Steady::now() >= deadline) return "rank 0 did not commit " + step_name + " by its deadline";
-    std::this_thread::sleep_for(pause);
+    if (!pause_unless_stopping(pause)) return "the job ended before rank 0 committed " + step_name;
     pause = std::min(pause * 2, std::chrono::milliseconds(5000));
   }
 }

@@ -30,6 +30,7 @@
 #include <boost/asio/thread_pool.hpp>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <future>
@@ -60,7 +61,9 @@ class DurableTier {
  public:
   // `env`: where credentials and settings come from (s3_credentials.h).
   DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options);
-  ~DurableTier();  // waits for the upload in flight
+  // Waits for the upload in flight, which stops waiting for the other ranks' reports or
+  // the commit (a job ending on an error must not wait `upload_timeout` for a dead rank).
+  ~DurableTier();
   DurableTier(const DurableTier&) = delete;
   DurableTier& operator=(const DurableTier&) = delete;
 
@@ -110,12 +113,15 @@ class DurableTier {
   std::string await_commit(const std::string& step_name, const std::string& reports,
                            std::chrono::steady_clock::time_point deadline);
   void commit(const std::filesystem::path& step_dir, const std::string& step_name);
+  // Sleeps `pause`, or less when the tier is being destroyed; false then.
+  bool pause_unless_stopping(std::chrono::milliseconds pause);
   void retain();
 
   std::unique_ptr<s3::Client> client_;
   int rank_, world_;
   DurableOptions options_;
   boost::asio::thread_pool thread_{1};
+  std::atomic<bool> stopping_{false};
   std::mutex mu_;  // guards in_flight_, status_, pinned_
   std::future<void> in_flight_;
   DurableStatus status_;

@@ -440,6 +440,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   // Without a shared filesystem, a crash between two disks' commits leaves one a step
   // ahead: a load takes the newest step every disk holds (each keeps at least 2).
   agree(c, "committing " + final_dir.string(), err);
+  newest_saved = snap.progress.step;
   if (durable) start_durable_upload(c, final_dir, snap.progress.step);
   if (leads) retain(final_dir);
   c.barrier();

@@ -598,17 +598,19 @@ void PretrainingRun::note_durable(json& extra) {
   }
 }
 
-// After a preemption's save: the upload in flight, within what is left of the grace period.
+// After a preemption's save: that step made durable (after the upload in flight, when its
+// own was skipped for it), within what is left of the grace period.
 double PretrainingRun::wait_durable() {
   const auto t0 = Clock::now();
   const double left = guard_->options().grace_period_s - (unix_now() - guard_->notice_time()) - 1.0;
-  const bool done = ckpt_->wait_durable(std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, left) * 1000)));
+  const bool done = ckpt_->make_durable(std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, left) * 1000)));
   const auto st = ckpt_->durable_status();
-  if (done && st.durable_step == step_) {
+  if (done) {
     zeroshard::log_info("preemption: step " + std::to_string(step_) + " is durable (" + o_.ckpt_dir + ")");
   } else {
     zeroshard::log_warn("preemption: step " + std::to_string(step_) + " is " +
-                        (done ? "not durable (" + st.last_error + ")" : "still uploading as the grace period ends") +
+                        (st.uploading_step >= 0 ? std::string("still uploading as the grace period ends")
+                                                : "not durable (" + st.last_error + ")") +
                         "; the durable tier holds step " + std::to_string(st.durable_step));
   }
   return since(t0);

@@ -49,8 +49,8 @@ void PretrainingRun::log_start() const {
 // The last save committed; --save-logits: the model's logits on four validation examples.
 void PretrainingRun::finish() {
   if (ckpt_) ckpt_->wait();
-  if (durable_) {  // the last checkpoint's upload: the run ends with it durable (or its failure said)
-    ckpt_->wait_durable(std::chrono::hours(24));  // bounded by the upload's own limits
+  if (durable_) {  // the last checkpoint uploaded: the run ends with it durable (or its failure said)
+    ckpt_->make_durable(std::chrono::hours(24));  // bounded by the upload's own limits
     json ignored;
     note_durable(ignored);
   }

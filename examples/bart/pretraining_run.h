@@ -83,7 +83,7 @@ class PretrainingRun {
   double save(int64_t at, const char* why);
   void note_resume(bool stepped);
   void note_durable(json& extra);  // the durable tier's progress into the step's line and the events
-  double wait_durable();           // a preemption's wait for the upload in flight; its seconds
+  double wait_durable();           // a preemption's step made durable (Checkpointer::make_durable); its seconds
   int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
   int64_t peak_model_states() const;
   int64_t world_all_reduces() const;  // so far, on the world communicator

@@ -158,6 +158,12 @@ class Checkpointer {
   // (e.g. within a preemption's grace period); true when none is in flight after.
   // Without a durable tier: true at once. Not collective.
   bool wait_durable(std::chrono::milliseconds timeout);
+  // The durable tier: makes the newest step this Checkpointer saved durable within
+  // `timeout` (a preemption's grace period, the end of training): waits for the upload
+  // in flight, then uploads that step when its own upload was skipped (an upload was
+  // still in flight when it was saved) and waits for it. True when it is durable.
+  // Collective: every rank calls it. Without a durable tier: true at once.
+  bool make_durable(std::chrono::milliseconds timeout);
   DurableStatus durable_status() const;
 
   const std::string& dir() const;

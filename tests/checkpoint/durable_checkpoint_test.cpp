@@ -258,6 +258,45 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
   fs::remove_all(disk);
 }
 
+// make_durable() after two saves in a row, the first one's upload slowed by SlowDowns (so the
+// second's upload is skipped for it while it is in flight): the second step ends up durable.
+TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
+  const int rank = world().rank();
+  const std::string prefix = "durable-test/make-durable-n" + std::to_string(world().size());
+  s3::Client store({bucket(), prefix}, s3::process_environment());
+  if (rank == 0) store.remove_all("");
+  world().barrier();
+  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
+  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  const std::string disk = own_disk("durable-make");
+  {
+    Checkpointer ckpt(disk, world_ptr(), durable(prefix));
+    Trainer run(3);
+    run.train(0, 2);
+    if (rank == 0) {
+      ckpt::http::Request r;
+      r.method = "POST";
+      r.url = std::string(std::getenv("ZS_TEST_FAKE_AWS")) + "/control/faults";
+      r.body = "503 6";
+      EXPECT_EQ(ckpt::http::perform(r, {}).status, 200);
+    }
+    world().barrier();
+    run.save(ckpt, 2);
+    run.train(2, 4);
+    run.save(ckpt, 4);
+    const bool skipped = ckpt.durable_status().uploading_step == 2;
+    EXPECT_TRUE(ckpt.make_durable(60s));
+    const auto status = ckpt.durable_status();
+    EXPECT_EQ(status.durable_step, 4) << status.last_error << (skipped ? " (step 4's upload was skipped)" : "");
+    world().barrier();
+  }
+  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  if (rank == 0) {
+    EXPECT_TRUE(store.get("step-00000004/manifest.json").has_value());
+  }
+  fs::remove_all(disk);
+}
+
 TEST(DurableCheckpointFaults, AWrongKeyFailsAtTheCheckpointerOnEveryRank) {
   const std::string secret = std::getenv("AWS_SECRET_ACCESS_KEY");
   setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-987", 1);

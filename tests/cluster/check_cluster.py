@@ -20,10 +20,11 @@ Usage: check_cluster.py BUILD_DIR CHECK
           launcher killed; every surviving launcher exits non-zero, its rank's error names rank 2,
           within the window + 10 s. Then every link shaped to 10 Mbit/s: the run finishes, slower,
           with no false failure. Prints the detection times (docs/cluster.md's table)
-  elastic torchrun --nnodes 2:3 on 3 hosts x 1 rank, bart_pretrain ZeRO-3 with checkpoints: host 2 killed at
-          a random step; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint (the
-          redone step's loss as at 3 ranks); host 2 returns with a new agent, the run resumes at 3 ranks and
-          finishes, every checkpoint verifies. Prints the times from the kill to the first step without the
+  elastic torchrun --nnodes 2:3 on 3 hosts x 1 rank, each with its own disk, bart_pretrain ZeRO-3 with
+          checkpoints committed in an S3 store on a fourth host: host 2 killed at a random step and its disk
+          wiped; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint (host 2's
+          file from the store; the redone step's loss as at 3 ranks); host 2 returns empty with a new agent,
+          the run resumes at 3 ranks and finishes, the store's newest commit verifies. Prints the times from the kill to the first step without the
           host, and from the new agent's start to the first step with it
 
   durable bart_pretrain ZeRO-3 on 2 hosts x 2 ranks, a disk each, checkpoints committed in an S3 store
@@ -248,6 +249,20 @@ def durable_steps(run_dir):
         return []
 
 
+def start_store(c, i):
+    """An S3 store (SeaweedFS, tests/checkpoint/s3_store.py) on host i of `c`, on its own; returns the
+    environment that points the AWS settings at it (bucket "ckpt")."""
+    ip = c.addr(i)
+    store = c.start(i, [sys.executable, S3_STORE, "--ip", ip, "--s3-port", 8333, "--", "sleep", 3600], env=ENV)
+    deadline = time.monotonic() + 60
+    while "ready in" not in store.output():
+        check(time.monotonic() < deadline and store.proc.poll() is None,
+              lambda: f"the store on host {i} did not start:\n" + store.output()[-3000:])
+        time.sleep(0.1)
+    return dict(ENV, AWS_ENDPOINT_URL=f"http://{ip}:8333", AWS_ACCESS_KEY_ID="testkey",
+                AWS_SECRET_ACCESS_KEY="testsecret", AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+
+
 def check_durable(build, work):
     """The spot loss the durable tier is for: bart_pretrain ZeRO-3 on 2 hosts x 2 ranks, each host with a disk of
     its own, checkpoints every 2 steps committed in an S3 store on a third host (SeaweedFS, with
@@ -273,16 +288,8 @@ def check_durable(build, work):
     shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(disks[0], "tokenizer"))
     mounts = lambda i: [(disks[i], run_path)]  # noqa: E731
     with Cluster(15, 3) as c:
-        store_ip = c.addr(2)
-        store = c.start(2, [sys.executable, S3_STORE, "--ip", store_ip, "--s3-port", 8333, "--", "sleep", 3600], env=ENV)
-        deadline = time.monotonic() + 60
-        while "ready in" not in store.output():
-            check(time.monotonic() < deadline and store.proc.poll() is None,
-                  lambda: "the store on host 2 did not start:\n" + store.output()[-3000:])
-            time.sleep(0.1)
+        env = start_store(c, 2)
         uri = "s3://ckpt/cluster-run"
-        env = dict(ENV, AWS_ENDPOINT_URL=f"http://{store_ip}:8333", AWS_ACCESS_KEY_ID="testkey",
-                   AWS_SECRET_ACCESS_KEY="testsecret", AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
         cmd = [exe, *common, "--run-dir", run_path, "--save-every", "2", "--ckpt-dir", uri, "--liveness", str(LIVENESS_S)]
         jobs = [c.start(i, [os.path.join(build, "zeroshard-run"), "--nnodes", 2, "--node-rank", i, "--nproc-per-node",
                             2, "--master-addr", c.addr(0), "--master-port", PORT + 9, "--grace-period", 5, "--", *cmd],
@@ -320,9 +327,11 @@ def check_durable(build, work):
         # Within the two-host runs' tolerance of the one-host run (check_bart: the reductions' order differs).
         worst = max(abs(a - b) / abs(a) for a, b in zip(want, got)) if len(got) == len(want) else float("inf")
         check(worst <= 1e-6, lambda: f"killed, disk wiped, resumed from the store: losses {got}, uninterrupted {want}")
-        check(durable_steps(disks[0])[-1] == 8, f"durable events {durable_steps(disks[0])}")
+        # (the last save's upload is skipped when the one before is still in flight: the newest durable step
+        # is the resumed one or later)
+        check(durable_steps(disks[0])[-1] >= int(resumed.group(1)), f"durable events {durable_steps(disks[0])}")
         files = sorted(os.listdir(os.path.join(disks[1], "checkpoints", "step-00000008")))
-        check([f for f in files if f.startswith("rank-")] == ["rank-00002-of-00004.h5", "rank-00003-of-00004.h5"],
+        check([f for f in files if f.endswith(".h5")] == ["rank-00002-of-00004.h5", "rank-00003-of-00004.h5"],
               f"the replacement's disk holds {files} of step 8")
     print(f"durable: zero3 on 2 hosts x 2 ranks, each with its own disk, checkpoints every 2 steps committed in "
           f"SeaweedFS on a third host; host 1 killed once step {durable_at_kill} was durable (host 0's disk held "
@@ -419,21 +428,31 @@ def check_failures(build, work):
 
 def check_elastic(build, work):
     """An elastic run under torchrun (--nnodes 2:3, c10d rendezvous, one agent per host): bart_pretrain, ZeRO-3,
-    on 3 hosts x 1 rank with checkpoints every 2 steps.
-    - Shrink: host 2 is killed (link down, SIGKILL) once a random odd step (5-13) is logged. The other ranks fail naming it within
-      the liveness window, their agents restart them at 2 hosts, and the run resumes from its last committed
-      checkpoint at the smaller world size (the checkpoint reshards, the sampler continues the epoch).
-    - Grow: once a step ran at 2 hosts, host 2 comes back (link up) and a new agent starts there. The running
-      agents see it waiting, stop their ranks (which save a checkpoint, as on a preemption), and the rendezvous
-      takes it in: the run resumes at 3 hosts from that checkpoint and finishes at the planned step.
+    on 3 hosts x 1 rank, each host with a disk of its own (no shared filesystem), checkpoints every 2 steps
+    committed in an S3 store on a fourth host (SeaweedFS, tests/checkpoint/s3_store.py).
+    - Shrink: host 2 is killed (link down, SIGKILL) once a random odd step (5-13) is logged and a step is
+      durable, and its disk is wiped (a spot instance reclaimed). The other ranks fail naming it within the
+      liveness window, their agents restart them at 2 hosts, and the run resumes from its last checkpoint
+      at the smaller world size (the checkpoint reshards, the sampler continues the epoch): host 2's rank
+      file of that step comes from the store.
+    - Grow: once a step ran at 2 hosts, host 2 comes back (link up) with its empty disk and a new agent
+      starts there. The running agents see it waiting, stop their ranks (which save a checkpoint, as on a
+      preemption), and the rendezvous takes it in: the run resumes at 3 hosts (host 2 copying what it reads
+      from the store) and finishes at the planned step.
     Every step is logged, a step taken twice (redone after the shrink) has the loss it had the first time,
-    the summary says 3 ranks, and `zeroshard-ckpt verify` passes on every committed checkpoint. Prints the time
+    the summary says 3 ranks, and `zeroshard-ckpt verify` passes on the store's newest commit. Prints the time
     from the kill to the first step without the host, and from the new agent's start to the first step with it."""
     exe = os.path.join(build, "examples", "bart_pretrain")
-    run = os.path.join(work, "run")
+    run = os.path.join(work, "run")  # where every host's own disk is mounted
+    disks = [os.path.join(work, f"elastic_disk{i}") for i in range(3)]
+    for d in disks:
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+    uri = "s3://ckpt/elastic-run"
     steps = 150  # the run must outlast a new agent's start (torchrun imports torch: seconds) at 2 ranks
     kill_at = random.randrange(5, 15, 2)  # odd: checkpoints are every 2 steps, so at least one step is redone
-    metrics = os.path.join(run, "metrics.jsonl")
+    # Rank 0 is host 0's in every round (the rendezvous ranks its agents by host name) and writes the log there.
+    metrics = os.path.join(disks[0], "metrics.jsonl")
 
     def rows():
         if not os.path.exists(metrics):
@@ -441,19 +460,24 @@ def check_elastic(build, work):
         with open(metrics) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def stepped_after_resume(since, ranks):
-        """Whether the log after row `since` has a resume at `ranks` ranks and a step after it."""
-        after = rows()[since:]
-        at = next((k for k, r in enumerate(after) if r.get("event") == "resume" and r["ranks"] == ranks), None)
-        return at is not None and any("event" not in r for r in after[at + 1:])
+    def resumes_seen():
+        return [r for r in rows() if r.get("event") == "resume"]
+
+    def stepped_after_resume(ranks):
+        """Whether the log has a resume at `ranks` ranks and a step after it. (A resume rewrites the log from
+        the step it resumes from, so rows counted before it say nothing; the run resumes at 2 ranks only
+        after the shrink, at 3 only after the grow.)"""
+        every = rows()
+        at = next((k for k, r in enumerate(every) if r.get("event") == "resume" and r["ranks"] == ranks), None)
+        return at is not None and any("event" not in r for r in every[at + 1:])
 
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers (torchrun's default),
     # an agent that joins a later round waits forever for the MASTER_ADDR key of that round, which rank 0's
     # agent wrote only in the first (torch 2.15, dynamic_rendezvous.py: the bootstrap info is kept across
     # rounds). Unshared, each round's rank 0 writes it, and the ranks rendezvous at their own MASTER_PORT.
-    env = dict(ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-
     def agent(c, i):
+        # ZS_LOG_LEVEL=info: the ranks say what they copy from the store.
+        env = dict(store_env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", ZS_LOG_LEVEL="info")
         return c.start(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", 1,
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.name(0)}:{PORT + 20}",
                            "--rdzv-id", "zs-elastic", "--max-restarts", 3,
@@ -465,37 +489,58 @@ def check_elastic(build, work):
                            "--max-steps", steps, "--eval-every", 0, "--no-sample", "--no-plot", "--global-batch", 12,
                            "--micro-batches", 1, "--max-tokens", 32, "--save-every", 2, "--liveness", LIVENESS_S,
                            # Without dropout a step's loss does not depend on the world size (its masks do).
-                           "--dropout", 0, "--run-dir", run, "--progress-interval", 1000], env=env)
+                           "--dropout", 0, "--run-dir", run, "--progress-interval", 1000, "--ckpt-dir", uri],
+                       env=env, disks=[(disks[i], run)])
 
-    with Cluster(14, 3) as c:  # 11-13 are the other checks': ctest runs two at a time
+    with Cluster(14, 4) as c:  # 11-13 are the other checks': ctest runs two at a time
+        store_env = start_store(c, 3)
         jobs = [agent(c, i) for i in range(3)]
         deadline = time.monotonic() + TIMEOUT
-        while not any("event" not in r and r["step"] >= kill_at for r in rows()):
+        # Host 2's file of a step the survivors can resume from is then in the store alone: wait for one.
+        while not (any("event" not in r and r["step"] >= kill_at for r in rows()) and durable_steps(disks[0])):
             check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
-                  lambda: f"the 3-host run never reached step {kill_at}:\n" + c.outputs(jobs))
+                  lambda: f"the 3-host run never reached step {kill_at} with a durable step:\n" + c.outputs(jobs))
             time.sleep(0.02)
-        logged = len(rows())
         killed = time.monotonic()
         cluster_kill(c, 2)
+        # The spot instance is gone with its disk: its rank file of every step too.
+        jobs[2].proc.wait()
+        shutil.rmtree(disks[2])
+        os.makedirs(disks[2])
         # The log as the 3 hosts left it (rank 0 rewrites it from the step it resumes from).
         first_losses = {r["step"]: r["loss"] for r in rows() if "event" not in r}
-        while not stepped_after_resume(logged, 2):
+        while not stepped_after_resume(2):
             check(time.monotonic() < deadline, lambda: "no step at 2 hosts after host 2 was killed:\n" +
                   c.outputs(jobs[:2]))
             time.sleep(0.02)
         shrink_gap = time.monotonic() - killed
-        logged = len(rows())
         check(not any(r.get("event") == "summary" for r in rows()), "the run ended before host 2 could return")
         cluster_heal(c, 2)
         returned = time.monotonic()
         jobs.append(agent(c, 2))
-        while not stepped_after_resume(logged, 3):
+        while not stepped_after_resume(3):
             check(time.monotonic() < deadline and jobs[0].proc.poll() is None,
                   lambda: "no step at 3 hosts after host 2 returned:\n" + c.outputs(jobs[:2] + jobs[3:]))
             time.sleep(0.02)
         grow_gap = time.monotonic() - returned
         results = c.wait(jobs[:2] + jobs[3:], TIMEOUT)
         check(all(code == 0 for code, _ in results), lambda: "an agent failed:\n" + c.outputs(jobs[:2] + jobs[3:]))
+        # The shrink: the step the survivors resumed from was saved at 3 ranks, and host 2's file of it is on no
+        # disk left: it came from the store (the losses below say it came right). Rank 0, which logs what it
+        # reads, read another host's file of that step from the store, dataset by dataset (ranged GETs).
+        shrunk = f"step-{resumes_seen()[0]['step']:08d}"
+        check(re.search(rf"read [0-9.]+ MB of {shrunk}/rank-0000[12]-of-00003\.h5 \([0-9.]+ MB\) from the durable tier",
+                        jobs[0].output()),
+              lambda: f"rank 0 did not read another host's file of {shrunk} from the store:\n" + c.outputs(jobs[:1]))
+        # The grow: host 2, back with an empty disk, took the step's manifest (and what it read) from the store.
+        grown = re.findall(r"(step-\d+) is not on this disk \(host [^)]*\): its manifest copied from the durable tier",
+                           jobs[3].output())
+        check(grown, lambda: "host 2 came back with an empty disk and took nothing from the store:\n" +
+              c.outputs(jobs[3:]))
+        # The store's newest commit verifies (every file's size and xxh3), read from host 0.
+        verify = c.start(0, [os.path.join(build, "zeroshard-ckpt"), "verify", uri], env=store_env)
+        (code, out), = c.wait([verify], TIMEOUT)
+        check(code == 0, lambda: f"zeroshard-ckpt verify {uri}: {out[-3000:]}")
     every = rows()
     resumes = [r for r in every if r.get("event") == "resume"]
     check([r["ranks"] for r in resumes] == [2, 3], resumes)
@@ -520,17 +565,13 @@ def check_elastic(build, work):
           lambda: f"no step was redone after the shrink: killed after step {kill_at}, resumed from "
           f"{resumes[0]['step']}, {sorted(first_losses)} logged before")
     check(set(losses) == set(range(1, steps + 1)), sorted(losses))
-    committed = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step-"))
-    for d in committed:
-        p = subprocess.run([os.path.join(build, "zeroshard-ckpt"), "verify", os.path.join(run, "checkpoints", d)],
-                           capture_output=True, text=True, timeout=TIMEOUT)
-        check(p.returncode == 0, lambda: f"zeroshard-ckpt verify {d}: {p.stdout}{p.stderr}")
-    print(f"elastic: 3 hosts -> 2 -> 3: host 2 killed after step {kill_at}, resumed from step {resumes[0]['step']} at 2 ranks "
+    print(f"elastic: 3 hosts -> 2 -> 3, each with its own disk, checkpoints committed in an S3 store on a fourth host: "
+          f"host 2 killed after step {kill_at} and its disk wiped, resumed from step {resumes[0]['step']} at 2 ranks "
           f"{shrink_gap:.1f} s after the kill (to the first step; liveness {LIVENESS_S} s, rendezvous last call 3 s, "
-          f"keep-alive 4 x 1 s); host 2 back and a new agent started: resumed from step {resumes[1]['step']} at 3 "
-          f"ranks {grow_gap:.1f} s after its start; finished {steps} steps; the {redone} steps redone at 2 ranks had "
-          "their losses at 3; "
-          f"{len(committed)} committed checkpoints verify", flush=True)
+          f"keep-alive 4 x 1 s), host 2's rank file read from the store; host 2 back with an empty disk and a new "
+          f"agent started: resumed from step {resumes[1]['step']} at 3 ranks {grow_gap:.1f} s after its start, having "
+          f"taken {', '.join(grown)} from the store; finished {steps} steps; the {redone} steps redone at 2 ranks had "
+          "their losses at 3; the store's newest commit verifies", flush=True)
 
 
 def cluster_kill(c, i):
