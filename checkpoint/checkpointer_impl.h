@@ -193,9 +193,10 @@ struct Snapshot {
 // zeroshard-ckpt import alike). `skip`: names this rank holds that another stage
 // writes (the lowest stage holding a name writes it). No /rng datasets when the
 // snapshot holds no generator state (an import).
-// Returns where each dataset lies in the file (durable.h's index of it).
+// Returns where each dataset lies in the file, with (`digests`) the xxh3 of each one's
+// bytes: durable.h's index of it.
 std::vector<checkpoint::h5::Extent> write_rank_file(const fs::path& path, const Snapshot& snap,
-                                                    const std::set<std::string>& skip);
+                                                    const std::set<std::string>& skip, bool digests = false);
 
 }  // namespace ckpt
 

@@ -129,7 +129,8 @@ void File::write(const std::string& name, Type type, const std::vector<uint64_t>
   const uint64_t bytes = n * type_size(type);
   const haddr_t at = H5Dget_offset(ds.get());  // undefined for a dataset without elements
   TORCH_CHECK(bytes == 0 || at != HADDR_UNDEF, "checkpoint file '", path_, "': dataset '", name, "' has no place in it");
-  extents_.push_back({name, type, dims, bytes == 0 ? 0 : static_cast<uint64_t>(at), bytes, digest_bytes(data, bytes)});
+  extents_.push_back({name, type, dims, bytes == 0 ? 0 : static_cast<uint64_t>(at), bytes,
+                      digest_ ? digest_bytes(data, bytes) : 0});
 }
 
 namespace {

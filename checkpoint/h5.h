@@ -110,13 +110,16 @@ class File : public Readable {
   void read_all(const std::string& name, Type type, uint64_t count, void* out) const override;
   // Flushes HDF5's buffers and closes the file (then fsync it by path).
   void close();
-  // The datasets write() wrote, in order.
+  // The datasets write() wrote, in order; their xxh3 only when digest_datasets(true)
+  // came first (a second pass over the bytes: only a durable tier's index needs it).
   const std::vector<Extent>& extents() const { return extents_; }
+  void digest_datasets(bool on) { digest_ = on; }
 
  private:
   std::string path_;
   Handle file_;
   std::vector<Extent> extents_;
+  bool digest_ = false;
 };
 
 // Turns off HDF5's printing of error stacks (errors are reported as exceptions).

@@ -138,10 +138,11 @@ Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Modu
 }
 
 std::vector<checkpoint::h5::Extent> ckpt::write_rank_file(const fs::path& path, const Snapshot& snap,
-                                                          const std::set<std::string>& skip) {
+                                                          const std::set<std::string>& skip, bool digests) {
   using checkpoint::h5::Type;
   const auto start = std::chrono::steady_clock::now();
   auto f = checkpoint::h5::File::create(path.string());
+  f.digest_datasets(digests);
   f.set_attribute("/", "format", std::string(kFormat));
   f.set_attribute("/", "format_version", static_cast<int64_t>(kFormatVersion));
   f.set_attribute("/", "rank", static_cast<int64_t>(snap.rank));
@@ -370,7 +371,7 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     std::vector<checkpoint::h5::Extent> extents;
     {
       trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
-      extents = write_rank_file(file, snap, contents.skip);
+      extents = write_rank_file(file, snap, contents.skip, /*digests=*/durable != nullptr);
     }
     const auto w1 = std::chrono::steady_clock::now();
     {
