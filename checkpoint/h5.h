@@ -49,6 +49,11 @@ size_t type_size(Type t);
 
 // What reading a saved file takes, wherever its bytes are: a File on disk, or a
 // rank file in the durable tier read dataset by dataset (durable.h).
+//
+// A read may land later, by complete(): a file in the store gathers the reads asked of it
+// and fetches them together (neighbouring datasets in one ranged GET, several GETs at
+// once). Until complete() returns, each read's `out` must stay allocated and unread.
+// A File on disk reads at once.
 class Readable {
  public:
   virtual ~Readable() = default;
@@ -59,6 +64,8 @@ class Readable {
   // The whole dataset, into `count` elements at `out`: a dataset of another
   // number of elements (any shape) is refused before anything is read.
   virtual void read_all(const std::string& name, Type type, uint64_t count, void* out) const = 0;
+  // Every read asked so far has landed in its `out` (or this throws, naming what failed).
+  virtual void complete() const {}
 };
 
 // Where a dataset a File wrote lies in it (contiguous, unfiltered: its bytes as

@@ -273,12 +273,19 @@ class PieceReader {
     for (const auto& c : entry.value("copies", json::array())) holders.push_back(c.get<int>());
     const auto it = std::min_element(holders.begin(), holders.end(), [&](int a, int b) { return cost(a) < cost(b); });
     if (cost(*it) == 3) not_here(holders.front(), name);
-    file(*it).read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
+    const auto& in = file(*it);
+    in.read_all("/replicated/" + name, storage_type(dtype, name), static_cast<uint64_t>(t.numel()), t.data_ptr());
+    in.complete();  // callers convert it at once
     return t;
   }
 
+  // Every read asked of the files so far has landed (h5::Readable::complete).
+  void complete() {
+    for (auto& [r, f] : open_) f->complete();
+  }
+
   // Elements [a, e) of a saved parameter's `kind` ("master", "exp_avg", "exp_avg_sq", "grad"),
-  // from the pieces of whichever ranks saved them.
+  // from the pieces of whichever ranks saved them; landed in `out` by complete().
   void read_master(const std::string& name, const char* kind, int64_t a, int64_t e, float* out) {
     const json& p = *saved_.at(name);
     auto overlaps = [&](const json& pc) { return std::max(a, pc[1].get<int64_t>()) < std::min(e, pc[2].get<int64_t>()); };
@@ -334,11 +341,12 @@ class PieceReader {
 };
 
 // What a load changes, read but not applied yet: every rank applies it, or none does.
+// Its tensors are in host memory, where the reads land (PieceReader::complete).
 struct Staged {
   std::vector<std::pair<at::Tensor, at::Tensor>> tensors;     // (live tensor, value read)
   std::vector<std::pair<c10::Device, at::Tensor>> generators;  // (device, state read)
   std::vector<int64_t> steps;                                  // AdamW's step count, per parameter
-  std::vector<at::Tensor> grad_shards;                         // an accumulation in progress
+  std::vector<at::Tensor> grad_shards;                         // an accumulation in progress, per bucket
   std::vector<char> had_grad;
 };
 
@@ -447,7 +455,7 @@ void stage_gradients(PieceReader& in, const ShardedState& state, const std::vect
       const Range local = seg.local(b.layout, shard);
       in.read_master(name, "grad", seg.param_offset, seg.param_offset + local.size(), g.data_ptr<float>() + local.begin);
     }
-    out.grad_shards.push_back(g.to(b.master.device()));
+    out.grad_shards.push_back(g);
   }
   for (const auto& n : names) {
     out.had_grad.push_back(in.saved(n) && in.saved_entry(n).value("had_grad", false) ? 1 : 0);
@@ -552,6 +560,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       const c10::Device device = state.buckets.empty() ? c10::Device(c10::kCPU) : state.buckets.front().master.device();
       stage_generators(in, m, place, comm->rank(), comm->size(), device, dir, staged);
       if (m.value("gradients", false)) stage_gradients(in, state, names, staged);
+      in.complete();
     } catch (const std::exception& e) {
       why = error_message(e);
     }
@@ -568,6 +577,9 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       auto gen = compat::default_generator(dev);  // a handle on the process's generator
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng);
+    }
+    for (size_t b = 0; b < staged.grad_shards.size(); ++b) {
+      staged.grad_shards[b] = staged.grad_shards[b].to(state.buckets[b].master.device());
     }
     restore(staged.steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(),
             staged.grad_shards, staged.had_grad);

@@ -426,6 +426,20 @@ void Client::get_range(const std::string& name, int64_t offset, int64_t size, ch
   TORCH_CHECK(r.body_bytes == size, "S3: ", what, ": got ", r.body_bytes, " bytes (the object is shorter)");
 }
 
+int64_t Client::get_ranges(const std::string& name, const std::vector<Range>& ranges) {
+  std::vector<Range> parts;
+  for (const auto& r : ranges) {
+    for (int64_t at = 0; at < r.size; at += options_.part_bytes) {
+      parts.push_back({r.offset + at, std::min(options_.part_bytes, r.size - at), r.out + at});
+    }
+  }
+  parallel_for(static_cast<int64_t>(parts.size()), [&](int64_t i) {
+    const auto& p = parts[static_cast<size_t>(i)];
+    get_range(name, p.offset, p.size, p.out);
+  });
+  return static_cast<int64_t>(parts.size());
+}
+
 int64_t Client::download_file(const std::string& name, const std::string& path) {
   auto info = head(name);
   TORCH_CHECK(info, "S3: ", location_.uri(), "/", name, " does not exist");

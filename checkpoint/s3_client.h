@@ -93,6 +93,14 @@ class Client {
   std::optional<std::string> get(const std::string& name);
   // `size` bytes from `offset` into `out`. Throws when the object is shorter.
   void get_range(const std::string& name, int64_t offset, int64_t size, char* out);
+  // Several ranges of one object, `parallel` GETs at a time (a range larger than
+  // part_bytes in parts of it); throws the first failure once none is in flight.
+  // Returns the GETs it took (retries not counted).
+  struct Range {
+    int64_t offset = 0, size = 0;
+    char* out = nullptr;
+  };
+  int64_t get_ranges(const std::string& name, const std::vector<Range>& ranges);
   // The object into the file at `path` (created or truncated), `parallel` ranges at a time; returns its size.
   int64_t download_file(const std::string& name, const std::string& path);
   std::optional<ObjectInfo> head(const std::string& name);

@@ -154,6 +154,56 @@ TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
   }
 }
 
+// The requests the fault proxy forwarded so far (s3_store.py's /control/log), as request lines.
+std::vector<std::string> proxy_requests() {
+  ckpt::http::Request r;
+  r.url = std::string(std::getenv("ZS_TEST_FAKE_AWS")) + "/control/log";
+  const auto got = ckpt::http::perform(r, {});
+  EXPECT_EQ(got.status, 200);
+  const auto log = nlohmann::json::parse(got.body);
+  std::vector<std::string> lines;
+  for (const auto& seen : log.at("proxy")) lines.push_back(seen.at(0).get<std::string>());
+  return lines;
+}
+
+// Another rank's file is read in place by few ranged GETs, not one per dataset: through the
+// proxy, a ZeRO-0 load (every rank reads every dataset of both files) of the 2-rank save takes
+// one GET per rank of each file: its own file's whole copy, or one ranged GET of the other's
+// datasets together (the files are smaller than a GET's 16 MiB span).
+TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
+  const int n = 2, m = world().size();
+  const std::string want_path = shared_dir() + "/durable/" + std::to_string(n) + "_3.f32";
+  ASSERT_TRUE(fs::exists(want_path)) << "runs after DurableCheckpointSave at 2 ranks (ctest's durable_checkpoint)";
+  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
+  const size_t before = world().rank() == 0 ? proxy_requests().size() : 0;
+  world().barrier();
+  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  const std::string disk = own_disk("durable-ranged");
+  {
+    Checkpointer ckpt(disk, world_ptr(), durable(durable_run(n, 3)));
+    Trainer run(0, /*seed=*/5);
+    const auto progress = run.load(ckpt, kSaveAt);
+    ASSERT_TRUE(progress.has_value());
+    run.train(kSaveAt, kEnd);
+    const auto got = run.flat();
+    expect_close(got, read_tensor(want_path, got.numel()));
+  }
+  world().barrier();
+  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  if (world().rank() == 0) {
+    const auto lines = proxy_requests();
+    for (int q = 0; q < n; ++q) {
+      const std::string object = step_name(kSaveAt) + "/" + rank_file(q, n) + " ";  // not its .index
+      std::vector<std::string> gets;
+      std::copy_if(lines.begin() + static_cast<std::ptrdiff_t>(before), lines.end(), std::back_inserter(gets),
+                   [&](const std::string& l) { return l.rfind("GET ", 0) == 0 && l.find(object) != std::string::npos; });
+      EXPECT_EQ(static_cast<int>(gets.size()), m) << rank_file(q, n) << " at " << m << " ranks:\n"
+                                                   << nlohmann::json(gets).dump(1);
+    }
+  }
+  fs::remove_all(disk);
+}
+
 // A byte flipped in the store's copy of the 2-rank save's last rank file, inside a dataset: a
 // load at this world size reads that dataset (a ranged GET, or the whole file), its checksum
 // fails, and the load refuses the step on every rank, naming the damage.
