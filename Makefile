@@ -101,11 +101,13 @@ bench: build
 	@PYTHON=$(VENV)/bin/python bench/zero_vs_ddp.sh $(BUILD_DIR) 4
 	@PYTHON=$(VENV)/bin/python bench/zero3_bench.sh $(BUILD_DIR) 4
 	@PYTHON=$(VENV)/bin/python bench/ckpt_bench.sh $(BUILD_DIR) 4 --repeats 3
+	@PYTHON=$(VENV)/bin/python bench/durable_bench.sh $(BUILD_DIR) 2 --layers 10 --repeats 3
 	@bench/ckpt_resume.py $(BUILD_DIR)
 	@bench/bart_bench.sh $(BUILD_DIR) 4
 	@bench/pipe_bench.sh $(BUILD_DIR)
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 4
+	@PYTHON=$(VENV)/bin/python bench/demo_bench.sh $(BUILD_DIR)  # make demo as shipped: the README's accuracies
 	@bench/denormal_bench.sh $(BUILD_DIR) 1500
 	@PYTHON=$(VENV)/bin/python bench/strategies.sh $(BUILD_DIR)
 

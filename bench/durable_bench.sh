@@ -5,6 +5,7 @@
 # async stall, a load on an empty disk, and the client's raw ceiling) and
 # bench/ckpt_peer.py --fsspec (PyTorch DCP through FsspecWriter/FsspecReader and
 # s3fs) run on the same state at the same world size; one table.
+# Then a replaced host's start (bench/ckpt_resume.py --durable), in a second table.
 # Usage: bench/durable_bench.sh [BUILD_DIR] [NPROC] [extra args for both, e.g. --layers 12 --repeats 3]
 set -euo pipefail
 build=${1:-build}
@@ -21,3 +22,12 @@ echo "|---|---:|---:|---:|"
   $run "$build/bench/ckpt_bench" --dir "$build/durable_bench" --durable "s3://ckpt/bench" "$@" \
   --then $run "$python" "$here/ckpt_peer.py" --dir "$build/durable_peer" --fsspec "s3://ckpt/bench-peer" "$@" \
   2>&1 | sed -n "$rows" | sed 's/^ROW //'
+
+# A replaced host: bench/ckpt_resume.py --durable (a preemption made durable, the disk then lost,
+# the run started again on the empty disk), 50M parameters at the same world size.
+echo
+echo "| run | stop: saved, durable, exited (s) | start on an empty disk: launch to first step (s) | slowest rank's copy of its own file (s) | start beyond the copy (s) |"
+echo "|---|---:|---:|---:|---:|"
+"$python" "$here/../tests/checkpoint/s3_store.py" -- \
+  "$python" "$here/ckpt_resume.py" "$build" --nproc "$nproc" --durable "s3://ckpt/resume" --repeats 3 2>&1 |
+  sed -n 's/^ROW //p; s/^median: /median: /p'

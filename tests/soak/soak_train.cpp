@@ -1,8 +1,8 @@
 // soak_train: the program the kill-and-resume soak (soak.py) runs under
 // zeroshard-run, as `zs_tests --helper soak_train ARGS`. It trains a small model with dropout (so the RNG state
 // matters) on a fixed dataset in DistributedSampler order, checkpoints every
-// --save-every steps, resumes from `latest` by itself, stops cleanly on a
-// preemption signal (saving first, exit code 75), and at the end writes every
+// --save-every steps, resumes from `latest` by itself (or the durable tier's newest
+// step: --durable), stops cleanly on a preemption signal (saving first, exit code 75), and at the end writes every
 // rank's parameters and optimizer state to OUT.rankR.bin for a byte comparison.
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/comm.h>
@@ -57,7 +57,7 @@ TORCH_MODULE(Net);
 
 int soak_train_main(int argc, char** argv) {
   using namespace soak_train;
-  std::string dir, out;
+  std::string dir, out, durable;
   int64_t steps = 200, save_every = 10, batch = 6;
   int stage = 3, slow_ms = 0;
   double liveness_s = 30;
@@ -70,6 +70,7 @@ int soak_train_main(int argc, char** argv) {
   app.add_option("--stage", stage, "2 (ShardedAdamW) or 3 (fully_shard)")->check(CLI::IsMember({2, 3}));
   app.add_option("--slow-ms", slow_ms, "sleep per step (gives kills time to land)")->capture_default_str();
   app.add_flag("--async", async, "asynchronous checkpoint saves");
+  app.add_option("--durable", durable, "a durable tier (s3://bucket/prefix): a preemption's save is made durable");
   app.add_option("--liveness", liveness_s, "seconds of silence that fail a peer (CommOptions::liveness)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--width", kWidth, "hidden width (32: 13k parameters; 2048: 50M)")->capture_default_str();
@@ -97,6 +98,7 @@ int soak_train_main(int argc, char** argv) {
   const auto X = torch::randn({kDataset, kIn}), Y = torch::randn({kDataset, kOut});
   zeroshard::CheckpointOptions co;
   co.async = async;
+  co.durable_uri = durable;
   zeroshard::Checkpointer ckpt(dir, comm, co);
   zeroshard::PreemptionGuard guard(comm);
   zeroshard::DistributedSampler sampler(kDataset, rank, world, /*seed=*/7);
@@ -131,6 +133,10 @@ int soak_train_main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       if (!saved) save(step + 1);
       ckpt.wait();
+      if (!durable.empty() && !ckpt.make_durable(std::chrono::minutes(5))) {
+        zeroshard::log_warn("soak_train: step " + std::to_string(step + 1) + " is not durable: " +
+                            ckpt.durable_status().last_error);
+      }
       guard.check_save_fits(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       zeroshard::log_warn("soak_train: stopped after step " + std::to_string(step + 1) + " for a preemption");
       return zeroshard::kPreemptedExitCode;
