@@ -181,7 +181,7 @@ def check_equal_ranks(build, work):
 
 
 def check_resume(build, work):
-    common = ["--max-steps", "20", "--save-every", "100", "--eval-every", "10", "--max-tokens", "32"]
+    common = ["--max-steps", "20", "--save-every", "100", "--eval-every", "10", "--max-tokens", "32", "--no-sample"]
     ref, cut = os.path.join(work, "resume_ref"), os.path.join(work, "resume_cut")
     for d in (ref, cut):
         shutil.rmtree(d, ignore_errors=True)
@@ -228,7 +228,7 @@ def check_resume(build, work):
     shutil.rmtree(crash, ignore_errors=True)
     shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(crash, "tokenizer"))
     out = pretrain(build, crash, 4, "--max-steps", "20", "--save-every", "10", "--eval-every", "10", "--max-tokens",
-                   "32", "--crash-after-save", "10", launcher_args=["--max-restarts", "1"])
+                   "32", "--no-sample", "--crash-after-save", "10", launcher_args=["--max-restarts", "1"])
     check("restarting all ranks" in out, out[-3000:])
     summary = [r for r in metrics(crash) if r.get("event") == "summary"][-1]
     check(summary["resumed"]["step"] == 10, summary)
@@ -250,7 +250,7 @@ def check_durable(build, work):
     bucket = os.environ.get("ZS_TEST_S3_BUCKET")
     check(bucket, "run under tests/checkpoint/s3_store.py (ctest's bart_pretrain_durable does)")
     uri = f"s3://{bucket}/bart-durable-{os.getpid()}"
-    common = ["--save-every", "4", "--eval-every", "100", "--max-tokens", "32"]
+    common = ["--save-every", "4", "--eval-every", "100", "--max-tokens", "32", "--no-sample"]
     ref, cut = os.path.join(work, "durable_ref"), os.path.join(work, "durable_cut")
     for d in (ref, cut):
         shutil.rmtree(d, ignore_errors=True)
@@ -330,7 +330,7 @@ def durable_kill_storm(build, work, ref, uri):
     shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(storm, "tokenizer"))
     exe = os.path.join(build, "examples", "bart_pretrain")
     args = [exe, "--data", DATA, "--run-dir", storm, "--no-plot", "--progress-interval", "1000", "--max-steps", "12",
-            "--save-every", "2", "--keep", "2", "--eval-every", "100", "--max-tokens", "32", "--ckpt-dir", uri]
+            "--save-every", "2", "--keep", "2", "--eval-every", "100", "--max-tokens", "32", "--no-sample", "--ckpt-dir", uri]
     cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "2", "--max-restarts", "20", "--grace-period", "2",
            "--", *args]
     env = dict(os.environ, ZS_LOG_LEVEL="warn")
