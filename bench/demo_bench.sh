@@ -3,7 +3,7 @@
 # tests/bart/check_demo.py (the preemption, restart and resume, the summary, loss.png) with the
 # README's denoising accuracies as floors (85% of the unmasked tokens reproduced, 6% of the masked
 # ones recovered; an untrained or half-trained model reaches neither). `make test` runs the same
-# check at 400 steps, without the floors. Prints the run's numbers and its wall time.
+# check at 200 steps, without the floors. Prints the run's numbers and its wall time.
 # Usage: bench/demo_bench.sh [BUILD_DIR]
 set -euo pipefail
 build=${1:-build}
