@@ -154,7 +154,8 @@ TEST(DurableCheckpointResume, FromTheStoreAloneAtAnyWorldSize) {
   }
 }
 
-// The requests the fault proxy forwarded so far (s3_store.py's /control/log), as request lines.
+// The requests the fault proxy saw so far (s3_store.py's /control/log): each request line, then
+// " -> " and the store's status when the proxy forwarded it and the store answered.
 std::vector<std::string> proxy_requests() {
   ckpt::http::Request r;
   r.url = std::string(std::getenv("ZS_TEST_FAKE_AWS")) + "/control/log";
@@ -162,14 +163,18 @@ std::vector<std::string> proxy_requests() {
   EXPECT_EQ(got.status, 200);
   const auto log = nlohmann::json::parse(got.body);
   std::vector<std::string> lines;
-  for (const auto& seen : log.at("proxy")) lines.push_back(seen.at(0).get<std::string>());
+  for (const auto& seen : log.at("proxy")) {
+    lines.push_back(seen.at(0).get<std::string>() +
+                    (seen.at(2).is_number() ? " -> " + std::to_string(seen.at(2).get<int>()) : std::string()));
+  }
   return lines;
 }
 
 // Another rank's file is read in place by few ranged GETs, not one per dataset: through the
 // proxy, a ZeRO-0 load (every rank reads every dataset of both files) of the 2-rank save takes
 // one GET per rank of each file: its own file's whole copy, or one ranged GET of the other's
-// datasets together (the files are smaller than a GET's 16 MiB span).
+// datasets together (the files are smaller than a GET's 16 MiB span). Counted: the GETs the
+// store answered with 206 (a retry after a failed answer is not another read).
 TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
   const int n = 2, m = world().size();
   const std::string want_path = shared_dir() + "/durable/" + std::to_string(n) + "_3.f32";
@@ -196,7 +201,10 @@ TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
       const std::string object = step_name(kSaveAt) + "/" + rank_file(q, n) + " ";  // not its .index
       std::vector<std::string> gets;
       std::copy_if(lines.begin() + static_cast<std::ptrdiff_t>(before), lines.end(), std::back_inserter(gets),
-                   [&](const std::string& l) { return l.rfind("GET ", 0) == 0 && l.find(object) != std::string::npos; });
+                   [&](const std::string& l) {
+                     return l.rfind("GET ", 0) == 0 && l.find(object) != std::string::npos &&
+                            l.size() > 7 && l.compare(l.size() - 7, 7, " -> 206") == 0;
+                   });
       EXPECT_EQ(static_cast<int>(gets.size()), m) << rank_file(q, n) << " at " << m << " ranks:\n"
                                                    << nlohmann::json(gets).dump(1);
     }

@@ -26,7 +26,8 @@ Control (POST to ZS_TEST_FAKE_AWS):
   /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "stall N"
                    (it accepts the next N requests and never answers), "pass" (forward everything)
   /control/expiry  body "SECONDS": credentials the fake services hand out expire this long after
-  /control/log     (GET) what the fake services and the proxy saw, as JSON
+  /control/log     (GET) what the fake services and the proxy saw, as JSON (the proxy's: each request's
+                   line, what it did, and the store's status for a request it forwarded)
 """
 import asyncio
 import json
@@ -110,7 +111,7 @@ class Faults:
     def __init__(self):
         self.lock = threading.Lock()
         self.queue = []
-        self.seen = []  # (method, path, what was done)
+        self.seen = []  # [request line, what was done, the store's status (forwarded requests; None before it answers)]
 
     def set(self, spec):
         kind, _, count = spec.partition(" ")
@@ -120,8 +121,8 @@ class Faults:
     def next(self, line):
         with self.lock:
             kind = self.queue.pop(0) if self.queue else "pass"
-            self.seen.append((line, kind))
-            return kind
+            self.seen.append([line, kind, None])
+            return kind, self.seen[-1]
 
 
 SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
@@ -140,7 +141,7 @@ async def proxy_connection(reader, writer, upstream_port, faults):
             body = await reader.readexactly(length) if length else b""
             auth = next((l.split(":", 1)[1] for l in lines if l.lower().startswith("authorization:")), "")
             signed = auth.split("SignedHeaders=")[1].split(",")[0] if "SignedHeaders=" in auth else ""
-            kind = faults.next(f"{lines[0]} signed={signed}")
+            kind, seen = faults.next(f"{lines[0]} signed={signed}")
             if kind == "503":
                 writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
                 await writer.drain()
@@ -156,6 +157,8 @@ async def proxy_connection(reader, writer, upstream_port, faults):
                 chunk = await up_reader.read(1 << 16)
                 if not chunk:
                     break
+                if seen[2] is None and chunk.startswith(b"HTTP/"):
+                    seen[2] = int(chunk.split(b" ", 2)[1])
                 writer.write(chunk)
                 await writer.drain()
             up_writer.close()
