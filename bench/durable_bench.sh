@@ -30,4 +30,4 @@ echo "| run | stop: saved, durable, exited (s) | start on an empty disk: launch 
 echo "|---|---:|---:|---:|---:|"
 "$python" "$here/../tests/checkpoint/s3_store.py" -- \
   "$python" "$here/ckpt_resume.py" "$build" --nproc "$nproc" --durable "s3://ckpt/resume" --repeats 3 2>&1 |
-  sed -n 's/^ROW //p; s/^median: /median: /p'
+  sed -n 's/^ROW //p; /^median: /p'
