@@ -12,6 +12,7 @@ accuracies must clear floors that an untrained or broken model cannot.
 Usage: check_demo.py SOURCE_DIR BUILD_DIR [STEPS]   (default 2000, the demo's)
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -64,10 +65,15 @@ val = [(r["step"], r["val_loss"]) for r in map(json.loads, open(os.path.join(run
 check([s for s, _ in val] == [0, EVERY, 2 * EVERY, 3 * EVERY, 4 * EVERY], val)
 check(all(b < a for (_, a), (_, b) in zip(val, val[1:])), f"the validation loss does not fall at every evaluation: {val}")
 check(val[-1][1] < 0.9 * val[0][1], f"the validation loss {val[0][1]:.3f} -> {val[-1][1]:.3f} fell less than 10%")
+check(abs(val[0][1] - math.log(2048)) < 0.1, f"the untrained model's validation loss {val[0][1]:.3f} should be about "
+      f"ln(vocab) = {math.log(2048):.3f}")
 # The interruption's timeline: the summary's time from the notice to the end of the first step after the restart
 # lies between what this script saw: after the restart began, before the run ended.
 events = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "event" in r]
 summary = [r for r in events if r["event"] == "summary"][-1]
+check(summary["ranks"] == 2 and summary["steps"] == STEPS and len(summary["peak_rss_bytes"]) == 2,
+      f"the summary says {summary['ranks']} ranks, {summary.get('steps')} steps and peak_rss_bytes "
+      f"{summary['peak_rss_bytes']}; the demo ran 2 ranks for {STEPS} steps")
 intr = summary["interruptions"]
 # The launcher signals once rank 0 reported the half-way step; the ranks stop after the step they are in.
 check(len(intr) == 1 and HALF <= intr[0]["step"] <= HALF + 2 and intr[0]["cause"] == "SIGTERM", intr)
