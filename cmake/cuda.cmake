@@ -72,7 +72,7 @@ file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/zeroshard_cuda)
 # No multiply-add contraction: the device computes the CPU kernel's bits (adamw_math.h).
 add_custom_command(
   OUTPUT ${ZS_CUDA_OBJECT}
-  COMMAND ${CMAKE_CUDA_COMPILER} ${_zs_gencode} -std=c++17 -O3 -fmad=false ${_zs_user_cuda_flag_list}
+  COMMAND ${ZS_CUDA_LAUNCHER} ${CMAKE_CUDA_COMPILER} ${_zs_gencode} -std=c++17 -O3 -fmad=false ${_zs_user_cuda_flag_list}
           -Xcompiler=-fPIC,-Wall,-Wextra,-Wno-unused-parameter -I${PROJECT_SOURCE_DIR}/src
           -MD -MF ${ZS_CUDA_OBJECT}.d -c ${PROJECT_SOURCE_DIR}/src/optim/cuda/adamw.cu -o ${ZS_CUDA_OBJECT}
   DEPENDS ${PROJECT_SOURCE_DIR}/src/optim/cuda/adamw.cu
