@@ -104,7 +104,7 @@ def configure(name, *args):
     tree = os.path.join(work, name)
     shutil.rmtree(tree, ignore_errors=True)
     cmd = [cmake, "-S", CONSUMER, "-B", tree, "-G", generator, "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
-           *(LAUNCHER if name != "subdirectory" else []), *args]  # the subdirectory check reads the line
+           *(LAUNCHER if name != "subdirectory" else []), *args]  # the subdirectory check: no launcher of the user's
     return tree, run(cmd, f"configure {name}")[1]
 
 
@@ -291,8 +291,22 @@ def check_subdirectory():
     ours = [c for c in commands if c["file"].endswith("consumer/trainer.cpp")]
     check(len(ours) == 1, lambda: f"compile_commands.json has {len(ours)} entries for trainer.cpp")
     line = ours[0]["command"]
-    for leak in ("cmake_pch", "ccache", "-ffp-contract", os.path.join(source, "src"), "-Wextra"):
+    for leak in ("cmake_pch", "-ffp-contract", os.path.join(source, "src"), "-Wextra"):
         check(leak not in line, lambda: f"the project's own compile line carries zeroshard's '{leak}': {line}")
+    # A launcher is no part of compile_commands.json: Ninja's compile rule of each target carries it. zeroshard's
+    # (ccache with its sloppiness, when ccache is installed) stays on zeroshard's targets.
+    rules = open(os.path.join(tree, "CMakeFiles", "rules.ninja")).read()
+
+    def compile_rule(target):
+        m = re.search(rf"^rule CXX_COMPILER__{re.escape(target)}_(?:Release|Debug|RelWithDebInfo|MinSizeRel)?\n"
+                      r"(?:  .*\n)*?  command = (.*)$", rules, re.M)
+        check(m, lambda: f"no compile rule for the target {target} in {tree}/CMakeFiles/rules.ninja")
+        return m.group(1)
+    check("ccache" not in compile_rule("trainer"),
+          lambda: f"the project's own compile rule carries zeroshard's compiler launcher: {compile_rule('trainer')}")
+    if CCACHE:
+        check("CCACHE_SLOPPINESS" in compile_rule("zeroshard"),
+              lambda: f"zeroshard's compile rule has no launcher of its own: {compile_rule('zeroshard')}")
     _, targets = run([cmake, "--build", tree, "--target", "help"], "list targets")
     for internal in ("zs_tests", "bart_pretrain", "zs_bench", "zs_minimal"):
         check(not re.search(rf"^{internal}\b", targets, re.M), lambda: f"{internal} is configured in a subproject")
