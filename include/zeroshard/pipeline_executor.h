@@ -21,12 +21,13 @@
 // (ZeRO-2 and 3; ZeRO-1 reduces at REDUCE_GRAD), so no data-parallel traffic
 // happens before it; a ZeRO-3 stage is gathered once per step when the
 // schedule has UNSHARD/RESHARD (LoweringOptions::unshard), else per pass. Then
-// one all-reduce over the world carries [sum of squares of every gradient
-// shard (a tied parameter's once, see tie()), loss, the noise sample, every
-// stage's had-gradient flags]: every rank gets the loss, the global gradient
-// norm and whether anything was not finite, clips by the same factor and
-// updates, or skips the step everywhere. That all-reduce is the step's whole
-// agreement: the stages' optimizers take their part of it and issue none of their own.
+// one all-reduce over the world, agreement(), carries the step: the loss, and
+// every stage's optimizer's own part, as in a flat run (its gradient norms,
+// summed over the stages, and its flags; a tied parameter's gradient counted
+// once, see tie()): every rank gets the loss, the global gradient norm and
+// whether anything was not finite, clips by the same factor and updates, or
+// skips the step everywhere. The stages' optimizers issue no collective of
+// their own.
 //
 // A "forward" schedule (ScheduleKind::kForward) evaluates: each F runs
 // without gradients and keeps nothing, and run_step() returns the loss
@@ -77,7 +78,8 @@ struct StageShards {
 
 struct ExecutorOptions {
   // > 0: with StageShards, the mean gradient is clipped to this global L2
-  // norm (over every stage). Default: 0 (no clipping).
+  // norm (over every stage). Default: 0 (the stages' optimizers' own
+  // max_grad_norm, by the same global norm; theirs default to no clipping).
   double max_grad_norm = 0;
   // Optional: the bytes this rank holds now, by its allocator's count (e.g.
   // zeroshard::heap_bytes_in_use() on the CPU, the caching allocator's on a

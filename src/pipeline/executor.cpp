@@ -5,6 +5,7 @@
 #include "comm/work.h"
 #include "optim/grad_norm.h"
 #include "pipeline/payload.h"
+#include "shard/gradient_norms.h"
 #include "shard/optimizer_access.h"
 #include "shard/rank_agreement.h"
 #include "zeroshard/trace.h"
@@ -41,18 +42,18 @@ struct PipelineExecutor::Impl {
     bool reduced = false;
   };
   std::map<int, Sharding> sharded;
-  // The step's agreement over the world: the header's slot, then one slot
-  // per stage (laid out by one exchange of the stages' parameter counts at the
-  // first step), and what others joined; what the last agree() read.
+  // The step's agreement over the world: the header's slot (the loss), what
+  // others joined, then, laid out at the first step, the stages' gradient
+  // norms (one slot every stage's optimizer fills on every rank) and each
+  // stage's flags (its optimizer's slot on its ranks, zeros elsewhere).
   std::shared_ptr<StepAgreement> agreement;
-  std::vector<int64_t> slots;  // this executor's
-  static constexpr size_t kHeader = 5;
-  std::vector<double> header;
-  std::map<int, std::vector<double>> stage_flags;  // this rank's stages'
-  double sumsq = 0;  // this rank's stages' gradient shards, this step
-  double unreduced_sumsq = 0;  // what this rank's stages fed their reductions (the noise sample's small norm)
-  int rounds = 0;              // the most reductions of a stage's group this step
-  bool checked_shards = false;
+  std::vector<int64_t> slots;  // this executor's: the header, the other ranks' stages' flags
+  static constexpr size_t kHeader = 2;
+  std::vector<double> header;  // of the last agree(): [loss sum, ranks whose loss was not finite]
+  std::shared_ptr<shard::GradientNorms> norms;  // with StageShards, from the first step
+  // What the pipeline adds to the norms: each tied gradient counted once (reduce_ties()).
+  std::vector<shard::GradientNorms::Part::Term> tie_terms;
+  bool laid_out = false;
 
   struct Tie {  // this rank's copy of a parameter tied across stages
     size_t set;
@@ -87,6 +88,9 @@ struct PipelineExecutor::Impl {
   }
   ~Impl() {
     for (int64_t id : slots) agreement->remove(id);
+    // The stages' optimizers outlive the executor: back to agreements of their own.
+    if (norms == nullptr) return;
+    for (auto& [stage, sh] : sharded) shard::OptimizerAccess::join(*sh.shards.optimizer, nullptr, {});
   }
 
   const std::vector<Action>& my_actions() const { return schedule.actions[static_cast<size_t>(pipe.rank())]; }
@@ -232,10 +236,7 @@ struct PipelineExecutor::Impl {
   void reduce(Sharding& sh) {
     if (sh.reduced) return;
     sh.local.reset();
-    auto& opt = *sh.shards.optimizer;
-    sumsq += shard::OptimizerAccess::local_sumsq(opt);
-    unreduced_sumsq += shard::OptimizerAccess::unreduced_sumsq(opt);
-    rounds = std::max(rounds, shard::OptimizerAccess::reduction_rounds(opt));
+    shard::OptimizerAccess::reduce_gradients(*sh.shards.optimizer);
     sh.reduced = true;
   }
 
@@ -280,8 +281,11 @@ struct PipelineExecutor::Impl {
   }
 
   // After every stage's reduction: each copy's owned gradient becomes the sum
-  // over the copies; the norm counts it on the set's first stage only.
+  // over the copies; the norm counts it on the set's first stage only (each
+  // stage's optimizer counts its copy, now the sum: a term takes it out again
+  // on the other stages).
   void reduce_ties() {
+    tie_terms.clear();
     for (const auto& t : ties) {
       auto& opt = *sharded.at(t.stage).shards.optimizer;
       const auto o = owned(t);
@@ -289,13 +293,12 @@ struct PipelineExecutor::Impl {
       TORCH_CHECK(o.group->grad_shard.defined(), "pipeline: stage ", t.stage, "'s copy of ", tie_name(t),
                   " got no gradient this step; every stage of a tie set must use its copy");
       at::Tensor g = o.slice(o.group->grad_shard);
-      // local_sumsq() counted a replicated piece 1/replicas on each rank.
-      const double scale2 = opt.loss_scale() * opt.loss_scale() * o.replicas;
-      sumsq -= optim::sum_of_squares({g}) / scale2;
+      // The optimizer counts a replicated piece 1/replicas on each rank, scaled.
+      const double divisor = opt.loss_scale() * opt.loss_scale() * o.replicas;
       at::Tensor sum = g.contiguous();
       comm::block_current(*t.group.data->all_reduce(sum, ReduceOp::kSum), sum.device());
-      g.copy_(sum);
-      if (t.group.data->rank() == 0) sumsq += optim::sum_of_squares({sum}) / scale2;
+      if (!sum.is_same(g)) g.copy_(sum);
+      if (t.group.data->rank() != 0) tie_terms.push_back({optim::pending_sum_of_squares({sum}), -divisor});
     }
   }
 
@@ -311,8 +314,7 @@ struct PipelineExecutor::Impl {
     if (options.memory_probe) memory_base = options.memory_probe();
     step_start = passes_end = std::chrono::steady_clock::now();
     compute_seconds = 0;
-    sumsq = unreduced_sumsq = 0;
-    rounds = 0;
+    tie_terms.clear();
     sync_ties();
     for (auto& [stage, sh] : sharded) {
       sh.gathered.reset();
@@ -373,13 +375,16 @@ struct PipelineExecutor::Impl {
 
   // First step: every stage's parameter count, to lay out the stages' slots
   // of the step's agreement (one exchange over the world, once); checks that
-  // every stage on every rank has StageShards, or none does.
-  void lay_out_flags() {
-    if (checked_shards) return;
+  // every stage on every rank has StageShards, or none does. Then the stages'
+  // optimizers join the world agreement: one gradient norms slot that all
+  // fill (with what the pipeline adds: tied gradients counted once, a
+  // non-finite loss as an overflow), and each stage's flags side by side.
+  void lay_out() {
+    if (laid_out) return;
     std::vector<double> v(1 + static_cast<size_t>(schedule.stages), 0.0);
     v[0] = static_cast<double>(sharded.size());
     for (auto& [stage, sh] : sharded) {
-      v[1 + static_cast<size_t>(stage)] = static_cast<double>(shard::OptimizerAccess::local_had_grad(*sh.shards.optimizer).size());
+      v[1 + static_cast<size_t>(stage)] = static_cast<double>(shard::OptimizerAccess::num_params(*sh.shards.optimizer));
     }
     auto t = at::tensor(v, at::kDouble);
     grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();
@@ -388,65 +393,61 @@ struct PipelineExecutor::Impl {
     TORCH_CHECK_VALUE(c[0] == 0 || static_cast<int>(c[0]) == every, "PipelineExecutor: ", static_cast<int>(c[0]),
                       " of the ", every, " (stage, data-parallel rank) pairs have StageShards; give every stage on "
                       "every rank its StageShards (shard_stage), or none");
-    // Per stage, per parameter: how many of the stage's data-parallel ranks had
-    // a gradient (each of the stage's dp ranks counted its parameters).
+    laid_out = true;
+    if (c[0] == 0) return;
+    norms = std::make_shared<shard::GradientNorms>(agreement, "pipeline (gradient norms, rounds: every stage)",
+                                                   grid.dp());
+    norms->join(
+        [this](shard::GradientNorms::Part& p) {
+          p.sumsq.insert(p.sumsq.end(), tie_terms.begin(), tie_terms.end());
+          if (!std::isfinite(loss_sum)) p.sumsq.push_back({{std::numeric_limits<double>::infinity(), {}}, 1});
+          return true;
+        },
+        nullptr);
     for (int s = 0; s < schedule.stages; ++s) {
-      const auto n = static_cast<size_t>(std::lround(c[1 + s] / grid.dp()));
-      if (n == 0) continue;
-      slots.push_back(agreement->add(
-          "pipeline stage " + std::to_string(s) + " (parameters with a gradient)", n,
-          [this, s](double* f) {
-            const auto it = sharded.find(s);
-            if (it == sharded.end()) return;  // another rank's stage: zeros
-            const auto had = shard::OptimizerAccess::local_had_grad(*it->second.shards.optimizer);
-            for (size_t i = 0; i < had.size(); ++i) f[i] = had[i] ? 1.0 : 0.0;
-          },
-          [this, s, n](const double* sums) {
-            if (sharded.count(s)) stage_flags[s].assign(sums, sums + n);
-          }));
+      const std::string name = "pipeline stage " + std::to_string(s) + " (parameters with a gradient)";
+      if (auto it = sharded.find(s); it != sharded.end()) {
+        shard::OptimizerAccess::join(*it->second.shards.optimizer, norms, name);
+      } else {  // another rank's stage: zeros here
+        slots.push_back(agreement->add(name, static_cast<size_t>(std::lround(c[1 + s] / grid.dp())),
+                                       [](double*) {}, nullptr));
+      }
     }
-    checked_shards = true;
   }
 
-  // The step's header in the agreement: [gradient sum of squares, loss,
-  // non-finite flag, the noise sample's unreduced sum of squares, rounds].
+  // The step's header in the agreement: [loss, non-finite loss].
   void add_header() {
     slots.push_back(agreement->add(
-        "pipeline step (gradient norm, loss, non-finite, noise sample, rounds)", kHeader,
+        "pipeline step (loss, non-finite)", kHeader,
         [this](double* v) {
-          v[0] = std::isfinite(sumsq) ? sumsq : 0.0;
-          v[1] = std::isfinite(loss_sum) ? loss_sum : 0.0;
-          v[2] = std::isfinite(loss_sum) && std::isfinite(sumsq) ? 0.0 : 1.0;
-          v[3] = unreduced_sumsq;
-          v[4] = static_cast<double>(rounds);
+          v[0] = std::isfinite(loss_sum) ? loss_sum : 0.0;
+          v[1] = std::isfinite(loss_sum) ? 0.0 : 1.0;
         },
         [this](const double* v) { header.assign(v, v + kHeader); }));
   }
 
-  // The step's one world all-reduce (StepAgreement): the header, each stage's
-  // flags (the stages' slots side by side), and whatever else joined it (a
-  // PreemptionGuard's vote). It is the whole step's agreement: every stage's
-  // optimizer is handed its part (apply_agreement) and steps without a
+  // The step's one world all-reduce (StepAgreement): the header, the stages'
+  // norms and flags, and whatever else joined it (a PreemptionGuard's vote).
+  // Every stage's optimizer read its part there, so its step() issues no
   // collective of its own; then every stage updates, or none does.
   StepResult finish_step() {
-    lay_out_flags();
+    lay_out();
     agreement->agree();
-    const double* a = header.data();
     StepResult r;
     r.peak_in_flight = peak_in_flight;
     r.peak_memory_bytes = memory_peak;
     r.passes_seconds = std::chrono::duration<double>(passes_end - step_start).count();
     r.compute_seconds = compute_seconds;
-    r.loss = a[1] / grid.dp();
-    r.finite = a[2] == 0;
-    if (!r.finite) r.loss = std::numeric_limits<double>::quiet_NaN();
+    r.finite = header[1] == 0;  // with StageShards, a non-finite loss made the norms inf too
+    if (norms != nullptr) {
+      const auto& n = norms->last();
+      r.finite = std::isfinite(n.sumsq);
+      r.grad_norm = r.finite ? std::sqrt(n.sumsq) : std::numeric_limits<double>::infinity();
+      r.noise = n.noise;
+      if (!r.finite) r.noise.big_sumsq = std::numeric_limits<double>::quiet_NaN();
+    }
+    r.loss = r.finite ? header[0] / grid.dp() : std::numeric_limits<double>::quiet_NaN();
     if (sharded.empty()) return r;
-    r.grad_norm = r.finite ? std::sqrt(a[0]) : std::numeric_limits<double>::infinity();
-    r.noise.ranks = grid.dp();
-    r.noise.rounds = static_cast<int>(std::lround(a[4] / grid.world().control->size()));
-    r.noise.big_sumsq = r.finite ? a[0] : std::numeric_limits<double>::quiet_NaN();
-    r.noise.small_sumsq = a[3] / grid.dp();  // each stage's ranks hold 1/dp of the sample
-    const double max_norm = options.max_grad_norm > 0 ? options.max_grad_norm : std::numeric_limits<double>::infinity();
     r.updated = true;
     for (auto& [stage, sh] : sharded) {
       auto& opt = *sh.shards.optimizer;
@@ -455,9 +456,8 @@ struct PipelineExecutor::Impl {
         r.updated = false;
         continue;
       }
-      // an inf norm skips the step (and shrinks the loss scale)
-      shard::OptimizerAccess::apply_agreement(opt, stage_flags[stage], max_norm, r.grad_norm, r.noise);
-      opt.step();
+      if (options.max_grad_norm > 0) opt.clip_grad_norm(options.max_grad_norm);  // the agreed norm: no collective
+      opt.step();  // an inf norm skips it (and shrinks the loss scale)
       r.updated = r.updated && !opt.last_step_skipped();
     }
     return r;

@@ -1,16 +1,17 @@
 // optimizer_access.h — what the library's own callers (the pipeline executor)
 // reach inside a ShardedOptimizer without the public interface growing: where
 // a parameter's owned elements live, making the parameters equal the masters
-// after they were written, and the step's agreement (clipping norm, which
-// parameters had gradients, the gradient noise sample) split in halves for a
-// caller that agrees it over more ranks than the optimizer's.
+// after they were written, and joining the gradient norms of other
+// optimizers that clip as one model (over more ranks than the optimizer's).
 #pragma once
 
+#include "shard/gradient_norms.h"
 #include "shard/shard_group.h"
 #include "zeroshard/sharded_optimizer.h"
 
+#include <memory>
 #include <optional>
-#include <vector>
+#include <string>
 
 namespace zeroshard::shard {
 
@@ -31,32 +32,18 @@ struct OptimizerAccess {
   // parameters to their values. Collective over the optimizer's communicator.
   static void install_masters(ShardedOptimizer& opt);
 
-  // clip_grad_norm() in two halves, for callers whose norm spans more than
-  // this optimizer's ranks (pipeline stages): local_sumsq() finishes this
-  // rank's reductions and returns the sum of squares of its shard of the mean
-  // gradient, unscaled (no communication beyond the reductions; the sum over
-  // the ranks of the communicator is the squared global norm). apply_clip()
-  // then clips the next step() to `max_norm` given the global norm the caller
-  // summed; an inf/NaN norm skips the step when loss scaling is on. The norm
-  // must be the same on every rank.
-  static double local_sumsq(ShardedOptimizer& opt);
-  static void apply_clip(ShardedOptimizer& opt, double max_norm, double global_norm);
-  // For a caller that agrees the step over more ranks than this optimizer's
-  // (pipeline stages: one world all-reduce for every stage), the rest of the
-  // agreement, so that step() issues no collective of its own. After
-  // local_sumsq(), local_had_grad() is this rank's part (per parameter, in
-  // sharded_state().params order: 1 if it had a gradient this step);
-  // apply_agreement() then takes `had_grad` summed over this optimizer's
-  // ranks, the global norm and max_norm as apply_clip() takes them, and the
-  // gradient noise sample the caller composed (last_gradient_noise() returns it).
-  static std::vector<char> local_had_grad(ShardedOptimizer& opt);
-  static void apply_agreement(ShardedOptimizer& opt, const std::vector<double>& had_grad, double max_norm,
-                              double global_norm, const GradientNoiseSample& noise);
-  // The same split for the gradient noise sample: after local_sumsq(), this
-  // rank's reductions x the squared norms of what it fed them this step
-  // (unscaled), and its most reductions of one group (the sample's rounds).
-  static double unreduced_sumsq(ShardedOptimizer& opt);
-  static int reduction_rounds(const ShardedOptimizer& opt);
+  // Makes the optimizer's step agreement members of `norms` (the gradient
+  // norms of optimizers that clip as one model: a pipeline's stages) and a
+  // slot `flags_name` of its agreement (which parameters had a gradient),
+  // instead of its own. Ranks that do not hold this optimizer hold a slot of
+  // the same name and width that fills zeros. REQUIRES: `norms` over the
+  // optimizer's data-parallel ranks. Null `norms`: back to an agreement of its own.
+  static void join(ShardedOptimizer& opt, std::shared_ptr<GradientNorms> norms, std::string flags_name);
+  // The parameters it trains: its flags' slot's width.
+  static size_t num_params(const ShardedOptimizer& opt);
+  // Finishes the step's gradient reductions, as step() does first (a
+  // pipeline's REDUCE_GRAD). Waits for them; no other collective.
+  static void reduce_gradients(ShardedOptimizer& opt);
 };
 
 }  // namespace zeroshard::shard

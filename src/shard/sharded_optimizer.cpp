@@ -7,6 +7,7 @@
 #include "optim/loss_scaler.h"
 #include "shard/backward_round.h"
 #include "shard/front_end.h"
+#include "shard/gradient_norms.h"
 #include "shard/optimizer_access.h"
 #include "shard/shard_group.h"
 #include "zeroshard/log.h"
@@ -30,11 +31,10 @@ struct ShardedOptimizer::Core {
   bool last_skipped = false;
 
   // Per step.
-  bool agreed = false;                // `flags` is current
+  bool agreed = false;                // `flags` and `norm_sumsq` are current
   std::vector<double> flags;          // per parameter: ranks that had a gradient
-  bool norm_known = false;            // `global_sumsq` is current
-  double global_sumsq = 0;            // of the scaled mean gradient (inf/NaN: an overflow)
-  double clip_max_norm = 0;           // set by clip_grad_norm()/apply_clip() for this step
+  double norm_sumsq = 0;              // squared global norm of the mean gradient, unscaled (inf/NaN: an overflow)
+  double clip_max_norm = 0;           // set by clip_grad_norm() for this step
   GradientNoiseSample noise;          // of the step agreed last
   std::vector<std::function<void()>> before_update;
   int64_t peak_model_states = 0;
@@ -45,18 +45,15 @@ struct ShardedOptimizer::Core {
     before_update.clear();
     for (auto& fn : fns) fn();
   }
-  // This rank's part of the squared norm of the mean gradient: summed over the
-  // ranks, the whole (a replicated shard counts 1/replicas on each).
-  double local_sumsq() const { return optim::read_sums({grad_sumsq()})[0] / replicas(); }
   optim::PendingSum grad_sumsq() const {  // of this rank's gradient shards
     std::vector<at::Tensor> grads;
     for (const auto* g : shards.groups) grads.push_back(g->grad_shard);
     return optim::pending_sum_of_squares(grads);
   }
+  // ranks holding the same shard: a replicated shard counts 1/replicas on each
   int replicas() const { return zero_stage == 0 ? shards.process_group.data->size() : shards.topology.num_replicas; }
-  // this rank's Σ over groups of reductions × their inputs' squared norms (scaled), and the most reductions of a group
-  double unreduced_sumsq() const { return optim::read_sums({unreduced_sumsq_pending()})[0]; }
-  optim::PendingSum unreduced_sumsq_pending() const {
+  // Σ over groups of reductions × their inputs' squared norms (scaled)
+  optim::PendingSum unreduced_sumsq() const {
     optim::PendingSum s;
     for (const auto* g : shards.groups) s.add(g->unreduced_sumsq());
     return s;
@@ -74,22 +71,37 @@ struct ShardedOptimizer::Core {
     for (const auto* g : shards.groups) r = std::max(r, g->reductions);
     return r;
   }
-  // The step's agreement (one slot of a StepAgreement: the optimizer's own,
-  // or the one a trainer joined it to): which parameters had a gradient on any
-  // rank, the squared norms of the gradient noise sample (the mean gradient,
-  // which is also what clipping uses unless apply_clip() gave a wider norm, and
-  // the ranks' unreduced inputs) and the ranks' mean of reduction rounds.
+  // The step's agreement, two slots of a StepAgreement (the optimizer's own,
+  // the one a trainer joined it to, or a pipeline's world agreement): the
+  // gradient norms (a GradientNorms: its own, or one shared by the optimizers
+  // that clip as one model) and which parameters had a gradient on any rank.
   std::shared_ptr<StepAgreement> agreement;
-  int64_t slot = -1;
-  static constexpr size_t kHeader = 3;
-  void join(std::shared_ptr<StepAgreement> a) {
-    if (agreement != nullptr) agreement->remove(slot);
+  std::shared_ptr<shard::GradientNorms> norms;
+  int64_t member = -1;  // in `norms`
+  int64_t slot = -1;    // the flags' slot
+  void join(std::shared_ptr<StepAgreement> a, std::shared_ptr<shard::GradientNorms> shared, std::string flags_name) {
+    leave();
     agreement = std::move(a);
-    slot = agreement->add(name + " (gradient norms, rounds, parameters with a gradient)", kHeader + shards.infos.size(),
-                          [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
+    norms = shared != nullptr ? std::move(shared)
+                              : std::make_shared<shard::GradientNorms>(agreement, name + " (gradient norms, rounds)",
+                                                                       shards.process_group.control->size());
+    member = norms->join([this](shard::GradientNorms::Part& p) { return fill_norms(p); },
+                         [this](const shard::GradientNorms::Result& r) { read_norms(r); });
+    if (flags_name.empty()) flags_name = name + " (parameters with a gradient)";
+    slot = agreement->add(std::move(flags_name), shards.infos.size(), [this](double* v) { fill_flags(v); },
+                          [this](const double* v) { read_flags(v); });
+  }
+  // Its own agreement (until join()): the slots follow from the parameters, checked equal at construction.
+  void join_own() {
+    StepAgreementOptions ao;
+    ao.check_slots = false;
+    join(std::make_shared<StepAgreement>(shards.process_group.control, ao), nullptr, {});
   }
   void leave() {
-    if (agreement != nullptr) agreement->remove(slot);
+    if (agreement == nullptr) return;
+    agreement->remove(slot);
+    norms->leave(member);
+    norms = nullptr;
     agreement = nullptr;
   }
   ~Core() { leave(); }
@@ -100,40 +112,39 @@ struct ShardedOptimizer::Core {
   }
   // Another optimizer joined to the same agreement ran it for its own step()
   // or clip_grad_norm() (a GAN's discriminator, stepping before the generator
-  // has run its backward): this optimizer's slot sits that agreement out
+  // has run its backward): this optimizer's slots sit that agreement out
   // (zeros on every rank, not read), so it neither reduces nor freezes what it
   // has. An agree() the trainer calls itself is every joined optimizer's.
   bool sits_out() const { return stepping != nullptr && stepping != this; }
   static thread_local const Core* stepping;  // whose step() or clip_grad_norm() runs agree() now
-  bool sat_out = false;                        // in the agreement running now
-  void fill(double* v) {
+  bool fill_norms(shard::GradientNorms::Part& p) {
     std::lock_guard<std::recursive_mutex> lock(mu());
-    sat_out = sits_out();
-    if (sat_out) return;
+    if (sits_out()) return false;
     shards.round->check_usable("the step's agreement");
     fe().check_ready("the step's agreement");
     reduce_and_freeze();  // what clip_grad_norm() and step() do first, for an agree() the trainer called
-    // The step's one read of the device (both sums' device parts in one copy).
-    const auto sums = optim::read_sums({grad_sumsq(), unreduced_sumsq_pending()});
-    v[0] = sums[0] / replicas();
-    v[1] = sums[1];
-    v[2] = rounds();
-    const auto had = had_grad();
-    for (size_t p = 0; p < had.size(); ++p) v[kHeader + p] = had[p] ? 1.0 : 0.0;
-  }
-  void read(const double* v) {
-    std::lock_guard<std::recursive_mutex> lock(mu());
-    if (sat_out) return;
-    if (!norm_known) {
-      global_sumsq = v[0];
-      norm_known = true;
-    }
     const double scale2 = scaler.scale() * scaler.scale();
-    noise.ranks = shards.process_group.control->size();
-    noise.rounds = static_cast<int>(std::lround(v[2] / noise.ranks));
-    noise.big_sumsq = v[0] / scale2;
-    noise.small_sumsq = v[1] / noise.ranks / scale2;
-    flags.assign(v + kHeader, v + kHeader + shards.infos.size());
+    p.sumsq.push_back({grad_sumsq(), replicas() * scale2});
+    p.unreduced.push_back({unreduced_sumsq(), scale2});
+    p.rounds = std::max(p.rounds, rounds());
+    return true;
+  }
+  void read_norms(const shard::GradientNorms::Result& r) {
+    std::lock_guard<std::recursive_mutex> lock(mu());
+    norm_sumsq = r.sumsq;
+    noise = r.noise;
+  }
+  void fill_flags(double* v) {
+    std::lock_guard<std::recursive_mutex> lock(mu());
+    if (sits_out()) return;
+    reduce_and_freeze();  // done by the norms' fill already; a no-op then
+    const auto had = had_grad();
+    for (size_t p = 0; p < had.size(); ++p) v[p] = had[p] ? 1.0 : 0.0;
+  }
+  void read_flags(const double* v) {
+    std::lock_guard<std::recursive_mutex> lock(mu());
+    if (sits_out()) return;
+    flags.assign(v, v + shards.infos.size());
     agreed = true;
   }
   void agree() {
@@ -150,7 +161,6 @@ struct ShardedOptimizer::Core {
   // The step's agreement and clipping (also when its backward failed: the round cleared the groups).
   void forget_agreement() {
     agreed = false;
-    norm_known = false;
     clip_max_norm = 0;
   }
   void end_step_state() {
@@ -230,10 +240,7 @@ void ShardedOptimizer::attach_shards(shard::Shards shards) {
   c.steps.assign(c.shards.infos.size(), 0);
   c.scaler = optim::LossScaler(c.shards.loss_scale, c.shards.loss_scaling);
   c.shards.round->set_on_abandon([&c] { c.forget_agreement(); });
-  // Its own agreement until join(): the slots follow from the parameters, checked equal at construction.
-  StepAgreementOptions ao;
-  ao.check_slots = false;
-  c.join(std::make_shared<StepAgreement>(c.shards.process_group.control, ao));
+  c.join_own();
 }
 
 void ShardedOptimizer::join(std::shared_ptr<StepAgreement> agreement) {
@@ -246,7 +253,7 @@ void ShardedOptimizer::join(std::shared_ptr<StepAgreement> agreement) {
                     " of ", mine.size(), "; give it an agreement over the optimizer's ranks (a pipeline's stages "
                     "agree through the PipelineExecutor)");
   std::lock_guard<std::recursive_mutex> lock(c.mu());
-  c.join(std::move(agreement));
+  c.join(std::move(agreement), nullptr, {});
 }
 
 void ShardedOptimizer::detach_shards() {
@@ -278,7 +285,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   const double max_norm = c.clip_max_norm > 0 ? c.clip_max_norm : c.shards.max_grad_norm;
   c.agree();
   const double scale = c.scaler.scale();
-  c.last_skipped = c.scaler.update(c.scaler.enabled() && !std::isfinite(c.global_sumsq));
+  c.last_skipped = c.scaler.update(c.scaler.enabled() && !std::isfinite(c.norm_sumsq));
   if (c.last_skipped) {
     log_info(c.name + ": gradient overflow, step skipped on every rank; loss scale now " +
              std::to_string(c.scaler.scale()));
@@ -288,7 +295,7 @@ torch::Tensor ShardedOptimizer::step(LossClosure closure) {
   }
   double multiplier = 1.0 / scale;
   if (max_norm > 0) {
-    const double coef = max_norm / (std::sqrt(c.global_sumsq) / scale + 1e-6);
+    const double coef = max_norm / (std::sqrt(c.norm_sumsq) + 1e-6);
     if (coef < 1) multiplier *= coef;
   }
   for (size_t i = 0; i < c.steps.size(); ++i) {
@@ -325,7 +332,7 @@ double ShardedOptimizer::clip_grad_norm(double max_norm) {
   reduce_and_freeze();
   c.agree();
   c.clip_max_norm = max_norm;
-  return std::sqrt(c.global_sumsq) / c.scaler.scale();
+  return std::sqrt(c.norm_sumsq);
 }
 
 GradientNoiseSample ShardedOptimizer::last_gradient_noise() const {
@@ -499,59 +506,31 @@ void OptimizerAccess::install_masters(ShardedOptimizer& opt) {
   opt.core_->fe().install_masters();
 }
 
-double OptimizerAccess::local_sumsq(ShardedOptimizer& opt) {
+size_t OptimizerAccess::num_params(const ShardedOptimizer& opt) { return opt.core_->shards.infos.size(); }
+
+void OptimizerAccess::reduce_gradients(ShardedOptimizer& opt) {
   torch::NoGradGuard no_grad;
   auto& c = *opt.core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
-  c.shards.round->check_usable("local_sumsq");
-  opt.core_->fe().check_ready("local_sumsq");
-  opt.reduce_and_freeze();
-  const double scale = c.scaler.scale();
-  return c.local_sumsq() / (scale * scale);
+  c.shards.round->check_usable("reduce_gradients");
+  c.fe().check_ready("reduce_gradients");
+  c.reduce_and_freeze();
 }
 
-double OptimizerAccess::unreduced_sumsq(ShardedOptimizer& opt) {
+void OptimizerAccess::join(ShardedOptimizer& opt, std::shared_ptr<GradientNorms> norms, std::string flags_name) {
   auto& c = *opt.core_;
+  if (norms == nullptr) {  // back to its own
+    if (c.shards.round == nullptr) return;  // its shards are gone (it agrees nothing any more)
+    std::lock_guard<std::recursive_mutex> lock(c.mu());
+    c.join_own();
+    return;
+  }
+  TORCH_CHECK_VALUE(norms->ranks() == c.shards.process_group.control->size(), c.name, " shards over ",
+                    c.shards.process_group.control->size(), " ranks but joins gradient norms over ", norms->ranks(),
+                    " data-parallel ranks");
   std::lock_guard<std::recursive_mutex> lock(c.mu());
-  const double scale = c.scaler.scale();
-  return c.unreduced_sumsq() / (scale * scale);
-}
-
-int OptimizerAccess::reduction_rounds(const ShardedOptimizer& opt) {
-  std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
-  return opt.core_->rounds();
-}
-
-std::vector<char> OptimizerAccess::local_had_grad(ShardedOptimizer& opt) {
-  auto& c = *opt.core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  TORCH_CHECK(c.shards.round->frozen(), c.name, "::local_had_grad: call local_sumsq() first (it reduces the step's "
-                                        "gradients)");
-  return c.had_grad();
-}
-
-void OptimizerAccess::apply_agreement(ShardedOptimizer& opt, const std::vector<double>& had_grad, double max_norm,
-                                      double global_norm, const GradientNoiseSample& noise) {
-  auto& c = *opt.core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  TORCH_CHECK_VALUE(had_grad.size() == c.shards.infos.size(), c.name, "::apply_agreement: ", had_grad.size(),
-                    " had-gradient counts for ", c.shards.infos.size(), " parameters");
-  apply_clip(opt, max_norm, global_norm);
-  c.flags = had_grad;
-  c.noise = noise;
-  c.agreed = true;
-}
-
-void OptimizerAccess::apply_clip(ShardedOptimizer& opt, double max_norm, double global_norm) {
-  TORCH_CHECK_VALUE(max_norm > 0, opt.core_->name, "::apply_clip: max_norm is ", max_norm, "; it must be positive");
-  TORCH_CHECK_VALUE(!(global_norm < 0), opt.core_->name, "::apply_clip: global_norm is ", global_norm,
-                    "; a norm is >= 0 (inf or NaN mark an overflow)");
-  auto& c = *opt.core_;
-  std::lock_guard<std::recursive_mutex> lock(c.mu());
-  const double scaled = global_norm * c.scaler.scale();
-  c.global_sumsq = scaled * scaled;
-  c.norm_known = true;
-  c.clip_max_norm = max_norm;
+  auto agreement = norms->agreement();
+  c.join(std::move(agreement), std::move(norms), std::move(flags_name));
 }
 
 }  // namespace zeroshard::shard

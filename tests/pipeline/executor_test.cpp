@@ -18,6 +18,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace zeroshard::pipeline {
@@ -275,6 +276,100 @@ TEST(PipelineExecutor, EveryScheduleAndZeroStageMatchesUnpipelinedTraining) {
     }
   }
   if (n < 2) GTEST_SKIP() << "needs 2 ranks for a pipeline";
+}
+
+// A pipeline of one stage is a flat data-parallel run: the same optimizer
+// fills the same slots of the step's agreement (norms, noise sample, rounds,
+// flags) and reads them the same way. Against the loop a user writes without
+// a pipeline (no_sync() over the step's microbatches but the last, clip, step)
+// the norms, noise samples and parameters are equal to the bit.
+void expect_one_stage_is_flat(int zero) {
+  SCOPED_TRACE("ZeRO-" + std::to_string(zero));
+  constexpr int kMicrobatches = 3;
+  const PipelineGrid grid(world_ptr(), GridOptions{});
+  const int dp = grid.dp(), rows = kBatch / kMicrobatches / dp;
+  torch::Tensor x, y;
+  auto rows_of = [&](const torch::Tensor& t, int mb) {
+    const int64_t from = mb * (kBatch / kMicrobatches) + grid.dp_rank() * rows;
+    return t.slice(0, from, from + rows);
+  };
+  // The same blocks twice: one copy for the pipeline, one for the flat run.
+  struct Run {
+    Blocks blocks = make_blocks();
+    std::shared_ptr<FullyShardedModel> model;
+    std::shared_ptr<ShardedOptimizer> opt;
+    torch::Tensor forward(torch::Tensor h) {
+      for (size_t b = 0; b < blocks.size(); ++b) h = apply(blocks[b], b, h);
+      return h;
+    }
+    torch::Tensor params() {
+      std::optional<FullyShardedModel::FullParamsGuard> full;
+      if (model) full.emplace(model->summon_full_params());
+      std::vector<torch::Tensor> all;
+      for (auto& b : blocks) {
+        for (auto& p : b->parameters()) all.push_back(p.detach().flatten().clone());
+      }
+      return torch::cat(all);
+    }
+  };
+  auto shard = [&](Run& r) {
+    if (zero == 3) {
+      auto holder = std::make_shared<torch::nn::Module>();
+      for (size_t b = 0; b < r.blocks.size(); ++b) holder->register_module("block" + std::to_string(b), r.blocks[b]);
+      r.model = fully_shard(holder, grid.dp_group());
+      r.opt = std::make_shared<FullyShardedAdamW>(r.model, kAdamW);
+    } else {
+      std::vector<torch::Tensor> params;
+      for (auto& b : r.blocks) {
+        for (auto& p : b->parameters()) params.push_back(p);
+      }
+      ShardedAdamWOptions so;
+      so.zero_stage = zero;
+      r.opt = std::make_shared<ShardedAdamW>(params, grid.dp_group(), kAdamW, so);
+    }
+  };
+  Run piped, flat;
+  shard(piped);
+  shard(flat);
+  StageFunctions f;
+  f.forward = [&](int, int mb, const Payload&) { return Payload{{"h", piped.forward(rows_of(x, mb))}}; };
+  f.input_spec = [&](int, int) { return PayloadSpec{{"h", {rows, kWidth}, torch::kFloat}}; };
+  f.loss = [&](int mb, const Payload& out) {
+    return torch::mse_loss(out.at(0).second, rows_of(y, mb)) / kMicrobatches;
+  };
+  ExecutorOptions eo;
+  eo.max_grad_norm = kMaxNorm;
+  PipelineExecutor ex(grid, make_schedule(ScheduleKind::k1F1B, 1, kMicrobatches), f, eo);
+  ex.shard_stage(0, StageShards{piped.opt, piped.model});
+  for (int step = 0; step < kSteps; ++step) {
+    std::tie(x, y) = batch(step);
+    const StepResult r = ex.run_step();
+    ASSERT_TRUE(r.finite && r.updated) << "step " << step;
+
+    flat.opt->zero_grad();
+    {
+      std::optional<ShardedOptimizer::NoSyncGuard> local;
+      if (dp > 1 || zero == 1) local.emplace(flat.opt->no_sync());  // as the executor: see begin_step()
+      for (int mb = 0; mb < kMicrobatches; ++mb) {
+        if (mb == kMicrobatches - 1) local.reset();
+        (torch::mse_loss(flat.forward(rows_of(x, mb)), rows_of(y, mb)) / kMicrobatches).backward();
+      }
+    }
+    const double norm = flat.opt->clip_grad_norm(kMaxNorm);
+    flat.opt->step();
+    const auto want = flat.opt->last_gradient_noise();
+    EXPECT_EQ(r.grad_norm, norm) << "step " << step;
+    EXPECT_GT(norm, kMaxNorm) << "step " << step << ": the clip must bite for the test to mean something";
+    EXPECT_EQ(r.noise.big_sumsq, want.big_sumsq) << "step " << step;
+    EXPECT_EQ(r.noise.small_sumsq, want.small_sumsq) << "step " << step;
+    EXPECT_EQ(r.noise.rounds, want.rounds) << "step " << step;
+    EXPECT_EQ(r.noise.ranks, want.ranks) << "step " << step;
+  }
+  EXPECT_TRUE(torch::equal(piped.params(), flat.params()));
+}
+
+TEST(PipelineExecutor, OneStageIsTheFlatRunToTheBit) {
+  for (int zero = 1; zero <= 3; ++zero) expect_one_stage_is_flat(zero);
 }
 
 // A parameter tied across the first and the last stage: an embedding used as

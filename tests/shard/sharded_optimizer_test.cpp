@@ -70,46 +70,77 @@ struct Trainer {
 
 class ShardedOptimizerStages : public ::testing::TestWithParam<int> {};
 
-// local_sumsq() summed by the caller and handed to apply_clip() is
-// clip_grad_norm(): the same norms, and the same parameters to the bit.
-TEST_P(ShardedOptimizerStages, SplitClipEqualsClipGradNorm) {
+int64_t all_reduces(const Communicator& comm);
+
+// Two optimizers that clip as one model (a pipeline's stages do, over more
+// ranks) share their gradient norms in one agreement. Trained on the same
+// data from the same values, the pair's squared norms are exactly twice one
+// optimizer's alone, both clip by that norm (here without biting, so that all
+// three train alike), and the pair's step is one all-reduce.
+TEST_P(ShardedOptimizerStages, OptimizersSharingGradientNormsClipByTheWholeNorm) {
   const int stage = GetParam();
-  Trainer whole(stage), split(stage);
+  const ProcessGroup group(world_ptr(), world().dup());
+  Trainer alone(stage), a(stage, group), b(stage, group);
+  auto agreement = std::make_shared<StepAgreement>(group.control);
+  auto norms = std::make_shared<shard::GradientNorms>(agreement, "both (gradient norms)", world().size());
+  shard::OptimizerAccess::join(*a.opt, norms, "a (parameters with a gradient)");
+  shard::OptimizerAccess::join(*b.opt, norms, "b (parameters with a gradient)");
   for (int s = 0; s < 4; ++s) {
-    whole.backward(s);
-    const double norm = whole.opt->clip_grad_norm(0.05);
-    whole.opt->step();
+    alone.backward(s);
+    const double alone_norm = alone.opt->clip_grad_norm(1e3);  // does not bite
+    alone.opt->step();
 
-    split.backward(s);
-    auto sumsq = torch::tensor({shard::OptimizerAccess::local_sumsq(*split.opt)}, torch::kDouble);
-    world().all_reduce(sumsq, ReduceOp::kSum)->wait();
-    const double global = std::sqrt(sumsq.item<double>());
-    shard::OptimizerAccess::apply_clip(*split.opt, 0.05, global);
-    split.opt->step();
+    a.backward(s);
+    b.backward(s);
+    const int64_t before = all_reduces(*group.control);
+    agreement->agree();
+    const double norm = a.opt->clip_grad_norm(1e3);
+    EXPECT_EQ(b.opt->clip_grad_norm(1e3), norm) << "step " << s;
+    a.opt->step();
+    b.opt->step();
+    EXPECT_EQ(all_reduces(*group.control) - before, 1) << "step " << s;
 
-    EXPECT_EQ(global, norm) << "step " << s;
-    EXPECT_GT(norm, 0.05) << "step " << s << ": the clip must bite for the test to mean something";
+    const auto one = alone.opt->last_gradient_noise(), pair = a.opt->last_gradient_noise();
+    EXPECT_EQ(pair.big_sumsq, 2 * one.big_sumsq) << "step " << s;
+    EXPECT_EQ(pair.small_sumsq, 2 * one.small_sumsq) << "step " << s;
+    EXPECT_EQ(pair.rounds, one.rounds) << "step " << s;
+    EXPECT_EQ(pair.ranks, one.ranks) << "step " << s;
+    EXPECT_EQ(norms->last().sumsq, pair.big_sumsq) << "step " << s;
+    EXPECT_NEAR(norm * norm, 2 * alone_norm * alone_norm, 1e-12 * norm * norm) << "step " << s;
   }
-  EXPECT_TRUE(torch::equal(whole.params(), split.params()));
-  EXPECT_EQ(split.opt->zero_stage(), stage);
+  EXPECT_TRUE(torch::equal(a.params(), b.params()));
+  EXPECT_TRUE(torch::equal(a.params(), alone.params()));
 }
 
-// A norm that overflowed (inf) skips the step on every rank when loss scaling
-// is on, and halves the scale; the parameters stay as they were.
-TEST_P(ShardedOptimizerStages, ApplyClipWithAnInfiniteNormSkipsTheStep) {
+// What a member adds to shared norms counts for every member: an overflow
+// one of them reports (a pipeline's non-finite loss) skips every member's step
+// when loss scaling is on and halves the scale; the parameters stay as they
+// were, and the next step trains again.
+TEST_P(ShardedOptimizerStages, AnOverflowInSharedNormsSkipsEveryMembersStep) {
   LossScaleOptions scaling;
   scaling.enabled = 1;
   Trainer run(GetParam(), scaling);
+  auto agreement = std::make_shared<StepAgreement>(world().dup());
+  auto norms = std::make_shared<shard::GradientNorms>(agreement, "norms", world().size());
+  shard::OptimizerAccess::join(*run.opt, norms, "flags");
+  bool overflow = true;
+  norms->join(
+      [&](shard::GradientNorms::Part& p) {
+        if (overflow && world().rank() == world().size() - 1) {
+          p.sumsq.push_back({{std::numeric_limits<double>::infinity(), {}}, 1});
+        }
+        return true;
+      },
+      nullptr);
   const auto before = run.params();
   const double scale = run.opt->loss_scale();
   run.backward(0);
-  shard::OptimizerAccess::local_sumsq(*run.opt);
-  shard::OptimizerAccess::apply_clip(*run.opt, 1.0, std::numeric_limits<double>::infinity());
   run.opt->step();
   EXPECT_TRUE(run.opt->last_step_skipped());
   EXPECT_EQ(run.opt->loss_scale(), scale * 0.5);
   EXPECT_TRUE(torch::equal(before, run.params()));
-  run.backward(1);  // and the next step trains again
+  overflow = false;
+  run.backward(1);
   run.opt->step();
   EXPECT_FALSE(run.opt->last_step_skipped());
   EXPECT_FALSE(torch::equal(before, run.params()));

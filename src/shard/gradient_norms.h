@@ -1,0 +1,80 @@
+// gradient_norms.h — the gradient norms of a step's agreement: one slot that
+// the optimizers clipping as one model fill together (a flat run's optimizer
+// alone; a pipeline's stages, on every rank of the world), read from their
+// devices in one copy.
+//
+// The slot is [squared norm of the mean gradient, the noise sample's unreduced
+// squared norms, reduction rounds], unscaled, summed over the agreement's
+// ranks. Every member reads the same result: the global norm it clips by (and
+// whose overflow skips the step), and the gradient noise sample.
+#pragma once
+
+#include "optim/grad_norm.h"
+#include "zeroshard/sharded_stats.h"
+#include "zeroshard/step_agreement.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zeroshard::shard {
+
+class GradientNorms {
+ public:
+  // One member's values on this rank, each sum with what divides it out of
+  // its scaling (loss scale², and for the mean gradient the ranks holding the
+  // same shard): divided on the host after the one read.
+  struct Part {
+    struct Term {
+      optim::PendingSum sum;
+      double divisor = 1;
+    };
+    std::vector<Term> sumsq;      // of the mean gradient this rank holds (summed over the ranks: the whole)
+    std::vector<Term> unreduced;  // reductions × the squared norm of what this rank fed each
+    int rounds = 0;               // this rank's most reductions of one shard group this step
+  };
+  // What every member reads: the same on every rank.
+  struct Result {
+    double sumsq = 0;            // squared global norm of the mean gradient (inf/NaN: an overflow)
+    GradientNoiseSample noise;   // big: `sumsq`; small: the mean over ranks and rounds; rounds: the ranks' mean
+  };
+  // Adds this rank's part to `part`; false: this member sits the agreement
+  // out (adds nothing and is not read).
+  using Fill = std::function<bool(Part& part)>;
+  using Read = std::function<void(const Result& result)>;
+
+  // Adds the slot `name` to `agreement`. `ranks`: the data-parallel ranks
+  // each member's gradient is the mean over (the noise sample's ranks).
+  GradientNorms(std::shared_ptr<StepAgreement> agreement, std::string name, int ranks);
+  ~GradientNorms();  // removes the slot
+  GradientNorms(const GradientNorms&) = delete;
+  GradientNorms& operator=(const GradientNorms&) = delete;
+
+  // Members fill in the order they joined. Returns the member's id.
+  int64_t join(Fill fill, Read read);
+  void leave(int64_t id);  // unknown ids are ignored
+
+  const std::shared_ptr<StepAgreement>& agreement() const { return agreement_; }
+  int ranks() const { return ranks_; }
+  const Result& last() const { return last_; }  // of the last agree()
+
+ private:
+  void fill(double* v);
+  void read(const double* v);
+
+  struct Member {
+    int64_t id;
+    Fill fill;
+    Read read;
+    bool in = false;  // filled the agreement running now
+  };
+  std::shared_ptr<StepAgreement> agreement_;
+  int ranks_;
+  int64_t slot_;
+  std::vector<Member> members_;
+  int64_t next_id_ = 0;
+  Result last_;
+};
+
+}  // namespace zeroshard::shard
