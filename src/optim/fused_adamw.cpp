@@ -1,7 +1,7 @@
 #include "optim/fused_adamw.h"
 
 #include "optim/adamw_kernel.h"
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/optim_options.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>

@@ -13,7 +13,7 @@
 // and AVX-512 paths produce identical bits.
 //
 // SIMD: AVX-512 or AVX2 chosen at run time from the CPU (set_adamw_simd() in
-// zeroshard/sharded_optimizer.h forces a path; a path the CPU lacks is an
+// zeroshard/optim_options.h forces a path; a path the CPU lacks is an
 // error). Threads: at::parallel_for over chunks (at::get_num_threads(), i.e.
 // OMP_NUM_THREADS).
 #pragma once

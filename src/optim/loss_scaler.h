@@ -7,7 +7,7 @@
 // as PyTorch's GradScaler and DeepSpeed's DynamicLossScaler.
 #pragma once
 
-#include "zeroshard/sharded_optimizer.h"
+#include "zeroshard/optim_options.h"
 
 namespace zeroshard::optim {
 

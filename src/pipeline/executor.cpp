@@ -7,7 +7,7 @@
 #include "pipeline/payload.h"
 #include "shard/gradient_norms.h"
 #include "shard/optimizer_access.h"
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
 #include "zeroshard/trace.h"
 
 #include <c10/util/Exception.h>
@@ -263,7 +263,7 @@ struct PipelineExecutor::Impl {
     std::set<int> changed;
     for (const auto& t : ties) {
       const auto o = owned(t);
-      shard::check_same_on_all_ranks(*t.group.control,
+      runtime::check_same_on_all_ranks(*t.group.control,
                                      {"elements [" + std::to_string(o.of_param.begin) + ", " +
                                       std::to_string(o.of_param.end) + ") of " + std::to_string(t.param.numel()) +
                                       " on data-parallel rank " + std::to_string(grid.dp_rank())},
@@ -471,7 +471,7 @@ PipelineExecutor::PipelineExecutor(const PipelineGrid& grid, Schedule schedule, 
   TORCH_CHECK_VALUE(functions.forward && functions.input_spec && functions.loss,
                     "PipelineExecutor: StageFunctions needs forward, input_spec and loss");
   validate(schedule);
-  shard::check_same_on_all_ranks(*grid.pp_group().control, {to_text(schedule)}, "pipeline schedules");
+  runtime::check_same_on_all_ranks(*grid.pp_group().control, {to_text(schedule)}, "pipeline schedules");
   TORCH_CHECK_VALUE(options.max_grad_norm >= 0, "PipelineExecutor: max_grad_norm is ", options.max_grad_norm,
                     "; it must be >= 0 (0: no clipping)");
   impl_ = std::make_unique<Impl>(grid, std::move(schedule), std::move(functions), options);

@@ -1,7 +1,7 @@
 // grid.cpp — the pp × dp grid of a pipelined run and its groups.
 #include "zeroshard/pipeline_grid.h"
 
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
 
 #include <c10/util/Exception.h>
 
@@ -45,7 +45,7 @@ PipelineGrid::PipelineGrid(ProcessGroup world, const GridOptions& options)
     local_error = e.what_without_backtrace();
   }
   entries.insert(entries.begin(), local_error.empty() ? "options: ok" : "options failed: " + local_error);
-  shard::check_same_on_all_ranks(*world_.control, entries, "PipelineGrid options");  // before any split
+  runtime::check_same_on_all_ranks(*world_.control, entries, "PipelineGrid options");  // before any split
   TORCH_CHECK_VALUE(local_error.empty(), local_error);
   pp_ = options.stages;
   dp_ = n / pp_;

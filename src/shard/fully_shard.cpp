@@ -8,7 +8,7 @@
 #include "comm/work.h"
 #include "compat/autograd_hooks.h"
 #include "compat/torch_compat.h"
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
 #include "zeroshard/log.h"
 
 
@@ -134,7 +134,7 @@ void shard::ShardedModel::on_pre_backward(size_t unit) {
 void shard::ShardedModel::check_order_across_ranks(const std::vector<size_t>& order, const std::string& what) {
   std::vector<std::string> entries;
   for (size_t u : order) entries.push_back("unit '" + (units[u]->is_root ? std::string("(root)") : units[u]->name) + "'");
-  shard::check_same_on_all_ranks(check_comm(), entries, "fully_shard: the " + what + " orders of units (first step)");
+  runtime::check_same_on_all_ranks(check_comm(), entries, "fully_shard: the " + what + " orders of units (first step)");
 }
 
 void shard::ShardedModel::try_launch() {
@@ -404,7 +404,7 @@ void check_units(const UnitsFound& u, const FullyShardOptions& options, const Pr
                     " reduce_dtype=" + c10::toString(options.reduce_dtype) +
                     " shard_size=" + std::to_string(options.shard_size) +
                     " gather_dtype=" + c10::toString(options.gather_dtype));
-  shard::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
+  runtime::check_same_on_all_ranks(*group.control, entries, "fully_shard units");
 }
 
 // A unit's shard after the broadcast of rank 0's values: its values (a deferred unit

@@ -8,7 +8,8 @@
 #include "shard/unit.h"
 
 #include "comm/work.h"
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
+#include "shard/options_text.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
@@ -129,7 +130,7 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
   os << std::setprecision(17) << "options: max_grad_norm=" << options.max_grad_norm
      << " loss_scaling=" << shards.loss_scaling << shard::describe_loss_scaling(options.loss_scale, shards.loss_scaling);
   entries.push_back(os.str());
-  shard::check_same_on_all_ranks(*m.group.control, entries, "FullyShardedAdamW param groups and options");
+  runtime::check_same_on_all_ranks(*m.group.control, entries, "FullyShardedAdamW param groups and options");
   attach_shards(std::move(shards));
 }
 

@@ -3,7 +3,8 @@
 #include "shard/sharded_adamw_impl.h"
 
 #include "comm/work.h"
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
+#include "shard/options_text.h"
 #include "shard/tensor_alias.h"
 #include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
@@ -263,7 +264,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   for (size_t i = 0; i < im.infos.size(); ++i) {
     entries.push_back("group " + std::to_string(im.group_of[i]) + " " + im.infos[i].describe());
   }
-  shard::check_same_on_all_ranks(*im.group.control, entries, "ShardedAdamW parameters");
+  runtime::check_same_on_all_ranks(*im.group.control, entries, "ShardedAdamW parameters");
   TORCH_CHECK_VALUE(local_error.empty(), local_error);
   im.topology = shard::make_shard_topology(im.group, options.shard_size, "ShardedAdamW");
   im.comm = im.topology.shard;

@@ -8,22 +8,13 @@
 #pragma once
 
 #include "zeroshard/comm.h"
-#include "zeroshard/sharded_optimizer.h"
-
-#include <torch/optim/adamw.h>
 
 #include <string>
 #include <vector>
 
-namespace zeroshard::shard {
+namespace zeroshard::runtime {
 
 // Collective. `what` names the thing compared in the error ("ShardedAdamW parameters").
 void check_same_on_all_ranks(Communicator& comm, const std::vector<std::string>& entries,
                              const std::string& what);
-
-// The entries both sharded optimizers compare (full precision, so any change shows).
-std::string describe_param_group(int group, const torch::optim::AdamWOptions& options);
-// " (init ..., growth ..., backoff ..., interval ..., min ...)" when scaling, else "".
-std::string describe_loss_scaling(const LossScaleOptions& options, bool scaling);
-
-}  // namespace zeroshard::shard
+}  // namespace zeroshard::runtime

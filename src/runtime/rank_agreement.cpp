@@ -1,7 +1,4 @@
-#include "shard/rank_agreement.h"
-
-#include <iomanip>
-#include <sstream>
+#include "runtime/rank_agreement.h"
 
 #include <c10/util/Exception.h>
 
@@ -10,7 +7,7 @@
 #include <algorithm>
 #include <sstream>
 
-namespace zeroshard::shard {
+namespace zeroshard::runtime {
 namespace {
 
 int64_t hash_of(const std::string& s) {
@@ -71,19 +68,4 @@ void check_same_on_all_ranks(Communicator& comm, const std::vector<std::string>&
   TORCH_CHECK(false, msg.str());
 }
 
-std::string describe_param_group(int group, const torch::optim::AdamWOptions& o) {
-  std::ostringstream os;
-  os << std::setprecision(17) << "param group " << group << ": lr=" << o.lr() << " betas=(" << std::get<0>(o.betas())
-     << ", " << std::get<1>(o.betas()) << ") eps=" << o.eps() << " weight_decay=" << o.weight_decay();
-  return os.str();
-}
-
-std::string describe_loss_scaling(const LossScaleOptions& l, bool scaling) {
-  if (!scaling) return "";
-  std::ostringstream os;
-  os << std::setprecision(17) << " (init " << l.init_scale << ", growth " << l.growth_factor << ", backoff "
-     << l.backoff_factor << ", interval " << l.growth_interval << ", min " << l.min_scale << ")";
-  return os.str();
-}
-
-}  // namespace zeroshard::shard
+}  // namespace zeroshard::runtime

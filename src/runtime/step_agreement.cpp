@@ -1,7 +1,7 @@
 // step_agreement.cpp — the step's slots, summed in one all-reduce.
 #include "zeroshard/step_agreement.h"
 
-#include "shard/rank_agreement.h"
+#include "runtime/rank_agreement.h"
 
 #include <c10/util/Exception.h>
 
@@ -66,7 +66,7 @@ std::vector<std::string> StepAgreement::describe_slots() const {
 void StepAgreement::agree() {
   if (options_.check_slots && !checked_) {
     try {
-      shard::check_same_on_all_ranks(*comm_, describe_slots(), "StepAgreement slots");
+      runtime::check_same_on_all_ranks(*comm_, describe_slots(), "StepAgreement slots");
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
       if (what.find("StepAgreement slots") != std::string::npos) throw;  // names the difference already
