@@ -14,9 +14,7 @@
 #endif
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <string>
 
@@ -66,33 +64,6 @@ inline at::Generator default_generator(c10::Device device) {
 // by LibTorch itself in 1.13 and 2.x, and sits above Autograd, so the error
 // comes before autograd records anything.
 constexpr c10::DispatchKey kReshardedParamKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
-
-// Attention over [B, H, T, d] queries and [B, H, S, d] keys and values:
-// softmax(q k^T / sqrt(d)) v, with the keys where `keep` (undefined, or bool
-// broadcastable to [B, H, T, S]) is false left out, and with `causal` each
-// query seeing only the keys at or before its own position (T == S).
-// LibTorch 2.x: at::scaled_dot_product_attention, which picks a fused kernel
-// (flash, memory-efficient or cuDNN on CUDA; flash on the CPU) and never
-// materializes the [B, H, T, S] scores where one applies. 1.13 has none: the
-// scores, masked, softmax, dropout, times v.
-inline at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep,
-                            bool causal, double dropout_p) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, keep.defined() ? c10::optional<at::Tensor>(keep) : c10::nullopt,
-                                          dropout_p, causal);
-#else
-  auto scores = at::matmul(q * (1.0 / std::sqrt(static_cast<double>(q.size(-1)))), k.transpose(-1, -2));
-  const double minus_inf = -std::numeric_limits<double>::infinity();
-  if (keep.defined()) scores = scores.masked_fill(keep.logical_not(), minus_inf);
-  if (causal) {
-    const auto future = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(future, minus_inf);
-  }
-  auto probs = at::softmax(scores, -1);
-  if (dropout_p > 0) probs = at::dropout(probs, dropout_p, /*train=*/true);
-  return at::matmul(probs, v);
-#endif
-}
 
 constexpr int kTorchMajor = TORCH_VERSION_MAJOR;
 constexpr int kTorchMinor = TORCH_VERSION_MINOR;

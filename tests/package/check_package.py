@@ -321,6 +321,7 @@ def check_subdirectory():
 
 OUTSIDE = os.path.join(HERE, "..", "outside")
 OUTSIDE_SOURCES = ("CMakeLists.txt", "regression.cpp", "gan.cpp")
+BART = os.path.join(HERE, "bart")
 
 
 def outside_steps(out, what):
@@ -389,16 +390,23 @@ def check_outside():
     # before the wheel's unless the prefix is the torch package itself (torch/, not torch/share/cmake).
     trees = [sharded] if "site-packages" in torch_dir else [original, sharded]
     torch_root = os.path.dirname(os.path.dirname(torch_prefix())) if torch_prefix() else ""
+    # The BART trainer too (examples/bart, as a user's project: tests/package/bart), against the
+    # installed package alone: the library's own main job uses nothing but what users get.
+    bart = os.path.join(root, "bart")
     builds = {}
-    for tree in trees:
-        prefixes = ";".join(p for p in ((prefix if tree == sharded else ""), torch_root) if p)
+    for tree in trees + [bart]:
+        prefixes = ";".join(p for p in ((prefix if tree != original else ""), torch_root) if p)
         build_dir = tree + "-build"
-        run([cmake, "-S", tree, "-B", build_dir, "-G", generator, "-DCMAKE_BUILD_TYPE=Release", *LAUNCHER] +
+        source_args = [BART, f"-DBART_SOURCE_DIR={os.path.join(source, 'examples', 'bart')}"] if tree == bart else [tree]
+        run([cmake, "-S", *source_args, "-B", build_dir, "-G", generator, "-DCMAKE_BUILD_TYPE=Release", *LAUNCHER] +
             ([f"-DCMAKE_PREFIX_PATH={prefixes}"] if prefixes else []), f"configure {os.path.basename(tree)}")
         builds[tree] = build_dir
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda tree: run([cmake, "--build", builds[tree], f"-j{3 - len(trees)}"],
-                                       f"build {os.path.basename(tree)}"), trees))
+        list(pool.map(lambda tree: run([cmake, "--build", builds[tree], "-j1"], f"build {os.path.basename(tree)}"),
+                      trees + [bart]))
+    _, out = run([os.path.join(builds[bart], "bart_pretrain"), "--help"], "bart_pretrain --help (built outside)")
+    check("BART denoising pretraining" in out, lambda: f"bart_pretrain built outside printed:\n{out[-2000:]}")
+    print("  examples/bart built against the installed package alone, and runs")
 
     # As written: each trains (the regression's last epoch's mean loss under half its first's) and
     # saves with torch::save.
