@@ -220,13 +220,7 @@ struct Checkpointer::Impl {
   // Every rank learns whether every rank succeeded at a phase: "" when all did, else
   // (on all of them) a line with this rank's own error or the failing ranks' numbers.
   static std::string agreed_failure(Communicator& c, const std::string& phase, const std::string& my_error) {
-    auto flags = torch::zeros({c.size()}, torch::kDouble);
-    if (!my_error.empty()) flags[c.rank()] = 1.0;
-    if (c.size() > 1) c.all_reduce(flags, ReduceOp::kMax)->wait();
-    std::vector<int> failed;
-    for (int r = 0; r < c.size(); ++r) {
-      if (flags[r].item<double>() > 0) failed.push_back(r);
-    }
+    const std::vector<int> failed = failed_ranks(c, !my_error.empty());
     if (failed.empty()) return "";
     std::string who;
     for (int r : failed) who += (who.empty() ? "" : ", ") + std::to_string(r);

@@ -1,6 +1,8 @@
 // http.cpp — one request through libcurl's easy interface (http.h).
 #include "http.h"
 
+#include "zeroshard/log.h"
+
 #include <c10/util/Exception.h>
 #include <curl/curl.h>
 
@@ -34,6 +36,7 @@ struct Transfer {
   Response* response;
   int64_t sent = 0;
   bool abandoned = false;  // write_body refused the data
+  std::string read_error{};  // read_body threw: why
 };
 
 size_t on_read(char* buffer, size_t size, size_t count, void* user) {
@@ -43,7 +46,12 @@ size_t on_read(char* buffer, size_t size, size_t count, void* user) {
   size_t n = 0;
   if (r.read_body) {
     want = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(want), r.body_size - t->sent));
-    n = want == 0 ? 0 : r.read_body(t->sent, buffer, want);
+    try {
+      n = want == 0 ? 0 : r.read_body(t->sent, buffer, want);
+    } catch (const std::exception& e) {  // not through libcurl's C frames: the transfer ends, saying why
+      t->read_error = error_message(e);
+      return CURL_READFUNC_ABORT;
+    }
     if (n == 0 && want > 0) return CURL_READFUNC_ABORT;  // the source ended early
   } else {
     n = std::min(want, r.body.size() - static_cast<size_t>(t->sent));
@@ -160,8 +168,9 @@ Response perform(const Request& request, const Limits& limits) {
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &response.status);
   } else {
     response.timed_out = rc == CURLE_OPERATION_TIMEDOUT;
-    response.transport_error = transfer.abandoned ? "the receiver refused the data"
-                                                  : std::string(curl_easy_strerror(rc)) + (error[0] ? std::string(": ") + error : "");
+    response.transport_error = transfer.abandoned            ? "the receiver refused the data"
+                               : !transfer.read_error.empty() ? "reading the body: " + transfer.read_error
+                                                              : std::string(curl_easy_strerror(rc)) + (error[0] ? std::string(": ") + error : "");
   }  // an incomplete response is no response: status stays 0
   if (!request.user_password.empty()) curl_easy_setopt(c, CURLOPT_USERPWD, "");  // no secret left in the handle
   return response;

@@ -478,9 +478,9 @@ std::string Checkpointer::Impl::fetch_from_durable(const fs::path& cand) {
     }
   }
   // Nobody reads the step before every disk holds its manifest.
-  auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
-  if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
-  if (why.empty() && bad.item<double>() > 0) why = "another host could not copy it from the durable tier (its log says why)";
+  if (!failed_ranks(*comm, !why.empty()).empty() && why.empty()) {
+    why = "another host could not copy it from the durable tier (its log says why)";
+  }
   return why;
 }
 
@@ -535,9 +535,7 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     json m;
     std::string why = check_candidate(cand, m);
     if (!fetched.empty()) why = fetched;
-    auto bad = torch::tensor({why.empty() ? 0.0 : 1.0}, torch::kDouble);
-    if (comm->size() > 1) comm->all_reduce(bad, ReduceOp::kMax)->wait();
-    if (bad.item<double>() > 0) {
+    if (!failed_ranks(*comm, !why.empty()).empty()) {
       skip(cand, why.empty() ? "another rank found a bad file (its log says which)" : why);
       continue;
     }

@@ -1,6 +1,8 @@
 // s3_client.cpp — the S3 requests checkpoints need (s3_client.h).
 #include "s3_client.h"
 
+#include "zeroshard/token_store.h"  // read_file_range
+
 #include <boost/asio/post.hpp>
 #include <c10/util/Exception.h>
 #include <pugixml.hpp>
@@ -74,17 +76,6 @@ struct File {
     if (fd >= 0) ::close(fd);
   }
 };
-
-size_t pread_full(int fd, char* buffer, size_t size, int64_t offset) {
-  size_t done = 0;
-  while (done < size) {
-    ssize_t n = ::pread(fd, buffer + done, size - done, offset + static_cast<int64_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-  return done;
-}
 
 }  // namespace
 
@@ -270,7 +261,10 @@ bool Client::upload_file(const std::string& name, const std::string& path, bool 
     q.url = url(key);
     q.body_size = size;
     int fd = f.fd;
-    q.read_body = [fd](int64_t offset, char* buffer, size_t n) { return pread_full(fd, buffer, n, offset); };
+    q.read_body = [fd, path](int64_t offset, char* buffer, size_t n) {
+      read_file_range(fd, buffer, static_cast<int64_t>(n), offset, path);
+      return n;
+    };
     if (if_absent) q.headers = {"If-None-Match: *"};
     return q;
   });
@@ -323,8 +317,9 @@ bool Client::multipart_upload(const std::string& key, const std::string& path, i
         q.url = url(key, "partNumber=" + std::to_string(i + 1) + "&" + id_query);
         q.body_size = n;
         int fd = f.fd;
-        q.read_body = [fd, begin](int64_t offset, char* buffer, size_t len) {
-          return pread_full(fd, buffer, len, begin + offset);
+        q.read_body = [fd, begin, path](int64_t offset, char* buffer, size_t len) {
+          read_file_range(fd, buffer, static_cast<int64_t>(len), begin + offset, path);
+          return len;
         };
         return q;
       });

@@ -226,26 +226,24 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   {
     zeroshard::TokenStoreWriter writer((partial / "tokens").string(), type);
     std::vector<ByteLevelBpe::Cache> caches(static_cast<size_t>(r.workers));
-    Pipeline<Tokenized> pipe(
-        r.workers,
-        [&](const Chunk& c, int w) { return tokenize(c, o.document_separator, tokenizer, caches[static_cast<size_t>(w)]); },
-        StoreWriting(writer));
+    std::vector<TextRange> whole;
+    for (const auto& f : files) whole.push_back(TextRange{f, 0, std::numeric_limits<int64_t>::max()});
     auto last_log = Clock::now();
-    for (const auto& f : files) {
-      const auto used = read_chunks(TextRange{f, 0, std::numeric_limits<int64_t>::max()}, o.chunk_bytes,
-                                    o.document_separator, pipe);
-      r.text_bytes += used.end - used.begin;
-      sources.push_back({{"path", f}, {"bytes", used.end - used.begin}});
-      if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
-        last_log = Clock::now();
-        const double s = std::chrono::duration<double>(last_log - t0).count();
-        char msg[160];
-        std::snprintf(msg, sizeof(msg), "prepare: %.1f MB of text read, %.1f MB/s", r.text_bytes / 1e6,
-                      r.text_bytes / 1e6 / s);
-        zeroshard::log_info(msg);
-      }
-    }
-    pipe.close();
+    process_chunks<Tokenized>(
+        whole, o.chunk_bytes, o.document_separator, r.workers,
+        [&](const Chunk& c, int w) { return tokenize(c, o.document_separator, tokenizer, caches[static_cast<size_t>(w)]); },
+        StoreWriting(writer), [&](size_t, const TextRange& used) {
+          r.text_bytes += used.end - used.begin;
+          sources.push_back({{"path", used.file}, {"bytes", used.end - used.begin}});
+          if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
+            last_log = Clock::now();
+            const double s = std::chrono::duration<double>(last_log - t0).count();
+            char msg[160];
+            std::snprintf(msg, sizeof(msg), "prepare: %.1f MB of text read, %.1f MB/s", r.text_bytes / 1e6,
+                          r.text_bytes / 1e6 / s);
+            zeroshard::log_info(msg);
+          }
+        });
     digest = writer.finish();
     r.documents = writer.documents();
     r.sequences = writer.sequences();

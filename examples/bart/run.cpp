@@ -10,6 +10,7 @@
 #include <zeroshard/log.h>
 #include <zeroshard/token_store.h>
 
+#include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -106,10 +107,9 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, zeroshard::Communicator& comm
   }
   // The others wait while rank 0 trains, however long that takes.
   const std::exception_ptr error = run_while_ranks_wait(comm, job);
-  auto failed = torch::tensor({error ? 1.0 : 0.0}, torch::kDouble);
-  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait();
+  const bool failed = !zeroshard::failed_ranks(comm, error != nullptr).empty();
   if (error) std::rethrow_exception(error);
-  TORCH_CHECK(failed.item<double>() == 0, "tokenizer: rank 0 could not provide it (its output says why)");
+  TORCH_CHECK(!failed, "tokenizer: rank 0 could not provide it (its output says why)");
   vocab = zeroshard::broadcast_text(comm, vocab, 0);
   merges = zeroshard::broadcast_text(comm, merges, 0);
   try {
@@ -184,14 +184,12 @@ std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const 
       error = std::current_exception();
     }
   }
-  auto failed = torch::tensor({error ? 1.0 : 0.0}, torch::kDouble);
-  comm.all_reduce(failed, zeroshard::ReduceOp::kMax)->wait();
+  const auto failed = zeroshard::failed_ranks(comm, error != nullptr);
   if (error) std::rethrow_exception(error);
-  TORCH_CHECK(failed.item<double>() == 0, "data: another rank could not open the dataset (its output says why)");
+  TORCH_CHECK(failed.empty(), "data: rank(s) ", c10::Join(", ", failed), " could not open the dataset (their output says why)");
   const std::string rank0 = zeroshard::broadcast_text(comm, mine, 0);
-  auto differs = torch::tensor({rank0 == mine ? 0.0 : 1.0}, torch::kDouble);
-  comm.all_reduce(differs, zeroshard::ReduceOp::kMax)->wait();
-  TORCH_CHECK_VALUE(differs.item<double>() == 0, "data: the ranks hold different datasets at '", dataset,
+  const auto differ = zeroshard::failed_ranks(comm, rank0 != mine);
+  TORCH_CHECK_VALUE(differ.empty(), "data: the ranks hold different datasets at '", dataset,
                     "' (rank 0: sequences/documents/tokens/index xxh3 ", rank0, ", rank ", comm.rank(), ": ", mine,
                     "); give every host the same copy");
   return dataset;

@@ -1,27 +1,23 @@
 // text_chunks.h — how prepare.cpp and tokenizer_training.cpp read a corpus:
 // files streamed in chunks cut where a sentence ends, a chunk's sentences as
-// they are encoded, and a pipeline that hands the chunks to worker threads and
-// their results back in order. Internal to the two.
+// they are encoded, and the chunks through worker threads, their results back
+// in order. Internal to the two.
 #pragma once
 
 #include "corpus.h"
 #include "prepare.h"
 
+#include <zeroshard/prefetcher.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <exception>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <map>
-#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -35,7 +31,6 @@ inline bool has_text(std::string_view text) {
 
 // Text of one file between two sentence breaks.
 struct Chunk {
-  int64_t index = 0;   // in the order read
   std::string text;
   bool first = false;  // no text of its document before it: its first sentence has no leading space
   bool last = false;   // its file ends here: the document ends after it
@@ -61,98 +56,6 @@ void for_each_sentence(const Chunk& c, const std::string& separator, Sentence&& 
   }
   if (c.last) document_end();
 }
-
-// Chunks flow from the reader to `workers` threads, each calling
-// process(chunk, worker); the results are consumed in chunk order, one at a
-// time (by whichever worker finished the next one). `mu_` guards everything below it.
-template <class Result>
-class Pipeline {
- public:
-  using Process = std::function<Result(const Chunk&, int worker)>;
-  using Consume = std::function<void(Result&&)>;
-  Pipeline(int workers, Process process, Consume consume)
-      : process_(std::move(process)), consume_(std::move(consume)), window_(4 * static_cast<int64_t>(workers)) {
-    for (int w = 0; w < workers; ++w) threads_.emplace_back([this, w] { work(w); });
-  }
-  ~Pipeline() {
-    try {
-      close();
-    } catch (...) {  // an error already on its way out
-    }
-  }
-
-  // Blocks while the workers are `window` chunks behind. False once one failed.
-  bool push(Chunk c) {
-    std::unique_lock<std::mutex> lock(mu_);
-    c.index = pushed_++;
-    cv_.wait(lock, [&] { return error_ || c.index - consumed_ < window_; });
-    if (error_) return false;
-    tasks_.push_back(std::move(c));
-    cv_.notify_all();
-    return true;
-  }
-
-  // Waits for every chunk pushed, joins the workers; rethrows a worker's error.
-  void close() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closed_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-    threads_.clear();
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
-
- private:
-  void work(int worker) {
-    for (;;) {
-      Chunk c;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return closed_ || error_ || !tasks_.empty(); });
-        if (error_ || tasks_.empty()) return;
-        c = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      try {
-        Result r = process_(c, worker);
-        std::unique_lock<std::mutex> lock(mu_);
-        done_.emplace(c.index, std::move(r));
-        if (consuming_) continue;  // the worker consuming now takes this one in its turn
-        consuming_ = true;
-        for (auto it = done_.find(consumed_); it != done_.end(); it = done_.find(consumed_)) {
-          Result next = std::move(it->second);
-          done_.erase(it);
-          lock.unlock();
-          consume_(std::move(next));
-          lock.lock();
-          ++consumed_;
-          cv_.notify_all();
-        }
-        consuming_ = false;
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-        consuming_ = false;
-        cv_.notify_all();
-        return;
-      }
-    }
-  }
-
-  const Process process_;
-  const Consume consume_;
-  const int64_t window_;
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Chunk> tasks_;
-  std::map<int64_t, Result> done_;
-  int64_t pushed_ = 0, consumed_ = 0;
-  bool consuming_ = false, closed_ = false;
-  std::exception_ptr error_;
-};
 
 constexpr size_t kNoBreak = std::string::npos;
 
@@ -180,70 +83,117 @@ inline size_t next_sentence_break(const std::string& text, size_t pos) {
   return kNoBreak;
 }
 
-// Streams the text of `range` in chunks of about `bytes`, each ending where a
-// sentence breaks. A range that starts inside its file starts after the first
-// break from there, one that ends inside it at the last break before its end
-// (either at whitespace where no sentence ends in 64 chunks), so it holds
-// whole sentences of the file. Returns the bytes read that way.
-template <class Result>
-TextRange read_chunks(const TextRange& range, int64_t bytes, const std::string& separator, Pipeline<Result>& pipe) {
-  std::ifstream in(range.file, std::ios::binary);
-  TORCH_CHECK_VALUE(in, "prepare: cannot read '", range.file, "'");
-  std::error_code ec;
-  const auto size = static_cast<int64_t>(std::filesystem::file_size(range.file, ec));
-  TORCH_CHECK_VALUE(!ec, "prepare: cannot read '", range.file, "': ", ec.message());
-  const bool to_file_end = range.end >= size;
-  in.seekg(range.begin);
-  TextRange used{range.file, range.begin, range.begin};
-  int64_t left = range.end - range.begin;
-  std::string buffer;
-  bool seen_text = range.begin > 0, eof = false, line_start = true, head = range.begin > 0;
-  std::vector<char> block(static_cast<size_t>(bytes));
-  const size_t stuck = 64 * block.size();  // no sentence ends in this much text
-  auto last_space = [&] {
-    const size_t k = buffer.find_last_of(" \t\n\r\f\v");
-    return k == std::string::npos ? size_t{0} : k;
-  };
-  while (!eof) {
-    const size_t want = to_file_end ? block.size() : static_cast<size_t>(std::min<int64_t>(left, bytes));
-    in.read(block.data(), static_cast<std::streamsize>(want));
-    const auto got = static_cast<size_t>(in.gcount());
-    TORCH_CHECK(!in.bad(), "prepare: reading '", range.file, "' failed");
-    left -= static_cast<int64_t>(got);
-    eof = got < want || (!to_file_end && left <= 0);
-    buffer.append(block.data(), got);
-    if (head) {  // a sentence begins at the first break
-      size_t start = next_sentence_break(buffer, 0);
-      if (start == kNoBreak && !eof && buffer.size() < stuck) continue;
-      if (start == kNoBreak) start = std::min(buffer.find_first_of(" \t\n\r\f\v"), buffer.size());
-      line_start = start > 0 && buffer[start - 1] == '\n';
-      buffer.erase(0, start);
-      used.begin = used.end = used.begin + static_cast<int64_t>(start);
-      head = false;
-    }
-    const bool file_end = eof && to_file_end;
-    size_t cut = file_end ? buffer.size() : last_sentence_break(buffer, buffer.size());
-    if (cut == 0 && !file_end && (eof || buffer.size() >= stuck)) {
-      cut = last_space();
-      if (cut == 0 && !eof) cut = buffer.size();  // one word of 64 chunks: cut anywhere
-    }
-    if (cut == 0 && !file_end) {
-      if (eof) break;  // the range ends with no whole sentence left
-      continue;
-    }
-    Chunk c;
-    c.text = buffer.substr(0, cut);
-    c.first = !seen_text;
-    c.last = file_end;
-    c.line_start = line_start;
-    const auto parts = split_documents(c.text, separator, line_start);
-    seen_text = (parts.size() == 1 && seen_text) || has_text(parts.back());  // of the document open at its end
-    line_start = c.text.empty() ? line_start : c.text.back() == '\n';
-    used.end += static_cast<int64_t>(cut);
-    buffer.erase(0, cut);
-    if (!pipe.push(std::move(c))) break;
+// The text of `range` in chunks of about `bytes`, each ending where a
+// sentence breaks, one per next(). A range that starts inside its file starts
+// after the first break from there, one that ends inside it at the last break
+// before its end (either at whitespace where no sentence ends in 64 chunks),
+// so it holds whole sentences of the file.
+class ChunkReader {
+ public:
+  ChunkReader(TextRange range, int64_t bytes, std::string separator)
+      : range_(std::move(range)), separator_(std::move(separator)), in_(range_.file, std::ios::binary),
+        block_(static_cast<size_t>(bytes)) {
+    TORCH_CHECK_VALUE(in_, "prepare: cannot read '", range_.file, "'");
+    std::error_code ec;
+    const auto size = static_cast<int64_t>(std::filesystem::file_size(range_.file, ec));
+    TORCH_CHECK_VALUE(!ec, "prepare: cannot read '", range_.file, "': ", ec.message());
+    to_file_end_ = range_.end >= size;
+    in_.seekg(range_.begin);
+    used_ = TextRange{range_.file, range_.begin, range_.begin};
+    left_ = range_.end - range_.begin;
+    seen_text_ = head_ = range_.begin > 0;
   }
-  return used;
+
+  // The next chunk; nullopt once the range is read.
+  std::optional<Chunk> next() {
+    const size_t stuck = 64 * block_.size();  // no sentence ends in this much text
+    while (!eof_) {
+      const size_t want = to_file_end_ ? block_.size() : static_cast<size_t>(std::min<int64_t>(left_, block_.size()));
+      in_.read(block_.data(), static_cast<std::streamsize>(want));
+      const auto got = static_cast<size_t>(in_.gcount());
+      TORCH_CHECK(!in_.bad(), "prepare: reading '", range_.file, "' failed");
+      left_ -= static_cast<int64_t>(got);
+      eof_ = got < want || (!to_file_end_ && left_ <= 0);
+      buffer_.append(block_.data(), got);
+      if (head_) {  // a sentence begins at the first break
+        size_t start = next_sentence_break(buffer_, 0);
+        if (start == kNoBreak && !eof_ && buffer_.size() < stuck) continue;
+        if (start == kNoBreak) start = std::min(buffer_.find_first_of(" \t\n\r\f\v"), buffer_.size());
+        line_start_ = start > 0 && buffer_[start - 1] == '\n';
+        buffer_.erase(0, start);
+        used_.begin = used_.end = used_.begin + static_cast<int64_t>(start);
+        head_ = false;
+      }
+      const bool file_end = eof_ && to_file_end_;
+      size_t cut = file_end ? buffer_.size() : last_sentence_break(buffer_, buffer_.size());
+      if (cut == 0 && !file_end && (eof_ || buffer_.size() >= stuck)) {
+        const size_t space = buffer_.find_last_of(" \t\n\r\f\v");
+        cut = space == std::string::npos ? 0 : space;
+        if (cut == 0 && !eof_) cut = buffer_.size();  // one word of 64 chunks: cut anywhere
+      }
+      if (cut == 0 && !file_end) continue;  // at the range's end: no whole sentence left
+      Chunk c;
+      c.text = buffer_.substr(0, cut);
+      c.first = !seen_text_;
+      c.last = file_end;
+      c.line_start = line_start_;
+      const auto parts = split_documents(c.text, separator_, line_start_);
+      seen_text_ = (parts.size() == 1 && seen_text_) || has_text(parts.back());  // of the document open at its end
+      line_start_ = c.text.empty() ? line_start_ : c.text.back() == '\n';
+      used_.end += static_cast<int64_t>(cut);
+      buffer_.erase(0, cut);
+      return c;
+    }
+    return std::nullopt;
+  }
+
+  // The part of the range the chunks so far hold.
+  const TextRange& used() const { return used_; }
+
+ private:
+  const TextRange range_;
+  const std::string separator_;
+  std::ifstream in_;
+  std::vector<char> block_;
+  bool to_file_end_ = false;
+  TextRange used_;
+  int64_t left_ = 0;
+  std::string buffer_;
+  bool seen_text_ = false, eof_ = false, line_start_ = true, head_ = false;
+};
+
+// The chunks of `ranges`, read in order (a ChunkReader each), through
+// `workers` threads: the library's ordered, bounded worker pipeline
+// (zeroshard::Prefetcher, at most 4 × workers chunks ahead).
+// - process(chunk, worker) runs on the workers (`worker`: 0 .. workers - 1, for per-worker state);
+// - consume(result) runs on this thread, in chunk order;
+// - range_read(k, used) runs once range k is read, in order, on a worker while
+//   it reads (what it touches: only that and this thread after the return).
+// The first error (reading, processing or consuming) ends it and is thrown here.
+template <class Result, class Process, class Consume, class RangeRead>
+void process_chunks(const std::vector<TextRange>& ranges, int64_t bytes, const std::string& separator, int workers,
+                    Process process, Consume consume, RangeRead range_read) {
+  using Loader = zeroshard::Prefetcher<std::optional<Chunk>, std::optional<Result>>;
+  size_t k = 0;
+  std::optional<ChunkReader> reader;
+  auto draw = [&]() -> std::optional<Chunk> {
+    for (; k < ranges.size(); ++k) {
+      if (!reader) reader.emplace(ranges[k], bytes, separator);
+      if (auto c = reader->next()) return c;
+      range_read(k, reader->used());
+      reader.reset();
+    }
+    return std::nullopt;  // then again, for every draw the workers run ahead
+  };
+  auto build = [&](const std::optional<Chunk>& c) -> std::optional<Result> {
+    if (!c) return std::nullopt;
+    return process(*c, Loader::worker());
+  };
+  zeroshard::PrefetchOptions options;
+  options.threads = workers;
+  options.ahead = 4 * workers;
+  Loader loader(draw, build, options);
+  while (auto r = loader.next()) consume(std::move(*r));
 }
 
 }  // namespace bart

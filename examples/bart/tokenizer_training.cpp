@@ -71,20 +71,18 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
   const auto ranges = sample_ranges(files, static_cast<int64_t>(o.sample_mb * 1e6), o.chunk_bytes);
   std::vector<PieceCounts> counts(static_cast<size_t>(r.workers));
   {
-    Pipeline<bool> pipe(
-        r.workers,
+    process_chunks<bool>(
+        ranges, o.chunk_bytes, o.document_separator, r.workers,
         [&](const Chunk& c, int w) {
           auto& mine = counts[static_cast<size_t>(w)];
           for_each_sentence(c, o.document_separator, [&](const std::string& s) { mine.add_text(s); }, [] {});
           return true;
         },
-        [](bool&&) {});
-    for (const auto& range : ranges) {
-      const auto used = read_chunks(range, o.chunk_bytes, o.document_separator, pipe);
-      if (used.end > used.begin) r.sample.push_back(used);
-      r.sample_bytes += used.end - used.begin;
-    }
-    pipe.close();
+        [](bool&&) {},
+        [&](size_t, const TextRange& used) {
+          if (used.end > used.begin) r.sample.push_back(used);
+          r.sample_bytes += used.end - used.begin;
+        });
   }
   for (size_t w = 1; w < counts.size(); ++w) {
     counts[0].add(counts[w]);

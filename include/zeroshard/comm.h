@@ -225,6 +225,12 @@ struct ProcessGroup {
 // bytes packed into int64 words). Collective; for descriptions and small
 // records, not bulk data.
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
+// The ranks whose `failed` is true, ascending, the same on every rank (one
+// all-reduce of size() doubles): the vote after something each rank did on
+// its own (opened a file, wrote its part), so that every rank goes on, or
+// every rank stops naming who failed. Empty: every rank succeeded.
+// Collective; `comm` moves CPU tensors.
+std::vector<int> failed_ranks(Communicator& comm, bool failed);
 // `root`'s `text` on every rank (two broadcasts: the length, then the bytes packed
 // into int64 words): files one rank read, for ranks that cannot read its disk.
 // Collective; `wait` bounds how long a rank waits for the root to arrive.

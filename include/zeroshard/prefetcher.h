@@ -45,7 +45,12 @@ class Prefetcher {
  public:
   Prefetcher(std::function<Plan()> draw, std::function<Batch(const Plan&)> build, PrefetchOptions options = {})
       : draw_(std::move(draw)), build_(std::move(build)), ahead_(std::max(1, options.ahead)) {
-    for (int t = 0; t < std::max(1, options.threads); ++t) workers_.emplace_back([this] { work(); });
+    for (int t = 0; t < std::max(1, options.threads); ++t) {
+      workers_.emplace_back([this, t] {
+        worker_ = t;
+        work();
+      });
+    }
   }
   ~Prefetcher() {
     {
@@ -77,6 +82,10 @@ class Prefetcher {
     cv_.notify_all();  // room for one more
     return std::move(slot.batch);
   }
+
+  // In draw() or build(): the index of the worker running it (0 .. threads - 1),
+  // for state of each worker's own (a cache); -1 on any other thread.
+  static int worker() { return worker_; }
 
   // Seconds next() has blocked, in all.
   double waited_seconds() const {
@@ -126,6 +135,7 @@ class Prefetcher {
     }
   }
 
+  static inline thread_local int worker_ = -1;
   std::function<Plan()> draw_;
   std::function<Batch(const Plan&)> build_;
   const int64_t ahead_;

@@ -65,6 +65,18 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
   return out;
 }
 
+std::vector<int> failed_ranks(Communicator& comm, bool failed) {
+  auto flags = at::zeros({comm.size()}, at::kDouble);
+  if (failed) flags[comm.rank()] = 1.0;
+  if (comm.size() > 1) comm.all_reduce(flags, ReduceOp::kMax)->wait();
+  std::vector<int> ranks;
+  const double* f = flags.data_ptr<double>();
+  for (int r = 0; r < comm.size(); ++r) {
+    if (f[r] > 0) ranks.push_back(r);
+  }
+  return ranks;
+}
+
 std::string broadcast_text(Communicator& comm, const std::string& text, int root, std::chrono::milliseconds wait) {
   if (comm.size() == 1) return text;
   auto length = at::tensor({static_cast<int64_t>(comm.rank() == root ? text.size() : 0)}, at::kLong);

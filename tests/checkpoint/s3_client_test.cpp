@@ -18,6 +18,8 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace zeroshard::ckpt::s3 {
@@ -105,6 +107,24 @@ TEST(S3Client, PutGetHeadRangeListAndRemove) {
   EXPECT_TRUE(c.list("step-2/").empty());  // (SeaweedFS may still list the empty "directory")
   c.remove_all("");
   EXPECT_TRUE(c.list("").empty());
+}
+
+// A body read that fails (read_file_range's error: a file that shrank, a disk
+// gone) ends the request with that error as its transport error: it does not
+// pass through libcurl's C frames, and it does not read as a short body.
+TEST(S3Client, AFailingBodyReadEndsTheRequestSayingWhy) {
+  http::Request r;
+  r.method = "PUT";
+  r.url = env_or_fail("ZS_TEST_FAKE_AWS") + "/a-body-that-fails";
+  r.body_size = 1 << 20;
+  r.read_body = [](int64_t offset, char*, size_t) -> size_t {
+    throw std::runtime_error("reading 'rank-0.h5' at byte " + std::to_string(offset) + " failed: Input/output error");
+  };
+  const auto resp = http::perform(r, {});
+  EXPECT_EQ(resp.status, 0);
+  EXPECT_NE(resp.transport_error.find("reading the body: reading 'rank-0.h5' at byte 0 failed: Input/output error"),
+            std::string::npos)
+      << resp.transport_error;
 }
 
 TEST(S3Client, LargeFilesGoUpInParallelPartsAndComeDownInRanges) {

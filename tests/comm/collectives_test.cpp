@@ -306,6 +306,20 @@ TEST(Collectives, BroadcastTextFromEveryRoot) {
   }
 }
 
+// failed_ranks: every subset of failing ranks (as a bit mask over the ranks) comes back whole
+// and in order on every rank; none failing is an empty answer.
+TEST(Collectives, FailedRanksNamesEveryFailingRankOnEveryRank) {
+  auto& c = world();
+  const int n = c.size(), r = c.rank();
+  for (int mask = 0; mask < (1 << n); ++mask) {
+    std::vector<int> want;
+    for (int q = 0; q < n; ++q) {
+      if (mask >> q & 1) want.push_back(q);
+    }
+    EXPECT_EQ(failed_ranks(c, mask >> r & 1), want) << "mask " << mask;
+  }
+}
+
 TEST(Collectives, SendRecvBetweenEveryPair) {
   auto& c = world();
   const int n = c.size(), r = c.rank();

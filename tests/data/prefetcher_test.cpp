@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <functional>
 #include <future>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -90,6 +91,32 @@ TEST(Prefetcher, ADrawOrBuildErrorReachesTheConsumerAtItsBatch) {
   for (int again = 0; again < 3; ++again) {
     EXPECT_EQ(next_error([&] { draws.next(); }), "the sampler ran out") << "call " << again;
   }
+}
+
+// worker() names the worker that runs a draw or build (for state of each
+// worker's own): each of `threads` in turn, never another; -1 on the consumer.
+TEST(Prefetcher, NamesTheWorkerRunningABuild) {
+  PrefetchOptions o;
+  o.threads = 3;
+  using P = Prefetcher<int, int>;
+  std::atomic<int> outside{0}, arrived{0};
+  P p([n = 0]() mutable { return n++; },
+      [&](const int& n) {
+        if (n < 3) {  // the first three builds run at once, so on three workers
+          ++arrived;
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (arrived.load() < 3 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        }
+        const int w = P::worker();
+        if (w < 0 || w >= 3) ++outside;
+        return w;
+      },
+      o);
+  std::set<int> seen;
+  for (int i = 0; i < 60; ++i) seen.insert(p.next());
+  EXPECT_EQ(outside.load(), 0);
+  EXPECT_EQ(seen, (std::set<int>{0, 1, 2}));
+  EXPECT_EQ(P::worker(), -1);
 }
 
 TEST(Prefetcher, CountsTheConsumersWait) {
