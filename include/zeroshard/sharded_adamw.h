@@ -1,53 +1,22 @@
-// zeroshard/sharded_adamw.h — ShardedAdamW, the drop-in ZeRO-1/2 optimizer
-// (ZeRO-3: fully_shard.h; what both share: sharded_optimizer.h).
+// zeroshard/sharded_adamw.h — ShardedAdamW, the drop-in ZeRO-1/2 optimizer (ZeRO-3:
+// fully_shard.h; what both share: sharded_optimizer.h). Every rank holds the whole model and
+// keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) for its 1/N slice of the parameters
+// only; stage 2 also shards the gradients; stage 0 shards nothing (DDP-style replication).
 //
-// Replace `torch::optim::AdamW opt(model->parameters(), AdamWOptions(3e-4));` by
+//   // was: torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-4));
 //   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
-// and keep the loop (zero_grad, backward, step). A loop written for
-// torch::optim::Adam keeps its AdamOptions with weight_decay 0 (Adam's L2
-// decay is refused, naming AdamW's decoupled decay); docs/drop-in.md lists
-// every idiom of a LibTorch loop. Every rank holds the whole
-// model; each keeps the AdamW state (fp32 master, exp_avg, exp_avg_sq) only for
-// its 1/N slice of the parameters (stage 1), and with stage 2 also only its
-// slice of the gradients. Stage 0 shards nothing (DDP-style replication: every
-// rank holds the whole state and runs the whole update), for comparison and
-// for models small enough that memory is no concern. The result equals
-// torch::optim::AdamW on the global batch (the mean of the ranks' gradients),
-// to float rounding.
+//   // the loop stays: opt.zero_grad(); loss.backward(); opt.step();
 //
-// How it works. At construction the parameters are grouped into buckets (in
-// backward order, `bucket_bytes` each) and each bucket becomes one flat buffer
-// (see flat_layout.h); every parameter tensor keeps its identity but its data
-// becomes a slice of that buffer, and rank 0's values are broadcast so all
-// ranks start equal. Ranks exchange a hash of the parameter names, shapes,
-// dtypes and options first and refuse to start, naming the first difference,
-// when they disagree.
-//   stage 1: gradients stay in p.grad() (as slices of a flat gradient buffer);
-//            step() reduce-scatters each bucket, so each rank gets the mean
-//            gradient of its slice.
-//   stage 2: a hook on each parameter's gradient accumulator copies the gradient
-//            into its bucket and frees p.grad(), which then holds a stand-in
-//            without values (code that reads it as the gradient, such as
-//            torch::nn::utils::clip_grad_norm_, throws, naming the fix); a
-//            full bucket is reduce-scattered at once, during backward, in
-//            bucket order on every rank. Each
-//            backward adds its reduced slice into the rank's gradient shard, so
-//            accumulating micro-batches keeps gradient memory sharded.
-//   stage 0: as stage 2, but each bucket is laid out for one rank and
-//            all-reduced: every rank gets the whole mean gradient.
-// step() then runs the fused AdamW kernel on the rank's slice of each bucket and
-// all-gathers the updated parameters into the model's own tensors (stage 0:
-// the slice is the whole bucket, and there is nothing to gather).
-//
-// Semantics kept from torch::optim::AdamW: a parameter is updated only when it
-// had a gradient this step on at least one rank (its step count advances only
-// then); per-group lr/betas/eps/weight_decay are read at every step, so an LR
-// scheduler that writes param_groups()[i].options() works. Parameters with
-// requires_grad() == false at construction are left out (never updated).
-//
-// Ownership and threads: the optimizer keeps the communicator alive. Use it
-// from the training thread; backward hooks may run on autograd's threads and
-// are synchronized internally. Not copyable.
+// The result equals torch::optim::AdamW on the global batch (the mean of the ranks' gradients),
+// to float rounding, and keeps its semantics: a parameter is updated (and its step count
+// advances) only when it had a gradient on some rank this step; param groups' lr, betas, eps and
+// weight_decay are read at every step, so LR schedulers work; parameters with
+// requires_grad() == false at construction are never updated. REQUIRES: load weights and move
+// the model before constructing the optimizer (the parameters' data then lives in its buffers;
+// a parameter replaced afterwards is refused at step(), naming it).
+// Ownership: the optimizer keeps the communicator alive. Not copyable. Thread-safety: use it
+// from the training thread; backward hooks are synchronized internally.
+// How it works, and each LibTorch idiom with it: docs/drop-in.md.
 #pragma once
 
 #include "zeroshard/comm.h"
@@ -63,51 +32,49 @@
 namespace zeroshard {
 
 struct ShardedAdamWOptions {
-  // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2).
-  // 0: shard nothing (DDP-style: gradients all-reduced, every rank updates
-  // everything). Default: 2.
+  // 1: shard optimizer states (ZeRO-1). 2: also shard gradients (ZeRO-2). 0: shard nothing
+  // (gradients all-reduced, every rank updates everything). Others throw. At 2 and 0 a reduced
+  // p.grad() holds a stand-in without values (reading it throws, naming the fix). Default: 2.
   int zero_stage = 2;
-  // Hybrid sharding (stages 1 and 2): the state is sharded across groups of
-  // this many consecutive ranks and replicated across the groups. Gradients are
-  // reduce-scattered inside a group, then each reduced shard is averaged across
-  // the groups (an all-reduce of 1/shard_size of the gradient), and updated
-  // parameters are gathered inside the group only: with a group per host, the
-  // links between hosts carry 1/shard_size of the bytes. Memory: optimizer
-  // states (and, at stage 2, gradients) shrink by shard_size, not by every rank.
-  // 0: every rank (one group: flat ZeRO). kShardPerHost: the ranks of one host.
-  // N: N ranks (it must divide the ranks). Default: 0.
+  // Hybrid sharding (stages 1 and 2): shard the state across groups of this many consecutive
+  // ranks and replicate it across the groups; memory shrinks by shard_size, not by every rank.
+  // 0: every rank (flat ZeRO). kShardPerHost: the ranks of one host. N: N ranks;
+  // REQUIRES: N divides the world size. Default: 0.
   int shard_size = 0;
   // Gradient bucket size: the unit of reduce-scatter and all-gather. Default: 16 MiB.
   int64_t bucket_bytes = int64_t{16} << 20;
-  // Stages 2 and 0: reductions in flight during backward before backward waits
-  // for the oldest (bounds the transient memory to about this many buckets). Default: 2.
+  // Stages 2 and 0: reductions in flight during backward before backward waits for the oldest
+  // (bounds the transient memory to about this many buckets). Default: 2.
   int max_inflight_buckets = 2;
-  // Stage 2 (and 0) gradient accumulation. true: every backward reduces its
-  // gradients and adds them into this rank's fp32 shard (gradient memory stays
-  // sharded; one reduce-scatter per micro-batch). false: gradients accumulate
-  // in full in p.grad() and step() reduces them once, as if every backward ran
-  // under no_sync(). Stage 1 always accumulates locally. Default: true.
+  // Stages 2 and 0. true: every backward reduces its gradients into this rank's fp32 shard
+  // (gradient memory stays sharded). false: gradients accumulate in full in p.grad() and step()
+  // reduces them once, as under no_sync(). Stage 1 always accumulates locally. Default: true.
   bool reduce_every_backward = true;
   // > 0: step() clips the gradient to this global L2 norm unless clip_grad_norm()
   // was already called this step. Default: 0 (no clipping).
   double max_grad_norm = 0;
+  // Dynamic loss scaling. Default: on when a parameter is Half.
   LossScaleOptions loss_scale;
 };
 
-// ZeRO-1/2 (see the top of this file).
+// ZeRO-0/1/2 over `params`, which keep their tensor identity (their data becomes a slice of
+// the optimizer's flat buffers). Construction is collective: every rank starts from rank 0's
+// values, and the constructor throws on every rank, naming the first difference, when the
+// ranks' parameters (names, shapes, dtypes) or options differ.
 class ShardedAdamW : public ShardedOptimizer {
  public:
-  // `group`: a CPU communicator (init_communicator), or a device one with its
-  // CPU control plane (init_nccl, stage_through_host).
-  // `defaults` (and a param group's own options): torch::optim::AdamWOptions,
-  // or AdamOptions with weight_decay 0 (as torch::optim::Adam; refused otherwise).
-  // REQUIRES: every parameter on the group's device (group.data->device()),
-  //           Float/BFloat16/Half; every rank passes the same parameters
-  //           (names, shapes, dtypes) and options.
+  // `group`: a CPU communicator (init_communicator), or a device one with its CPU control
+  // plane (init_nccl, stage_through_host, device_group).
+  // `defaults` (and a param group's own options): torch::optim::AdamWOptions, or AdamOptions
+  // with weight_decay 0 (as torch::optim::Adam); amsgrad is refused.
+  // REQUIRES (each throws naming the parameter and the fix): every parameter on the group's
+  //           device (group.data->device()), Float, BFloat16 or Half, in one param group only;
+  //           at least one trainable parameter; tied weights as one tensor.
   ShardedAdamW(std::vector<torch::Tensor> params, ProcessGroup group,
                const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
-  // Param groups with their own AdamWOptions (lr, weight_decay, ...).
+  // Param groups with their own AdamWOptions (lr, weight_decay, ...); a group with another
+  // optimizer's options throws, naming the group.
   ShardedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, ProcessGroup group,
                const torch::optim::OptimizerOptions& defaults = torch::optim::AdamWOptions(),
                ShardedAdamWOptions options = {});
