@@ -1,33 +1,16 @@
-// zeroshard/token_store.h — a corpus of token ids on disk: the Megatron-LM
-// indexed dataset layout, so a store written here loads in
-// Megatron (megatron.core.datasets.indexed_dataset.IndexedDataset) and a store
-// Megatron's tools wrote loads here.
+// zeroshard/token_store.h — a corpus of token ids on disk in Megatron-LM's indexed dataset
+// layout (PREFIX.bin, PREFIX.idx), so a store written here loads in Megatron
+// (megatron.core.datasets.indexed_dataset.IndexedDataset) and one Megatron's tools wrote loads
+// here. A sequence is typically a sentence; a document, a run of them (an article, a file).
 //
-// A store is two files under one prefix:
-//   PREFIX.bin  every sequence's tokens, concatenated (little-endian, one type);
-//   PREFIX.idx  "MMIDIDX\0\0", u64 version 1, u8 token type code, u64 sequence
-//               count N, u64 document count D+1, then int32 lengths[N] (tokens
-//               per sequence), int64 pointers[N] (byte offset of each sequence in
-//               .bin), int64 documents[D+1] (0, then the sequence index that ends
-//               each document), and in multimodal stores int8 modes[N] (ignored).
-// A sequence is typically a sentence, a document a run of them (an article, a
-// file). Document d holds sequences [documents[d], documents[d+1]).
+//   zeroshard::TokenStore store(prefix);                      // reads the header only
+//   std::vector<int64_t> ids = store.sequence(i);
 //
-// TokenStore reads both files with pread, as it needs them: opening reads the
-// 34-byte header and checks each file's size against it, so it costs the same
-// at any corpus size; a rank reads only the sequences it asks for, and what it
-// reads stays in the host's page cache (shared by its ranks), not in the rank's
-// resident memory. (Mapped, the files' pages would count there: a kernel with
-// large page-cache folios maps megabytes around each page touched, so the whole
-// index of a hot store would soon be resident in every rank.) Index entries go
-// through a 16 KiB block per thread and array, so a scan reads each block once.
-// A store is immutable and a TokenStore is safe to read from many threads.
-//
-// TokenStoreWriter streams: tokens go to PREFIX.bin.partial as they come,
-// lengths and document ends to side files, so its memory does not grow with
-// the corpus; finish() writes PREFIX.idx.partial and renames both files into
-// place, .bin first, so a crash at any instant leaves either no PREFIX.idx or a
-// whole store (an .idx is the store's commit mark). Not thread-safe.
+// TokenStore reads with pread, only what it is asked for: opening costs the same at any corpus
+// size. A store is immutable; a TokenStore is safe to read from many threads. TokenStoreWriter
+// streams (its memory does not grow with the corpus) and is not thread-safe; a crash at any
+// instant leaves either no PREFIX.idx or a whole store.
+// How it works, and the file layout: docs/bart.md ("The token store's files").
 #pragma once
 
 #include <cstdint>
@@ -52,10 +35,9 @@ TokenType token_type_for(int64_t vocab_size);
 
 class TokenStore {
  public:
-  // Opens PREFIX.idx and PREFIX.bin. Throws (c10::Error) naming the file and what
-  // is wrong: missing, not an indexed dataset, an unknown version or token type
-  // (float stores), or a size its header does not account for (truncated,
-  // or written by something else).
+  // Opens PREFIX.idx and PREFIX.bin. Throws (c10::Error) naming the file and what is wrong:
+  // missing, not an indexed dataset, an unknown version or token type (float stores), or a
+  // size its header does not account for (truncated, or written by something else).
   explicit TokenStore(const std::string& prefix);
   ~TokenStore();
   TokenStore(TokenStore&&) noexcept;
@@ -67,20 +49,19 @@ class TokenStore {
   int64_t documents() const;
   int64_t tokens() const;  // every sequence's, from the size of .bin
 
-  // REQUIRES: 0 <= i < sequences(); 0 <= d < documents().
+  // REQUIRES: 0 <= sequence < sequences(); 0 <= document < documents().
   int64_t length(int64_t sequence) const;
   int64_t document_begin(int64_t document) const;  // its first sequence
   int64_t document_end(int64_t document) const;    // one past its last
 
-  // Tokens [offset, offset + count) of a sequence, appended to `out` as int64.
-  // Throws naming the store when the sequence's pointer and length fall
-  // outside .bin (a damaged index).
+  // Tokens [offset, offset + count) of a sequence, appended to `out` as int64. Throws naming
+  // the store when the sequence's pointer and length fall outside .bin (a damaged index).
   void read(int64_t sequence, int64_t offset, int64_t count, std::vector<int64_t>& out) const;
   std::vector<int64_t> sequence(int64_t i) const;
 
-  // Every entry of the index checked (lengths not negative, each sequence in
-  // .bin, pointers consecutive, document ends increasing to N): reads the
-  // whole .idx once. Throws naming the first bad entry.
+  // Checks every entry of the index (lengths not negative, each sequence in .bin, pointers
+  // consecutive, document ends increasing to N), reading the whole .idx once. Throws naming
+  // the first bad entry.
   void verify() const;
   // Both files' checksums: reads them whole.
   TokenStoreDigest digest() const;
@@ -92,8 +73,8 @@ class TokenStore {
 
 class TokenStoreWriter {
  public:
-  // REQUIRES: the directory of `prefix` exists. Overwrites the .partial files
-  // of an earlier, unfinished writer.
+  // Writes PREFIX.bin.partial and side files until finish(). Overwrites the .partial files of
+  // an earlier, unfinished writer. REQUIRES: the directory of `prefix` exists.
   TokenStoreWriter(std::string prefix, TokenType type);
   // Without finish(): removes the partial files (an unfinished store never appears).
   ~TokenStoreWriter();
@@ -106,13 +87,13 @@ class TokenStoreWriter {
   // Ends the current document (after its last add). An empty document (no add
   // since the last end) is recorded as one, as Megatron's builder does.
   void end_document();
-  // Every document of `other` after ours (Megatron's IndexedDatasetBuilder.add_index):
-  // how stores prepared in parts, on several hosts, merge into one. Its .bin is
-  // copied in chunks. REQUIRES: no sequence added since the last end_document();
-  // other.type() == the writer's type.
+  // Every document of `other` after ours (Megatron's IndexedDatasetBuilder.add_index): how
+  // stores prepared in parts merge into one. REQUIRES: no sequence added since the last
+  // end_document(); other.type() == the writer's type.
   void append(const TokenStore& other);
-  // Writes the index and renames both files into place; their checksums, taken
-  // as they were written. REQUIRES: the last document ended.
+  // Writes the index and renames both files into place (.bin first: the .idx commits the
+  // store); returns their checksums, taken as they were written. REQUIRES: the last document
+  // ended.
   TokenStoreDigest finish();
 
   int64_t sequences() const { return sequences_; }
@@ -131,12 +112,10 @@ class TokenStoreWriter {
   std::vector<char> buffer_;  // one sequence in the store's type
 };
 
-// Bytes [at, at + n) of the open file `fd` into `out`, whole: pread again
-// after a short read or a read a signal interrupted (EINTR: a PreemptionGuard's
-// handlers do not restart system calls, and network file systems such as
-// gcsfuse or s3fs return it), and throws naming `path`, the offset and the
-// cause when the file ends first or a read fails. Thread-safe; moves no file
-// offset. TokenStore reads through it; so may a trainer's own data files.
+// Bytes [at, at + n) of the open file `fd` into `out`, whole: reads again after a short read
+// or EINTR (which a PreemptionGuard's signals and network file systems cause). Throws naming
+// `path`, the offset and the cause when the file ends first or a read fails. Thread-safe;
+// moves no file offset. For a trainer's own data files too.
 void read_file_range(int fd, void* out, int64_t n, int64_t at, const std::string& path);
 
 }  // namespace zeroshard
