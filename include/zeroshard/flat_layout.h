@@ -1,18 +1,14 @@
-// zeroshard/flat_layout.h — where each parameter lives in a sharded flat buffer.
+// zeroshard/flat_layout.h — where each parameter lives in a sharded flat buffer, as pure
+// functions of (names, shapes, dtypes, world size, alignment, bucket size): no communication,
+// no tensors, so any reader (a checkpoint tool, a loader at another world size) recomputes it.
 //
-// A flat buffer holds a group of parameters of one dtype back to back. Each
-// parameter starts on a multiple of `alignment` elements; the total is padded
-// so that it splits into `world_size` equal shards, and rank r owns the
-// contiguous shard r. Everything here is a pure function of (names, shapes,
-// dtypes, world size, alignment, bucket size): no communication, no tensors,
-// so the same layout can be recomputed anywhere (a checkpoint reader, a
-// resharding loader, a rank of a different world size).
+//   FlatLayout l = make_flat_layout(params, world_size);   // rank r owns l.shard(r)
 //
-// Parameter offsets inside a buffer do not depend on the world size; only the
-// tail padding does. A checkpoint written at N ranks therefore describes its
-// data by (parameter, offset) pairs that hold at any M.
-//
-// Thread-safety: plain values; safe to share read-only.
+// A buffer holds parameters of one dtype back to back, each starting on a multiple of
+// `alignment` elements, padded to split into `world_size` equal contiguous shards. Parameter
+// offsets do not depend on the world size (only the tail padding does), so (parameter,
+// offset) pairs hold at any world size. Thread-safety: plain values.
+// How it works: docs/drop-in.md ("What happens").
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -62,9 +58,8 @@ struct FlatLayout {
   Range shard(int rank) const;
   // The elements params[i] occupies.
   Range param_range(size_t i) const { return {offsets[i], offsets[i] + params[i].numel()}; }
-  // The shard rank `rank` of the communicator holds: its own, or shard 0 (the
-  // whole buffer) when the layout is for one rank, which every rank then
-  // holds whole (ZeRO stage 0, replication).
+  // The shard rank `rank` of the communicator holds: its own, or shard 0 (the whole buffer) when
+  // the layout is for one rank, which every rank then holds (ZeRO stage 0).
   int shard_of_rank(int rank) const { return world_size == 1 ? 0 : rank; }
 };
 
@@ -84,13 +79,11 @@ struct ShardSegment {
 // Every parameter piece inside shard `rank`, in buffer order (padding is not listed).
 std::vector<ShardSegment> shard_segments(const FlatLayout& layout, int rank);
 
-// Bucketing: which parameters share a flat buffer. `params` is in model order
-// (the order of module->parameters()); `group` gives each parameter's
-// optimizer param-group index. Buckets are returned in backward order (the
-// last parameters of the model first, as gradients become ready); a bucket
-// holds consecutive parameters of one dtype and one group, in model order,
-// closing when the next parameter would take it past `bucket_bytes`. A
-// parameter larger than `bucket_bytes` gets a bucket of its own.
+// Which parameters share a flat buffer. `params` in model order (module->parameters()), and
+// `group` each one's param-group index. Buckets come in backward order (the model's last
+// parameters first); a bucket holds consecutive parameters of one dtype and one group, in model
+// order, closing when the next would take it past `bucket_bytes`; a larger parameter gets a
+// bucket of its own.
 // REQUIRES: group.size() == params.size(); bucket_bytes > 0.
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<ParamInfo>& params,
                                               const std::vector<int>& group, int64_t bucket_bytes);

@@ -10,8 +10,8 @@
 //   }
 //   zeroshard::plot_metrics(run_dir + "/metrics.jsonl", run_dir + "/loss.png");
 //
-// The JSON lines are the run's record (docs/observability.md explains every
-// field); the plot is drawn from them with gnuplot.
+// The JSON lines are the run's record; the plot is drawn from them with gnuplot. MetricsLog and
+// ProgressLine are for one thread (the training loop's). Every field: docs/observability.md.
 #pragma once
 
 #include <cstdint>
@@ -21,8 +21,8 @@
 
 namespace zeroshard {
 
-// One optimizer step, as every rank saw it (figures "all ranks" are agreed by a
-// collective the trainer runs; the others are this rank's).
+// One optimizer step ("all ranks" figures: agreed by a collective the trainer runs; the others
+// are this rank's).
 struct StepMetrics {
   int64_t step = 0;  // optimizer steps done, this one included (1 = the first)
   double loss = std::numeric_limits<double>::quiet_NaN();       // mean per token, all ranks
@@ -39,18 +39,17 @@ struct StepMetrics {
   int64_t bytes_sent = 0;          // this rank's collective bytes in the step
   double loss_scale = 1;           // dynamic loss scale (1 when off)
   bool skipped = false;            // the update was skipped (gradient overflow)
-  std::string extra_json;          // a JSON object whose members join the line (e.g. {"val_loss": 3.2}); "" for none
+  std::string extra_json;          // a JSON object whose members join the line; "" for none
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 
-// JSON lines, one object per step (and per event). Opening drops the lines of
-// steps after `resume_step` (work a preempted run did after its last
-// checkpoint, which the resumed run redoes), so the file reads as one run.
+// JSON lines, one object per step (and per event), each flushed as written.
 class MetricsLog {
  public:
   MetricsLog() = default;  // disabled: writes nothing
-  // Creates `path` (and its directory), or continues it. Throws naming the
-  // path when it cannot be written.
+  // Creates `path` (and its directory), or continues it, dropping the lines of steps after
+  // `resume_step` (work the resumed run redoes), so the file reads as one run. Throws naming
+  // the path when it cannot be written.
   MetricsLog(const std::string& path, int64_t resume_step);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
@@ -60,17 +59,15 @@ class MetricsLog {
 
   // {"step":…, "loss":…, "lr":…, …, plus extra_json's members}. Flushed.
   void write(const StepMetrics& m);
-  // The line write(m) writes. A trainer carries it in the checkpoint of m's
-  // step, so that the step's record survives a crash between the checkpoint's
-  // commit and write() (see restore()).
+  // The line write(m) writes: carry it in the checkpoint of m's step, so that the step's record
+  // survives a crash between the checkpoint's commit and write() (see restore()).
   static std::string step_line(const StepMetrics& m);
   // The last step with a line in the file: of the lines kept on opening, then
   // of write() and restore(); 0 for none.
   int64_t last_step() const { return last_step_; }
-  // A step_line() carried in the checkpoint a run resumed from: written, with
-  // "restored": true, when the file holds no line of that step or a later one
-  // (the crash came after the commit and before write()). Returns whether it
-  // wrote. Throws when `line` is not a step_line().
+  // Writes a step_line() carried in the checkpoint a run resumed from, with "restored": true,
+  // when the file holds no line of that step or a later one; returns whether it wrote.
+  // Throws when `line` is not a step_line().
   bool restore(const std::string& line);
   // Any other record: {"event": `event`, "step": step, plus `json_object`'s members}.
   void write_event(const std::string& event, int64_t step, const std::string& json_object = "{}");
@@ -84,11 +81,8 @@ class MetricsLog {
   void line(const std::string& text);
 };
 
-// A one-line progress report for long runs, logged on rank 0 at most every
-// `interval_s` seconds and at the last step:
-//   step 120/400 (30%) | loss 5.214 | 3,456 tok/s | 0.42 s/step | ETA 1m58s
-// Rates and the ETA are over the steps since the first update() of this
-// process (a resumed run counts from where it resumed).
+// A one-line progress report, logged on rank 0 at most every `interval_s` seconds and at the
+// last step. Rates and the ETA count from this process's first update().
 class ProgressLine {
  public:
   explicit ProgressLine(int64_t total_steps, double interval_s = 10.0);
@@ -115,13 +109,10 @@ int64_t current_rss_bytes();
 // set, which keeps freed pages. 0 where the C library does not say.
 int64_t heap_bytes_in_use();
 
-// Draws the loss curve of a metrics file (train loss per step, and validation
-// loss where lines carry "val_loss") into a PNG with gnuplot, with its events
-// marked: a point on the curve at each "checkpoint", a ring at each "durable" (a
-// step committed in a durable tier, CheckpointOptions::durable_uri), and a dashed vertical line
-// labelled with its cause at each "interruption" ({"cause"}) and "resume"
-// ({"restart", "after", "to_first_step_s"}). Returns "" on success, else why
-// not (no gnuplot on PATH, no steps in the file, gnuplot's error).
+// Draws the loss curve of a metrics file (train loss, and validation loss where lines carry
+// "val_loss") into a PNG with gnuplot, marking its "checkpoint", "durable", "interruption" and
+// "resume" events. Returns "" on success, else why not (no gnuplot on PATH, no steps in the
+// file, gnuplot's error).
 std::string plot_metrics(const std::string& metrics_path, const std::string& png_path,
                          const std::string& title = "training loss");
 

@@ -10,15 +10,11 @@
 //     }
 //   }
 //
-// Spot and preemptible machines get a signal and a grace period (AWS: a
-// 2-minute notice; GCP: 30 s; Kubernetes: the pod's terminationGracePeriodSeconds),
-// or vanish. A signal seen by any rank, or the notice file appearing, makes
-// should_stop() return true on every rank at the same step boundary (each
-// rank's flag and the time it saw a notice, in one all-reduce per call, or in
-// the step's one agreement after join()). The
-// guard handles the signals from construction to destruction (a Boost.Asio
-// signal_set on a thread of its own), so they no longer kill the process: call
-// should_stop() at every step.
+// A signal to any rank, or a notice (file or URL), makes should_stop() true on every rank at the
+// same step boundary. The guard handles the signals from construction to destruction (on a
+// thread of its own), so they no longer kill the process: call should_stop() at every step.
+// Ownership: the guard keeps its communicator alive. Thread-safety: use it from the training
+// thread (signaled() from any). How it works: docs/checkpoints.md ("Preemption").
 #pragma once
 
 #include "zeroshard/comm.h"
@@ -40,21 +36,19 @@ namespace zeroshard {
 constexpr int kPreemptedExitCode = 75;  // EX_TEMPFAIL: try again later
 
 struct PreemptionOptions {
+  // The signals that are notices. Default: SIGTERM, SIGINT, SIGUSR1.
   std::vector<int> signals{SIGTERM, SIGINT, SIGUSR1};
-  // When non-empty: the file's existence is a notice too (checked at each should_stop()).
+  // When non-empty: the file's existence is a notice (checked at each should_stop()).
+  // Default: none.
   std::string notice_file;
-  // When non-empty: an http:// URL polled every notice_poll_interval_s on the
-  // guard's thread; a 200 response whose body is not empty and not "FALSE" is
-  // a notice. That covers the cloud metadata endpoints:
-  //   AWS: http://169.254.169.254/latest/meta-data/spot/instance-action (404 until a notice)
-  //   GCP: http://metadata.google.internal/computeMetadata/v1/instance/preempted
-  //        with the header {"Metadata-Flavor", "Google"} ("FALSE" until preempted)
-  // Unreachable URLs count as no notice (logged once at debug level).
+  // When non-empty: an http:// URL (a cloud's metadata endpoint) polled every
+  // notice_poll_interval_s on the guard's thread, with `notice_url_headers`; a 200 response
+  // whose body is neither empty nor "FALSE" is a notice, an unreachable URL is none.
+  // Default: none; polled every 5 s.
   std::string notice_url;
   std::vector<std::pair<std::string, std::string>> notice_url_headers;
   double notice_poll_interval_s = 5.0;
-  // The time a notice leaves (Default: 30 s, GCP's). A save measured longer
-  // than this is warned about (check_save_fits()).
+  // The time a notice leaves; check_save_fits() compares saves with it. Default: 30 s (GCP's).
   double grace_period_s = 30.0;
 };
 
@@ -65,28 +59,25 @@ class PreemptionGuard {
   PreemptionGuard(const PreemptionGuard&) = delete;
   PreemptionGuard& operator=(const PreemptionGuard&) = delete;
 
-  // Collective, at a step boundary: true on every rank when any rank got a
-  // signal or saw the notice file since construction. Logs (once) which.
-  // Its own all-reduce, unless join() made the vote part of the step's.
+  // True on every rank when any rank got a notice since construction; logs (once) which.
+  // Collective, at a step boundary: an all-reduce of its own, unless join() made the vote part
+  // of the step's.
   bool should_stop();
-  // Makes the vote a slot of `agreement` (step_agreement.h), the step's one
-  // blocking collective: should_stop() then reads what the step's agree()
-  // voted, and throws if it did not run since the last should_stop(). A
-  // notice that comes after agree() counts at the next step. Keeps
-  // `agreement` alive. REQUIRES: `agreement` over the communicator's ranks.
+  // Makes the vote a slot of `agreement` (step_agreement.h): should_stop() then reads what the
+  // step's agree() voted, and throws if agree() did not run since the last should_stop(). A
+  // notice after agree() counts at the next step. May come at any step. Keeps `agreement`
+  // alive. REQUIRES: `agreement` over the communicator's ranks.
   void join(std::shared_ptr<StepAgreement> agreement);
   // Whether this rank itself got a signal (no communication).
   bool signaled() const { return signal_.load() != 0; }
-  // Once should_stop() returned true: the earliest moment any rank learned of
-  // the notice (Unix time in seconds, the system clock: comparable across
-  // restarts and hosts with synchronized clocks), and what this rank saw:
-  // "SIGTERM" (the signal's name), "notice file", "notice URL", or "another
-  // rank's notice". NaN and "" before.
+  // Once should_stop() returned true: the earliest moment any rank learned of the notice (Unix
+  // seconds, the system clock), and what this rank saw: the signal's name ("SIGTERM"), "notice
+  // file", "notice URL" or "another rank's notice". NaN and "" before.
   double notice_time() const { return notice_time_; }
   const std::string& cause() const { return cause_; }
-  // Logs `save_seconds` against the grace period: a warning when it would not
-  // fit (at start-up, with the last checkpoint's TrainingProgress::save_seconds),
-  // else an info line (after the save a stop made). Returns whether it fits.
+  // Logs `save_seconds` against the grace period: a warning when it would not fit (call it at
+  // start-up with the last checkpoint's TrainingProgress::save_seconds), else an info line.
+  // Returns whether it fits.
   bool check_save_fits(double save_seconds) const;
   int exit_code() const { return kPreemptedExitCode; }
   const PreemptionOptions& options() const { return options_; }
