@@ -2,7 +2,9 @@
 // rendezvous address), read from the variables a launcher sets (zeroshard-run,
 // torchrun, Slurm, Open MPI), and what a rank tells its launcher: how far it is
 // (publish_step) and why it fails (record_error). init_communicator (comm.h)
-// takes a DistEnv.
+// takes a DistEnv. Thread-safety: DistEnv is a plain value; call publish_step() and
+// record_error() from one thread.
+// The variables: docs/communicator.md ("Creating one"); the launcher: docs/launcher.md.
 #pragma once
 
 #include <cstdint>
@@ -36,25 +38,20 @@ struct DistEnv {
   std::string error_file;
 };
 
-// Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT), else Slurm's (SLURM_PROCID, SLURM_NTASKS,
-// SLURM_LOCALID, SLURM_NTASKS_PER_NODE), else Open MPI's (OMPI_COMM_WORLD_*).
-// MASTER_ADDR/MASTER_PORT are required when the world has more than one rank
-// (Slurm and Open MPI jobs set them in the batch script). With none of these
-// variables, a world of one rank. Throws, saying what to set, on malformed values.
+// Reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT), else Slurm's (SLURM_*), else Open MPI's (OMPI_COMM_WORLD_*); with none, a world
+// of one rank. Throws, saying what to set, on malformed values, and when a world of more than
+// one rank lacks MASTER_ADDR or MASTER_PORT.
 DistEnv read_dist_env();
 
-// Tells the launcher how far this rank is: writes `step` to env.progress_file
-// (nothing happens without one). zeroshard-run --simulate-preemption-at-step N
-// sends the spot-style SIGTERM when rank 0 reports step N, and --stall-timeout
-// names a rank whose step stops moving. Cheap (a small write and a rename).
+// Tells the launcher how far this rank is (for zeroshard-run's --stall-timeout and
+// --simulate-preemption-at-step): writes `step` to env.progress_file; nothing without one.
+// Cheap (a small write and a rename).
 void publish_step(const DistEnv& env, int64_t step);
 
-// Tells the launcher why this rank is about to fail: writes `message` to
-// env.error_file in torchelastic's format ({"message": {"message": ...,
-// "extraInfo": {...}}}; nothing happens without one). zeroshard-run's last line
-// then repeats the first failing rank's message, as torchrun's error summary
-// does. Call it where the program catches the error it exits with.
+// Tells the launcher why this rank is about to fail: writes `message` to env.error_file in
+// torchelastic's format (nothing without one), which zeroshard-run's and torchrun's error
+// summaries repeat. Call it where the program catches the error it exits with.
 void record_error(const DistEnv& env, const std::string& message);
 
 }  // namespace zeroshard

@@ -1,7 +1,7 @@
 // zeroshard/noise_scale.h — the gradient noise scale, statistical efficiency
 // and goodput of a run, from two squared gradient norms per step.
 //
-//   zeroshard::GradientNoiseScale gns;               // one per run (rank 0 suffices; every rank may keep one)
+//   zeroshard::GradientNoiseScale gns;               // one per run (rank 0 suffices; any may)
 //   for (...) {
 //     ...backward, opt.step()...
 //     const auto n = opt.last_gradient_noise();     // measured inside step(), no extra collective
@@ -11,22 +11,11 @@
 //     double goodput = tokens_per_second * e;
 //   }
 //
-// The estimators (McCandlish et al. 2018, "An Empirical Model of Large-Batch
-// Training", appendix A.1). A batch of B examples has mean gradient G_B with
-// E|G_B|² = |G|² + tr(Σ)/B, Σ the per-example gradient covariance. Two sizes
-// B_small < B_big give unbiased estimates
-//   |G|²  ≈ (B_big·|G_big|² − B_small·|G_small|²) / (B_big − B_small)
-//   tr Σ  ≈ (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
-// Each is smoothed by an exponential moving average (bias-corrected as Adam's
-// moments are), and the noise scale is their ratio, B_noise = tr Σ / |G|²:
-// the batch size at which a step makes about half the progress of an
-// infinitely large batch. Statistical efficiency of batch M against a
-// reference batch M0 is Pollux's (Qiao et al., OSDI 2021, eq. 5),
-//   E(M) = (B_noise + M0) / (B_noise + M),
-// the progress per example at M relative to M0 (≤ 1 for M ≥ M0); goodput is
-// throughput × E. docs/observability.md has the derivations.
-//
+// The noise scale is B_noise = tr Σ / |G|² (McCandlish et al. 2018), from moving averages of
+// unbiased estimates of |G|² and tr Σ; efficiency is Pollux's E(M) = (B_noise + M0) /
+// (B_noise + M) (Qiao et al., OSDI 2021); goodput is throughput × E.
 // Not thread-safe; a plain value (copyable), saved and restored as JSON.
+// How it works, with the estimators: docs/observability.md ("Statistical efficiency and goodput").
 #pragma once
 
 #include <cstdint>
@@ -36,15 +25,14 @@ namespace zeroshard {
 
 class GradientNoiseScale {
  public:
-  // `smoothing`: the moving averages' weight of the past, in [0, 1).
+  // `smoothing`: the moving averages' weight of the past. REQUIRES: in [0, 1).
   // Default: 0.95 (about the last 20 steps).
   explicit GradientNoiseScale(double smoothing = 0.95);
 
-  // One step's measurement: the squared L2 norms of the mean gradient over
-  // `small_batch` examples (|G_small|², e.g. one rank's) and over `big_batch`
-  // (|G_big|², the whole step's). Batches in any unit (examples, tokens), the
-  // same for all calls. Returns false, changing nothing, when the step cannot
-  // be used: a norm not finite, or not 0 < small_batch < big_batch.
+  // One step's measurement: the squared L2 norms of the mean gradient over `small_batch`
+  // examples (|G_small|², e.g. one rank's) and over `big_batch` (|G_big|², the whole step's).
+  // Batches in any unit (examples, tokens), the same for all calls. Returns false, changing
+  // nothing, when a norm is not finite or not 0 < small_batch < big_batch.
   bool update(double small_sumsq, double small_batch, double big_sumsq, double big_batch);
 
   // The smoothed |G|² and tr(Σ) (NaN before the first update). Either can be
@@ -60,8 +48,8 @@ class GradientNoiseScale {
   // Steps accepted by update().
   int64_t steps() const { return steps_; }
 
-  // {"smoothing":…, "steps":…, "g2":…, "s":…} and back (a resumed run goes on
-  // from the same averages). from_json throws naming what is missing.
+  // {"smoothing":…, "steps":…, "g2":…, "s":…} and back (a resumed run goes on from the same
+  // averages). from_json throws naming what is missing.
   std::string to_json() const;
   void from_json(const std::string& json);
 

@@ -1,21 +1,12 @@
-// zeroshard/pipeline_grid.h — the ranks of a pipelined run and their groups.
+// zeroshard/pipeline_grid.h — the ranks of a pipelined run and their groups: world = pp × dp
+// ranks, where stage s, data-parallel index d is world rank s·dp + d.
 //
-// world = pp × dp ranks: pipeline stage s, data-parallel index d is world rank
-// s·dp + d (the data-parallel groups are contiguous; the pipeline is the outer
-// dimension). Each rank belongs to
-//   - dp: the dp ranks of its stage (ZeRO shards the stage's parameters over it),
-//   - pp: the pp ranks with its data-parallel index (activations and their
-//     gradients travel between neighbours of it, by posted send/recv),
-//   - a tie group per set of tied stages (a parameter held by several stages,
-//     such as a shared embedding on the first and the last), of the ranks of
-//     those stages with its data-parallel index,
-//   - and the world (step-level agreement: norms, overflow, loss, preemption).
-// Each group is a ProcessGroup: its data plane on the world's device, its
-// control plane on the CPU.
+//   zeroshard::pipeline::PipelineGrid grid(world, {.stages = 2, .ties = {{0, 1}}});   // collective
+//   grid.dp_group();                 // ZeRO for this rank's stage runs on it
 //
-// Construction is collective over the world (it splits the world's
-// communicators, the same splits in the same order on every rank).
-// Thread-safety: the grid is immutable; its communicators are as documented in comm.h.
+// Each group is a ProcessGroup: its data plane on the world's device, its control plane on the
+// CPU. Thread-safety: the grid is immutable; its communicators are as comm.h says.
+// How it works: docs/pipeline.md ("The grid").
 #pragma once
 
 #include "zeroshard/comm.h"
@@ -27,13 +18,17 @@ namespace zeroshard::pipeline {
 struct GridOptions {
   // Pipeline stages (pp). REQUIRES: divides the world size. Default: 1.
   int stages = 1;
-  // Sets of stages that share a parameter (each ascending, at least two
-  // stages); a tie group is made per set. Default: none.
+  // Sets of stages that share a parameter (a shared embedding on the first and the last);
+  // a tie group is made per set. REQUIRES: each set ascending, at least two stages.
+  // Default: none.
   std::vector<std::vector<int>> ties;
 };
 
 class PipelineGrid {
  public:
+  // Splits the world's communicators into the groups below, in the same order on every rank.
+  // Collective over the world; ranks compare `options` first and throw on every rank, naming
+  // the difference, when they disagree.
   PipelineGrid(ProcessGroup world, const GridOptions& options);
 
   int pp() const { return pp_; }
@@ -42,11 +37,16 @@ class PipelineGrid {
   int dp_rank() const { return dp_rank_; } // of this rank
   int world_rank(int stage, int dp_rank) const { return stage * dp_ + dp_rank; }
 
+  // Every rank: the step's agreement (norms, overflow, loss, preemption).
   const ProcessGroup& world() const { return world_; }
+  // The dp ranks of this rank's stage: ZeRO shards the stage's parameters over it.
   const ProcessGroup& dp_group() const { return dp_group_; }  // this rank's stage
+  // The pp ranks with this rank's data-parallel index: activations and their gradients travel
+  // between neighbours of it (posted send/recv).
   const ProcessGroup& pp_group() const { return pp_group_; }  // rank i of it is stage i
-  // The tie group of options.ties[k] when this rank's stage is in it; else an
-  // empty group (null communicators). Rank i of it is the i-th stage of the set.
+  // The tie group of options.ties[k] (the ranks of those stages with this rank's data-parallel
+  // index) when this rank's stage is in it; else an empty group (null communicators). Rank i of
+  // it is the i-th stage of the set.
   const ProcessGroup& tie_group(size_t k) const { return ties_.at(k); }
   const GridOptions& options() const { return options_; }
 

@@ -1,18 +1,16 @@
 // zeroshard/pipeline_partition.h — which blocks of a model each pipeline stage holds.
 //
-// A model split into pipeline stages is a sequence of blocks (an embedding, a
-// transformer layer, a head, ...), each named and marked with a symbol for
-// layout strings. A partition gives each stage a contiguous, non-empty run of
-// blocks; together the stages hold every block exactly once, in order. It is
-// made by hand from a layout string, uniformly by block count, or balanced by
-// parameter count, and every way is checked the same: a block in no stage or
-// in two is an error that names it, never a layer silently dropped.
+// A model to pipeline is a sequence of blocks (an embedding, a transformer layer, a head, ...),
+// each named and marked with a symbol. A partition gives each stage a contiguous, non-empty run
+// of blocks; together the stages hold every block exactly once, in order. Every way of making
+// one is checked the same: a block in no stage or in two is an error naming it.
 //
-// Layout strings: stages separated by '|', each a list of symbols, a symbol
-// optionally repeated as `sym*count`: "E t*3 | t*4 | t*3 L" is three stages of
-// 4, 4 and 4 blocks for a model whose blocks' symbols read E t t t t t t t t t t L.
+//   auto p = partition_by_layout(blocks, "E t*3 | t*4 | t*3 L");   // by hand
+//   auto b = partition_balanced(blocks, 4);                         // by parameter count
 //
-// Thread-safety: values and pure functions.
+// Layout strings: stages separated by '|', each a list of symbols, a symbol optionally repeated
+// as `sym*count` ("E t*3 | t*4 | t*3 L": three stages of 4 blocks each).
+// Thread-safety: values and pure functions. How it works: docs/pipeline.md ("Partitions").
 #pragma once
 
 #include <cstddef>

@@ -1,22 +1,16 @@
-// zeroshard/sampler.h — a deterministic distributed sampler whose position is
-// saved in checkpoints, so a resumed run sees exactly the samples it would
-// have seen.
+// zeroshard/sampler.h — a deterministic distributed sampler whose position is saved in
+// checkpoints, so a resumed run, on any number of ranks, sees exactly the samples it would have.
 //
-// Each epoch the dataset's indices are shuffled by a bijection keyed by (seed,
-// epoch) and computed per position (a Feistel network, cycle-walked into
-// [0, size)): the same permutation on every rank, with no memory and no
-// start-up cost at any dataset size. The permutation is padded
-// (by repeating its start) to a multiple of the world size, and rank r takes
-// positions r, r + world, r + 2·world, … (PyTorch's DistributedSampler rule).
-// State is global (samples consumed by all ranks this epoch), so a run resumed
-// on any number of ranks continues at the same place in the epoch (elastic
-// runs): the rest of the permutation, from position `consumed`, is split the
-// same way over the new ranks (rank r takes consumed + r, consumed + r +
-// world, …), so across any shrinks and grows every sample of the epoch is
-// taken once, plus the padding at its end (at most world - 1 samples of the
-// permutation's start, taken twice, when what is left does not divide).
+//   zeroshard::DistributedSampler sampler(dataset_size, comm->rank(), comm->size(), seed);
+//   auto ids = sampler.next(batch);            // this rank's part of the global batch
+//   ... save sampler.state_json() with the checkpoint; load_state_json() on resume
 //
-// The same as the sampler of torch's data loader: loader_sampler.h.
+// Each epoch is one permutation of the dataset keyed by (seed, epoch), the same on every rank,
+// padded to a multiple of the world size; rank r takes positions r, r + world, ... (PyTorch's
+// DistributedSampler rule). Across any shrinks and grows of the world every sample of an epoch
+// is taken once, plus at most world - 1 samples of padding at its end. Not thread-safe; a plain
+// value. As the sampler of torch's data loader: loader_sampler.h.
+// How it works: docs/checkpoints.md ("Where the data stands").
 #pragma once
 
 #include <cstdint>
@@ -30,9 +24,9 @@ class DistributedSampler {
   // REQUIRES: dataset_size > 0, 0 <= rank < world_size.
   DistributedSampler(int64_t dataset_size, int rank, int world_size, uint64_t seed = 0, bool shuffle = true);
 
-  // This rank's next `batch` sample indices. An epoch ends after
-  // ceil(dataset_size / world_size) samples per rank; a batch that would cross
-  // the end is cut short there, and the next call starts the next epoch.
+  // This rank's next `batch` sample indices. An epoch ends after ceil(dataset_size /
+  // world_size) samples per rank; a batch that would cross the end is cut short there, and the
+  // next call starts the next epoch.
   std::vector<int64_t> next(int64_t batch);
 
   int64_t epoch() const { return epoch_; }
@@ -44,7 +38,8 @@ class DistributedSampler {
   // Samples this rank has taken this epoch.
   int64_t position() const { return position_; }
 
-  // {"seed":…, "epoch":…, "consumed":… (all ranks), "dataset_size":…, "shuffle":…, "shuffle_rule":…}
+  // {"seed":…, "epoch":…, "consumed":… (all ranks), "dataset_size":…, "shuffle":…,
+  //  "shuffle_rule":…}
   std::string state_json() const;
   // Continues from state_json(), on this sampler's world size (any). Throws
   // (naming the field) when the dataset size, seed or shuffle differ.

@@ -1,6 +1,7 @@
 // zeroshard/sharded_stats.h — what a sharded optimizer reports: memory per rank,
 // communication waited for and sent (ShardedOptimizer::stats()), and the
 // gradient noise sample every step measures (last_gradient_noise()). Plain values.
+// What the figures mean: docs/drop-in.md ("Memory per rank"), docs/observability.md.
 #pragma once
 
 #include "zeroshard/comm.h"
@@ -27,7 +28,7 @@ struct ShardedMemory {
                              // shards are slices of `params`)
   int64_t grads = 0;         // full-size gradients (stage 1; stages 2 and 3 under no_sync)
   int64_t grad_shards = 0;   // reduced gradient shards (stages 2 and 3, between backward and step)
-  int64_t master = 0;        // fp32 master shard when parameters are 16-bit (fp32 parameters are their own master)
+  int64_t master = 0;        // fp32 master shard of 16-bit parameters (fp32 ones are their own)
   int64_t moments = 0;       // exp_avg + exp_avg_sq shards
   // Most bytes of communication buffers alive at once since construction:
   // ZeRO-1/2 gradient buckets being filled or reduced; ZeRO-3 units gathered
@@ -52,11 +53,9 @@ struct ShardedStats {
   CommStats replica_traffic;
 };
 
-// The two squared gradient norms a step's gradient noise scale is estimated
-// from (noise_scale.h), measured by every step() with no collective of its
-// own: the reduction inputs are summed before they are reduced, and both
-// norms ride on the all-reduce step() runs anyway (the agreement on which
-// parameters had gradients). Unscaled (loss scaling divided out).
+// The two squared gradient norms a step's gradient noise scale is estimated from
+// (noise_scale.h), measured by every step() without a collective of its own. Unscaled (loss
+// scaling divided out).
 struct GradientNoiseSample {
   // |G_big|²: the step's mean gradient (all ranks, every backward), this optimizer's parameters.
   double big_sumsq = std::numeric_limits<double>::quiet_NaN();
