@@ -1,6 +1,6 @@
 // zeroshard/loader_sampler.h — DistributedSampler (sampler.h) as the sampler
 // of torch's data loader, so that N ranks take, together, the batches one
-// process would.
+// process would. Not thread-safe (as torch's samplers). Why: docs/drop-in.md (the data loader).
 #pragma once
 
 #include "zeroshard/sampler.h"
@@ -14,19 +14,16 @@ namespace zeroshard {
 
 class Communicator;
 
-// DistributedSampler as the sampler of torch's data loader, in place of its
-// RandomSampler or DistributedRandomSampler:
+// In place of torch's RandomSampler or DistributedRandomSampler:
 //   auto loader = torch::data::make_data_loader(std::move(dataset),
 //       zeroshard::LoaderSampler(dataset_size, *comm), batch_size / comm->size());
-// With a per-rank batch of B / world, the ranks' batches together are the
-// batch of B one process would take (positions r, r + world, ... of the same
-// permutation): the same training at any number of ranks. torch's
-// DistributedRandomSampler hands each rank a contiguous part of the
-// permutation instead, so its global batches change with the world size.
-// Each reset() (the loader's begin(), once per epoch) starts the next epoch,
-// except the first and the first after load(), which continue where the
-// sampler is. save()/load() (torch::save/torch::load of the sampler) keep
-// state_json(), so a resumed run continues in the epoch, on any world size.
+// With a per-rank batch of B / world, the ranks' batches together are the batch of B one
+// process would take: the same training at any number of ranks (torch's
+// DistributedRandomSampler gives each rank a contiguous part instead, so its global batches
+// change with the world size). Each reset() (the loader's begin(), once per epoch) starts the
+// next epoch, except the first and the first after load(), which continue where the sampler
+// is. save()/load() (torch::save/torch::load of the sampler) keep state_json(), so a resumed
+// run continues in the epoch, on any world size.
 class LoaderSampler : public torch::data::samplers::Sampler<> {
  public:
   // comm: the data-parallel ranks (rank() and size()).

@@ -10,7 +10,7 @@
 //   }
 //
 // The schedule is a pure function of the step, so a resumed run needs only the
-// step to continue it exactly.
+// step to continue it exactly. Not thread-safe; a plain value.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -25,10 +25,10 @@ class LrSchedule {
  public:
   enum Kind { kConstant, kInverseSqrt, kCosine };
   struct Options {
-    Kind kind = kInverseSqrt;
-    int64_t warmup_steps = 0;   // linear from peak/warmup to peak over these updates
-    int64_t total_steps = 0;    // kCosine: the decay ends here (required > warmup_steps)
-    double min_ratio = 0.0;     // kCosine: the final lr as a fraction of the peak
+    Kind kind = kInverseSqrt;   // Default: kInverseSqrt
+    int64_t warmup_steps = 0;   // linear from peak/warmup to peak over these updates. Default: 0
+    int64_t total_steps = 0;    // kCosine: the decay ends here (REQUIRES > warmup_steps)
+    double min_ratio = 0.0;     // kCosine: the final lr as a fraction of the peak. Default: 0
   };
   explicit LrSchedule(Options options);
   // "constant", "inverse-sqrt", "cosine"; throws naming the valid ones.

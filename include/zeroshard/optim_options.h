@@ -1,6 +1,6 @@
 // zeroshard/optim_options.h — the options of the update's kernels, which
 // every sharded optimizer takes: dynamic loss scaling, the AdamW kernel's
-// instruction set.
+// instruction set. Loss scaling at work: docs/drop-in.md ("Mixed precision").
 #pragma once
 
 #include <cstdint>

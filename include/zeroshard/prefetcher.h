@@ -4,21 +4,17 @@
 //   Prefetcher<Plan, Batch> loader(draw, build, options);
 //   for (...) { Batch b = loader.next(); ... }
 //
-// `draw()` says what the next batch is (its sample indices: a sampler of the
-// loader's own, advanced in order) and is called in batch order, one call at a
-// time; `build(plan)` makes the batch (reads, noise, padding, pinned host
-// tensors) and runs on `threads` workers at once, at most `ahead` batches
-// before the one next() returns. next() hands the batches out in draw order and
-// blocks only when the next one is not built yet: that wait, summed, is
-// waited_seconds(), the time a step spent waiting for data.
-//
-// draw and build are called on the workers; build must be thread-safe. An
-// exception from either is rethrown by the next() that would have returned its
-// batch. The destructor stops the workers (batches not handed out are dropped)
-// and joins them. next() is for one thread, the consumer. An error ends the
-// stream: nothing is drawn after a failed draw or build, and every next()
-// after the one that rethrew it rethrows the same error (no later batch
-// comes, and no call waits for one).
+// `draw()` says what the next batch is (e.g. its sample indices from a sampler of the loader's
+// own) and is called in batch order, one call at a time; `build(plan)` makes the batch (reads,
+// padding, pinned host tensors) on `threads` workers at once, at most `ahead` batches before the
+// one next() returns. next() hands the batches out in draw order and blocks only when the next
+// one is not built yet.
+// Thread-safety: draw and build run on the workers, and build must be thread-safe; next() is
+// for one thread, the consumer. Ownership: the Prefetcher owns its workers; the destructor
+// stops and joins them (batches not handed out are dropped).
+// Errors: an exception from draw or build is rethrown by the next() that would have returned
+// its batch, and ends the stream: nothing is drawn after it, and every later next() rethrows
+// the same error at once. Used by: docs/bart.md ("Data").
 #pragma once
 
 #include <algorithm>

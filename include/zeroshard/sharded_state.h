@@ -1,6 +1,7 @@
 // zeroshard/sharded_state.h — what one rank of a sharded optimizer holds, as
 // checkpoints save and load it (ShardedOptimizer::sharded_state()). The tensors
-// are the optimizer's live ones: writing into them changes the optimizer.
+// are the optimizer's live ones: writing into them changes the optimizer. Plain values; use
+// them where the optimizer is used (the training thread). Saved as: docs/checkpoint-format.md.
 #pragma once
 
 #include "zeroshard/flat_layout.h"

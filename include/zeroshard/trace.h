@@ -8,11 +8,9 @@
 // per rank, one track per thread, so overlap of communication and compute is
 // visible at a glance.
 //
-// Thread-safety: all functions may be called from any thread. Recording costs
-// one mutex-protected copy into a fixed-size record (names are cut at 95
-// bytes), and nothing when tracing is off. The records live in memory mapped
-// for them, away from the heap the tensors use, so a long traced run keeps its
-// memory profile.
+// Thread-safety: all functions may be called from any thread. Recording costs one
+// mutex-protected copy (names are cut at 95 bytes), and nothing when tracing is off.
+// What a trace shows: docs/observability.md ("Timelines").
 #pragma once
 
 #include <chrono>
