@@ -110,7 +110,8 @@ class Checkpointer {
   // optimizer does not train, and the parameters' names. Collective.
   // Throws on every rank, naming the rank, file and reason, when a rank fails (unwritable
   // directory, full disk; `latest` still names the previous checkpoint), and when unreduced
-  // gradients are pending in p.grad() (ZeRO-1 or no_sync() between the backwards of a step).
+  // gradients wait in p.grad() between a step's backwards (ZeRO-1, no_sync(),
+  // reduce_every_backward = false); reduced ones are saved.
   std::string save(ShardedOptimizer& opt, torch::nn::Module& model, const TrainingProgress& progress);
 
   // Loads the checkpoint `latest` names, falling back to older committed ones that verify; or

@@ -153,13 +153,11 @@ class Communicator {
 
   virtual CommStats stats() const = 0;
 
-  // Fails this communicator and its family (the one it was split or duplicated from, those
-  // split from it, and theirs) at once: queued and posted operations fail with `why`, later ones
-  // are refused with it, and (over TCP) the peers' operations with this rank fail at once,
-  // naming it and `why`. Call it before unwinding from a failure of this rank's own (an
-  // exception in its step, a bad batch); a TCP communicator destroyed while an exception
-  // propagates aborts by itself. After any failure a communicator refuses further work.
-  // Any thread; idempotent (the first `why` stays).
+  // Fails this communicator and its family (every one linked to it by split() or dup(), through
+  // any chain) at once: pending and later operations fail with `why`, and over TCP so do the
+  // peers' with this rank. Call it before unwinding from this rank's own failure (a TCP
+  // communicator destroyed while an exception propagates aborts by itself). Any thread;
+  // idempotent (the first `why` stays). After any failure a communicator refuses further work.
   virtual void abort(const std::string& why) = 0;
 };
 
@@ -197,10 +195,9 @@ std::string broadcast_text(Communicator& comm, const std::string& text, int root
                            std::chrono::milliseconds wait = std::chrono::minutes(5));
 
 // A NCCL communicator of CUDA tensors on `device` for the ranks of `cpu`, paired with `cpu` as
-// its control plane. Its operations run on a stream of their own after the caller's current
-// stream (nothing waits on the host). An operation that fails, or takes longer than
-// options.timeout, aborts every communicator made from it (its splits too), naming the ranks
-// that never issued it. Collective over `cpu`.
+// its control plane; operations run on a stream of their own after the caller's current one.
+// An operation that fails or outlasts options.timeout aborts every communicator made from it,
+// naming the ranks that never issued it. Collective over `cpu`.
 // REQUIRES: a zeroshard built with CUDA (else throws, saying so: see cuda_enabled()); `cpu`
 // from init_communicator (or a split or dup of one); each rank names its own device (usually
 // cuda:LOCAL_RANK). NCCL before 2.30 refuses two ranks on one GPU.

@@ -5,10 +5,8 @@
 //   ex.shard_stage(s, {std::make_shared<ShardedAdamW>(stage_params, grid.dp_group(), adamw)});
 //   StepResult r = ex.run_step();   // microbatches, reductions, one world all-reduce, update
 //
-// With StageShards, run_step() is one optimizer step of every stage: each stage's gradients are
-// reduced once, during its last backward; one world all-reduce (agreement()) carries the loss,
-// the global gradient norm and the overflow flags, as in an unpipelined run. A "forward"
-// schedule (ScheduleKind::kForward) evaluates instead: no gradients, nothing kept.
+// With StageShards, run_step() is one optimizer step of every stage, with one world all-reduce
+// (agreement()). A "forward" schedule (ScheduleKind::kForward) evaluates: no gradients kept.
 // Ownership: the executor keeps the StageShards' optimizers and models alive.
 // Thread-safety: one thread runs an executor. How it works: docs/pipeline.md.
 #pragma once
@@ -67,9 +65,7 @@ struct StepResult {
   // With StageShards: the global L2 norm of the mean gradient over every stage, before
   // clipping (0 without).
   double grad_norm = 0;
-  // With StageShards: the gradient noise sample of the whole model (sharded_stats.h), from
-  // the same all-reduce as grad_norm (a tied parameter's small norm lacks the cross terms
-  // between the stages' parts).
+  // With StageShards: the gradient noise sample of the whole model (sharded_stats.h).
   GradientNoiseSample noise;
   // The loss and the gradient norm were finite.
   bool finite = true;

@@ -7,15 +7,12 @@
 //   zeroshard::ShardedAdamW opt(model->parameters(), comm, torch::optim::AdamWOptions(3e-4));
 //   // the loop stays: opt.zero_grad(); loss.backward(); opt.step();
 //
-// The result equals torch::optim::AdamW on the global batch (the mean of the ranks' gradients),
-// to float rounding, and keeps its semantics: a parameter is updated (and its step count
-// advances) only when it had a gradient on some rank this step; param groups' lr, betas, eps and
-// weight_decay are read at every step, so LR schedulers work; parameters with
+// Trains as torch::optim::AdamW on the global batch, to float rounding. Param groups' lr, betas,
+// eps and weight_decay are read at every step (LR schedulers work); parameters with
 // requires_grad() == false at construction are never updated. REQUIRES: load weights and move
-// the model before constructing the optimizer (the parameters' data then lives in its buffers;
-// a parameter replaced afterwards is refused at step(), naming it).
-// Ownership: the optimizer keeps the communicator alive. Not copyable. Thread-safety: use it
-// from the training thread; backward hooks are synchronized internally.
+// the model before constructing the optimizer (a parameter replaced afterwards is refused at
+// step(), naming it). Ownership: keeps the communicator alive; not copyable. Thread-safety: the
+// training thread (backward hooks are synchronized internally).
 // How it works, and each LibTorch idiom with it: docs/drop-in.md.
 #pragma once
 
