@@ -267,6 +267,13 @@ struct Checkpointer::Impl {
                     bool defer_copies = false);
   // Writes, verifies and commits a snapshot (collective on io_comm); returns the step directory.
   std::string write(const ckpt::Snapshot& snap);
+  // Rank 0's manifest of the step being written in `tmp` (and its model view, when asked for).
+  json manifest_of(const ckpt::Snapshot& snap, ckpt::Contents contents, const fs::path& tmp,
+                   const std::vector<std::pair<int64_t, uint64_t>>& digests,
+                   const std::vector<std::pair<int64_t, uint64_t>>& indexes, double save_seconds);
+  // The save's time and size, in last_save_times() and the log.
+  void report_saved(int64_t step, const fs::path& final_dir, const std::vector<std::pair<int64_t, uint64_t>>& digests,
+                    std::chrono::steady_clock::duration took);
   void write_model_view(const fs::path& path, const json& manifest);
   // This rank's place: its stage (options) and its optimizer's group.
   ckpt::Place place_of(const ShardedState& state) const {

@@ -1,6 +1,7 @@
 // manifest.cpp — the manifest: every rank's record merged into one list of
-// parameters and pieces, written with its checksum, read back and verified;
-// and the topology (pipeline stages x data-parallel groups) it records.
+// parameters and pieces, and written with its checksum (manifest_read.cpp reads
+// it back and verifies it); and the topology (pipeline stages x data-parallel
+// groups) it records.
 #include "checkpointer_impl.h"
 #include "reader.h"
 
@@ -92,23 +93,20 @@ json rank_record(const Snapshot& snap) {
   return rec;
 }
 
-Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool keep_alternates) {
-  std::vector<json> recs;
-  for (const auto& t : texts) recs.push_back(json::parse(t));
-  std::vector<int> order(recs.size());  // ranks by (stage, dp rank)
-  for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<int>(r);
-  auto key = [&](int r) {
-    return std::make_pair(recs[static_cast<size_t>(r)].at("pp_stage").get<int>(),
-                          recs[static_cast<size_t>(r)].at("dp_rank").get<int>());
-  };
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return key(a) < key(b); });
-  // A name held by several stages (a tied parameter, a shared buffer) is
-  // written by the lowest of them; all must agree on its shape and dtype.
-  std::unordered_map<std::string, std::pair<int, const json*>> first;  // name -> (stage, entry)
+namespace {
+
+using StageEntry = std::pair<int, const json*>;
+
+// For each name, the lowest stage holding it and its entry there. A name held
+// by several stages (a tied parameter, a shared buffer) is written by the
+// lowest of them; all must agree on its shape and dtype.
+std::unordered_map<std::string, StageEntry> first_holders(const std::vector<json>& recs, const std::vector<int>& order) {
+  std::unordered_map<std::string, StageEntry> first;
   for (int r : order) {
-    const int stage = key(r).first;
+    const json& rec = recs[static_cast<size_t>(r)];
+    const int stage = rec.at("pp_stage").get<int>();
     for (const char* list : {"params", "replicated"}) {
-      for (const auto& e : recs[static_cast<size_t>(r)].at(list)) {
+      for (const auto& e : rec.at(list)) {
         const auto name = e.at("name").get<std::string>();
         auto [it, fresh] = first.emplace(name, std::make_pair(stage, &e));
         const json& f = *it->second.second;
@@ -120,6 +118,17 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
       }
     }
   }
+  return first;
+}
+
+// The records merged into the manifest's contents, one rank's record at a time
+// (ranks by stage, then data-parallel rank).
+struct Merge {
+  Merge(const std::unordered_map<std::string, StageEntry>& f, int rank, bool keep)
+      : first(f), my_rank(rank), keep_alternates(keep) {}
+  const std::unordered_map<std::string, StageEntry>& first;
+  const int my_rank;
+  const bool keep_alternates;
   Contents out;
   std::unordered_map<std::string, size_t> param_at, replicated_at;
   // Without a shared filesystem, the other complete sets of a parameter's pieces: another
@@ -127,9 +136,8 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
   // shards (hybrid sharding; its ranks' pieces together). Keyed by (stage, the copying rank,
   // -2 - the replica, or -1).
   std::map<std::string, std::map<std::pair<int, int>, json>> alternates;
-  for (int r : order) {
-    const json& rec = recs[static_cast<size_t>(r)];
-    const int stage = key(r).first;
+
+  void add_params(int r, const json& rec, int stage) {
     for (const auto& e : rec.at("params")) {
       const auto name = e.at("name").get<std::string>();
       const bool copy = e.value("copy", false);
@@ -153,6 +161,9 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
       for (const auto& pc : e.at("pieces")) p["pieces"].push_back({r, pc.at(0), pc.at(1)});
       if (e.contains("had_grad")) p["had_grad"] = p.at("had_grad").get<bool>() || e.at("had_grad").get<bool>();
     }
+  }
+
+  void add_replicated(int r, const json& rec, int stage) {
     for (const auto& e : rec.at("replicated")) {
       const auto name = e.at("name").get<std::string>();
       const bool lower = first.at(name).first != stage;  // a lower stage holds it too
@@ -169,18 +180,42 @@ Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool 
         out.replicated[it->second]["copies"].push_back(r);
       }
     }
-    for (const auto& g : rec.at("groups")) out.groups.push_back(g);
   }
-  for (auto& [name, covers] : alternates) {
-    json& p = out.params.at(param_at.at(name));
-    for (auto& [where, cover] : covers) p["alternates"].push_back(std::move(cover));
+
+  void finish(const json& my_record) {
+    for (auto& [name, covers] : alternates) {
+      json& p = out.params.at(param_at.at(name));
+      for (auto& [where, cover] : covers) p["alternates"].push_back(std::move(cover));
+    }
+    // A name another stage writes as a trained parameter: this rank's copy is not written either.
+    for (const auto& e : my_record.at("replicated")) {
+      if (param_at.count(e.at("name").get<std::string>())) out.skip.insert(e.at("name").get<std::string>());
+    }
   }
-  // A name another stage writes as a trained parameter: this rank's copy is not written either.
-  for (const auto& e : recs[static_cast<size_t>(my_rank)].at("replicated")) {
-    if (param_at.count(e.at("name").get<std::string>())) out.skip.insert(e.at("name").get<std::string>());
+};
+
+}  // namespace
+
+Contents merge_records(const std::vector<std::string>& texts, int my_rank, bool keep_alternates) {
+  std::vector<json> recs;
+  for (const auto& t : texts) recs.push_back(json::parse(t));
+  auto key = [&](size_t r) {
+    return std::make_pair(recs[r].at("pp_stage").get<int>(), recs[r].at("dp_rank").get<int>());
+  };
+  std::vector<int> order(recs.size());  // ranks by (stage, dp rank)
+  for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<int>(r);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return key(a) < key(b); });
+  const auto first = first_holders(recs, order);
+  Merge merge(first, my_rank, keep_alternates);
+  for (int r : order) {
+    const json& rec = recs[static_cast<size_t>(r)];
+    merge.add_params(r, rec, key(r).first);
+    merge.add_replicated(r, rec, key(r).first);
+    for (const auto& g : rec.at("groups")) merge.out.groups.push_back(g);
   }
-  for (size_t r = 0; r < recs.size(); ++r) out.places.push_back({key(static_cast<int>(r)).first, key(static_cast<int>(r)).second});
-  return out;
+  merge.finish(recs[static_cast<size_t>(my_rank)]);
+  for (size_t r = 0; r < recs.size(); ++r) merge.out.places.push_back({key(r).first, key(r).second});
+  return std::move(merge.out);
 }
 
 json build_manifest(const Snapshot& snap, Contents contents, const std::vector<std::pair<int64_t, uint64_t>>& digests) {
@@ -231,229 +266,5 @@ void write_manifest(const fs::path& step_dir, const json& manifest) {
   write_atomically(step_dir / "manifest.xxh3", hash_hex(text) + "\n");
   write_atomically(step_dir / "manifest.json", text);
 }
-
-namespace {
-
-// "" when every parameter's pieces cover its elements exactly once, each from a
-// rank that wrote a file, and every replicated tensor is in one; else what is wrong.
-std::string pieces_problem(const json& m) {
-  const int64_t files = static_cast<int64_t>(m.at("files").size());
-  // No tensor holds more elements than its files have bytes for: a reader allocates a
-  // tensor before it reads it, and an edited shape must not make that allocation huge.
-  int64_t all_bytes = 0;
-  for (const auto& f : m.at("files")) all_bytes += f.at("bytes").get<int64_t>();
-  for (const char* list : {"params", "replicated"}) {
-    for (const auto& e : m.at(list)) {
-      int64_t numel = 1;
-      for (int64_t d : e.at("shape").get<std::vector<int64_t>>()) numel *= d;
-      const int64_t element = std::string(list) == "params" ? 4 : 1;  // fp32 masters; at least a byte
-      if (numel > all_bytes / element) {
-        return "'" + e.at("name").get<std::string>() + "' has " + std::to_string(numel) + " elements, more than the " +
-               std::to_string(all_bytes) + " bytes of the rank files can hold";
-      }
-    }
-  }
-  auto outside = [&](const json& e) -> std::string {  // a copy in a file that was not written
-    for (const auto& c : e.value("copies", json::array())) {
-      if (c.get<int64_t>() < 0 || c.get<int64_t>() >= files) {
-        return "a copy of '" + e.at("name").get<std::string>() + "' is on rank " + c.dump() + ", but " +
-               std::to_string(files) + " rank files were written";
-      }
-    }
-    return "";
-  };
-  // "" when `cover`'s pieces cover the parameter's elements exactly once, each in a written file.
-  auto cover_problem = [&](const std::string& name, int64_t numel, const json& cover) -> std::string {
-    std::vector<std::array<int64_t, 3>> pieces;  // begin, end, rank
-    for (const auto& pc : cover) pieces.push_back({pc.at(1).get<int64_t>(), pc.at(2).get<int64_t>(), pc.at(0).get<int64_t>()});
-    std::sort(pieces.begin(), pieces.end());
-    int64_t next = 0;
-    for (const auto& [begin, end, rank] : pieces) {
-      if (rank < 0 || rank >= files) {
-        return "a piece of '" + name + "' is on rank " + std::to_string(rank) + ", but " + std::to_string(files) +
-               " rank files were written";
-      }
-      if (begin != next || end < begin) {
-        return "the pieces of '" + name + "' do not cover its " + std::to_string(numel) +
-               " elements exactly once (element " + std::to_string(next) + " is followed by a piece [" +
-               std::to_string(begin) + ", " + std::to_string(end) + "))";
-      }
-      next = end;
-    }
-    if (next != numel) {
-      return "the pieces of '" + name + "' do not cover its " + std::to_string(numel) + " elements exactly once (they end at " +
-             std::to_string(next) + ")";
-    }
-    return "";
-  };
-  for (const auto& p : m.at("params")) {
-    const std::string name = p.at("name").get<std::string>();
-    int64_t numel = 1;
-    for (int64_t d : p.at("shape").get<std::vector<int64_t>>()) numel *= d;
-    if (auto why = cover_problem(name, numel, p.at("pieces")); !why.empty()) return why;
-    for (const auto& alt : p.value("alternates", json::array())) {
-      if (auto why = cover_problem(name, numel, alt); !why.empty()) return "an alternate set: " + why;
-    }
-  }
-  for (const auto& r : m.at("replicated")) {
-    const int64_t rank = r.value("rank", 0);
-    if (rank < 0 || rank >= files) {
-      return "'" + r.at("name").get<std::string>() + "' is on rank " + std::to_string(rank) + ", but " +
-             std::to_string(files) + " rank files were written";
-    }
-    if (auto why = outside(r); !why.empty()) return why;
-  }
-  return "";
-}
-
-// "" when every field the readers use has the type and range they assume; else
-// the first that does not. (An edited manifest whose checksum was fixed up, or a
-// legacy one without manifest.xxh3, must not reach them with a string where a
-// size is expected, a file name that leads out of the step directory, or a
-// shape whose element count overflows.)
-std::string schema_problem(const json& m) {
-  auto integer = [](const json& j, int64_t lo, int64_t hi) {
-    return j.is_number_integer() && j.get<int64_t>() >= lo && j.get<int64_t>() <= hi;
-  };
-  constexpr int64_t kMax = int64_t{1} << 53;
-  auto field = [&](const json& obj, const char* key, auto ok, bool required = true) -> std::string {
-    if (!obj.contains(key)) return required ? std::string("'") + key + "' is missing" : std::string();
-    return ok(obj.at(key)) ? std::string() : std::string("'") + key + "' is " + obj.at(key).dump().substr(0, 80);
-  };
-  auto any_int = [&](const json& j) { return integer(j, -kMax, kMax); };
-  auto count = [&](const json& j) { return integer(j, 0, kMax); };
-  auto text = [](const json& j) { return j.is_string(); };
-  auto triples = [&](const json& j) {  // pieces: [rank, begin, end]
-    if (!j.is_array()) return false;
-    for (const auto& pc : j) {
-      if (!pc.is_array() || pc.size() != 3 || !any_int(pc[0]) || !any_int(pc[1]) || !any_int(pc[2])) return false;
-    }
-    return true;
-  };
-  auto ranks = [&](const json& j) {
-    return j.is_array() && std::all_of(j.begin(), j.end(), [&](const json& c) { return any_int(c); });
-  };
-  // Tensor names become HDF5 dataset paths, file names paths in the step directory.
-  auto tensor_name = [](const json& j) {
-    return j.is_string() && !j.get<std::string>().empty() && j.get<std::string>().find('/') == std::string::npos;
-  };
-  auto file_name = [](const json& j) {
-    if (!j.is_string()) return false;
-    const auto n = j.get<std::string>();
-    return !n.empty() && n != "." && n != ".." && n.find('/') == std::string::npos;
-  };
-  auto dtype = [](const json& j) {
-    if (!j.is_string()) return false;
-    try {
-      checkpoint::dtype_named(j.get<std::string>());  // the names the readers accept
-      return true;
-    } catch (const c10::Error&) {
-      return false;
-    }
-  };
-  auto shape = [&](const json& j) {
-    if (!j.is_array() || j.size() > 16) return false;
-    int64_t numel = 1;
-    for (const auto& d : j) {
-      if (!count(d) || (d.get<int64_t>() != 0 && numel > kMax / d.get<int64_t>())) return false;
-      numel *= d.get<int64_t>();
-    }
-    return true;
-  };
-  std::string bad;
-  auto first = [&](const std::string& where, std::initializer_list<std::string> problems) {
-    for (const auto& p : problems) {
-      if (bad.empty() && !p.empty()) bad = where + p;
-    }
-  };
-  first("", {field(m, "step", any_int), field(m, "epoch", any_int), field(m, "extra", [](const json& j) { return j.is_object(); }),
-             field(m, "world_size", [&](const json& j) { return integer(j, 1, 1 << 20); }),
-             field(m, m.contains("zero_stage") ? "zero_stage" : "stage", [&](const json& j) { return integer(j, 0, 3); }),
-             field(m, "model_hash", text), field(m, "loss_scale", [](const json& j) { return j.is_number(); }),
-             field(m, "loss_scale_clean_steps", any_int), field(m, "gradients", [](const json& j) { return j.is_boolean(); }, false),
-             field(m, "save_seconds", [](const json& j) { return j.is_number(); }, false),
-             field(m, "topology", [&](const json& j) {
-               return j.is_object() && (!j.contains("pp_stages") || integer(j.at("pp_stages"), 1, 1 << 20)) &&
-                      (!j.contains("dp_size") || integer(j.at("dp_size"), 1, 1 << 20));
-             }, false)});
-  for (const char* list : {"files", "params", "replicated"}) {
-    first("", {field(m, list, [](const json& j) { return j.is_array(); })});
-  }
-  if (!bad.empty()) return bad;
-  if (m.at("files").size() != m.at("world_size").get<size_t>()) {
-    return std::to_string(m.at("files").size()) + " files are listed for a world of " + m.at("world_size").dump();
-  }
-  for (const auto& f : m.at("files")) {
-    if (!f.is_object()) return "a file entry is " + f.dump().substr(0, 80);
-    first("file " + f.value("name", json()).dump() + ": ",
-          {field(f, "name", file_name), field(f, "bytes", count), field(f, "xxh3", text),
-           field(f, "pp_stage", count, false), field(f, "dp_rank", count, false), field(f, "host", text, false),
-           field(f, "index", [&](const json& j) {
-             return j.is_object() && j.contains("bytes") && count(j.at("bytes")) && j.contains("xxh3") &&
-                    text(j.at("xxh3"));
-           }, false)});
-  }
-  if (m.contains("model_view")) {
-    const json& v = m.at("model_view");
-    if (!v.is_object()) return "'model_view' is " + v.dump().substr(0, 80);
-    first("model_view: ", {field(v, "name", file_name), field(v, "bytes", count), field(v, "xxh3", text)});
-  }
-  std::set<std::string> names;
-  for (const char* list : {"params", "replicated"}) {
-    for (const auto& e : m.at(list)) {
-      if (!e.is_object()) return std::string("an entry of '") + list + "' is " + e.dump().substr(0, 80);
-      const std::string where = std::string(list) + " entry " + e.value("name", json()).dump().substr(0, 80) + ": ";
-      first(where, {field(e, "name", tensor_name), field(e, "shape", shape), field(e, "dtype", dtype)});
-      if (std::string(list) == "params") {
-        first(where, {field(e, "step", any_int), field(e, "had_grad", [](const json& j) { return j.is_boolean(); }, false),
-                      field(e, "alternates", [&](const json& j) {
-                        return j.is_array() && std::all_of(j.begin(), j.end(), [&](const json& c) { return triples(c); });
-                      }, false),
-                      field(e, "pieces", triples)});
-      } else {
-        first(where, {field(e, "kind", text), field(e, "rank", any_int, false),
-                      field(e, "copies", ranks, false)});
-      }
-      if (!bad.empty()) return bad;
-      if (!names.insert(e.at("name").get<std::string>()).second) {
-        return "'" + e.at("name").get<std::string>() + "' is listed twice";
-      }
-    }
-  }
-  return bad;
-}
-
-}  // namespace
-
-json read_manifest(const fs::path& step_dir) {
-  const fs::path path = step_dir / "manifest.json";
-  const std::string text = read_text(path);
-  const fs::path sum = step_dir / "manifest.xxh3";
-  if (fs::exists(sum)) {
-    std::string want = read_text(sum);
-    want.erase(want.find_last_not_of(" \n\r\t") + 1);
-    TORCH_CHECK(hash_hex(text) == want, "checkpoint: '", path.string(), "' fails its checksum (xxh3 ", hash_hex(text),
-                ", manifest.xxh3 says ", want, "): the manifest is corrupt or was edited");
-  }
-  json m;
-  try {
-    m = json::parse(text);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON (torn or edited): ", e.what());
-  }
-  TORCH_CHECK(m.is_object() && m.contains("format") && m.at("format") == kFormat && m.contains("format_version") &&
-                  m.at("format_version") == kFormatVersion,
-              "checkpoint: '", path.string(), "' is not a zeroshard checkpoint manifest of format version ",
-              kFormatVersion);
-  std::string bad = schema_problem(m);
-  if (bad.empty()) bad = pieces_problem(m);
-  TORCH_CHECK(bad.empty(), "checkpoint: '", path.string(), "': ", bad, ": the manifest is corrupt or was edited");
-  return m;
-}
-
-int zero_stage_of(const json& manifest) {
-  return manifest.contains("zero_stage") ? manifest.at("zero_stage").get<int>() : manifest.at("stage").get<int>();
-}
-
 
 }  // namespace zeroshard::ckpt

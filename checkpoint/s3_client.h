@@ -132,6 +132,14 @@ class Client {
                   const std::function<void(const pugi::xml_node& result)>& page);
   bool multipart_upload(const std::string& key, const std::string& path, int64_t size, bool if_absent,
                         const std::function<void(int64_t)>& progress);
+  // multipart_upload()'s steps: the upload's id; every part's ETag; the
+  // completion (false: `if_absent` and the object exists).
+  std::string start_multipart(const std::string& key, const std::string& object);
+  std::vector<std::string> upload_parts(const std::string& key, const std::string& id_query, const std::string& object,
+                                        const std::string& path, int64_t size,
+                                        const std::function<void(int64_t)>& progress);
+  bool complete_multipart(const std::string& key, const std::string& id_query, const std::string& object,
+                          const std::vector<std::string>& etags, bool if_absent);
   // Runs f(i) for i in [0, n) on the pool, `parallel` at a time; rethrows the first error.
   void parallel_for(int64_t n, const std::function<void(int64_t)>& f);
 
@@ -143,5 +151,11 @@ class Client {
   std::atomic<int64_t> requests_{0}, retries_{0};
   std::unique_ptr<boost::asio::thread_pool> pool_;
 };
+
+// An answer as text for an error: "HTTP 503 SlowDown: <the store's message>",
+// or why there was none; never a credential.
+std::string error_text(const http::Response& r);
+// The code of an S3 error body ("" when the body is not one).
+std::string error_code(const std::string& body);
 
 }  // namespace zeroshard::ckpt::s3

@@ -1,4 +1,4 @@
-// save.cpp — snapshot, rank files, model.h5, manifest, the commit protocol and retention.
+// save.cpp — rank files, model.h5, the manifest, the commit protocol and retention (snapshot.cpp: what a save takes from the live state).
 #include "checkpointer_impl.h"
 
 #include "compat/torch_compat.h"
@@ -17,125 +17,6 @@
 namespace zeroshard {
 
 using namespace ckpt;
-
-Snapshot Checkpointer::Impl::snapshot(const ShardedState& state, torch::nn::Module& model,
-                                      const TrainingProgress& progress, bool defer_copies) {
-  torch::NoGradGuard no_grad;
-  // Gradients of an accumulation in progress: reduced ones (in the shards) are
-  // saved; unreduced ones (in p.grad()) cannot be resharded, so that is refused.
-  const Place place = place_of(state);
-  bool any_grad = false;
-  for (char h : state.had_grad) any_grad = any_grad || h;
-  for (const auto& b : state.buckets) any_grad = any_grad || b.grad_shard.defined();
-  std::vector<std::pair<int, int>> places;  // every rank's (stage, dp rank)
-  const auto any = agree_on_places(*comm, place, {state.local_gradients_pending, any_grad}, &places);
-  TORCH_CHECK_VALUE(!any[0], "checkpoint: this step's gradients are still in p.grad() on some rank "
-                    "(stage 1, no_sync() or reduce_every_backward=false), unreduced: a checkpoint cannot hold "
-                    "them. Save after step(), or accumulate with reduced backwards (the default)");
-  Snapshot snap;
-  snap.gradients = any[1] != 0;
-  snap.had_grad = state.had_grad;
-  snap.progress = progress;
-  snap.rank = comm->rank();
-  snap.world = comm->size();
-  snap.place = place;
-  snap.writes_replicated = place.dp_rank == 0;
-  if (!disks.shared() && place.dp_rank != 0) {  // a copy on each disk: by the stage's first rank there
-    bool first_here = true;
-    for (int r : disks.members(snap.rank)) {
-      const auto& [stage, dp_rank] = places[static_cast<size_t>(r)];
-      if (stage == place.pp_stage && (dp_rank == 0 || r < snap.rank)) first_here = false;
-    }
-    snap.writes_replicated = first_here;
-  }
-  snap.zero_stage = state.zero_stage;
-  snap.replica = state.zero_stage == 0 ? 0 : state.replica_rank;
-  // Hybrid sharding: a shard is saved once, by its first replica; without a shared
-  // filesystem also by its first holder on each other disk (a copy there).
-  bool writes_shards = state.replica_rank == 0;
-  if (state.num_replicas > 1 && !writes_shards && !disks.shared()) {
-    const int shard_size = place.dp_size / state.num_replicas;
-    writes_shards = true;
-    for (int r : disks.members(snap.rank)) {
-      const auto& [stage, dp_rank] = places[static_cast<size_t>(r)];
-      if (stage == place.pp_stage && dp_rank % shard_size == state.shard_rank && dp_rank < place.dp_rank) {
-        writes_shards = false;
-      }
-    }
-  }
-  snap.names = module_names(state, model, options.saved_names);
-  snap.params = state.params;
-  for (size_t i = 0; i < snap.params.size(); ++i) snap.params[i].name = snap.names[i];
-  snap.steps = state.param_steps;
-  snap.loss_scale = state.loss_scale;
-  snap.loss_scale_clean_steps = state.loss_scale_clean_steps;
-  // Device tensors are copied to host memory by a HostCopier, after the work
-  // queued so far on their devices (no synchronization of the training stream).
-  std::vector<at::Tensor> sources;
-  for (const auto& b : state.buckets) sources.insert(sources.end(), {b.master, b.grad_shard});
-  for (const auto& item : model.named_parameters()) sources.push_back(item.value());
-  for (const auto& item : model.named_buffers()) sources.push_back(item.value());
-  snap.host = std::make_shared<HostCopier>(sources);
-  for (const auto& s : sources) snap.on_device = snap.on_device || (s.defined() && !s.device().is_cpu());
-  for (const auto& b : state.buckets) {
-    snap.groups.push_back({b.layout, b.params});
-    // A replicated group (stage 0) is saved once, by the first rank of its data-parallel group
-    // (and, without a shared filesystem, copied by the group's first rank on each other disk).
-    const int shard = b.layout.shard_of_rank(state.shard_rank);
-    const bool replicated = b.layout.world_size == 1 && place.dp_size > 1;
-    const bool copy = replicated ? state.rank != 0 : state.replica_rank != 0;
-    if (replicated ? copy && !snap.writes_replicated : !writes_shards) continue;
-    for (const auto& seg : shard_segments(b.layout, shard)) {
-      const Range local = seg.local(b.layout, shard);
-      // Gradients are always copied now: the next backward adds into them.
-      const bool defer = (defer_copies || snap.on_device) && !snap.gradients;
-      auto copy_of = [&](const at::Tensor& t) {
-        auto v = t.slice(0, local.begin, local.end);
-        return defer ? v : snap.host->copy(v);
-      };
-      snap.deferred = defer;
-      at::Tensor grad;
-      if (snap.gradients) {
-        grad = b.grad_shard.defined() ? snap.host->copy(b.grad_shard.slice(0, local.begin, local.end), at::kFloat)
-                                      : at::zeros({local.size()}, at::kFloat);
-      }
-      snap.owned.push_back({b.params[seg.param], seg.param_offset, copy_of(b.master), copy_of(b.exp_avg),
-                            copy_of(b.exp_avg_sq), grad, copy});
-      snap.bytes += (snap.gradients ? 16 : 12) * local.size();
-    }
-  }
-  std::unordered_map<std::string, bool> trained;
-  for (const auto& n : snap.names) trained[n] = true;
-  auto add = [&](const std::string& name, const char* kind, const at::Tensor& t) {
-    storage_type(t.scalar_type(), name);  // refuse unsupported dtypes now, on every rank
-    Snapshot::Replicated r{name, kind, at::Tensor()};
-    if (snap.writes_replicated) {
-      r.value = snap.host->copy(t.detach());
-      snap.bytes += static_cast<int64_t>(r.value.nbytes());
-    } else {
-      r.value = torch::empty({0}, t.options().device(at::kCPU));  // another rank writes these
-    }
-    snap.replicated.push_back(std::move(r));
-  };
-  for (const auto& item : model.named_parameters()) {
-    const std::string name = saved_name(options.saved_names, item.key());
-    if (!trained.count(name)) add(name, "parameter", item.value());
-  }
-  for (const auto& item : model.named_buffers()) add(saved_name(options.saved_names, item.key()), "buffer", item.value());
-  auto gen = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    snap.rng = gen.get_state();
-  }
-  const c10::Device device = state.buckets.empty() ? c10::Device(c10::kCPU) : state.buckets.front().master.device();
-  if (device.is_cuda()) {  // dropout on the GPU draws from the device's generator
-    auto dev_gen = compat::default_generator(device);
-    std::lock_guard<std::mutex> lock(dev_gen.mutex());
-    snap.device_rng = dev_gen.get_state();
-  }
-  snap.host->finish();  // what was copied now (gradients, replicated tensors) is in host memory
-  return snap;
-}
 
 std::vector<checkpoint::h5::Extent> ckpt::write_rank_file(const fs::path& path, const Snapshot& snap,
                                                           const std::set<std::string>& skip, bool digests) {
@@ -341,6 +222,94 @@ void Checkpointer::Impl::wait_pending() {
   f.get();
 }
 
+namespace {
+
+// The step's temporary directory, made empty; returns the failure ("" when none).
+std::string make_empty_dir(const fs::path& tmp) {
+  try {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
+  } catch (const std::exception& e) {
+    return error_message(e);
+  }
+  return "";
+}
+
+struct WrittenFile {
+  checkpoint::FileDigest digest;
+  checkpoint::FileDigest index{0, 0};  // with a durable tier: where each dataset lies in the file
+};
+
+// Writes this rank's file (and, `with_index`, its dataset index, so that a load
+// elsewhere reads only the datasets it needs from the store), fsynced and checksummed.
+WrittenFile write_and_digest(const fs::path& file, const Snapshot& snap, const std::set<std::string>& skip,
+                             bool with_index) {
+  WrittenFile out;
+  const auto w0 = std::chrono::steady_clock::now();
+  std::vector<checkpoint::h5::Extent> extents;
+  {
+    trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
+    extents = write_rank_file(file, snap, skip, /*digests=*/with_index);
+  }
+  const auto w1 = std::chrono::steady_clock::now();
+  {
+    trace::Span span("checkpoint", "checkpoint checksum " + file.filename().string());
+    out.digest = checkpoint::digest_file(file.string());
+  }
+  if (with_index) {
+    const std::string text = dataset_index(file.filename().string(), out.digest, extents).dump();
+    write_atomically(index_path(file), text);
+    out.index = {checkpoint::digest_bytes(text.data(), text.size()), text.size()};
+  }
+  char msg[160];
+  std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
+                std::chrono::duration<double>(w1 - w0).count(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - w1).count());
+  log_debug(msg);
+  return out;
+}
+
+// Every rank's file digest and index digest, as (bytes, xxh3) pairs in rank order.
+std::pair<std::vector<std::pair<int64_t, uint64_t>>, std::vector<std::pair<int64_t, uint64_t>>> all_digests(
+    Communicator& c, const WrittenFile& w) {
+  const int world = c.size();
+  auto d = torch::tensor({static_cast<int64_t>(w.digest.bytes), static_cast<int64_t>(w.digest.xxh3),
+                          static_cast<int64_t>(w.index.bytes), static_cast<int64_t>(w.index.xxh3)}, torch::kLong);
+  auto all = torch::empty({4 * world}, torch::kLong);
+  c.all_gather(all, d)->wait();
+  std::vector<std::pair<int64_t, uint64_t>> digests, indexes;
+  for (int r = 0; r < world; ++r) {
+    digests.emplace_back(all[4 * r].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 1].item<int64_t>()));
+    indexes.emplace_back(all[4 * r + 2].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 3].item<int64_t>()));
+  }
+  return {digests, indexes};
+}
+
+}  // namespace
+
+json Checkpointer::Impl::manifest_of(const Snapshot& snap, Contents contents, const fs::path& tmp,
+                                     const std::vector<std::pair<int64_t, uint64_t>>& digests,
+                                     const std::vector<std::pair<int64_t, uint64_t>>& indexes, double save_seconds) {
+  trace::Span span("checkpoint", "checkpoint manifest " + tmp.stem().string());
+  json m = build_manifest(snap, std::move(contents), digests);
+  m["save_seconds"] = save_seconds;  // writing the rank files, as measured by the slowest rank
+  for (size_t r = 0; r < digests.size(); ++r) {
+    json& f = m["files"][r];
+    f["host"] = disks.hosts[r];
+    const auto& [bytes, xxh3] = indexes[r];
+    if (bytes > 0) f["index"] = {{"bytes", bytes}, {"xxh3", checkpoint::to_hex(xxh3)}};
+  }
+  if (options.write_model_view) {  // on rank 0's disk: it presents the files where they are brought together
+    write_model_view(tmp / "model.h5", m);
+    // Its checksum too: readers hand HDF5 no file whose bytes they have not verified.
+    const auto view = checkpoint::digest_file((tmp / "model.h5").string());
+    m["model_view"] = {{"name", "model.h5"}, {"bytes", view.bytes}, {"xxh3", checkpoint::to_hex(view.xxh3)}};
+  }
+  return m;
+}
+
 std::string Checkpointer::Impl::write(const Snapshot& snap) {
   torch::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
@@ -351,76 +320,24 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   // Every rank's record, merged the same way everywhere: which names this rank
   // writes, and (rank 0) the manifest's contents.
   auto contents = merge_records(all_gather_text(c, rank_record(snap).dump()), rank, !disks.shared());
-  std::string err;
   const bool leads = disks.leads(rank);  // makes and commits the step directory on its disk
-  if (leads) {
-    try {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      fs::create_directories(tmp, ec);
-      TORCH_CHECK(!ec, "cannot create '", tmp.string(), "': ", ec.message());
-    } catch (const std::exception& e) {
-      err = error_message(e);
-    }
-  }
+  std::string err = leads ? make_empty_dir(tmp) : "";
   agree(c, "creating " + tmp.string(), err);
   const fs::path file = tmp / rank_file_name(rank, world);
-  checkpoint::FileDigest digest, index{0, 0};
+  WrittenFile written;
   try {
-    const auto w0 = std::chrono::steady_clock::now();
-    std::vector<checkpoint::h5::Extent> extents;
-    {
-      trace::Span span("checkpoint", "checkpoint write " + file.filename().string());
-      extents = write_rank_file(file, snap, contents.skip, /*digests=*/durable != nullptr);
-    }
-    const auto w1 = std::chrono::steady_clock::now();
-    {
-      trace::Span span("checkpoint", "checkpoint checksum " + file.filename().string());
-      digest = checkpoint::digest_file(file.string());
-    }
-    if (durable) {  // where each dataset lies: a load elsewhere reads only the datasets it needs from the store
-      const std::string text = dataset_index(file.filename().string(), digest, extents).dump();
-      write_atomically(index_path(file), text);
-      index = {checkpoint::digest_bytes(text.data(), text.size()), text.size()};
-    }
-    char msg[160];
-    std::snprintf(msg, sizeof(msg), "checkpoint: rank file written and fsynced in %.3f s, checksummed in %.3f s",
-                  std::chrono::duration<double>(w1 - w0).count(),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - w1).count());
-    log_debug(msg);
+    written = write_and_digest(file, snap, contents.skip, durable != nullptr);
   } catch (const std::exception& e) {
     err = std::string("writing '") + file.string() + "': " + error_message(e);
   }
   agree(c, "writing rank files", err);
-  auto d = torch::tensor({static_cast<int64_t>(digest.bytes), static_cast<int64_t>(digest.xxh3),
-                          static_cast<int64_t>(index.bytes), static_cast<int64_t>(index.xxh3)}, torch::kLong);
-  auto all = torch::empty({4 * world}, torch::kLong);
-  c.all_gather(all, d)->wait();
-  std::vector<std::pair<int64_t, uint64_t>> digests, indexes;
-  for (int r = 0; r < world; ++r) {
-    digests.emplace_back(all[4 * r].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 1].item<int64_t>()));
-    indexes.emplace_back(all[4 * r + 2].item<int64_t>(), static_cast<uint64_t>(all[4 * r + 3].item<int64_t>()));
-  }
+  const auto [digests, indexes] = all_digests(c, written);
   auto took = torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()}, torch::kDouble);
   if (world > 1) c.all_reduce(took, ReduceOp::kMax)->wait();
   json m;
   if (rank == 0) {
     try {
-      trace::Span span("checkpoint", "checkpoint manifest " + final_dir.filename().string());
-      m = build_manifest(snap, std::move(contents), digests);
-      m["save_seconds"] = took.item<double>();  // writing the rank files, as measured by the slowest rank
-      for (int r = 0; r < world; ++r) {
-        json& f = m["files"][static_cast<size_t>(r)];
-        f["host"] = disks.hosts[static_cast<size_t>(r)];
-        const auto& [bytes, xxh3] = indexes[static_cast<size_t>(r)];
-        if (bytes > 0) f["index"] = {{"bytes", bytes}, {"xxh3", checkpoint::to_hex(xxh3)}};
-      }
-      if (options.write_model_view) {  // on rank 0's disk: it presents the files where they are brought together
-        write_model_view(tmp / "model.h5", m);
-        // Its checksum too: readers hand HDF5 no file whose bytes they have not verified.
-        const auto view = checkpoint::digest_file((tmp / "model.h5").string());
-        m["model_view"] = {{"name", "model.h5"}, {"bytes", view.bytes}, {"xxh3", checkpoint::to_hex(view.xxh3)}};
-      }
+      m = manifest_of(snap, std::move(contents), tmp, digests, indexes, took.item<double>());
     } catch (const std::exception& e) {
       err = error_message(e);
     }
@@ -445,7 +362,14 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
   if (durable) start_durable_upload(c, final_dir, snap.progress.step);
   if (leads) retain(final_dir);
   c.barrier();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report_saved(snap.progress.step, final_dir, digests, std::chrono::steady_clock::now() - t0);
+  return final_dir.string();
+}
+
+void Checkpointer::Impl::report_saved(int64_t step, const fs::path& final_dir,
+                                      const std::vector<std::pair<int64_t, uint64_t>>& digests,
+                                      std::chrono::steady_clock::duration took) {
+  const double seconds = std::chrono::duration<double>(took).count();
   int64_t bytes = 0;
   for (const auto& dg : digests) bytes += dg.first;
   {
@@ -454,10 +378,9 @@ std::string Checkpointer::Impl::write(const Snapshot& snap) {
     last->times.bytes = bytes;
   }
   char msg[200];
-  std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %d files) in %.2f s",
-                static_cast<long long>(snap.progress.step), bytes / 1e6, world, seconds);
+  std::snprintf(msg, sizeof(msg), "checkpoint: saved step %lld (%.1f MB in %zu files) in %.2f s",
+                static_cast<long long>(step), bytes / 1e6, digests.size(), seconds);
   log_info(std::string(msg) + " to " + final_dir.string());
-  return final_dir.string();
 }
 
 }  // namespace zeroshard

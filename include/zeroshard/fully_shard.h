@@ -81,7 +81,6 @@ struct FullyShardedMemory {
 using FullyShardedWaits = CommWaits;
 
 namespace shard {
-struct ShardedModel;  // internal
 struct ModuleAccess;  // internal
 }  // namespace shard
 
@@ -280,9 +279,10 @@ class FullyShardedModel {
   friend std::shared_ptr<FullyShardedModel> fully_shard(const std::shared_ptr<torch::nn::Module>& root,
                                                         ProcessGroup group, FullyShardOptions options);
   friend class FullyShardedAdamW;  // its front-end is the model's state
-  explicit FullyShardedModel(std::unique_ptr<shard::ShardedModel> state);
-  shard::ShardedModel& state() const { return *state_; }
-  std::unique_ptr<shard::ShardedModel> state_;
+  struct State;  // the units and their protocol
+  explicit FullyShardedModel(std::unique_ptr<State> state);
+  State& state() const { return *state_; }
+  std::unique_ptr<State> state_;
 };
 
 struct FullyShardedAdamWOptions {

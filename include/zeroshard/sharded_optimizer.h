@@ -34,7 +34,6 @@ namespace zeroshard {
 constexpr int kShardPerHost = -1;
 
 namespace shard {
-struct Shards;           // internal
 struct OptimizerAccess;  // internal
 }
 
@@ -134,7 +133,7 @@ class ShardedOptimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  // internal: access for the library's own layers (the pipeline executor, checkpoints).
+  // internal: access for the library's own layers (the front-ends, the pipeline executor).
   friend struct shard::OptimizerAccess;
 
  private:
@@ -150,10 +149,6 @@ class ShardedOptimizer : public torch::optim::Optimizer {
                    const torch::optim::OptimizerOptions& defaults, std::string name, int zero_stage);
   // Param group `g`'s options, checked to be AdamW's without amsgrad.
   const torch::optim::AdamWOptions& adamw_options(size_t g);
-  // Once the front-end's shard groups exist.
-  void attach_shards(shard::Shards shards);
-  // The front-end's destructor, under the round's mutex: the round is about to go.
-  void detach_shards();
   void reduce_and_freeze();
 
   std::unique_ptr<Core> core_;

@@ -46,6 +46,7 @@ namespace zeroshard::comm {
 
 namespace tcp_mesh_detail {
 struct FrameHeader;  // tcp_mesh_internal.h
+struct Listener;     // tcp_mesh_connect.cpp: the socket higher ranks connect to
 }  // namespace tcp_mesh_detail
 
 class TcpMesh;
@@ -164,6 +165,11 @@ class TcpMesh final : public WatchedComm {
   void post(Buffer& buf, int peer, uint64_t slot, size_t offset, size_t nbytes, bool is_recv);
   void forget(Buffer& buf);
   void connect_all(const MeshOptions& options, c10d::Store& store, const std::string& prefix);
+  // connect_all()'s halves: this rank connects to every lower rank, and accepts every higher one.
+  void connect_lower(const MeshOptions& options, c10d::Store& store, const std::string& prefix,
+                     std::chrono::steady_clock::time_point deadline);
+  void accept_higher(const MeshOptions& options, c10d::Store& store, const std::string& prefix,
+                     std::chrono::steady_clock::time_point deadline, tcp_mesh_detail::Listener& listener);
 
   // On the mesh's thread:
   void read_frame(int peer);
@@ -173,7 +179,11 @@ class TcpMesh final : public WatchedComm {
   void on_ready_frame(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
   void on_posted_data(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
   void on_unposted_data(int peer, const tcp_mesh_detail::FrameHeader& h, std::unique_lock<std::mutex>& lock);
-  void write_next(int peer);
+  void write_next(int peer);  // what comes next on the peer's socket; each of these unlocks `lock` (mu_) and writes:
+  void write_abort_frame(int peer, std::unique_lock<std::mutex>& lock);
+  void write_close_frame(int peer, std::unique_lock<std::mutex>& lock);
+  void write_notices(int peer, std::unique_lock<std::mutex>& lock);
+  void write_chunk(int peer, std::unique_lock<std::mutex>& lock);
   void close_socket(int peer);
   std::string world_rank_label(int peer) const;  // "rank 1 (world rank 3)"
 

@@ -141,6 +141,33 @@ void connect_with_retries(tcp::socket& s, const tcp::endpoint& to, std::chrono::
 
 }  // namespace
 
+namespace tcp_mesh_detail {
+struct Listener {
+  tcp::acceptor acceptor;
+};
+}  // namespace tcp_mesh_detail
+
+namespace {
+
+// Why a connection's hello is refused ("" when it comes from a rank of this job
+// this rank expects): a stranger (another program, a rank of another job or
+// attempt, a port scanner) is refused and logged, never failing the rendezvous.
+std::string refusal(const Hello& hello, const MeshOptions& o, int rank, int size, const std::vector<bool>& joined) {
+  if (hello.magic != kFrameMagic) return "it is not a zeroshard rank (wrong magic)";
+  if (hello.version != kProtocolVersion) {
+    return "it speaks protocol version " + std::to_string(hello.version) + ", this rank " +
+           std::to_string(kProtocolVersion) + " (a zeroshard of another version)";
+  }
+  if (hello.token != o.token) return "wrong job token (a rank of another job, or of an earlier attempt of this one)";
+  if (hello.size != size || hello.rank <= rank || hello.rank >= size || joined[hello.rank]) {
+    return "it claims to be rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
+           ", which this rank of " + std::to_string(size) + " does not expect";
+  }
+  return "";
+}
+
+}  // namespace
+
 void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::string& prefix) {
   const auto deadline = std::chrono::steady_clock::now() + o.rendezvous_timeout;
   // Listen before publishing the address, so every connect finds the port open.
@@ -152,15 +179,23 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
     TORCH_CHECK(false, "cannot resolve this host's address '", o.host, "' (", e.what(),
                 "); set ZS_SOCKET_IFNAME to the network interface the ranks reach each other on");
   }
-  tcp::acceptor acceptor(io_->ctx);
+  tcp_mesh_detail::Listener listener{tcp::acceptor(io_->ctx)};
+  tcp::acceptor& acceptor = listener.acceptor;
   acceptor.open(local.protocol());
   acceptor.bind(local);
   acceptor.listen();
   const auto address = acceptor.local_endpoint();
   const std::string mine = address.address().to_string() + " " + std::to_string(address.port());
   store.set(prefix + "addr/" + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
-
   // This rank connects to every lower rank and accepts every higher one.
+  connect_lower(o, store, prefix, deadline);
+  accept_higher(o, store, prefix, deadline, listener);
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_) set_liveness_options(*peers_[p]->socket, o.liveness);
+}
+
+void TcpMesh::connect_lower(const MeshOptions& o, c10d::Store& store, const std::string& prefix,
+                            std::chrono::steady_clock::time_point deadline) {
   std::vector<std::string> lower;
   for (int p = 0; p < rank_; ++p) lower.push_back(std::to_string(p));
   wait_for_keys(store, prefix + "addr/", lower, o.rendezvous_timeout, "their address", o.failed_key);
@@ -186,7 +221,11 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
     hello.token = o.token;
     asio::write(s, asio::buffer(&hello, sizeof(hello)));
   }
+}
 
+void TcpMesh::accept_higher(const MeshOptions& o, c10d::Store& store, const std::string& prefix,
+                            std::chrono::steady_clock::time_point deadline, tcp_mesh_detail::Listener& listener) {
+  tcp::acceptor& acceptor = listener.acceptor;
   acceptor.non_blocking(true);
   std::vector<bool> joined(size_, false);
   for (int accepted = 0; accepted < size_ - 1 - rank_;) {
@@ -210,25 +249,14 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
                   "over TCP (set ZS_SOCKET_IFNAME to pick the network interface)");
     }
     TORCH_CHECK(!ec, "rank ", rank_, " failed accepting a connection from a peer: ", ec.message());
-    // A stranger (another program, a rank of another job or attempt, a port scanner) is
-    // refused and logged; it never fails the rendezvous. A rank of this job says hello at once.
+    // A rank of this job says hello at once.
     const std::string who = describe_endpoint(s);
     Hello hello;
     const auto hello_deadline = std::min(deadline, std::chrono::steady_clock::now() + kHelloTimeout);
-    std::string refused;
-    if (!read_fully(s, &hello, sizeof(hello), hello_deadline)) {
-      refused = "it sent no complete hello (it closed, or was silent for " + std::to_string(kHelloTimeout.count()) + " ms)";
-    } else if (hello.magic != kFrameMagic) {
-      refused = "it is not a zeroshard rank (wrong magic)";
-    } else if (hello.version != kProtocolVersion) {
-      refused = "it speaks protocol version " + std::to_string(hello.version) + ", this rank " +
-                std::to_string(kProtocolVersion) + " (a zeroshard of another version)";
-    } else if (hello.token != o.token) {
-      refused = "wrong job token (a rank of another job, or of an earlier attempt of this one)";
-    } else if (hello.size != size_ || hello.rank <= rank_ || hello.rank >= size_ || joined[hello.rank]) {
-      refused = "it claims to be rank " + std::to_string(hello.rank) + " of " + std::to_string(hello.size) +
-                ", which this rank of " + std::to_string(size_) + " does not expect";
-    }
+    const std::string refused =
+        read_fully(s, &hello, sizeof(hello), hello_deadline)
+            ? refusal(hello, o, rank_, size_, joined)
+            : "it sent no complete hello (it closed, or was silent for " + std::to_string(kHelloTimeout.count()) + " ms)";
     if (!refused.empty()) {
       log_warn("rank " + std::to_string(rank_) + " refused a connection from " + who + ": " + refused);
       continue;  // `s` closes
@@ -238,8 +266,6 @@ void TcpMesh::connect_all(const MeshOptions& o, c10d::Store& store, const std::s
     joined[hello.rank] = true;
     ++accepted;
   }
-  for (int p = 0; p < size_; ++p)
-    if (p != rank_) set_liveness_options(*peers_[p]->socket, o.liveness);
 }
 
 }  // namespace zeroshard::comm

@@ -196,55 +196,67 @@ void TcpMesh::on_unposted_data(int peer, const FrameHeader& h, std::unique_lock<
 void TcpMesh::write_next(int peer) {
   Peer& p = *peers_[peer];
   std::unique_lock<std::mutex> lock(mu_);
-  if (!p.broken.empty() && !p.abort_frame.empty()) {
-    // Aborting: the close frame that says why, then the socket closes.
-    p.out_abort.swap(p.abort_frame);
-    p.abort_frame.clear();
-    lock.unlock();
-    asio::async_write(*p.socket, asio::buffer(p.out_abort), [this, peer](const boost::system::error_code&, size_t) {
-      close_socket(peer);
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_[peer]->writing = false;
-      --abort_frames_unsent_;
-      cv_.notify_all();
-    });
-    return;
-  }
+  if (!p.broken.empty() && !p.abort_frame.empty()) return write_abort_frame(peer, lock);
   if (!p.broken.empty() || (p.notices.empty() && p.sends.empty() && !p.closing)) {
     p.writing = false;
     return;
   }
-  if (p.notices.empty() && p.sends.empty()) {
-    // Closing: the kClose frame, then the end of this side of the stream.
-    p.closing = false;
-    p.out_header = FrameHeader{};
-    p.out_header.type = kClose;
-    p.out_header.slot = p.close_culprit;
-    lock.unlock();
-    asio::async_write(*p.socket, asio::buffer(&p.out_header, sizeof(FrameHeader)),
-                      [this, peer](const boost::system::error_code& ec, size_t) {
-                        boost::system::error_code ignored;
-                        if (!ec) peers_[peer]->socket->shutdown(tcp::socket::shutdown_send, ignored);
-                        write_next(peer);
-                      });
-    return;
-  }
-  if (!p.notices.empty()) {
-    // Every pending ready notice in one write, ahead of the next chunk of data.
-    p.out_notices.swap(p.notices);
-    p.notices.clear();
-    lock.unlock();
-    asio::async_write(*p.socket, asio::buffer(p.out_notices),
-                      [this, peer](const boost::system::error_code& ec, size_t) {
-                        {
-                          std::lock_guard<std::mutex> lock(mu_);
-                          if (ec) return break_locked(peer, ec.message());
-                          peers_[peer]->last_sent = std::chrono::steady_clock::now();
-                        }
-                        write_next(peer);
-                      });
-    return;
-  }
+  if (p.notices.empty() && p.sends.empty()) return write_close_frame(peer, lock);
+  if (!p.notices.empty()) return write_notices(peer, lock);
+  write_chunk(peer, lock);
+}
+
+// Aborting: the close frame that says why, then the socket closes.
+void TcpMesh::write_abort_frame(int peer, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  p.out_abort.swap(p.abort_frame);
+  p.abort_frame.clear();
+  lock.unlock();
+  asio::async_write(*p.socket, asio::buffer(p.out_abort), [this, peer](const boost::system::error_code&, size_t) {
+    close_socket(peer);
+    std::lock_guard<std::mutex> guard(mu_);
+    peers_[peer]->writing = false;
+    --abort_frames_unsent_;
+    cv_.notify_all();
+  });
+}
+
+// Closing: the kClose frame, then the end of this side of the stream.
+void TcpMesh::write_close_frame(int peer, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  p.closing = false;
+  p.out_header = FrameHeader{};
+  p.out_header.type = kClose;
+  p.out_header.slot = p.close_culprit;
+  lock.unlock();
+  asio::async_write(*p.socket, asio::buffer(&p.out_header, sizeof(FrameHeader)),
+                    [this, peer](const boost::system::error_code& ec, size_t) {
+                      boost::system::error_code ignored;
+                      if (!ec) peers_[peer]->socket->shutdown(tcp::socket::shutdown_send, ignored);
+                      write_next(peer);
+                    });
+}
+
+// Every pending ready notice in one write, ahead of the next chunk of data.
+void TcpMesh::write_notices(int peer, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
+  p.out_notices.swap(p.notices);
+  p.notices.clear();
+  lock.unlock();
+  asio::async_write(*p.socket, asio::buffer(p.out_notices),
+                    [this, peer](const boost::system::error_code& ec, size_t) {
+                      {
+                        std::lock_guard<std::mutex> guard(mu_);
+                        if (ec) return break_locked(peer, ec.message());
+                        peers_[peer]->last_sent = std::chrono::steady_clock::now();
+                      }
+                      write_next(peer);
+                    });
+}
+
+// The next chunk of the first send in the queue.
+void TcpMesh::write_chunk(int peer, std::unique_lock<std::mutex>& lock) {
+  Peer& p = *peers_[peer];
   Op* op = p.sends.front();
   const size_t chunk = std::min(kChunkBytes, op->bytes - op->moved);
   p.out_header = FrameHeader{};
@@ -258,7 +270,7 @@ void TcpMesh::write_next(int peer) {
                                          asio::buffer(op->ptr + op->moved, chunk)};
   asio::async_write(*p.socket, bufs, Unbounded{}, [this, peer, op, chunk](const boost::system::error_code& ec, size_t) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> guard(mu_);
       Peer& p = *peers_[peer];
       op->active = false;
       p.last_sent = std::chrono::steady_clock::now();

@@ -59,7 +59,7 @@ inline at::Generator default_generator(c10::Device device) {
 }
 
 // The dispatch key that marks the parameters of a resharded fully_shard unit
-// (src/shard/resharded_param.cpp routes every operator on them to an error).
+// (src/shard/core/resharded_param.cpp routes every operator on them to an error).
 // LibTorch reserves no key for out-of-tree functionality; this one is unused
 // by LibTorch itself in 1.13 and 2.x, and sits above Autograd, so the error
 // comes before autograd records anything.

@@ -76,120 +76,165 @@ double ring_gather_s(const Cluster& c, double bytes, int ranks, int hosts) {
   return ring_s(c, bytes, {ranks, hosts, 1}, nullptr, nullptr);
 }
 
-Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const Step& step) {
+namespace {
+
+// A strategy laid out on a cluster: the groups, their rings, the busiest
+// pipeline stage's share of the model.
+struct Layout {
+  int dp = 1, shard = 1, replicas = 1;
+  Ring shard_ring, replica_ring, dp_ring;
+  int stage_units = 1;
+  double unit_params = 0, params = 0;  // the busiest stage's: its share of the layers, and the root
+  double p = 0, sharded_state = 0;     // bytes per parameter: the model's dtype; master and moments
+  double mb_tokens = 0;                // tokens of a micro-batch on one rank
+};
+
+Layout lay_out(const Model& m, const Cluster& c, const Strategy& s, const Step& step) {
   if (s.pp < 1 || c.ranks() % s.pp != 0) throw std::invalid_argument("pp must divide the ranks");
-  const int dp = c.ranks() / s.pp;
-  const int shard = s.zero_stage == 0 ? 1 : (s.shard_size > 0 ? std::min(s.shard_size, dp) : dp);
-  if (dp % shard != 0) throw std::invalid_argument("shard_size must divide the data-parallel ranks");
-  const int replicas = dp / shard;
-  const int dp_hosts = hosts_spanned(c, dp, dp);
-  const int shard_hosts = hosts_spanned(c, dp, shard);
+  Layout l;
+  l.dp = c.ranks() / s.pp;
+  l.shard = s.zero_stage == 0 ? 1 : (s.shard_size > 0 ? std::min(s.shard_size, l.dp) : l.dp);
+  if (l.dp % l.shard != 0) throw std::invalid_argument("shard_size must divide the data-parallel ranks");
+  l.replicas = l.dp / l.shard;
+  const int dp_hosts = hosts_spanned(c, l.dp, l.dp);
+  const int shard_hosts = hosts_spanned(c, l.dp, l.shard);
   // A replica ring has one rank per shard group; the shard groups of one host run theirs at once.
-  const Ring shard_ring{shard, shard_hosts, concurrent_rings(c, shard)};
-  const Ring replica_ring{replicas, std::min(replicas, dp_hosts), std::max(1, shard / shard_hosts)};
-  const Ring dp_ring{dp, dp_hosts, concurrent_rings(c, dp)};
+  l.shard_ring = Ring{l.shard, shard_hosts, concurrent_rings(c, l.shard)};
+  l.replica_ring = Ring{l.replicas, std::min(l.replicas, dp_hosts), std::max(1, l.shard / shard_hosts)};
+  l.dp_ring = Ring{l.dp, dp_hosts, concurrent_rings(c, l.dp)};
+  l.stage_units = std::max(1, (m.units + s.pp - 1) / s.pp);
+  l.unit_params = m.unit_params * l.stage_units / m.units;
+  l.params = l.unit_params + m.root_params;
+  l.p = m.param_bytes;
+  const double master = m.param_bytes == 4 ? 0 : 4;
+  l.sharded_state = 4 + master + 8;
+  l.mb_tokens = step.tokens / l.dp / s.micro_batches;
+  return l;
+}
 
-  // The busiest pipeline stage: its share of the layers, and the root.
-  const int stage_units = std::max(1, (m.units + s.pp - 1) / s.pp);
-  const double unit_params = m.unit_params * stage_units / m.units;
-  const double params = unit_params + m.root_params;
-  const double p = m.param_bytes, master = m.param_bytes == 4 ? 0 : 4, sharded_state = 4 + master + 8;
-
-  Prediction out;
+// Model states, the gathered working set and activations, per rank.
+void predict_memory(const Model& m, const Cluster& c, const Strategy& s, const Layout& l, Prediction& out) {
+  const double p = l.p, params = l.params, unit_params = l.unit_params, shard = l.shard;
   switch (s.zero_stage) {
-    case 0: out.model_states = params * (2 * p + master + 8); break;
-    case 1: out.model_states = params * 2 * p + params * sharded_state / shard; break;
-    case 2: out.model_states = params * p + params * sharded_state / shard; break;
+    case 0: out.model_states = params * (2 * p + (m.param_bytes == 4 ? 0 : 4) + 8); break;
+    case 1: out.model_states = params * 2 * p + params * l.sharded_state / shard; break;
+    case 2: out.model_states = params * p + params * l.sharded_state / shard; break;
     default:
-      out.model_states = unit_params * (p + sharded_state) / shard + m.root_params * (p + sharded_state / shard);
+      out.model_states = unit_params * (p + l.sharded_state) / shard + m.root_params * (p + l.sharded_state / shard);
       // Units gathered at once: the current one and two prefetched; a pipeline stage keeps
       // its units gathered for the step (bart_pretrain's --pp-gather step).
-      out.working_set = shard == 1 ? 0 : s.pp > 1 ? p * unit_params : 3 * p * unit_params / stage_units;
+      out.working_set = shard == 1 ? 0 : s.pp > 1 ? p * unit_params : 3 * p * unit_params / l.stage_units;
   }
   // Activations saved for backward, per layer and token (Korthikanti et al.:
   // (34 d + 5 heads seq) bytes in 16 bits); with checkpointing only each layer's input.
   const double act_bytes = m.param_bytes == 4 ? 2.0 : 1.0;  // the formula's 16-bit bytes, scaled
-  const double mb_tokens = step.tokens / dp / s.micro_batches;
   const double per_layer_token = act_bytes * (34.0 * m.d_model + 5.0 * m.heads * m.seq_len);
   const int in_flight = s.pp > 1 ? std::min(s.pp, s.micro_batches) : 1;  // 1F1B: the first stage holds pp micro-batches
   out.activations = s.activation_checkpointing
-                        ? in_flight * mb_tokens * (stage_units * m.d_model * p + per_layer_token)
-                        : in_flight * mb_tokens * stage_units * per_layer_token;
+                        ? in_flight * l.mb_tokens * (l.stage_units * m.d_model * p + per_layer_token)
+                        : in_flight * l.mb_tokens * l.stage_units * per_layer_token;
   out.fits = c.memory_bytes <= 0 || out.memory() <= c.memory_bytes;
+}
 
+// Compute time and the pipeline's bubble; returns the backward's share of the compute.
+double predict_compute(const Model& m, const Cluster& c, const Strategy& s, const Step& step, const Layout& l,
+                       Prediction& out) {
   // Compute: 6 flops per parameter and token, plus attention's 12 L d seq; a recompute adds a forward.
-  const double tokens = step.tokens / dp;  // each pipeline's share; each stage computes its layers of it
+  const double tokens = step.tokens / l.dp;  // each pipeline's share; each stage computes its layers of it
   const double flops_per_token =
-      6 * params + 12.0 * stage_units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
+      6 * l.params + 12.0 * l.stage_units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
   // A measured time per token is the whole model's: a stage takes its share of the flops.
   const double model_flops_per_token =
       6 * m.params() + 12.0 * m.units * static_cast<double>(m.d_model) * static_cast<double>(m.seq_len);
   const double fwd = c.seconds_per_token > 0 ? tokens * c.seconds_per_token * flops_per_token / model_flops_per_token / 3
                                             : tokens * flops_per_token / 3 / c.flops_per_s;
   out.compute_s = fwd * (s.activation_checkpointing ? 4 : 3);
-  const double backward_s = out.compute_s - fwd;
   if (s.pp > 1) out.bubble_s = (s.pp - 1) * out.compute_s / s.micro_batches;
+  return out.compute_s - fwd;
+}
 
-  // Collectives of a step (gradients reduced in the parameters' dtype).
-  double ib = 0, hb = 0;
+// A step's collectives, split into what compute may hide and what it cannot.
+struct Collectives {
+  double overlappable = 0, exposed = 0, hideable = 0;  // hideable: what compute can hide of `overlappable`
+  double inter_bytes = 0, intra_bytes = 0;             // what a host sends over each kind of link
+};
+
+// The data-parallel collectives (gradients reduced in the parameters' dtype).
+Collectives data_parallel(const Model& m, const Cluster& c, const Strategy& s, const Layout& l) {
+  Collectives k;
   // `times` such rings one after the other (an all-reduce is a reduce-scatter and an all-gather).
   auto ring = [&](double bytes, const Ring& r, int times = 1) {
     double t = 0;
-    for (int k = 0; k < times; ++k) t += ring_s(c, bytes, r, &ib, &hb);
+    for (int i = 0; i < times; ++i) t += ring_s(c, bytes, r, &k.inter_bytes, &k.intra_bytes);
     return t;
   };
-  const double grad_bytes = params * p;
-  double overlappable = 0, exposed = 0, hideable = 0;  // hideable: what compute can hide of `overlappable`
+  const double grad_bytes = l.params * l.p;
   if (s.zero_stage == 0) {
-    overlappable = ring(grad_bytes, dp_ring, 2);  // all-reduce = reduce-scatter + all-gather
-    hideable = c.reduce_overlap * overlappable;
-  } else {
-    // Without a pipeline, ZeRO-2 and 3 reduce every micro-batch's gradients (and ZeRO-3 gathers
-    // for each); ZeRO-1 and pipelines accumulate and reduce once.
-    const int passes = s.pp == 1 && s.zero_stage >= 2 ? s.micro_batches : 1;
-    const double rs = ring(grad_bytes, shard_ring, passes);
-    const double rep = replicas > 1 ? ring(grad_bytes / shard, replica_ring, 2 * passes) : 0;
-    if (s.zero_stage == 3) {
-      const double gather = s.gather_bytes > 0 ? s.gather_bytes : p;
-      const double gathers = ring(unit_params * gather, shard_ring, 2 * passes);  // forward, and again for backward
-      const double root = ring(m.root_params * p, shard_ring);        // the root, after the update
-      if (s.pp > 1) {  // gathered once per step and kept (keep_gathered); reduced after the last micro-batch
-        exposed = gathers / 2 + rs + rep + root;
-      } else {
-        overlappable = gathers + rs + rep;  // each unit's replica average starts when its reduce-scatter ends
-        hideable = c.gather_overlap * gathers + c.reduce_overlap * (rs + rep);
-        exposed = root + gathers / (2 * passes * stage_units);  // the root's gather after the update; the first unit's
-      }
+    k.overlappable = ring(grad_bytes, l.dp_ring, 2);  // all-reduce = reduce-scatter + all-gather
+    k.hideable = c.reduce_overlap * k.overlappable;
+    return k;
+  }
+  // Without a pipeline, ZeRO-2 and 3 reduce every micro-batch's gradients (and ZeRO-3 gathers
+  // for each); ZeRO-1 and pipelines accumulate and reduce once.
+  const int passes = s.pp == 1 && s.zero_stage >= 2 ? s.micro_batches : 1;
+  const double rs = ring(grad_bytes, l.shard_ring, passes);
+  const double rep = l.replicas > 1 ? ring(grad_bytes / l.shard, l.replica_ring, 2 * passes) : 0;
+  if (s.zero_stage == 3) {
+    const double gather = s.gather_bytes > 0 ? s.gather_bytes : l.p;
+    const double gathers = ring(l.unit_params * gather, l.shard_ring, 2 * passes);  // forward, and again for backward
+    const double root = ring(m.root_params * l.p, l.shard_ring);                     // the root, after the update
+    if (s.pp > 1) {  // gathered once per step and kept (keep_gathered); reduced after the last micro-batch
+      k.exposed = gathers / 2 + rs + rep + root;
     } else {
-      const double ag = ring(params * p, shard_ring);  // the updated shards, after the step
-      if (s.zero_stage == 2 && s.pp == 1) {
-        overlappable = rs + rep;
-        hideable = c.reduce_overlap * overlappable;
-        exposed = ag;
-      } else {  // ZeRO-1, or a pipeline: reduced after backward
-        exposed = rs + rep + ag;
-      }
+      k.overlappable = gathers + rs + rep;  // each unit's replica average starts when its reduce-scatter ends
+      k.hideable = c.gather_overlap * gathers + c.reduce_overlap * (rs + rep);
+      k.exposed = root + gathers / (2 * passes * l.stage_units);  // the root's gather after the update; the first unit's
     }
+    return k;
   }
-  if (s.pp > 1) {  // activations and their gradients cross each stage boundary; fill and drain are exposed
-    const double message = mb_tokens * m.d_model * p;
-    for (int k = 0; k + 1 < s.pp; ++k) {
-      // Stage k holds ranks [k dp, (k+1) dp): the boundary crosses hosts where its stages begin on
-      // different hosts, and then the pipelines of a host send over its link at once.
-      const bool crosses = k * dp / c.ranks_per_host != (k + 1) * dp / c.ranks_per_host;
-      const Link& l = crosses ? c.inter : c.intra;
-      const int concurrent = crosses ? std::min(dp, c.ranks_per_host) : 1;
-      exposed += 2 * (l.alpha_s + concurrent * message / l.bytes_per_s);
-      (crosses ? ib : hb) += s.micro_batches * concurrent * message;  // what a host sends, each way
-    }
-    exposed += overlappable;  // a pipeline step reduces after its last backward
-    overlappable = hideable = 0;
+  const double ag = ring(l.params * l.p, l.shard_ring);  // the updated shards, after the step
+  if (s.zero_stage == 2 && s.pp == 1) {
+    k.overlappable = rs + rep;
+    k.hideable = c.reduce_overlap * k.overlappable;
+    k.exposed = ag;
+  } else {  // ZeRO-1, or a pipeline: reduced after backward
+    k.exposed = rs + rep + ag;
   }
-  out.comm_s = overlappable + exposed;
+  return k;
+}
+
+// A pipeline's sends: activations and their gradients cross each stage
+// boundary; fill and drain are exposed, and so are the reductions (after the
+// last backward).
+void pipeline_sends(const Model& m, const Cluster& c, const Strategy& s, const Layout& l, Collectives& k) {
+  const double message = l.mb_tokens * m.d_model * l.p;
+  for (int i = 0; i + 1 < s.pp; ++i) {
+    // Stage i holds ranks [i dp, (i+1) dp): the boundary crosses hosts where its stages begin on
+    // different hosts, and then the pipelines of a host send over its link at once.
+    const bool crosses = i * l.dp / c.ranks_per_host != (i + 1) * l.dp / c.ranks_per_host;
+    const Link& link = crosses ? c.inter : c.intra;
+    const int concurrent = crosses ? std::min(l.dp, c.ranks_per_host) : 1;
+    k.exposed += 2 * (link.alpha_s + concurrent * message / link.bytes_per_s);
+    (crosses ? k.inter_bytes : k.intra_bytes) += s.micro_batches * concurrent * message;  // what a host sends, each way
+  }
+  k.exposed += k.overlappable;
+  k.overlappable = k.hideable = 0;
+}
+
+}  // namespace
+
+Prediction predict(const Model& m, const Cluster& c, const Strategy& s, const Step& step) {
+  const Layout l = lay_out(m, c, s, step);
+  Prediction out;
+  predict_memory(m, c, s, l, out);
+  const double backward_s = predict_compute(m, c, s, step, l, out);
+  Collectives k = data_parallel(m, c, s, l);
+  if (s.pp > 1) pipeline_sends(m, c, s, l, k);
+  out.comm_s = k.overlappable + k.exposed;
   const double hidden_by = s.zero_stage == 3 ? out.compute_s : backward_s;
-  out.exposed_comm_s = exposed + overlappable - std::min(hideable, hidden_by);
-  out.inter_host_bytes = ib;
-  out.intra_host_bytes = hb;
+  out.exposed_comm_s = k.exposed + k.overlappable - std::min(k.hideable, hidden_by);
+  out.inter_host_bytes = k.inter_bytes;
+  out.intra_host_bytes = k.intra_bytes;
   out.step_s = out.compute_s + out.bubble_s + out.exposed_comm_s;
   return out;
 }

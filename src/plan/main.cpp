@@ -19,6 +19,44 @@ std::string gib(double bytes) {
   return buf;
 }
 
+// Every candidate strategy's prediction, fastest that fits first, as a
+// Markdown table, and the recommendation; 1 when none fits.
+int print_plan(const zeroshard::plan::Model& m, const zeroshard::plan::Cluster& c, const zeroshard::plan::Step& step,
+               int64_t batch, int64_t seq, const std::string& precision, double memory_gb) {
+  using namespace zeroshard::plan;
+  struct Row {
+    Strategy s;
+    Prediction p;
+  };
+  std::vector<Row> rows;
+  for (const auto& s : candidates(c, m, step, batch)) rows.push_back({s, predict(m, c, s, step)});
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+    return a.p.fits != b.p.fits ? a.p.fits : a.p.step_s < b.p.step_s;
+  });
+  std::printf("%s: %.1fM parameters, %s; %d host(s) x %d ranks; global batch %lld x %lld tokens. Predictions of "
+              "the cost model (src/plan/cost_model.h), not measurements.\n\n",
+              m.name.c_str(), m.params() / 1e6, precision.c_str(), c.hosts, c.ranks_per_host,
+              static_cast<long long>(batch), static_cast<long long>(seq));
+  std::printf("| strategy | step, s | tokens/s | compute, s | exposed comm, s | bubble, s | GB between hosts per host "
+              "link | memory per rank, GiB (states + gathered + activations) | fits %.0f GB |\n",
+              memory_gb);
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---|---|\n");
+  for (const auto& r : rows) {
+    const auto& p = r.p;
+    std::printf("| %s | %.3f | %.0f | %.3f | %.3f | %.3f | %.2f | %s (%s + %s + %s) | %s |\n", r.s.describe().c_str(),
+                p.step_s, step.tokens / p.step_s, p.compute_s, p.exposed_comm_s, p.bubble_s, p.inter_host_bytes / 1e9,
+                gib(p.memory()).c_str(), gib(p.model_states).c_str(), gib(p.working_set).c_str(),
+                gib(p.activations).c_str(), p.fits ? "yes" : "no");
+  }
+  if (rows.empty() || !rows.front().p.fits) {
+    std::printf("\nNo strategy fits %.0f GB per rank: add ranks, or shorten the batch per rank.\n", memory_gb);
+    return 1;
+  }
+  std::printf("\nRecommended: %s (%.3f s per step, %s GiB per rank).\n", rows.front().s.describe().c_str(),
+              rows.front().p.step_s, gib(rows.front().p.memory()).c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -115,35 +153,5 @@ int main(int argc, char** argv) {
   c.memory_bytes = memory_gb * 1e9;
   const Step step{tokens > 0 ? tokens : static_cast<double>(seq * batch)};
 
-  struct Row {
-    Strategy s;
-    Prediction p;
-  };
-  std::vector<Row> rows;
-  for (const auto& s : candidates(c, m, step, batch)) rows.push_back({s, predict(m, c, s, step)});
-  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
-    return a.p.fits != b.p.fits ? a.p.fits : a.p.step_s < b.p.step_s;
-  });
-  std::printf("%s: %.1fM parameters, %s; %d host(s) x %d ranks; global batch %lld x %lld tokens. Predictions of "
-              "the cost model (src/plan/cost_model.h), not measurements.\n\n",
-              m.name.c_str(), m.params() / 1e6, precision.c_str(), c.hosts, c.ranks_per_host,
-              static_cast<long long>(batch), static_cast<long long>(seq));
-  std::printf("| strategy | step, s | tokens/s | compute, s | exposed comm, s | bubble, s | GB between hosts per host "
-              "link | memory per rank, GiB (states + gathered + activations) | fits %.0f GB |\n",
-              memory_gb);
-  std::printf("|---|---:|---:|---:|---:|---:|---:|---|---|\n");
-  for (const auto& r : rows) {
-    const auto& p = r.p;
-    std::printf("| %s | %.3f | %.0f | %.3f | %.3f | %.3f | %.2f | %s (%s + %s + %s) | %s |\n", r.s.describe().c_str(),
-                p.step_s, step.tokens / p.step_s, p.compute_s, p.exposed_comm_s, p.bubble_s, p.inter_host_bytes / 1e9,
-                gib(p.memory()).c_str(), gib(p.model_states).c_str(), gib(p.working_set).c_str(),
-                gib(p.activations).c_str(), p.fits ? "yes" : "no");
-  }
-  if (rows.empty() || !rows.front().p.fits) {
-    std::printf("\nNo strategy fits %.0f GB per rank: add ranks, or shorten the batch per rank.\n", memory_gb);
-    return 1;
-  }
-  std::printf("\nRecommended: %s (%.3f s per step, %s GiB per rank).\n", rows.front().s.describe().c_str(),
-              rows.front().p.step_s, gib(rows.front().p.memory()).c_str());
-  return 0;
+  return print_plan(m, c, step, batch, seq, precision, memory_gb);
 }

@@ -290,13 +290,17 @@ struct PlotMarks {
 
 }  // namespace
 
-std::string plot_metrics(const std::string& metrics_path, const std::string& png_path, const std::string& title) {
-  std::ifstream in(metrics_path);
-  if (!in) return "cannot read '" + metrics_path + "'";
-  // Steps with a loss, and the validation points, as gnuplot data blocks; the events' marks.
-  std::ostringstream train, val;
+namespace {
+
+// What a loss plot shows, read from a metrics file: steps with a loss and the
+// validation points as gnuplot data blocks, and the events' marks.
+struct PlotData {
+  std::ostringstream train, val, saved, durable;
   int64_t n_val = 0, first_step = std::numeric_limits<int64_t>::max(), last_step = 0;
   PlotMarks marks;
+};
+
+void read_plot_data(std::istream& in, PlotData& d) {
   std::string text;
   while (std::getline(in, text)) {
     const json j = json::parse(text, nullptr, false);
@@ -304,64 +308,64 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
     const int64_t step = j["step"].get<int64_t>();
     const std::string event = j.contains("event") && j["event"].is_string() ? j["event"].get<std::string>() : "";
     if (j.contains("loss") && j["loss"].is_number() && event.empty()) {
-      train << step << " " << j["loss"].get<double>() << "\n";
-      marks.loss[step] = j["loss"].get<double>();
-      first_step = std::min(first_step, step);
-      last_step = std::max(last_step, step);
+      d.train << step << " " << j["loss"].get<double>() << "\n";
+      d.marks.loss[step] = j["loss"].get<double>();
+      d.first_step = std::min(d.first_step, step);
+      d.last_step = std::max(d.last_step, step);
     }
     if (j.contains("val_loss") && j["val_loss"].is_number()) {
-      val << step << " " << j["val_loss"].get<double>() << "\n";
-      first_step = std::min(first_step, step);
-      ++n_val;
+      d.val << step << " " << j["val_loss"].get<double>() << "\n";
+      d.first_step = std::min(d.first_step, step);
+      ++d.n_val;
     }
-    if (event == "checkpoint") marks.checkpoints.push_back(step);
-    if (event == "durable") marks.durable.push_back(step);
-    if (event == "interruption") marks.interruptions[step] = j;
-    if (event == "resume") marks.resumes.push_back(j);
+    if (event == "checkpoint") d.marks.checkpoints.push_back(step);
+    if (event == "durable") d.marks.durable.push_back(step);
+    if (event == "interruption") d.marks.interruptions[step] = j;
+    if (event == "resume") d.marks.resumes.push_back(j);
   }
-  if (marks.loss.empty()) return "no step with a loss in '" + metrics_path + "'";
-  std::ostringstream saved;
-  for (int64_t step : marks.checkpoints) {
-    const auto it = marks.loss.find(step);
-    if (it != marks.loss.end()) saved << step << " " << it->second << "\n";
+  for (int64_t step : d.marks.checkpoints) {
+    const auto it = d.marks.loss.find(step);
+    if (it != d.marks.loss.end()) d.saved << step << " " << it->second << "\n";
   }
-  std::ostringstream durable;
-  for (int64_t step : marks.durable) {
-    const auto it = marks.loss.find(step);
-    if (it != marks.loss.end()) durable << step << " " << it->second << "\n";
+  for (int64_t step : d.marks.durable) {
+    const auto it = d.marks.loss.find(step);
+    if (it != d.marks.loss.end()) d.durable << step << " " << it->second << "\n";
   }
-  const auto lines = marks.lines();
-  const std::string script_path = png_path + ".gp";
-  {
-    std::ofstream gp(script_path, std::ios::trunc);
-    gp << "$train << EOD\n" << train.str() << "EOD\n";
-    if (n_val > 0) gp << "$val << EOD\n" << val.str() << "EOD\n";
-    if (!saved.str().empty()) gp << "$saved << EOD\n" << saved.str() << "EOD\n";
-    if (!durable.str().empty()) gp << "$durable << EOD\n" << durable.str() << "EOD\n";
-    gp << "set terminal pngcairo size 900,540 font ',10'\n"
-       << "set output '" << png_path << "'\n"
-       << "set title \"" << gnuplot_text(title) << "\"\n"
-       << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats per token)'\n"
-       << "set grid\nset key top right\n";
-    if (last_step > first_step) gp << "set xrange [" << first_step << ":" << last_step << "]\n";
-    int tag = 1;
-    for (const auto& [step, label] : lines) {  // a dashed line, its label along it (dark, to the line's left)
-      gp << "set arrow " << tag << " from " << step << ", graph 0 to " << step
-         << ", graph 1 nohead dt 2 lw 2 lc rgb '#9467bd' front\n"
-         << "set label " << tag << " \"" << gnuplot_text(label) << "\" at " << step
-         << ", graph 0.97 rotate by 90 right offset -0.9, 0 tc rgb '#333333' font ',9' front\n";
-      ++tag;
-    }
-    gp << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
-    if (n_val > 0) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
-    if (!saved.str().empty()) gp << ", $saved using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'checkpoint saved'";
-    if (!durable.str().empty()) {
-      gp << ", $durable using 1:2 with points pt 6 ps 2.4 lw 2 lc rgb '#ff7f0e' title 'checkpoint durable (object store)'";
-    }
-    if (!lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#9467bd' title 'interruption / restart'";
-    gp << "\n";
-    if (!gp) return "cannot write '" + script_path + "'";
+}
+
+void write_gnuplot_script(std::ostream& gp, const PlotData& d, const std::string& png_path, const std::string& title) {
+  const auto lines = d.marks.lines();
+  const bool has_val = d.n_val > 0, has_saved = !d.saved.str().empty(), has_durable = !d.durable.str().empty();
+  gp << "$train << EOD\n" << d.train.str() << "EOD\n";
+  if (has_val) gp << "$val << EOD\n" << d.val.str() << "EOD\n";
+  if (has_saved) gp << "$saved << EOD\n" << d.saved.str() << "EOD\n";
+  if (has_durable) gp << "$durable << EOD\n" << d.durable.str() << "EOD\n";
+  gp << "set terminal pngcairo size 900,540 font ',10'\n"
+     << "set output '" << png_path << "'\n"
+     << "set title \"" << gnuplot_text(title) << "\"\n"
+     << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats per token)'\n"
+     << "set grid\nset key top right\n";
+  if (d.last_step > d.first_step) gp << "set xrange [" << d.first_step << ":" << d.last_step << "]\n";
+  int tag = 1;
+  for (const auto& [step, label] : lines) {  // a dashed line, its label along it (dark, to the line's left)
+    gp << "set arrow " << tag << " from " << step << ", graph 0 to " << step
+       << ", graph 1 nohead dt 2 lw 2 lc rgb '#9467bd' front\n"
+       << "set label " << tag << " \"" << gnuplot_text(label) << "\" at " << step
+       << ", graph 0.97 rotate by 90 right offset -0.9, 0 tc rgb '#333333' font ',9' front\n";
+    ++tag;
   }
+  gp << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
+  if (has_val) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
+  if (has_saved) gp << ", $saved using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'checkpoint saved'";
+  if (has_durable) {
+    gp << ", $durable using 1:2 with points pt 6 ps 2.4 lw 2 lc rgb '#ff7f0e' title 'checkpoint durable (object store)'";
+  }
+  if (!lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#9467bd' title 'interruption / restart'";
+  gp << "\n";
+}
+
+// Runs gnuplot on the script; "" when it drew the plot, else why not.
+std::string run_gnuplot(const std::string& script_path) {
   const std::string command = "gnuplot '" + script_path + "' 2>&1";
   std::FILE* pipe = ::popen(command.c_str(), "r");
   if (pipe == nullptr) return std::string("cannot run gnuplot: ") + std::strerror(errno);
@@ -373,6 +377,24 @@ std::string plot_metrics(const std::string& metrics_path, const std::string& png
     if (WIFEXITED(status) && WEXITSTATUS(status) == 127) return "gnuplot is not installed (Debian: apt-get install gnuplot-nox)";
     return "gnuplot failed: " + output.substr(0, 300);
   }
+  return "";
+}
+
+}  // namespace
+
+std::string plot_metrics(const std::string& metrics_path, const std::string& png_path, const std::string& title) {
+  std::ifstream in(metrics_path);
+  if (!in) return "cannot read '" + metrics_path + "'";
+  PlotData d;
+  read_plot_data(in, d);
+  if (d.marks.loss.empty()) return "no step with a loss in '" + metrics_path + "'";
+  const std::string script_path = png_path + ".gp";
+  {
+    std::ofstream gp(script_path, std::ios::trunc);
+    write_gnuplot_script(gp, d, png_path, title);
+    if (!gp) return "cannot write '" + script_path + "'";
+  }
+  if (auto why = run_gnuplot(script_path); !why.empty()) return why;
   std::error_code ec;
   fs::remove(script_path, ec);
   return "";

@@ -2,7 +2,7 @@
 // errors, the trace, parameters unused on some ranks, discarded gradients,
 // a unit run twice under activation checkpointing.
 #include "shard/fully_shard_models.h"
-#include "shard/quantized_gather.h"
+#include "shard/zero3/quantized_gather.h"
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"

@@ -8,7 +8,7 @@
 // a layer inside a segment and outside it (in either order), tied input and
 // output embeddings with every layer checkpointed. Every arrival must reach
 // the reduced gradient; none may be left in p.grad().
-#include "shard/resharded_param.h"
+#include "shard/core/resharded_param.h"
 #include "test_util.h"
 #include "zeroshard/activation_checkpoint.h"
 #include "zeroshard/fully_shard.h"

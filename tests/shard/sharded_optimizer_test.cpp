@@ -1,7 +1,7 @@
 // ShardedOptimizer: what ZeRO-1, 2 and 3 share, through the base class.
 // Runs at 1-4 ranks under zeroshard-run (ctest sharded_adamw_np*).
 #include "shard/fully_shard_models.h"
-#include "shard/optimizer_access.h"
+#include "shard/optimizer/optimizer_access.h"
 #include "test_util.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/preemption.h"

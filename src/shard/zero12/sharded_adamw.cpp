@@ -1,11 +1,12 @@
 // sharded_adamw.cpp — ShardedAdamW: construction, step, clipping, state.
 // The gradient side (hooks, bucketed reduce-scatter) is in grad_reduction.cpp.
-#include "shard/sharded_adamw_impl.h"
+#include "shard/optimizer/optimizer_access.h"
+#include "shard/zero12/sharded_adamw_impl.h"
 
 #include "comm/work.h"
 #include "runtime/rank_agreement.h"
-#include "shard/options_text.h"
-#include "shard/tensor_alias.h"
+#include "shard/optimizer/options_text.h"
+#include "shard/core/tensor_alias.h"
 #include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
 
@@ -288,7 +289,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
   shards.max_grad_norm = options.max_grad_norm;
   shards.loss_scale = options.loss_scale;
   shards.loss_scaling = scaling;
-  attach_shards(std::move(shards));
+  shard::OptimizerAccess::attach(*this, std::move(shards));
   im.register_hooks();
 
   int64_t total = 0, shard_elems = 0;
@@ -305,7 +306,7 @@ ShardedAdamW::ShardedAdamW(std::vector<OptimizerParamGroup> groups, ProcessGroup
 ShardedAdamW::~ShardedAdamW() {
   if (!impl_ || !impl_->round) return;
   std::lock_guard<std::recursive_mutex> lock(impl_->round->mutex());
-  detach_shards();
+  shard::OptimizerAccess::detach(*this);
   impl_->remove_hooks();
 }
 

@@ -27,7 +27,7 @@
 // anchor's mutex, which is also the mutex the optimizer's core holds.
 #pragma once
 
-#include "shard/shard_group.h"
+#include "shard/core/shard_group.h"
 
 #include <cstdint>
 #include <functional>

@@ -28,11 +28,11 @@
 //
 // Stage 1: p.grad() is a slice of the bucket's flat gradient buffer, so
 // backward accumulates straight into it; step() reduce-scatters every bucket.
-#include "shard/sharded_adamw_impl.h"
+#include "shard/zero12/sharded_adamw_impl.h"
 
 #include "compat/autograd_hooks.h"
-#include "shard/resharded_param.h"
-#include "shard/tensor_alias.h"
+#include "shard/core/resharded_param.h"
+#include "shard/core/tensor_alias.h"
 #include "zeroshard/sharded_adamw.h"
 #include "zeroshard/log.h"
 

@@ -1,11 +1,11 @@
 // unit.cpp — gathering, resharding and gradient reduction of one ZeRO-3 unit.
-#include "shard/unit.h"
+#include "shard/zero3/unit.h"
 
 #include "comm/work.h"
 #include "compat/torch_compat.h"
-#include "shard/recompute.h"
-#include "shard/resharded_param.h"
-#include "shard/tensor_alias.h"
+#include "shard/backward/recompute.h"
+#include "shard/core/resharded_param.h"
+#include "shard/core/tensor_alias.h"
 #include "zeroshard/trace.h"
 
 

@@ -1,5 +1,5 @@
 // shard_group.cpp — a shard group's gradient accumulation and its update.
-#include "shard/shard_group.h"
+#include "shard/core/shard_group.h"
 
 #include "comm/work.h"
 #include "optim/grad_norm.h"

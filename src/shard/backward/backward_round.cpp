@@ -1,5 +1,5 @@
 // backward_round.cpp — the backward protocol both front-ends share.
-#include "shard/backward_round.h"
+#include "shard/backward/backward_round.h"
 
 #include "compat/autograd_hooks.h"
 #include "zeroshard/log.h"

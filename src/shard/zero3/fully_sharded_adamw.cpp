@@ -5,11 +5,12 @@
 // an update needs no all-gather: the next forward gathers the new values. The
 // root unit stays gathered, so it is all-gathered after its update (first, so
 // that the gather runs while the other units are updated).
-#include "shard/unit.h"
+#include "shard/optimizer/optimizer_access.h"
+#include "shard/zero3/unit.h"
 
 #include "comm/work.h"
 #include "runtime/rank_agreement.h"
-#include "shard/options_text.h"
+#include "shard/optimizer/options_text.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
@@ -131,12 +132,12 @@ FullyShardedAdamW::FullyShardedAdamW(std::shared_ptr<FullyShardedModel> model, s
      << " loss_scaling=" << shards.loss_scaling << shard::describe_loss_scaling(options.loss_scale, shards.loss_scaling);
   entries.push_back(os.str());
   runtime::check_same_on_all_ranks(*m.group.control, entries, "FullyShardedAdamW param groups and options");
-  attach_shards(std::move(shards));
+  shard::OptimizerAccess::attach(*this, std::move(shards));
 }
 
 FullyShardedAdamW::~FullyShardedAdamW() {
   std::lock_guard<std::recursive_mutex> lock(model_->state().mu());
-  detach_shards();
+  shard::OptimizerAccess::detach(*this);
 }
 
 // The model's side of the optimizer (its front-end).

@@ -5,7 +5,7 @@
 // initialize_parameters() reach them here; nothing else does.
 #pragma once
 
-#include "shard/deferred_init.h"
+#include "shard/zero3/deferred_init.h"
 #include "zeroshard/fully_shard.h"
 
 #include <memory>

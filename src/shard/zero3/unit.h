@@ -16,12 +16,12 @@
 #include "zeroshard/fully_shard.h"
 
 #include "compat/autograd_hooks.h"
-#include "shard/backward_round.h"
-#include "shard/deferred_init.h"
-#include "shard/front_end.h"
-#include "shard/quantized_gather.h"
-#include "shard/shard_group.h"
-#include "shard/shard_topology.h"
+#include "shard/backward/backward_round.h"
+#include "shard/zero3/deferred_init.h"
+#include "shard/optimizer/front_end.h"
+#include "shard/zero3/quantized_gather.h"
+#include "shard/core/shard_group.h"
+#include "shard/core/shard_topology.h"
 
 #include <algorithm>
 #include <chrono>
@@ -199,3 +199,8 @@ struct ShardedModel : BackwardRound::Client, FrontEnd {
 };
 
 }  // namespace zeroshard::shard
+
+namespace zeroshard {
+// What a FullyShardedModel holds (fully_shard.h names it only).
+struct FullyShardedModel::State : shard::ShardedModel {};
+}  // namespace zeroshard

@@ -3,9 +3,9 @@
 // grad_reduction.cpp (backward hooks and the bucketed reduce-scatter).
 #pragma once
 
-#include "shard/backward_round.h"
-#include "shard/front_end.h"
-#include "shard/shard_group.h"
+#include "shard/backward/backward_round.h"
+#include "shard/optimizer/front_end.h"
+#include "shard/core/shard_group.h"
 #include "zeroshard/sharded_adamw.h"
 
 #include "compat/autograd_hooks.h"

@@ -5,8 +5,9 @@
 // optimizers that clip as one model (over more ranks than the optimizer's).
 #pragma once
 
-#include "shard/gradient_norms.h"
-#include "shard/shard_group.h"
+#include "shard/optimizer/front_end.h"
+#include "shard/optimizer/gradient_norms.h"
+#include "shard/core/shard_group.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <memory>
@@ -44,6 +45,12 @@ struct OptimizerAccess {
   // Finishes the step's gradient reductions, as step() does first (a
   // pipeline's REDUCE_GRAD). Waits for them; no other collective.
   static void reduce_gradients(ShardedOptimizer& opt);
+
+  // A front-end's constructor, once its shard groups exist: the optimizer
+  // takes them over and joins an agreement of its own.
+  static void attach(ShardedOptimizer& opt, Shards shards);
+  // A front-end's destructor, under the round's mutex: the round is about to go.
+  static void detach(ShardedOptimizer& opt);
 };
 
 }  // namespace zeroshard::shard

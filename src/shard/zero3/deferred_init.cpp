@@ -1,11 +1,11 @@
 // deferred_init.cpp — units that keep only their shard from construction on
 // (DeferredInit), and initializing their parameters one at a time.
-#include "shard/deferred_init.h"
+#include "shard/zero3/deferred_init.h"
 
-#include "shard/module_access.h"
+#include "shard/zero3/module_access.h"
 
-#include "shard/resharded_param.h"
-#include "shard/shard_topology.h"
+#include "shard/core/resharded_param.h"
+#include "shard/core/shard_topology.h"
 #include "zeroshard/fully_shard.h"
 
 #include <torch/torch.h>

@@ -1,5 +1,5 @@
 // resharded_param.cpp — the dispatch fallback behind resharded parameters.
-#include "shard/resharded_param.h"
+#include "shard/core/resharded_param.h"
 
 #include "compat/torch_compat.h"
 

@@ -1,5 +1,5 @@
 // shard_topology.cpp — shard groups and replica groups from a data-parallel group.
-#include "shard/shard_topology.h"
+#include "shard/core/shard_topology.h"
 
 #include "comm/host_name.h"
 #include "zeroshard/sharded_optimizer.h"

@@ -4,7 +4,7 @@
 // parameters; ShardedOptimizer (the core) does the rest, calling these.
 #pragma once
 
-#include "shard/shard_topology.h"
+#include "shard/core/shard_topology.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <vector>

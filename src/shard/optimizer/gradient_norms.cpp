@@ -1,5 +1,5 @@
 // gradient_norms.cpp — the norms slot of a step's agreement.
-#include "shard/gradient_norms.h"
+#include "shard/optimizer/gradient_norms.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "shard/quantized_gather.h"
+#include "shard/zero3/quantized_gather.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,5 +1,5 @@
 // options_text.cpp — a sharded optimizer's options as its ranks compare them.
-#include "shard/options_text.h"
+#include "shard/optimizer/options_text.h"
 
 #include <iomanip>
 #include <sstream>

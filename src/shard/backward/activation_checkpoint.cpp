@@ -3,8 +3,8 @@
 
 #include "compat/autograd_node.h"
 #include "compat/torch_compat.h"
-#include "shard/backward_round.h"
-#include "shard/recompute.h"
+#include "shard/backward/backward_round.h"
+#include "shard/backward/recompute.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
