@@ -9,7 +9,7 @@
 // (fully_shard + FullyShardedAdamW). Batches are random token ids (the cost of
 // a step does not depend on the text). Rank 0 prints "ROW | ... |" for
 // bench/bart_bench.sh, which runs every mode and prints the table.
-#include "bart_model.h"
+#include "model/bart_model.h"
 #include "bench_util.h"
 #include "step_profile.h"
 

@@ -42,7 +42,7 @@ from transformers import BartConfig, BartForConditionalGeneration
 
 from peer_util import peak_rss_mib
 
-# bart::BartConfig::named (examples/bart/bart_model.cpp): tiny, base, large.
+# bart::BartConfig::named (examples/bart/model/bart_model.cpp): tiny, base, large.
 CONFIGS = {
     "tiny": dict(vocab_size=4096, d_model=128, layers=2, heads=4, ffn=512, positions=256),
     "base": dict(vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072, positions=1024),

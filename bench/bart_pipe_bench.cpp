@@ -13,7 +13,7 @@
 // model runs its microbatches one after another (gradient accumulation), one
 // in flight. Batches are random token ids. Rank 0 prints "ROW | ... |" for
 // bench/bart_pipe_bench.sh.
-#include "pipeline_training.h"
+#include "train/pipeline_training.h"
 #include "bench_util.h"
 
 #include <zeroshard/fully_shard.h>

@@ -1,6 +1,6 @@
 // BART model: Hugging Face's parameter names and counts, shapes, padding and
 // causal masks, tied embeddings.
-#include "bart_model.h"
+#include "model/bart_model.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

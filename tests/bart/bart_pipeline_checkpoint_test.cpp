@@ -11,7 +11,7 @@
 // compares its shards against them. The tied embedding's copy on the last
 // stage (lm_head.weight) is saved once, as model.shared.weight, and loads into
 // both copies, or into the whole model where they are one tensor.
-#include "pipeline_training.h"
+#include "train/pipeline_training.h"
 #include "test_util.h"
 
 #include <zeroshard/checkpoint.h>

@@ -2,7 +2,7 @@
 // built alone holds the model's values under the model's names, and the
 // stages chained compute the model's logits and gradients (the tied
 // embedding's as the sum of its two copies').
-#include "bart_pipeline.h"
+#include "model/bart_pipeline.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>

@@ -5,8 +5,8 @@
 // scaled by dp / global tokens, the gradient clipped. Every schedule, ZeRO
 // stage and pipeline depth that divides the world size (2 x 1, 3 x 1, 2 x 2,
 // 4 x 1 at 2, 3 and 4 ranks), 20 steps each.
-#include "bart_pipeline.h"
-#include "pipeline_training.h"
+#include "model/bart_pipeline.h"
+#include "train/pipeline_training.h"
 #include "test_util.h"
 
 #include <zeroshard/fully_shard.h>

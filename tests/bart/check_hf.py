@@ -13,7 +13,7 @@ Usage: check_hf.py BUILD_DIR WORK_DIR CHECK
   tokenizer  a tokenizers.ByteLevelBPETokenizer trained on the demo corpus (plus a multilingual page, so that its
              merges cover non-ASCII text), saved as vocab.json + merges.txt and loaded by ours
              (bart_pretrain encode): the same ids as tokenizers' and transformers' BartTokenizer on every line and
-             every file of the corpus and on non-ASCII text; examples/bart/unicode_classes.h equals the classes
+             every file of the corpus and on non-ASCII text; examples/bart/tokenizer/unicode_classes.h equals the classes
              of tokenizers' pre-tokenizer
 
 No network: nothing is downloaded (HF_HUB_OFFLINE); every model and vocabulary is made here. Without
@@ -84,7 +84,7 @@ def pretrain(build, run_dir, nproc, *args):
     return run([os.path.join(build, "zeroshard-run"), "--nproc-per-node", str(nproc), "--", *base], env=env)
 
 
-# ---- the batch of --save-logits, rebuilt from the corpus (examples/bart/corpus.cpp) ----
+# ---- the batch of --save-logits, rebuilt from the corpus (examples/bart/data/corpus.cpp) ----
 
 def read_texts(directory):
     """corpus.cpp read_texts: regular files under `directory` (recursively, links followed) in std::filesystem::path
@@ -439,7 +439,7 @@ def check_tokenizer(build, work):
     # 1. tokenizer.cpp's letter and number tables and its whitespace list are tokenizers' classes.
     classes = hf_classes()
     table = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "bart",
-                         "unicode_classes.h")
+                         "tokenizer/unicode_classes.h")
     check(os.path.exists(table), f"{table} is missing (tokenizer.cpp's Unicode classes)")
     for name, c in (("kLetters", "L"), ("kNumbers", "N")):
         want, got = ranges_of(classes, c), header_ranges(table, name)

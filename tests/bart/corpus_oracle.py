@@ -1,4 +1,4 @@
-"""examples/bart/corpus.cpp's sentence splitting, written again in Python: the oracle of the tests that
+"""examples/bart/data/corpus.cpp's sentence splitting, written again in Python: the oracle of the tests that
 check what the trainer and `bart_pretrain prepare` make of a text (check_hf.py, tests/data/check_megatron.py)."""
 
 SPACE = b" \t\n\r\f\v"

@@ -1,11 +1,11 @@
 // BART corpus: sentences split; a token store packed within max_tokens, every
 // token kept exactly once, a deterministic held-out split; the default corpus is there.
-#include "corpus.h"
-#include "packed_examples.h"
-#include "prepare.h"
-#include "tokenizer.h"
+#include "data/corpus.h"
+#include "data/packed_examples.h"
+#include "data/prepare.h"
+#include "tokenizer/tokenizer.h"
 #include "test_util.h"
-#include "training.h"
+#include "train/training.h"
 
 #include <gtest/gtest.h>
 

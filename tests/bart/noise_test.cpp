@@ -1,6 +1,6 @@
 // BART's noise: 30% of tokens masked in Poisson(3) spans, one mask per span,
 // sentence permutation keeps the sentences, all deterministic given the seed.
-#include "noise.h"
+#include "data/noise.h"
 
 #include <gtest/gtest.h>
 

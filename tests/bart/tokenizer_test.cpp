@@ -1,6 +1,6 @@
 // Byte-level BPE: GPT-2's pre-tokenization, known merges -> known ids, any
 // bytes round-trip, training is deterministic and save/load keeps encodings.
-#include "tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>

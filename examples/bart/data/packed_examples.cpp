@@ -1,5 +1,5 @@
 // packed_examples.cpp — packing a token store into examples, once, into a file.
-#include "packed_examples.h"
+#include "data/packed_examples.h"
 
 #include <c10/util/Exception.h>
 

@@ -16,10 +16,10 @@
 // which zeroshard-run answers with a restart. Also runs alone (1 rank) or
 // under torchrun. This file is part of the zs_bart library (it compiles in the
 // library's unity unit); main.cpp is the program.
-#include "prepare.h"
-#include "run.h"
+#include "data/prepare.h"
+#include "train/run.h"
 
-#include "bart_model.h"
+#include "model/bart_model.h"
 
 #include <zeroshard/log.h>
 #include <zeroshard/lr_schedule.h>
@@ -107,71 +107,78 @@ void check_options(const RunOptions& o) {
 
 }  // namespace bart
 
-int bart_pretrain_main(int argc, char** argv) {
-  bart::RunOptions o;
-  CLI::App app{"bart_pretrain: BART denoising pretraining, sharded with zeroshard (ZeRO-1/2/3)"};
-  app.set_help_all_flag("--help-all", "every option, of the subcommands too");
+namespace {
 
-  auto* tok = app.add_subcommand("train-tokenizer", "learn a byte-level BPE vocabulary from a text directory");
+// The subcommands' options and what they parsed into.
+struct Subcommands {
+  CLI::App *tok = nullptr, *enc = nullptr, *prep = nullptr, *merge = nullptr, *insp = nullptr, *hf = nullptr;
   bart::TokenizerTrainingOptions to;
-  to.data = {o.data};
-  to.out = "tokenizer";
-  tok->add_option("--data", to.data, "directories (read recursively) or files of text")->capture_default_str();
-  tok->add_option("--vocab-size", to.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
-  tok->add_option("--sample-mb", to.sample_mb, "learn from this many MB of the text, in windows spread evenly over "
-                                               "it (all of it when it holds less)")->capture_default_str();
-  tok->add_option("--workers", to.workers, "counting threads (default: every core)");
-  tok->add_option("--document-separator", to.document_separator,
-                  "a line of this text ends a document and is dropped, as prepare's");
-  tok->add_option("--out", to.out, "writes vocab.json, merges.txt and training.json here")->capture_default_str();
-  tok->add_option("--chunk-bytes", to.chunk_bytes, "text per counting task, and per window of the sample")
-      ->capture_default_str();
-
-  auto* enc = app.add_subcommand("encode", "tokenize text: one JSON string per line on stdin -> its ids, a JSON "
-                                          "array per line on stdout");
-  enc->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
-
-  auto* prep = app.add_subcommand("prepare", "a text corpus, once, into a dataset directory training maps (a "
-                                             "Megatron-LM indexed token store, the tokenizer, a manifest)");
   bart::PrepareOptions po;
-  prep->add_option("--data", po.data, "directories (read recursively) or files of text; a document per file")
-      ->required();
-  prep->add_option("--tokenizer", po.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
-  prep->add_option("--out", po.out, "the dataset directory to write (must not exist)")->required();
-  prep->add_option("--workers", po.workers, "tokenizing threads (default: every core)");
-  prep->add_option("--document-separator", po.document_separator,
-                   "a line of this text ends a document and is dropped (fortune's %); default: a document per file");
-  prep->add_option("--chunk-bytes", po.chunk_bytes, "text per tokenizing task, cut where a sentence ends")
-      ->capture_default_str();
-
-  auto* merge = app.add_subcommand("merge", "datasets prepared in parts (on several hosts) into one");
   std::vector<std::string> merge_parts;
   std::string merge_out;
-  merge->add_option("parts", merge_parts, "the prepared dataset directories, in order")->required();
-  merge->add_option("--out", merge_out, "the dataset directory to write (must not exist)")->required();
-
-  auto* insp = app.add_subcommand("inspect", "a token store's counts as JSON; with --sequences, those sequences' "
-                                             "ids, a JSON array per line");
   std::string insp_dataset, insp_range;
   bool insp_verify = false;
-  insp->add_option("--dataset", insp_dataset, "a prepared dataset directory, or a store's prefix (PREFIX.idx, "
-                                              "PREFIX.bin: Megatron's)")->required();
-  insp->add_option("--sequences", insp_range, "FIRST:END, the sequences to print");
-  insp->add_flag("--verify", insp_verify, "read the whole index and both files' checksums (against the manifest)");
-
-  auto* hf = app.add_subcommand("export-hf", "write a run's checkpoint as a Hugging Face directory (config.json, "
-                                            "model.safetensors, tokenizer): from_pretrained loads it as is");
   std::string hf_out;
   int64_t hf_step = -1;
-  hf->add_option("--out", hf_out, "the directory to write")->required();
-  hf->add_option("--step", hf_step, "the checkpoint's step (default: the latest committed)");
-  // The run's options export-hf reads, also after the subcommand (as a user types them).
-  hf->add_option("--run-dir", o.run_dir, "the run: its tokenizer/ and checkpoints/")->capture_default_str();
-  hf->add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints)");
-  hf->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt (default RUN_DIR/tokenizer)");
-  hf->add_option("--config", o.config, "the run's --config: tiny, base, large, or a config.json")->capture_default_str();
-  hf->add_option("--max-tokens", o.max_tokens, "the run's --max-tokens")->capture_default_str();
+};
 
+void add_subcommands(CLI::App& app, bart::RunOptions& o, Subcommands& c) {
+  c.tok = app.add_subcommand("train-tokenizer", "learn a byte-level BPE vocabulary from a text directory");
+  c.to.data = {o.data};
+  c.to.out = "tokenizer";
+  c.tok->add_option("--data", c.to.data, "directories (read recursively) or files of text")->capture_default_str();
+  c.tok->add_option("--vocab-size", c.to.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
+  c.tok->add_option("--sample-mb", c.to.sample_mb, "learn from this many MB of the text, in windows spread evenly over "
+                                               "it (all of it when it holds less)")->capture_default_str();
+  c.tok->add_option("--workers", c.to.workers, "counting threads (default: every core)");
+  c.tok->add_option("--document-separator", c.to.document_separator,
+                  "a line of this text ends a document and is dropped, as prepare's");
+  c.tok->add_option("--out", c.to.out, "writes vocab.json, merges.txt and training.json here")->capture_default_str();
+  c.tok->add_option("--chunk-bytes", c.to.chunk_bytes, "text per counting task, and per window of the sample")
+      ->capture_default_str();
+
+  c.enc = app.add_subcommand("encode", "tokenize text: one JSON string per line on stdin -> its ids, a JSON "
+                                          "array per line on stdout");
+  c.enc->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
+
+  c.prep = app.add_subcommand("prepare", "a text corpus, once, into a dataset directory training maps (a "
+                                             "Megatron-LM indexed token store, the tokenizer, a manifest)");
+  c.prep->add_option("--data", c.po.data, "directories (read recursively) or files of text; a document per file")
+      ->required();
+  c.prep->add_option("--tokenizer", c.po.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
+  c.prep->add_option("--out", c.po.out, "the dataset directory to write (must not exist)")->required();
+  c.prep->add_option("--workers", c.po.workers, "tokenizing threads (default: every core)");
+  c.prep->add_option("--document-separator", c.po.document_separator,
+                   "a line of this text ends a document and is dropped (fortune's %); default: a document per file");
+  c.prep->add_option("--chunk-bytes", c.po.chunk_bytes, "text per tokenizing task, cut where a sentence ends")
+      ->capture_default_str();
+
+  c.merge = app.add_subcommand("merge", "datasets prepared in parts (on several hosts) into one");
+  c.merge->add_option("parts", c.merge_parts, "the prepared dataset directories, in order")->required();
+  c.merge->add_option("--out", c.merge_out, "the dataset directory to write (must not exist)")->required();
+
+  c.insp = app.add_subcommand("inspect", "a token store's counts as JSON; with --sequences, those sequences' "
+                                             "ids, a JSON array per line");
+  c.insp->add_option("--dataset", c.insp_dataset, "a prepared dataset directory, or a store's prefix (PREFIX.idx, "
+                                              "PREFIX.bin: Megatron's)")->required();
+  c.insp->add_option("--sequences", c.insp_range, "FIRST:END, the sequences to print");
+  c.insp->add_flag("--verify", c.insp_verify, "read the whole index and both files' checksums (against the manifest)");
+
+  c.hf = app.add_subcommand("export-hf", "write a run's checkpoint as a Hugging Face directory (config.json, "
+                                            "model.safetensors, tokenizer): from_pretrained loads it as is");
+  c.hf->add_option("--out", c.hf_out, "the directory to write")->required();
+  c.hf->add_option("--step", c.hf_step, "the checkpoint's step (default: the latest committed)");
+  // The run's options export-hf reads, also after the subcommand (as a user types them).
+  c.hf->add_option("--run-dir", o.run_dir, "the run: its tokenizer/ and checkpoints/")->capture_default_str();
+  c.hf->add_option("--ckpt-dir", o.ckpt_dir, "checkpoints (default RUN_DIR/checkpoints)");
+  c.hf->add_option("--tokenizer", o.tokenizer_dir, "directory with vocab.json + merges.txt (default RUN_DIR/tokenizer)");
+  c.hf->add_option("--config", o.config, "the run's --config: tiny, base, large, or a config.json")->capture_default_str();
+  c.hf->add_option("--max-tokens", o.max_tokens, "the run's --max-tokens")->capture_default_str();
+
+}
+
+// Training: the model, the data, the batch and the pipeline.
+void add_data_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--dataset", o.dataset, "a dataset directory bart_pretrain prepare wrote (or a token store's "
                                          "prefix, PREFIX.idx + PREFIX.bin, with --tokenizer); every host needs a copy");
@@ -209,6 +216,10 @@ int bart_pretrain_main(int argc, char** argv) {
                  "blocks per stage: uniform, balanced (by parameters), timed (by each kind of block's measured "
                  "forward + backward time), or a layout of the blocks E e d L, e.g. 'E e*6 | e*6 d*2 | d*10 L'")
       ->capture_default_str();
+}
+
+// Training: the schedule, the optimizer, the sharding, the devices.
+void add_optimizer_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--max-steps", o.max_steps, "optimizer steps of the whole run")->capture_default_str();
   app.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
   app.add_option("--schedule", o.schedule, "constant, inverse-sqrt or cosine (after linear warmup)")
@@ -257,6 +268,10 @@ int bart_pretrain_main(int argc, char** argv) {
                  "seconds a peer may stay silent before its host is taken for dead or cut off: every rank then "
                  "stops, naming it")
       ->capture_default_str();
+}
+
+// Training: checkpoints, evaluation, the data loader, noise, reports.
+void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
   app.add_option("--ckpt-dir", o.ckpt_dir,
                  "checkpoints: a directory (default RUN_DIR/checkpoints; 'none': no checkpoints), or s3://BUCKET/PREFIX, "
                  "a durable tier on any S3-compatible store (AWS_* settings; docs/checkpoints.md) with the local copies "
@@ -279,7 +294,6 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "initialisation, shuffling, noise and dropout")->capture_default_str();
   app.add_option("--mask-ratio", o.noise.mask_ratio, "fraction of tokens in masked spans")->capture_default_str();
   app.add_option("--poisson-lambda", o.noise.poisson_lambda, "mean masked span length")->capture_default_str();
-  bool no_permute = false;
   app.add_flag("--no-permute", no_permute, "keep the sentences of an example in order (no sentence permutation)");
   app.add_option("--progress-interval", o.progress_interval, "seconds between progress lines")->capture_default_str();
   app.add_flag("--keep-denormals", o.keep_denormals,
@@ -295,6 +309,20 @@ int bart_pretrain_main(int argc, char** argv) {
   app.add_option("--save-logits", o.save_logits,
                  "at the end, rank 0 writes the logits of the first validation batch here (raw float32, "
                  "for comparing models)");
+}
+
+}  // namespace
+
+int bart_pretrain_main(int argc, char** argv) {
+  bart::RunOptions o;
+  CLI::App app{"bart_pretrain: BART denoising pretraining, sharded with zeroshard (ZeRO-1/2/3)"};
+  app.set_help_all_flag("--help-all", "every option, of the subcommands too");
+  Subcommands c;
+  add_subcommands(app, o, c);
+  add_data_options(app, o);
+  add_optimizer_options(app, o);
+  bool no_permute = false;
+  add_run_options(app, o, no_permute);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -302,12 +330,12 @@ int bart_pretrain_main(int argc, char** argv) {
   }
   o.noise.permute_sentences = !no_permute;
   try {
-    if (tok->parsed()) return bart::train_tokenizer_command(to);
-    if (enc->parsed()) return bart::encode_command(o.tokenizer_dir);
-    if (prep->parsed()) return bart::prepare_command(po);
-    if (merge->parsed()) return bart::merge_command(merge_parts, merge_out);
-    if (insp->parsed()) return bart::inspect_command(insp_dataset, insp_range, insp_verify);
-    if (hf->parsed()) return bart::export_hf_command(o, hf_out, hf_step);
+    if (c.tok->parsed()) return bart::train_tokenizer_command(c.to);
+    if (c.enc->parsed()) return bart::encode_command(o.tokenizer_dir);
+    if (c.prep->parsed()) return bart::prepare_command(c.po);
+    if (c.merge->parsed()) return bart::merge_command(c.merge_parts, c.merge_out);
+    if (c.insp->parsed()) return bart::inspect_command(c.insp_dataset, c.insp_range, c.insp_verify);
+    if (c.hf->parsed()) return bart::export_hf_command(o, c.hf_out, c.hf_step);
     return bart::run_pretraining(o);
   } catch (const std::exception& e) {  // the message says what to fix; LibTorch's C++ backtrace at debug level
     const std::string message = zeroshard::error_message(e);

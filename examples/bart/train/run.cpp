@@ -1,10 +1,10 @@
 // run.cpp — what a run needs besides its training (pretraining.cpp): the
 // tokenizer (given, or trained by rank 0), the model's config, and the
 // train-tokenizer and encode commands.
-#include "run.h"
+#include "train/run.h"
 
-#include "prepare.h"
-#include "tokenizer.h"
+#include "data/prepare.h"
+#include "tokenizer/tokenizer.h"
 
 #include <zeroshard/comm.h>
 #include <zeroshard/log.h>
@@ -193,12 +193,6 @@ std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const 
                     "' (rank 0: sequences/documents/tokens/index xxh3 ", rank0, ", rank ", comm.rank(), ": ", mine,
                     "); give every host the same copy");
   return dataset;
-}
-
-std::string tokenizer_files_in(const std::string& dir) { return (fs::path(dir) / "vocab.json").string(); }
-
-ByteLevelBpe load_tokenizer(const std::string& dir) {
-  return ByteLevelBpe::load((fs::path(dir) / "vocab.json").string(), (fs::path(dir) / "merges.txt").string());
 }
 
 BartConfig run_config(const RunOptions& o, const ByteLevelBpe& tokenizer) {

@@ -1,15 +1,17 @@
 // tokenizer.cpp — byte-level BPE (see tokenizer.h).
-#include "tokenizer.h"
-#include "json_error.h"
+#include "tokenizer/tokenizer.h"
+#include "io/json_error.h"
 
-#include "unicode_classes.h"
+#include "tokenizer/unicode_classes.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <sstream>
 
 namespace bart {
@@ -354,130 +356,78 @@ namespace {
 
 // A pair of symbols (token ids) as one key: first << 32 | second.
 uint64_t pair_key(int32_t a, int32_t b) { return static_cast<uint64_t>(a) << 32 | static_cast<uint32_t>(b); }
+int32_t first_of(uint64_t pair) { return static_cast<int32_t>(pair >> 32); }
+int32_t second_of(uint64_t pair) { return static_cast<int32_t>(pair & 0xFFFFFFFFu); }
 
 struct Candidate {
   int64_t count;
   uint64_t pair;
 };
 
-}  // namespace
-
-ByteLevelBpe ByteLevelBpe::train(const PieceCounts& pieces, int64_t vocab_size) {
-  ByteLevelBpe t;
-  t.tokens_ = {"<s>", "<pad>", "</s>", "<unk>"};
-  const int32_t first_byte = static_cast<int32_t>(t.tokens_.size());
-  std::unordered_map<std::string, int32_t> id_of;
-  for (const auto& s : byte_symbols()) {
-    id_of.emplace(s, static_cast<int32_t>(t.tokens_.size()));
-    t.tokens_.push_back(s);
-  }
-  const int32_t first_merged = static_cast<int32_t>(t.tokens_.size());
-  const int64_t target = vocab_size - 1;  // <mask> comes last
-  TORCH_CHECK_VALUE(vocab_size > static_cast<int64_t>(t.tokens_.size()) + 1, "tokenizer: vocab_size ", vocab_size,
-                    " leaves no room for merges (the specials and 256 bytes take ", t.tokens_.size() + 1, ")");
+// The state of learning merges: every piece as a word of symbols, the pairs'
+// counts, which words hold each pair, and a queue of candidate pairs (counts
+// updated lazily: a candidate whose count fell is queued again at its count).
+class BpeTrainer {
   // A symbol's place in ties: a byte's character's code point; merged symbols after all of them, as learned.
-  std::vector<uint32_t> order;
-  for (const auto& s : byte_symbols()) order.push_back(next_char(s, 0).first);
-  auto rank = [&](int32_t id) -> uint64_t {
-    return id < first_merged ? order[static_cast<size_t>(id - first_byte)] : uint64_t{0x110000} + static_cast<uint64_t>(id);
-  };
+  uint64_t rank(int32_t id) const {
+    return id < first_merged_ ? order_[static_cast<size_t>(id - first_byte_)]
+                              : uint64_t{0x110000} + static_cast<uint64_t>(id);
+  }
   // The queue's top is the most frequent pair, then the one whose symbols rank first.
-  auto after = [&](const Candidate& x, const Candidate& y) {
-    if (x.count != y.count) return x.count < y.count;
-    const int32_t xa = static_cast<int32_t>(x.pair >> 32), ya = static_cast<int32_t>(y.pair >> 32);
-    if (xa != ya) return rank(xa) > rank(ya);
-    return rank(static_cast<int32_t>(x.pair & 0xFFFFFFFFu)) > rank(static_cast<int32_t>(y.pair & 0xFFFFFFFFu));
-  };
-
-  // Words: every piece's symbols, end to end (a word shrinks in place as it merges).
-  const size_t words = pieces.size();
-  std::vector<int32_t> symbols;
-  std::vector<size_t> begin(words + 1);
-  std::vector<uint32_t> length(words);
-  std::vector<int64_t> freq(words);
-  {
-    size_t w = 0;
-    for (const auto& [piece, n] : pieces.counts()) {
-      begin[w] = symbols.size();
-      for (unsigned char b : piece) symbols.push_back(first_byte + b);
-      length[w] = static_cast<uint32_t>(piece.size());
-      freq[w] = n;
-      ++w;
-    }
-    begin[w] = symbols.size();
+  auto after() const {
+    return [this](const Candidate& x, const Candidate& y) {
+      if (x.count != y.count) return x.count < y.count;
+      const int32_t xa = first_of(x.pair), ya = first_of(y.pair);
+      if (xa != ya) return rank(xa) > rank(ya);
+      return rank(second_of(x.pair)) > rank(second_of(y.pair));
+    };
   }
-  std::unordered_map<uint64_t, int64_t> count;                // pair -> occurrences, weighted by the words' counts
-  std::unordered_map<uint64_t, std::vector<uint32_t>> where;  // pair -> words that held it (some may no longer)
-  auto note = [&](uint64_t pair, uint32_t w) {
-    auto& ws = where[pair];
-    if (ws.empty() || ws.back() != w) ws.push_back(w);
-  };
-  for (uint32_t w = 0; w < words; ++w) {
-    const int32_t* s = symbols.data() + begin[w];
-    for (uint32_t k = 0; k + 1 < length[w]; ++k) {
-      const uint64_t p = pair_key(s[k], s[k + 1]);
-      count[p] += freq[w];
-      note(p, w);
-    }
-  }
-  std::vector<Candidate> queue;
-  queue.reserve(count.size());
-  for (const auto& [p, n] : count) queue.push_back({n, p});
-  std::make_heap(queue.begin(), queue.end(), after);
 
-  std::vector<uint32_t> visited(words, 0);  // the merge that last visited each word (1-based)
-  std::vector<uint64_t> fresh;              // pairs holding the new symbol
-  std::unordered_map<std::string, int32_t> merged_id;
-  uint32_t step = 0;
-  int64_t entries = static_cast<int64_t>(t.tokens_.size());
-  while (entries < target && !queue.empty()) {
-    std::pop_heap(queue.begin(), queue.end(), after);
-    const Candidate top = queue.back();
-    queue.pop_back();
-    const auto it = count.find(top.pair);
-    const int64_t now = it == count.end() ? 0 : it->second;
-    if (now != top.count) {  // the count fell since it was queued: queue it again at its count
-      if (now > 0) {
-        queue.push_back({now, top.pair});
-        std::push_heap(queue.begin(), queue.end(), after);
+ public:
+  BpeTrainer(const PieceCounts& pieces, int32_t first_byte, int32_t first_merged, std::vector<uint32_t> order)
+      : first_byte_(first_byte), first_merged_(first_merged), order_(std::move(order)) {
+    load_words(pieces);
+    count_pairs();
+  }
+
+  // The most frequent pair (ties: the one whose symbols rank first); none when no pair is left.
+  std::optional<uint64_t> pop_best() {
+    while (!queue_.empty()) {
+      std::pop_heap(queue_.begin(), queue_.end(), after());
+      const Candidate top = queue_.back();
+      queue_.pop_back();
+      const auto it = count_.find(top.pair);
+      const int64_t now = it == count_.end() ? 0 : it->second;
+      if (now != top.count) {  // the count fell since it was queued: queue it again at its count
+        if (now > 0) push(now, top.pair);
+        continue;
       }
-      continue;
+      if (now < 1) return std::nullopt;
+      return top.pair;
     }
-    if (now < 1) break;
-    const int32_t a = static_cast<int32_t>(top.pair >> 32), b = static_cast<int32_t>(top.pair & 0xFFFFFFFFu);
-    const std::string joined = t.tokens_[static_cast<size_t>(a)] + t.tokens_[static_cast<size_t>(b)];
-    t.merges_.emplace_back(t.tokens_[static_cast<size_t>(a)], t.tokens_[static_cast<size_t>(b)]);
-    // Two merges can spell the same token ("a bc", "ab c"): it keeps its first id.
-    int32_t id;
-    if (auto known = merged_id.find(joined); known != merged_id.end()) {
-      id = known->second;
-    } else {
-      id = static_cast<int32_t>(t.tokens_.size());
-      merged_id.emplace(joined, id);
-      t.tokens_.push_back(joined);
-      ++entries;
-    }
-    ++step;
-    fresh.clear();
-    const std::vector<uint32_t> holders = std::move(where[top.pair]);
-    where.erase(top.pair);
-    count.erase(top.pair);
+    return std::nullopt;
+  }
+
+  // Replaces every occurrence of `pair` by the symbol `id`, left to right (as
+  // GPT-2 applies a merge), and queues the pairs the new symbol forms.
+  void merge(uint64_t pair, int32_t id) {
+    const int32_t a = first_of(pair), b = second_of(pair);
+    ++step_;
+    fresh_.clear();
+    const std::vector<uint32_t> holders = std::move(where_[pair]);
+    where_.erase(pair);
+    count_.erase(pair);
     for (uint32_t w : holders) {
-      if (visited[w] == step) continue;
-      visited[w] = step;
-      int32_t* s = symbols.data() + begin[w];
-      const uint32_t len = length[w];
+      if (visited_[w] == step_) continue;
+      visited_[w] = step_;
+      int32_t* s = symbols_.data() + begin_[w];
+      const uint32_t len = length_[w];
       bool holds = false;
       for (uint32_t k = 0; k + 1 < len && !holds; ++k) holds = s[k] == a && s[k + 1] == b;
       if (!holds) continue;
-      const int64_t f = freq[w];
-      auto take = [&](uint64_t p) {
-        if (p == top.pair) return;
-        auto c = count.find(p);
-        if ((c->second -= f) == 0) count.erase(c);
-      };
-      for (uint32_t k = 0; k + 1 < len; ++k) take(pair_key(s[k], s[k + 1]));
-      uint32_t out = 0;  // left to right, as GPT-2 applies a merge
+      const int64_t f = freq_[w];
+      for (uint32_t k = 0; k + 1 < len; ++k) take(pair_key(s[k], s[k + 1]), pair, f);
+      uint32_t out = 0;
       for (uint32_t k = 0; k < len; ++k) {
         if (k + 1 < len && s[k] == a && s[k + 1] == b) {
           s[out++] = id;
@@ -486,26 +436,128 @@ ByteLevelBpe ByteLevelBpe::train(const PieceCounts& pieces, int64_t vocab_size) 
           s[out++] = s[k];
         }
       }
-      length[w] = out;
+      length_[w] = out;
       for (uint32_t k = 0; k + 1 < out; ++k) {
         const uint64_t p = pair_key(s[k], s[k + 1]);
-        count[p] += f;
+        count_[p] += f;
         if (s[k] == id || s[k + 1] == id) {
           note(p, w);
-          fresh.push_back(p);
+          fresh_.push_back(p);
         }
       }
     }
-    std::sort(fresh.begin(), fresh.end());
-    fresh.erase(std::unique(fresh.begin(), fresh.end()), fresh.end());
-    for (uint64_t p : fresh) {
-      queue.push_back({count.at(p), p});
-      std::push_heap(queue.begin(), queue.end(), after);
+    std::sort(fresh_.begin(), fresh_.end());
+    fresh_.erase(std::unique(fresh_.begin(), fresh_.end()), fresh_.end());
+    for (uint64_t p : fresh_) push(count_.at(p), p);
+  }
+
+ private:
+  // Words: every piece's symbols, end to end (a word shrinks in place as it merges).
+  void load_words(const PieceCounts& pieces) {
+    const size_t words = pieces.size();
+    begin_.resize(words + 1);
+    length_.resize(words);
+    freq_.resize(words);
+    visited_.assign(words, 0);
+    size_t w = 0;
+    for (const auto& [piece, n] : pieces.counts()) {
+      begin_[w] = symbols_.size();
+      for (unsigned char b : piece) symbols_.push_back(first_byte_ + b);
+      length_[w] = static_cast<uint32_t>(piece.size());
+      freq_[w] = n;
+      ++w;
     }
+    begin_[w] = symbols_.size();
+  }
+
+  void count_pairs() {
+    for (uint32_t w = 0; w < length_.size(); ++w) {
+      const int32_t* s = symbols_.data() + begin_[w];
+      for (uint32_t k = 0; k + 1 < length_[w]; ++k) {
+        const uint64_t p = pair_key(s[k], s[k + 1]);
+        count_[p] += freq_[w];
+        note(p, w);
+      }
+    }
+    queue_.reserve(count_.size());
+    for (const auto& [p, n] : count_) queue_.push_back({n, p});
+    std::make_heap(queue_.begin(), queue_.end(), after());
+  }
+
+  void push(int64_t n, uint64_t pair) {
+    queue_.push_back({n, pair});
+    std::push_heap(queue_.begin(), queue_.end(), after());
+  }
+  void note(uint64_t pair, uint32_t w) {
+    auto& ws = where_[pair];
+    if (ws.empty() || ws.back() != w) ws.push_back(w);
+  }
+  // A word of frequency f loses an occurrence of `p` (not the pair being merged, whose count is gone).
+  void take(uint64_t p, uint64_t merging, int64_t f) {
+    if (p == merging) return;
+    auto c = count_.find(p);
+    if ((c->second -= f) == 0) count_.erase(c);
+  }
+
+  const int32_t first_byte_, first_merged_;
+  const std::vector<uint32_t> order_;
+  std::vector<int32_t> symbols_;
+  std::vector<size_t> begin_;
+  std::vector<uint32_t> length_;
+  std::vector<int64_t> freq_;
+  std::unordered_map<uint64_t, int64_t> count_;                // pair -> occurrences, weighted by the words' counts
+  std::unordered_map<uint64_t, std::vector<uint32_t>> where_;  // pair -> words that held it (some may no longer)
+  std::vector<Candidate> queue_;
+  std::vector<uint32_t> visited_;  // the merge that last visited each word (1-based)
+  std::vector<uint64_t> fresh_;    // pairs holding the new symbol
+  uint32_t step_ = 0;
+};
+
+}  // namespace
+
+ByteLevelBpe ByteLevelBpe::train(const PieceCounts& pieces, int64_t vocab_size) {
+  ByteLevelBpe t;
+  t.tokens_ = {"<s>", "<pad>", "</s>", "<unk>"};
+  const int32_t first_byte = static_cast<int32_t>(t.tokens_.size());
+  std::vector<uint32_t> order;
+  for (const auto& s : byte_symbols()) {
+    t.tokens_.push_back(s);
+    order.push_back(next_char(s, 0).first);
+  }
+  const int32_t first_merged = static_cast<int32_t>(t.tokens_.size());
+  const int64_t target = vocab_size - 1;  // <mask> comes last
+  TORCH_CHECK_VALUE(vocab_size > static_cast<int64_t>(t.tokens_.size()) + 1, "tokenizer: vocab_size ", vocab_size,
+                    " leaves no room for merges (the specials and 256 bytes take ", t.tokens_.size() + 1, ")");
+  BpeTrainer trainer(pieces, first_byte, first_merged, std::move(order));
+  std::unordered_map<std::string, int32_t> merged_id;
+  int64_t entries = static_cast<int64_t>(t.tokens_.size());
+  while (entries < target) {
+    const auto pair = trainer.pop_best();
+    if (!pair) break;
+    const std::string& left = t.tokens_[static_cast<size_t>(first_of(*pair))];
+    const std::string& right = t.tokens_[static_cast<size_t>(second_of(*pair))];
+    t.merges_.emplace_back(left, right);
+    const std::string joined = left + right;
+    // Two merges can spell the same token ("a bc", "ab c"): it keeps its first id.
+    auto [known, fresh] = merged_id.emplace(joined, static_cast<int32_t>(t.tokens_.size()));
+    if (fresh) {
+      t.tokens_.push_back(joined);
+      ++entries;
+    }
+    trainer.merge(*pair, known->second);
   }
   t.tokens_.push_back("<mask>");
   t.index();
   return t;
+}
+
+std::string tokenizer_files_in(const std::string& dir) {
+  return (std::filesystem::path(dir) / "vocab.json").string();
+}
+
+ByteLevelBpe load_tokenizer(const std::string& dir) {
+  const std::filesystem::path d(dir);
+  return ByteLevelBpe::load((d / "vocab.json").string(), (d / "merges.txt").string());
 }
 
 }  // namespace bart

@@ -2,7 +2,7 @@
 // and for tools (JSON, the last line of metrics.jsonl).
 #pragma once
 
-#include "training.h"
+#include "train/training.h"
 
 #include <cmath>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // bart_model.cpp — BART modules (see bart_model.h).
-#include "bart_model.h"
-#include "json_error.h"
+#include "model/bart_model.h"
+#include "io/json_error.h"
 
 #include <zeroshard/activation_checkpoint.h>
 

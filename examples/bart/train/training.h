@@ -3,11 +3,11 @@
 // and a denoising sample.
 #pragma once
 
-#include "bart_model.h"
-#include "packed_examples.h"
-#include "noise.h"
-#include "pipeline_training.h"
-#include "tokenizer.h"
+#include "model/bart_model.h"
+#include "data/packed_examples.h"
+#include "data/noise.h"
+#include "train/pipeline_training.h"
+#include "tokenizer/tokenizer.h"
 
 #include <zeroshard/comm.h>
 

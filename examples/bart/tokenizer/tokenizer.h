@@ -101,4 +101,9 @@ class ByteLevelBpe {
   std::vector<std::string> bpe(const std::string& piece) const;
 };
 
+// The tokenizer files of a directory (vocab.json, whose presence marks one),
+// and the tokenizer they hold.
+std::string tokenizer_files_in(const std::string& dir);
+ByteLevelBpe load_tokenizer(const std::string& dir);
+
 }  // namespace bart

@@ -1,9 +1,9 @@
 // tokenizer_training.cpp — `bart_pretrain train-tokenizer`: a sample of the
 // corpus read as prepare reads it, its pieces counted on worker threads, a
 // vocabulary learned from the counts (prepare.h says what and how).
-#include "prepare.h"
-#include "text_chunks.h"
-#include "text_file.h"
+#include "data/prepare.h"
+#include "data/text_chunks.h"
+#include "io/text_file.h"
 
 #include <zeroshard/log.h>
 

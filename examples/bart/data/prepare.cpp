@@ -1,11 +1,10 @@
 // prepare.cpp — a corpus into a token store: read (this thread), split and
 // tokenize (workers), write in order (whichever worker finishes the next chunk).
-#include "prepare.h"
+#include "data/prepare.h"
 
-#include "text_file.h"
+#include "io/text_file.h"
 
-#include "run.h"
-#include "text_chunks.h"
+#include "data/text_chunks.h"
 
 #include <zeroshard/log.h>
 #include <zeroshard/token_store.h>

@@ -3,14 +3,14 @@
 // start, saves --save-logits and prints the summary. Internal to those files.
 #pragma once
 
-#include "bart_model.h"
-#include "packed_examples.h"
-#include "noise.h"
-#include "pipeline_training.h"
-#include "run.h"
-#include "run_record.h"
-#include "tokenizer.h"
-#include "training.h"
+#include "model/bart_model.h"
+#include "data/packed_examples.h"
+#include "data/noise.h"
+#include "train/pipeline_training.h"
+#include "train/run.h"
+#include "train/run_record.h"
+#include "tokenizer/tokenizer.h"
+#include "train/training.h"
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/comm.h>

@@ -1,5 +1,5 @@
 // run_record.cpp — the run record's JSON, and a step's statistical efficiency.
-#include "run_record.h"
+#include "train/run_record.h"
 
 #include <zeroshard/metrics.h>
 

@@ -1,5 +1,5 @@
 // noise.cpp — sentence permutation and text infilling.
-#include "noise.h"
+#include "data/noise.h"
 
 #include <algorithm>
 #include <cmath>

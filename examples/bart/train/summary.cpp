@@ -1,5 +1,5 @@
 // summary.cpp — the closing report.
-#include "summary.h"
+#include "train/summary.h"
 
 #include <zeroshard/metrics.h>
 

@@ -1,9 +1,9 @@
 // run.h — the bart_pretrain program: options, the training run, the summary.
 #pragma once
 
-#include "bart_model.h"
-#include "noise.h"
-#include "tokenizer.h"
+#include "model/bart_model.h"
+#include "data/noise.h"
+#include "tokenizer/tokenizer.h"
 
 #include <cstdint>
 #include <string>
@@ -85,11 +85,6 @@ void check_options(const RunOptions& o);
 // (any text: "\t", "\n", "\u00e9" escapes); stdout gets, per line, the ids of
 // its encoding as a JSON array. For comparing the tokenizer with others.
 int encode_command(const std::string& tokenizer_dir);
-
-// The tokenizer files of a directory (vocab.json, whose presence marks one),
-// and the tokenizer they hold.
-std::string tokenizer_files_in(const std::string& dir);
-ByteLevelBpe load_tokenizer(const std::string& dir);
 
 // The run's tokenizer: --tokenizer's, or the dataset's (DATASET/tokenizer), or
 // RUN_DIR/tokenizer, which rank 0 trains from --data first when it is not there

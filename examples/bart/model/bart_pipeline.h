@@ -23,7 +23,7 @@
 // and its copy are units of their own (Sharded<>) for ZeRO-3 ties.
 #pragma once
 
-#include "bart_model.h"
+#include "model/bart_model.h"
 
 #include <zeroshard/pipeline_partition.h>
 #include <zeroshard/pipeline_payload.h>

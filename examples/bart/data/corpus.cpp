@@ -1,5 +1,5 @@
 // corpus.cpp — sentence splitting.
-#include "corpus.h"
+#include "data/corpus.h"
 
 #include <cctype>
 

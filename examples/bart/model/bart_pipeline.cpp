@@ -1,5 +1,5 @@
 // bart_pipeline.cpp — BART's blocks and pipeline stages (see bart_pipeline.h).
-#include "bart_pipeline.h"
+#include "model/bart_pipeline.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/StringUtil.h>

@@ -18,7 +18,7 @@
 // it starts over.
 #pragma once
 
-#include "tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <nlohmann/json.hpp>
 

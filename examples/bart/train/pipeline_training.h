@@ -13,7 +13,7 @@
 // stage takes the loss.
 #pragma once
 
-#include "bart_pipeline.h"
+#include "model/bart_pipeline.h"
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/pipeline_executor.h>

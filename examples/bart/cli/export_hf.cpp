@@ -1,7 +1,7 @@
 // export_hf.cpp — `bart_pretrain export-hf`: a run's checkpoint as a
 // directory Hugging Face's from_pretrained loads as is (run.h).
-#include "run.h"
-#include "text_file.h"
+#include "train/run.h"
+#include "io/text_file.h"
 
 #include <zeroshard/checkpoint.h>
 #include <zeroshard/log.h>

@@ -4,8 +4,8 @@
 // in order. Internal to the two.
 #pragma once
 
-#include "corpus.h"
-#include "prepare.h"
+#include "data/corpus.h"
+#include "data/prepare.h"
 
 #include <zeroshard/prefetcher.h>
 

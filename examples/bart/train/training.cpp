@@ -1,5 +1,5 @@
 // training.cpp — noised batches, the summed loss, validation, a denoising sample.
-#include "training.h"
+#include "train/training.h"
 
 #include <algorithm>
 #include <cctype>

@@ -1,10 +1,10 @@
 // pretraining_report.cpp — what a training run tells: the start (sizes, grid,
 // pipeline), --save-logits, and the summary (printed, written to the metrics,
 // and the loss plot). See pretraining_run.h.
-#include "pretraining_run.h"
+#include "train/pretraining_run.h"
 
-#include "summary.h"
-#include "training.h"
+#include "train/summary.h"
+#include "train/training.h"
 
 #include <zeroshard/log.h>
 #include <zeroshard/metrics.h>

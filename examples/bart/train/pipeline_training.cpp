@@ -1,5 +1,5 @@
 // pipeline_training.cpp — BART's pipeline stages, their optimizers and executors.
-#include "pipeline_training.h"
+#include "train/pipeline_training.h"
 
 #include <zeroshard/fully_shard.h>
 #include <zeroshard/sharded_adamw.h>

@@ -1,0 +1,275 @@
+// pretraining_setup.cpp — bart_pretrain's run before its first step: the
+// communicator, the data, the model and its optimizers (build_model), and the
+// resume from the last checkpoint or a fresh start (pretraining.cpp: the loop).
+#include "train/pretraining_run.h"
+
+#include "data/prepare.h"
+#include "train/training.h"
+
+#include "zeroshard/sharded_adamw.h"
+#include <zeroshard/fully_shard.h>
+#include <zeroshard/log.h>
+#include <zeroshard/pipeline_schedule.h>
+#include <zeroshard/trace.h>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/cuda.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+
+#include <unistd.h>
+
+namespace bart {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// --gather-dtype: fp32 (the parameters' own), bf16 or int8 (FullyShardOptions::gather_dtype).
+c10::ScalarType gather_dtype(const std::string& name) {
+  return name == "bf16" ? torch::kBFloat16 : name == "int8" ? torch::kChar : c10::ScalarType::Undefined;
+}
+
+// --device: the CPU, or cuda:(LOCAL_RANK mod the GPUs visible), made current.
+torch::Device training_device(const std::string& name, int local_rank) {
+  if (name == "cpu") return torch::kCPU;
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  TORCH_CHECK_VALUE(gpus > 0, "--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, the driver, or a "
+                    "bart_pretrain built against a CPU LibTorch); use --device cpu");
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+  return device;
+}
+}  // namespace
+
+PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
+  dist_ = zeroshard::read_dist_env();  // the launcher's variables, read once
+  zeroshard::CommOptions comm_options;
+  comm_options.liveness = std::chrono::milliseconds(static_cast<int64_t>(o.liveness * 1000));
+  comm_ = zeroshard::init_communicator(dist_, comm_options);
+  rank_ = comm_->rank();
+  world_ = comm_->size();
+  TORCH_CHECK_VALUE(o.pp >= 1 && world_ % o.pp == 0, "--pp ", o.pp, " must divide the ", world_, " ranks (each "
+                    "pipeline stage gets world / pp of them)");
+  dp_ = world_ / o.pp;  // without a pipeline, dp = world
+  dp_rank_ = rank_ % dp_;
+  shard_size_ = o.shard_size == "host" ? zeroshard::kShardPerHost : std::stoi(o.shard_size);
+  TORCH_CHECK_VALUE(shard_size_ <= 0 || dp_ % shard_size_ == 0, "--shard-size ", o.shard_size, " must divide the ", dp_,
+                    " data-parallel ranks (shard groups of that many ranks, replicated across the groups)");
+  TORCH_CHECK_VALUE(o.global_batch % dp_ == 0, "--global-batch ", o.global_batch, " must divide by the ", dp_,
+                    " data-parallel ranks (", world_, " ranks / --pp ", o.pp, "; each takes an equal share)");
+  local_batch_ = o.global_batch / dp_;
+  TORCH_CHECK_VALUE(o.micro_batches >= 1 && local_batch_ % o.micro_batches == 0, "--micro-batches ",
+                    o.micro_batches, " must divide the per-rank batch ", local_batch_, " (--global-batch ",
+                    o.global_batch, " / ", dp_, " data-parallel ranks)");
+  TORCH_CHECK_VALUE(o.pp == 1 || o.save_logits.empty(), "--save-logits runs the whole model: use it with --pp 1");
+  fs::create_directories(o.run_dir);
+  if (o.trace) zeroshard::trace::enable();
+  zeroshard::trace::set_thread_name("training");
+
+  // Data: the prepared dataset's store, mapped; its examples packed once (a file beside it).
+  std::string vocab, merges;
+  tokenizer_ = obtain_tokenizer(o, *comm_, vocab, merges);
+  dataset_ = obtain_dataset(o, vocab, merges, dist_.local_rank, *comm_);
+  auto store = std::make_shared<const zeroshard::TokenStore>(store_prefix(dataset_));
+  PackingOptions packing;
+  packing.max_tokens = o.max_tokens;
+  packing.validation_docs = o.validation_docs;
+  const std::string packed = "packed-" + std::to_string(o.max_tokens) + "-" +
+                             std::to_string(held_out_documents(store->documents(), o.validation_docs)) + ".bin";
+  // Beside a prepared dataset when its directory can take it (every run on it reuses the file), else in the run's.
+  const bool beside = fs::exists(fs::path(dataset_) / "manifest.json") && ::access(dataset_.c_str(), W_OK) == 0;
+  examples_ = std::make_unique<PackedExamples>(std::move(store), packing,
+                                               ((beside ? fs::path(dataset_) : fs::path(o.run_dir)) / packed).string());
+  TORCH_CHECK_VALUE(examples_->train().size() >= o.global_batch, "the dataset '", dataset_, "' has ",
+                    examples_->train().size(), " training examples, fewer than --global-batch ", o.global_batch);
+  noise_ = o.noise;
+  noise_.mask_id = tokenizer_.mask_id();
+  noise_.bos_id = tokenizer_.id("<s>");
+  noise_.eos_id = tokenizer_.id("</s>");
+  pad_ = tokenizer_.pad_id();
+  build_model();
+}
+
+// The model on its device and its optimizers: the whole model under one, or
+// this rank's pipeline stages, each with its own.
+void PretrainingRun::build_model() {
+  const auto& o = o_;
+  config_ = run_config(o, tokenizer_);
+  // The sharding's collectives follow the device, on the CPU a communicator of their own (a dup): the world one
+  // carries only control values (agreement, validation sums, checkpoints), which world_all_reduces counts.
+  device_ = training_device(o.device, dist_.local_rank);
+  const auto transport = o.device_comm == "nccl"     ? zeroshard::DeviceTransport::kNccl
+                         : o.device_comm == "staged" ? zeroshard::DeviceTransport::kStaged
+                                                     : zeroshard::DeviceTransport::kAuto;
+  const zeroshard::ProcessGroup group = device_.is_cpu() ? zeroshard::ProcessGroup(comm_->dup(), comm_)
+                                                         : zeroshard::device_group(comm_, device_, {}, transport);
+  const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  auto adamw = torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).eps(1e-6).weight_decay(o.weight_decay);
+  if (o.pp > 1) {
+    PipelineOptions po;
+    po.pp = o.pp;
+    po.schedule = o.schedule_pp;
+    po.chunks = o.chunks;
+    po.micro_batches = static_cast<int>(o.micro_batches);
+    po.partition = o.partition;
+    po.timing_rows = local_batch_ / o.micro_batches;  // a microbatch's sequences, at the longest
+    po.timing_length = o.max_tokens;
+    po.zero_stage = o.stage;
+    po.shard_size = shard_size_;
+    po.gather_dtype = gather_dtype(o.gather_dtype);
+    po.unshard_per_step = o.pp_gather == "step";
+    po.adamw = adamw;
+    po.max_grad_norm = o.max_grad_norm;
+    po.dtype = dtype;
+    po.device = device_;
+    po.seed = o.seed;
+    pipe_ = std::make_unique<PipelinedBart>(group, config_, po);
+    for (const auto& b : bart_blocks(config_)) numel_ += b.params;
+    numel_ -= config_.vocab_size * config_.d_model;  // the head's copy of the embedding is the embedding
+    for (const auto& st : pipe_->stages()) opts_.push_back(st.optimizer);
+    parts_ = pipe_->checkpoint_parts();
+  } else {
+    zeroshard::FullyShardOptions fo;
+    fo.shard_size = shard_size_;
+    fo.gather_dtype = gather_dtype(o.gather_dtype);
+    torch::manual_seed(o.seed);
+    const bool deferred_init = o.stage == 3;
+    {
+      // ZeRO-3: each layer keeps only this rank's shard as soon as it is built.
+      std::optional<zeroshard::DeferredInit> deferred;
+      if (deferred_init) deferred.emplace(group, fo);
+      model_ = BartForConditionalGeneration(config_);
+    }
+    if (deferred_init) {  // the units hold placeholders: count from the configuration
+      for (const auto& b : bart_blocks(config_)) numel_ += b.params;
+      numel_ -= config_.vocab_size * config_.d_model;  // the head's copy of the embedding is the embedding
+    } else {
+      for (const auto& p : model_->parameters()) numel_ += p.numel();
+    }
+    model_->to(device_, dtype);
+    model_->checkpoint_layers = o.activation_checkpointing;
+    if (o.stage == 3) {
+      opts_.push_back(std::make_shared<zeroshard::FullyShardedAdamW>(zeroshard::fully_shard(model_, group, fo), adamw));
+    } else {
+      zeroshard::ShardedAdamWOptions so;
+      so.zero_stage = o.stage;
+      so.shard_size = shard_size_;
+      opts_.push_back(std::make_shared<zeroshard::ShardedAdamW>(model_->named_parameters(), group, adamw, so));
+    }
+    parts_ = {{opts_.front().get(), model_.get()}};
+  }
+  zeroshard::LrSchedule::Options lo;
+  lo.kind = zeroshard::LrSchedule::parse_kind(o.schedule);
+  lo.warmup_steps = o.warmup_steps;
+  lo.total_steps = o.max_steps;
+  lo.min_ratio = o.min_lr_ratio;
+  schedules_.assign(opts_.size(), zeroshard::LrSchedule(lo));
+  for (size_t i = 0; i < opts_.size(); ++i) schedules_[i].attach(*opts_[i]);
+}
+
+int64_t PretrainingRun::bytes_sent() const {
+  int64_t b = pipe_ ? pipe_->bytes_sent() : 0;
+  for (const auto& x : opts_) b += x->stats().traffic.total().bytes_sent;
+  return b;
+}
+
+int64_t PretrainingRun::world_all_reduces() const {
+  const auto st = comm_->stats();
+  return st.by_kind.count(zeroshard::OpKind::kAllReduce) ? st.by_kind.at(zeroshard::OpKind::kAllReduce).calls : 0;
+}
+
+int64_t PretrainingRun::peak_model_states() const {
+  int64_t b = 0;
+  for (const auto& x : opts_) b += x->stats().memory.peak_model_states;
+  return b;
+}
+
+double PretrainingRun::waited() const {
+  double w = 0;
+  for (const auto& x : opts_) w += x->stats().waits.total();
+  return w;
+}
+
+// Where training stands: fresh (then the first validation), or resumed from
+// the last checkpoint. Every stage of a data-parallel index draws the same examples.
+void PretrainingRun::resume() {
+  const auto& o = o_;
+  sampler_ = std::make_unique<zeroshard::DistributedSampler>(examples_->train().size(), dp_rank_, dp_, o.seed);
+  record_.noise = zeroshard::GradientNoiseScale(o.noise_smoothing);
+  const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
+  if (ckpt_dir != "none") {
+    zeroshard::CheckpointOptions co;
+    co.keep = o.keep;
+    co.async = o.async_save;
+    std::string local = ckpt_dir;
+    if (ckpt_dir.rfind("s3://", 0) == 0) {  // the durable tier, with the local first tier under the run directory
+      co.durable_uri = ckpt_dir;
+      local = o.ckpt_local_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_local_dir;
+    }
+    ckpt_ = std::make_unique<zeroshard::Checkpointer>(local, comm_, pipe_ ? pipe_->checkpoint_options(co) : co);
+    durable_ = !co.durable_uri.empty();
+    const auto t0 = Clock::now();
+    if (auto progress = ckpt_->load(parts_)) {
+      step_ = progress->step;
+      const json extra = json::parse(progress->extra_json);
+      if (extra.contains("sampler")) {
+        const auto saved = extra["sampler"].value("dataset_size", int64_t{-1});
+        TORCH_CHECK_VALUE(saved == examples_->train().size(), "cannot resume from step ", step_, " of ", ckpt_dir,
+                          ": it was saved training on ", saved, " examples and this run has ",
+                          examples_->train().size(), "; resume with the dataset (--dataset or --data), "
+                          "--max-tokens, --validation-docs and tokenizer it was saved with");
+        record_.from_json(extra, *sampler_);
+        if (extra.contains("step_metrics")) carried_line_ = extra["step_metrics"].dump();
+      } else {  // imported weights (zeroshard-ckpt import): a new run from them
+        zeroshard::log_info("checkpoint: step " + std::to_string(step_) + " has no run record (imported); training "
+                            "starts at its step with a fresh data order");
+      }
+      // What stopped the run before: the interruption this checkpoint was saved for, else a failure the
+      // launcher restarted from, else nothing (a new launch, e.g. with a larger --max-steps).
+      const json* interruption = record_.interruption_at(step_);
+      resumed_ = {{"step", step_}, {"load_s", since(t0)}, {"restart", dist_.restart_count},
+                  {"ranks", world_}, {"after", interruption ? interruption->value("cause", interruption->value("signal", std::string("a notice")))
+                            : dist_.restart_count > 0 ? "a failure"
+                                                      : "a new launch"}};
+      zeroshard::log_info("resumed from step " + std::to_string(step_) + " of " + ckpt_dir + " (epoch " +
+                          std::to_string(sampler_->epoch()) + ")");
+    }
+  }
+  peers_.clear();
+  for (int r = 0; r < dp_; ++r) {
+    if (r == dp_rank_) continue;
+    zeroshard::DistributedSampler peer(examples_->train().size(), r, dp_, o.seed);
+    peer.load_state_json(sampler_->state_json());
+    peers_.push_back(std::move(peer));
+  }
+  guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
+  // The step's one blocking collective: the optimizer's agreement (or the
+  // pipeline executor's, which carries the loss), the loss and the preemption vote.
+  agreement_ = pipe_ ? pipe_->agreement() : std::make_shared<zeroshard::StepAgreement>(comm_);
+  if (!pipe_) {
+    opts_.front()->join(agreement_);
+    agreement_->add(
+        "summed token loss", 1, [this](double* v) { v[0] = loss_sum_.defined() ? loss_sum_.item<double>() : 0.0; },
+        [this](const double* sum) { agreed_loss_ = sum[0]; });
+  }
+  guard_->join(agreement_);
+  if (rank_ == 0) {
+    metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
+    // The run stopped after this checkpoint committed and before its step's line was written.
+    if (!carried_line_.empty() && metrics_.restore(carried_line_)) {
+      zeroshard::log_info("metrics: step " + std::to_string(step_) + "'s line restored from its checkpoint");
+    }
+  }
+  progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
+  if (rank_ == 0 && step_ == 0) log_start();
+  if (step_ == 0) last_val_ = evaluate(0);
+}
+
+}  // namespace bart
