@@ -24,6 +24,8 @@ packages=(
   # communication, checkpoints, runtime
   libhdf5-dev libboost-dev libspdlog-dev libfmt-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev
+  # the BART trainer's corpus inputs: JSON lines, gzip and zstd shards (zstd's CLI makes the tests' shards)
+  libsimdjson-dev zlib1g-dev libzstd-dev zstd
   # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates
   libcurl4-openssl-dev libpugixml-dev ca-certificates
   # the S3 store of the tests: curl signs its readiness probe (tests/checkpoint/s3_store.py)

@@ -312,13 +312,9 @@ def check_damage(exe, work, reference):
     print("a truncated tokens.bin is refused at opening; a changed byte by inspect --verify, naming the checksum")
 
 
-def main():
-    build, work = sys.argv[1], sys.argv[2]
-    exe = os.path.join(build, "examples", "bart_pretrain")
-    work = os.path.join(work, "megatron")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    # A tokenizers vocabulary (non-ASCII merges included), which both sides load.
+def make_tokenizer(work):
+    """A tokenizers vocabulary (non-ASCII merges included), which both sides load: its directory, and tokenizers'
+    ByteLevelBPETokenizer of it."""
     tok_dir = os.path.join(work, "tok")
     os.makedirs(tok_dir)
     hf = ByteLevelBPETokenizer(add_prefix_space=False)
@@ -326,8 +322,17 @@ def main():
                            vocab_size=1200, min_frequency=2, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
                            show_progress=False)
     hf.save_model(tok_dir)
-    tok = ByteLevelBPETokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
-                                add_prefix_space=False)
+    return tok_dir, ByteLevelBPETokenizer(os.path.join(tok_dir, "vocab.json"), os.path.join(tok_dir, "merges.txt"),
+                                          add_prefix_space=False)
+
+
+def main():
+    build, work = sys.argv[1], sys.argv[2]
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    work = os.path.join(work, "megatron")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    tok_dir, tok = make_tokenizer(work)
     corpus, reference = check_prepare(exe, work, tok_dir, tok)
     check_merge(exe, work, tok_dir)
     check_train_from_megatron(exe, work, reference, tok_dir)

@@ -41,8 +41,8 @@ void check_options(const RunOptions& o) {
   need(o.dataset.empty() || std::filesystem::exists(o.dataset) || std::filesystem::exists(o.dataset + ".idx"),
        "--dataset", "'" + o.dataset + "'", "a dataset directory (bart_pretrain prepare writes one) or a token store's "
        "prefix (PREFIX.idx and PREFIX.bin)");
-  need(!o.dataset.empty() || std::filesystem::is_directory(o.data), "--data", "'" + o.data + "'",
-       "a directory of text files (or give a prepared dataset with --dataset)");
+  need(!o.dataset.empty() || std::filesystem::exists(o.data), "--data", "'" + o.data + "'",
+       "a directory or file of text or JSON lines (or give a prepared dataset with --dataset)");
   try {
     (void)BartConfig::named(o.config);  // names the config it cannot read, and where
   } catch (const c10::Error& e) {
@@ -122,11 +122,21 @@ struct Subcommands {
   int64_t hf_step = -1;
 };
 
+// How JSON lines are read: for prepare, train-tokenizer and a run that prepares --data.
+void add_json_options(CLI::App* app, std::string& json_key, bool& skip_bad_lines) {
+  app->add_option("--json-key", json_key, "JSON lines (.jsonl, .json, .ndjson; .gz, .zst): the field that holds "
+                                          "each line's text")->capture_default_str();
+  app->add_flag("--skip-bad-lines", skip_bad_lines, "JSON lines: skip a malformed line (not JSON, no string under "
+                                                    "--json-key) and count it, instead of stopping at it");
+}
+
 void add_subcommands(CLI::App& app, bart::RunOptions& o, Subcommands& c) {
   c.tok = app.add_subcommand("train-tokenizer", "learn a byte-level BPE vocabulary from a text directory");
   c.to.data = {o.data};
   c.to.out = "tokenizer";
-  c.tok->add_option("--data", c.to.data, "directories (read recursively) or files of text")->capture_default_str();
+  c.tok->add_option("--data", c.to.data, "directories (read recursively) or files: text or JSON lines, plain or "
+                                        ".gz/.zst")->capture_default_str();
+  add_json_options(c.tok, c.to.json_key, c.to.skip_bad_lines);
   c.tok->add_option("--vocab-size", c.to.vocab_size, "entries, specials and the 256 bytes included")->capture_default_str();
   c.tok->add_option("--sample-mb", c.to.sample_mb, "learn from this many MB of the text, in windows spread evenly over "
                                                "it (all of it when it holds less)")->capture_default_str();
@@ -143,8 +153,9 @@ void add_subcommands(CLI::App& app, bart::RunOptions& o, Subcommands& c) {
 
   c.prep = app.add_subcommand("prepare", "a text corpus, once, into a dataset directory training maps (a "
                                              "Megatron-LM indexed token store, the tokenizer, a manifest)");
-  c.prep->add_option("--data", c.po.data, "directories (read recursively) or files of text; a document per file")
-      ->required();
+  c.prep->add_option("--data", c.po.data, "directories (read recursively) or files: text (a document per file) or "
+                                         "JSON lines (a document per line), plain or .gz/.zst")->required();
+  add_json_options(c.prep, c.po.json_key, c.po.skip_bad_lines);
   c.prep->add_option("--tokenizer", c.po.tokenizer_dir, "directory with vocab.json + merges.txt")->required();
   c.prep->add_option("--out", c.po.out, "the dataset directory to write (must not exist)")->required();
   c.prep->add_option("--workers", c.po.workers, "tokenizing threads (default: every core)");
@@ -182,8 +193,10 @@ void add_data_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--dataset", o.dataset, "a dataset directory bart_pretrain prepare wrote (or a token store's "
                                          "prefix, PREFIX.idx + PREFIX.bin, with --tokenizer); every host needs a copy");
-  app.add_option("--data", o.data, "without --dataset: a directory of text files, prepared into RUN_DIR/dataset "
-                                   "first (each host's local rank 0 prepares its own copy)")->capture_default_str();
+  app.add_option("--data", o.data, "without --dataset: a directory or file of text or JSON lines (as prepare "
+                                   "reads), prepared into RUN_DIR/dataset first (each host's local rank 0 prepares "
+                                   "its own copy)")->capture_default_str();
+  add_json_options(&app, o.json_key, o.skip_bad_lines);
   app.add_option("--run-dir", o.run_dir, "tokenizer, checkpoints, metrics, plots, traces")->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer_dir,
                  "directory with vocab.json + merges.txt (a real BART vocabulary works); default: "

@@ -2,6 +2,7 @@
 // tokenize (workers), write in order (whichever worker finishes the next chunk).
 #include "data/prepare.h"
 
+#include "io/byte_stream.h"
 #include "io/text_file.h"
 
 #include "data/text_chunks.h"
@@ -40,10 +41,10 @@ std::string hex(uint64_t v) {
 }
 
 bool is_binary(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
+  ByteStream in(file.string(), "prepare");
   char head[8000];
-  in.read(head, sizeof(head));
-  return std::find(head, head + in.gcount(), '\0') != head + in.gcount();
+  const size_t got = in.read(head, sizeof(head));
+  return std::find(head, head + got, '\0') != head + got;
 }
 
 std::string read_file(const fs::path& file) {
@@ -58,11 +59,10 @@ struct Tokenized {
   std::vector<size_t> ends;      // a document ends after this many of the sentences
 };
 
-Tokenized tokenize(const Chunk& c, const std::string& separator, const ByteLevelBpe& tokenizer,
-                   ByteLevelBpe::Cache& cache) {
+Tokenized tokenize(const Chunk& c, ChunkWorker& w, const ByteLevelBpe& tokenizer, ByteLevelBpe::Cache& cache) {
   Tokenized out;
   for_each_sentence(
-      c, separator,
+      c, w,
       [&](const std::string& s) {
         const auto ids = tokenizer.encode(s, cache);
         out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
@@ -108,6 +108,32 @@ void commit_dataset(const fs::path& partial, const std::string& out, const std::
                        {"tokens.idx", {{"bytes", digest.idx_bytes}, {"xxh3", hex(digest.idx_xxh3)}}}};
   write_text_file(partial / "manifest.json", manifest.dump(1) + "\n", "prepare");
   fs::rename(partial, out);
+}
+
+// A dataset being written: removed first (an earlier run that was stopped
+// starts over) and again when it is left without being renamed (an error).
+struct PartialDir {
+  explicit PartialDir(fs::path p) : path(std::move(p)) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~PartialDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);  // nothing there once it was renamed
+  }
+  PartialDir(const PartialDir&) = delete;
+  PartialDir& operator=(const PartialDir&) = delete;
+  const fs::path path;
+};
+
+// What a document is, for the manifest (datasets merge only when they agree).
+std::string documents_are(const std::vector<std::string>& files, const ReadRules& rules) {
+  const auto json_files = std::count_if(files.begin(), files.end(), [](const auto& f) { return is_json_lines(f); });
+  const std::string text = rules.separator.empty() ? "files" : "files, cut at lines '" + rules.separator + "'";
+  const std::string lines = "JSON lines (the text of field \"" + rules.json_key + "\")";
+  if (json_files == 0) return text;
+  if (json_files == static_cast<int64_t>(files.size())) return lines;
+  return "text " + text + "; " + lines;
 }
 
 }  // namespace
@@ -212,28 +238,28 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   const auto tokenizer = ByteLevelBpe::parse(vocab, merges, (fs::path(o.tokenizer_dir) / "vocab.json").string(),
                                              (fs::path(o.tokenizer_dir) / "merges.txt").string());
   const auto files = corpus_files(o.data);
+  const ReadRules rules = read_rules("prepare", files, o.chunk_bytes, o.document_separator, o.json_key,
+                                     o.skip_bad_lines);
 
   PrepareReport r;
   r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   r.files = static_cast<int64_t>(files.size());
-  const fs::path partial = o.partial.empty() ? o.out + ".partial" : o.partial;
-  fs::remove_all(partial);  // an earlier prepare that was stopped: start over
-  fs::create_directories(partial);
+  const PartialDir partial(o.partial.empty() ? o.out + ".partial" : o.partial);
   const auto type = zeroshard::token_type_for(tokenizer.vocab_size());
   json sources = json::array();
   zeroshard::TokenStoreDigest digest;
   {
-    zeroshard::TokenStoreWriter writer((partial / "tokens").string(), type);
+    zeroshard::TokenStoreWriter writer((partial.path / "tokens").string(), type);
     std::vector<ByteLevelBpe::Cache> caches(static_cast<size_t>(r.workers));
     std::vector<TextRange> whole;
     for (const auto& f : files) whole.push_back(TextRange{f, 0, std::numeric_limits<int64_t>::max()});
     auto last_log = Clock::now();
-    process_chunks<Tokenized>(
-        whole, o.chunk_bytes, o.document_separator, r.workers,
-        [&](const Chunk& c, int w) { return tokenize(c, o.document_separator, tokenizer, caches[static_cast<size_t>(w)]); },
+    const auto bad = process_chunks<Tokenized>(
+        whole, rules, r.workers,
+        [&](const Chunk& c, ChunkWorker& w) { return tokenize(c, w, tokenizer, caches[static_cast<size_t>(w.index)]); },
         StoreWriting(writer), [&](size_t, const TextRange& used) {
           r.text_bytes += used.end - used.begin;
-          sources.push_back({{"path", used.file}, {"bytes", used.end - used.begin}});
+          sources.push_back({{"path", used.file}, {"bytes", fs::file_size(used.file)}});
           if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
             last_log = Clock::now();
             const double s = std::chrono::duration<double>(last_log - t0).count();
@@ -243,21 +269,22 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
             zeroshard::log_info(msg);
           }
         });
+    r.bad_lines = bad.count;
+    r.first_bad_line = bad.first;
     digest = writer.finish();
     r.documents = writer.documents();
     r.sequences = writer.sequences();
     r.tokens = writer.tokens();
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  const json manifest = {
+  json manifest = {
       {"format", "zeroshard token store"},
       {"version", 1},
       {"store", "tokens"},
       {"token_type", zeroshard::to_string(type)},
       {"tokenizer", {{"xxh3", tokenizer_hash(vocab, merges)}, {"vocab_size", tokenizer.vocab_size()}}},
       {"sequences_are", "sentences (split after '.', '!' or '?' before whitespace, and at blank lines)"},
-      {"documents_are", o.document_separator.empty() ? "files"
-                                                     : "files, cut at lines '" + o.document_separator + "'"},
+      {"documents_are", documents_are(files, rules)},
       {"documents", r.documents},
       {"sequences", r.sequences},
       {"tokens", r.tokens},
@@ -265,7 +292,8 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       {"sources", sources},
       {"prepare", {{"workers", r.workers}, {"seconds", r.seconds}}},
   };
-  commit_dataset(partial, o.out, vocab, merges, digest, manifest);
+  if (r.bad_lines > 0) manifest["skipped_lines"] = {{"count", r.bad_lines}, {"first", r.first_bad_line}};
+  commit_dataset(partial.path, o.out, vocab, merges, digest, manifest);
   return r;
 }
 
@@ -287,15 +315,13 @@ PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::s
   const std::string merges = read_file(fs::path(parts.front()) / "tokenizer" / "merges.txt");
   TORCH_CHECK_VALUE(tokenizer_hash(vocab, merges) == manifests.front().at("tokenizer").at("xxh3").get<std::string>(),
                     "merge: '", parts.front(), "/tokenizer' is not the tokenizer its manifest names; prepare it again");
-  const fs::path partial = out + ".partial";
-  fs::remove_all(partial);
-  fs::create_directories(partial);
+  const PartialDir partial(out + ".partial");
   json manifest = manifests.front();
   manifest["sources"] = json::array();
   PrepareReport r;
   zeroshard::TokenStoreDigest digest;
   {
-    zeroshard::TokenStoreWriter writer((partial / "tokens").string(),
+    zeroshard::TokenStoreWriter writer((partial.path / "tokens").string(),
                                        zeroshard::TokenStore(store_prefix(parts.front())).type());
     for (size_t i = 0; i < parts.size(); ++i) {
       writer.append(zeroshard::TokenStore(store_prefix(parts[i])));
@@ -314,7 +340,7 @@ PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::s
   manifest["tokens"] = r.tokens;
   manifest["text_bytes"] = r.text_bytes;
   manifest["prepare"] = {{"merged", parts}, {"seconds", r.seconds}};
-  commit_dataset(partial, out, vocab, merges, digest, manifest);
+  commit_dataset(partial.path, out, vocab, merges, digest, manifest);
   return r;
 }
 
@@ -331,6 +357,10 @@ int prepare_command(const PrepareOptions& o) {
                 static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
                 static_cast<long long>(r.tokens), r.seconds, r.text_bytes / 1e6 / std::max(r.seconds, 1e-9), r.workers);
   zeroshard::log_info(msg + o.out);
+  if (r.bad_lines > 0) {
+    zeroshard::log_warn("prepare: skipped " + std::to_string(r.bad_lines) + " malformed JSON line(s) "
+                        "(--skip-bad-lines); the first: " + r.first_bad_line);
+  }
   return 0;
 }
 

@@ -1,10 +1,13 @@
 // prepare.h — `bart_pretrain prepare`: a text corpus, once, into a dataset
-// directory that training maps (zeroshard/token_store.h):
+// directory that training maps (zeroshard/token_store.h). The corpus is files
+// of text, or of JSON lines (`.jsonl`, `.json`, `.ndjson`: an object per line,
+// its text under one key), either compressed or not (`.gz`, `.zst`):
 //
 //   DATASET/tokens.bin, tokens.idx  the token store (Megatron's indexed layout):
-//                                   a sequence per sentence, a document per file
-//                                   (or per run of lines between separator lines);
-//                                   a document without a sentence is not recorded
+//                                   a sequence per sentence, a document per text
+//                                   file (or per run of lines between separator
+//                                   lines) and per JSON line; a document without
+//                                   a sentence is not recorded
 //   DATASET/tokenizer/              vocab.json and merges.txt, as given
 //   DATASET/manifest.json           the tokenizer's hash, the sources (path,
 //                                   bytes), counts, each store file's size and xxh3
@@ -12,10 +15,11 @@
 // Text streams through in chunks cut where a sentence ends (a blank line, or
 // '.', '!', '?' before whitespace), so a chunk's sentences are the ones the
 // whole file would give; chunks are split and tokenized on `workers` threads and
-// written in order. Memory stays bounded (about 2 chunks per worker) at any
-// corpus size. Everything is written into DATASET.partial, renamed to DATASET
-// when whole: a prepare killed at any instant leaves no DATASET, and run again
-// it starts over.
+// written in order. Memory stays bounded (about 2 chunks per worker, or a JSON
+// line where one is longer) at any corpus size. Everything is written into
+// DATASET.partial, renamed to DATASET when whole: a prepare killed at any
+// instant leaves no DATASET, and run again it starts over; one that fails (a
+// malformed JSON line) removes DATASET.partial too.
 #pragma once
 
 #include "tokenizer/tokenizer.h"
@@ -40,11 +44,15 @@ struct PrepareOptions {
   // document and is dropped (fortune's "%"); "": documents are files. It must
   // hold no sentence end ('.', '!', '?' before whitespace).
   std::string document_separator;
+  std::string json_key = "text";  // JSON lines: the field that holds a document's text
+  bool skip_bad_lines = false;    // JSON lines: a malformed line skipped and counted; else it stops prepare
   std::string partial;            // written here, then renamed to `out`; default OUT.partial (removed first)
 };
 
 struct PrepareReport {
   int64_t files = 0, text_bytes = 0, documents = 0, sequences = 0, tokens = 0;
+  int64_t bad_lines = 0;          // JSON lines skipped (skip_bad_lines)
+  std::string first_bad_line;     // where the first was, and what was wrong with it
   int workers = 0;
   double seconds = 0;
 };
@@ -72,12 +80,14 @@ struct TokenizerTrainingOptions {
   double sample_mb = 1000;        // MB of 10^6 bytes
   int workers = 0;                // counting threads; 0: every core
   std::string document_separator; // as PrepareOptions's
+  std::string json_key = "text";  // as PrepareOptions's
+  bool skip_bad_lines = false;    // as PrepareOptions's
   int64_t chunk_bytes = int64_t{1} << 20;
   std::string out;
 };
 
 struct TokenizerTrainingReport {
-  int64_t corpus_bytes = 0, sample_bytes = 0, pieces = 0, vocab_size = 0, merges = 0;
+  int64_t corpus_bytes = 0, sample_bytes = 0, pieces = 0, vocab_size = 0, merges = 0, bad_lines = 0;
   std::vector<TextRange> sample;
   int workers = 0;
   double count_seconds = 0, learn_seconds = 0;
@@ -96,10 +106,12 @@ PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::s
 // compare with a manifest's "sources".
 nlohmann::json corpus_sources(const std::vector<std::string>& data);
 
-// The text files of `data` in the order prepare reads them: each directory's
+// The corpus files of `data` in the order prepare reads them: each directory's
 // regular files by sorted path, a file given by name as is; a second path to a
-// file already listed (a link) and binary files (a NUL byte in their first 8000
-// bytes, as git decides) left out. Throws naming a path that does not exist.
+// file already listed (a link), empty files and binary files (a NUL byte in
+// the first 8000 bytes of their content, decompressed, as git decides) left
+// out. Throws naming a path that does not exist, or a compressed file that is
+// not what its name says.
 std::vector<std::string> corpus_files(const std::vector<std::string>& data);
 
 // Where `pos` may end a chunk of `text`: one past the whitespace that follows

@@ -5,7 +5,9 @@
 #pragma once
 
 #include "data/corpus.h"
+#include "data/json_lines.h"
 #include "data/prepare.h"
+#include "io/byte_stream.h"
 
 #include <zeroshard/prefetcher.h>
 
@@ -14,7 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -29,30 +31,111 @@ inline bool has_text(std::string_view text) {
   return std::any_of(text.begin(), text.end(), [](char c) { return !is_space(c); });
 }
 
-// Text of one file between two sentence breaks.
+// How a corpus's files are read (prepare.h's options, for both commands).
+struct ReadRules {
+  std::string who;                 // starts errors: "prepare", "train-tokenizer"
+  int64_t chunk_bytes = int64_t{1} << 20;
+  std::string separator;           // text files: a line that ends a document ("": documents are files)
+  std::string json_key = "text";   // JSON lines: the field that holds a document's text
+  bool skip_bad_lines = false;     // JSON lines: a malformed line skipped and counted, instead of fatal
+};
+
+// The rules for reading `files`, checked: a separator line is for text files
+// (a JSON line is a document already), and JSON lines need a key.
+inline ReadRules read_rules(std::string who, const std::vector<std::string>& files, int64_t chunk_bytes,
+                            std::string separator, std::string json_key, bool skip_bad_lines) {
+  const auto json = std::find_if(files.begin(), files.end(), [](const auto& f) { return is_json_lines(f); });
+  TORCH_CHECK_VALUE(separator.empty() || json == files.end(), who, ": --document-separator '", separator,
+                    "' is for text files, and '", json == files.end() ? "" : *json, "' is JSON lines (a document "
+                    "per line already); leave the option out, or prepare the text files apart and merge");
+  TORCH_CHECK_VALUE(!json_key.empty(), who, ": --json-key is empty; give the field that holds each line's text");
+  ReadRules r;
+  r.who = std::move(who);
+  r.chunk_bytes = chunk_bytes;
+  r.separator = std::move(separator);
+  r.json_key = std::move(json_key);
+  r.skip_bad_lines = skip_bad_lines;
+  return r;
+}
+
+// Text of one file between two sentence breaks; of a JSON lines file, whole lines.
 struct Chunk {
   std::string text;
   bool first = false;  // no text of its document before it: its first sentence has no leading space
   bool last = false;   // its file ends here: the document ends after it
   bool line_start = true;  // it begins a line (a separator line can only start there or after a '\n')
+  bool json = false;       // JSON lines, a document each
+  std::string file;
+  int64_t first_line = 0;  // JSON lines: the number of its first line (from 1); 0 when not known
+  int64_t first_byte = 0;  // where text[0] is in the file's content
 };
+
+// JSON lines that were skipped (ReadRules::skip_bad_lines).
+struct BadLines {
+  int64_t count = 0;
+  std::string first;  // where the first was, and what was wrong with it
+  void add(const BadLines& b) {
+    if (count == 0) first = b.first;
+    count += b.count;
+  }
+};
+
+// What a worker thread keeps between chunks.
+struct ChunkWorker {
+  ChunkWorker(int index, const ReadRules& rules) : index(index), rules(rules), json(rules.json_key) {}
+  const int index;  // 0 .. workers - 1
+  const ReadRules& rules;
+  JsonLineDecoder json;
+  BadLines bad;  // of the chunk it is on
+};
+
+// "FILE:LINE", or where the line starts when its number is not known.
+inline std::string line_name(const Chunk& c, size_t offset, int64_t line) {
+  if (c.first_line > 0) return c.file + ":" + std::to_string(c.first_line + line);
+  return c.file + " (the line at byte " + std::to_string(c.first_byte + static_cast<int64_t>(offset)) + ")";
+}
 
 // Calls sentence(text) for each of the chunk's sentences as it is encoded (a
 // space before all but a document's first), and document_end() where one of
-// its documents ends.
+// its documents ends. A JSON line that is not an object with a string under
+// the key throws naming its file and line, or is skipped and counted in
+// w.bad (rules.skip_bad_lines).
 template <class Sentence, class DocumentEnd>
-void for_each_sentence(const Chunk& c, const std::string& separator, Sentence&& sentence, DocumentEnd&& document_end) {
+void for_each_sentence(const Chunk& c, ChunkWorker& w, Sentence&& sentence, DocumentEnd&& document_end) {
+  auto sentences_of = [&](const std::string& text, bool first) {
+    for (const auto& s : split_sentences(text)) {
+      sentence(first ? s : " " + s);
+      first = false;
+    }
+  };
+  if (c.json) {
+    std::string problem;
+    int64_t line = 0;
+    for (size_t at = 0; at < c.text.size(); ++line) {
+      size_t end = c.text.find('\n', at);
+      end = end == std::string::npos ? c.text.size() : end;
+      const auto text = w.json.text(std::string_view(c.text).substr(at, end - at), problem);
+      if (!problem.empty()) {
+        TORCH_CHECK_VALUE(w.rules.skip_bad_lines, w.rules.who, ": ", line_name(c, at, line), " ", problem,
+                          "; fix the line, or give --skip-bad-lines to skip such lines (they are counted)");
+        if (w.bad.count++ == 0) w.bad.first = line_name(c, at, line) + " " + problem;
+      } else if (!text.empty()) {
+        sentences_of(std::string(text), true);
+        document_end();
+      }
+      at = end + 1;
+    }
+    return;
+  }
   bool first = c.first;
-  const auto parts = split_documents(c.text, separator, c.line_start);
+  const auto parts = split_documents(c.text, w.rules.separator, c.line_start);
   for (size_t k = 0; k < parts.size(); ++k) {
     if (k > 0) {
       document_end();
       first = true;
     }
-    for (const auto& s : split_sentences(std::string(parts[k]))) {
-      sentence(first ? s : " " + s);
-      first = false;
-    }
+    sentences_of(std::string(parts[k]), first);
+    first = false;
   }
   if (c.last) document_end();
 }
@@ -83,117 +166,160 @@ inline size_t next_sentence_break(const std::string& text, size_t pos) {
   return kNoBreak;
 }
 
-// The text of `range` in chunks of about `bytes`, each ending where a
-// sentence breaks, one per next(). A range that starts inside its file starts
-// after the first break from there, one that ends inside it at the last break
-// before its end (either at whitespace where no sentence ends in 64 chunks),
-// so it holds whole sentences of the file.
+// The text of `range` in chunks of about `rules.chunk_bytes`, one per next().
+// Text ends each chunk where a sentence breaks: a range that starts inside its
+// file starts after the first break from there, one that ends inside it at the
+// last break before its end (either at whitespace where no sentence ends in 64
+// chunks), so it holds whole sentences of the file. JSON lines end each chunk
+// at a line's end (a chunk holds a line however long it is), and a range
+// inside the file holds the whole lines that start in it. A compressed file's
+// range is in its compressed bytes (what its size on disk counts).
 class ChunkReader {
  public:
-  ChunkReader(TextRange range, int64_t bytes, std::string separator)
-      : range_(std::move(range)), separator_(std::move(separator)), in_(range_.file, std::ios::binary),
-        block_(static_cast<size_t>(bytes)) {
-    TORCH_CHECK_VALUE(in_, "prepare: cannot read '", range_.file, "'");
+  ChunkReader(TextRange range, const ReadRules& rules)
+      : range_(std::move(range)), rules_(rules), in_(range_.file, rules.who),
+        block_(static_cast<size_t>(rules.chunk_bytes)), json_(is_json_lines(range_.file)) {
     std::error_code ec;
     const auto size = static_cast<int64_t>(std::filesystem::file_size(range_.file, ec));
-    TORCH_CHECK_VALUE(!ec, "prepare: cannot read '", range_.file, "': ", ec.message());
+    TORCH_CHECK_VALUE(!ec, rules.who, ": cannot read '", range_.file, "': ", ec.message());
     to_file_end_ = range_.end >= size;
-    in_.seekg(range_.begin);
-    used_ = TextRange{range_.file, range_.begin, range_.begin};
-    left_ = range_.end - range_.begin;
+    in_.skip_to(range_.begin);
+    used_ = TextRange{range_.file, in_.content_position(), in_.content_position()};
     seen_text_ = head_ = range_.begin > 0;
+    line_ = head_ ? 0 : 1;
   }
 
   // The next chunk; nullopt once the range is read.
   std::optional<Chunk> next() {
     const size_t stuck = 64 * block_.size();  // no sentence ends in this much text
     while (!eof_) {
-      const size_t want = to_file_end_ ? block_.size() : static_cast<size_t>(std::min<int64_t>(left_, block_.size()));
-      in_.read(block_.data(), static_cast<std::streamsize>(want));
-      const auto got = static_cast<size_t>(in_.gcount());
-      TORCH_CHECK(!in_.bad(), "prepare: reading '", range_.file, "' failed");
-      left_ -= static_cast<int64_t>(got);
-      eof_ = got < want || (!to_file_end_ && left_ <= 0);
+      const int64_t left = range_.end - in_.file_position();
+      const bool exact = !to_file_end_ && compression_of(range_.file) == Compression::kNone;
+      const size_t want = exact ? static_cast<size_t>(std::min<int64_t>(left, block_.size())) : block_.size();
+      const size_t got = in_.read(block_.data(), want);
+      eof_ = got < want || (!to_file_end_ && in_.file_position() >= range_.end);
       buffer_.append(block_.data(), got);
-      if (head_) {  // a sentence begins at the first break
-        size_t start = next_sentence_break(buffer_, 0);
-        if (start == kNoBreak && !eof_ && buffer_.size() < stuck) continue;
-        if (start == kNoBreak) start = std::min(buffer_.find_first_of(" \t\n\r\f\v"), buffer_.size());
-        line_start_ = start > 0 && buffer_[start - 1] == '\n';
-        buffer_.erase(0, start);
-        used_.begin = used_.end = used_.begin + static_cast<int64_t>(start);
-        head_ = false;
-      }
+      if (head_ && !skip_head(stuck)) continue;
       const bool file_end = eof_ && to_file_end_;
-      size_t cut = file_end ? buffer_.size() : last_sentence_break(buffer_, buffer_.size());
-      if (cut == 0 && !file_end && (eof_ || buffer_.size() >= stuck)) {
+      size_t cut = file_end ? buffer_.size() : json_ ? last_line_end() : last_sentence_break(buffer_, buffer_.size());
+      if (!json_ && cut == 0 && !file_end && (eof_ || buffer_.size() >= stuck)) {
         const size_t space = buffer_.find_last_of(" \t\n\r\f\v");
         cut = space == std::string::npos ? 0 : space;
         if (cut == 0 && !eof_) cut = buffer_.size();  // one word of 64 chunks: cut anywhere
       }
-      if (cut == 0 && !file_end) continue;  // at the range's end: no whole sentence left
-      Chunk c;
-      c.text = buffer_.substr(0, cut);
-      c.first = !seen_text_;
-      c.last = file_end;
-      c.line_start = line_start_;
-      const auto parts = split_documents(c.text, separator_, line_start_);
-      seen_text_ = (parts.size() == 1 && seen_text_) || has_text(parts.back());  // of the document open at its end
-      line_start_ = c.text.empty() ? line_start_ : c.text.back() == '\n';
-      used_.end += static_cast<int64_t>(cut);
-      buffer_.erase(0, cut);
-      return c;
+      if (cut == 0 && !file_end) continue;  // at the range's end: no whole sentence or line left
+      return take(cut, file_end);
     }
     return std::nullopt;
   }
 
-  // The part of the range the chunks so far hold.
+  // The part of the range the chunks so far hold, in content bytes (of a
+  // compressed file: decompressed).
   const TextRange& used() const { return used_; }
 
  private:
+  // Drops the text before the first break (a range that starts inside its
+  // file); false while more must be read to find it.
+  bool skip_head(size_t stuck) {
+    size_t start = json_ ? buffer_.find('\n') : next_sentence_break(buffer_, 0);
+    if (start == kNoBreak && !eof_ && (json_ || buffer_.size() < stuck)) return false;
+    if (json_) {
+      start = start == kNoBreak ? buffer_.size() : start + 1;
+    } else if (start == kNoBreak) {
+      start = std::min(buffer_.find_first_of(" \t\n\r\f\v"), buffer_.size());
+    }
+    line_start_ = start > 0 && buffer_[start - 1] == '\n';
+    buffer_.erase(0, start);
+    used_.begin = used_.end = used_.begin + static_cast<int64_t>(start);
+    head_ = false;
+    return true;
+  }
+
+  size_t last_line_end() const {
+    const size_t at = buffer_.rfind('\n');
+    return at == std::string::npos ? 0 : at + 1;
+  }
+
+  Chunk take(size_t cut, bool file_end) {
+    Chunk c;
+    c.text = buffer_.substr(0, cut);
+    c.first = !seen_text_;
+    c.last = file_end;
+    c.line_start = line_start_;
+    c.json = json_;
+    c.file = range_.file;
+    c.first_byte = used_.end;
+    c.first_line = line_;
+    if (json_) {
+      if (line_ > 0) line_ += std::count(c.text.begin(), c.text.end(), '\n');
+    } else {
+      const auto parts = split_documents(c.text, rules_.separator, line_start_);
+      seen_text_ = (parts.size() == 1 && seen_text_) || has_text(parts.back());  // of the document open at its end
+    }
+    line_start_ = c.text.empty() ? line_start_ : c.text.back() == '\n';
+    used_.end += static_cast<int64_t>(cut);
+    buffer_.erase(0, cut);
+    return c;
+  }
+
   const TextRange range_;
-  const std::string separator_;
-  std::ifstream in_;
+  const ReadRules& rules_;
+  ByteStream in_;
   std::vector<char> block_;
+  const bool json_;
   bool to_file_end_ = false;
   TextRange used_;
-  int64_t left_ = 0;
   std::string buffer_;
+  int64_t line_ = 1;  // JSON lines: the number of the buffer's first line; 0 when not known
   bool seen_text_ = false, eof_ = false, line_start_ = true, head_ = false;
 };
 
 // The chunks of `ranges`, read in order (a ChunkReader each), through
 // `workers` threads: the library's ordered, bounded worker pipeline
 // (zeroshard::Prefetcher, at most 4 × workers chunks ahead).
-// - process(chunk, worker) runs on the workers (`worker`: 0 .. workers - 1, for per-worker state);
+// - process(chunk, worker) runs on the workers (`worker`: a ChunkWorker each,
+//   for per-worker state; for_each_sentence takes it);
 // - consume(result) runs on this thread, in chunk order;
 // - range_read(k, used) runs once range k is read, in order, on a worker while
 //   it reads (what it touches: only that and this thread after the return).
-// The first error (reading, processing or consuming) ends it and is thrown here.
+// The first error (reading, processing or consuming) ends it and is thrown
+// here. Returns the JSON lines skipped (rules.skip_bad_lines), the first
+// in chunk order named.
 template <class Result, class Process, class Consume, class RangeRead>
-void process_chunks(const std::vector<TextRange>& ranges, int64_t bytes, const std::string& separator, int workers,
-                    Process process, Consume consume, RangeRead range_read) {
-  using Loader = zeroshard::Prefetcher<std::optional<Chunk>, std::optional<Result>>;
+BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& rules, int workers, Process process,
+                        Consume consume, RangeRead range_read) {
+  using Done = std::pair<Result, BadLines>;
+  using Loader = zeroshard::Prefetcher<std::optional<Chunk>, std::optional<Done>>;
+  std::vector<std::unique_ptr<ChunkWorker>> state;
+  for (int w = 0; w < workers; ++w) state.push_back(std::make_unique<ChunkWorker>(w, rules));
   size_t k = 0;
   std::optional<ChunkReader> reader;
   auto draw = [&]() -> std::optional<Chunk> {
     for (; k < ranges.size(); ++k) {
-      if (!reader) reader.emplace(ranges[k], bytes, separator);
+      if (!reader) reader.emplace(ranges[k], rules);
       if (auto c = reader->next()) return c;
       range_read(k, reader->used());
       reader.reset();
     }
     return std::nullopt;  // then again, for every draw the workers run ahead
   };
-  auto build = [&](const std::optional<Chunk>& c) -> std::optional<Result> {
+  auto build = [&](const std::optional<Chunk>& c) -> std::optional<Done> {
     if (!c) return std::nullopt;
-    return process(*c, Loader::worker());
+    auto& w = *state[static_cast<size_t>(Loader::worker())];
+    w.bad = BadLines();
+    Result r = process(*c, w);
+    return Done(std::move(r), std::move(w.bad));
   };
   zeroshard::PrefetchOptions options;
   options.threads = workers;
   options.ahead = 4 * workers;
   Loader loader(draw, build, options);
-  while (auto r = loader.next()) consume(std::move(*r));
+  BadLines bad;
+  while (auto r = loader.next()) {
+    bad.add(r->second);
+    consume(std::move(r->first));
+  }
+  return bad;
 }
 
 }  // namespace bart

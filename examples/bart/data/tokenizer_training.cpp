@@ -67,15 +67,17 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
   TokenizerTrainingReport r;
   r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const auto files = corpus_files(o.data);
+  const ReadRules rules = read_rules("train-tokenizer", files, o.chunk_bytes, o.document_separator, o.json_key,
+                                     o.skip_bad_lines);
   for (const auto& f : files) r.corpus_bytes += static_cast<int64_t>(fs::file_size(f));
   const auto ranges = sample_ranges(files, static_cast<int64_t>(o.sample_mb * 1e6), o.chunk_bytes);
   std::vector<PieceCounts> counts(static_cast<size_t>(r.workers));
   {
-    process_chunks<bool>(
-        ranges, o.chunk_bytes, o.document_separator, r.workers,
-        [&](const Chunk& c, int w) {
-          auto& mine = counts[static_cast<size_t>(w)];
-          for_each_sentence(c, o.document_separator, [&](const std::string& s) { mine.add_text(s); }, [] {});
+    const auto bad = process_chunks<bool>(
+        ranges, rules, r.workers,
+        [&](const Chunk& c, ChunkWorker& w) {
+          auto& mine = counts[static_cast<size_t>(w.index)];
+          for_each_sentence(c, w, [&](const std::string& s) { mine.add_text(s); }, [] {});
           return true;
         },
         [](bool&&) {},
@@ -83,6 +85,7 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
           if (used.end > used.begin) r.sample.push_back(used);
           r.sample_bytes += used.end - used.begin;
         });
+    r.bad_lines = bad.count;
   }
   for (size_t w = 1; w < counts.size(); ++w) {
     counts[0].add(counts[w]);
@@ -110,6 +113,8 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
       {"corpus_bytes", r.corpus_bytes},
       {"sample_bytes", r.sample_bytes},
       {"document_separator", o.document_separator},
+      {"json_key", o.json_key},
+      {"skipped_lines", r.bad_lines},
       {"pieces", r.pieces},
       {"workers", r.workers},
       {"seconds", {{"count", r.count_seconds}, {"learn", r.learn_seconds}}},

@@ -93,6 +93,8 @@ ByteLevelBpe obtain_tokenizer(const RunOptions& o, zeroshard::Communicator& comm
       if (!given && !from_dataset && !fs::exists(tokenizer_files_in(dir))) {
         TokenizerTrainingOptions t;
         t.data = {o.data};
+        t.json_key = o.json_key;
+        t.skip_bad_lines = o.skip_bad_lines;
         t.vocab_size = o.vocab_size;
         t.sample_mb = o.tokenizer_sample_mb;
         t.out = dir;
@@ -143,6 +145,8 @@ std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const 
       ::gethostname(host, sizeof(host) - 1);
       PrepareOptions po;
       po.data = {o.data};
+      po.json_key = o.json_key;
+      po.skip_bad_lines = o.skip_bad_lines;
       po.tokenizer_dir = (fs::path(o.run_dir) / "tokenizer").string();
       po.vocab_json = vocab;
       po.merges_txt = merges;

@@ -18,6 +18,8 @@ namespace bart {
 struct RunOptions {
   std::string config = "tiny";
   std::string data = "/usr/share/common-licenses";  // prepared into RUN_DIR/dataset, when --dataset is not given
+  std::string json_key = "text";  // --data's JSON lines: the field of the text (PrepareOptions)
+  bool skip_bad_lines = false;    // --data's malformed JSON lines skipped and counted (PrepareOptions)
   std::string dataset;  // a prepared dataset directory (bart_pretrain prepare), or a token store's prefix
   std::string run_dir = "bart-run";
   std::string tokenizer_dir;  // "": RUN_DIR/tokenizer, trained when missing

@@ -1,0 +1,35 @@
+// json_lines.h — the text of a JSON lines corpus (`.jsonl`, `.json`,
+// `.ndjson`, compressed or not): one JSON object per line, a document each,
+// its text the string under one key (Megatron-LM's preprocess_data.py reads
+// the same shape). Lines are parsed and validated whole (UTF-8 included) by
+// simdjson's DOM parser. One decoder per thread; a decoder is not thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace bart {
+
+// Whether `path` holds JSON lines, by its name (a compression suffix aside).
+bool is_json_lines(const std::string& path);
+
+class JsonLineDecoder {
+ public:
+  explicit JsonLineDecoder(std::string key);
+  ~JsonLineDecoder();
+  JsonLineDecoder(const JsonLineDecoder&) = delete;
+  JsonLineDecoder& operator=(const JsonLineDecoder&) = delete;
+
+  // The text under the key of `line` (one line, its '\n' excluded), valid
+  // until the next call; or, when the line is not a JSON object holding a
+  // string under the key, "" with `problem` saying what is wrong. A blank line
+  // gives "" with no problem.
+  std::string_view text(std::string_view line, std::string& problem);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bart

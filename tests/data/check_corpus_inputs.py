@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""`bart_pretrain prepare` and `train-tokenizer` on corpora as they ship: JSON lines, plain and compressed.
+
+Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
+
+  1. A corpus of JSON lines shards: `.jsonl` (CRLF line ends, blank lines, a line of 40 KB, longer than a chunk,
+     escapes and non-ASCII text, other fields before and after the text, an empty text), `.json.gz` (two gzip
+     members, as `cat a.gz b.gz` makes them; by Python's gzip), `.jsonl.zst` (two zstd frames; by the zstd CLI),
+     `.ndjson`, and a text file compressed (`.txt.zst`: a document per file, as plain text is). Prepared with 4 KiB
+     chunks on 3 workers, megatron-core's IndexedDataset reads exactly the ids tokenizers' ByteLevelBPETokenizer
+     gives the sentences (corpus_oracle.py) of the texts Python's json module reads, a document per line.
+  2. --json-key: the same lines with the text under "content" give the same store.
+  3. A malformed line (not JSON, an array, no key, a number under it) stops prepare naming FILE:LINE and the fix,
+     and leaves neither the dataset nor its .partial directory; with --skip-bad-lines the other lines are the
+     store and the manifest counts the four skipped, naming the first.
+  4. A `.zst` cut short, a `.gz` that is not gzip: refused naming the file. --document-separator with JSON lines:
+     refused naming both.
+  5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
+     plain text files.
+
+Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
+"""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, ".."))
+sys.path.insert(0, os.path.join(here, "..", "bart"))
+sys.path.insert(0, here)
+from pycheck import check, skip  # noqa: E402
+
+try:
+    from check_megatron import expected_documents, make_tokenizer, megatron_documents, run  # noqa: E402
+except SystemExit:
+    raise
+except ImportError as e:
+    skip(f"{e}: the megatron-core and tokenizers oracles need the project's Python environment")
+
+
+def texts_pool():
+    gpl = open("/usr/share/common-licenses/GPL-3", encoding="utf-8").read()
+    paragraphs = [p for p in gpl.split("\n\n") if p.strip()]
+    extra = ["Ein Satz.\tZwei Sätze! Ça va? 数字 12345 und 3.14. Ende.", 'Quotes "inside" and a back\\slash. Done!',
+             "Emoji \U0001F600 beyond the BMP. Second sentence.", "Line one\nline two.\n\nA new paragraph.", "",
+             "   ", "No sentence end at all"]
+    return paragraphs + extra, gpl
+
+
+def lines_of(texts, key="text", crlf=False):
+    out = []
+    for k, t in enumerate(texts):
+        obj = {"id": k, key: t, "meta": {"source": "gpl", "n": [1, 2]}} if k % 2 else {key: t, "id": k}
+        out.append(json.dumps(obj, ensure_ascii=k % 3 == 0) + ("\r\n" if crlf and k % 2 else "\n"))
+        if k % 7 == 3:
+            out.append("\n" if k % 2 else "  \t\n")  # blank lines: no document
+    return "".join(out).encode()
+
+
+def zstd(data, path):
+    p = subprocess.run(["zstd", "-q", "-c", "-"], input=data, capture_output=True, check=True)
+    open(path, "ab").write(p.stdout)
+
+
+def make_corpus(d, key="text"):
+    """The shards, and the texts (in prepare's order: files by sorted name) that make the documents."""
+    texts, gpl = texts_pool()
+    os.makedirs(d)
+    a = texts[:20] + [gpl] + texts[20:40]  # the GPL whole: one line of 35 KB, past several 4 KiB chunks
+    b1, b2 = texts[40:60], texts[60:]
+    c1, c2 = list(reversed(texts[:30])), texts[30:50]
+    e = texts[50:70]
+    open(os.path.join(d, "a.jsonl"), "wb").write(lines_of(a, key, crlf=True))
+    with open(os.path.join(d, "b.json.gz"), "wb") as f:
+        f.write(gzip.compress(lines_of(b1, key)) + gzip.compress(lines_of(b2, key)))
+    zstd(lines_of(c1, key), os.path.join(d, "c.jsonl.zst"))
+    zstd(lines_of(c2, key), os.path.join(d, "c.jsonl.zst"))
+    text = gpl[:6000].encode()
+    zstd(text, os.path.join(d, "d.txt.zst"))
+    open(os.path.join(d, "e.ndjson"), "wb").write(lines_of(e, key).rstrip(b"\n"))  # no '\n' after the last line
+    return [t.encode() for t in a + b1 + b2 + c1 + c2] + [text] + [t.encode() for t in e]
+
+
+def check_documents(prefix, want, what):
+    _, got = megatron_documents(prefix)
+    check(len(got) == len(want), f"{what}: {len(got)} documents, expected {len(want)}")
+    for d, (g, w) in enumerate(zip(got, want)):
+        check(g == w, lambda: f"{what}: document {d} differs: {[x[:8] for x in g][:3]} expected "
+              f"{[x[:8] for x in w][:3]}")
+
+
+def check_json_lines(exe, work, tok_dir, tok):
+    corpus = os.path.join(work, "jsonl")
+    texts = make_corpus(corpus)
+    want = expected_documents(texts, tok)
+    out = os.path.join(work, "ds-jsonl")
+    run([exe, "prepare", "--data", corpus, "--tokenizer", tok_dir, "--out", out, "--workers", "3",
+         "--chunk-bytes", "4096"])
+    check_documents(os.path.join(out, "tokens"), want, "JSON lines")
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    check(m["documents_are"] == "text files; JSON lines (the text of field \"text\")", m["documents_are"])
+    check([os.path.basename(s["path"]) for s in m["sources"]] ==
+          ["a.jsonl", "b.json.gz", "c.jsonl.zst", "d.txt.zst", "e.ndjson"] and
+          all(s["bytes"] == os.path.getsize(s["path"]) for s in m["sources"]), f"sources {m['sources']}")
+    check(m["text_bytes"] > sum(s["bytes"] for s in m["sources"]), "text_bytes should count decompressed bytes")
+    print(f"prepare: {len(want)} documents from .jsonl, .json.gz (2 members), .jsonl.zst (2 frames), .txt.zst and "
+          ".ndjson in 4 KiB chunks on 3 workers: megatron-core reads exactly tokenizers' ids of json's texts")
+
+    keyed = os.path.join(work, "jsonl-content")
+    make_corpus(keyed, key="content")
+    out2 = os.path.join(work, "ds-content")
+    run([exe, "prepare", "--data", keyed, "--tokenizer", tok_dir, "--out", out2, "--json-key", "content"])
+    for f in ("tokens.bin", "tokens.idx"):
+        check(open(os.path.join(out, f), "rb").read() == open(os.path.join(out2, f), "rb").read(),
+              f"--json-key content: {f} differs from the same texts under \"text\"")
+    err = run([exe, "prepare", "--data", keyed, "--tokenizer", tok_dir, "--out", out2 + "-x"], expect=1)
+    check('has no field "text"' in err and "--json-key" in err and "a.jsonl:1" in err, err)
+    print("--json-key content: the same store; without it, the first line is named (no field \"text\")")
+    return corpus
+
+
+def check_bad_lines(exe, work, tok_dir, tok):
+    d = os.path.join(work, "bad")
+    os.makedirs(d)
+    good = ["A good line. Two sentences!", "Another good one.", "The last good one?"]
+    lines = [json.dumps({"text": good[0]}), '{"text": "cut short', json.dumps({"text": good[1]}), '["an", "array"]',
+             json.dumps({"body": "no text field"}), json.dumps({"text": 42}), json.dumps({"text": good[2]})]
+    open(os.path.join(d, "x.jsonl"), "w").write("\n".join(lines) + "\n")
+    out = os.path.join(work, "ds-bad")
+    err = run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", out, "--workers", "2"], expect=1)
+    check(f"{os.path.join(d, 'x.jsonl')}:2 is not JSON" in err and "--skip-bad-lines" in err, err)
+    check(not os.path.exists(out) and not os.path.exists(out + ".partial"),
+          "a prepare stopped by a malformed line left its dataset or its .partial directory")
+    run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", out, "--skip-bad-lines"])
+    check_documents(os.path.join(out, "tokens"), expected_documents([g.encode() for g in good], tok), "skipped lines")
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    check(m["skipped_lines"]["count"] == 4 and m["skipped_lines"]["first"].startswith(f"{d}/x.jsonl:2 is not JSON"),
+          f"skipped_lines {m.get('skipped_lines')}")
+    print(f"a malformed line stops prepare naming x.jsonl:2 and leaves nothing; --skip-bad-lines skips the 4 "
+          f"({m['skipped_lines']['first']!r} first) and keeps the 3 good lines")
+
+    for name, data, want in (("cut.jsonl.zst", None, "ends inside its zstd frame"),
+                             ("plain.jsonl.gz", b'{"text": "not gzip."}\n', "is not gzip data")):
+        bad = os.path.join(work, "bad-" + name)
+        os.makedirs(bad)
+        path = os.path.join(bad, name)
+        if data is None:
+            zstd(lines_of(texts_pool()[0]), path)
+            blob = open(path, "rb").read()
+            open(path, "wb").write(blob[: len(blob) // 2])
+        else:
+            open(path, "wb").write(data)
+        err = run([exe, "prepare", "--data", bad, "--tokenizer", tok_dir, "--out", os.path.join(work, "ds-x")],
+                  expect=1)
+        check(f"'{path}' {want}" in err, err)
+    err = run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", os.path.join(work, "ds-x"),
+               "--document-separator", "%"], expect=1)
+    check("--document-separator '%' is for text files" in err and "x.jsonl' is JSON lines" in err, err)
+    print("a .zst cut short and a .gz that is not gzip are refused naming the file; so is --document-separator "
+          "with JSON lines")
+
+
+def check_tokenizer_training(exe, work, corpus):
+    """The JSON lines' documents as plain text files (a document per file): the same vocabulary."""
+    plain = os.path.join(work, "as-text")
+    os.makedirs(plain)
+    texts = make_corpus(os.path.join(work, "again"))
+    for k, t in enumerate(texts):
+        open(os.path.join(plain, f"{k:04}"), "wb").write(t)
+    outs = []
+    for name, data in (("json", corpus), ("text", plain)):
+        out = os.path.join(work, f"tok-{name}")
+        run([exe, "train-tokenizer", "--data", data, "--vocab-size", "600", "--out", out, "--workers", "2",
+             "--chunk-bytes", "4096"])
+        outs.append([open(os.path.join(out, f), "rb").read() for f in ("vocab.json", "merges.txt")])
+    check(outs[0] == outs[1], "train-tokenizer learns another vocabulary from the JSON lines than from the same "
+          "documents as text files")
+    print("train-tokenizer: the JSON lines shards give the vocabulary the same documents as text files give")
+
+
+def main():
+    build, work = sys.argv[1], sys.argv[2]
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    work = os.path.join(work, "corpus-inputs")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    tok_dir, tok = make_tokenizer(work)
+    corpus = check_json_lines(exe, work, tok_dir, tok)
+    check_bad_lines(exe, work, tok_dir, tok)
+    check_tokenizer_training(exe, work, corpus)
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
