@@ -1,5 +1,5 @@
 # zeroshard — the two commands a newcomer needs:
-#   make demo   install what is missing, build, and pretrain tiny BART on 4 local ranks (DATA=dir for your text)
+#   make demo   install what is missing, build, and pretrain tiny BART on 2 local ranks (DATA=your corpus: text or JSON lines, a directory or a file)
 #   make test   install what is missing, build, and run the whole test suite (ctest)
 # Other targets: make build, make bench, make clean, and
 #   make install PREFIX=dir   the library, its headers, the tools, the CMake package and zeroshard.pc

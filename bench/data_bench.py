@@ -2,7 +2,8 @@
 """BART's data path at corpus scale: `bart_pretrain prepare` beside Hugging Face `tokenizers` on the same text,
 vocabulary and cores, and the trainer's start-up, memory and data wait as the corpus grows.
 
-Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--tokenizer-gb 1] [--work DIR] [--workers N] [--keep]
+Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--tokenizer-gb 1] [--formats-mb 100] [--work DIR]
+                           [--workers N] [--keep]
 (run with the project's Python: .venv/bin/python)
 
 1. A pool of this machine's own text (Debian's changelogs, licenses and fortunes; valid UTF-8 only) is cut into
@@ -16,7 +17,10 @@ Usage: bench/data_bench.py BUILD_DIR [--sizes-gb 0.1 1 10] [--tokenizer-gb 1] [-
    before the first step and after the last), from each dataset, twice (the
    first run packs the examples into the dataset's file, the second only reads it): launch to the first step's
    metrics line, peak RSS per rank, and the share of the steps' time spent waiting for batches.
-5. Tokenizer training (--tokenizer-gb, default 1; 0: skipped): a corpus of that size, learned whole (--sample-mb
+5. Corpora as they ship (--formats-mb, default 100; 0: skipped): the pool as JSON lines shards of 64 MB, a
+   document per line, plain and compressed by the zstd CLI: prepare's MB of text per second on each beside
+   `tokenizers`' encode_batch_fast on the same sentences (their ids checked equal to the store's).
+6. Tokenizer training (--tokenizer-gb, default 1; 0: skipped): a corpus of that size, learned whole (--sample-mb
    its size) into BART's 50,265 entries by `bart_pretrain train-tokenizer`, and by `tokenizers`' BpeTrainer (BART's
    settings: byte-level, no prefix space, every byte in the alphabet, no minimum count) reading the same files
    itself (its fastest way: lines, in Rust), each in its own process on --workers threads: seconds, peak RSS, and
@@ -96,19 +100,24 @@ def prepare(exe, corpus, tok, out, workers):
     return time.monotonic() - t0
 
 
-def hf_encode(corpus, tok, workers, dataset):
-    """tokenizers' encode_batch on the corpus's sentences (as prepare makes them), timed; checked against the store."""
-    os.environ["RAYON_NUM_THREADS"] = str(workers)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    import numpy as np
-    from tokenizers import ByteLevelBPETokenizer
-    t = ByteLevelBPETokenizer(os.path.join(tok, "vocab.json"), os.path.join(tok, "merges.txt"), add_prefix_space=False)
+def corpus_sentences(corpus):
+    """The sentences prepare makes of a corpus of text files cut by '%' lines, as it encodes them; the bytes read."""
     sentences, nbytes = [], 0
     for f in sorted(glob.glob(os.path.join(corpus, "*"))):
         data = open(f, "rb").read()
         nbytes += len(data)
         for doc in data.split(b"\n%\n"):
             sentences += [((b"" if k == 0 else b" ") + s).decode() for k, s in enumerate(split_sentences(doc))]
+    return sentences, nbytes
+
+
+def hf_encode(sentences, tok, workers, dataset):
+    """tokenizers' encode_batch on the sentences (as prepare makes them), timed; checked against the store."""
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    import numpy as np
+    from tokenizers import ByteLevelBPETokenizer
+    t = ByteLevelBPETokenizer(os.path.join(tok, "vocab.json"), os.path.join(tok, "merges.txt"), add_prefix_space=False)
     t0 = time.monotonic()
     encoded = t._tokenizer.encode_batch_fast(sentences, add_special_tokens=False)  # its fastest: no offsets
     seconds = time.monotonic() - t0
@@ -120,7 +129,48 @@ def hf_encode(corpus, tok, workers, dataset):
     for i in range(len(ds)):
         if not np.array_equal(ds[i], np.asarray(encoded[i].ids, dtype=ds[i].dtype)):
             sys.exit(f"FAIL: sentence {i}: the store's ids differ from tokenizers' ({sentences[i][:80]!r})")
-    return nbytes, seconds, len(ds)
+    return seconds, len(ds)
+
+
+def json_lines_formats(exe, docs, work, tok, mb, workers):
+    """The pool as JSON lines shards ({"id", "text", "source"} per document; 64 MB each), plain and zstd-compressed
+    (the zstd CLI, level 3): prepare's seconds on each beside tokenizers' encode_batch_fast on the same sentences."""
+    plain, packed = os.path.join(work, "jsonl"), os.path.join(work, "jsonl-zst")
+    for d in (plain, packed):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+    texts, total, n, k = [], 0, 0, 0
+    while total < mb * 1e6:
+        lines, size = [], 0
+        while size < FILE_BYTES and total + size < mb * 1e6:
+            text = docs[k % len(docs)].decode()
+            lines.append(json.dumps({"id": k, "text": text, "source": "debian"}) + "\n")
+            texts.append(text.encode())
+            size += len(lines[-1])
+            k += 1
+        blob = "".join(lines).encode()
+        open(os.path.join(plain, f"part-{n:05}.jsonl"), "wb").write(blob)
+        subprocess.run(["zstd", "-q", "-3", "-o", os.path.join(packed, f"part-{n:05}.jsonl.zst"), "-"], input=blob,
+                       check=True)
+        total += size
+        n += 1
+    sentences = [((b"" if k == 0 else b" ") + s).decode() for t in texts for k, s in enumerate(split_sentences(t))]
+    text_bytes = sum(len(t) for t in texts)
+    rows = []
+    for name, corpus in (("JSON lines", plain), ("JSON lines, .zst", packed)):
+        dataset = os.path.join(work, "dataset-" + os.path.basename(corpus))
+        shutil.rmtree(dataset, ignore_errors=True)
+        t0 = time.monotonic()
+        run([exe, "prepare", "--data", corpus, "--tokenizer", tok, "--out", dataset, "--workers", str(workers)])
+        ours = time.monotonic() - t0
+        hf_s, _ = hf_encode(sentences, tok, workers, dataset)
+        disk = sum(os.path.getsize(f) for f in glob.glob(os.path.join(corpus, "*")))
+        rows.append({"format": name, "disk_bytes": disk, "text_bytes": text_bytes, "prepare_s": ours, "hf_s": hf_s})
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(dataset)
+    shutil.rmtree(plain)
+    shutil.rmtree(packed)
+    return rows
 
 
 def timed(cmd, env=None):
@@ -207,6 +257,7 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--sizes-gb", type=float, nargs="*", default=[0.1, 1, 10])
     ap.add_argument("--tokenizer-gb", type=float, default=1, help="the corpus tokenizers are trained on; 0: none")
+    ap.add_argument("--formats-mb", type=float, default=100, help="the JSON lines corpus, plain and .zst; 0: none")
     ap.add_argument("--work", default="/tmp/zs-data-bench")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--keep", action="store_true", help="keep the corpora and datasets")
@@ -233,8 +284,9 @@ def main():
             seconds = prepare(exe, corpus, tok, dataset, a.workers)
         row = {"gb": gb, "bytes": nbytes, "prepare_s": seconds}
         if gb == min(a.sizes_gb) and gb <= 1 and os.path.exists(corpus):  # tokenizers in Python: 0.1 GB is minutes
-            hb, hs, sentences = hf_encode(corpus, tok, a.workers, dataset)
-            row.update(hf_bytes=hb, hf_s=hs, sentences=sentences)
+            sentences, hb = corpus_sentences(corpus)
+            hs, count = hf_encode(sentences, tok, a.workers, dataset)
+            row.update(hf_bytes=hb, hf_s=hs, sentences=count)
         if not a.keep:
             shutil.rmtree(corpus, ignore_errors=True)
         for k in ("first", "again"):
@@ -246,6 +298,15 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k not in ("first", "again")}), flush=True)
 
     w = a.workers
+    formats = json_lines_formats(exe, docs, a.work, tok, a.formats_mb, w) if a.formats_mb > 0 else []
+    if formats:
+        print("\n| input | on disk | text | prepare (s) | text MB/s per core | tokenizers encode_batch, MB/s per core "
+              "| ours / theirs |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in formats:
+            ours, theirs = r["text_bytes"] / 1e6 / r["prepare_s"] / w, r["text_bytes"] / 1e6 / r["hf_s"] / w
+            print(f"| {r['format']} | {r['disk_bytes'] / 1e6:.0f} MB | {r['text_bytes'] / 1e6:.0f} MB | "
+                  f"{r['prepare_s']:.1f} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x |")
     if a.tokenizer_gb > 0:
         corpus = os.path.join(a.work, f"corpus-tok-{a.tokenizer_gb:g}")
         if not (a.reuse and os.path.isdir(corpus)):

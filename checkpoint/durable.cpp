@@ -432,11 +432,15 @@ void DurableTier::retain() {
   const size_t keep = static_cast<size_t>(std::max(options_.keep, 2));
   std::set<int64_t> kept(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(std::min(keep, steps.size())));
   const int64_t newest = steps.empty() ? -1 : steps.front();
+  const int64_t oldest_kept = kept.empty() ? -1 : *kept.begin();
   for (const auto& d : client_->list_directories("step-")) {
     auto s = step_of_dir_name(d.substr(0, d.size() - 1));
     if (!s || kept.count(*s)) continue;
-    // Older committed steps beyond `keep`, and uncommitted ones older than the newest commit (abandoned).
-    if (*s < newest) client_->remove_all(d);
+    // Older committed steps beyond `keep`; uncommitted ones only below every kept step (abandoned). One between
+    // kept steps may be committing now: ranks commit their steps from their own threads, so step 8's manifest can
+    // land just after step 12's retention listed the store.
+    const bool committed = std::find(steps.begin(), steps.end(), *s) != steps.end();
+    if (committed ? *s < newest : *s < oldest_kept) client_->remove_all(d);
   }
 }
 

@@ -55,6 +55,7 @@ TINY = dict(d_model=128, layers=2, heads=4, ffn_dim=512, max_position_embeddings
 # most), built here as prepare and packed_examples.cpp build them. --mask-ratio 0 --no-permute make the noise the identity (text infilling
 # masks round(0 * n) = 0 tokens, no sentence permutation), so source = target = <s> sentences </s>, padded.
 MAX_TOKENS, LOGITS_BATCH = 128, 4
+VALIDATION_DOCS = 2  # whole documents held out (--validation-docs, every run here), which validation_examples rebuilds
 NO_NOISE = ["--mask-ratio", "0", "--no-permute"]
 # fp32 agreement of two implementations (LibTorch 1.13's kernels against PyTorch 2.x's, sdpa or eager attention,
 # other summation orders): max |ours - HF| <= FP32_BOUND * max |HF logits|. Measured: 4.0e-7 (export: max |diff|
@@ -77,7 +78,8 @@ def run(cmd, expect=0, env=None):
 def pretrain(build, run_dir, nproc, *args):
     exe = os.path.join(build, "examples", "bart_pretrain")
     data = [] if "--data" in args else ["--data", DATA]
-    base = [exe, *data, "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *args]
+    base = [exe, *data, "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", "--validation-docs",
+            str(VALIDATION_DOCS), *args]
     env = dict(os.environ, ZS_LOG_LEVEL="warn")
     if nproc == 0:  # alone, without the launcher
         return run(base, env=env)
@@ -108,12 +110,12 @@ def read_texts(directory):
 
 def validation_examples(texts, encode, count):
     """packed_examples.cpp: sentences encoded (a leading space after a text's first), packed greedily into examples
-    of at most MAX_TOKENS - 2 tokens, never across texts (documents); the examples of min(100, ceil(D / 20)) of the D
-    documents, document floor((2j + 1) D / 2V) for each j < V, are held out. Returns the first `count` held-out
-    examples as flat token lists."""
+    of at most MAX_TOKENS - 2 tokens, never across texts (documents); with --validation-docs V (VALIDATION_DOCS), the
+    examples of documents floor((2j + 1) D / 2V) for each j < V of the D are held out. Returns the first `count`
+    held-out examples as flat token lists."""
     docs = [[encode((b"" if k == 0 else b" ") + s) for k, s in enumerate(split_sentences(t))] for t in texts]
     docs = [d for d in docs if d]  # a document without a sentence is not recorded
-    held_count = min(100, (len(docs) + 19) // 20)
+    held_count = VALIDATION_DOCS
     held = {(2 * j + 1) * len(docs) // (2 * held_count) for j in range(held_count)}
     budget, out = MAX_TOKENS - 2, []
     for d, sentences in enumerate(docs):

@@ -17,6 +17,8 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      refused naming both.
   5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
      plain text files.
+  6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
+     within the document, a small share of its tokens; the validation loss is measured before and after.
 
 Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
 """
@@ -181,6 +183,22 @@ def check_tokenizer_training(exe, work, corpus):
     print("train-tokenizer: the JSON lines shards give the vocabulary the same documents as text files give")
 
 
+def check_one_file_trains(exe, work):
+    """One file of running text (one document) trains: its validation set is spans within it, a small share."""
+    run_dir = os.path.join(work, "one-file-run")
+    out = run([exe, "--data", "/usr/share/common-licenses/GPL-3", "--run-dir", run_dir, "--max-steps", "3",
+               "--global-batch", "8", "--max-tokens", "64", "--eval-every", "0", "--no-sample", "--no-plot",
+               "--ckpt-dir", "none", "--progress-interval", "1000"], env_level="info")
+    line = next((l for l in out.splitlines() if "validation: " in l and " within 1 document (" in l), None)
+    check(line is not None, f"no start-up line states the validation set of one file:\n{out[-3000:]}")
+    share = float(line.split("tokens, ")[1].split("%")[0])
+    check(0 < share <= 8, f"one file: {share}% of its tokens held out: {line}")
+    evals = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if '"validation"' in l]
+    check(len(evals) == 2 and all(0 < e["val_loss"] < 20 for e in evals), f"validation events {evals}")
+    print(f"one file trains: {line.split('] ')[-1]}; validation loss {evals[0]['val_loss']:.3f} -> "
+          f"{evals[1]['val_loss']:.3f}")
+
+
 def main():
     build, work = sys.argv[1], sys.argv[2]
     exe = os.path.join(build, "examples", "bart_pretrain")
@@ -191,6 +209,7 @@ def main():
     corpus = check_json_lines(exe, work, tok_dir, tok)
     check_bad_lines(exe, work, tok_dir, tok)
     check_tokenizer_training(exe, work, corpus)
+    check_one_file_trains(exe, work)
     shutil.rmtree(work)
 
 

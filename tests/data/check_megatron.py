@@ -52,8 +52,8 @@ except ImportError as e:
          "(scripts/install-deps.sh; ZS_PYTHON)")
 
 
-def run(cmd, expect=0):
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, ZS_LOG_LEVEL="warn"))
+def run(cmd, expect=0, env_level="warn"):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, ZS_LOG_LEVEL=env_level))
     if p.returncode != expect:
         sys.exit(f"FAIL: {' '.join(cmd)}: exit {p.returncode}, expected {expect}\n{p.stdout[-4000:]}{p.stderr[-4000:]}")
     return p.stdout + p.stderr

@@ -52,7 +52,11 @@ void check_options(const RunOptions& o) {
        "at least 262 (the 5 specials, 256 bytes and a merge) and below 2^31");
   need(o.max_tokens >= 8, "--max-tokens", o.max_tokens, "at least 8 (bos, eos and some text)");
   need(o.validation_docs >= 0, "--validation-docs", o.validation_docs,
-       "0 (the default: 100, or a twentieth of a smaller dataset's documents) or more");
+       "0 (the default: the validation set is a share of the tokens, --validation-tokens) or more");
+  need(o.validation_tokens >= 0, "--validation-tokens", o.validation_tokens,
+       "0 (the default: 1% of the dataset's tokens, at least 20,000 or 5%, at most 1,000,000) or more");
+  need(o.validation_docs == 0 || o.validation_tokens == 0, "--validation-docs", o.validation_docs,
+       "0 with --validation-tokens: give one of the two");
   need(o.global_batch >= 1, "--global-batch", o.global_batch, "at least 1");
   need(o.micro_batches >= 1, "--micro-batches", o.micro_batches, "at least 1");
   need(o.max_steps >= 1, "--max-steps", o.max_steps, "at least 1");
@@ -205,8 +209,11 @@ void add_data_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--sample-mb", o.tokenizer_sample_mb, "MB of --data a vocabulary trained by the run learns from")
       ->capture_default_str();
   app.add_option("--max-tokens", o.max_tokens, "tokens per example, bos/eos included")->capture_default_str();
-  app.add_option("--validation-docs", o.validation_docs, "documents held out for validation, spread evenly over the "
-                                                         "dataset (0: 100, or a twentieth of a smaller dataset's)")
+  app.add_option("--validation-tokens", o.validation_tokens, "about this many tokens held out for validation: whole "
+                 "documents spread over the dataset, or spans within documents when they are few (0: 1% of the "
+                 "tokens, at least 20,000 or 5%, at most 1,000,000)")->capture_default_str();
+  app.add_option("--validation-docs", o.validation_docs, "instead: this many whole documents held out, spread evenly "
+                                                         "over the dataset (at most half of them)")
       ->capture_default_str();
   app.add_option("--global-batch", o.global_batch, "examples per optimizer step, all ranks")->capture_default_str();
   app.add_option("--micro-batches", o.micro_batches,

@@ -1,19 +1,21 @@
 // packed_examples.h — BART's examples, packed from a token store's index
 // (zeroshard/token_store.h; a sequence is a sentence): consecutive sentences of
 // one document up to max_tokens - 2 tokens (room for bos and eos), a sentence
-// longer than that cut into pieces of at most that many. The examples of
-// `validation_docs` documents spread evenly over the store (document
-// floor((2j + 1) D / 2V) for j < V, of D) are held out: the validation set is
-// a fixed number of whole documents, whatever the corpus size.
+// longer than that cut into pieces of at most that many. The validation set
+// (held_out.h: whole documents spread over the store, or spans within
+// documents when they are few; bounded in tokens) is held out: an example is
+// all training or all validation, and no token is in both.
 //
 // The packing is computed once, in one pass over the store's index, and kept in
-// a file (PATH: a 64-byte header, then 16 bytes per example: its first
+// a file (PATH: a 128-byte header, then 16 bytes per example: its first
 // sequence, the offset in it, its tokens; the training examples, then the
 // held-out ones), so a run that starts again reads nothing but that header: an
 // example is read from the file and the store when a batch needs it. The file
 // is written beside and renamed, so ranks that build it at once each rename a
 // whole one. Reading is thread-safe.
 #pragma once
+
+#include "data/held_out.h"
 
 #include <zeroshard/token_store.h>
 
@@ -28,13 +30,18 @@ namespace bart {
 using Example = std::vector<std::vector<int64_t>>;
 
 struct PackingOptions {
-  int64_t max_tokens = 128;    // per example, bos and eos included; at least 8
-  int64_t validation_docs = 0; // documents held out; 0: min(100, ceil(D / 20)) of the store's D
+  int64_t max_tokens = 128;       // per example, bos and eos included; at least 8
+  ValidationOptions validation;   // what is held out (held_out.h); default: about 1% of the tokens
 };
 
-// The documents held out of `documents` for `validation_docs` (0: the default
-// above). Throws naming the option when it holds out more than half of them.
-int64_t held_out_documents(int64_t documents, int64_t validation_docs);
+// What the validation set holds, as the packing found it.
+struct ValidationSet {
+  bool within_documents = false;  // spans within documents (too few documents to take whole ones)
+  int64_t documents = 0;          // documents it takes tokens from
+  int64_t spans = 0;              // spans, when within documents
+  int64_t tokens = 0;             // its examples' tokens (bos and eos not counted)
+  int64_t target_tokens = 0;      // the size asked for (0: documents were given)
+};
 
 class PackedExamples {
  public:
@@ -65,7 +72,7 @@ class PackedExamples {
   const Split& validation() const { return validation_; }
   int64_t tokens() const { return store_->tokens(); }  // every example's, both splits
   const zeroshard::TokenStore& store() const { return *store_; }
-  int64_t validation_documents() const { return held_; }
+  const ValidationSet& held_out() const { return held_; }
   const std::string& path() const { return path_; }
   bool built() const { return built_; }  // whether this opening computed the file
 
@@ -76,7 +83,7 @@ class PackedExamples {
   PackingOptions options_;
   std::string path_;
   int fd_ = -1;
-  int64_t held_ = 0;
+  ValidationSet held_;
   bool built_ = false;
   Split train_, validation_;
 };

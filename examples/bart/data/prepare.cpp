@@ -4,6 +4,7 @@
 
 #include "io/byte_stream.h"
 #include "io/text_file.h"
+#include "io/work_progress.h"
 
 #include "data/text_chunks.h"
 
@@ -253,21 +254,12 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
     std::vector<ByteLevelBpe::Cache> caches(static_cast<size_t>(r.workers));
     std::vector<TextRange> whole;
     for (const auto& f : files) whole.push_back(TextRange{f, 0, std::numeric_limits<int64_t>::max()});
-    auto last_log = Clock::now();
     const auto bad = process_chunks<Tokenized>(
         whole, rules, r.workers,
         [&](const Chunk& c, ChunkWorker& w) { return tokenize(c, w, tokenizer, caches[static_cast<size_t>(w.index)]); },
         StoreWriting(writer), [&](size_t, const TextRange& used) {
           r.text_bytes += used.end - used.begin;
           sources.push_back({{"path", used.file}, {"bytes", fs::file_size(used.file)}});
-          if (std::chrono::duration<double>(Clock::now() - last_log).count() > 10) {
-            last_log = Clock::now();
-            const double s = std::chrono::duration<double>(last_log - t0).count();
-            char msg[160];
-            std::snprintf(msg, sizeof(msg), "prepare: %.1f MB of text read, %.1f MB/s", r.text_bytes / 1e6,
-                          r.text_bytes / 1e6 / s);
-            zeroshard::log_info(msg);
-          }
         });
     r.bad_lines = bad.count;
     r.first_bad_line = bad.first;
@@ -323,8 +315,13 @@ PrepareReport merge_datasets(const std::vector<std::string>& parts, const std::s
   {
     zeroshard::TokenStoreWriter writer((partial.path / "tokens").string(),
                                        zeroshard::TokenStore(store_prefix(parts.front())).type());
+    int64_t total = 0, done = 0;  // the parts' tokens.bin bytes
+    for (const auto& p : parts) total += static_cast<int64_t>(fs::file_size(store_prefix(p) + ".bin"));
+    WorkProgress progress("merge", total);
     for (size_t i = 0; i < parts.size(); ++i) {
       writer.append(zeroshard::TokenStore(store_prefix(parts[i])));
+      done += static_cast<int64_t>(fs::file_size(store_prefix(parts[i]) + ".bin"));
+      progress.update(done, std::to_string(i + 1) + " of " + std::to_string(parts.size()) + " datasets");
       for (const auto& src : manifests[i].at("sources")) manifest["sources"].push_back(src);
       r.text_bytes += manifests[i].value("text_bytes", int64_t{0});
       r.files += static_cast<int64_t>(manifests[i].at("sources").size());

@@ -8,6 +8,7 @@
 #include "data/json_lines.h"
 #include "data/prepare.h"
 #include "io/byte_stream.h"
+#include "io/work_progress.h"
 
 #include <zeroshard/prefetcher.h>
 
@@ -68,6 +69,7 @@ struct Chunk {
   std::string file;
   int64_t first_line = 0;  // JSON lines: the number of its first line (from 1); 0 when not known
   int64_t first_byte = 0;  // where text[0] is in the file's content
+  int64_t done_bytes = 0;  // of all the ranges' bytes on disk, read once this chunk was (progress)
 };
 
 // JSON lines that were skipped (ReadRules::skip_bad_lines).
@@ -183,6 +185,7 @@ class ChunkReader {
     const auto size = static_cast<int64_t>(std::filesystem::file_size(range_.file, ec));
     TORCH_CHECK_VALUE(!ec, rules.who, ": cannot read '", range_.file, "': ", ec.message());
     to_file_end_ = range_.end >= size;
+    bytes_ = std::max<int64_t>(0, std::min(range_.end, size) - range_.begin);
     in_.skip_to(range_.begin);
     used_ = TextRange{range_.file, in_.content_position(), in_.content_position()};
     seen_text_ = head_ = range_.begin > 0;
@@ -216,6 +219,9 @@ class ChunkReader {
   // The part of the range the chunks so far hold, in content bytes (of a
   // compressed file: decompressed).
   const TextRange& used() const { return used_; }
+  // The range's bytes on disk, and how many of them are read.
+  int64_t bytes() const { return bytes_; }
+  int64_t bytes_read() const { return std::min(bytes_, in_.file_position() - range_.begin); }
 
  private:
   // Drops the text before the first break (a range that starts inside its
@@ -268,6 +274,7 @@ class ChunkReader {
   std::vector<char> block_;
   const bool json_;
   bool to_file_end_ = false;
+  int64_t bytes_ = 0;
   TextRange used_;
   std::string buffer_;
   int64_t line_ = 1;  // JSON lines: the number of the buffer's first line; 0 when not known
@@ -284,21 +291,37 @@ class ChunkReader {
 //   it reads (what it touches: only that and this thread after the return).
 // The first error (reading, processing or consuming) ends it and is thrown
 // here. Returns the JSON lines skipped (rules.skip_bad_lines), the first
-// in chunk order named.
+// in chunk order named. Shows its progress (io/work_progress.h) as
+// rules.who, in bytes of the ranges on disk.
 template <class Result, class Process, class Consume, class RangeRead>
 BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& rules, int workers, Process process,
                         Consume consume, RangeRead range_read) {
-  using Done = std::pair<Result, BadLines>;
+  struct Done {
+    Result result;
+    BadLines bad;
+    int64_t done_bytes;
+  };
   using Loader = zeroshard::Prefetcher<std::optional<Chunk>, std::optional<Done>>;
   std::vector<std::unique_ptr<ChunkWorker>> state;
   for (int w = 0; w < workers; ++w) state.push_back(std::make_unique<ChunkWorker>(w, rules));
+  int64_t total = 0;
+  for (const auto& r : ranges) {
+    std::error_code ec;
+    const auto size = static_cast<int64_t>(std::filesystem::file_size(r.file, ec));
+    total += ec ? 0 : std::max<int64_t>(0, std::min(r.end, size) - r.begin);
+  }
   size_t k = 0;
+  int64_t before = 0;  // the bytes of the ranges read whole
   std::optional<ChunkReader> reader;
   auto draw = [&]() -> std::optional<Chunk> {
     for (; k < ranges.size(); ++k) {
       if (!reader) reader.emplace(ranges[k], rules);
-      if (auto c = reader->next()) return c;
+      if (auto c = reader->next()) {
+        c->done_bytes = before + reader->bytes_read();
+        return c;
+      }
       range_read(k, reader->used());
+      before += reader->bytes();
       reader.reset();
     }
     return std::nullopt;  // then again, for every draw the workers run ahead
@@ -308,16 +331,18 @@ BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& r
     auto& w = *state[static_cast<size_t>(Loader::worker())];
     w.bad = BadLines();
     Result r = process(*c, w);
-    return Done(std::move(r), std::move(w.bad));
+    return Done{std::move(r), std::move(w.bad), c->done_bytes};
   };
   zeroshard::PrefetchOptions options;
   options.threads = workers;
   options.ahead = 4 * workers;
   Loader loader(draw, build, options);
+  WorkProgress progress(rules.who, total);
   BadLines bad;
   while (auto r = loader.next()) {
-    bad.add(r->second);
-    consume(std::move(r->first));
+    bad.add(r->bad);
+    consume(std::move(r->result));
+    progress.update(r->done_bytes);
   }
   return bad;
 }

@@ -32,6 +32,18 @@ void PretrainingRun::log_start() const {
                 o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
                 static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
   zeroshard::log_info(msg);
+  const auto& h = examples_->held_out();
+  const auto with_commas = zeroshard::ProgressLine::with_commas;
+  char share[160];
+  std::snprintf(share, sizeof(share), "%s tokens, %.2f%% of %s", with_commas(h.tokens).c_str(),
+                100.0 * static_cast<double>(h.tokens) / static_cast<double>(std::max<int64_t>(1, examples_->tokens())),
+                with_commas(examples_->tokens()).c_str());
+  zeroshard::log_info(
+      "validation: " + with_commas(examples_->validation().size()) + " examples, " +
+      (h.within_documents ? with_commas(h.spans) + (h.spans == 1 ? " span" : " spans") + " within " +
+                                with_commas(h.documents) + (h.documents == 1 ? " document" : " documents") + " (" + share + "; too few documents to hold whole "
+                                "ones out)"
+                          : with_commas(h.documents) + " whole documents spread over the dataset (" + share + ")"));
   if (!pipe_) return;
   zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp_) +
                       " data-parallel ranks, schedule " + o.schedule_pp +

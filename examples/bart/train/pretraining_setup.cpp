@@ -80,9 +80,10 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   auto store = std::make_shared<const zeroshard::TokenStore>(store_prefix(dataset_));
   PackingOptions packing;
   packing.max_tokens = o.max_tokens;
-  packing.validation_docs = o.validation_docs;
+  packing.validation.documents = o.validation_docs;
+  packing.validation.tokens = o.validation_tokens;
   const std::string packed = "packed-" + std::to_string(o.max_tokens) + "-" +
-                             std::to_string(held_out_documents(store->documents(), o.validation_docs)) + ".bin";
+                             held_out_key(packing.validation, store->tokens()) + ".bin";
   // Beside a prepared dataset when its directory can take it (every run on it reuses the file), else in the run's.
   const bool beside = fs::exists(fs::path(dataset_) / "manifest.json") && ::access(dataset_.c_str(), W_OK) == 0;
   examples_ = std::make_unique<PackedExamples>(std::move(store), packing,
@@ -224,7 +225,7 @@ void PretrainingRun::resume() {
         TORCH_CHECK_VALUE(saved == examples_->train().size(), "cannot resume from step ", step_, " of ", ckpt_dir,
                           ": it was saved training on ", saved, " examples and this run has ",
                           examples_->train().size(), "; resume with the dataset (--dataset or --data), "
-                          "--max-tokens, --validation-docs and tokenizer it was saved with");
+                          "--max-tokens, --validation-docs or --validation-tokens and tokenizer it was saved with");
         record_.from_json(extra, *sampler_);
         if (extra.contains("step_metrics")) carried_line_ = extra["step_metrics"].dump();
       } else {  // imported weights (zeroshard-ckpt import): a new run from them

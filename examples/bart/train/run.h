@@ -26,7 +26,8 @@ struct RunOptions {
   int64_t vocab_size = 2048;
   double tokenizer_sample_mb = 1000;  // MB of --data a tokenizer trained by the run learns from
   int64_t max_tokens = 128;
-  int64_t validation_docs = 0;  // documents held out for validation; 0: min(100, ceil(D / 20)) of D
+  int64_t validation_docs = 0;    // > 0: this many whole documents held out for validation (held_out.h)
+  int64_t validation_tokens = 0;  // > 0: about this many tokens held out; 0 (and no documents): about 1%
   int64_t global_batch = 16;
   int64_t micro_batches = 1;
   int pp = 1;                          // pipeline stages; 1: the whole model on every rank

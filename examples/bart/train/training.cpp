@@ -58,8 +58,8 @@ torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batc
 std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,
                                                int64_t batch_size, int64_t pad_id, int rank, int ranks,
                                                torch::Device device) {
-  TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the held-out documents hold no text (a store with "
-                                         "empty documents: give another --validation-docs)");
+  TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the validation set holds no text (a store with "
+                                         "empty documents, or a tiny one: give --validation-tokens)");
   const int64_t n = validation.size();
   const int64_t per_rank = (n + ranks - 1) / ranks;
   const int64_t batches = (per_rank + batch_size - 1) / batch_size;
