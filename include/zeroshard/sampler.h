@@ -56,4 +56,8 @@ class DistributedSampler {
   int64_t permuted(int64_t k) const;  // the epoch's permutation at position k < size
 };
 
+// Position k of a permutation of [0, size) keyed by (seed, epoch): the shuffle of
+// DistributedSampler's epochs (and of Blend's sources). REQUIRES: 0 <= k < size.
+int64_t shuffled_position(int64_t k, int64_t size, uint64_t seed, int64_t epoch);
+
 }  // namespace zeroshard

@@ -29,12 +29,11 @@ uint64_t mix(uint64_t x) {  // splitmix64's finalizer
 // A bijection of [0, size): a 6-round Feistel network on 2h bits (the fewest with
 // 4^h >= size), keyed by (seed, epoch), applied again while the result is out of
 // range (cycle walking: fewer than 4 rounds of it on average).
-int64_t DistributedSampler::permuted(int64_t k) const {
-  if (!shuffle_) return k;
+int64_t shuffled_position(int64_t k, int64_t size, uint64_t seed, int64_t epoch) {
   int h = 1;
-  while ((int64_t{1} << (2 * h)) < size_) ++h;
+  while ((int64_t{1} << (2 * h)) < size) ++h;
   const uint64_t mask = (uint64_t{1} << h) - 1;
-  const uint64_t key = mix(seed_ ^ mix(static_cast<uint64_t>(epoch_)));
+  const uint64_t key = mix(seed ^ mix(static_cast<uint64_t>(epoch)));
   auto x = static_cast<uint64_t>(k);
   do {
     uint64_t left = x >> h, right = x & mask;
@@ -44,8 +43,12 @@ int64_t DistributedSampler::permuted(int64_t k) const {
       right = t;
     }
     x = (left << h) | right;
-  } while (x >= static_cast<uint64_t>(size_));
+  } while (x >= static_cast<uint64_t>(size));
   return static_cast<int64_t>(x);
+}
+
+int64_t DistributedSampler::permuted(int64_t k) const {
+  return shuffle_ ? shuffled_position(k, size_, seed_, epoch_) : k;
 }
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world_size, uint64_t seed, bool shuffle)

@@ -19,6 +19,10 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      plain text files.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
      within the document, a small share of its tokens; the validation loss is measured before and after.
+  7. Two datasets blended (--dataset A:0.7,B:0.3), 10^4 examples on 2 ranks: each one's share of the examples drawn
+     is megatron-core's BlendedDataset's within 1%, and each has its validation loss in metrics.jsonl and the summary;
+     saved on 2 ranks and resumed on 1, it takes the uninterrupted run's examples and losses; resumed with other
+     weights, it is refused.
 
 Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
 """
@@ -199,6 +203,71 @@ def check_one_file_trains(exe, work):
           f"{evals[1]['val_loss']:.3f}")
 
 
+def check_blend(exe, build, work, tok_dir, jsonl_ds):
+    """Two datasets blended 0.7/0.3 over 10^4 samples (100 steps of 100 on 2 ranks): each dataset's share of the
+    examples drawn is Megatron-LM's BlendedDataset's (megatron-core's build_blending_indices) within 1%; each has
+    its own validation loss, in metrics.jsonl and the summary."""
+    import numpy as np
+    from megatron.core.datasets import helpers_cpp
+    texts = os.path.join(work, "blend-texts")
+    os.makedirs(texts)
+    for name in ("GPL-3", "LGPL-3", "Apache-2.0", "Artistic", "MPL-2.0"):
+        shutil.copy(os.path.join("/usr/share/common-licenses", name), texts)
+    text_ds = os.path.join(work, "ds-licenses")
+    run([exe, "prepare", "--data", texts, "--tokenizer", tok_dir, "--out", text_ds])
+    run_dir = os.path.join(work, "blend-run")
+    steps, batch = 100, 100
+    out = run([os.path.join(build, "zeroshard-run"), "--nproc-per-node", "2", "--", exe, "--dataset",
+               f"{jsonl_ds}:0.7,{text_ds}:0.3", "--run-dir", run_dir, "--max-steps", str(steps), "--global-batch",
+               str(batch), "--max-tokens", "16", "--eval-every", "50", "--no-sample", "--no-plot", "--ckpt-dir", "none",
+               "--progress-interval", "1000", "--loader-threads", "1"], env_level="info")
+    rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    counts = np.sum([r["examples_by_dataset"] for r in rows if "event" not in r], axis=0)
+    check(counts.sum() == steps * batch, f"{counts.sum()} examples drawn, expected {steps * batch}")
+    index, sample = np.zeros(steps * batch, np.int16), np.zeros(steps * batch, np.int64)
+    helpers_cpp.build_blending_indices(index, sample, np.array([0.7, 0.3]), 2, steps * batch, False)
+    theirs = np.bincount(index, minlength=2) / (steps * batch)
+    ours = counts / counts.sum()
+    check(np.all(np.abs(ours - theirs) <= 0.01), f"shares {ours} against Megatron's {theirs}")
+    evals = [r for r in rows if r.get("event") == "validation"]
+    check(len(evals) == 3 and all(set(e["val_loss_by_dataset"]) == {jsonl_ds, text_ds} for e in evals),
+          f"validation events {evals}")
+    summary = [r for r in rows if r.get("event") == "summary"][-1]
+    check(set(summary.get("val_loss_by_dataset", {})) == {jsonl_ds, text_ds}, f"summary {summary}")
+    check("val loss by dataset" in out and f"data: '{jsonl_ds}', weight 0.7" in out, out[-3000:])
+    check_blend_resume(exe, build, work, f"{jsonl_ds}:0.7,{text_ds}:0.3")
+    print(f"blend 0.7/0.3, {steps * batch} examples on 2 ranks: shares {ours[0]:.4f}/{ours[1]:.4f}, Megatron's "
+          f"BlendedDataset {theirs[0]:.4f}/{theirs[1]:.4f}; validation loss by dataset "
+          f"{ {os.path.basename(k): round(v, 3) for k, v in evals[-1]['val_loss_by_dataset'].items()} }")
+
+
+def check_blend_resume(exe, build, work, datasets):
+    """A blend saved at step 3 on 2 ranks and resumed on 1 takes the uninterrupted run's batches (the same examples
+    of each dataset) and losses."""
+    def launch(run_dir, ranks, steps, mix=datasets, expect=0):
+        out = run([os.path.join(build, "zeroshard-run"), "--nproc-per-node", str(ranks), "--", exe, "--dataset", mix,
+                   "--run-dir", run_dir, "--max-steps", str(steps), "--global-batch", "12", "--max-tokens", "16",
+                   "--eval-every", "100", "--save-every", "3", "--dropout", "0", "--no-sample", "--no-plot",
+                   "--progress-interval", "1000"], expect=expect)
+        if expect:
+            return out
+        return {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "event" not in r}
+
+    ref = launch(os.path.join(work, "blend-ref"), 2, 6)
+    cut = os.path.join(work, "blend-cut")
+    launch(cut, 2, 3)
+    err = launch(cut, 1, 6, mix=datasets.replace(":0.7,", ":0.6,").replace(":0.3", ":0.4"), expect=1)
+    check("cannot resume from step 3" in err and '"weight":0.7' in err and '"weight":0.6' in err, err[-2000:])
+    got = launch(cut, 1, 6)
+    for step in range(4, 7):
+        check(got[step]["examples_by_dataset"] == ref[step]["examples_by_dataset"] and
+              abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]),
+              f"step {step} resumed on 1 rank: {got[step]['loss']} {got[step]['examples_by_dataset']}, uninterrupted "
+              f"on 2: {ref[step]['loss']} {ref[step]['examples_by_dataset']}")
+    print("blend: saved at step 3 on 2 ranks, resumed on 1: steps 4-6 draw the same examples of each dataset, with "
+          "the uninterrupted run's losses; resumed with other weights, refused naming both")
+
+
 def main():
     build, work = sys.argv[1], sys.argv[2]
     exe = os.path.join(build, "examples", "bart_pretrain")
@@ -210,6 +279,7 @@ def main():
     check_bad_lines(exe, work, tok_dir, tok)
     check_tokenizer_training(exe, work, corpus)
     check_one_file_trains(exe, work)
+    check_blend(exe, build, work, tok_dir, os.path.join(work, "ds-jsonl"))
     shutil.rmtree(work)
 
 

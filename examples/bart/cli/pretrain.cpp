@@ -17,6 +17,7 @@
 // under torchrun. This file is part of the zs_bart library (it compiles in the
 // library's unity unit); main.cpp is the program.
 #include "data/prepare.h"
+#include "data/training_data.h"
 #include "train/run.h"
 
 #include "model/bart_model.h"
@@ -38,9 +39,11 @@ void check_options(const RunOptions& o) {
   const auto need = [](bool ok, const char* name, const auto& value, const char* what) {
     TORCH_CHECK_VALUE(ok, name, " ", value, ": must be ", what);
   };
-  need(o.dataset.empty() || std::filesystem::exists(o.dataset) || std::filesystem::exists(o.dataset + ".idx"),
-       "--dataset", "'" + o.dataset + "'", "a dataset directory (bart_pretrain prepare writes one) or a token store's "
-       "prefix (PREFIX.idx and PREFIX.bin)");
+  for (const auto& [path, weight] : o.dataset.empty() ? decltype(parse_datasets("")){} : parse_datasets(o.dataset)) {
+    need(std::filesystem::exists(path) || std::filesystem::exists(path + ".idx"), "--dataset", "'" + path + "'",
+         "a dataset directory (bart_pretrain prepare writes one) or a token store's prefix (PREFIX.idx and "
+         "PREFIX.bin); several blend as A:0.7,B:0.3");
+  }
   need(!o.dataset.empty() || std::filesystem::exists(o.data), "--data", "'" + o.data + "'",
        "a directory or file of text or JSON lines (or give a prepared dataset with --dataset)");
   try {
@@ -196,7 +199,8 @@ void add_subcommands(CLI::App& app, bart::RunOptions& o, Subcommands& c) {
 void add_data_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--config", o.config, "tiny, base, large, or a Hugging Face config.json")->capture_default_str();
   app.add_option("--dataset", o.dataset, "a dataset directory bart_pretrain prepare wrote (or a token store's "
-                                         "prefix, PREFIX.idx + PREFIX.bin, with --tokenizer); every host needs a copy");
+                                         "prefix, PREFIX.idx + PREFIX.bin, with --tokenizer), or several blended by "
+                                         "weight: A:0.7,B:0.3; every host needs a copy");
   app.add_option("--data", o.data, "without --dataset: a directory or file of text or JSON lines (as prepare "
                                    "reads), prepared into RUN_DIR/dataset first (each host's local rank 0 prepares "
                                    "its own copy)")->capture_default_str();

@@ -11,7 +11,7 @@ namespace bart {
 
 namespace {
 
-bool ends_with(const std::string& s, std::string_view suffix) {
+bool json_name_ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
@@ -30,7 +30,7 @@ std::string_view shape_of(simdjson::dom::element_type t) {
 
 bool is_json_lines(const std::string& path) {
   const std::string name = without_compression(path);
-  return ends_with(name, ".jsonl") || ends_with(name, ".json") || ends_with(name, ".ndjson");
+  return json_name_ends_with(name, ".jsonl") || json_name_ends_with(name, ".json") || json_name_ends_with(name, ".ndjson");
 }
 
 struct JsonLineDecoder::Impl {

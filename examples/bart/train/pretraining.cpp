@@ -62,15 +62,31 @@ double all_sum(zeroshard::Communicator& comm, double v) {
 
 double PretrainingRun::evaluate(int64_t at) {
   const auto t0 = Clock::now();
-  const auto v = pipe_ ? validate(*pipe_, examples_->validation(), noise_, o_.eval_batch, pad_, device_)
-                       : validate(model_, examples_->validation(), noise_, o_.eval_batch, pad_, *comm_, device_);
-  if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = v.loss;
-  metrics_.write_event("validation", at, json{{"val_loss", v.loss}, {"val_tokens", v.tokens}, {"eval_s", since(t0)}}.dump());
+  // Each dataset's validation set apart; the loss of all of them, weighted by their tokens.
+  double summed = 0;
+  int64_t tokens = 0;
+  json by_source = json::object();
+  for (const auto& src : data_->sources()) {
+    const auto& held = src.examples->validation();
+    const auto v = pipe_ ? validate(*pipe_, held, noise_, o_.eval_batch, pad_, device_)
+                         : validate(model_, held, noise_, o_.eval_batch, pad_, *comm_, device_);
+    summed += v.loss * static_cast<double>(v.tokens);
+    tokens += v.tokens;
+    by_source[src.name] = v.loss;
+  }
+  const double loss = summed / static_cast<double>(std::max<int64_t>(1, tokens));
+  if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = loss;
+  json event{{"val_loss", loss}, {"val_tokens", tokens}, {"eval_s", since(t0)}};
+  if (data_->blended()) {
+    event["val_loss_by_dataset"] = by_source;
+    last_val_by_source_ = by_source;
+  }
+  metrics_.write_event("validation", at, event.dump());
   char msg[160];
   std::snprintf(msg, sizeof(msg), "step %lld: validation loss %.4f (%lld tokens, %.1f s)", static_cast<long long>(at),
-                v.loss, static_cast<long long>(v.tokens), since(t0));
-  zeroshard::log_info(msg);
-  return v.loss;
+                loss, static_cast<long long>(tokens), since(t0));
+  zeroshard::log_info(msg + (data_->blended() ? "; by dataset " + by_source.dump() : std::string()));
+  return loss;
 }
 
 double PretrainingRun::save(int64_t at, const char* why) {
@@ -79,6 +95,7 @@ double PretrainingRun::save(int64_t at, const char* why) {
   p.step = at;
   p.epoch = sampler_->epoch();
   json extra = record_.to_json(*sampler_);
+  extra["data"] = json::parse(data_->description());
   // The step's record goes with its checkpoint: a crash after the commit and before the line is written
   // leaves it here, and the resumed run writes it (resume()).
   if (!step_line_.empty()) {
@@ -103,7 +120,7 @@ StepBatches PretrainingRun::build_batches(const StepPlan& plan) const {
     const auto from = static_cast<std::ptrdiff_t>(m * per_micro), to = from + per_micro;
     std::vector<int64_t> idx(plan.indices.begin() + from, plan.indices.begin() + to);
     std::vector<int64_t> ep(plan.epochs.begin() + from, plan.epochs.begin() + to);  // a batch may straddle two epochs
-    Batch b = make_batch(examples_->train(), idx, ep, noise_, o_.seed, pad_);
+    Batch b = make_batch(*data_, idx, ep, noise_, o_.seed, pad_);
     if (device_.is_cuda()) {  // page-locked, so the step's copy is asynchronous
       b.input_ids = b.input_ids.pin_memory();
       b.labels = b.labels.pin_memory();
@@ -140,14 +157,26 @@ StepBatches PretrainingRun::next_batches(double& waited) {
 StepResult PretrainingRun::step_once(int64_t step) {
   const auto& o = o_;
   StepResult r;
-  std::vector<Batch> micro = next_batches(r.data_wait).micro;
+  StepBatches batches = next_batches(r.data_wait);
+  std::vector<Batch> micro = std::move(batches.micro);
   int64_t local_tokens = 0;
   for (const auto& b : micro) local_tokens += b.target_tokens;
-  // The global batch's target tokens, from the other ranks' examples' records: no collective.
+  // The global batch's target tokens, from the other ranks' examples' records: no collective; a blend's
+  // examples by dataset, from every rank's positions.
   int64_t tokens = local_tokens;
+  r.by_dataset.assign(data_->sources().size(), 0);
+  auto count = [&](const std::vector<int64_t>& positions, const std::vector<int64_t>& epochs, bool others) {
+    for (size_t k = 0; k < positions.size(); ++k) {
+      const auto d = data_->draw(epochs[k], positions[k], o.seed);
+      ++r.by_dataset[static_cast<size_t>(d.source)];
+      if (others) tokens += data_->target_tokens(d);
+    }
+  };
+  count(batches.plan.indices, batches.plan.epochs, false);
   for (auto& peer : peers_) {
     std::vector<int64_t> epochs;
-    for (int64_t i : next_indices(peer, local_batch_, epochs)) tokens += examples_->train().target_tokens(i);
+    const auto positions = next_indices(peer, local_batch_, epochs);
+    count(positions, epochs, true);
   }
   r.global_tokens = static_cast<double>(tokens);
   if (!tokens_checked_) {  // once per run: the ranks' own counts, summed (every stage of a dp index counts the same)
@@ -255,6 +284,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   record_.train_seconds += m.seconds;
   record_.data_wait_s += r.data_wait;
   extra["data_wait_s"] = r.data_wait;
+  if (data_->blended()) extra["examples_by_dataset"] = r.by_dataset;
   if (durable_) note_durable(extra);
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
     // The save carries this step's line as it stands (without the save's own time), and the run's

@@ -19,6 +19,31 @@ namespace bart {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+double total_weight(const std::vector<DataSource>& sources) {
+  double w = 0;
+  for (const auto& s : sources) w += s.weight;
+  return w;
+}
+
+// "215 examples, 39 spans within 1 document (21,489 tokens, 2.22% of 966,241; ...)"
+std::string validation_text(const PackedExamples& examples) {
+  const auto& h = examples.held_out();
+  const auto with_commas = zeroshard::ProgressLine::with_commas;
+  char share[160];
+  std::snprintf(share, sizeof(share), "%s tokens, %.2f%% of %s", with_commas(h.tokens).c_str(),
+                100.0 * static_cast<double>(h.tokens) / static_cast<double>(std::max<int64_t>(1, examples.tokens())),
+                with_commas(examples.tokens()).c_str());
+  return with_commas(examples.validation().size()) + " examples, " +
+         (h.within_documents ? with_commas(h.spans) + (h.spans == 1 ? " span" : " spans") + " within " +
+                                   with_commas(h.documents) + (h.documents == 1 ? " document" : " documents") + " (" +
+                                   share + "; too few documents to hold whole ones out)"
+                             : with_commas(h.documents) + " whole documents spread over the dataset (" + share + ")");
+}
+
+}  // namespace
+
 void PretrainingRun::log_start() const {
   const auto& o = o_;
   char msg[400];
@@ -32,18 +57,17 @@ void PretrainingRun::log_start() const {
                 o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
                 static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));
   zeroshard::log_info(msg);
-  const auto& h = examples_->held_out();
-  const auto with_commas = zeroshard::ProgressLine::with_commas;
-  char share[160];
-  std::snprintf(share, sizeof(share), "%s tokens, %.2f%% of %s", with_commas(h.tokens).c_str(),
-                100.0 * static_cast<double>(h.tokens) / static_cast<double>(std::max<int64_t>(1, examples_->tokens())),
-                with_commas(examples_->tokens()).c_str());
-  zeroshard::log_info(
-      "validation: " + with_commas(examples_->validation().size()) + " examples, " +
-      (h.within_documents ? with_commas(h.spans) + (h.spans == 1 ? " span" : " spans") + " within " +
-                                with_commas(h.documents) + (h.documents == 1 ? " document" : " documents") + " (" + share + "; too few documents to hold whole "
-                                "ones out)"
-                          : with_commas(h.documents) + " whole documents spread over the dataset (" + share + ")"));
+  for (const auto& src : data_->sources()) {
+    const std::string which = data_->blended() ? " of '" + src.name + "'" : "";
+    if (data_->blended()) {
+      char share[200];
+      std::snprintf(share, sizeof(share), "data: '%s', weight %g: %lld training examples, %.2f%% of each global batch",
+                    src.name.c_str(), src.weight, static_cast<long long>(src.examples->train().size()),
+                    100.0 * src.weight / total_weight(data_->sources()));
+      zeroshard::log_info(share);
+    }
+    zeroshard::log_info("validation" + which + ": " + validation_text(*src.examples));
+  }
   if (!pipe_) return;
   zeroshard::log_info("pipeline: " + std::to_string(o.pp) + " stages x " + std::to_string(dp_) +
                       " data-parallel ranks, schedule " + o.schedule_pp +
@@ -98,6 +122,7 @@ void PretrainingRun::summarize() {
   s.last_loss = loss_;
   s.first_val_loss = record_.first_val_loss;
   s.last_val_loss = last_val_;
+  if (data_->blended() && !last_val_by_source_.is_null()) s.val_loss_by_dataset = last_val_by_source_.dump();
   s.tokens = record_.tokens;
   s.train_seconds = record_.train_seconds;
   s.checkpoint_stall_s = record_.checkpoint_stall_s;

@@ -5,6 +5,7 @@
 
 #include "model/bart_model.h"
 #include "data/packed_examples.h"
+#include "data/training_data.h"
 #include "data/noise.h"
 #include "train/pipeline_training.h"
 #include "train/run.h"
@@ -61,6 +62,7 @@ struct StepResult {
   double data_wait = 0;  // waiting for the step's batches
   zeroshard::GradientNoiseSample noise;
   bool skipped = false;
+  std::vector<int64_t> by_dataset;  // the global batch's examples from each dataset
 };
 
 class PretrainingRun {
@@ -73,6 +75,7 @@ class PretrainingRun {
 
  private:
   void build_model();
+  std::unique_ptr<PackedExamples> pack_examples(const std::string& dataset, size_t index) const;
   void log_start() const;
   StepResult step_once(int64_t step);
   StepBatches build_batches(const StepPlan& plan) const;  // thread-safe
@@ -99,8 +102,9 @@ class PretrainingRun {
   int shard_size_ = 0;  // --shard-size as ShardedAdamWOptions / FullyShardOptions::shard_size
   int64_t local_batch_ = 0;
   ByteLevelBpe tokenizer_;
-  std::string dataset_;                      // --dataset, or RUN_DIR/dataset
-  std::unique_ptr<PackedExamples> examples_;  // the store's, packed
+  std::string dataset_;                      // --dataset (the first of a blend), or RUN_DIR/dataset
+  std::unique_ptr<TrainingData> data_;       // the datasets' examples, packed; blended when several
+  const PackedExamples* examples_ = nullptr;  // the first dataset's (samples, logits)
   NoiseOptions noise_;
   int64_t pad_ = 0;
   BartConfig config_;
@@ -136,6 +140,7 @@ class PretrainingRun {
   zeroshard::MetricsLog metrics_;
   std::unique_ptr<zeroshard::ProgressLine> progress_;
   double last_val_ = NAN, loss_ = NAN;
+  nlohmann::json last_val_by_source_;  // a blend's last validation losses, by dataset
   int64_t bytes_before_ = 0;
 };
 

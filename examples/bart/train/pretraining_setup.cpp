@@ -73,29 +73,51 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   if (o.trace) zeroshard::trace::enable();
   zeroshard::trace::set_thread_name("training");
 
-  // Data: the prepared dataset's store, mapped; its examples packed once (a file beside it).
+  // Data: each prepared dataset's store, mapped; its examples packed once (a file beside it).
   std::string vocab, merges;
-  tokenizer_ = obtain_tokenizer(o, *comm_, vocab, merges);
-  dataset_ = obtain_dataset(o, vocab, merges, dist_.local_rank, *comm_);
-  auto store = std::make_shared<const zeroshard::TokenStore>(store_prefix(dataset_));
-  PackingOptions packing;
-  packing.max_tokens = o.max_tokens;
-  packing.validation.documents = o.validation_docs;
-  packing.validation.tokens = o.validation_tokens;
-  const std::string packed = "packed-" + std::to_string(o.max_tokens) + "-" +
-                             held_out_key(packing.validation, store->tokens()) + ".bin";
-  // Beside a prepared dataset when its directory can take it (every run on it reuses the file), else in the run's.
-  const bool beside = fs::exists(fs::path(dataset_) / "manifest.json") && ::access(dataset_.c_str(), W_OK) == 0;
-  examples_ = std::make_unique<PackedExamples>(std::move(store), packing,
-                                               ((beside ? fs::path(dataset_) : fs::path(o.run_dir)) / packed).string());
-  TORCH_CHECK_VALUE(examples_->train().size() >= o.global_batch, "the dataset '", dataset_, "' has ",
-                    examples_->train().size(), " training examples, fewer than --global-batch ", o.global_batch);
+  // "": the run prepares --data into RUN_DIR/dataset.
+  const auto named = o.dataset.empty() ? std::vector<std::pair<std::string, double>>{{"", 1.0}} : parse_datasets(o.dataset);
+  RunOptions first = o;
+  first.dataset = named.front().first;
+  tokenizer_ = obtain_tokenizer(first, *comm_, vocab, merges);
+  std::vector<DataSource> sources;
+  for (const auto& [path, weight] : named) {
+    RunOptions one = o;
+    one.dataset = path;
+    DataSource source;
+    source.name = obtain_dataset(one, vocab, merges, dist_.local_rank, *comm_);
+    source.weight = weight;
+    source.examples = pack_examples(source.name, sources.size());
+    sources.push_back(std::move(source));
+  }
+  dataset_ = sources.front().name;
+  data_ = std::make_unique<TrainingData>(std::move(sources));
+  examples_ = data_->sources().front().examples.get();
+  TORCH_CHECK_VALUE(data_->size() >= o.global_batch, "the dataset '", dataset_, "' has ", data_->size(),
+                    " training examples, fewer than --global-batch ", o.global_batch);
   noise_ = o.noise;
   noise_.mask_id = tokenizer_.mask_id();
   noise_.bos_id = tokenizer_.id("<s>");
   noise_.eos_id = tokenizer_.id("</s>");
   pad_ = tokenizer_.pad_id();
   build_model();
+}
+
+// A dataset's examples packed for this run's --max-tokens and validation set:
+// the file beside a prepared dataset when its directory can take it (every run
+// on it reuses the file), else in the run's.
+std::unique_ptr<PackedExamples> PretrainingRun::pack_examples(const std::string& dataset, size_t index) const {
+  auto store = std::make_shared<const zeroshard::TokenStore>(store_prefix(dataset));
+  PackingOptions packing;
+  packing.max_tokens = o_.max_tokens;
+  packing.validation.documents = o_.validation_docs;
+  packing.validation.tokens = o_.validation_tokens;
+  const std::string packed = "packed-" + std::to_string(o_.max_tokens) + "-" +
+                             held_out_key(packing.validation, store->tokens()) + ".bin";
+  const bool beside = fs::exists(fs::path(dataset) / "manifest.json") && ::access(dataset.c_str(), W_OK) == 0;
+  const auto dir = beside ? fs::path(dataset) : fs::path(o_.run_dir);
+  const std::string file = beside || index == 0 ? packed : "source-" + std::to_string(index) + "-" + packed;
+  return std::make_unique<PackedExamples>(std::move(store), packing, (dir / file).string());
 }
 
 // The model on its device and its optimizers: the whole model under one, or
@@ -202,7 +224,7 @@ double PretrainingRun::waited() const {
 // the last checkpoint. Every stage of a data-parallel index draws the same examples.
 void PretrainingRun::resume() {
   const auto& o = o_;
-  sampler_ = std::make_unique<zeroshard::DistributedSampler>(examples_->train().size(), dp_rank_, dp_, o.seed);
+  sampler_ = std::make_unique<zeroshard::DistributedSampler>(data_->size(), dp_rank_, dp_, o.seed, data_->shuffle());
   record_.noise = zeroshard::GradientNoiseScale(o.noise_smoothing);
   const std::string ckpt_dir = o.ckpt_dir.empty() ? (fs::path(o.run_dir) / "checkpoints").string() : o.ckpt_dir;
   if (ckpt_dir != "none") {
@@ -222,10 +244,19 @@ void PretrainingRun::resume() {
       const json extra = json::parse(progress->extra_json);
       if (extra.contains("sampler")) {
         const auto saved = extra["sampler"].value("dataset_size", int64_t{-1});
-        TORCH_CHECK_VALUE(saved == examples_->train().size(), "cannot resume from step ", step_, " of ", ckpt_dir,
+        TORCH_CHECK_VALUE(saved == data_->size(), "cannot resume from step ", step_, " of ", ckpt_dir,
                           ": it was saved training on ", saved, " examples and this run has ",
-                          examples_->train().size(), "; resume with the dataset (--dataset or --data), "
+                          data_->size(), "; resume with the dataset (--dataset or --data), "
                           "--max-tokens, --validation-docs or --validation-tokens and tokenizer it was saved with");
+        // The mix, its datasets' sizes and weights in order (a dataset may have moved: its path is not compared).
+        const auto mix = [](json d) {
+          for (auto& s : d) s.erase("dataset");
+          return d.dump();
+        };
+        TORCH_CHECK_VALUE(!extra.contains("data") || mix(extra["data"]) == mix(json::parse(data_->description())),
+                          "cannot resume from step ", step_, " of ", ckpt_dir, ": it was saved training on ",
+                          extra.value("data", json()).dump(), " and this run trains on ", data_->description(),
+                          "; resume with the --dataset it was saved with (the same datasets and weights)");
         record_.from_json(extra, *sampler_);
         if (extra.contains("step_metrics")) carried_line_ = extra["step_metrics"].dump();
       } else {  // imported weights (zeroshard-ckpt import): a new run from them
@@ -246,7 +277,7 @@ void PretrainingRun::resume() {
   peers_.clear();
   for (int r = 0; r < dp_; ++r) {
     if (r == dp_rank_) continue;
-    zeroshard::DistributedSampler peer(examples_->train().size(), r, dp_, o.seed);
+    zeroshard::DistributedSampler peer(data_->size(), r, dp_, o.seed, data_->shuffle());
     peer.load_state_json(sampler_->state_json());
     peers_.push_back(std::move(peer));
   }

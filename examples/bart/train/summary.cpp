@@ -67,6 +67,16 @@ std::string Summary::text() const {
     o << buf;
   }
   o << ")\n";
+  if (!val_loss_by_dataset.empty()) {
+    o << "val loss by dataset  ";
+    const char* sep = "";
+    const json losses = json::parse(val_loss_by_dataset);  // kept alive through the loop
+    for (const auto& [name, loss] : losses.items()) {
+      o << sep << name << " " << loss_str(loss.get<double>());
+      sep = ", ";
+    }
+    o << "\n";
+  }
   if (std::isfinite(efficiency)) {
     std::snprintf(buf, sizeof(buf), "efficiency   gradient noise scale %s target tokens; statistical efficiency %.2f of a "
                   "%g-sequence batch's; goodput %s tokens/s\n",
@@ -177,6 +187,7 @@ std::string Summary::to_json() const {
          {"interruptions", json::parse(interruptions)}};
   if (!resumed.empty()) j["resumed"] = json::parse(resumed);
   if (!durable.empty()) j["durable"] = json::parse(durable);
+  if (!val_loss_by_dataset.empty()) j["val_loss_by_dataset"] = json::parse(val_loss_by_dataset);
   if (has_sample) {
     const auto& d = denoising;
     j["sample"] = {{"masked", d.sample.masked}, {"reconstruction", d.sample.reconstruction}, {"original", d.sample.original}};

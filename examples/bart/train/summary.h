@@ -27,6 +27,7 @@ struct Summary {
   std::string interruptions = "[]";  // JSON array of {"step", "cause", "notice_unix_s"[, "to_first_step_s"]}
   std::string resumed;               // JSON {"step", "load_s", "restart", "after", ...} when this process resumed; "" when not
   std::string durable;               // JSON {"uri", "step", "lag_s", "abandoned"} with a durable tier; "" without
+  std::string val_loss_by_dataset;   // a blend's: JSON {dataset: its last validation loss}; "" for one dataset
   bool has_sample = false;
   DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 

@@ -17,20 +17,16 @@ NoisedExample noised_example(const Example& example, int64_t index, const NoiseO
   return add_noise(example, noise, rng);
 }
 
-Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_t>& indices,
-                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
-                 torch::Device device) {
-  TORCH_CHECK_VALUE(!indices.empty(), "BART data: an empty batch");
-  TORCH_CHECK_VALUE(epochs.size() == indices.size(), "BART data: ", epochs.size(), " epochs for ", indices.size(),
-                    " examples");
-  std::vector<NoisedExample> noised;
+namespace {
+
+// Noised examples padded to the longest, on `device`.
+Batch pad_batch(const std::vector<NoisedExample>& noised, int64_t pad_id, torch::Device device) {
   size_t src_len = 0, tgt_len = 0;
-  for (size_t k = 0; k < indices.size(); ++k) {
-    noised.push_back(noised_example(examples.at(indices[k]), indices[k], noise, seed, epochs[k]));
-    src_len = std::max(src_len, noised.back().source.size());
-    tgt_len = std::max(tgt_len, noised.back().target.size());
+  for (const auto& n : noised) {
+    src_len = std::max(src_len, n.source.size());
+    tgt_len = std::max(tgt_len, n.target.size());
   }
-  const auto b = static_cast<int64_t>(indices.size());
+  const auto b = static_cast<int64_t>(noised.size());
   Batch out;
   out.input_ids = torch::full({b, static_cast<int64_t>(src_len)}, pad_id, torch::kLong);
   out.labels = torch::full({b, static_cast<int64_t>(tgt_len)}, pad_id, torch::kLong);
@@ -46,6 +42,36 @@ Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_
   out.input_ids = out.input_ids.to(device);
   out.labels = out.labels.to(device);
   return out;
+}
+
+void check_batch(const std::vector<int64_t>& indices, const std::vector<int64_t>& epochs) {
+  TORCH_CHECK_VALUE(!indices.empty(), "BART data: an empty batch");
+  TORCH_CHECK_VALUE(epochs.size() == indices.size(), "BART data: ", epochs.size(), " epochs for ", indices.size(),
+                    " examples");
+}
+
+}  // namespace
+
+Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_t>& indices,
+                 const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
+                 torch::Device device) {
+  check_batch(indices, epochs);
+  std::vector<NoisedExample> noised;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    noised.push_back(noised_example(examples.at(indices[k]), indices[k], noise, seed, epochs[k]));
+  }
+  return pad_batch(noised, pad_id, device);
+}
+
+Batch make_batch(const TrainingData& data, const std::vector<int64_t>& positions, const std::vector<int64_t>& epochs,
+                 const NoiseOptions& noise, uint64_t seed, int64_t pad_id, torch::Device device) {
+  check_batch(positions, epochs);
+  std::vector<NoisedExample> noised;
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const auto d = data.draw(epochs[k], positions[k], seed);
+    noised.push_back(noised_example(data.example(d), d.index, noise, seed + static_cast<uint64_t>(d.source), d.epoch));
+  }
+  return pad_batch(noised, pad_id, device);
 }
 
 torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch) {

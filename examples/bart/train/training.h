@@ -5,6 +5,7 @@
 
 #include "model/bart_model.h"
 #include "data/packed_examples.h"
+#include "data/training_data.h"
 #include "data/noise.h"
 #include "train/pipeline_training.h"
 #include "tokenizer/tokenizer.h"
@@ -37,6 +38,12 @@ NoisedExample noised_example(const Example& example, int64_t index, const NoiseO
 Batch make_batch(const PackedExamples::Split& examples, const std::vector<int64_t>& indices,
                  const std::vector<int64_t>& epochs, const NoiseOptions& noise, uint64_t seed, int64_t pad_id,
                  torch::Device device = torch::kCPU);
+
+// The training examples at the sampler's `positions` (of epochs[i]): each its
+// source's example (TrainingData::draw), noised by (seed + source, the
+// source's epoch, the example); with one dataset, make_batch of its training split.
+Batch make_batch(const TrainingData& data, const std::vector<int64_t>& positions, const std::vector<int64_t>& epochs,
+                 const NoiseOptions& noise, uint64_t seed, int64_t pad_id, torch::Device device = torch::kCPU);
 
 // Sum over target tokens of the cross-entropy (pad ignored), as a scalar
 // tensor with gradients.
