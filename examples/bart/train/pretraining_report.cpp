@@ -39,7 +39,8 @@ std::string validation_text(const PackedExamples& examples) {
          (h.within_documents ? with_commas(h.spans) + (h.spans == 1 ? " span" : " spans") + " within " +
                                    with_commas(h.documents) + (h.documents == 1 ? " document" : " documents") + " (" +
                                    share + "; too few documents to hold whole ones out)"
-                             : with_commas(h.documents) + " whole documents spread over the dataset (" + share + ")");
+                             : with_commas(h.documents) + (h.documents == 1 ? " whole document" : " whole documents") +
+                                   " spread over the dataset (" + share + ")");
 }
 
 }  // namespace
