@@ -6,7 +6,7 @@ files it promises. The summary's time from the notice to the first step after th
 restart lies between the moments this script saw the restart begin and the run
 end; loss.png shows the interruption (a line half-way) and each checkpoint
 (a mark on the curve), read from its pixels. At 2000 steps the model reconstructs
-what the README says (about 96% of unmasked tokens, 9% of masked ones): the
+what the README says (about 96% of unmasked tokens, 11% of masked ones): the
 accuracies must clear floors that an untrained or broken model cannot.
 
 Usage: check_demo.py SOURCE_DIR BUILD_DIR [STEPS]   (default 2000, the demo's)
@@ -112,8 +112,9 @@ check(d["sentences"] == 64 and d["unmasked_tokens"] > 10 * 64 and d["masked_toke
 for kind, right in (("unmasked", "unmasked_reproduced"), ("masked", "masked_recovered")):
     check(0 <= d[right] <= d[kind + "_tokens"], d)
     check(abs(d[kind + "_accuracy"] - d[right] / d[kind + "_tokens"]) < 1e-12, d)
-# What the README says the demo's model does (about 96% of unmasked tokens reproduced, 9% of masked ones
-# recovered; measured 96.5% and 8.8%, a document per fortune and 100 of them held out), with floors no untrained
+# What the README says the demo's model does (about 96% of unmasked tokens reproduced, 11% of masked ones
+# recovered; measured 96.6% and 11.0%, a document per fortune and 352 of them, 20,000 tokens, held out; 96.5% and
+# 8.8% with the earlier 100), with floors no untrained
 # or half-trained model reaches: 1.1% and 0.2% after 300 steps.
 UNMASKED_FLOOR, MASKED_FLOOR = 0.85, 0.06
 if STEPS == 2000:
@@ -122,7 +123,7 @@ if STEPS == 2000:
           f"about 96% (floor {100 * UNMASKED_FLOOR:.0f}%)")
     check(d["masked_accuracy"] >= MASKED_FLOOR,
           f"the demo's model recovered {100 * d['masked_accuracy']:.1f}% of the masked tokens; the README says "
-          f"about 9% (floor {100 * MASKED_FLOOR:.0f}%)")
+          f"about 11% (floor {100 * MASKED_FLOOR:.0f}%)")
 # The masked share is the noise's: 30% of the tokens in spans (the last span trimmed to land on it).
 share = d["masked_tokens"] / (d["masked_tokens"] + d["unmasked_tokens"])
 check(0.25 < share < 0.35, share)
