@@ -393,13 +393,16 @@ TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
     works(env, "instance metadata");
     CredentialOptions o;
     o.refresh_before = 2s;
-    control("/control/expiry", "3");  // expire 3 s after they are handed out: refreshed 1 s after
+    // Expire 5 s after they are handed out, written in whole seconds: 4 to 5 s left at first (kept), 0.5 to 1.5 s
+    // left 3.5 s later (refreshed). With 3 s, an expiry rounded down left barely 2 s, and a loaded host refreshed
+    // at the second get already.
+    control("/control/expiry", "5");
     CredentialChain chain(env, o);
     int before = count_of(control("/control/log"), "imds credentials");
     chain.get();
     chain.get();
     EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before + 1) << "fresh credentials are kept";
-    std::this_thread::sleep_for(1500ms);
+    std::this_thread::sleep_for(3500ms);
     auto again = chain.get();
     EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before + 2) << "refreshed before expiring";
     EXPECT_GT(*again.expiration, std::chrono::system_clock::now() + 1s);
