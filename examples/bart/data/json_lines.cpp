@@ -11,10 +11,6 @@ namespace bart {
 
 namespace {
 
-bool json_name_ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 std::string_view shape_of(simdjson::dom::element_type t) {
   switch (t) {
     case simdjson::dom::element_type::ARRAY: return "an array";
@@ -30,7 +26,7 @@ std::string_view shape_of(simdjson::dom::element_type t) {
 
 bool is_json_lines(const std::string& path) {
   const std::string name = without_compression(path);
-  return json_name_ends_with(name, ".jsonl") || json_name_ends_with(name, ".json") || json_name_ends_with(name, ".ndjson");
+  return name_ends_with(name, ".jsonl") || name_ends_with(name, ".json") || name_ends_with(name, ".ndjson");
 }
 
 struct JsonLineDecoder::Impl {

@@ -13,18 +13,9 @@
 
 namespace bart {
 
-namespace {
-
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::strlen(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-
-}  // namespace
-
 Compression compression_of(const std::string& path) {
-  if (ends_with(path, ".gz")) return Compression::kGzip;
-  if (ends_with(path, ".zst")) return Compression::kZstd;
+  if (name_ends_with(path, ".gz")) return Compression::kGzip;
+  if (name_ends_with(path, ".zst")) return Compression::kZstd;
   return Compression::kNone;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 namespace bart {
 
@@ -18,6 +19,11 @@ const char* to_string(Compression c);
 
 // `path` without its compression suffix ("a.jsonl.zst" -> "a.jsonl").
 std::string without_compression(const std::string& path);
+
+// Whether `name` ends with `suffix` (a file's kind, by its name).
+inline bool name_ends_with(std::string_view name, std::string_view suffix) {
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
 
 class ByteStream {
  public:

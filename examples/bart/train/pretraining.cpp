@@ -172,7 +172,7 @@ StepResult PretrainingRun::step_once(int64_t step) {
       if (others) tokens += data_->target_tokens(d);
     }
   };
-  count(batches.plan.indices, batches.plan.epochs, false);
+  if (data_->blended()) count(batches.plan.indices, batches.plan.epochs, false);  // only a blend reports them
   for (auto& peer : peers_) {
     std::vector<int64_t> epochs;
     const auto positions = next_indices(peer, local_batch_, epochs);
