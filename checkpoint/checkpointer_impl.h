@@ -215,7 +215,9 @@ struct Checkpointer::Impl {
     SaveTimes times;
   };
   std::shared_ptr<LastSave> last = std::make_shared<LastSave>();
-  int64_t newest_saved = -1;  // the step of the last save that committed (its writer sets it)
+  // The step of the last save that committed (its writer sets it), or of a load of a step the
+  // store lacks: what make_durable() makes durable.
+  int64_t newest_saved = -1;
 
   // Every rank learns whether every rank succeeded at a phase: "" when all did, else
   // (on all of them) a line with this rank's own error or the failing ranks' numbers.

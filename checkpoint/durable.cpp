@@ -45,6 +45,10 @@ std::string report_name(const std::string& reports, int rank, bool ok) {
 // instead of the commit.
 constexpr const char* kAbandoned = "abandoned";
 
+// What an ending job's upload may still say once its requests are cancelled (its failure report,
+// rank 0's `abandoned`, the multipart upload's abort): one attempt each, all within this.
+constexpr std::chrono::milliseconds kLastWords{500};
+
 double seconds_since(Steady::time_point t) { return std::chrono::duration<double>(Steady::now() - t).count(); }
 
 const char* const kTypeNames[] = {"f32", "f64", "i64", "i32", "u8", "u16"};  // h5::Type's order
@@ -238,7 +242,8 @@ DurableTier::DurableTier(s3::Location where, s3::Environment env, int rank, int 
       options_(options) {}
 
 DurableTier::~DurableTier() {
-  stopping_ = true;  // an upload in flight stops waiting for the other ranks
+  stopping_ = true;  // an upload in flight stops waiting for the other ranks,
+  client_->cancel(kLastWords);  // and its requests end now: the store may be stalled
   thread_.join();
 }
 
@@ -281,6 +286,11 @@ DurableStatus DurableTier::status() {
   return status_;
 }
 
+void DurableTier::note_committed(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_.durable_step = std::max(status_.durable_step, step);
+}
+
 fs::path DurableTier::pinned() {
   std::lock_guard<std::mutex> lock(mu_);
   return pinned_;
@@ -291,7 +301,7 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
   const std::string step_name = step_dir_name(step);
   const std::string reports = reports_dir(step_name, attempt);
   std::string why;
-  int64_t bytes = 0;
+  std::atomic<int64_t> bytes{0};  // added to by the client's part uploads, several at once
   // This rank's files: its rank file and the file's index; rank 0 also what rank 0 alone writes.
   const std::string own = rank_file_name(rank_, world_);
   std::vector<std::string> mine{own, index_path(own).string()};
@@ -306,6 +316,7 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
       return;
     }
     for (const auto& name : mine) {
+      TORCH_CHECK(!stopping_, "the job ended before this rank's files were uploaded");
       std::error_code ec;
       if (!fs::exists(step_dir / name, ec)) {
         TORCH_CHECK(name != own, "'", (step_dir / name).string(), "' is missing");
@@ -315,7 +326,7 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
       client_->upload_file(step_name + "/" + name, (step_dir / name).string(), false,
                            [&bytes](int64_t n) { bytes += n; });
     }
-    client_->put(report_name(reports, rank_, true), std::to_string(bytes));
+    client_->put(report_name(reports, rank_, true), std::to_string(bytes.load()));
   } catch (const std::exception& e) {
     why = error_message(e);
     try {  // tell rank 0 at once, rather than at its deadline
@@ -354,6 +365,16 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
     std::snprintf(msg, sizeof(msg), "checkpoint: step %lld is durable in %.1f s (%.1f MB from rank 0) at ",
                   static_cast<long long>(step), lag, bytes / 1e6);
     log_info(msg + client_->location().uri());
+  } else if (stopping_) {  // the job is ending: one line, naming the store and what it holds
+    status_.last_error = why;
+    ++status_.abandoned;
+    log_error("checkpoint: the job ended while step " + std::to_string(step) + " was uploading to " +
+              client_->location().uri() + " (" + std::to_string(static_cast<int>(lag)) + " s in): its durable copy " +
+              "is abandoned; " +
+              (status_.durable_step >= 0 ? "the newest step this job made durable there is " +
+                                               std::to_string(status_.durable_step)
+                                         : std::string("this job made no step durable there")) +
+              " (" + why + ")");
   } else {
     status_.last_error = why;
     ++status_.abandoned;
@@ -440,7 +461,12 @@ void DurableTier::retain() {
     // kept steps may be committing now: ranks commit their steps from their own threads, so step 8's manifest can
     // land just after step 12's retention listed the store.
     const bool committed = std::find(steps.begin(), steps.end(), *s) != steps.end();
-    if (committed ? *s < newest : *s < oldest_kept) client_->remove_all(d);
+    if (committed ? *s < newest : *s < oldest_kept) {
+      // The commit first: a deletion cut short then leaves an uncommitted directory (removed by
+      // the next retention), never a step that looks committed and lacks its files.
+      if (committed) client_->remove(d + "manifest.json");
+      client_->remove_all(d);
+    }
   }
 }
 

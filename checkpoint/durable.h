@@ -61,8 +61,11 @@ class DurableTier {
  public:
   // `env`: where credentials and settings come from (s3_credentials.h).
   DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options);
-  // Waits for the upload in flight, which stops waiting for the other ranks' reports or
-  // the commit (a job ending on an error must not wait `upload_timeout` for a dead rank).
+  // Cancels the upload in flight and waits for it to end: its requests end at once (a stalled
+  // store must not hold a preempted job past its grace period: within about 1 s), then it
+  // says what it can within 0.5 s more, one attempt each (the multipart upload aborted, this
+  // rank's failure report, rank 0's `abandoned`), and logs one line naming the store. Wait first (wait(), or
+  // Checkpointer::make_durable) for a step that must be durable.
   ~DurableTier();
   DurableTier(const DurableTier&) = delete;
   DurableTier& operator=(const DurableTier&) = delete;
@@ -82,6 +85,8 @@ class DurableTier {
   // Waits up to `timeout` for the upload in flight; true when none is in flight.
   bool wait(std::chrono::milliseconds timeout);
   DurableStatus status();
+  // The store holds a commit of `step` (a load found it there): status().durable_step is at least it.
+  void note_committed(int64_t step);
   // The directory being uploaded (local retention must not delete it), or empty.
   std::filesystem::path pinned();
 

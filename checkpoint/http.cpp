@@ -61,6 +61,13 @@ size_t on_read(char* buffer, size_t size, size_t count, void* user) {
   return n;
 }
 
+int on_progress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  auto* t = static_cast<Transfer*>(user);
+  if (!t->request->cancelled()) return 0;
+  t->response->cancelled = true;
+  return 1;  // curl ends the transfer (CURLE_ABORTED_BY_CALLBACK)
+}
+
 int on_seek(void* user, curl_off_t offset, int origin) {
   auto* t = static_cast<Transfer*>(user);
   if (origin != SEEK_SET) return CURL_SEEKFUNC_CANTSEEK;
@@ -129,6 +136,11 @@ Response perform(const Request& request, const Limits& limits) {
   set(c, CURLOPT_WRITEDATA, &transfer);
   set(c, CURLOPT_HEADERFUNCTION, on_header);
   set(c, CURLOPT_HEADERDATA, &transfer);
+  if (request.cancelled) {
+    set(c, CURLOPT_NOPROGRESS, 0L);
+    set(c, CURLOPT_XFERINFOFUNCTION, on_progress);
+    set(c, CURLOPT_XFERINFODATA, &transfer);
+  }
 
   bool has_body = request.read_body || !request.body.empty();
   int64_t body_size = request.read_body ? request.body_size : static_cast<int64_t>(request.body.size());
@@ -168,7 +180,8 @@ Response perform(const Request& request, const Limits& limits) {
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &response.status);
   } else {
     response.timed_out = rc == CURLE_OPERATION_TIMEDOUT;
-    response.transport_error = transfer.abandoned            ? "the receiver refused the data"
+    response.transport_error = response.cancelled             ? "cancelled"
+                               : transfer.abandoned            ? "the receiver refused the data"
                                : !transfer.read_error.empty() ? "reading the body: " + transfer.read_error
                                                               : std::string(curl_easy_strerror(rc)) + (error[0] ? std::string(": ") + error : "");
   }  // an incomplete response is no response: status stays 0

@@ -4,7 +4,8 @@
 //
 // Every request has a connect timeout, a stall limit (a transfer that moves
 // fewer than `low_speed_bytes` per second for `stall` is abandoned) and an
-// optional overall limit, so no request can hang. HTTPS verifies the server
+// optional overall limit, so no request can hang; and it can be cancelled from
+// another thread while in flight (Request::cancelled). HTTPS verifies the server
 // against the system's CA certificates. Signing (SigV4) is libcurl's own.
 // Thread-safe: each thread reuses its own curl handle (and so its connections).
 #pragma once
@@ -46,12 +47,16 @@ struct Request {
   std::string user_password;
   // CA certificates for HTTPS: a PEM file; empty: the system's.
   std::string ca_bundle;
+  // Polled while the request is in flight (whenever data moves, and about once a second when
+  // nothing does): true ends it (Response::cancelled). Called on the performing thread. Optional.
+  std::function<bool()> cancelled;
 };
 
 struct Response {
   long status = 0;           // HTTP status; 0 when no response arrived
   std::string transport_error;  // why no (complete) response arrived: curl's words ("" when one did)
   bool timed_out = false;    // the connect timeout, the stall limit or the overall limit ended it
+  bool cancelled = false;    // Request::cancelled ended it
   std::string body;          // unless Request::write_body took it
   std::map<std::string, std::string> headers;  // response headers, names in lower case
   int64_t body_bytes = 0;    // body bytes received

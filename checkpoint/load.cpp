@@ -367,6 +367,11 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     restore(staged.steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(),
             staged.grad_shards, staged.had_grad);
     const TrainingProgress progress = progress_of(m);
+    if (durable && fetchable(cand)) {
+      durable->note_committed(progress.step);
+    } else if (durable && m.at("world_size").get<int>() == comm->size()) {
+      newest_saved = progress.step;  // not in the store (a run killed as it uploaded): make_durable() uploads it
+    }
     log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
              std::to_string(m.at("world_size").get<int>()) + " ranks, ZeRO stage " + std::to_string(zero_stage_of(m)) +
              ")");

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -127,11 +128,38 @@ std::string Client::url(const std::string& key, const std::string& query) const 
   return base + http::uri_encode(key, true) + (query.empty() ? "" : "?" + query);
 }
 
+namespace {
+
+// The bytes one attempt moves: its body, or the range it asks for (0: not known, a whole GET's).
+int64_t payload_bytes(const http::Request& r) {
+  int64_t bytes = r.read_body ? r.body_size : static_cast<int64_t>(r.body.size());
+  for (const auto& h : r.headers) {
+    long long first = 0, last = -1;
+    if (std::sscanf(h.c_str(), "Range: bytes=%lld-%lld", &first, &last) == 2 && last >= first) {
+      bytes = std::max<int64_t>(bytes, last - first + 1);
+    }
+  }
+  return bytes;
+}
+
+}  // namespace
+
+void Client::cancel(std::chrono::milliseconds linger) {
+  if (cancelled_) return;
+  last_words_until_ = (Steady::now() + linger).time_since_epoch().count();
+  cancelled_ = true;
+}
+
 http::Response Client::send(const std::string& what, const std::function<http::Request()>& build) {
   thread_local std::mt19937_64 random(std::random_device{}());
   auto start = Steady::now();
   bool refreshed = false;
   for (int attempt = 1;; ++attempt) {
+    // After cancel(): one attempt, ending by the linger's end (not cancelled itself: a job's last words).
+    const bool last_words = cancelled_;
+    const auto linger_left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        Steady::duration(last_words_until_.load()) - Steady::now().time_since_epoch());
+    TORCH_CHECK(!last_words || (attempt == 1 && linger_left.count() > 0), "S3: ", what, " cancelled: the job is ending");
     Credentials c = credentials_.get();
     http::Request r = build();
     r.ca_bundle = credentials_.settings().ca_bundle;
@@ -139,8 +167,14 @@ http::Response Client::send(const std::string& what, const std::function<http::R
     r.user_password = c.access_key_id + ":" + c.secret_access_key;
     r.headers.push_back("x-amz-content-sha256: UNSIGNED-PAYLOAD");  // libcurl signs it; AWS requires it
     if (!c.session_token.empty()) r.headers.push_back("x-amz-security-token: " + c.session_token);
+    if (!last_words) r.cancelled = [this] { return cancelled_.load(); };
+    http::Limits limits = options_.limits;
+    limits.total = last_words ? linger_left
+                              : options_.request_time + std::chrono::milliseconds(
+                                    payload_bytes(r) * 1000 / std::max<int64_t>(1, options_.slowest_bytes_per_second));
     ++requests_;
-    http::Response resp = http::perform(r, options_.limits);
+    http::Response resp = http::perform(r, limits);
+    TORCH_CHECK(!resp.cancelled, "S3: ", what, " cancelled: the job is ending");
     std::string why = retry_reason(resp);
     if (why.empty() && credentials_expired(resp) && !refreshed) {
       credentials_.expire();  // fetched again from their source by the next attempt
@@ -150,13 +184,17 @@ http::Response Client::send(const std::string& what, const std::function<http::R
     if (why.empty()) return resp;
     double elapsed = seconds_since(start);
     auto budget = std::chrono::duration<double>(options_.max_retry_time).count();
-    TORCH_CHECK(attempt < options_.max_attempts && elapsed < budget, "S3: ", what, " failed after ", attempt,
-                " attempt(s) in ", static_cast<int>(elapsed + 0.5), " s: ", why);
+    TORCH_CHECK(attempt < options_.max_attempts && elapsed < budget && !last_words, "S3: ", what, " failed after ",
+                attempt, " attempt(s) in ", static_cast<int>(elapsed + 0.5), " s: ", why);
     double cap = std::min(std::chrono::duration<double>(options_.backoff_cap).count(),
                           std::chrono::duration<double>(options_.backoff_base).count() * std::pow(2.0, attempt - 1));
     double wait = std::uniform_real_distribution<double>(0, cap)(random);
     wait = std::min(wait, std::max(0.0, budget - elapsed));
-    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+    const auto until = Steady::now() + std::chrono::duration_cast<Steady::duration>(std::chrono::duration<double>(wait));
+    while (!cancelled_ && Steady::now() < until) {  // the backoff, cut short by cancel()
+      std::this_thread::sleep_for(std::min<Steady::duration>(until - Steady::now(), std::chrono::milliseconds(50)));
+    }
+    TORCH_CHECK(!cancelled_, "S3: ", what, " cancelled: the job is ending (after ", attempt, " attempt(s): ", why, ")");
     ++retries_;
   }
 }
@@ -196,16 +234,23 @@ void Client::check_access() {
               r.headers.count("x-amz-bucket-region") ? " (" + r.headers.at("x-amz-bucket-region") + ")" : std::string(),
               "; fix: set AWS_REGION to it");
   expect_ok(r, "list " + where);
-  // Writing and deleting: a probe of this process's own name.
+  // Writing and deleting: a probe of this process's own name, put twice with If-None-Match: * (the
+  // commit's one-writer guard): the second must be refused, or the store ignores the condition.
   std::string probe = ".zeroshard-probe-" + std::to_string(::getpid()) + "-" +
                       std::to_string(Steady::now().time_since_epoch().count());
+  bool honoured = false;
   try {
     put(probe, "probe");
+    honoured = !put_if_absent(probe, "probe again");
     remove(probe);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "S3: the credentials from ", source, " may list but not write and delete under ", where, ": ",
                 e.what_without_backtrace(), "; fix: grant s3:PutObject and s3:DeleteObject there");
   }
+  TORCH_CHECK(honoured, "S3: ", where, " ignores If-None-Match: a conditional put of an object that exists ",
+              "succeeded, so two writers of one checkpoint step could both commit it and the step would mix their ",
+              "files; fix: use a store that honours conditional writes (AWS S3 since August 2024, a MinIO release ",
+              "of 2024 or later, SeaweedFS)");
 }
 
 std::optional<ObjectInfo> Client::head(const std::string& name) {

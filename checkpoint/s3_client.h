@@ -4,13 +4,14 @@
 //
 // Requests are libcurl's, signed with its SigV4 (http.h); settings and
 // credentials come from the AWS conventions (s3_credentials.h). Every request
-// is bounded in time (connect, stall, overall) and retried, with exponential
+// is bounded in time (connect, stall, and overall by its size) and retried, with exponential
 // backoff and full jitter, on what is worth retrying: no response, a timeout,
 // 5xx, 503 SlowDown, 429, S3's RequestTimeout; credentials the store calls
 // expired are fetched again once. Retries of one request are bounded in count
 // and in time; what remains is an error naming the request, the object and the
 // store's own code, never a credential. Large files go up as multipart uploads
-// and come down as ranged GETs, `parallel` parts at a time.
+// and come down as ranged GETs, `parallel` parts at a time. cancel() ends every
+// request in flight at once (a job that is ending must not wait on a stalled store).
 //
 // Thread-safe: any number of threads may use one Client.
 #pragma once
@@ -54,7 +55,12 @@ struct ClientOptions {
   int64_t part_bytes = int64_t{32} << 20;
   // Parts in flight per upload or download. Default: 8.
   int parallel = 8;
-  http::Limits limits;  // each request (http.h's defaults)
+  http::Limits limits;  // each request (http.h's defaults; `total` is set per attempt, below)
+  // Each attempt's overall limit: `request_time` plus its bytes (the body sent, or the range asked
+  // for) at `slowest_bytes_per_second`, so that a store trickling data just above the stall limit
+  // cannot hold one request for hours. Default: 60 s plus 1 MiB/s (a 32 MiB part: 92 s).
+  std::chrono::milliseconds request_time{60000};
+  int64_t slowest_bytes_per_second = int64_t{1} << 20;
   CredentialOptions credentials;
 };
 
@@ -78,7 +84,8 @@ class Client {
 
   // Lists under the prefix, puts and deletes a probe object. Throws one line naming
   // what is wrong and the fix: an unreachable endpoint, a wrong key or secret, a
-  // missing bucket, a bucket in another region, missing permissions.
+  // missing bucket, a bucket in another region, missing permissions, a store that
+  // ignores If-None-Match (a second conditional put of the probe must be refused).
   void check_access();
 
   // `name`s are relative to the location's prefix.
@@ -111,6 +118,15 @@ class Client {
   void remove(const std::string& name);  // absent objects included
   // Every object under `name_prefix`, and the unfinished multipart uploads there.
   void remove_all(const std::string& name_prefix);
+
+  // Ends every request in flight now (each throws "... cancelled: the job is ending"; within
+  // about a second: libcurl polls its progress callback that often when nothing moves), and
+  // the retries of every later one: a later request gets one attempt, and all of them end
+  // within `linger` of this call (the best-effort last words of a job that is ending: an
+  // upload aborted, a failure reported); after it, a request throws without being sent.
+  // Thread-safe; a second call changes nothing.
+  void cancel(std::chrono::milliseconds linger);
+  bool cancelled() const { return cancelled_; }
 
   // Requests sent (retries included) and retried, since construction.
   int64_t requests() const { return requests_; }
@@ -149,6 +165,8 @@ class Client {
   std::string endpoint_;  // scheme://host[:port], no trailing '/'
   bool path_style_;
   std::atomic<int64_t> requests_{0}, retries_{0};
+  std::atomic<bool> cancelled_{false};
+  std::atomic<std::chrono::steady_clock::rep> last_words_until_{0};  // set before cancelled_
   std::unique_ptr<boost::asio::thread_pool> pool_;
 };
 

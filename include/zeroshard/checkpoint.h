@@ -101,6 +101,9 @@ class Checkpointer {
   // Throws on every rank when the durable tier is misconfigured, naming what and the fix.
   // Collective.
   Checkpointer(std::string dir, std::shared_ptr<Communicator> comm, CheckpointOptions options = {});
+  // Waits for a background save to commit; cancels a durable upload in flight (it ends within
+  // about 1.5 s, last words to the store included), so a stalled store never holds an exit.
+  // Call make_durable() first where the last step must be durable.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -141,7 +144,9 @@ class Checkpointer {
   bool wait_durable(std::chrono::milliseconds timeout);
   // Makes the newest step this Checkpointer saved durable within `timeout` (a preemption's
   // grace period, the end of training), uploading it if its own upload was skipped; true when
-  // it is durable (at once without a durable tier). Collective.
+  // it is durable (at once without a durable tier). A step it loaded from this disk that the
+  // store lacks (a run killed as it uploaded) counts as saved, when saved at this world size.
+  // Collective.
   bool make_durable(std::chrono::milliseconds timeout);
   DurableStatus durable_status() const;
 

@@ -21,7 +21,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   durable      --ckpt-dir s3://... (under tests/checkpoint/s3_store.py): saves committed in the store; the local
                checkpoints deleted (a host lost with its disk), the next launch resumes from the store alone with
                the uninterrupted run's losses; a pipeline's (pp 2, ZeRO-1) durable step resumed by one process
-               without a pipeline, its newest commit taken away (the step before it is loaded)
+               without a pipeline, its newest commit taken away (the step before it is loaded); a kill storm;
+               a preemption with the store stalled, then trickling: every rank ends within the grace period
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -265,21 +266,85 @@ def check_durable(build, work):
     check([r["step"] for r in metrics(pp) if r.get("event") == "durable"][-1] == 12, "the pipelined run's step 12")
     store = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"],
                                              "region_name": os.environ["AWS_REGION"]})
+    # Step 8's upload is skipped when step 4's is still in flight on some rank as step 8 is saved (a matter of
+    # timing): the resume takes the newest commit left, whichever it is.
+    commits = sorted(int(m.split("/")[-2][5:]) for m in store.glob(f"{bucket}/bart-durable-{os.getpid()}-pp/step-*/manifest.json"))
+    check(commits[-1] == 12 and len(commits) >= 2, commits)
     store.rm(f"{bucket}/bart-durable-{os.getpid()}-pp/step-00000012/manifest.json")
     shutil.rmtree(os.path.join(pp, "checkpoints"))
     out = pretrain(build, flat, 0, *pipe)
     check("from the durable tier" in out, f"the resume did not copy from the durable tier:\n{out[-3000:]}")
     summary = [r for r in metrics(flat) if r.get("event") == "summary"][-1]
-    check(summary["resumed"]["step"] == 8 and summary["pp"] == 1, (summary.get("resumed"), summary.get("pp")))
-    got = {r["step"]: r["loss"] for r in metrics(flat) if "event" not in r and r["step"] > 8}
+    back = commits[-2]
+    check(summary["resumed"]["step"] == back and summary["pp"] == 1, (back, summary.get("resumed"), summary.get("pp")))
+    got = {r["step"]: r["loss"] for r in metrics(flat) if "event" not in r and r["step"] > back}
     want = {r["step"]: r["loss"] for r in metrics(pp) if "event" not in r}
-    check(sorted(got) == list(range(9, 13)), got)
+    check(sorted(got) == list(range(back + 1, 13)), got)
     worst = max(abs(got[s] - want[s]) / want[s] for s in got)
     check(worst < 1e-6, lambda: [(s, got[s], want[s]) for s in got])
-    print(f"durable: pp 2 (ZeRO-1) committed steps {[4, 8, 12]}; step 12's commit taken away and the disk lost, one "
-          f"process without a pipeline resumed from step 8 in the store: steps 9-12 within {worst:.1e} of the "
-          "pipelined run's")
+    print(f"durable: pp 2 (ZeRO-1) committed steps {commits}; step 12's commit taken away and the disk lost, one "
+          f"process without a pipeline resumed from step {back} in the store: steps {back + 1}-12 within {worst:.1e} "
+          "of the pipelined run's")
     durable_kill_storm(build, work, ref, uri + "-storm")
+    durable_exit_with_the_store_stalled(build, work, ref, uri + "-stalled")
+
+
+def durable_exit_with_the_store_stalled(build, work, ref, uri):
+    """A preemption (SIGTERM to the launcher, grace period 10 s) while an upload is in flight to a store that has
+    stalled, then to one that trickles (4 KiB/s, above the stall limit; the fault proxy of s3_store.py): both ranks
+    end by themselves within the grace period with the preemption's exit code (75), no process of the run is left,
+    the preemption's local checkpoint verifies, and each rank still uploading says in one line that the job ended
+    during an upload to the store, naming it."""
+    import signal
+    import urllib.request
+
+    def faults(spec):
+        urllib.request.urlopen(os.environ["ZS_TEST_FAKE_AWS"] + "/control/faults", data=spec.encode(), timeout=10)
+
+    grace = 10
+    for fault in ("stall-all", "trickle-all"):
+        d = os.path.join(work, f"durable_{fault}")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(d, "tokenizer"))
+        args = [os.path.join(build, "examples", "bart_pretrain"), "--data", DATA, "--run-dir", d, "--no-plot",
+                "--progress-interval", "1000", "--max-steps", "100000", "--save-every", "4", "--eval-every", "0",
+                "--max-tokens", "32", "--no-sample", "--validation-docs", "1", "--ckpt-dir", f"{uri}-{fault}"]
+        cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "2", "--grace-period", str(grace), "--", *args]
+        env = dict(os.environ, ZS_LOG_LEVEL="warn", AWS_ENDPOINT_URL=os.environ["ZS_TEST_S3_PROXY"])
+        log = open(os.path.join(work, f"durable_{fault}.log"), "w+")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and p.poll() is None:  # a step durable: the store answered
+                if os.path.exists(os.path.join(d, "metrics.jsonl")) and any(
+                        r.get("event") == "durable" for r in metrics(d)):
+                    break
+                time.sleep(0.2)
+            check(p.poll() is None, "the run ended before a step was durable")
+            faults(fault)
+            time.sleep(3)  # the next save's upload starts and meets the fault; later saves skip theirs
+            start = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            code = p.wait(timeout=120)
+            took = time.monotonic() - start
+        finally:
+            faults("pass")
+            if p.poll() is None:
+                p.kill()
+        log.seek(0)
+        out = log.read()
+        log.close()
+        left = subprocess.run(["pgrep", "-f", d], capture_output=True, text=True).stdout.split()
+        check(code == 75 and took < grace and not left,
+              lambda: f"{fault}: exit {code} {took:.1f} s after SIGTERM (grace {grace} s), processes left {left}:\n"
+                      f"{out[-4000:]}")
+        # Each rank whose upload was still in flight (a rank may have finished its part before the fault): one line.
+        said = [line for line in out.splitlines() if "the job ended while step" in line]
+        check(1 <= len(said) <= 2 and len({line[:8] for line in said}) == len(said) and
+              all(f"{uri}-{fault}" in line for line in said), lambda: f"{fault}:\n{out[-4000:]}")
+        run([os.path.join(build, "zeroshard-ckpt"), "verify", os.path.join(d, "checkpoints")])
+        print(f"durable: SIGTERM with the store {fault[:-4]} during an upload: both ranks exited 75 in {took:.1f} s "
+              f"(grace {grace} s), the local checkpoint verifies; {said[0].strip()[:200]}")
 
 
 def durable_kill_storm(build, work, ref, uri):
@@ -312,15 +377,22 @@ def durable_kill_storm(build, work, ref, uri):
     env = dict(os.environ, ZS_LOG_LEVEL="warn")
     kills, wipes, launches, out, wiped_at = 0, 0, 0, "", ""
     start = time.monotonic()
+    metrics_file, grown_to = os.path.join(storm, "metrics.jsonl"), -1
+
+    def trained_since_last_kill():  # a step line written since the last kill (not the time: runs differ in speed)
+        return os.path.exists(metrics_file) and os.path.getsize(metrics_file) != grown_to
+
     while True:
         launches += 1
         log = open(os.path.join(work, f"durable_storm_{launches}.log"), "w+")
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         while p.poll() is None and kills < 6 and time.monotonic() - start < 400:
-            time.sleep(rng.uniform(0.3, 1.5))  # paced to land 4 kills in a run of a few seconds a launch
+            time.sleep(0.05)
             ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-            if p.poll() is not None or len(ranks) < 2:
+            if p.poll() is not None or len(ranks) < 2 or not trained_since_last_kill():
                 continue
+            time.sleep(rng.uniform(0, 0.4))  # a random moment of the steps after it: a save, an upload, a step
+            grown_to = os.path.getsize(metrics_file) if os.path.exists(metrics_file) else -1
             if kills + 1 in (3, 5):  # the host is lost: the launcher and its ranks (PR_SET_PDEATHSIG), and its disk
                 newest = committed()
                 if not newest or newest[-1] <= wiped_at:
@@ -330,8 +402,11 @@ def durable_kill_storm(build, work, ref, uri):
                 p.wait()
                 shutil.rmtree(os.path.join(storm, "checkpoints"), ignore_errors=True)
                 break
+            try:
+                os.kill(int(rng.choice(ranks)), signal.SIGKILL)
+            except ProcessLookupError:  # it ended in the moment before (the launcher restarts its group)
+                continue
             kills += 1
-            os.kill(int(rng.choice(ranks)), signal.SIGKILL)
         p.wait(timeout=max(1, 400 - (time.monotonic() - start)))
         log.seek(0)
         out += log.read()

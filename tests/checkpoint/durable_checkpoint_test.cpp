@@ -355,6 +355,49 @@ TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
   fs::remove_all(disk);
 }
 
+// Retention (keep 2) through the proxy: the step it removes loses its commit (manifest.json)
+// before any of its files, so a removal cut short never leaves a step that looks committed and
+// lacks files. Oracle: the order of the DELETEs the proxy forwarded.
+TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
+  const int rank = world().rank();
+  const std::string prefix = "durable-test/retention-n" + std::to_string(world().size());
+  s3::Client store({bucket(), prefix}, s3::process_environment());
+  if (rank == 0) store.remove_all("");
+  world().barrier();
+  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
+  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  const std::string disk = own_disk("durable-retention");
+  {
+    auto o = durable(prefix);
+    o.keep = 2;
+    Checkpointer ckpt(disk, world_ptr(), o);
+    Trainer run(2);
+    for (int64_t step : {2, 4, 6}) {
+      run.train(step - 2, step);
+      run.save(ckpt, step);
+      ASSERT_TRUE(ckpt.make_durable(60s));
+      world().barrier();
+    }
+  }
+  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  if (rank == 0) {
+    std::vector<std::string> deletes;  // of step 2's objects, in the order the proxy forwarded them
+    for (const auto& line : proxy_requests()) {
+      if (line.rfind("DELETE /" + bucket() + "/" + prefix + "/step-00000002/", 0) == 0) deletes.push_back(line);
+    }
+    ASSERT_GE(deletes.size(), 4u);
+    EXPECT_NE(deletes.front().find("/step-00000002/manifest.json "), std::string::npos) << deletes.front();
+    for (size_t i = 1; i < deletes.size(); ++i) {
+      EXPECT_EQ(deletes[i].find("/manifest.json "), std::string::npos) << "the commit deleted again: " << deletes[i];
+    }
+    EXPECT_FALSE(store.head("step-00000002/manifest.json").has_value());
+    EXPECT_TRUE(store.list("step-00000002/").empty());
+    EXPECT_TRUE(store.head("step-00000004/manifest.json").has_value());
+    EXPECT_TRUE(store.head("step-00000006/manifest.json").has_value());
+  }
+  fs::remove_all(disk);
+}
+
 TEST(DurableCheckpointFaults, AWrongKeyFailsAtTheCheckpointerOnEveryRank) {
   const std::string secret = std::getenv("AWS_SECRET_ACCESS_KEY");
   setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-987", 1);

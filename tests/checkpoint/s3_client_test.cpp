@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -229,6 +230,17 @@ TEST(S3Client, AWrongKeySecretBucketOrEndpointFailsAtStartInOneLine) {
     EXPECT_NE(m.find("may list but not write"), std::string::npos) << m;
     EXPECT_TRUE(one_line(m)) << m;
   }
+  {  // a store that ignores If-None-Match (the proxy answers a conditional put 200 itself, writing nothing)
+    auto env = store_env();
+    env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+    Client c(fresh("no-conditions"), env, quick);
+    c.check_access();  // the proxy forwards everything: the store refuses the second put
+    control("/control/faults", "ignore-conditions-all");
+    std::string m = error_of([&] { c.check_access(); });
+    control("/control/faults", "pass");
+    EXPECT_NE(m.find("ignores If-None-Match"), std::string::npos) << m;
+    EXPECT_TRUE(one_line(m)) << m;
+  }
   EXPECT_NE(error_of([] { parse_uri("s3://Bad_Bucket/x"); }).find("is not an S3 bucket name"), std::string::npos);
   EXPECT_NE(error_of([] { parse_uri("/local/dir"); }).find("expected s3://BUCKET[/PREFIX]"), std::string::npos);
   auto l = parse_uri("s3://ckpt/runs/bart/");
@@ -269,6 +281,69 @@ TEST(S3Client, SlowDownAndStalledRequestsAreRetriedWithinBounds) {
   EXPECT_GE(count_of(log, "\"503\""), 3 + 4) << log;
   EXPECT_GE(count_of(log, "\"stall\""), 1) << log;
   c.remove_all("");
+}
+
+// cancel() ends a request the store never answers at once (the stall limit is 30 s here), and
+// one it trickles through (the proxy at 4 KiB/s, above the stall limit); later requests get one
+// attempt each, all ending by the linger's end, and none is sent after it. Without cancel(),
+// each attempt's overall limit ends a trickle.
+TEST(S3Client, CancelEndsStalledAndTricklingRequestsAndEachAttemptHasADeadline) {
+  auto env = store_env();
+  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  auto cancelled_after = [&](const std::string& fault, const std::function<void(Client&)>& request) {
+    Client c(fresh("cancel"), env, {});
+    control("/control/faults", fault);
+    std::string m;
+    std::atomic<bool> done{false};
+    std::thread t([&] {
+      m = error_of([&] { request(c); });
+      done = true;
+    });
+    std::this_thread::sleep_for(1500ms);
+    EXPECT_FALSE(done) << fault << ": " << m;
+    const auto t0 = std::chrono::steady_clock::now();
+    c.cancel(4000ms);
+    t.join();
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(m.find("cancelled: the job is ending"), std::string::npos) << fault << ": " << m;
+    control("/control/faults", "pass");
+    // Last words: one attempt, and it goes through when the store answers.
+    c.put("last-words", "said");
+    EXPECT_EQ(c.get("last-words").value(), "said");
+    control("/control/faults", "stall 1");
+    std::string last = error_of([&] { c.put("unsaid", "never"); });
+    const double lingered = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(last.find("failed after 1 attempt(s)"), std::string::npos) << last;
+    EXPECT_NE(last.find("timed out"), std::string::npos) << last;
+    EXPECT_LT(lingered, 4.5) << last;  // the stalled attempt ended with the linger
+    const int64_t sent = c.requests();
+    std::string after = error_of([&] { c.put("unsent", "never"); });
+    EXPECT_NE(after.find("cancelled: the job is ending"), std::string::npos) << after;
+    EXPECT_EQ(c.requests(), sent);
+    control("/control/faults", "pass");
+    Client(c.location(), env, {}).remove_all("");
+    return took;
+  };
+  EXPECT_LT(cancelled_after("stall 1", [](Client& c) { c.put("stalled", "never answered"); }), 2.0);
+  const std::string big = random_bytes(256 << 10, 9);  // 64 s at the trickle
+  EXPECT_LT(cancelled_after("trickle 1", [&](Client& c) { c.put("trickled", big); }), 2.0);
+
+  ClientOptions o;
+  o.request_time = 2000ms;  // each attempt: 2 s plus its bytes at 1 MiB/s
+  o.max_attempts = 2;
+  o.backoff_base = 10ms;
+  Client d(fresh("deadline"), env, o);
+  control("/control/faults", "trickle-all");
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string m = error_of([&] { d.put("trickled", big); });
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  control("/control/faults", "pass");
+  EXPECT_NE(m.find("failed after 2 attempt(s)"), std::string::npos) << m;
+  EXPECT_NE(m.find("timed out"), std::string::npos) << m;
+  EXPECT_LT(took, 8.0) << m;
+  d.put("after", "the store is well again");
+  EXPECT_EQ(d.get("after").value(), "the store is well again");
+  d.remove_all("");
 }
 
 TEST(S3Client, AnUploadSurvivesTheStoreKilledAndRestartedMidway) {

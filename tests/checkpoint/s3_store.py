@@ -24,7 +24,11 @@ proxy's log shows which headers each request signed (a session token's is among 
 
 Control (POST to ZS_TEST_FAKE_AWS):
   /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "stall N"
-                   (it accepts the next N requests and never answers), "pass" (forward everything)
+                   (it accepts the next N requests and never answers), "trickle N" (it forwards the next N
+                   requests, taking their bodies and relaying the answers at 4 KiB/s: never stalled, never
+                   done), "ignore-conditions N" (it answers a request with If-None-Match 200 itself, as a
+                   store that ignores the header would), "stall-all" / "trickle-all" / "ignore-conditions-all"
+                   (every request from now on), "pass" (forward everything)
   /control/expiry  body "SECONDS": credentials the fake services hand out expire this long after
   /control/log     (GET) what the fake services and the proxy saw, as JSON (the proxy's: each request's
                    line, what it did, and the store's status for a request it forwarded)
@@ -105,22 +109,29 @@ class Weed:
         self.proc = None
 
 
+# A trickle's bytes a second, each way: above the client's default stall limit (1 KiB/s), far below any real store.
+TRICKLE = 4096
+
+
 class Faults:
-    """What the proxy does with the next requests: a list of 'pass', '503' or 'stall' (then 'pass')."""
+    """What the proxy does with the next requests: a list of 'pass', '503', 'stall', 'trickle' or 'ignore-conditions'
+    (then 'pass'); or one of the last three for every request."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.queue = []
+        self.always = None  # "stall", "trickle" or "ignore-conditions": every request, until the next set()
         self.seen = []  # [request line, what was done, the store's status (forwarded requests; None before it answers)]
 
     def set(self, spec):
         kind, _, count = spec.partition(" ")
         with self.lock:
-            self.queue = [kind] * int(count or 1) if kind != "pass" else []
+            self.always = kind[:-4] if kind.endswith("-all") else None
+            self.queue = [kind] * int(count or 1) if kind != "pass" and not self.always else []
 
     def next(self, line):
         with self.lock:
-            kind = self.queue.pop(0) if self.queue else "pass"
+            kind = self.always or (self.queue.pop(0) if self.queue else "pass")
             self.seen.append([line, kind, None])
             return kind, self.seen[-1]
 
@@ -138,10 +149,14 @@ async def proxy_connection(reader, writer, upstream_port, faults):
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
             length = next((int(l.split(":", 1)[1]) for l in lines if l.lower().startswith("content-length:")), 0)
-            body = await reader.readexactly(length) if length else b""
             auth = next((l.split(":", 1)[1] for l in lines if l.lower().startswith("authorization:")), "")
             signed = auth.split("SignedHeaders=")[1].split(",")[0] if "SignedHeaders=" in auth else ""
             kind, seen = faults.next(f"{lines[0]} signed={signed}")
+            body = b""
+            while len(body) < length:  # a trickle takes TRICKLE bytes a second
+                body += await reader.readexactly(min(length - len(body), TRICKLE if kind == "trickle" else length))
+                if kind == "trickle" and len(body) < length:
+                    await asyncio.sleep(1)
             if kind == "503":
                 writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
                 await writer.drain()
@@ -149,18 +164,24 @@ async def proxy_connection(reader, writer, upstream_port, faults):
             if kind == "stall":
                 await reader.read()  # until the client gives up and closes
                 break
+            if kind == "ignore-conditions" and any(l.lower().startswith("if-none-match:") for l in lines):
+                writer.write(b'HTTP/1.1 200 OK\r\nETag: "0"\r\nConnection: close\r\nContent-Length: 0\r\n\r\n')
+                await writer.drain()  # as a store that ignores the condition: written, whatever was there
+                break
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
             kept = [l for l in lines[1:] if l and not l.lower().startswith("connection:")]
             up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
             await up_writer.drain()
             while True:
-                chunk = await up_reader.read(1 << 16)
+                chunk = await up_reader.read(TRICKLE if kind == "trickle" else 1 << 16)
                 if not chunk:
                     break
                 if seen[2] is None and chunk.startswith(b"HTTP/"):
                     seen[2] = int(chunk.split(b" ", 2)[1])
                 writer.write(chunk)
                 await writer.drain()
+                if kind == "trickle":
+                    await asyncio.sleep(1)
             up_writer.close()
             break
     except (asyncio.IncompleteReadError, ConnectionError):

@@ -20,22 +20,22 @@ std::string read_file(const std::string& path) {
 }
 
 TEST(Launcher, SetsTheEnvProtocolAndPrefixesOutput) {
-  auto r = run_command(launcher() + " --nproc-per-node 3 -- bash -c "
+  auto r = run_command("ZS_GRACE_PERIOD_S=99 " + launcher() + " --nproc-per-node 3 --grace-period 7.5 -- bash -c "
                        "'echo \"env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR "
-                       "$ZS_RESTART_COUNT $OMP_NUM_THREADS port=$MASTER_PORT\"'");
+                       "$ZS_RESTART_COUNT $OMP_NUM_THREADS grace=$ZS_GRACE_PERIOD_S port=$MASTER_PORT\"'");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const std::string omp = std::to_string(std::max(1u, cores / 3));
   for (int rank = 0; rank < 3; ++rank) {
     const std::string line = "[rank" + std::to_string(rank) + "]: env " + std::to_string(rank) + " " +
-                             std::to_string(rank) + " 3 3 127.0.0.1 0 " + omp + " port=";
+                             std::to_string(rank) + " 3 3 127.0.0.1 0 " + omp + " grace=7.5 port=";
     EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n" << r.output;
   }
   // A free port was picked, the same for every rank.
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("port=(\\d+)"))) << r.output;
   EXPECT_GT(std::stoi(m[1]), 0);
-  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '='), 3);
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '='), 6);  // grace= and port= on each of 3 lines
   auto first = r.output.find("port=" + m[1].str());
   EXPECT_NE(r.output.find("port=" + m[1].str(), first + 1), std::string::npos);
 }

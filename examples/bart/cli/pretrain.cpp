@@ -29,6 +29,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 
@@ -97,6 +98,7 @@ void check_options(const RunOptions& o) {
                                    o.crash_after_save <= o.max_steps),
        "--crash-after-save", o.crash_after_save, "0 (off), or a step that saves (a multiple of --save-every, at "
        "most --max-steps)");
+  need(std::isfinite(o.grace_period) && o.grace_period > 0, "--grace-period", o.grace_period, "a number of seconds above 0");
   need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
   need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
   need(o.eval_batch >= 1, "--eval-batch", o.eval_batch, "at least 1");
@@ -305,6 +307,11 @@ void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
   app.add_option("--save-every", o.save_every, "checkpoint every n steps (and at the end)")->capture_default_str();
   app.add_flag("--async-save", o.async_save, "write checkpoints in the background");
   app.add_option("--keep", o.keep, "committed checkpoints kept")->capture_default_str();
+  if (const char* g = std::getenv("ZS_GRACE_PERIOD_S")) o.grace_period = std::atof(g);  // zeroshard-run's
+  app.add_option("--grace-period", o.grace_period,
+                 "seconds a preemption notice leaves to save and exit (default: zeroshard-run's --grace-period, "
+                 "else 30)")
+      ->capture_default_str();
   app.add_option("--crash-after-save", o.crash_after_save,
                  "for crash tests: rank 0 kills itself (SIGKILL) as soon as the checkpoint of this step has "
                  "committed, before anything else of the step is recorded");

@@ -391,15 +391,22 @@ void PretrainingRun::note_durable(json& extra) {
 // own was skipped for it), within what is left of the grace period.
 double PretrainingRun::wait_durable() {
   const auto t0 = Clock::now();
-  const double left = guard_->options().grace_period_s - (unix_now() - guard_->notice_time()) - 1.0;
+  // What is left of the grace period, less 3 s: an upload still in flight is cancelled as the
+  // Checkpointer goes (up to 1.5 s, its last words to the store included), then the process ends.
+  const double left = guard_->options().grace_period_s - (unix_now() - guard_->notice_time()) - 3.0;
   const bool done = ckpt_->make_durable(std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, left) * 1000)));
   const auto st = ckpt_->durable_status();
   if (done) {
     zeroshard::log_info("preemption: step " + std::to_string(step_) + " is durable (" + o_.ckpt_dir + ")");
   } else {
-    zeroshard::log_warn("preemption: step " + std::to_string(step_) + " is " +
-                        (st.uploading_step >= 0 ? std::string("still uploading as the grace period ends")
-                                                : "not durable (" + st.last_error + ")") +
+    zeroshard::log_warn("preemption: step " + std::to_string(step_) + " is not durable: " +
+                        (st.uploading_step >= 0
+                             ? "step " + std::to_string(st.uploading_step) + "'s upload is still in flight as the " +
+                                   "grace period ends (is the store slow or stalled?)"
+                             : !st.last_error.empty()
+                                 ? st.last_error
+                                 : std::string("its upload was skipped (another rank was still uploading an earlier "
+                                               "step)")) +
                         "; the durable tier holds step " + std::to_string(st.durable_step));
   }
   return since(t0);

@@ -281,7 +281,9 @@ void PretrainingRun::resume() {
     peer.load_state_json(sampler_->state_json());
     peers_.push_back(std::move(peer));
   }
-  guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_);
+  zeroshard::PreemptionOptions po;
+  po.grace_period_s = o.grace_period;
+  guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_, po);
   // The step's one blocking collective: the optimizer's agreement (or the
   // pipeline executor's, which carries the loss), the loss and the preemption vote.
   agreement_ = pipe_ ? pipe_->agreement() : std::make_shared<zeroshard::StepAgreement>(comm_);

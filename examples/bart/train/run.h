@@ -60,6 +60,9 @@ struct RunOptions {
   bool async_save = false;
   int64_t crash_after_save = 0;  // > 0: rank 0 SIGKILLs itself once this step's checkpoint has committed (tests)
   int keep = 3;
+  // Seconds a preemption notice leaves (PreemptionOptions::grace_period_s): zeroshard-run's
+  // --grace-period (ZS_GRACE_PERIOD_S) when launched by it; else 30.
+  double grace_period = 30;
   int64_t eval_every = 50;
   int64_t eval_batch = 16;
   int loader_threads = 2;  // threads building batches ahead of the step; 0: on the training thread

@@ -69,10 +69,11 @@ void Group::start() {
   }
   base.erase(std::remove_if(base.begin(), base.end(),
                             [](const std::string& kv) {
-                              return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0 ||
+                              return kv.rfind("ZS_PROGRESS_FILE=", 0) == 0 || kv.rfind("ZS_GRACE_PERIOD_S=", 0) == 0 ||
                                      kv.rfind("TORCHELASTIC_ERROR_FILE=", 0) == 0;
                             }),
              base.end());
+  base.push_back("ZS_GRACE_PERIOD_S=" + seconds_str(opt_.grace_period_s));  // what a rank has after SIGTERM
 
   for (int local = 0; local < opt_.nproc_per_node; ++local) {
     Rank r;
