@@ -10,6 +10,7 @@
 #include "durable.h"
 #include "h5.h"
 #include "host_copy.h"
+#include "lineage.h"
 
 #include <boost/asio/thread_pool.hpp>
 #include <nlohmann/json.hpp>
@@ -249,7 +250,12 @@ struct Checkpointer::Impl {
   void wait_pending();
   // The durable tier (CheckpointOptions::durable_uri), or null.
   std::unique_ptr<ckpt::DurableTier> durable;
-  std::set<int64_t> durable_steps;  // committed in the store, as agree_on_candidates() found
+  // This run's history's commits in the store (lineage.h), step -> line, as agree_on_candidates()
+  // found them.
+  std::map<int64_t, std::string> durable_steps;
+  // The lineage the next save's manifest records: the loaded step's, branched onto a line of this
+  // run's own; null until a load or the first save (which starts one).
+  json lineage;
   // Collective on `c`, after the local commit of `step_dir`: starts its upload on every
   // rank, or on none (an upload still in flight somewhere). Sends nothing to the store.
   void start_durable_upload(Communicator& c, const fs::path& step_dir, int64_t step);
@@ -257,8 +263,8 @@ struct Checkpointer::Impl {
   // store (its leader does); the files its ranks read follow as they are read, each
   // verified (PieceReader). Returns this rank's failure ("" when none).
   std::string fetch_from_durable(const fs::path& cand);
-  // Whether the step directory `cand` names a step committed in the durable tier.
-  bool fetchable(const fs::path& cand) const;
+  // Whether the step directory `cand`, whose manifest is `m`, is committed in the durable tier.
+  bool fetchable(const fs::path& cand, const json& m) const;
   using Restore = std::function<void(const std::vector<int64_t>& steps, double scale, int64_t clean,
                                      const std::vector<at::Tensor>& grad_shards, const std::vector<char>& had_grad)>;
   std::optional<TrainingProgress> load(ShardedState state, torch::nn::Module& model, std::optional<int64_t> step,
@@ -304,8 +310,16 @@ struct Checkpointer::Impl {
   // Collective: the step directories to try, in order, the same on every rank:
   // `step`, or the oldest step a `latest` names, then the steps every disk holds,
   // newest first. Throws when some disks hold checkpoints and others none in common.
-  // With a durable tier also the steps committed there (durable_steps).
+  // With a durable tier also the steps committed there (durable_steps). Only this run's
+  // history (lineage.h) counts, on disk and in the store: the history of the checkpoint
+  // `latest` names here, else of the store's `latest` (or of CheckpointOptions::durable_line).
   std::vector<fs::path> agree_on_candidates(std::optional<int64_t> step);
+  // Rank 0's view of what to load: {"history": this run's lineage (null: none known), "commits":
+  // [[step, line]...] of it in the store, newest first, one per step, "others": the rest}.
+  json store_view(const fs::path& root);
+  // The history of the commit the store's `latest` names (of its line's newest other commit when
+  // that one cannot be read), or null. `all`: the store's commits.
+  json latest_history(const std::vector<ckpt::Commit>& all);
 };
 
 }  // namespace zeroshard

@@ -2,6 +2,7 @@
 #include "durable.h"
 
 #include "checkpointer_impl.h"
+#include "lineage.h"
 #include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
@@ -29,10 +30,14 @@ namespace {
 // Where one upload attempt of a step keeps its reports: an attempt's own directory, so that
 // what an earlier attempt at the same step left (a failure report, files of a run that went
 // another way since) is never taken for this one's.
+std::string attempt_hex(uint64_t attempt) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%012llx", static_cast<unsigned long long>(attempt));
+  return buf;
+}
+
 std::string reports_dir(const std::string& step_name, uint64_t attempt) {
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "/.ranks/%012llx/", static_cast<unsigned long long>(attempt));
-  return step_name + buf;
+  return step_name + "/.ranks/" + attempt_hex(attempt) + "/";
 }
 
 std::string report_name(const std::string& reports, int rank, bool ok) {
@@ -231,8 +236,8 @@ json dataset_index(const std::string& file_name, const checkpoint::FileDigest& f
 
 fs::path index_path(const fs::path& rank_file) { return rank_file.string() + ".index"; }
 
-std::unique_ptr<checkpoint::h5::Readable> DurableTier::open_ranged(const std::string& step_name, const json& file) {
-  return std::make_unique<StoreFile>(*client_, step_name + "/" + file.at("name").get<std::string>(), file);
+std::unique_ptr<checkpoint::h5::Readable> DurableTier::open_ranged(const Commit& c, const json& file) {
+  return std::make_unique<StoreFile>(*client_, objects_prefix(c) + file.at("name").get<std::string>(), file);
 }
 
 DurableTier::DurableTier(s3::Location where, s3::Environment env, int rank, int world, DurableOptions options)
@@ -296,6 +301,30 @@ fs::path DurableTier::pinned() {
   return pinned_;
 }
 
+namespace {
+
+constexpr const char* kCommitFormat = "zeroshard-durable-commit";
+
+// Whether two manifests describe the same saved state: the same files, byte for byte (the
+// time a save took and the hosts that wrote it may differ).
+bool same_state(const json& a, const json& b) {
+  auto files = [](const json& m) {
+    json out = json::array();
+    for (const auto& f : m.at("files")) out.push_back({f.at("name"), f.at("bytes"), f.at("xxh3")});
+    return out;
+  };
+  return a.at("step") == b.at("step") && files(a) == files(b) &&
+         a.value("model_view", json()).value("xxh3", "") == b.value("model_view", json()).value("xxh3", "");
+}
+
+}  // namespace
+
+std::string commit_key(const Commit& c) {
+  return step_dir_name(c.step) + (c.line.empty() ? "/manifest.json" : "/commit-" + c.line + ".json");
+}
+
+std::string objects_prefix(const Commit& c) { return step_dir_name(c.step) + "/" + (c.line.empty() ? "" : c.line + "/"); }
+
 void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attempt) {
   const auto t0 = Steady::now();
   const std::string step_name = step_dir_name(step);
@@ -306,15 +335,15 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
   const std::string own = rank_file_name(rank_, world_);
   std::vector<std::string> mine{own, index_path(own).string()};
   if (rank_ == 0) mine.push_back("model.h5");
+  Commit c{step, ""};
+  json manifest;
   try {
-    if (client_->head(step_name + "/manifest.json")) {  // committed before (a resumed job saving a step again)
-      if (rank_ == 0) log_warn("checkpoint: " + step_name + " is already committed in the durable tier; kept as it is");
-      std::lock_guard<std::mutex> lock(mu_);
-      status_.uploading_step = -1;
-      status_.durable_step = step;
-      pinned_.clear();
-      return;
-    }
+    manifest = read_manifest(step_dir);
+    c.line = line_of(manifest);
+    TORCH_CHECK(!c.line.empty(), "'", (step_dir / "manifest.json").string(), "' names no line of checkpoints (it was ",
+                "saved by an earlier version); a step saved now is uploaded instead");
+    // The files go where only this save's commit points: a save of the same step on another line
+    // (a rollback, another job) never touches them, nor they its.
     for (const auto& name : mine) {
       TORCH_CHECK(!stopping_, "the job ended before this rank's files were uploaded");
       std::error_code ec;
@@ -323,7 +352,7 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
         continue;  // model.h5 without CheckpointOptions::write_model_view; no index (zeroshard-ckpt import)
       }
       trace::Span span("checkpoint", "checkpoint upload " + name);
-      client_->upload_file(step_name + "/" + name, (step_dir / name).string(), false,
+      client_->upload_file(objects_prefix(c) + name, (step_dir / name).string(), false,
                            [&bytes](int64_t n) { bytes += n; });
     }
     client_->put(report_name(reports, rank_, true), std::to_string(bytes.load()));
@@ -338,9 +367,9 @@ void DurableTier::upload(const fs::path& step_dir, int64_t step, uint64_t attemp
     try {
       if (rank_ == 0) {  // every rank's files up: the commit
         if (why.empty()) why = await_reports(reports, t0 + options_.upload_timeout);
-        if (why.empty()) commit(step_dir, step_name);
+        if (why.empty()) commit(step_dir, c, manifest, attempt);
       } else {  // the commit, or rank 0's word that the step is abandoned (a margin past its deadline)
-        why = await_commit(step_name, reports, t0 + options_.upload_timeout + std::chrono::minutes(1));
+        why = await_commit(c, manifest, reports, t0 + options_.upload_timeout + std::chrono::minutes(1));
       }
     } catch (const std::exception& e) {
       why = error_message(e);
@@ -411,96 +440,188 @@ std::string DurableTier::await_reports(const std::string& reports, Steady::time_
   }
 }
 
-std::string DurableTier::await_commit(const std::string& step_name, const std::string& reports,
+std::string DurableTier::await_commit(const Commit& c, const json& manifest, const std::string& reports,
                                       Steady::time_point deadline) {
   // Two requests a poll, whatever the world size (a listing of the reports grows with it), and
   // polls further apart than rank 0's: thousands of ranks wait here at once.
   auto pause = std::chrono::milliseconds(250);
   while (true) {
-    if (client_->head(step_name + "/manifest.json")) return "";
+    if (client_->head(commit_key(c))) return not_ours(c, manifest);
     if (auto cause = client_->get(reports + kAbandoned)) return *cause;
-    if (Steady::now() >= deadline) return "rank 0 did not commit " + step_name + " by its deadline";
-    if (!pause_unless_stopping(pause)) return "the job ended before rank 0 committed " + step_name;
+    if (Steady::now() >= deadline) return "rank 0 did not commit " + step_dir_name(c.step) + " by its deadline";
+    if (!pause_unless_stopping(pause)) return "the job ended before rank 0 committed " + step_dir_name(c.step);
     pause = std::min(pause * 2, std::chrono::milliseconds(5000));
   }
 }
 
-void DurableTier::commit(const fs::path& step_dir, const std::string& step_name) {
-  client_->put(step_name + "/manifest.xxh3", read_text(step_dir / "manifest.xxh3"));
-  // The commit: one writer of a step's manifest, ever.
-  if (!client_->put_if_absent(step_name + "/manifest.json", read_text(step_dir / "manifest.json"))) {
-    log_warn("checkpoint: " + client_->location().uri() + "/" + step_name +
-             " was committed by another writer first (another job on the same prefix?); keeping its manifest");
-  }
-  client_->put("latest", step_name + "\n");
-  retain();
+std::string DurableTier::not_ours(const Commit& c, const json& manifest) {
+  const json theirs = json::parse(commit_manifest(c));
+  if (same_state(theirs, manifest)) return "";
+  return client_->location().uri() + "/" + commit_key(c) + " was committed by another writer with other files (" +
+         "two jobs on one line of checkpoints?): this save of step " + std::to_string(c.step) +
+         " is not durable there";
 }
 
-std::vector<int64_t> DurableTier::committed_steps() {
-  // The step directories, then each one's commit: requests grow with the steps kept, not with
-  // their files (a listing of every object would page through each rank's file of each step).
-  std::vector<int64_t> steps;
-  for (const auto& d : client_->list_directories("step-")) {
-    auto s = step_of_dir_name(d.substr(0, d.size() - 1));
-    if (s && client_->head(d + "manifest.json")) steps.push_back(*s);
+void DurableTier::commit(const fs::path& step_dir, const Commit& c, const json& manifest, uint64_t attempt) {
+  const std::string text = read_text(step_dir / "manifest.json");
+  // The commit: the manifest and its checksum in one object, written once (If-None-Match: *). A
+  // writer that finds it written compares the states: the same files, or this save is not durable.
+  const json record{{"format", kCommitFormat}, {"format_version", 1},  {"step", c.step},
+                    {"line", c.line},          {"attempt", attempt_hex(attempt)},
+                    {"manifest_xxh3", hash_hex(text)}, {"manifest", text}};
+  if (!client_->put_if_absent(commit_key(c), record.dump())) {
+    const std::string why = not_ours(c, manifest);
+    TORCH_CHECK(why.empty(), why);
+    log_warn("checkpoint: " + client_->location().uri() + "/" + commit_key(c) +
+             " was committed first by another writer of the same files; it stands");
   }
-  std::sort(steps.rbegin(), steps.rend());
-  return steps;
+  const json lineage = lineage_of(manifest);
+  move_latest(c, lineage);
+  retain(lineage, c.step);
 }
 
-void DurableTier::retain() {
-  auto steps = committed_steps();
-  const size_t keep = static_cast<size_t>(std::max(options_.keep, 2));
-  std::set<int64_t> kept(steps.begin(), steps.begin() + static_cast<std::ptrdiff_t>(std::min(keep, steps.size())));
-  const int64_t newest = steps.empty() ? -1 : steps.front();
-  const int64_t oldest_kept = kept.empty() ? -1 : *kept.begin();
+void DurableTier::move_latest(const Commit& c, const json& lineage) {
+  // Forward along this run's history only: never back to an older step of it (a slower writer), never
+  // from a newer one of it; over another line's (an abandoned timeline, another job's), yes.
+  if (auto now = latest(); now && in_history(lineage, now->step, now->line) && now->step >= c.step) return;
+  client_->put("latest", json{{"step", c.step}, {"line", c.line}}.dump() + "\n");
+}
+
+std::optional<Commit> DurableTier::latest() {
+  auto text = client_->get("latest");
+  if (!text) return std::nullopt;
+  std::string t = *text;
+  t.erase(t.find_last_not_of(" \n\r\t") + 1);
+  if (auto legacy = step_of_dir_name(t)) return Commit{*legacy, ""};  // "step-00001200" (before lines)
+  try {
+    const json j = json::parse(t);
+    return Commit{j.at("step").get<int64_t>(), j.at("line").get<std::string>()};
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "checkpoint: ", client_->location().uri(), "/latest is neither a step name nor ",
+                "{\"step\", \"line\"}: ", t.substr(0, 120));
+  }
+}
+
+std::vector<Commit> DurableTier::commits() {
+  // The step directories, then the commits directly in each: requests grow with the steps kept,
+  // not with their files.
+  std::vector<Commit> out;
   for (const auto& d : client_->list_directories("step-")) {
     auto s = step_of_dir_name(d.substr(0, d.size() - 1));
-    if (!s || kept.count(*s)) continue;
-    // Older committed steps beyond `keep`; uncommitted ones only below every kept step (abandoned). One between
-    // kept steps may be committing now: ranks commit their steps from their own threads, so step 8's manifest can
-    // land just after step 12's retention listed the store.
-    const bool committed = std::find(steps.begin(), steps.end(), *s) != steps.end();
-    if (committed ? *s < newest : *s < oldest_kept) {
-      // The commit first: a deletion cut short then leaves an uncommitted directory (removed by
-      // the next retention), never a step that looks committed and lacks its files.
-      if (committed) client_->remove(d + "manifest.json");
-      client_->remove_all(d);
+    if (!s) continue;
+    for (const auto& o : client_->list_here(d)) {
+      const std::string name = o.name.substr(d.size());
+      if (name == "manifest.json") {
+        out.push_back({*s, ""});
+      } else if (name.rfind("commit-", 0) == 0 && name.size() > 12 && name.substr(name.size() - 5) == ".json") {
+        out.push_back({*s, name.substr(7, name.size() - 12)});
+      }
     }
   }
+  std::sort(out.begin(), out.end(), [](const Commit& a, const Commit& b) {
+    return a.step != b.step ? a.step > b.step : a.line > b.line;
+  });
+  return out;
 }
 
-void DurableTier::fetch_manifest(int64_t step, const fs::path& run_dir) {
-  const std::string step_name = step_dir_name(step);
-  auto manifest = client_->get(step_name + "/manifest.json");
-  auto digest = client_->get(step_name + "/manifest.xxh3");
-  TORCH_CHECK(manifest && digest, "checkpoint: ", client_->location().uri(), "/", step_name,
-              "/manifest.json or manifest.xxh3 is gone (removed by a newer job's retention?)");
-  const fs::path dir = run_dir / step_name;
+std::string DurableTier::commit_manifest(const Commit& c, std::string* xxh3) {
+  const std::string where = client_->location().uri() + "/" + commit_key(c);
+  std::string text, want;
+  if (c.line.empty()) {  // before lines: the manifest and its checksum side by side
+    auto manifest = client_->get(commit_key(c));
+    auto digest = client_->get(step_dir_name(c.step) + "/manifest.xxh3");
+    TORCH_CHECK(manifest && digest, "checkpoint: ", where, " or manifest.xxh3 is gone (removed by a newer job's ",
+                "retention?)");
+    text = *manifest;
+    want = *digest;
+    want.erase(want.find_last_not_of(" \n\r\t") + 1);
+  } else {
+    auto record = client_->get(commit_key(c));
+    TORCH_CHECK(record, "checkpoint: ", where, " is gone (removed by a newer job's retention?)");
+    try {
+      const json r = json::parse(*record);
+      TORCH_CHECK(r.at("format") == kCommitFormat && r.at("step") == c.step && r.at("line") == c.line, "not the ",
+                  "commit of step ", c.step, " on line ", c.line);
+      text = r.at("manifest").get<std::string>();
+      want = r.at("manifest_xxh3").get<std::string>();
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "checkpoint: ", where, " is not a commit record: ", error_message(e));
+    }
+  }
+  TORCH_CHECK(hash_hex(text) == want, "checkpoint: ", where, ": the manifest's xxh3 is ", hash_hex(text),
+              " and its commit says ", want, ": the store's copy is damaged");
+  if (xxh3) *xxh3 = want;
+  return text;
+}
+
+json DurableTier::lineage(const Commit& c) { return lineage_of(json::parse(commit_manifest(c))); }
+
+void DurableTier::retain(const json& lineage, int64_t newest) {
+  // This run's history alone: its newest `keep` commits stay; older ones go, each commit before its
+  // files. Commits of other lines (an abandoned timeline, another job) are not this run's to delete.
+  const auto all = commits();
+  std::vector<Commit> mine;
+  for (const auto& c : all) {
+    if (in_history(lineage, c.step, c.line)) mine.push_back(c);
+  }
+  const size_t keep = static_cast<size_t>(std::max(options_.keep, 2));
+  const int64_t oldest_kept = mine.empty() ? -1 : mine[std::min(keep, mine.size()) - 1].step;
+  std::set<int64_t> removed;
+  for (size_t i = keep; i < mine.size(); ++i) {
+    const Commit& c = mine[i];
+    if (c.step >= newest) continue;
+    client_->remove(commit_key(c));  // first: a removal cut short leaves files of no commit, never a commit without files
+    if (c.line.empty()) {            // before lines: the files lie beside the manifest
+      for (const auto& o : client_->list_here(step_dir_name(c.step) + "/")) client_->remove(o.name);
+    } else {
+      client_->remove_all(objects_prefix(c));
+    }
+    removed.insert(c.step);
+  }
+  // Below every kept commit, a step directory that holds no commit of any line any more is what
+  // abandoned uploads and removed commits left (their reports, files, unfinished multipart
+  // uploads). One between kept steps may be committing now: ranks commit from their own threads.
+  std::set<int64_t> committed;
+  for (const auto& c : all) {
+    if (!(removed.count(c.step) && in_history(lineage, c.step, c.line))) committed.insert(c.step);
+  }
+  for (const auto& d : client_->list_directories("step-")) {
+    auto s = step_of_dir_name(d.substr(0, d.size() - 1));
+    if (s && *s < oldest_kept && !committed.count(*s)) client_->remove_all(d);
+  }
+}
+
+void DurableTier::fetch_manifest(const Commit& c, const fs::path& run_dir) {
+  std::string xxh3;
+  const std::string text = commit_manifest(c, &xxh3);
+  const fs::path dir = run_dir / step_dir_name(c.step);
   std::error_code ec;
   fs::create_directories(dir, ec);
   TORCH_CHECK(!ec, "checkpoint: cannot create '", dir.string(), "': ", ec.message());
-  write_atomically(dir / "manifest.xxh3", *digest);
-  write_atomically(dir / "manifest.json", *manifest);  // last: read_manifest checks it against the checksum
+  write_atomically(dir / "manifest.xxh3", xxh3 + "\n");
+  write_atomically(dir / "manifest.json", text);  // last: read_manifest checks it against the checksum
 }
 
-int64_t DurableTier::fetch_file(const fs::path& step_dir, const json& file, bool verify) {
+int64_t DurableTier::fetch_file(const fs::path& step_dir, const std::string& line, const json& file, bool verify) {
   const std::string name = file.at("name").get<std::string>();
   const fs::path final_path = step_dir / name;
+  const auto step = step_of_dir_name(step_dir.filename().string());
+  TORCH_CHECK(step, "checkpoint: '", step_dir.string(), "' is not a step directory");
+  const std::string key = objects_prefix({*step, line}) + name;
   // A name of this process and thread: ranks sharing the directory may fetch the same file at once.
   const fs::path tmp = step_dir / (name + ".fetch-" + std::to_string(::getpid()) + "-" +
                                    std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id())));
   trace::Span span("checkpoint", "checkpoint fetch " + name);
   const auto t0 = Steady::now();
-  const int64_t bytes = client_->download_file(step_dir.filename().string() + "/" + name, tmp.string());
+  const int64_t bytes = client_->download_file(key, tmp.string());
   const auto digest = verify ? checkpoint::digest_file(tmp.string()) : checkpoint::FileDigest{};
   std::error_code ec;
   if (verify && (bytes != file.at("bytes").get<int64_t>() ||
                  checkpoint::to_hex(digest.xxh3) != file.at("xxh3").get<std::string>())) {
     fs::remove(tmp, ec);
-    TORCH_CHECK(false, "checkpoint: ", client_->location().uri(), "/", step_dir.filename().string(), "/", name, " has ",
-                bytes, " bytes and xxh3 ", checkpoint::to_hex(digest.xxh3), "; the manifest says ",
-                file.at("bytes").get<int64_t>(), " and ", file.at("xxh3").get<std::string>(), ": the store's copy is damaged");
+    TORCH_CHECK(false, "checkpoint: ", client_->location().uri(), "/", key, " has ", bytes, " bytes and xxh3 ",
+                checkpoint::to_hex(digest.xxh3), "; the manifest says ", file.at("bytes").get<int64_t>(), " and ",
+                file.at("xxh3").get<std::string>(), ": the store's copy is damaged");
   }
   fs::rename(tmp, final_path, ec);
   TORCH_CHECK(!ec, "checkpoint: cannot move '", tmp.string(), "' to '", final_path.string(), "': ", ec.message());
@@ -511,16 +632,16 @@ int64_t DurableTier::fetch_file(const fs::path& step_dir, const json& file, bool
   return bytes;
 }
 
-int64_t DurableTier::fetch(int64_t step, const fs::path& run_dir, bool verify) {
-  fetch_manifest(step, run_dir);
-  const fs::path dir = run_dir / step_dir_name(step);
+int64_t DurableTier::fetch(const Commit& c, const fs::path& run_dir, bool verify) {
+  fetch_manifest(c, run_dir);
+  const fs::path dir = run_dir / step_dir_name(c.step);
   const json m = read_manifest(dir);
   int64_t bytes = 0;
   for (const auto& f : m.at("files")) {
     std::error_code ec;
     const fs::path here = dir / f.at("name").get<std::string>();
     if (fs::exists(here, ec) && static_cast<int64_t>(fs::file_size(here, ec)) == f.at("bytes").get<int64_t>()) continue;
-    bytes += fetch_file(dir, f, verify);
+    bytes += fetch_file(dir, c.line, f, verify);
   }
   return bytes;
 }

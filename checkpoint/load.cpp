@@ -337,9 +337,10 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     try {
       std::function<void(const json&)> fetch;
       PieceReader::Ranged ranged;
-      if (fetchable(cand)) {
-        fetch = [this, &cand](const json& file) { durable->fetch_file(cand, file); };
-        ranged = [this, &cand](const json& file) { return durable->open_ranged(cand.filename().string(), file); };
+      if (fetchable(cand, m)) {
+        const ckpt::Commit c{m.at("step").get<int64_t>(), line_of(m)};
+        fetch = [this, &cand, c](const json& file) { durable->fetch_file(cand, c.line, file); };
+        ranged = [this, c](const json& file) { return durable->open_ranged(c, file); };
       }
       PieceReader in(cand, m, disks, comm->rank(), [&cand](const json& file) { return here(cand, file); }, fetch,
                      ranged);
@@ -355,6 +356,8 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
       skip(cand, why);
       continue;
     }
+    // What this run saves from here on: the loaded step's history, on a line of its own (lineage.h).
+    json next_lineage = branched(lineage_of(m), m.at("step").get<int64_t>(), new_line_id());
     for (auto& [live, value] : staged.tensors) live.copy_(value);
     for (auto& [dev, rng] : staged.generators) {
       auto gen = compat::default_generator(dev);  // a handle on the process's generator
@@ -367,11 +370,12 @@ std::optional<TrainingProgress> Checkpointer::Impl::load(
     restore(staged.steps, m.at("loss_scale").get<double>(), m.at("loss_scale_clean_steps").get<int64_t>(),
             staged.grad_shards, staged.had_grad);
     const TrainingProgress progress = progress_of(m);
-    if (durable && fetchable(cand)) {
+    if (durable && fetchable(cand, m)) {
       durable->note_committed(progress.step);
-    } else if (durable && m.at("world_size").get<int>() == comm->size()) {
+    } else if (durable && m.at("world_size").get<int>() == comm->size() && !line_of(m).empty()) {
       newest_saved = progress.step;  // not in the store (a run killed as it uploaded): make_durable() uploads it
     }
+    lineage = std::move(next_lineage);
     log_info("checkpoint: loaded step " + std::to_string(progress.step) + " from " + cand.string() + " (saved by " +
              std::to_string(m.at("world_size").get<int>()) + " ranks, ZeRO stage " + std::to_string(zero_stage_of(m)) +
              ")");

@@ -14,32 +14,132 @@ namespace zeroshard {
 
 using namespace ckpt;
 
+namespace {
+
+// "LINE (newest step S), ..." for an error.
+std::string lines_of(const std::vector<Commit>& all) {
+  std::string out;
+  std::set<std::string> seen;
+  for (const auto& c : all) {
+    if (!seen.insert(c.line).second) continue;
+    out += (out.empty() ? "" : ", ") + (c.line.empty() ? "\"\"" : c.line) + " (newest step " + std::to_string(c.step) + ")";
+  }
+  return out.empty() ? "none" : out;
+}
+
+// The lineage of the checkpoint `latest` names in `root`, or null (none, or unreadable).
+json local_history(const fs::path& root) {
+  try {
+    if (fs::exists(root / "latest")) return lineage_of(read_manifest(latest_step_dir(root)));
+  } catch (const std::exception& e) {
+    log_warn("checkpoint: " + error_message(e) + "; this run's history of checkpoints (lineage.h) is not known from it");
+  }
+  return json();
+}
+
+}  // namespace
+
+json Checkpointer::Impl::latest_history(const std::vector<ckpt::Commit>& all) {
+  const auto latest = durable->latest();
+  if (!latest) return json();
+  try {
+    return durable->lineage(*latest);
+  } catch (const c10::Error& e) {  // its commit gone (a step taken away by hand) or damaged: its line's newest
+    auto it = std::find_if(all.begin(), all.end(), [&](const Commit& c) {
+      return c.line == latest->line && c.step != latest->step;
+    });
+    log_warn("checkpoint: the commit " + options.durable_uri + "/latest names cannot be read (" + error_message(e) +
+             "); this run follows " + (it == all.end() ? std::string("every line") : "line " + it->line));
+    return it == all.end() ? json() : durable->lineage(*it);
+  }
+}
+
+json Checkpointer::Impl::store_view(const fs::path& root) {
+  // This run's history: the disk's latest checkpoint's, else the store's latest commit's (or the
+  // newest commit of the line the options name).
+  json history = options.durable_line.empty() ? local_history(root) : json();
+  json view{{"history", nullptr}, {"commits", json::array()}, {"others", json::array()}};
+  if (!durable) {
+    view["history"] = history;
+    return view;
+  }
+  try {
+    const auto all = durable->commits();
+    if (!options.durable_line.empty()) {
+      auto it = std::find_if(all.begin(), all.end(), [&](const Commit& c) { return c.line == options.durable_line; });
+      TORCH_CHECK(it != all.end(), "checkpoint: CheckpointOptions::durable_line '", options.durable_line,
+                  "' has no commit in ", options.durable_uri, "; its lines: ", lines_of(all));
+      history = durable->lineage(*it);
+    } else if (history.is_null()) {
+      history = latest_history(all);
+    }
+    std::set<int64_t> taken;
+    for (const auto& c : all) {
+      const bool ours = history.is_null() || in_history(history, c.step, c.line);
+      if (ours && taken.insert(c.step).second) {
+        view["commits"].push_back({c.step, c.line});
+      } else if (!ours) {
+        view["others"].push_back({c.step, c.line});
+      }
+    }
+  } catch (const c10::Error& e) {
+    if (!options.durable_line.empty()) throw;
+    log_warn("checkpoint: cannot list the durable tier (" + error_message(e) + "); loading from '" + dir + "' alone");
+  }
+  view["history"] = history;
+  return view;
+}
+
 std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int64_t> step) {
   const fs::path root(dir);
   durable_steps.clear();
-  if (durable) {  // the store's committed steps, as rank 0 lists them
-    std::string text = "[]";
-    if (comm->rank() == 0) {
-      try {
-        text = json(durable->committed_steps()).dump();
-      } catch (const std::exception& e) {
-        log_warn("checkpoint: cannot list the durable tier (" + error_message(e) + "); loading from '" + dir +
-                 "' alone");
-      }
+  std::string text = "{}";
+  if (comm->rank() == 0) {
+    try {
+      text = store_view(root).dump();
+    } catch (const std::exception& e) {
+      text = json{{"error", error_message(e)}}.dump();
     }
-    for (const auto& s : json::parse(broadcast_text(*comm, text, 0))) durable_steps.insert(s.get<int64_t>());
   }
-  if (step) return {root / step_dir_name(*step)};
+  const json view = json::parse(broadcast_text(*comm, text, 0));
+  TORCH_CHECK(!view.contains("error"), view.value("error", ""));
+  const json history = view.at("history");
+  for (const auto& c : view.at("commits")) durable_steps.emplace(c.at(0).get<int64_t>(), c.at(1).get<std::string>());
+  // A step of this run's history on this disk: its manifest's line is in the history (a step whose
+  // manifest cannot be read is tried, and refused naming why).
+  auto ours = [&](const fs::path& step_dir) {
+    if (history.is_null()) return true;
+    try {
+      const json m = read_manifest(step_dir);
+      return in_history(history, m.at("step").get<int64_t>(), line_of(m));
+    } catch (const std::exception&) {
+      return true;
+    }
+  };
+  if (step) {
+    const bool here = fs::exists(root / step_dir_name(*step) / "manifest.json");
+    std::string lines;
+    for (const auto& c : view.at("others")) {
+      if (c.at(0).get<int64_t>() == *step) lines += (lines.empty() ? "" : ", ") + c.at(1).get<std::string>();
+    }
+    TORCH_CHECK(here || durable_steps.count(*step) || lines.empty(), "checkpoint: step ", *step, " in ",
+                options.durable_uri, " is of another line of checkpoints (", lines, "), not of this run's history ",
+                history.dump(), "; set CheckpointOptions::durable_line to that line to follow it");
+    return {root / step_dir_name(*step)};
+  }
   // This rank's view: what `latest` names and the committed steps, newest first.
   json mine{{"latest", nullptr}, {"committed", json::array()}};
   if (fs::exists(root / "latest")) {
     try {
-      mine["latest"] = *step_of_dir_name(latest_step_dir(root).filename().string());
+      const fs::path latest = latest_step_dir(root);
+      if (ours(latest)) mine["latest"] = *step_of_dir_name(latest.filename().string());
     } catch (const std::exception& e) {
       log_warn(error_message(e) + "; loading the newest committed checkpoint instead");
     }
   }
-  for (const auto& c : committed()) mine["committed"].push_back(*step_of_dir_name(c.filename().string()));
+  for (const auto& c : committed()) {
+    if (ours(c)) mine["committed"].push_back(*step_of_dir_name(c.filename().string()));
+  }
   // Every disk's view, so that every rank tries the same steps in the same order: first
   // the oldest step a `latest` names (a crash between two disks' commits leaves one disk
   // a step ahead), then the steps every disk holds, newest first.
@@ -72,7 +172,17 @@ std::vector<fs::path> Checkpointer::Impl::agree_on_candidates(std::optional<int6
   }
   // The durable tier's steps too: a disk that lacks one copies it from the store (fetch_from_durable).
   std::set<int64_t> loadable = everywhere;
-  loadable.insert(durable_steps.begin(), durable_steps.end());
+  for (const auto& [s, line] : durable_steps) loadable.insert(s);
+  // Newer steps of other lines are not this run's: said once, with how to follow one.
+  if (comm->rank() == 0 && !view.at("others").empty()) {
+    const auto newest = view.at("others").at(0);
+    if (loadable.empty() || newest.at(0).get<int64_t>() > *loadable.rbegin()) {
+      log_warn("checkpoint: " + options.durable_uri + " holds step " + std::to_string(newest.at(0).get<int64_t>()) +
+               " of line " + newest.at(1).get<std::string>() + ", not of this run's history " + history.dump() +
+               " (a timeline left by a rollback, or another job on this store): not loaded; set "
+               "CheckpointOptions::durable_line to follow that line");
+    }
+  }
   std::vector<fs::path> out;
   if (latest) out.push_back(root / step_dir_name(*latest));
   for (auto it = loadable.rbegin(); it != loadable.rend(); ++it) {
@@ -113,7 +223,7 @@ std::string Checkpointer::Impl::verify_share(const fs::path& step_dir, const jso
   // filesystem a file may be on another host's disk only; one on none is missing.
   const auto group = disks.members(comm->rank());
   const size_t at = static_cast<size_t>(std::find(group.begin(), group.end(), comm->rank()) - group.begin());
-  const bool in_store = fetchable(step_dir);  // a file no disk holds is copied from there when read
+  const bool in_store = fetchable(step_dir, m);  // a file no disk holds is copied from there when read
   for (size_t j = 0; j < anywhere.size() && !in_store; ++j) {
     if (!anywhere[j]) {
       return "'" + (step_dir / files[j].at("name").get<std::string>()).string() + "' is missing on every host";
@@ -204,7 +314,7 @@ std::string Checkpointer::Impl::fetch_from_durable(const fs::path& cand) {
   std::string why;
   if (step && durable_steps.count(*step) && disks.leads(comm->rank()) && !fs::exists(cand / "manifest.json")) {
     try {  // the manifest now; each file a rank reads follows when it is read (PieceReader)
-      durable->fetch_manifest(*step, dir);
+      durable->fetch_manifest({*step, durable_steps.at(*step)}, dir);
       log_warn("checkpoint: " + cand.filename().string() + " is not on this disk (host " +
                disks.hosts[static_cast<size_t>(comm->rank())] + "): its manifest copied from the durable tier " +
                options.durable_uri + ", the files its ranks read follow");
@@ -219,9 +329,9 @@ std::string Checkpointer::Impl::fetch_from_durable(const fs::path& cand) {
   return why;
 }
 
-bool Checkpointer::Impl::fetchable(const fs::path& cand) const {
+bool Checkpointer::Impl::fetchable(const fs::path& cand, const json& m) const {
   const auto step = step_of_dir_name(cand.filename().string());
-  return durable && step && durable_steps.count(*step) > 0;
+  return durable && step && durable_steps.count(*step) > 0 && durable_steps.at(*step) == line_of(m);
 }
 
 std::string Checkpointer::Impl::check_candidate(const fs::path& cand, json& m) const {

@@ -266,6 +266,11 @@ json read_manifest(const fs::path& step_dir) {
   std::string bad = schema_problem(m);
   if (bad.empty()) bad = pieces_problem(m);
   TORCH_CHECK(bad.empty(), "checkpoint: '", path.string(), "': ", bad, ": the manifest is corrupt or was edited");
+  try {
+    (void)lineage_of(m);  // its line of checkpoints (lineage.h), checked here, before any reader relies on it
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint: '", path.string(), "': ", e.what_without_backtrace());
+  }
   return m;
 }
 

@@ -293,10 +293,14 @@ void Client::list_pages(const std::string& name_prefix, bool directories,
   } while (!token.empty());
 }
 
-std::vector<ObjectInfo> Client::list(const std::string& name_prefix) {
+std::vector<ObjectInfo> Client::list(const std::string& name_prefix) { return objects(name_prefix, false); }
+
+std::vector<ObjectInfo> Client::list_here(const std::string& name_prefix) { return objects(name_prefix, true); }
+
+std::vector<ObjectInfo> Client::objects(const std::string& name_prefix, bool here) {
   std::vector<ObjectInfo> out;
   const std::string strip = location_.key("");
-  list_pages(name_prefix, false, [&](const pugi::xml_node& result) {
+  list_pages(name_prefix, here, [&](const pugi::xml_node& result) {
     for (auto c : result.children("Contents")) {
       std::string key = c.child("Key").text().as_string();
       out.push_back({key.substr(std::min(strip.size(), key.size())), c.child("Size").text().as_llong(),

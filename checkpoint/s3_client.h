@@ -115,6 +115,8 @@ class Client {
   std::vector<ObjectInfo> list(const std::string& name_prefix);
   // "Directories" directly under `name_prefix` (ListObjectsV2 with delimiter '/'), as names ending in '/'.
   std::vector<std::string> list_directories(const std::string& name_prefix);
+  // The objects directly under `name_prefix` (not in its "directories"), in key order.
+  std::vector<ObjectInfo> list_here(const std::string& name_prefix);
   void remove(const std::string& name);  // absent objects included
   // Every object under `name_prefix`, and the unfinished multipart uploads there.
   void remove_all(const std::string& name_prefix);
@@ -139,6 +141,8 @@ class Client {
   // naming `what`). Returns the last response.
   http::Response send(const std::string& what, const std::function<http::Request()>& build);
   std::string url(const std::string& key, const std::string& query = "") const;
+  // list() (every object under `name_prefix`) or, with `here`, list_here().
+  std::vector<ObjectInfo> objects(const std::string& name_prefix, bool here);
   std::string bucket_url(const std::string& query) const;
   // Throws for a response other than 2xx (or 404 when `allow_404`), naming `what` and the store's code.
   void expect_ok(const http::Response& r, const std::string& what, bool allow_404 = false) const;

@@ -295,6 +295,8 @@ json Checkpointer::Impl::manifest_of(const Snapshot& snap, Contents contents, co
   trace::Span span("checkpoint", "checkpoint manifest " + tmp.stem().string());
   json m = build_manifest(snap, std::move(contents), digests);
   m["save_seconds"] = save_seconds;  // writing the rank files, as measured by the slowest rank
+  if (lineage.is_null()) lineage = fresh_lineage(new_line_id());  // nothing loaded: a line from the start
+  m["lineage"] = lineage;
   for (size_t r = 0; r < digests.size(); ++r) {
     json& f = m["files"][r];
     f["host"] = disks.hosts[r];

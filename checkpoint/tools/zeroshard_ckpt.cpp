@@ -286,6 +286,7 @@ int import_safetensors(const std::string& in_path, const std::string& run_dir, c
   json m = zc::build_manifest(snap, std::move(contents), {{static_cast<int64_t>(digest.bytes), digest.xxh3}});
   m["model_hash"] = "";  // imported: the loader matches parameters by name and shape instead
   m["imported_from"] = fs::path(in_path).filename().string();
+  m["lineage"] = zc::fresh_lineage(zc::new_line_id());  // a history of its own
   zc::commit_step_dir(tmp, final_dir, m);
   std::cout << "imported " << snap.params.size() << " parameters and " << snap.replicated.size() << " buffers from "
             << in_path << " into " << final_dir.string() << "; the run loads it as its latest checkpoint\n";
@@ -306,8 +307,33 @@ struct StoreCopy {
   }
 };
 
+// The commit a store path means: step `step` (-1: the newest) of line `line` ("": of the history
+// the store's `latest` names; a step no other line holds is taken from whichever line has it).
+zeroshard::ckpt::Commit store_commit(zeroshard::ckpt::DurableTier& store, int64_t step, const std::string& line) {
+  namespace zc = zeroshard::ckpt;
+  const auto all = store.commits();
+  TORCH_CHECK(!all.empty(), store.client().location().uri(), " holds no committed checkpoint (no step-N/commit-*.json)");
+  zc::json history;
+  if (line.empty()) {
+    if (auto l = store.latest()) history = store.lineage(*l);
+  }
+  std::vector<zc::Commit> want, at_step;
+  for (const auto& c : all) {
+    if (step >= 0 && c.step != step) continue;
+    at_step.push_back(c);
+    if (line.empty() ? history.is_null() || zc::in_history(history, c.step, c.line) : c.line == line) want.push_back(c);
+  }
+  if (want.empty() && line.empty() && step >= 0 && at_step.size() == 1) want = at_step;
+  std::string lines;
+  for (const auto& c : at_step) lines += (lines.empty() ? "" : ", ") + c.line;
+  TORCH_CHECK(!want.empty(), store.client().location().uri(), " holds no commit of ", step >= 0 ? "step " + std::to_string(step) : std::string("any step"),
+              line.empty() ? " in the history its latest names" : " on line " + line,
+              lines.empty() ? std::string() : "; lines there: " + lines + " (choose one with --line)");
+  return want.front();
+}
+
 // verify false: the files as the store holds them (for `verify`, which reports what is wrong).
-std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step, bool verify) {
+std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step, const std::string& line, bool verify) {
   auto where = zeroshard::ckpt::s3::parse_uri(uri);
   const auto slash = where.prefix.rfind('/');
   const std::string last = slash == std::string::npos ? where.prefix : where.prefix.substr(slash + 1);
@@ -317,17 +343,13 @@ std::unique_ptr<StoreCopy> copy_from_store(const std::string& uri, int64_t step,
     where.prefix = slash == std::string::npos ? "" : where.prefix.substr(0, slash);
   }
   zeroshard::ckpt::DurableTier store(where, zeroshard::ckpt::s3::process_environment(), 0, 1, {});
-  if (step < 0) {
-    const auto steps = store.committed_steps();
-    TORCH_CHECK(!steps.empty(), where.uri(), " holds no committed checkpoint (no step-N/manifest.json)");
-    step = steps.front();
-  }
+  const auto commit = store_commit(store, step, line);
   auto copy = std::make_unique<StoreCopy>();
   char tmpl[] = "/tmp/zeroshard-ckpt-XXXXXX";
   TORCH_CHECK(::mkdtemp(tmpl) != nullptr, "cannot make a temporary directory: ", std::strerror(errno));
   copy->run_dir = tmpl;
-  copy->step = step;
-  store.fetch(step, copy->run_dir, verify);
+  copy->step = commit.step;
+  store.fetch(commit, copy->run_dir, verify);
   return copy;
 }
 
@@ -416,21 +438,26 @@ int zeroshard_ckpt_main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string path, out, dtype = "float32", name_map;
   int64_t step = -1;
+  std::string line;
+  static const char* kLineHelp = "s3:// only: the line of checkpoints the step is of (default: the history the store's latest names)";
   bool params = false, moments = false, safetensors = false, buffers = false;
 
   auto* ins = app.add_subcommand("inspect", "steps, world size, sizes and (--params) every parameter");
   ins->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   ins->add_option("--step", step, "a step of the run directory (default: latest)");
+  ins->add_option("--line", line, kLineHelp);
   ins->add_flag("--params", params, "list every parameter");
 
   auto* ver = app.add_subcommand("verify", "checksums, sizes, datasets and model.h5 against the manifest; exit 1 when bad");
   ver->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   ver->add_option("--step", step, "a step of the run directory (default: latest)");
+  ver->add_option("--line", line, kLineHelp);
 
   auto* con = app.add_subcommand("consolidate", "one HDF5 file with every full parameter (streamed)");
   con->add_option("path", path, "run directory, step directory, or s3://BUCKET/PREFIX[/step-N] (a durable tier)")->required();
   con->add_option("out", out, "the HDF5 file to write")->required();
   con->add_option("--step", step, "a step of the run directory (default: latest)");
+  con->add_option("--line", line, kLineHelp);
   con->add_flag("--moments", moments, "also the AdamW moments, under optimizer/");
 
   auto* exp = app.add_subcommand("export", "full weights in another format");
@@ -438,6 +465,7 @@ int zeroshard_ckpt_main(int argc, char** argv) {
   exp->add_option("out", out, "the file to write")->required();
   exp->add_flag("--safetensors", safetensors, "the safetensors format (required: the only one so far)")->required();
   exp->add_option("--step", step, "a step of the run directory (default: latest)");
+  exp->add_option("--line", line, kLineHelp);
   exp->add_option("--dtype", dtype, "float32 or bfloat16 (round to nearest even)")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   exp->add_option("--name-map", name_map, "rename tensors: JSON {\"ours\": \"theirs\"} or lines 'ours theirs'");
@@ -457,7 +485,7 @@ int zeroshard_ckpt_main(int argc, char** argv) {
     // A durable tier's checkpoint: read from a local copy; an import: written locally, then committed there.
     std::unique_ptr<StoreCopy> copy;
     if (zeroshard::ckpt::s3::is_uri(path)) {
-      copy = copy_from_store(path, step, /*verify=*/!*ver);
+      copy = copy_from_store(path, step, line, /*verify=*/!*ver);
       path = copy->run_dir.string();
       step = copy->step;
     }

@@ -64,6 +64,14 @@ struct CheckpointOptions {
   // How long one request to the store is retried before the upload, or the fetch, fails.
   // Default: 3 minutes.
   std::chrono::seconds durable_retry_time{180};
+  // Which line of checkpoints a load follows. Each launch that saves draws a line and its
+  // manifests record the lines they descend from, so a rollback, a fallback or another job on
+  // the same store never passes for this run's history: a load takes only the history of the
+  // checkpoint `latest` names on this disk, else of the store's `latest`, and says so when the
+  // store holds newer steps of other lines. A line's id (16 hex digits, from a manifest's
+  // "lineage" or the store's step-N/commit-LINE.json) here follows that line instead.
+  // Default: "" (this run's own).
+  std::string durable_line;
 };
 
 // Where the durable tier stands (Checkpointer::durable_status()).

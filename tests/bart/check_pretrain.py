@@ -268,9 +268,10 @@ def check_durable(build, work):
                                              "region_name": os.environ["AWS_REGION"]})
     # Step 8's upload is skipped when step 4's is still in flight on some rank as step 8 is saved (a matter of
     # timing): the resume takes the newest commit left, whichever it is.
-    commits = sorted(int(m.split("/")[-2][5:]) for m in store.glob(f"{bucket}/bart-durable-{os.getpid()}-pp/step-*/manifest.json"))
+    found = store.glob(f"{bucket}/bart-durable-{os.getpid()}-pp/step-*/commit-*.json")
+    commits = sorted(int(m.split("/")[-2][5:]) for m in found)
     check(commits[-1] == 12 and len(commits) >= 2, commits)
-    store.rm(f"{bucket}/bart-durable-{os.getpid()}-pp/step-00000012/manifest.json")
+    store.rm([m for m in found if "/step-00000012/" in m])
     shutil.rmtree(os.path.join(pp, "checkpoints"))
     out = pretrain(build, flat, 0, *pipe)
     check("from the durable tier" in out, f"the resume did not copy from the durable tier:\n{out[-3000:]}")
@@ -361,9 +362,13 @@ def durable_kill_storm(build, work, ref, uri):
     store = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["AWS_ENDPOINT_URL"],
                                              "region_name": os.environ["AWS_REGION"]})
 
-    def committed():
+    def commits():  # (step directory, line) of every commit, by step
         store.invalidate_cache()
-        return sorted(os.path.basename(os.path.dirname(m)) for m in store.glob(uri[5:] + "/step-*/manifest.json"))
+        return sorted((os.path.basename(os.path.dirname(m)), os.path.basename(m)[7:-5])
+                      for m in store.glob(uri[5:] + "/step-*/commit-*.json"))
+
+    def committed():
+        return sorted({step for step, _ in commits()})
 
     storm = os.path.join(work, "durable_storm")
     shutil.rmtree(storm, ignore_errors=True)
@@ -435,8 +440,8 @@ def durable_kill_storm(build, work, ref, uri):
           "the storm's final parameters differ from the uninterrupted run's")
     steps = committed()
     check(steps and steps[-1] == "step-00000012", f"committed in the store: {steps}")
-    for step in steps:  # exit 0: every file's size and xxh3 as its manifest says
-        run([os.path.join(build, "zeroshard-ckpt"), "verify", f"{uri}/{step}"])
+    for step, line in commits():  # exit 0: every file's size and xxh3 as its manifest says
+        run([os.path.join(build, "zeroshard-ckpt"), "verify", f"{uri}/{step}", "--line", line])
     print(f"durable: kill storm: {kills} kills in {launches} launches ({wipes} with the host's disk wiped, the last "
           f"when the store held {wiped_at}), the last launch resumed from step {resumed[-1]['step']}; the "
           f"{len(rows)} step lines (each from the last launch that ran it) equal to the uninterrupted run's; final "

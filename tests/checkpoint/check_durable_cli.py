@@ -2,10 +2,11 @@
 """zeroshard-ckpt on a durable tier's checkpoints (s3://), under tests/checkpoint/s3_store.py: import a
 safetensors file into the store, inspect, verify and export it from there; the export equals the file
 imported (read by the safetensors library, the oracle); an object damaged in the store fails verify;
-a second import of the same step leaves the committed one as it was.
+a second import of the same step commits on a line of its own, beside the first, which stays as it was.
 
 Usage: s3_store.py -- python check_durable_cli.py BUILD_DIR
 """
+import json
 import os
 import subprocess
 import sys
@@ -52,8 +53,12 @@ with tempfile.TemporaryDirectory(prefix="zs-durable-cli.") as work:
     save_file(tensors, original)
 
     ckpt("import", "--safetensors", original, uri, "--step", "7")
-    manifest = s3("GET", "step-00000007/manifest.json")
-    check(s3("GET", "latest").strip() == b"step-00000007", "latest does not name step-00000007")
+    latest = json.loads(s3("GET", "latest"))
+    first = latest["line"]
+    check(latest["step"] == 7 and len(first) == 16, f"latest names {latest}, not step 7 of a line")
+    record = json.loads(s3("GET", f"step-00000007/commit-{first}.json"))
+    manifest = json.loads(record["manifest"])
+    check(record["step"] == 7 and manifest["lineage"] == [{"line": first, "after": -1}], record["step"])
 
     _, out = ckpt("inspect", uri)
     check("step 7" in out or "step-00000007" in out, f"inspect does not show step 7:\n{out}")
@@ -67,17 +72,26 @@ with tempfile.TemporaryDirectory(prefix="zs-durable-cli.") as work:
         check(torch.equal(back[name], t), f"{name}: the export differs from the file imported")
     print(f"  export from {uri}: {len(back)} tensors equal to the file imported", flush=True)
 
-    # A second import of the same step: the committed one stays as it was.
+    # A second writer of step 7 (another import, other weights): a line of its own, its files beside the
+    # first's, never over them; both verify, `latest` follows the last writer, --line picks the first.
     torch.manual_seed(4)
+    others = {k: torch.randn_like(v) for k, v in tensors.items()}
     other = os.path.join(work, "other.safetensors")
-    save_file({k: torch.randn_like(v) for k, v in tensors.items()}, other)
+    save_file(others, other)
     ckpt("import", "--safetensors", other, uri, "--step", "7")
-    check(s3("GET", "step-00000007/manifest.json") == manifest, "a second import of step 7 replaced its manifest")
+    second = json.loads(s3("GET", "latest"))["line"]
+    check(second != first, "the second import committed on the first one's line")
+    check(json.loads(s3("GET", f"step-00000007/commit-{first}.json")) == record, "the first commit changed")
+    for line, want in ((first, tensors), (second, others)):
+        ckpt("verify", uri + "/step-00000007", "--line", line)
+        ckpt("export", uri, exported, "--safetensors", "--line", line)
+        check(all(torch.equal(load_file(exported)[k], v) for k, v in want.items()), f"line {line}'s weights changed")
     ckpt("export", uri, exported, "--safetensors")
-    check(all(torch.equal(load_file(exported)[k], v) for k, v in tensors.items()), "step 7's weights changed")
+    check(all(torch.equal(load_file(exported)[k], v) for k, v in others.items()), "latest's weights are not the second's")
+    print("  two imports of step 7: two commits side by side, each verifies and exports its own weights", flush=True)
 
     # Damaged in the store: verify fails, naming the file.
-    rank_file = "step-00000007/rank-00000-of-00001.h5"
+    rank_file = f"step-00000007/{second}/rank-00000-of-00001.h5"
     data = bytearray(s3("GET", rank_file))
     data[len(data) // 2] ^= 0xFF
     damaged = os.path.join(work, "damaged.h5")

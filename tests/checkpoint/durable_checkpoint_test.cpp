@@ -10,6 +10,8 @@
 // and must reach the same parameters to float rounding. Oracles: the bytes on disk,
 // the uninterrupted run.
 #include "checkpoint/checkpoint_models.h"
+#include "checksum.h"
+#include "durable.h"
 #include "s3_client.h"
 #include "test_util.h"
 
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 namespace fs = std::filesystem;
 
@@ -63,6 +66,22 @@ std::string rank_file(int rank, int world) {
   return buf;
 }
 
+// The line of checkpoints a step directory's manifest was saved on (lineage.h).
+std::string line_of(const fs::path& step_dir) {
+  const auto m = nlohmann::json::parse(file_bytes(step_dir / "manifest.json"));
+  return m.at("lineage").back().at("line").get<std::string>();
+}
+
+// The step's commits in the store: the lines that committed it.
+std::vector<std::string> committed_lines(s3::Client& store, int64_t step) {
+  std::vector<std::string> lines;
+  for (const auto& o : store.list_here(step_name(step) + "/")) {
+    const std::string n = o.name.substr(step_name(step).size() + 1);
+    if (n.rfind("commit-", 0) == 0) lines.push_back(n.substr(7, n.size() - 12));
+  }
+  return lines;
+}
+
 CheckpointOptions durable(const std::string& prefix) {
   CheckpointOptions o;
   o.durable_uri = "s3://" + bucket() + "/" + prefix;
@@ -91,12 +110,18 @@ TEST(DurableCheckpointSave, CommitsInTheStoreAndResumesOnALostDisk) {
       EXPECT_EQ(status.durable_step, kSaveAt) << status.last_error;
       EXPECT_EQ(status.abandoned, 0);
       world().barrier();  // every rank's upload is done (rank 0 committed after all reported)
-      // The store holds this rank's file, byte for byte, and the committed manifest.
+      // The store holds this rank's file, byte for byte, under the save's line, and the commit of that
+      // line: the manifest and its checksum; `latest` names it.
       const std::string name = fs::path(step_dir).filename().string();
       const std::string mine = rank_file(rank, n);
-      EXPECT_TRUE(store.get(name + "/" + mine).value_or("") == file_bytes(step_dir / mine)) << mine;
-      EXPECT_EQ(store.get(name + "/manifest.json").value_or(""), file_bytes(step_dir / "manifest.json"));
-      EXPECT_EQ(store.get("latest").value_or(""), name + "\n");
+      const std::string line = line_of(step_dir);
+      ASSERT_EQ(line.size(), 16u);
+      EXPECT_TRUE(store.get(name + "/" + line + "/" + mine).value_or("") == file_bytes(step_dir / mine)) << mine;
+      const auto record = nlohmann::json::parse(store.get(name + "/commit-" + line + ".json").value_or("{}"));
+      EXPECT_EQ(record.value("manifest", ""), file_bytes(step_dir / "manifest.json"));
+      EXPECT_EQ(record.value("manifest_xxh3", "") + "\n", file_bytes(step_dir / "manifest.xxh3"));
+      EXPECT_EQ(nlohmann::json::parse(store.get("latest").value_or("{}")),
+                (nlohmann::json{{"step", kSaveAt}, {"line", line}}));
       run.train(kSaveAt, kEnd);
       want = run.flat();
       if (rank == 0) {
@@ -197,8 +222,11 @@ TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
   setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
   if (world().rank() == 0) {
     const auto lines = proxy_requests();
+    s3::Client store({bucket(), durable_run(n, 3)}, s3::process_environment());
+    const auto committed = committed_lines(store, kSaveAt);
+    ASSERT_EQ(committed.size(), 1u);
     for (int q = 0; q < n; ++q) {
-      const std::string object = step_name(kSaveAt) + "/" + rank_file(q, n) + " ";  // not its .index
+      const std::string object = step_name(kSaveAt) + "/" + committed[0] + "/" + rank_file(q, n) + " ";  // not its .index
       std::vector<std::string> gets;
       std::copy_if(lines.begin() + static_cast<std::ptrdiff_t>(before), lines.end(), std::back_inserter(gets),
                    [&](const std::string& l) {
@@ -220,7 +248,9 @@ TEST(DurableCheckpointResume, ADamagedDatasetInTheStoreIsRefused) {
   ASSERT_TRUE(fs::exists(shared_dir() + "/durable/" + std::to_string(n) + "_3.f32"))
       << "runs after DurableCheckpointSave at 2 ranks (ctest's durable_checkpoint)";
   s3::Client store({bucket(), durable_run(n, 3)}, s3::process_environment());
-  const std::string key = step_name(kSaveAt) + "/" + rank_file(n - 1, n);
+  const auto committed = committed_lines(store, kSaveAt);
+  ASSERT_EQ(committed.size(), 1u);
+  const std::string key = step_name(kSaveAt) + "/" + committed[0] + "/" + rank_file(n - 1, n);
   std::string original;
   if (world().rank() == 0) {
     original = store.get(key).value_or("");
@@ -310,8 +340,8 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
   world().barrier();
   setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
   if (rank == 0) {
-    EXPECT_FALSE(store.get("step-00000002/manifest.json").has_value()) << "an abandoned step is never committed";
-    EXPECT_TRUE(store.get("step-00000004/manifest.json").has_value());
+    EXPECT_TRUE(committed_lines(store, 2).empty()) << "an abandoned step is never committed";
+    EXPECT_EQ(committed_lines(store, 4).size(), 1u);
   }
   fs::remove_all(disk);
 }
@@ -350,12 +380,12 @@ TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
   }
   setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
   if (rank == 0) {
-    EXPECT_TRUE(store.get("step-00000004/manifest.json").has_value());
+    EXPECT_EQ(committed_lines(store, 4).size(), 1u);
   }
   fs::remove_all(disk);
 }
 
-// Retention (keep 2) through the proxy: the step it removes loses its commit (manifest.json)
+// Retention (keep 2) through the proxy: the step it removes loses its commit (commit-LINE.json)
 // before any of its files, so a removal cut short never leaves a step that looks committed and
 // lacks files. Oracle: the order of the DELETEs the proxy forwarded.
 TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
@@ -386,19 +416,167 @@ TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
       if (line.rfind("DELETE /" + bucket() + "/" + prefix + "/step-00000002/", 0) == 0) deletes.push_back(line);
     }
     ASSERT_GE(deletes.size(), 4u);
-    EXPECT_NE(deletes.front().find("/step-00000002/manifest.json "), std::string::npos) << deletes.front();
+    EXPECT_NE(deletes.front().find("/step-00000002/commit-"), std::string::npos) << deletes.front();
     for (size_t i = 1; i < deletes.size(); ++i) {
-      EXPECT_EQ(deletes[i].find("/manifest.json "), std::string::npos) << "the commit deleted again: " << deletes[i];
+      EXPECT_EQ(deletes[i].find("/commit-"), std::string::npos) << "the commit deleted again: " << deletes[i];
     }
-    EXPECT_FALSE(store.head("step-00000002/manifest.json").has_value());
+    EXPECT_TRUE(committed_lines(store, 2).empty());
     EXPECT_TRUE(store.list("step-00000002/").empty());
-    EXPECT_TRUE(store.head("step-00000004/manifest.json").has_value());
-    EXPECT_TRUE(store.head("step-00000006/manifest.json").has_value());
+    EXPECT_EQ(committed_lines(store, 4).size(), 1u);
+    EXPECT_EQ(committed_lines(store, 6).size(), 1u);
   }
   fs::remove_all(disk);
 }
 
-TEST(DurableCheckpointFaults, AWrongKeyFailsAtTheCheckpointerOnEveryRank) {
+// A rollback (load(2) after steps 2, 4, 6, 8 were durable) saves on a line of its own: its steps 4
+// and 6 are uploaded and committed beside the old timeline's (not "already committed"), `latest`
+// follows them, retention deletes none of the old timeline's, and with every disk lost the next
+// launch resumes the new timeline's step 6, never the old one's newer step 8 (which a load by
+// number refuses, naming its line); following the old line takes CheckpointOptions::durable_line.
+// Oracle: the parameters of each timeline as trained.
+TEST(DurableCheckpointLines, ARollbackSavesOnANewLineThatTheNextLaunchFollows) {
+  const int rank = world().rank();
+  const std::string prefix = "durable-test/rollback-n" + std::to_string(world().size());
+  s3::Client store({bucket(), prefix}, s3::process_environment());
+  if (rank == 0) store.remove_all("");
+  world().barrier();
+  const std::string disk = own_disk("durable-rollback");
+  torch::Tensor old8, new6;
+  std::string old_line, new_line;
+  auto keep4 = durable(prefix);
+  keep4.keep = 4;  // the old timeline keeps its step 2 (here and in the store) for the rollback
+  {
+    Checkpointer ckpt(disk, world_ptr(), keep4);
+    Trainer run(2);
+    for (int64_t step : {2, 4, 6, 8}) {
+      run.train(step - 2, step);
+      run.save(ckpt, step);
+      ASSERT_TRUE(ckpt.make_durable(60s));
+    }
+    old8 = run.flat();
+    old_line = line_of(fs::path(disk) / step_name(8));
+    // The rollback: step 2 again, then another timeline (as after a loss spike: other batches).
+    ASSERT_EQ(run.load(ckpt, 2)->step, 2);
+    for (int64_t step : {4, 6}) {
+      run.train(step + 98, step + 100);
+      run.save(ckpt, step);
+      ASSERT_TRUE(ckpt.make_durable(60s)) << ckpt.durable_status().last_error;
+      EXPECT_EQ(ckpt.durable_status().durable_step, step);
+    }
+    new6 = run.flat();
+    new_line = line_of(fs::path(disk) / step_name(6));
+    EXPECT_NE(new_line, old_line);
+    world().barrier();
+  }
+  if (rank == 0) {
+    for (int64_t step : {4, 6}) {  // both timelines' commits, the new one's holding the manifest saved here
+      auto lines = committed_lines(store, step);
+      std::sort(lines.begin(), lines.end());
+      auto want = std::vector<std::string>{old_line, new_line};
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(lines, want) << step;
+    }
+    const auto record = nlohmann::json::parse(store.get(step_name(6) + "/commit-" + new_line + ".json").value_or("{}"));
+    EXPECT_EQ(record.value("manifest", ""), file_bytes(fs::path(disk) / step_name(6) / "manifest.json"));
+    EXPECT_EQ(nlohmann::json::parse(store.get("latest").value_or("{}")),
+              (nlohmann::json{{"step", 6}, {"line", new_line}}));
+    EXPECT_EQ(committed_lines(store, 2).size(), 1u) << "the step both timelines share";
+    EXPECT_EQ(committed_lines(store, 8), std::vector<std::string>{old_line});
+  }
+  fs::remove_all(disk);  // every host lost with its disk
+  world().barrier();
+  {
+    Checkpointer again(own_disk("durable-rollback-again"), world_ptr(), durable(prefix));
+    Trainer b(2, /*seed=*/99);
+    const std::string refused = testing::error_of([&] { b.load(again, 8); });
+    EXPECT_NE(refused.find("is of another line of checkpoints (" + old_line + ")"), std::string::npos) << refused;
+    EXPECT_NE(refused.find("durable_line"), std::string::npos) << refused;
+    ASSERT_EQ(b.load(again)->step, 6);
+    EXPECT_TRUE(torch::equal(b.flat(), new6)) << "not the new timeline's step 6";
+    fs::remove_all(again.dir());
+  }
+  world().barrier();
+  {
+    auto o = durable(prefix);
+    o.durable_line = old_line;  // told to follow the old timeline
+    Checkpointer old(own_disk("durable-rollback-old"), world_ptr(), o);
+    Trainer b(2, /*seed=*/99);
+    ASSERT_EQ(b.load(old)->step, 8);
+    EXPECT_TRUE(torch::equal(b.flat(), old8)) << "not the old timeline's step 8";
+    fs::remove_all(old.dir());
+  }
+}
+
+// Two writers of one step on one line (what two jobs sharing a line would be): the second's
+// conditional put of the commit loses, it compares the states, and it reports the step not
+// durable when its files differ (durable when they are the same files); the first's commit and
+// files stay as they were. Rank 0 plays each writer of a 2-rank save (rank 1's report put by
+// hand), through the tier itself.
+TEST(DurableCheckpointLines, ASecondWriterOfAStepWithOtherFilesIsNotDurable) {
+  const int rank = world().rank();
+  const int n = world().size();
+  const std::string prefix = "durable-test/two-writers-n" + std::to_string(n);
+  s3::Client store({bucket(), prefix}, s3::process_environment());
+  if (rank == 0) store.remove_all("");
+  world().barrier();
+  const std::string disk = own_disk("durable-two-writers");
+  fs::path step_dir;
+  {
+    Checkpointer local(disk, world_ptr());  // no durable tier: the step directory the writers upload
+    Trainer run(2);
+    run.train(0, 2);
+    step_dir = run.save(local, 2);
+  }
+  world().barrier();
+  if (rank == 0) {
+    auto writer = [&](const fs::path& dir, uint64_t attempt) {
+      for (int r = 1; r < n; ++r) {
+        char name[64];
+        std::snprintf(name, sizeof(name), "%s/.ranks/%012llx/rank-%05d.ok", step_name(2).c_str(),
+                      static_cast<unsigned long long>(attempt), r);
+        store.put(name, "0");
+      }
+      ckpt::DurableTier tier({bucket(), prefix}, s3::process_environment(), 0, n, {});
+      tier.start_upload(dir, 2, attempt);
+      EXPECT_TRUE(tier.wait(60s));
+      return tier.status();
+    };
+    // A copy of the step with one manifest field changed (and its checksum made right again).
+    auto variant = [&](const std::string& tag, const std::function<void(nlohmann::json&)>& change) {
+      const fs::path dir = fs::path(disk) / tag / step_name(2);
+      fs::create_directories(dir.parent_path());
+      fs::copy(step_dir, dir, fs::copy_options::recursive);
+      auto m = nlohmann::json::parse(file_bytes(dir / "manifest.json"));
+      change(m);
+      const std::string text = m.dump(1);
+      std::ofstream(dir / "manifest.json", std::ios::trunc) << text;
+      std::ofstream(dir / "manifest.xxh3", std::ios::trunc)
+          << checkpoint::to_hex(checkpoint::digest_bytes(text.data(), text.size())) << "\n";
+      return dir;
+    };
+    const auto first = writer(step_dir, 1);
+    EXPECT_EQ(first.durable_step, 2) << first.last_error;
+    const fs::path other = variant("other", [](nlohmann::json& m) { m["files"][0]["xxh3"] = "0123456789abcdef"; });
+    const auto second = writer(other, 2);
+    EXPECT_EQ(second.durable_step, -1);
+    EXPECT_EQ(second.abandoned, 1);
+    EXPECT_NE(second.last_error.find("committed by another writer with other files"), std::string::npos)
+        << second.last_error;
+    const fs::path same = variant("same", [](nlohmann::json& m) { m["save_seconds"] = 123.0; });
+    const auto third = writer(same, 3);
+    EXPECT_EQ(third.durable_step, 2) << third.last_error;
+    const std::string line = line_of(step_dir);
+    const auto record = nlohmann::json::parse(store.get(step_name(2) + "/commit-" + line + ".json").value_or("{}"));
+    EXPECT_EQ(record.value("manifest", ""), file_bytes(step_dir / "manifest.json")) << "the first commit stands";
+    EXPECT_EQ(record.value("attempt", ""), "000000000001");
+  }
+  world().barrier();
+  fs::remove_all(disk);
+}
+
+// Last in the run (its own suite, defined last): a Checkpointer constructor that throws unwinds
+// through the communicators it split, which abort the world's family.
+TEST(DurableCheckpointSetup, AWrongKeyFailsAtTheCheckpointerOnEveryRank) {
   const std::string secret = std::getenv("AWS_SECRET_ACCESS_KEY");
   setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-987", 1);
   const std::string disk = own_disk("durable-wrong-key");

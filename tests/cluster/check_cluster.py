@@ -29,7 +29,8 @@ Usage: check_cluster.py BUILD_DIR CHECK
 
   durable bart_pretrain ZeRO-3 on 2 hosts x 2 ranks, a disk each, checkpoints committed in an S3 store
           (SeaweedFS) on a third host: host 1 killed and its disk wiped, a replacement with an empty disk: the
-          run resumes from the store by itself with the uninterrupted run's losses
+          run resumes from the store by itself with the uninterrupted run's losses; then host 1 cut off (link
+          down) while it uploads: both launchers end within the liveness window + 2 s, naming the lost ranks
 
 Exits 77 (skipped, with the reason printed) where the cluster cannot be made (not root, no namespaces).
 """
@@ -333,12 +334,60 @@ def check_durable(build, work):
         files = sorted(os.listdir(os.path.join(disks[1], "checkpoints", "step-00000008")))
         check([f for f in files if f.endswith(".h5")] == ["rank-00002-of-00004.h5", "rank-00003-of-00004.h5"],
               f"the replacement's disk holds {files} of step 8")
+        partition = durable_partition(c, build, exe, common, env, disks, mounts, run_path)
     print(f"durable: zero3 on 2 hosts x 2 ranks, each with its own disk, checkpoints every 2 steps committed in "
           f"SeaweedFS on a third host; host 1 killed once step {durable_at_kill} was durable (host 0's disk held "
           f"{local}), its disk wiped; restarted with the same command: host 1 copied its 2 rank files of "
           f"{copied[0][1]} ({sum(float(mb) for mb, _, _, _ in copied):.1f} MB, "
           f"{max(float(s) for _, _, _, s in copied):.2f} s each at most) from the store, the run resumed step {resumed.group(1)} and "
           f"finished in {took:.1f} s with the uninterrupted run's 8 losses (within {worst:.1e} relative)", flush=True)
+    print(f"durable: host 1 cut off (link down) while the run uploaded to the store on host 2: host 0's launcher "
+          f"exited after {partition[0]:.1f} s, host 1's after {partition[1]:.1f} s (liveness {LIVENESS_S} s), each "
+          "naming the lost ranks", flush=True)
+
+
+def durable_partition(c, build, exe, common, env, disks, mounts, run_path):
+    """Host 1 cut off (link down) while the run saves every step and uploads to the store on host 2: host 0 loses
+    ranks 2-3 and host 1 loses ranks 0-1 and the store; both launchers end within the liveness window + 2 s (no
+    wait on the store outlasts the communicator's failure), each naming the lost ranks. Returns their times."""
+    # A run of its own: fresh disks (the tokenizer from the last run's).
+    fresh = [d + "_partition" for d in disks]
+    for d in fresh:
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(os.path.join(disks[0], "tokenizer"), os.path.join(d, "tokenizer"))
+    disks, mounts = fresh, lambda i: [(fresh[i], run_path)]  # noqa: E731
+    cmd = [exe, *common[:common.index("--max-steps")], *common[common.index("--max-steps") + 2:], "--max-steps",
+           "100000", "--run-dir", run_path, "--save-every", "1", "--ckpt-dir", "s3://ckpt/partition",
+           "--liveness", str(LIVENESS_S)]
+    jobs = [c.start(i, [os.path.join(build, "zeroshard-run"), "--nnodes", 2, "--node-rank", i, "--nproc-per-node", 2,
+                        "--master-addr", c.addr(0), "--master-port", PORT + 10, "--grace-period", 5, "--", *cmd],
+                    env=env, disks=mounts(i))
+            for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT
+    while len(durable_steps(disks[0])) < 2:  # uploads under way
+        check(time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs),
+              lambda: "no checkpoint became durable:\n" + c.outputs(jobs))
+        time.sleep(0.01)
+    start = time.monotonic()
+    cluster_cut(c, 1)
+    ended = []
+    for j in jobs:
+        try:
+            j.proc.wait(LIVENESS_S + 30)
+        except subprocess.TimeoutExpired:
+            cluster_heal(c, 1)
+            raise AssertionError(f"host {j.host}'s launcher still runs {LIVENESS_S + 30} s after the cut:\n" +
+                                 c.outputs(jobs))
+        ended.append(time.monotonic() - start)
+    cluster_heal(c, 1)
+    for j, lost in zip(jobs, ("23", "01")):
+        out = j.output()
+        check(j.proc.returncode != 0, lambda: f"host {j.host}'s launcher exited 0 after the cut:\n{out[-3000:]}")
+        check(re.search(r"the connection to rank\(s\) \[[^\]]*[" + lost + r"][^\]]*\] broke", out),
+              lambda: f"host {j.host}'s error does not blame ranks {lost[0]}-{lost[1]}:\n{out[-3000:]}")
+    check(max(ended) <= LIVENESS_S + 2, lambda: f"after the cut the launchers ended after {ended} s (liveness "
+          f"{LIVENESS_S} s):\n" + c.outputs(jobs))
+    return ended
 
 
 SOAK_ARGS = ["--stage", "3", "--liveness", "3", "--save-every", "1000"]
@@ -529,7 +578,9 @@ def check_elastic(build, work):
         # disk left: it came from the store (the losses below say it came right). Rank 0, which logs what it
         # reads, read another host's file of that step from the store, dataset by dataset (ranged GETs).
         shrunk = f"step-{resumes_seen()[0]['step']:08d}"
-        check(re.search(rf"read [0-9.]+ MB of {shrunk}/rank-0000[12]-of-00003\.h5 \([0-9.]+ MB\) from the durable tier",
+        # (under the line of checkpoints that saved it: step-N/LINE/rank-...)
+        check(re.search(rf"read [0-9.]+ MB of {shrunk}/[0-9a-f]{{16}}/rank-0000[12]-of-00003\.h5 \([0-9.]+ MB\) from the "
+                        "durable tier",
                         jobs[0].output()),
               lambda: f"rank 0 did not read another host's file of {shrunk} from the store:\n" + c.outputs(jobs[:1]))
         # The grow: host 2, back with an empty disk, took the step's manifest (and what it read) from the store.
