@@ -313,8 +313,8 @@ bool same_state(const json& a, const json& b) {
     for (const auto& f : m.at("files")) out.push_back({f.at("name"), f.at("bytes"), f.at("xxh3")});
     return out;
   };
-  return a.at("step") == b.at("step") && files(a) == files(b) &&
-         a.value("model_view", json()).value("xxh3", "") == b.value("model_view", json()).value("xxh3", "");
+  auto view = [](const json& m) { return m.contains("model_view") ? m.at("model_view").at("xxh3") : json(); };
+  return a.at("step") == b.at("step") && files(a) == files(b) && view(a) == view(b);
 }
 
 }  // namespace

@@ -170,6 +170,7 @@ Response perform(const Request& request, const Limits& limits) {
   set(c, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
   set(c, CURLOPT_HTTPHEADER, headers);
   if (!request.ca_bundle.empty()) set(c, CURLOPT_CAINFO, request.ca_bundle.c_str());
+  if (request.no_proxy) set(c, CURLOPT_NOPROXY, "*");
   if (!request.sigv4.empty()) {
     set(c, CURLOPT_AWS_SIGV4, request.sigv4.c_str());
     set(c, CURLOPT_USERPWD, request.user_password.c_str());

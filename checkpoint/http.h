@@ -47,6 +47,10 @@ struct Request {
   std::string user_password;
   // CA certificates for HTTPS: a PEM file; empty: the system's.
   std::string ca_bundle;
+  // Never through a proxy (http_proxy, all_proxy, ...): for the instance metadata service,
+  // whose answers carry secrets and which only this host can reach. Default: false (libcurl
+  // follows the proxy variables and no_proxy).
+  bool no_proxy = false;
   // Polled while the request is in flight (whenever data moves, and about once a second when
   // nothing does): true ends it (Response::cancelled). Called on the performing thread. Optional.
   std::function<bool()> cancelled;

@@ -55,6 +55,8 @@ std::string retry_reason(const http::Response& r) {
   if (r.status == 0) return error_text(r);
   if (r.status >= 500 || r.status == 429 || r.status == 408) return error_text(r);
   if (r.status == 400 && error_code(r.body) == "RequestTimeout") return error_text(r);
+  // A conditional write racing another operation on the key (S3: "retry the request").
+  if (r.status == 409 && error_code(r.body) == "ConditionalRequestConflict") return error_text(r);
   return "";
 }
 
@@ -93,6 +95,15 @@ Location parse_uri(const std::string& uri) {
               "' is not an S3 bucket name (3 to 63 lowercase letters, digits, '.' and '-'); expected s3://BUCKET[/PREFIX]");
   TORCH_CHECK(l.prefix.find("//") == std::string::npos && (l.prefix.empty() || l.prefix[0] != '/'),
               "checkpoint location '", uri, "': the prefix '", l.prefix, "' has an empty path segment");
+  // libcurl resolves '.' and '..' in a request's path but not in a listing's prefix= value: the
+  // objects would land under one key and be listed under another.
+  for (size_t at = 0; at <= l.prefix.size() && !l.prefix.empty();) {
+    const size_t end = std::min(l.prefix.find('/', at), l.prefix.size());
+    const std::string segment = l.prefix.substr(at, end - at);
+    TORCH_CHECK(segment != "." && segment != "..", "checkpoint location '", uri, "': the prefix '", l.prefix,
+                "' has a '", segment, "' segment; fix: write the prefix without it");
+    at = end + 1;
+  }
   return l;
 }
 
@@ -177,7 +188,7 @@ http::Response Client::send(const std::string& what, const std::function<http::R
     TORCH_CHECK(!resp.cancelled, "S3: ", what, " cancelled: the job is ending");
     std::string why = retry_reason(resp);
     if (why.empty() && credentials_expired(resp) && !refreshed) {
-      credentials_.expire();  // fetched again from their source by the next attempt
+      credentials_.expire(c.access_key_id);  // fetched again from their source by the next attempt
       refreshed = true;
       why = error_text(resp) + " (credentials fetched again)";
     }

@@ -173,9 +173,9 @@ Credentials CredentialChain::get() {
   return *current_;
 }
 
-void CredentialChain::expire() {
+void CredentialChain::expire(const std::string& access_key_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (current_) current_->expiration = Clock::now();
+  if (current_ && current_->access_key_id == access_key_id) current_->expiration = Clock::now();
 }
 
 Credentials CredentialChain::resolve() {
@@ -302,6 +302,7 @@ Credentials CredentialChain::instance_metadata() {
   t.method = "PUT";
   t.url = endpoint + "/latest/api/token";
   t.headers = {"X-aws-ec2-metadata-token-ttl-seconds: 21600"};
+  t.no_proxy = true;  // link-local, and its answers are secrets
   auto token = http::perform(t, options_.service_limits);
   if (token.status == 0) {
     none.source = "instance metadata: " + endpoint + " did not answer (" + token.transport_error + ")";
@@ -313,6 +314,7 @@ Credentials CredentialChain::instance_metadata() {
     http::Request g;
     g.url = endpoint + path;
     g.headers = {"X-aws-ec2-metadata-token: " + token.body};
+    g.no_proxy = true;
     return http::perform(g, options_.service_limits);
   };
   auto roles = fetch("/latest/meta-data/iam/security-credentials/");

@@ -71,8 +71,9 @@ class CredentialChain {
   // expiration) from the source that gave them. Throws, naming every source
   // tried and why each had none, when no source has credentials.
   Credentials get();
-  // The store said the credentials expired or are invalid: the next get() fetches anew.
-  void expire();
+  // The store said the credentials with `access_key_id` expired or are invalid: the next get()
+  // fetches anew, unless another thread has fetched others since.
+  void expire(const std::string& access_key_id);
   const Settings& settings() const { return settings_; }
 
  private:

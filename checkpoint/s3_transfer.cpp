@@ -52,7 +52,7 @@ bool Client::put_if_absent(const std::string& name, const std::string& bytes) {
     q.headers = {"If-None-Match: *"};
     return q;
   });
-  if (r.status == 412 || (r.status == 409 && error_code(r.body) == "ConditionalRequestConflict")) return false;
+  if (r.status == 412) return false;  // (a 409 ConditionalRequestConflict was retried by send())
   expect_ok(r, "conditional PUT " + location_.bucket + "/" + key);
   return true;
 }

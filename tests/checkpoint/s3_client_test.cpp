@@ -177,6 +177,17 @@ TEST(S3Client, AConditionalPutWritesOnlyWhereNothingIs) {
     EXPECT_FALSE(c.put_if_absent(name, "late")) << name;
     EXPECT_TRUE(c.get(name).value() == read_file(paths[0])) << name << ": the first writer's bytes";
   }
+  // A 409 ConditionalRequestConflict (a conditional write that raced another operation on the key)
+  // is retried, not taken for "the object exists".
+  auto proxied = store_env();
+  proxied["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  ClientOptions quick;
+  quick.backoff_base = 10ms;
+  Client p(c.location(), proxied, quick);
+  control("/control/faults", "409 2");
+  EXPECT_TRUE(p.put_if_absent("after-conflicts", "written")) << "two 409s, then the store's own answer";
+  EXPECT_EQ(p.retries(), 2);
+  EXPECT_EQ(c.get("after-conflicts").value_or(""), "written");
   c.remove_all("");
   std::filesystem::remove_all(dir);
 }
@@ -242,6 +253,11 @@ TEST(S3Client, AWrongKeySecretBucketOrEndpointFailsAtStartInOneLine) {
     EXPECT_TRUE(one_line(m)) << m;
   }
   EXPECT_NE(error_of([] { parse_uri("s3://Bad_Bucket/x"); }).find("is not an S3 bucket name"), std::string::npos);
+  for (const char* dots : {"s3://ckpt/d/./x", "s3://ckpt/d/../x", "s3://ckpt/..", "s3://ckpt/a/."}) {
+    const std::string m = error_of([&] { parse_uri(dots); });
+    EXPECT_NE(m.find("segment; fix: write the prefix without it"), std::string::npos) << dots << ": " << m;
+  }
+  EXPECT_EQ(parse_uri("s3://ckpt/a.b/..c/x").prefix, "a.b/..c/x");
   EXPECT_NE(error_of([] { parse_uri("/local/dir"); }).find("expected s3://BUCKET[/PREFIX]"), std::string::npos);
   auto l = parse_uri("s3://ckpt/runs/bart/");
   EXPECT_EQ(l.bucket, "ckpt");
@@ -466,6 +482,23 @@ TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
     env.erase("AWS_EC2_METADATA_DISABLED");
     env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = env_or_fail("ZS_TEST_FAKE_AWS");
     works(env, "instance metadata");
+    {  // never through a proxy: its answers are secrets (the proxy here leads nowhere)
+      setenv("http_proxy", "http://127.0.0.1:1", 1);
+      const std::string m = error_of([&] { CredentialChain(env).get(); });
+      unsetenv("http_proxy");
+      EXPECT_EQ(m, "(no error)");
+    }
+    {  // a refused request's credentials are fetched again, not ones another thread fetched since
+      CredentialChain chain(env);
+      const auto first = chain.get();
+      const int before = count_of(control("/control/log"), "imds credentials");
+      chain.expire("not-" + first.access_key_id);
+      chain.get();
+      EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before) << "others' expiry expired these";
+      chain.expire(first.access_key_id);
+      chain.get();
+      EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), before + 1);
+    }
     CredentialOptions o;
     o.refresh_before = 2s;
     // Expire 5 s after they are handed out, written in whole seconds: 4 to 5 s left at first (kept), 0.5 to 1.5 s

@@ -23,7 +23,8 @@ out no session token: SeaweedFS takes a request with one for its own STS's and r
 proxy's log shows which headers each request signed (a session token's is among them when sent).
 
 Control (POST to ZS_TEST_FAKE_AWS):
-  /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "stall N"
+  /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "409 N" (with 409
+                   ConditionalRequestConflict, as S3 answers a conditional write that raced another), "stall N"
                    (it accepts the next N requests and never answers), "trickle N" (it forwards the next N
                    requests, taking their bodies and relaying the answers at 4 KiB/s: never stalled, never
                    done), "ignore-conditions N" (it answers a request with If-None-Match 200 itself, as a
@@ -109,6 +110,10 @@ class Weed:
         self.proc = None
 
 
+CONFLICT = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+CONFLICT_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>ConditionalRequestConflict</Code>"
+                 b"<Message>A conflicting operation occurred. Please retry.</Message></Error>")
+
 # A trickle's bytes a second, each way: above the client's default stall limit (1 KiB/s), far below any real store.
 TRICKLE = 4096
 
@@ -159,6 +164,10 @@ async def proxy_connection(reader, writer, upstream_port, faults):
                     await asyncio.sleep(1)
             if kind == "503":
                 writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
+                await writer.drain()
+                break
+            if kind == "409":
+                writer.write(CONFLICT % len(CONFLICT_BODY) + CONFLICT_BODY)
                 await writer.drain()
                 break
             if kind == "stall":
