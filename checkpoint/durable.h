@@ -32,6 +32,7 @@
 #include "checksum.h"
 #include "h5.h"
 #include "s3_client.h"
+#include "store_file.h"
 #include "zeroshard/checkpoint.h"
 
 #include <boost/asio/thread_pool.hpp>
@@ -48,13 +49,6 @@
 #include <vector>
 
 namespace zeroshard::ckpt {
-
-// The index of a rank file written beside it (`rank-*.h5.index`, JSON) when the
-// checkpoint has a durable tier: where each dataset lies in the file and the xxh3
-// of its bytes. Its own size and xxh3 are in the manifest's entry of the file.
-nlohmann::json dataset_index(const std::string& file_name, const checkpoint::FileDigest& file,
-                             const std::vector<checkpoint::h5::Extent>& extents);
-std::filesystem::path index_path(const std::filesystem::path& rank_file);
 
 // A commit in the store: step `step` of line `line` ("": of an earlier version, before lines).
 struct Commit {
