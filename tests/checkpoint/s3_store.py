@@ -67,17 +67,32 @@ class Weed:
     """weed mini on its own ports and data directory; start() waits until a signed list answers 200."""
 
     def __init__(self, binary, root, ip="127.0.0.1", s3_port=0):
-        self.binary, self.root, self.ip = binary, root, ip
-        self.ports = {name: free_port(ip) for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
-                                                       "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
-        if s3_port:
-            self.ports["s3"] = s3_port
+        self.binary, self.root, self.ip, self.s3_port = binary, root, ip, s3_port
+        self.pick_ports()
         self.config = os.path.join(root, "s3.json")
         with open(self.config, "w") as f:
             json.dump({"identities": [{"name": n, "credentials": [{"accessKey": k, "secretKey": s}], "actions": a}
                                       for n, (k, s, a) in IDENTITIES.items()]}, f)
         self.proc = None
-        self.url = f"http://{ip}:{self.ports['s3']}"
+
+    def pick_ports(self):
+        self.ports = {name: free_port(self.ip) for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
+                                                            "filer.grpc", "s3", "s3.grpc", "admin", "admin.grpc", "debug")}
+        if self.s3_port:
+            self.ports["s3"] = self.s3_port
+        self.url = f"http://{self.ip}:{self.ports['s3']}"
+
+    def start_first(self):
+        """start() on ports of its own: a port free when picked may be another process's by the time weed binds it
+        (tests start stores side by side); then again on others."""
+        for attempt in range(5):
+            try:
+                return self.start()
+            except SystemExit as e:
+                if "Port allocation failed" not in str(e) or attempt == 4:
+                    raise
+                print(f"s3_store: {str(e).splitlines()[-1][:200]}; trying other ports", flush=True)
+                self.pick_ports()
 
     def start(self):
         args = [self.binary, "mini", f"-dir={self.root}/data", f"-ip={self.ip}", f"-ip.bind={self.ip}",
@@ -91,8 +106,10 @@ class Weed:
         key, secret, _ = IDENTITIES["writer"]
         deadline = time.time() + 60
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"s3_store: weed exited {self.proc.returncode}; its log: {self.root}/weed.log")
+            if self.proc.poll() is not None:  # its log goes with the data directory: its end, here
+                with open(os.path.join(self.root, "weed.log"), "rb") as f:
+                    tail = f.read()[-3000:].decode("utf-8", "replace")
+                raise SystemExit(f"s3_store: weed exited {self.proc.returncode}; the end of its log:\n{tail}")
             # A signed ListObjectsV2: an open port is not readiness (after a kill it answers 500 for seconds).
             p = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "2",
                                 "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}",
@@ -146,7 +163,7 @@ SLOWDOWN_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDo
                  b"<Message>Please reduce your request rate.</Message></Error>")
 
 
-async def proxy_connection(reader, writer, upstream_port, faults):
+async def proxy_connection(reader, writer, weed, faults):
     """One client connection: each request read whole, then failed as told or forwarded (with Connection:
     close, an unsigned header) and its answer relayed until the store closes."""
     try:
@@ -177,7 +194,7 @@ async def proxy_connection(reader, writer, upstream_port, faults):
                 writer.write(b'HTTP/1.1 200 OK\r\nETag: "0"\r\nConnection: close\r\nContent-Length: 0\r\n\r\n')
                 await writer.drain()  # as a store that ignores the condition: written, whatever was there
                 break
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", weed.ports["s3"])
             kept = [l for l in lines[1:] if l and not l.lower().startswith("connection:")]
             up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
             await up_writer.drain()
@@ -199,9 +216,9 @@ async def proxy_connection(reader, writer, upstream_port, faults):
         writer.close()
 
 
-def run_proxy(port, upstream_port, faults, ready):
+def run_proxy(port, weed, faults, ready):
     async def main():
-        server = await asyncio.start_server(lambda r, w: proxy_connection(r, w, upstream_port, faults),
+        server = await asyncio.start_server(lambda r, w: proxy_connection(r, w, weed, faults),
                                             "127.0.0.1", port)
         ready.set()
         async with server:
@@ -301,7 +318,7 @@ def main():
     services = ThreadingHTTPServer(("127.0.0.1", 0), FakeAws)
     threading.Thread(target=services.serve_forever, daemon=True).start()
     proxy_port, ready = free_port(), threading.Event()
-    threading.Thread(target=run_proxy, args=(proxy_port, weed.ports["s3"], faults, ready), daemon=True).start()
+    threading.Thread(target=run_proxy, args=(proxy_port, weed, faults, ready), daemon=True).start()
     child = None
     lock = threading.Lock()
 
@@ -312,7 +329,7 @@ def main():
                 weed.start()
     try:
         started = time.time()
-        weed.start()
+        weed.start_first()
         ready.wait(10)
         print(f"s3_store: SeaweedFS at {weed.url} (bucket {BUCKET}) ready in {time.time() - started:.1f} s", flush=True)
         key, secret, _ = IDENTITIES["writer"]
