@@ -408,6 +408,12 @@ void DurableTier::retain(const json& lineage, int64_t newest) {
     auto s = step_of_dir_name(d.substr(0, d.size() - 1));
     if (s && *s < oldest_kept && !committed.count(*s)) client_->remove_all(d);
   }
+  // Uploads a job killed mid-file left below every kept commit: a directory with no finished
+  // object is in no listing above, and their parts are billed until aborted.
+  for (const auto& u : client_->uploads("step-")) {
+    auto s = step_of_dir_name(u.name.substr(0, u.name.find('/')));
+    if (s && *s < oldest_kept) client_->abort_upload(u);
+  }
 }
 
 void DurableTier::fetch_manifest(const Commit& c, const fs::path& run_dir) {

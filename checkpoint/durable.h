@@ -17,7 +17,7 @@
 // (step, line) pair, and a run reads, keeps and reports durable only its own history's. A step
 // directory without a commit does not exist for a load; retention removes the run's own commits
 // beyond the newest `keep` (each commit before its files), and, below them, directories that
-// hold no commit of any line.
+// hold no commit of any line and unfinished multipart uploads (a job killed mid-file).
 //
 // An upload runs on this object's thread while training goes on: each rank puts
 // its own files, then its report; rank 0 waits for every report (bounded by

@@ -349,26 +349,50 @@ void Client::remove_all(const std::string& name_prefix) {
   auto objects = list(name_prefix);
   parallel_for(static_cast<int64_t>(objects.size()), [&](int64_t i) { remove(objects[static_cast<size_t>(i)].name); });
   // Unfinished multipart uploads hold storage (and cost) until aborted.
-  std::string what = "list the multipart uploads under " + location_.uri() + "/" + name_prefix;
-  auto r = send(what, [&] {
-    http::Request q;
-    q.url = bucket_url("prefix=" + http::uri_encode(location_.key(name_prefix), false) + "&uploads=");
-    return q;
-  });
-  expect_ok(r, what);
-  pugi::xml_document doc;
-  doc.load_string(r.body.c_str());
-  for (auto u : doc.child("ListMultipartUploadsResult").children("Upload")) {
-    std::string key = u.child("Key").text().as_string();
-    std::string query = "uploadId=" + http::uri_encode(u.child("UploadId").text().as_string(), false);
-    auto a = send("abort the multipart upload of " + key, [&] {
+  for (const auto& u : uploads(name_prefix)) abort_upload(u);
+}
+
+std::vector<Client::Upload> Client::uploads(const std::string& name_prefix) {
+  std::vector<Upload> out;
+  const std::string strip = location_.key("");
+  std::string key_marker, id_marker;
+  bool more = true;
+  while (more) {
+    // Query parameters in SigV4's canonical (sorted) order.
+    const std::string query =
+        (key_marker.empty() ? "" : "key-marker=" + http::uri_encode(key_marker, false) + "&") + "prefix=" +
+        http::uri_encode(location_.key(name_prefix), false) + "&" +
+        (id_marker.empty() ? "" : "upload-id-marker=" + http::uri_encode(id_marker, false) + "&") + "uploads=";
+    const std::string what = "list the multipart uploads under " + location_.uri() + "/" + name_prefix;
+    auto r = send(what, [&] {
       http::Request q;
-      q.method = "DELETE";
-      q.url = url(key, query);
+      q.url = bucket_url(query);
       return q;
     });
-    expect_ok(a, "abort the multipart upload of " + key, /*allow_404=*/true);
+    expect_ok(r, what);
+    pugi::xml_document doc;
+    TORCH_CHECK(doc.load_string(r.body.c_str()), "S3: ", what, ": the answer is not XML");
+    const auto result = doc.child("ListMultipartUploadsResult");
+    for (auto u : result.children("Upload")) {
+      const std::string key = u.child("Key").text().as_string();
+      out.push_back({key.substr(std::min(strip.size(), key.size())), u.child("UploadId").text().as_string()});
+    }
+    key_marker = result.child("NextKeyMarker").text().as_string();
+    id_marker = result.child("NextUploadIdMarker").text().as_string();
+    more = result.child("IsTruncated").text().as_bool() && !key_marker.empty();
   }
+  return out;
+}
+
+void Client::abort_upload(const Upload& u) {
+  const std::string key = location_.key(u.name), what = "abort the multipart upload of " + location_.bucket + "/" + key;
+  auto a = send(what, [&] {
+    http::Request q;
+    q.method = "DELETE";
+    q.url = url(key, "uploadId=" + http::uri_encode(u.id, false));
+    return q;
+  });
+  expect_ok(a, what, /*allow_404=*/true);
 }
 
 }  // namespace zeroshard::ckpt::s3

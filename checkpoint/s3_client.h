@@ -120,6 +120,13 @@ class Client {
   void remove(const std::string& name);  // absent objects included
   // Every object under `name_prefix`, and the unfinished multipart uploads there.
   void remove_all(const std::string& name_prefix);
+  // An unfinished multipart upload: its object's name (relative to the prefix) and its id.
+  struct Upload {
+    std::string name, id;
+  };
+  // The unfinished multipart uploads whose names start with `name_prefix` (every page).
+  std::vector<Upload> uploads(const std::string& name_prefix);
+  void abort_upload(const Upload& u);  // an upload already gone included
 
   // Ends every request in flight now (each throws "... cancelled: the job is ending"; within
   // about a second: libcurl polls its progress callback that often when nothing moves), and

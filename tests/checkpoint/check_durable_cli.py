@@ -8,6 +8,8 @@ Usage: s3_store.py -- python check_durable_cli.py BUILD_DIR
 """
 import json
 import os
+import re
+import urllib.parse
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,16 @@ def ckpt(*args, ok=True):
     return p.returncode, out
 
 
+def uploads():
+    """The keys of the unfinished multipart uploads under the test's prefix (ListMultipartUploads, with curl)."""
+    prefix = urllib.parse.quote(uri.split("/", 3)[3] + "/", safe="")  # encoded as SigV4 signs it
+    p = subprocess.run(["curl", "-sf", "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}",
+                        "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", f"{endpoint}/{bucket}/?prefix={prefix}&uploads="],
+                       capture_output=True, timeout=60)
+    check(p.returncode == 0, f"listing the multipart uploads failed: {p.stderr[-300:]!r}")
+    return re.findall(r"<Key>([^<]*)</Key>", p.stdout.decode())
+
+
 def s3(method, name, data_file=None):
     """A signed request with curl (an independent client), returning the body."""
     cmd = ["curl", "-sf", "-X", method, "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}",
@@ -52,7 +64,11 @@ with tempfile.TemporaryDirectory(prefix="zs-durable-cli.") as work:
     original = os.path.join(work, "model.safetensors")
     save_file(tensors, original)
 
+    # What a job killed in the middle of a file's multipart upload leaves: an upload no listing of objects shows.
+    s3("POST", "step-00000001/0123456789abcdef/rank-00000-of-00001.h5?uploads=")
+    check(len(uploads()) == 1, f"the orphaned upload is not there: {uploads()}")
     ckpt("import", "--safetensors", original, uri, "--step", "7")
+    check(uploads() == [], f"retention left the orphaned multipart upload of step 1: {uploads()}")
     latest = json.loads(s3("GET", "latest"))
     first = latest["line"]
     check(latest["step"] == 7 and len(first) == 16, f"latest names {latest}, not step 7 of a line")
