@@ -127,7 +127,7 @@ Response perform(const Request& request, const Limits& limits) {
   set(c, CURLOPT_NOSIGNAL, 1L);
   set(c, CURLOPT_TCP_KEEPALIVE, 1L);
   set(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(limits.connect.count()));
-  set(c, CURLOPT_LOW_SPEED_LIMIT, static_cast<long>(limits.low_speed_bytes));
+  set(c, CURLOPT_LOW_SPEED_LIMIT, static_cast<long>(limits.low_speed_bytes));  // 0: none
   set(c, CURLOPT_LOW_SPEED_TIME, std::max(1L, static_cast<long>((limits.stall.count() + 999) / 1000)));
   if (limits.total.count() > 0) set(c, CURLOPT_TIMEOUT_MS, static_cast<long>(limits.total.count()));
   char error[CURL_ERROR_SIZE] = {0};

@@ -21,7 +21,7 @@ namespace zeroshard::ckpt::http {
 
 struct Limits {
   std::chrono::milliseconds connect{10000};
-  // Abandon a transfer slower than this many bytes per second for `stall`. Default: 1 KiB/s for 30 s.
+  // Abandon a transfer slower than this many bytes per second for `stall` (0: never). Default: 1 KiB/s for 30 s.
   int64_t low_speed_bytes = 1024;
   std::chrono::milliseconds stall{30000};
   // The whole request; 0: none beyond the stall limit. Default: none.

@@ -161,7 +161,7 @@ void Client::cancel(std::chrono::milliseconds linger) {
   cancelled_ = true;
 }
 
-http::Response Client::send(const std::string& what, const std::function<http::Request()>& build) {
+http::Response Client::send(const std::string& what, const std::function<http::Request()>& build, bool slow_answer) {
   thread_local std::mt19937_64 random(std::random_device{}());
   auto start = Steady::now();
   bool refreshed = false;
@@ -183,6 +183,10 @@ http::Response Client::send(const std::string& what, const std::function<http::R
     limits.total = last_words ? linger_left
                               : options_.request_time + std::chrono::milliseconds(
                                     payload_bytes(r) * 1000 / std::max<int64_t>(1, options_.slowest_bytes_per_second));
+    if (slow_answer && !last_words) {
+      limits.low_speed_bytes = 0;  // libcurl: no stall limit
+      limits.total = std::max<std::chrono::milliseconds>(limits.total, std::chrono::minutes(15));
+    }
     ++requests_;
     http::Response resp = http::perform(r, limits);
     TORCH_CHECK(!resp.cancelled, "S3: ", what, " cancelled: the job is ending");

@@ -146,7 +146,9 @@ class Client {
   // Sends the request `build` makes (for the current credentials) until it gets
   // an answer that is not worth retrying, or attempts or time run out (throws,
   // naming `what`). Returns the last response.
-  http::Response send(const std::string& what, const std::function<http::Request()>& build);
+  // `slow_answer`: a request the store may hold open for minutes while it works, sending only
+  // whitespace (CompleteMultipartUpload): no stall limit, 15 minutes at least overall.
+  http::Response send(const std::string& what, const std::function<http::Request()>& build, bool slow_answer = false);
   std::string url(const std::string& key, const std::string& query = "") const;
   // list() (every object under `name_prefix`) or, with `here`, list_here().
   std::vector<ObjectInfo> objects(const std::string& name_prefix, bool here);

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <thread>
 
 namespace zeroshard::ckpt::s3 {
 
@@ -171,21 +172,39 @@ bool Client::complete_multipart(const std::string& key, const std::string& id_qu
     body += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags[i] + "</ETag></Part>";
   }
   body += "</CompleteMultipartUpload>";
-  std::string what = "complete the multipart upload of " + object;
-  auto r = send(what, [&] {
-    http::Request q;
-    q.method = "POST";
-    q.url = url(key, id_query);
-    q.body = body;
-    q.headers = {"Content-Type: application/xml"};
-    if (if_absent) q.headers.push_back("If-None-Match: *");
-    return q;
-  });
-  if (if_absent && r.status == 412) return false;
-  expect_ok(r, what);
-  // A 200 whose body is an error: S3 reports a failure found after it started answering so.
-  TORCH_CHECK(error_code(r.body).empty(), "S3: ", what, ": the store answered 200 with an error: ", error_text(r));
-  return true;
+  const std::string what = "complete the multipart upload of " + object;
+  // S3 may answer 200 and fail later, in the body: InternalError or SlowDown are retried as a 5xx is.
+  for (int attempt = 1;; ++attempt) {
+    auto r = send(what, [&] {
+      http::Request q;
+      q.method = "POST";
+      q.url = url(key, id_query);
+      q.body = body;
+      q.headers = {"Content-Type: application/xml"};
+      if (if_absent) q.headers.push_back("If-None-Match: *");
+      return q;
+    }, /*slow_answer=*/true);
+    if (if_absent && r.status == 412) return false;
+    // NoSuchUpload after an attempt whose answer was lost (send() retried it): the upload may be
+    // complete. The object with this many parts is the evidence (its ETag ends in "-PARTS"; the
+    // durable tier's keys are each save's own).
+    if (r.status == 404 && error_code(r.body) == "NoSuchUpload") {
+      auto info = head(key.substr(location_.key("").size()));
+      const std::string parts = "-" + std::to_string(etags.size()) + "\"";
+      TORCH_CHECK(info && info->etag.size() > parts.size() &&
+                      info->etag.compare(info->etag.size() - parts.size(), parts.size(), parts) == 0,
+                  "S3: ", what, ": the upload is gone (NoSuchUpload) and the object is not its result");
+      return true;
+    }
+    expect_ok(r, what);
+    const std::string code = error_code(r.body);
+    if (code.empty()) return true;
+    TORCH_CHECK((code == "InternalError" || code == "SlowDown" || code == "ServiceUnavailable") &&
+                    attempt < options_.max_attempts,
+                "S3: ", what, ": the store answered 200 with an error: ", error_text(r));
+    ++retries_;
+    std::this_thread::sleep_for(std::min(options_.backoff_cap, options_.backoff_base * (1 << std::min(attempt, 10))));
+  }
 }
 
 void Client::parallel_for(int64_t n, const std::function<void(int64_t)>& f) {

@@ -393,6 +393,40 @@ TEST(S3Client, AnUploadSurvivesTheStoreKilledAndRestartedMidway) {
   std::filesystem::remove_all(dir);
 }
 
+// CompleteMultipartUpload as S3 may answer it: 200 with an InternalError body (retried, not
+// fatal), and an answer lost after the store completed the upload (the retry's NoSuchUpload is
+// checked against the object, which has the upload's parts). Through the fault proxy: the
+// start and 3 parts pass, then the complete meets the fault.
+TEST(S3Client, ACompleteThatFailsLateOrLosesItsAnswerIsNotAFailedUpload) {
+  auto env = store_env();
+  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  ClientOptions o;
+  o.part_bytes = 5 << 20;
+  o.parallel = 1;
+  o.backoff_base = 10ms;
+  Client c(fresh("complete"), env, o);
+  const std::string dir = testing::make_temp_dir("s3-complete");
+  const std::string bytes = random_bytes(12 << 20, 21);  // 3 parts
+  const std::string path = write_file(dir, "rank.h5", bytes);
+  for (const char* fault : {"200-error", "lose-answer"}) {
+    control("/control/faults", std::string("pass 4; ") + fault + " 1");
+    const int64_t before = c.retries();
+    bool ok = false;
+    const std::string m = error_of([&] { ok = c.upload_file(std::string("rank-") + fault, path); });
+    EXPECT_EQ(m, "(no error)") << fault;
+    EXPECT_TRUE(ok) << fault;
+    EXPECT_GE(c.retries(), before + 1) << fault;
+    EXPECT_EQ(c.download_file(std::string("rank-") + fault, dir + "/back"), static_cast<int64_t>(bytes.size()));
+    EXPECT_TRUE(read_file(dir + "/back") == bytes) << fault;
+  }
+  control("/control/faults", "pass");
+  const std::string log = control("/control/log");
+  EXPECT_EQ(count_of(log, "\"200-error\""), 1) << log;
+  EXPECT_EQ(count_of(log, "\"lose-answer\""), 1) << log;
+  c.remove_all("");
+  std::filesystem::remove_all(dir);
+}
+
 // Each source of the chain, with the fake services handing out identity "other".
 TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
   std::string home = testing::make_temp_dir("s3-home");

@@ -24,12 +24,15 @@ proxy's log shows which headers each request signed (a session token's is among 
 
 Control (POST to ZS_TEST_FAKE_AWS):
   /control/faults  body "503 N" (the proxy answers the next N requests with 503 SlowDown), "409 N" (with 409
-                   ConditionalRequestConflict, as S3 answers a conditional write that raced another), "stall N"
+                   ConditionalRequestConflict, as S3 answers a conditional write that raced another), "200-error N" (200
+                   with an InternalError body, as S3 answers a CompleteMultipartUpload that failed late), "lose-answer N" (it
+                   forwards the request and drops the store's answer), "stall N"
                    (it accepts the next N requests and never answers), "trickle N" (it forwards the next N
                    requests, taking their bodies and relaying the answers at 4 KiB/s: never stalled, never
                    done), "ignore-conditions N" (it answers a request with If-None-Match 200 itself, as a
                    store that ignores the header would), "stall-all" / "trickle-all" / "ignore-conditions-all"
-                   (every request from now on), "pass" (forward everything)
+                   (every request from now on), "pass" (forward everything); several in order, separated
+                   by ';' ("pass 3; 200-error 1": the fourth request from now)
   /control/expiry  body "SECONDS": credentials the fake services hand out expire this long after
   /control/log     (GET) what the fake services and the proxy saw, as JSON (the proxy's: each request's
                    line, what it did, and the store's status for a request it forwarded)
@@ -131,6 +134,11 @@ CONFLICT = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nConnecti
 CONFLICT_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>ConditionalRequestConflict</Code>"
                  b"<Message>A conflicting operation occurred. Please retry.</Message></Error>")
 
+# What S3 answers to a CompleteMultipartUpload that failed after it began answering.
+OK_ERROR = (b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+OK_ERROR_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>InternalError</Code>"
+                 b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+
 # A trickle's bytes a second, each way: above the client's default stall limit (1 KiB/s), far below any real store.
 TRICKLE = 4096
 
@@ -146,10 +154,16 @@ class Faults:
         self.seen = []  # [request line, what was done, the store's status (forwarded requests; None before it answers)]
 
     def set(self, spec):
-        kind, _, count = spec.partition(" ")
+        """'KIND N', 'KIND-all', or several 'KIND N' separated by ';' in order ('pass 3; 200-error 1')."""
         with self.lock:
+            kind = spec.strip().split(" ")[0]
             self.always = kind[:-4] if kind.endswith("-all") else None
-            self.queue = [kind] * int(count or 1) if kind != "pass" and not self.always else []
+            self.queue = []
+            for part in spec.split(";") if not self.always else []:
+                kind, _, count = part.strip().partition(" ")
+                self.queue += [kind] * int(count or 1)
+            while self.queue and self.queue[-1] == "pass":
+                self.queue.pop()
 
     def next(self, line):
         with self.lock:
@@ -187,6 +201,10 @@ async def proxy_connection(reader, writer, weed, faults):
                 writer.write(CONFLICT % len(CONFLICT_BODY) + CONFLICT_BODY)
                 await writer.drain()
                 break
+            if kind == "200-error":
+                writer.write(OK_ERROR % len(OK_ERROR_BODY) + OK_ERROR_BODY)
+                await writer.drain()
+                break
             if kind == "stall":
                 await reader.read()  # until the client gives up and closes
                 break
@@ -204,6 +222,8 @@ async def proxy_connection(reader, writer, weed, faults):
                     break
                 if seen[2] is None and chunk.startswith(b"HTTP/"):
                     seen[2] = int(chunk.split(b" ", 2)[1])
+                if kind == "lose-answer":
+                    continue  # the store did it; the client never hears
                 writer.write(chunk)
                 await writer.drain()
                 if kind == "trickle":
