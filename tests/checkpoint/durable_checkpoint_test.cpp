@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 
 namespace fs = std::filesystem;
 
@@ -81,6 +82,21 @@ std::vector<std::string> committed_lines(s3::Client& store, int64_t step) {
   }
   return lines;
 }
+
+// An empty prefix in the store, on every rank's return (rank 0 clears it), and a client of it.
+std::unique_ptr<s3::Client> empty_prefix(const std::string& prefix) {
+  auto store = std::make_unique<s3::Client>(s3::Location{bucket(), prefix}, s3::process_environment());
+  if (world().rank() == 0) store->remove_all("");
+  world().barrier();
+  return store;
+}
+
+// While alive, this process's Checkpointers reach the store through the fault proxy.
+struct ThroughProxy {
+  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
+  ThroughProxy() { setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1); }
+  ~ThroughProxy() { setenv("AWS_ENDPOINT_URL", direct.c_str(), 1); }
+};
 
 CheckpointOptions durable(const std::string& prefix) {
   CheckpointOptions o;
@@ -204,10 +220,9 @@ TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
   const int n = 2, m = world().size();
   const std::string want_path = shared_dir() + "/durable/" + std::to_string(n) + "_3.f32";
   ASSERT_TRUE(fs::exists(want_path)) << "runs after DurableCheckpointSave at 2 ranks (ctest's durable_checkpoint)";
-  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
   const size_t before = world().rank() == 0 ? proxy_requests().size() : 0;
   world().barrier();
-  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  std::optional<ThroughProxy> proxied(std::in_place);
   const std::string disk = own_disk("durable-ranged");
   {
     Checkpointer ckpt(disk, world_ptr(), durable(durable_run(n, 3)));
@@ -219,7 +234,7 @@ TEST(DurableCheckpointResume, AnotherRanksFileTakesOneRangedGet) {
     expect_close(got, read_tensor(want_path, got.numel()));
   }
   world().barrier();
-  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  proxied.reset();
   if (world().rank() == 0) {
     const auto lines = proxy_requests();
     s3::Client store({bucket(), durable_run(n, 3)}, s3::process_environment());
@@ -289,11 +304,9 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
   const char* proxy = std::getenv("ZS_TEST_S3_PROXY");
   ASSERT_NE(proxy, nullptr);
   const std::string prefix = "durable-test/faults-n" + std::to_string(world().size());
-  s3::Client store({bucket(), prefix}, s3::process_environment());
-  if (rank == 0) store.remove_all("");
-  world().barrier();
-  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
-  setenv("AWS_ENDPOINT_URL", proxy, 1);  // this process's Checkpointers go through the proxy
+  auto store_ptr = empty_prefix(prefix);
+  s3::Client& store = *store_ptr;
+  std::optional<ThroughProxy> proxied(std::in_place);  // this process's Checkpointers go through the proxy
   const std::string disk = own_disk("durable-faults");
   auto o = durable(prefix);
   o.durable_retry_time = 2s;
@@ -338,7 +351,7 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
   status = ckpt.durable_status();
   EXPECT_EQ(status.durable_step, 4) << status.last_error;
   world().barrier();
-  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  proxied.reset();
   if (rank == 0) {
     EXPECT_TRUE(committed_lines(store, 2).empty()) << "an abandoned step is never committed";
     EXPECT_EQ(committed_lines(store, 4).size(), 1u);
@@ -351,11 +364,9 @@ TEST(DurableCheckpointFaults, AFailingUploadIsAbandonedAndTheNextSaveIsDurable) 
 TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
   const int rank = world().rank();
   const std::string prefix = "durable-test/make-durable-n" + std::to_string(world().size());
-  s3::Client store({bucket(), prefix}, s3::process_environment());
-  if (rank == 0) store.remove_all("");
-  world().barrier();
-  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
-  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  auto store_ptr = empty_prefix(prefix);
+  s3::Client& store = *store_ptr;
+  std::optional<ThroughProxy> proxied(std::in_place);
   const std::string disk = own_disk("durable-make");
   {
     Checkpointer ckpt(disk, world_ptr(), durable(prefix));
@@ -378,7 +389,7 @@ TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
     EXPECT_EQ(status.durable_step, 4) << status.last_error << (skipped ? " (step 4's upload was skipped)" : "");
     world().barrier();
   }
-  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  proxied.reset();
   if (rank == 0) {
     EXPECT_EQ(committed_lines(store, 4).size(), 1u);
   }
@@ -391,11 +402,9 @@ TEST(DurableCheckpointFaults, MakeDurableUploadsTheNewestStep) {
 TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
   const int rank = world().rank();
   const std::string prefix = "durable-test/retention-n" + std::to_string(world().size());
-  s3::Client store({bucket(), prefix}, s3::process_environment());
-  if (rank == 0) store.remove_all("");
-  world().barrier();
-  const std::string direct = std::getenv("AWS_ENDPOINT_URL");
-  setenv("AWS_ENDPOINT_URL", std::getenv("ZS_TEST_S3_PROXY"), 1);
+  auto store_ptr = empty_prefix(prefix);
+  s3::Client& store = *store_ptr;
+  std::optional<ThroughProxy> proxied(std::in_place);
   const std::string disk = own_disk("durable-retention");
   {
     auto o = durable(prefix);
@@ -409,7 +418,7 @@ TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
       world().barrier();
     }
   }
-  setenv("AWS_ENDPOINT_URL", direct.c_str(), 1);
+  proxied.reset();
   if (rank == 0) {
     std::vector<std::string> deletes;  // of step 2's objects, in the order the proxy forwarded them
     for (const auto& line : proxy_requests()) {
@@ -437,9 +446,8 @@ TEST(DurableCheckpointFaults, RetentionRemovesAStepsCommitBeforeItsFiles) {
 TEST(DurableCheckpointLines, ARollbackSavesOnANewLineThatTheNextLaunchFollows) {
   const int rank = world().rank();
   const std::string prefix = "durable-test/rollback-n" + std::to_string(world().size());
-  s3::Client store({bucket(), prefix}, s3::process_environment());
-  if (rank == 0) store.remove_all("");
-  world().barrier();
+  auto store_ptr = empty_prefix(prefix);
+  s3::Client& store = *store_ptr;
   const std::string disk = own_disk("durable-rollback");
   torch::Tensor old8, new6;
   std::string old_line, new_line;
@@ -516,9 +524,8 @@ TEST(DurableCheckpointLines, ASecondWriterOfAStepWithOtherFilesIsNotDurable) {
   const int rank = world().rank();
   const int n = world().size();
   const std::string prefix = "durable-test/two-writers-n" + std::to_string(n);
-  s3::Client store({bucket(), prefix}, s3::process_environment());
-  if (rank == 0) store.remove_all("");
-  world().barrier();
+  auto store_ptr = empty_prefix(prefix);
+  s3::Client& store = *store_ptr;
   const std::string disk = own_disk("durable-two-writers");
   fs::path step_dir;
   {
