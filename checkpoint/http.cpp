@@ -152,10 +152,12 @@ Response perform(const Request& request, const Limits& limits) {
   } else if (request.method == "POST") {
     set(c, CURLOPT_POST, 1L);
     set(c, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(has_body ? body_size : 0));
+    // In memory: given whole, so that SigV4 signs its hash (libcurl cannot hash what a callback reads).
+    if (!request.read_body) set(c, CURLOPT_POSTFIELDS, request.body.data());
   } else if (request.method != "GET") {
     set(c, CURLOPT_CUSTOMREQUEST, request.method.c_str());
   }
-  if (request.method == "PUT" || request.method == "POST") {
+  if (request.method == "PUT" || (request.method == "POST" && request.read_body)) {
     set(c, CURLOPT_READFUNCTION, on_read);
     set(c, CURLOPT_READDATA, &transfer);
     set(c, CURLOPT_SEEKFUNCTION, on_seek);
@@ -186,6 +188,8 @@ Response perform(const Request& request, const Limits& limits) {
                                : !transfer.read_error.empty() ? "reading the body: " + transfer.read_error
                                                               : std::string(curl_easy_strerror(rc)) + (error[0] ? std::string(": ") + error : "");
   }  // an incomplete response is no response: status stays 0
+  curl_off_t connect_us = 0;
+  response.connected = curl_easy_getinfo(c, CURLINFO_CONNECT_TIME_T, &connect_us) == CURLE_OK && connect_us > 0;
   if (!request.user_password.empty()) curl_easy_setopt(c, CURLOPT_USERPWD, "");  // no secret left in the handle
   return response;
 }

@@ -60,6 +60,7 @@ struct Response {
   long status = 0;           // HTTP status; 0 when no response arrived
   std::string transport_error;  // why no (complete) response arrived: curl's words ("" when one did)
   bool timed_out = false;    // the connect timeout, the stall limit or the overall limit ended it
+  bool connected = false;    // a connection to the server was made (it may still not have answered)
   bool cancelled = false;    // Request::cancelled ended it
   std::string body;          // unless Request::write_body took it
   std::map<std::string, std::string> headers;  // response headers, names in lower case

@@ -55,6 +55,8 @@ std::string retry_reason(const http::Response& r) {
   if (r.status == 0) return error_text(r);
   if (r.status >= 500 || r.status == 429 || r.status == 408) return error_text(r);
   if (r.status == 400 && error_code(r.body) == "RequestTimeout") return error_text(r);
+  // The bytes the store received do not match the body's Content-MD5: damaged on the way, sent again.
+  if (r.status == 400 && error_code(r.body) == "BadDigest") return error_text(r);
   // A conditional write racing another operation on the key (S3: "retry the request").
   if (r.status == 409 && error_code(r.body) == "ConditionalRequestConflict") return error_text(r);
   return "";
@@ -125,7 +127,9 @@ Client::~Client() {
 }
 
 std::string Client::describe() {
-  return location_.uri() + " at " + endpoint_ + " (region " + credentials_.settings().region + ")";
+  const std::string source = credentials_.source();
+  return location_.uri() + " at " + endpoint_ + " (region " + credentials_.settings().region +
+         (source.empty() ? "" : ", credentials from " + source) + ")";
 }
 
 std::string Client::bucket_url(const std::string& query) const {
@@ -220,7 +224,8 @@ void Client::expect_ok(const http::Response& r, const std::string& what, bool al
 }
 
 void Client::check_access() {
-  std::string where = describe();
+  const std::string source = credentials_.get().source;  // a source that fails says why itself
+  const std::string where = describe();
   http::Response r;
   try {
     r = send("list " + location_.uri(), [&] {
@@ -233,7 +238,6 @@ void Client::check_access() {
                 "; fix: check AWS_ENDPOINT_URL (or the network, or the region)");
   }
   std::string code = error_code(r.body);
-  std::string source = credentials_.get().source;
   TORCH_CHECK(r.status != 403 || code != "InvalidAccessKeyId", "S3: ", where, " does not know the access key ID from ",
               source, "; fix: use a key of this store (AWS_ACCESS_KEY_ID or the profile)");
   TORCH_CHECK(r.status != 403 || code != "SignatureDoesNotMatch", "S3: ", where,

@@ -12,14 +12,24 @@
 //   2. a web identity (EKS): AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN,
 //      exchanged with STS (AssumeRoleWithWebIdentity; AWS_ENDPOINT_URL_STS);
 //   3. the profile AWS_PROFILE (default "default") in ~/.aws/credentials and
-//      ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE): static keys,
-//      or web_identity_token_file with role_arn;
-//   4. the EC2 instance metadata service, IMDSv2 (AWS_EC2_METADATA_SERVICE_ENDPOINT;
+//      ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE): role_arn
+//      assumed (STS AssumeRole) with the credentials of source_profile or of
+//      credential_source (Environment, Ec2InstanceMetadata, EcsContainer); static
+//      keys; or web_identity_token_file with role_arn (a profile whose credential_source
+//      is Environment comes before 1: the environment's keys are there to assume its role);
+//   4. the container's credentials endpoint (ECS task roles, EKS Pod Identity):
+//      AWS_CONTAINER_CREDENTIALS_RELATIVE_URI (on 169.254.170.2) or
+//      AWS_CONTAINER_CREDENTIALS_FULL_URI (https, or http to a loopback or the
+//      ECS/EKS agent's address), with AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE or
+//      AWS_CONTAINER_AUTHORIZATION_TOKEN as its Authorization;
+//   5. the EC2 instance metadata service, IMDSv2 (AWS_EC2_METADATA_SERVICE_ENDPOINT;
 //      off with AWS_EC2_METADATA_DISABLED=true): a spot instance's role.
-// Temporary credentials (2 and 4, and STS-issued ones) are fetched again from
+// Temporary credentials (2, 4, 5, and STS-issued ones) are fetched again from
 // their source before they expire. A source that is configured but fails (an
 // unreadable token file, a profile that does not exist, STS refusing the
 // token) is an error naming it, not a silent fall-through to the next source.
+// What may pass (no answer, a 5xx, STS throttling) is tried again with backoff
+// before it is an error: a thousand ranks starting at once throttle STS.
 // No message of this module ever contains a secret or a session token.
 // Thread-safe.
 #pragma once
@@ -62,6 +72,12 @@ struct CredentialOptions {
   // Each request to the metadata service or STS. Default: connect in 1 s, all of it in 5 s.
   http::Limits service_limits{std::chrono::milliseconds(1000), 1, std::chrono::milliseconds(5000),
                               std::chrono::milliseconds(5000)};
+  // A fetch that may pass (no answer, 5xx, throttling) is tried this many times, waiting
+  // backoff, 2 x backoff, ... (each from half to the whole of it) in between. Default: 5, from 0.25 s.
+  int service_attempts = 5;
+  std::chrono::milliseconds service_backoff{250};
+  // The ECS agent, where AWS_CONTAINER_CREDENTIALS_RELATIVE_URI points.
+  std::string container_endpoint = "http://169.254.170.2";
 };
 
 class CredentialChain {
@@ -75,22 +91,42 @@ class CredentialChain {
   // fetches anew, unless another thread has fetched others since.
   void expire(const std::string& access_key_id);
   const Settings& settings() const { return settings_; }
+  // Where the current credentials came from ("" before the first get()).
+  std::string source();
 
  private:
-  enum class Source { kNone, kEnvironment, kWebIdentity, kProfile, kProfileWebIdentity, kMetadata };
+  enum class Source {
+    kNone, kEnvironment, kWebIdentity, kProfileRole, kProfile, kProfileWebIdentity, kContainer, kMetadata
+  };
+  struct Profile {
+    std::map<std::string, std::string> keys;  // the credentials file's over the config file's
+    std::string where;                        // the files it was read from, for messages
+    bool found = false;
+    std::optional<std::string> value(const std::string& key) const;
+  };
   // The first source with credentials (in the order above); sets source_.
   Credentials resolve();
+  // One try; a failure that may pass throws TransientError (s3_credentials.cpp).
   Credentials fetch(Source source);
+  // fetch(), tried again while it fails in a way that may pass.
+  Credentials fetch_retrying(Source source);
   Credentials web_identity(const std::string& token_file, const std::string& role_arn, const std::string& session,
                            const std::string& where);
+  // The profile's role_arn, assumed with its source_profile's or credential_source's credentials.
+  Credentials assume_role(const std::string& profile_name, int depth);
+  // An STS action's credentials (signed with `signer`'s, or unsigned when none).
+  Credentials sts(const std::string& action, const std::string& form, const std::string& role_arn,
+                  const std::string& where, const Credentials* signer);
+  Credentials container();
   Credentials instance_metadata();
-  std::optional<std::string> profile_value(const std::string& key) const;
+  Profile profile(const std::string& name) const;
 
   Environment env_;
   CredentialOptions options_;
   Settings settings_;
-  std::map<std::string, std::string> profile_;  // the profile's keys (credentials file over config file)
-  std::string profile_where_;                   // the files it was read from, for messages
+  std::string credentials_path_, config_path_;
+  std::map<std::string, std::map<std::string, std::string>> credentials_file_, config_file_;
+  Profile profile_;  // AWS_PROFILE's
   std::mutex mu_;                               // guards source_, current_
   Source source_ = Source::kNone;
   std::optional<Credentials> current_;

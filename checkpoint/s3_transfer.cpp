@@ -6,6 +6,7 @@
 
 #include <boost/asio/post.hpp>
 #include <c10/util/Exception.h>
+#include <openssl/evp.h>
 #include <pugixml.hpp>
 
 #include <fcntl.h>
@@ -14,9 +15,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace zeroshard::ckpt::s3 {
 
@@ -29,15 +33,49 @@ struct File {
   }
 };
 
+// "Content-MD5: ..." for a body (OpenSSL's MD5, base64): the store checks the bytes it receives
+// against it and refuses damaged ones (400 BadDigest, which send() retries), so nothing damaged
+// on the way is ever committed. `read` gives the body in order, calling `update` on each piece.
+std::string content_md5(const std::function<void(const std::function<void(const char*, size_t)>&)>& read) {
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  TORCH_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_md5(), nullptr) == 1, "S3 upload: OpenSSL cannot start an MD5");
+  read([&](const char* data, size_t n) { EVP_DigestUpdate(ctx.get(), data, n); });
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  TORCH_CHECK(EVP_DigestFinal_ex(ctx.get(), digest, &size) == 1, "S3 upload: OpenSSL cannot finish an MD5");
+  unsigned char base64[4 * ((EVP_MAX_MD_SIZE + 2) / 3) + 1];
+  const int length = EVP_EncodeBlock(base64, digest, static_cast<int>(size));
+  return "Content-MD5: " + std::string(reinterpret_cast<const char*>(base64), static_cast<size_t>(length));
+}
+
+std::string content_md5(const std::string& bytes) {
+  return content_md5([&](const auto& update) { update(bytes.data(), bytes.size()); });
+}
+
+// Of the `size` bytes at `offset` of the open file `fd` (`path`, for messages).
+std::string content_md5(int fd, int64_t offset, int64_t size, const std::string& path) {
+  return content_md5([&](const auto& update) {
+    std::vector<char> buffer(static_cast<size_t>(std::min<int64_t>(size, 1 << 20)));
+    for (int64_t at = 0; at < size;) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(buffer.size()), size - at);
+      read_file_range(fd, buffer.data(), n, offset + at, path);
+      update(buffer.data(), static_cast<size_t>(n));
+      at += n;
+    }
+  });
+}
+
 }  // namespace
 
 void Client::put(const std::string& name, const std::string& bytes) {
   std::string key = location_.key(name);
+  const std::string md5 = content_md5(bytes);
   auto r = send("PUT " + location_.uri() + "/" + name, [&] {
     http::Request q;
     q.method = "PUT";
     q.url = url(key);
     q.body = bytes;
+    q.headers = {md5};
     return q;
   });
   expect_ok(r, "PUT " + location_.bucket + "/" + key);
@@ -45,12 +83,13 @@ void Client::put(const std::string& name, const std::string& bytes) {
 
 bool Client::put_if_absent(const std::string& name, const std::string& bytes) {
   std::string key = location_.key(name);
+  const std::string md5 = content_md5(bytes);
   auto r = send("conditional PUT " + location_.bucket + "/" + key, [&] {
     http::Request q;
     q.method = "PUT";
     q.url = url(key);
     q.body = bytes;
-    q.headers = {"If-None-Match: *"};
+    q.headers = {"If-None-Match: *", md5};
     return q;
   });
   if (r.status == 412) return false;  // (a 409 ConditionalRequestConflict was retried by send())
@@ -69,6 +108,7 @@ bool Client::upload_file(const std::string& name, const std::string& path, bool 
   std::string key = location_.key(name);
   if (size > options_.part_bytes) return multipart_upload(key, path, size, if_absent, progress);
   std::string what = "PUT " + location_.bucket + "/" + key + " from " + path;
+  const std::string md5 = content_md5(f.fd, 0, size, path);
   auto r = send(what, [&] {
     http::Request q;
     q.method = "PUT";
@@ -79,7 +119,8 @@ bool Client::upload_file(const std::string& name, const std::string& path, bool 
       read_file_range(fd, buffer, static_cast<int64_t>(n), offset, path);
       return n;
     };
-    if (if_absent) q.headers = {"If-None-Match: *"};
+    q.headers = {md5};
+    if (if_absent) q.headers.push_back("If-None-Match: *");
     return q;
   });
   if (if_absent && r.status == 412) return false;
@@ -144,10 +185,12 @@ std::vector<std::string> Client::upload_parts(const std::string& key, const std:
   parallel_for(parts, [&](int64_t i) {
     int64_t begin = i * part, n = std::min(part, size - begin);
     std::string what = "PUT part " + std::to_string(i + 1) + " of " + std::to_string(parts) + " of " + object;
+    const std::string md5 = content_md5(f.fd, begin, n, path);
     auto r = send(what, [&] {
       http::Request q;
       q.method = "PUT";
       q.url = url(key, "partNumber=" + std::to_string(i + 1) + "&" + id_query);
+      q.headers = {md5};
       q.body_size = n;
       int fd = f.fd;
       q.read_body = [fd, begin, path](int64_t offset, char* buffer, size_t len) {

@@ -90,7 +90,7 @@ if(ZS_TORCH_LINK_DIRS)
   string(JOIN ":" _zs_rpath_link ${ZS_TORCH_LINK_DIRS})
   list(APPEND _zs_pc_libs "-Wl,-rpath-link,${_zs_rpath_link}")
 endif()
-list(APPEND _zs_pc_libs "${ZS_XXHASH_LIBRARY}" "${ZS_HDF5_LIBRARY}" "${ZS_CURL_LIBRARY}" "${ZS_PUGIXML_LIBRARY}")
+list(APPEND _zs_pc_libs "${ZS_XXHASH_LIBRARY}" "${ZS_HDF5_LIBRARY}" "${ZS_CURL_LIBRARY}" "${ZS_PUGIXML_LIBRARY}" "${ZS_CRYPTO_LIBRARY}")
 list(APPEND _zs_pc_libs -lspdlog -lfmt -fopenmp -pthread)
 # A library named by its path (the wheel's CUDA runtime and NCCL) is found at run time only
 # where the program's RPATH says, as CMake's package arranges for its consumers: the same here,

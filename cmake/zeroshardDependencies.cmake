@@ -33,8 +33,9 @@
 #   Sets ZS_XXHASH_INCLUDE_DIR.
 #
 # zs_find_object_store_deps()
-#   Defines zs_dep::curl (libcurl: the durable tier's HTTP and SigV4) and zs_dep::pugixml
-#   (the S3 API's XML answers). Sets ZS_CURL_LIBRARY, ZS_PUGIXML_LIBRARY.
+#   Defines zs_dep::curl (libcurl: the durable tier's HTTP and SigV4), zs_dep::pugixml
+#   (the S3 API's XML answers) and zs_dep::crypto (OpenSSL's libcrypto: uploads' Content-MD5).
+#   Sets ZS_CURL_LIBRARY, ZS_PUGIXML_LIBRARY, ZS_CRYPTO_LIBRARY.
 
 macro(zs_find_torch)
   if(NOT TARGET torch)
@@ -155,19 +156,21 @@ function(zs_find_hdf5)
                      "install libhdf5-dev (scripts/install-deps.sh)")
 endfunction()
 
+# A system library found by its header and its name, imported as `target` (cache variables
+# ZS_<var>_INCLUDE_DIR, ZS_<var>_LIBRARY); a missing one stops the configure naming `package`.
+function(_zs_find_system_library target var header name what package)
+  find_path(ZS_${var}_INCLUDE_DIR ${header})
+  find_library(ZS_${var}_LIBRARY ${name})
+  set(_zs_library "${ZS_${var}_LIBRARY}")
+  if(NOT ZS_${var}_INCLUDE_DIR)
+    set(_zs_library "")
+  endif()
+  _zs_import_library(${target} "${_zs_library}" "${what} (${header} and lib${name})"
+                     "install ${package} (scripts/install-deps.sh)")
+endfunction()
+
 function(zs_find_object_store_deps)
-  find_path(ZS_CURL_INCLUDE_DIR curl/curl.h)
-  find_library(ZS_CURL_LIBRARY curl)
-  if(NOT ZS_CURL_INCLUDE_DIR)
-    set(ZS_CURL_LIBRARY "")
-  endif()
-  _zs_import_library(zs_dep::curl "${ZS_CURL_LIBRARY}" "libcurl (curl/curl.h and libcurl)"
-                     "install libcurl4-openssl-dev (scripts/install-deps.sh)")
-  find_path(ZS_PUGIXML_INCLUDE_DIR pugixml.hpp)
-  find_library(ZS_PUGIXML_LIBRARY pugixml)
-  if(NOT ZS_PUGIXML_INCLUDE_DIR)
-    set(ZS_PUGIXML_LIBRARY "")
-  endif()
-  _zs_import_library(zs_dep::pugixml "${ZS_PUGIXML_LIBRARY}" "pugixml (pugixml.hpp and libpugixml)"
-                     "install libpugixml-dev (scripts/install-deps.sh)")
+  _zs_find_system_library(zs_dep::curl CURL curl/curl.h curl "libcurl" libcurl4-openssl-dev)
+  _zs_find_system_library(zs_dep::pugixml PUGIXML pugixml.hpp pugixml "pugixml" libpugixml-dev)
+  _zs_find_system_library(zs_dep::crypto CRYPTO openssl/evp.h crypto "OpenSSL's libcrypto" libssl-dev)
 endfunction()

@@ -26,8 +26,9 @@ packages=(
   libcli11-dev nlohmann-json3-dev libxxhash-dev
   # the BART trainer's corpus inputs: JSON lines, gzip and zstd shards (zstd's CLI makes the tests' shards)
   libsimdjson-dev zlib1g-dev libzstd-dev zstd
-  # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates
-  libcurl4-openssl-dev libpugixml-dev ca-certificates
+  # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates,
+  # uploads' Content-MD5 (OpenSSL's libcrypto)
+  libcurl4-openssl-dev libpugixml-dev ca-certificates libssl-dev
   # the S3 store of the tests: curl signs its readiness probe (tests/checkpoint/s3_store.py)
   curl
   # tests and benchmarks (xxhash's CLI is an independent oracle; binutils' nm checks symbols)

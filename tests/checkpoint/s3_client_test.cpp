@@ -82,6 +82,33 @@ int count_of(const std::string& log, const std::string& needle) {
 
 Environment store_env() { return process_environment(); }
 
+// The store's environment without credentials of its own, HOME at `home`.
+Environment no_credentials(const std::string& home) {
+  auto env = store_env();
+  for (const char* v : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                        "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"}) {
+    env.erase(v);
+  }
+  env["HOME"] = home;
+  return env;
+}
+
+// The chain of `env` finds credentials from `source` (a part of its description), and the store
+// takes them: an object put with them reads back.
+Credentials works_with(const Environment& env, const std::string& source, CredentialOptions options = {}) {
+  CredentialChain chain(env, options);
+  Credentials got = chain.get();
+  EXPECT_NE(got.source.find(source), std::string::npos) << got.source;
+  ClientOptions o;
+  o.credentials = options;
+  Client c(fresh("chain"), env, o);
+  c.put("x", source);
+  EXPECT_EQ(c.get("x").value(), source);
+  EXPECT_NE(c.describe().find("credentials from " + got.source), std::string::npos) << c.describe();
+  c.remove_all("");
+  return got;
+}
+
 TEST(S3Client, PutGetHeadRangeListAndRemove) {
   Client c(fresh("basic"), store_env());
   c.check_access();
@@ -430,26 +457,12 @@ TEST(S3Client, ACompleteThatFailsLateOrLosesItsAnswerIsNotAFailedUpload) {
 // Each source of the chain, with the fake services handing out identity "other".
 TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
   std::string home = testing::make_temp_dir("s3-home");
-  auto base = store_env();
-  for (const char* v : {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                        "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"}) {
-    base.erase(v);
-  }
-  base["HOME"] = home;
-  auto works = [&](const Environment& env, const std::string& source) {
-    CredentialChain chain(env);
-    Credentials got = chain.get();
-    EXPECT_NE(got.source.find(source), std::string::npos) << got.source;
-    Client c(fresh("chain"), env);
-    c.put("x", source);
-    EXPECT_EQ(c.get("x").value(), source);
-    c.remove_all("");
-    return got;
-  };
+  const auto base = no_credentials(home);
+  auto works = [](const Environment& env, const std::string& source) { return works_with(env, source); };
   // Nothing anywhere: every source named.
   {
     std::string m = error_of([&] { CredentialChain(base).get(); });
-    for (const char* s : {"environment", "web identity", "profile 'default'", "instance metadata"}) {
+    for (const char* s : {"environment", "web identity", "profile 'default'", "container", "instance metadata"}) {
       EXPECT_NE(m.find(s), std::string::npos) << s << " in: " << m;
     }
   }
@@ -551,6 +564,204 @@ TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
     control("/control/expiry", "3600");
   }
   std::filesystem::remove_all(home);
+}
+
+// The container's credentials (ECS task roles, EKS Pod Identity) come before the instance's role,
+// which a pod or task would otherwise act as; the fake endpoint checks the Authorization token.
+TEST(S3Client, CredentialsComeFromTheContainerBeforeTheInstance) {
+  const std::string home = testing::make_temp_dir("s3-home");
+  const std::string fake = env_or_fail("ZS_TEST_FAKE_AWS"), token = env_or_fail("ZS_TEST_CONTAINER_TOKEN");
+  auto env = no_credentials(home);
+  env.erase("AWS_EC2_METADATA_DISABLED");
+  env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = fake;  // an instance role is there too
+  const int imds = count_of(control("/control/log"), "imds credentials");
+  // EKS Pod Identity: a full URI and a token file.
+  env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = fake + "/container/credentials";
+  std::ofstream(home + "/pod-token") << token << "\n";
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] = home + "/pod-token";
+  const int container = count_of(control("/control/log"), "container credentials");
+  auto got = works_with(env, "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI");
+  EXPECT_TRUE(got.expiration.has_value());
+  EXPECT_NE(got.source.find("role/zeroshard-checkpoints"), std::string::npos) << got.source;
+  EXPECT_GE(count_of(control("/control/log"), "container credentials"), container + 1);
+  // The token in the environment instead of a file.
+  env.erase("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE");
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = token;
+  works_with(env, "container credentials");
+  // A wrong token: an error naming the endpoint, never the instance's role instead, never the token.
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = "wrong-token-7f3a";
+  std::string m = error_of([&] { CredentialChain(env).get(); });
+  EXPECT_NE(m.find("container credentials endpoint"), std::string::npos) << m;
+  EXPECT_NE(m.find("HTTP 401"), std::string::npos) << m;
+  EXPECT_EQ(m.find("7f3a"), std::string::npos) << "a token in a message: " << m;
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = "a\nb";
+  m = error_of([&] { CredentialChain(env).get(); });
+  EXPECT_NE(m.find("line break"), std::string::npos) << m;
+  // ECS: a path on the agent's address (here the fake's).
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = token;
+  env.erase("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+  env["AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"] = "/container/credentials";
+  CredentialOptions agent;
+  agent.container_endpoint = fake;
+  works_with(env, "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", agent);
+  // Plain HTTP to another host would send the credentials in the clear: refused, nothing asked.
+  env.erase("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
+  env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = "http://192.0.2.1/credentials";
+  m = error_of([&] { CredentialChain(env).get(); });
+  EXPECT_NE(m.find("plain HTTP to another host"), std::string::npos) << m;
+  EXPECT_EQ(count_of(control("/control/log"), "imds credentials"), imds) << "the instance's role was used";
+  std::filesystem::remove_all(home);
+}
+
+// role_arn in a profile, assumed (STS AssumeRole, its SigV4 signature checked by the fake STS)
+// with the credentials of source_profile or credential_source; what cannot work is refused by name.
+TEST(S3Client, AProfileAssumesItsRoleWithItsSourceCredentials) {
+  const std::string home = testing::make_temp_dir("s3-home");
+  const std::string fake = env_or_fail("ZS_TEST_FAKE_AWS");
+  std::filesystem::create_directories(home + "/.aws");
+  std::ofstream(home + "/.aws/credentials") << "[base]\naws_access_key_id = testkey\naws_secret_access_key = testsecret\n"
+                                               "[badsecret]\naws_access_key_id = testkey\n"
+                                               "aws_secret_access_key = not-the-secret-9c1d\n";
+  const std::string arn = "arn:aws:iam::123456789012:role/";
+  std::ofstream(home + "/.aws/config")
+      << "[profile ckpt]\nrole_arn = " << arn << "ckpt\nsource_profile = base\nrole_session_name = trainer\n"
+      << "external_id = ext-7\n"
+      << "[profile chained]\nrole_arn = " << arn << "next\nsource_profile = ckpt\n"
+      << "[profile from-env]\nrole_arn = " << arn << "env\ncredential_source = Environment\n"
+      << "[profile from-imds]\nrole_arn = " << arn << "imds\ncredential_source = Ec2InstanceMetadata\n"
+      << "[profile from-container]\nrole_arn = " << arn << "task\ncredential_source = EcsContainer\n"
+      << "[profile wrong-signature]\nrole_arn = " << arn << "ckpt\nsource_profile = badsecret\n"
+      << "[profile both]\nrole_arn = " << arn << "x\nsource_profile = base\ncredential_source = Environment\n"
+      << "[profile mfa]\nrole_arn = " << arn << "x\nsource_profile = base\nmfa_serial = arn:aws:iam::1:mfa/u\n"
+      << "[profile alone]\nrole_arn = " << arn << "x\n"
+      << "[profile lambda]\nrole_arn = " << arn << "x\ncredential_source = Lambda\n"
+      << "[profile missing]\nrole_arn = " << arn << "x\nsource_profile = nope\n"
+      << "[profile loop-a]\nrole_arn = " << arn << "a\nsource_profile = loop-b\n"
+      << "[profile loop-b]\nrole_arn = " << arn << "b\nsource_profile = loop-a\n";
+  auto env = no_credentials(home);
+  env["AWS_ENDPOINT_URL_STS"] = fake;
+  auto log = [] { return control("/control/log"); };
+  env["AWS_PROFILE"] = "ckpt";
+  int before = count_of(log(), "assume-role " + arn + "ckpt trainer by testkey external-id ext-7");
+  works_with(env, "assumed role " + arn + "ckpt (profile 'ckpt', with profile 'base'");
+  EXPECT_GT(count_of(log(), "assume-role " + arn + "ckpt trainer by testkey external-id ext-7"), before);
+  // A role assumed with another role's credentials.
+  env["AWS_PROFILE"] = "chained";
+  before = count_of(log(), "assume-role " + arn + "next zeroshard by otherkey");
+  works_with(env, "assumed role " + arn + "next");
+  EXPECT_GT(count_of(log(), "assume-role " + arn + "next zeroshard by otherkey"), before);
+  // credential_source: the environment's keys (the role, not the keys themselves), the instance's, the container's.
+  env["AWS_PROFILE"] = "from-env";
+  env["AWS_ACCESS_KEY_ID"] = "testkey";
+  env["AWS_SECRET_ACCESS_KEY"] = "testsecret";
+  works_with(env, "assumed role " + arn + "env");
+  env.erase("AWS_ACCESS_KEY_ID");
+  env.erase("AWS_SECRET_ACCESS_KEY");
+  {
+    auto imds = env;
+    imds["AWS_PROFILE"] = "from-imds";
+    imds.erase("AWS_EC2_METADATA_DISABLED");
+    imds["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = fake;
+    before = count_of(log(), "assume-role " + arn + "imds zeroshard by otherkey");
+    works_with(imds, "assumed role " + arn + "imds (profile 'from-imds', with instance metadata");
+    EXPECT_GT(count_of(log(), "assume-role " + arn + "imds zeroshard by otherkey"), before);
+    auto task = env;
+    task["AWS_PROFILE"] = "from-container";
+    task["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = fake + "/container/credentials";
+    task["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = env_or_fail("ZS_TEST_CONTAINER_TOKEN");
+    works_with(task, "assumed role " + arn + "task (profile 'from-container', with container credentials");
+  }
+  // A signature STS does not accept: its refusal, not the secret.
+  env["AWS_PROFILE"] = "wrong-signature";
+  std::string m = error_of([&] { CredentialChain(env).get(); });
+  EXPECT_NE(m.find("SignatureDoesNotMatch"), std::string::npos) << m;
+  EXPECT_EQ(m.find("9c1d"), std::string::npos) << "a secret in a message: " << m;
+  // What cannot work, each by name.
+  for (const auto& [profile, says] : std::vector<std::pair<std::string, std::string>>{
+           {"both", "both source_profile and credential_source"},
+           {"mfa", "mfa_serial"},
+           {"alone", "role_arn but nothing to assume it with"},
+           {"lambda", "credential_source 'Lambda' is not one of"},
+           {"missing", "source_profile 'nope' is in neither"},
+           {"loop-a", "in a circle"}}) {
+    env["AWS_PROFILE"] = profile;
+    m = error_of([&] { CredentialChain(env).get(); });
+    EXPECT_NE(m.find(says), std::string::npos) << profile << ": " << m;
+  }
+  std::filesystem::remove_all(home);
+}
+
+// A thousand ranks starting at once throttle STS; a slow or failing agent answers 5xx: a fetch
+// that may pass is tried again with backoff, and one that keeps failing says so, with the count.
+TEST(S3Client, ACredentialFetchThatMayPassIsTriedAgain) {
+  const std::string home = testing::make_temp_dir("s3-home");
+  const std::string fake = env_or_fail("ZS_TEST_FAKE_AWS");
+  auto log = [] { return control("/control/log"); };
+  auto env = no_credentials(home);
+  std::ofstream(home + "/token") << env_or_fail("ZS_TEST_WEB_IDENTITY_TOKEN") << "\n";
+  env["AWS_WEB_IDENTITY_TOKEN_FILE"] = home + "/token";
+  env["AWS_ROLE_ARN"] = "arn:aws:iam::123456789012:role/ckpt";
+  env["AWS_ENDPOINT_URL_STS"] = fake;
+  int throttled = count_of(log(), "sts throttled"), answered = count_of(log(), "sts arn:aws:iam::123456789012:role/ckpt");
+  control("/control/service-faults", "throttle 2");
+  EXPECT_EQ(error_of([&] { CredentialChain(env).get(); }), "(no error)");
+  EXPECT_EQ(count_of(log(), "sts throttled"), throttled + 2);
+  EXPECT_EQ(count_of(log(), "sts arn:aws:iam::123456789012:role/ckpt"), answered + 1);
+  CredentialOptions three;
+  three.service_attempts = 3;
+  control("/control/service-faults", "throttle 5");
+  std::string m = error_of([&] { CredentialChain(env, three).get(); });
+  EXPECT_NE(m.find("Throttling"), std::string::npos) << m;
+  EXPECT_NE(m.find("3 attempt(s)"), std::string::npos) << m;
+  control("/control/service-faults", "throttle 0");
+  // The container agent and the instance metadata service answering 503 once.
+  env.erase("AWS_WEB_IDENTITY_TOKEN_FILE");
+  env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = fake + "/container/credentials";
+  env["AWS_CONTAINER_AUTHORIZATION_TOKEN"] = env_or_fail("ZS_TEST_CONTAINER_TOKEN");
+  throttled = count_of(log(), "container throttled");
+  control("/control/service-faults", "throttle 1");
+  EXPECT_EQ(error_of([&] { CredentialChain(env).get(); }), "(no error)");
+  EXPECT_EQ(count_of(log(), "container throttled"), throttled + 1);
+  env.erase("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+  env.erase("AWS_EC2_METADATA_DISABLED");
+  env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = fake;
+  throttled = count_of(log(), "imds throttled");
+  control("/control/service-faults", "throttle 1");
+  EXPECT_EQ(error_of([&] { CredentialChain(env).get(); }), "(no error)");
+  EXPECT_EQ(count_of(log(), "imds throttled"), throttled + 1);
+  control("/control/service-faults", "throttle 0");
+  std::filesystem::remove_all(home);
+}
+
+// Every upload carries its Content-MD5: bytes damaged on the way (the proxy changes one byte of
+// the body) are refused by the store itself (400 BadDigest) and sent again, so what is stored is
+// what was sent; without the header the store would keep the damaged bytes.
+TEST(S3Client, BytesDamagedOnTheWayAreRefusedByTheStoreAndSentAgain) {
+  auto env = store_env();
+  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  ClientOptions o;
+  o.part_bytes = 5 << 20;
+  o.parallel = 2;
+  o.backoff_base = 10ms;
+  Client c(fresh("damaged"), env, o);
+  const std::string dir = testing::make_temp_dir("s3-damaged");
+  const std::string small = random_bytes(100000, 11), large = random_bytes((12 << 20) + 7, 12);
+  const int refused = count_of(control("/control/log"), "\"corrupt\", 400]");
+  control("/control/faults", "corrupt 1");
+  c.put("small", small);
+  control("/control/faults", "corrupt 1");
+  EXPECT_TRUE(c.put_if_absent("conditional", small));
+  control("/control/faults", "corrupt 1");
+  ASSERT_TRUE(c.upload_file("single", write_file(dir, "single", small), false, nullptr));
+  control("/control/faults", "pass 1; corrupt 2");  // two of the three parts, after the start
+  ASSERT_TRUE(c.upload_file("parts", write_file(dir, "parts", large), true, nullptr));
+  EXPECT_EQ(count_of(control("/control/log"), "\"corrupt\", 400]"), refused + 5) << control("/control/log");
+  EXPECT_TRUE(c.get("small").value() == small);
+  EXPECT_TRUE(c.get("conditional").value() == small);
+  EXPECT_TRUE(c.get("single").value() == small);
+  EXPECT_TRUE(c.get("parts").value() == large);
+  c.remove_all("");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

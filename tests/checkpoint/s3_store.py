@@ -14,7 +14,9 @@ The command's environment:
   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY   identity "writer" (testkey / testsecret)
   AWS_REGION=us-east-1, AWS_EC2_METADATA_DISABLED=true (nothing ever asks 169.254.169.254)
   ZS_TEST_S3_PROXY         the same store through the fault proxy
-  ZS_TEST_FAKE_AWS         the fake services: /latest/... (IMDSv2), / (STS, POST), /control/...
+  ZS_TEST_FAKE_AWS         the fake services: /latest/... (IMDSv2), /container/credentials (the ECS/EKS
+                           container endpoint; Authorization ZS_TEST_CONTAINER_TOKEN), / (STS, POST:
+                           AssumeRoleWithWebIdentity, and AssumeRole with its SigV4 signature checked), /control/...
   ZS_TEST_S3_STORE_PID     this script: SIGUSR1 kills the store (kill -9) and starts it again on the
                            same ports and data; SIGUSR2 kills it and leaves it down until the next SIGUSR1
 Identities the store knows: writer (testkey/testsecret), other (otherkey/othersecret; what the fake
@@ -32,14 +34,20 @@ Control (POST to ZS_TEST_FAKE_AWS):
                    done), "ignore-conditions N" (it answers a request with If-None-Match 200 itself, as a
                    store that ignores the header would), "stall-all" / "trickle-all" / "ignore-conditions-all"
                    (every request from now on), "pass" (forward everything); several in order, separated
-                   by ';' ("pass 3; 200-error 1": the fourth request from now)
+                   by ';' ("pass 3; 200-error 1": the fourth request from now); "corrupt N" (it changes one byte
+                   of the body of each of the next N requests and forwards them)
+  /control/service-faults  body "throttle N" (the next N requests to STS, the container endpoint or IMDS's
+                   credentials are answered 400 Throttling from STS, 503 from the others)
   /control/expiry  body "SECONDS": credentials the fake services hand out expire this long after
   /control/log     (GET) what the fake services and the proxy saw, as JSON (the proxy's: each request's
                    line, what it did, and the store's status for a request it forwarded)
 """
 import asyncio
+import hashlib
+import hmac
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -50,7 +58,7 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 BUCKET = "ckpt"
 IDENTITIES = {"writer": ("testkey", "testsecret", ["Admin", "Read", "Write", "List", "Tagging"]),
@@ -58,6 +66,7 @@ IDENTITIES = {"writer": ("testkey", "testsecret", ["Admin", "Read", "Write", "Li
               "reader": ("readkey", "readsecret", ["Read", "List"])}
 WEB_IDENTITY_TOKEN = "eyJ0ZXN0IjoiendlYi1pZGVudGl0eSJ9.fake-service-account-token"
 ROLE = "zeroshard-checkpoints"
+CONTAINER_TOKEN = "container-authorization-token-5e1f"
 
 
 def free_port(ip="127.0.0.1"):
@@ -193,6 +202,8 @@ async def proxy_connection(reader, writer, weed, faults):
                 body += await reader.readexactly(min(length - len(body), TRICKLE if kind == "trickle" else length))
                 if kind == "trickle" and len(body) < length:
                     await asyncio.sleep(1)
+            if kind == "corrupt" and body:  # damaged on the way: one byte of the body changed
+                body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0x5A]) + body[len(body) // 2 + 1:]
             if kind == "503":
                 writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
                 await writer.drain()
@@ -216,12 +227,16 @@ async def proxy_connection(reader, writer, weed, faults):
             kept = [l for l in lines[1:] if l and not l.lower().startswith("connection:")]
             up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
             await up_writer.drain()
+            head, final = b"", None
             while True:
                 chunk = await up_reader.read(TRICKLE if kind == "trickle" else 1 << 16)
                 if not chunk:
                     break
-                if seen[2] is None and chunk.startswith(b"HTTP/"):
-                    seen[2] = int(chunk.split(b" ", 2)[1])
+                if not final:  # the status, past any "100 Continue"
+                    head += chunk
+                    codes = re.findall(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3})", head)
+                    final = next((int(c) for c in codes if not c.startswith(b"1")), None)
+                    seen[2] = final or (int(codes[-1]) if codes else None)
                 if kind == "lose-answer":
                     continue  # the store did it; the client never hears
                 writer.write(chunk)
@@ -264,15 +279,34 @@ class FakeAws(BaseHTTPRequestHandler):
     def expiration(self):
         return (datetime.now(timezone.utc) + timedelta(seconds=self.state["expiry"])).strftime("%Y-%m-%dT%H:%M:%SZ")
 
+    def service_fault(self):
+        """The next service fault ('throttle') or None."""
+        faults = self.state["service_faults"]
+        return faults.pop(0) if faults else None
+
     def do_PUT(self):
         if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
             self.state["log"].append("imds token")
             return self.reply(200, "imds-session-token")
         self.reply(400, "bad request")
 
+    def credentials_json(self, **extra):
+        key, secret, _ = IDENTITIES["other"]
+        return json.dumps({"AccessKeyId": key, "SecretAccessKey": secret, "Token": "",
+                           "Expiration": self.expiration(), **extra})
+
     def do_GET(self):
         if self.path == "/control/log":
             return self.reply(200, json.dumps({"services": self.state["log"], "proxy": self.state["faults"].seen}))
+        if self.path == "/container/credentials":
+            if self.headers.get("Authorization") != CONTAINER_TOKEN:
+                return self.reply(401, json.dumps({"message": "Authorization token is not valid"}), "application/json")
+            if self.service_fault() == "throttle":
+                self.state["log"].append("container throttled")
+                return self.reply(503, "")
+            self.state["log"].append("container credentials")
+            return self.reply(200, self.credentials_json(RoleArn=f"arn:aws:iam::123456789012:role/{ROLE}"),
+                              "application/json")
         if self.path.startswith("/latest/meta-data/iam/security-credentials/"):
             if self.headers.get("X-aws-ec2-metadata-token") != "imds-session-token":
                 return self.reply(401, "")  # IMDSv2 only
@@ -281,34 +315,81 @@ class FakeAws(BaseHTTPRequestHandler):
                 return self.reply(200, ROLE + "\n")
             if role != ROLE:
                 return self.reply(404, "")
+            if self.service_fault() == "throttle":
+                self.state["log"].append("imds throttled")
+                return self.reply(503, "")
             self.state["log"].append("imds credentials")
-            key, secret, _ = IDENTITIES["other"]
-            return self.reply(200, json.dumps({"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key,
-                                               "SecretAccessKey": secret, "Token": "",
-                                               "Expiration": self.expiration()}), "application/json")
+            return self.reply(200, self.credentials_json(Code="Success", Type="AWS-HMAC"), "application/json")
         self.reply(404, "")
 
+    def sigv4_signer(self, body):
+        """The access key whose secret signed this STS request (SigV4 checked as AWS checks it), or None."""
+        auth = self.headers.get("Authorization", "")
+        try:
+            scope = auth.split("Credential=")[1].split(",")[0].strip()
+            signed = auth.split("SignedHeaders=")[1].split(",")[0].strip()
+            signature = auth.split("Signature=")[1].strip()
+            key, date, region, service, _ = scope.split("/")
+        except (IndexError, ValueError):
+            return None
+        secret = next((s for k, s, _ in IDENTITIES.values() if k == key), None)
+        if secret is None or service != "sts":
+            return None
+        path, _, query = self.path.partition("?")
+        query = "&".join(sorted(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
+                                for k, v in (p.partition("=")[::2] for p in query.split("&") if p)))
+        headers = "".join(f"{h}:{' '.join(self.headers.get(h, '').split())}\n" for h in signed.split(";"))
+        payload = self.headers.get("x-amz-content-sha256") or hashlib.sha256(body).hexdigest()
+        canonical = "\n".join([self.command, path, query, headers, signed, payload])
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", self.headers.get("x-amz-date", ""), scope.split("/", 1)[1],
+                             hashlib.sha256(canonical.encode()).hexdigest()])
+        k = ("AWS4" + secret).encode()
+        for part in (date, region, service, "aws4_request"):
+            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+        return key if hmac.compare_digest(hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest(), signature) else None
+
+    def sts_credentials(self, action):
+        key, secret, _ = IDENTITIES["other"]
+        return self.reply(200, f"<{action}Response><{action}Result><Credentials>"
+                               f"<AccessKeyId>{key}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
+                               "<SessionToken></SessionToken>"
+                               f"<Expiration>{self.expiration()}</Expiration></Credentials>"
+                               f"</{action}Result></{action}Response>", "text/xml")
+
+    def sts_error(self, status, code, message):
+        return self.reply(status, f"<ErrorResponse><Error><Type>Sender</Type><Code>{code}</Code>"
+                                  f"<Message>{message}</Message></Error></ErrorResponse>", "text/xml")
+
     def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = raw.decode()
         if self.path == "/control/faults":
             self.state["faults"].set(body.strip())
+            return self.reply(200, "ok")
+        if self.path == "/control/service-faults":
+            kind, _, count = body.strip().partition(" ")
+            self.state["service_faults"] = [kind] * int(count or 1)
             return self.reply(200, "ok")
         if self.path == "/control/expiry":
             self.state["expiry"] = float(body)
             return self.reply(200, "ok")
         form = {k: v[0] for k, v in parse_qs(body).items()}
-        if form.get("Action") == "AssumeRoleWithWebIdentity":
+        action = form.get("Action")
+        if action in ("AssumeRoleWithWebIdentity", "AssumeRole") and self.service_fault() == "throttle":
+            self.state["log"].append(f"sts throttled {action}")
+            return self.sts_error(400, "Throttling", "Rate exceeded")
+        if action == "AssumeRoleWithWebIdentity":
             if form.get("WebIdentityToken") != WEB_IDENTITY_TOKEN:
-                return self.reply(400, "<ErrorResponse><Error><Type>Sender</Type><Code>InvalidIdentityToken</Code>"
-                                       "<Message>The web identity token is not valid</Message></Error></ErrorResponse>",
-                                  "text/xml")
+                return self.sts_error(400, "InvalidIdentityToken", "The web identity token is not valid")
             self.state["log"].append(f"sts {form.get('RoleArn')} {form.get('RoleSessionName')}")
-            key, secret, _ = IDENTITIES["other"]
-            return self.reply(200, "<AssumeRoleWithWebIdentityResponse><AssumeRoleWithWebIdentityResult><Credentials>"
-                                   f"<AccessKeyId>{key}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
-                                   "<SessionToken></SessionToken>"
-                                   f"<Expiration>{self.expiration()}</Expiration></Credentials>"
-                                   "</AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>", "text/xml")
+            return self.sts_credentials(action)
+        if action == "AssumeRole":
+            signer = self.sigv4_signer(raw)
+            if signer is None:
+                return self.sts_error(403, "SignatureDoesNotMatch", "The request signature we calculated does not match")
+            self.state["log"].append(f"assume-role {form.get('RoleArn')} {form.get('RoleSessionName')} by {signer}"
+                                     + (f" external-id {form['ExternalId']}" if "ExternalId" in form else ""))
+            return self.sts_credentials(action)
         self.reply(400, "unknown action")
 
 
@@ -334,7 +415,7 @@ def main():
     root = tempfile.mkdtemp(prefix="zs-s3-store.")
     weed = Weed(weed_binary, root, ip, s3_port)
     faults = Faults()
-    FakeAws.state = {"log": [], "faults": faults, "expiry": 3600}
+    FakeAws.state = {"log": [], "faults": faults, "expiry": 3600, "service_faults": []}
     services = ThreadingHTTPServer(("127.0.0.1", 0), FakeAws)
     threading.Thread(target=services.serve_forever, daemon=True).start()
     proxy_port, ready = free_port(), threading.Event()
@@ -358,9 +439,10 @@ def main():
                    ZS_TEST_S3_PROXY=f"http://127.0.0.1:{proxy_port}",
                    ZS_TEST_FAKE_AWS=f"http://127.0.0.1:{services.server_address[1]}",
                    ZS_TEST_S3_STORE_PID=str(os.getpid()), ZS_TEST_WEB_IDENTITY_TOKEN=WEB_IDENTITY_TOKEN,
-                   ZS_TEST_ROLE=ROLE)
+                   ZS_TEST_ROLE=ROLE, ZS_TEST_CONTAINER_TOKEN=CONTAINER_TOKEN)
         for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                     "AWS_ROLE_ARN"):
+                     "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"):
             env.pop(name, None)
         signal.signal(signal.SIGUSR1, restart)
         signal.signal(signal.SIGUSR2, restart)
