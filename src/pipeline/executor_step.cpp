@@ -66,7 +66,7 @@ void PipelineExecutor::Impl::lay_out() {
   std::vector<double> v(1 + static_cast<size_t>(schedule.stages), 0.0);
   v[0] = static_cast<double>(sharded.size());
   for (auto& [stage, sh] : sharded) {
-    v[1 + static_cast<size_t>(stage)] = static_cast<double>(shard::OptimizerAccess::num_params(*sh.shards.optimizer));
+    v[1 + static_cast<size_t>(stage)] = static_cast<double>(shard::OptimizerAccess::flags_width(*sh.shards.optimizer));
   }
   auto t = at::tensor(v, at::kDouble);
   grid.world().control->all_reduce(t, ReduceOp::kSum)->wait();

@@ -93,7 +93,9 @@ TEST(Blend, EachSourceExampleOncePerItsEpochAcrossWorldSizes) {
       std::iota(all.begin(), all.end(), 0);
       ASSERT_EQ(got, all) << "source " << d << " epoch " << q << ": not each example once";
     }
-    if (whole >= 2) EXPECT_NE(by_epoch[0], by_epoch[1]) << "source " << d << ": its epochs are not reshuffled";
+    if (whole >= 2) {
+      EXPECT_NE(by_epoch[0], by_epoch[1]) << "source " << d << ": its epochs are not reshuffled";
+    }
   }
 }
 

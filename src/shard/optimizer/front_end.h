@@ -44,6 +44,14 @@ class FrontEnd {
   // stats(): what the core does not know (params, param_shards, grads,
   // peak_transient, waits, traffic).
   virtual void add_stats(ShardedStats& stats) const = 0;
+  // Whether its reductions depend on how many times a gradient arrives in one backward
+  // (ZeRO-0/2): the step's agreement then carries step_arrivals() and hands back the
+  // counts every rank agrees on, so that no rank decides its collectives from its own graph.
+  virtual bool counts_arrivals() const { return false; }
+  // Per parameter: the most times its gradient arrived in one backward of this step, here (0: none).
+  virtual std::vector<int> step_arrivals() const { return {}; }
+  // Per parameter: the count every rank that had its gradient saw (-1: no rank had it). The same on every rank.
+  virtual void agreed_arrivals(const std::vector<int>& /*counts*/) {}
 };
 
 // What a front-end hands the core once its shard groups exist.

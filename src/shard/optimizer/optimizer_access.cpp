@@ -25,7 +25,7 @@ void OptimizerAccess::install_masters(ShardedOptimizer& opt) {
   opt.core_->fe().install_masters();
 }
 
-size_t OptimizerAccess::num_params(const ShardedOptimizer& opt) { return opt.core_->shards.infos.size(); }
+size_t OptimizerAccess::flags_width(const ShardedOptimizer& opt) { return opt.core_->flags_width(); }
 
 void OptimizerAccess::reduce_gradients(ShardedOptimizer& opt) {
   torch::NoGradGuard no_grad;

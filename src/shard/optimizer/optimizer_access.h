@@ -40,8 +40,9 @@ struct OptimizerAccess {
   // the same name and width that fills zeros. REQUIRES: `norms` over the
   // optimizer's data-parallel ranks. Null `norms`: back to an agreement of its own.
   static void join(ShardedOptimizer& opt, std::shared_ptr<GradientNorms> norms, std::string flags_name);
-  // The parameters it trains: its flags' slot's width.
-  static size_t num_params(const ShardedOptimizer& opt);
+  // Its flags' slot's width: per parameter it trains, whether it had a gradient (and, for
+  // ZeRO-0/2, how many times it arrived in one backward).
+  static size_t flags_width(const ShardedOptimizer& opt);
   // Finishes the step's gradient reductions, as step() does first (a
   // pipeline's REDUCE_GRAD). Waits for them; no other collective.
   static void reduce_gradients(ShardedOptimizer& opt);

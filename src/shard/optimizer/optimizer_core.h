@@ -80,6 +80,7 @@ struct ShardedOptimizer::Core {
   std::shared_ptr<shard::GradientNorms> norms;
   int64_t member = -1;  // in `norms`
   int64_t slot = -1;    // the flags' slot
+  size_t flags_width() const { return shards.infos.size() * (fe().counts_arrivals() ? 4 : 1); }
   void join(std::shared_ptr<StepAgreement> a, std::shared_ptr<shard::GradientNorms> shared, std::string flags_name) {
     leave();
     agreement = std::move(a);
@@ -89,7 +90,9 @@ struct ShardedOptimizer::Core {
     member = norms->join([this](shard::GradientNorms::Part& p) { return fill_norms(p); },
                          [this](const shard::GradientNorms::Result& r) { read_norms(r); });
     if (flags_name.empty()) flags_name = name + " (parameters with a gradient)";
-    slot = agreement->add(std::move(flags_name), shards.infos.size(), [this](double* v) { fill_flags(v); },
+    // Per parameter: whether it had a gradient; with counted arrivals also their sum, the ranks
+    // that had any, and the sum of their squares (equal counts on those ranks iff sum² = ranks × squares).
+    slot = agreement->add(std::move(flags_name), flags_width(), [this](double* v) { fill_flags(v); },
                           [this](const double* v) { read_flags(v); });
   }
   // Its own agreement (until join()): the slots follow from the parameters, checked equal at construction.
@@ -140,13 +143,36 @@ struct ShardedOptimizer::Core {
     if (sits_out()) return;
     reduce_and_freeze();  // done by the norms' fill already; a no-op then
     const auto had = had_grad();
-    for (size_t p = 0; p < had.size(); ++p) v[p] = had[p] ? 1.0 : 0.0;
+    const size_t n = had.size();
+    for (size_t p = 0; p < n; ++p) v[p] = had[p] ? 1.0 : 0.0;
+    if (!fe().counts_arrivals()) return;
+    const auto arrivals = fe().step_arrivals();
+    for (size_t p = 0; p < n; ++p) {
+      v[n + p] = arrivals[p];
+      v[2 * n + p] = arrivals[p] > 0 ? 1.0 : 0.0;
+      v[3 * n + p] = static_cast<double>(arrivals[p]) * arrivals[p];
+    }
   }
   void read_flags(const double* v) {
     std::lock_guard<std::recursive_mutex> lock(mu());
     if (sits_out()) return;
-    flags.assign(v, v + shards.infos.size());
+    const size_t n = shards.infos.size();
+    flags.assign(v, v + n);
     agreed = true;
+    if (!fe().counts_arrivals()) return;
+    std::vector<int> counts(n, -1);
+    for (size_t p = 0; p < n; ++p) {
+      const double sum = v[n + p], ranks = v[2 * n + p], squares = v[3 * n + p];
+      if (ranks == 0) continue;
+      TORCH_CHECK(sum * sum == ranks * squares, name, ": the gradient of '", shards.infos[p].name,
+                  "' arrived a different number of times in one backward on different ranks (", sum / ranks,
+                  " on average over ", ranks, " ranks): activation checkpointing reuses it differently across "
+                  "ranks, and ZeRO-", zero_stage, " reduces each arrival beyond the agreed count in a round of "
+                  "its own, so the ranks' reductions no longer pair; fix: run every rank through the same "
+                  "checkpointed segments, or use ZeRO-1 (which reduces once, at step())");
+      counts[p] = static_cast<int>(sum / ranks);
+    }
+    fe().agreed_arrivals(counts);
   }
   void agree() {
     if (agreed) return;  // the trainer's agree() ran since the backward

@@ -113,12 +113,16 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   const size_t k = location[param].first;
   auto& b = buckets[k];
   const int n = ++arrivals[param];
-  if (k >= round->next_launch()) {
-    // Not launched yet: the first arrival is copied in, a later one (another
-    // checkpointed segment's nested backward) added to it.
+  if (n <= expected(param)) {
+    // The bucket waits for this arrival (it launches once each parameter had its expected
+    // number): the first is copied in, a later one (another checkpointed segment's nested
+    // backward) added to it.
+    TORCH_INTERNAL_ASSERT(k >= round->next_launch(), "ShardedAdamW: bucket ", k, " launched before '",
+                          infos[param].name, "' had its expected arrivals");
     move_grad_into(param, b, b.rs_in, n == 1);
   } else {
-    // The bucket is reducing already: this arrival goes in a late round.
+    // More arrivals than the ranks agreed to expect (a backward that reuses the parameter more
+    // than the last step did): a late round of the bucket, on every rank alike.
     move_grad_into(param, b, b.late_in, false);
   }
   if (n == expected(param) && ++b.ready == b.params.size()) launch_ready_in_order(false);
@@ -154,8 +158,10 @@ void ShardedAdamW::Impl::launch(size_t index, at::Tensor in, shard::ReductionQue
   }
 }
 
-// Every rank runs the same graph, so the same parameters arrive late on every
-// rank and these rounds are issued identically (as ZeRO-3's late rounds).
+// An arrival is late when it exceeds the count the ranks agreed on, so with the same
+// parameters reused the same number of times on every rank (what activation checkpointing
+// requires of every rank) these rounds are issued identically, whatever else differs between
+// the ranks' graphs. A rank whose count differs is named at the step's agreement.
 void ShardedAdamW::Impl::launch_late_rounds() {
   for (size_t k = 0; k < buckets.size(); ++k) {
     if (buckets[k].late_in.defined()) launch(k, std::move(buckets[k].late_in), shard::ReductionQueue::Input::kLate);
@@ -192,7 +198,7 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
 void ShardedAdamW::Impl::flush_backward() {
   launch_ready_in_order(true);
   launch_late_rounds();
-  for (size_t i = 0; i < params.size(); ++i) expected_arrivals[i] = std::max(expected_arrivals[i], arrivals[i]);
+  for (size_t i = 0; i < params.size(); ++i) step_max_arrivals[i] = std::max(step_max_arrivals[i], arrivals[i]);
   round->clear_local_pending();
   begin_pass();
   round->restart_order();
@@ -220,6 +226,15 @@ void ShardedAdamW::Impl::reduce_gradients() {
 
 // The buckets' gradient shards are the core's to clear (end_step_state).
 void ShardedAdamW::Impl::end_step() { flushed_since_step = false; }
+
+// The next backwards expect what every rank saw in this step's; a parameter no rank had
+// keeps its count (an intermittent use: LayerDrop, an expert without tokens).
+void ShardedAdamW::Impl::agreed_arrivals(const std::vector<int>& counts) {
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] >= 0) expected_arrivals[i] = counts[i];
+  }
+  std::fill(step_max_arrivals.begin(), step_max_arrivals.end(), 0);
+}
 
 
 }  // namespace zeroshard

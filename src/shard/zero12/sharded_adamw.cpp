@@ -232,6 +232,7 @@ void ShardedAdamW::Impl::build_buckets() {
     b.ensure_moments();
   }
   arrivals.assign(params.size(), 0);
+  step_max_arrivals.assign(params.size(), 0);
   expected_arrivals.assign(params.size(), 0);
 }
 
@@ -333,6 +334,7 @@ void ShardedAdamW::Impl::drop_unreduced_gradients() {
     if (b.flat_grads.defined()) b.flat_grads.zero_();
   }
   begin_pass();
+  std::fill(step_max_arrivals.begin(), step_max_arrivals.end(), 0);
   round->restart_order();
   round->clear_local_pending();
   for (size_t i = 0; i < params.size(); ++i) {  // stage 1's slices of flat_grads were zeroed above; others go

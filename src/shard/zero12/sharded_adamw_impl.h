@@ -59,14 +59,21 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
 
   // Per backward (the round's protocol: syncs(), the launch order, the reductions in flight).
   // Stages 2 and 0: how many times each parameter's gradient arrived in this
-  // backward, and the most arrivals any backward so far has shown it. Each
-  // arrival is one call of its accumulator: one per backward, plus one per
-  // nested backward of a checkpointed segment that uses it (a parameter in two
-  // segments, or in one and outside it). A bucket launches once every
-  // parameter in it had the expected number; an arrival beyond that, after
-  // the bucket launched, is reduced in a late round at the end of the pass.
-  std::vector<int> arrivals, expected_arrivals;
+  // backward, the most in one backward of this step, and the count the ranks
+  // agreed on at the last step (the step's agreement: the same on every rank,
+  // following the graph as it changes). Each arrival is one call of its
+  // accumulator: one per backward, plus one per nested backward of a
+  // checkpointed segment that uses it (a parameter in two segments, or in one
+  // and outside it). A bucket launches once every parameter in it had the
+  // expected number; an arrival beyond that is reduced in a late round of its
+  // bucket at the end of the pass, whether or not the bucket launched: a
+  // decision every rank makes alike, where whether a bucket has launched
+  // depends on the rank's own graph (a parameter unused on some ranks).
+  std::vector<int> arrivals, step_max_arrivals, expected_arrivals;
   int expected(size_t param) const { return std::max(1, expected_arrivals[param]); }
+  bool counts_arrivals() const override { return reduce_in_backward(); }
+  std::vector<int> step_arrivals() const override { return step_max_arrivals; }
+  void agreed_arrivals(const std::vector<int>& counts) override;
   double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
   bool flushed_since_step = false;
 
