@@ -31,9 +31,16 @@ using testing::world_ptr;
 constexpr int kVocab = 13, kWidth = 16, kSeq = 5, kBatch = 12;  // 12 sequences: 1-4 ranks split them evenly
 
 struct LayerImpl : torch::nn::Module {
-  LayerImpl() { fc = register_module("fc", torch::nn::Linear(kWidth, kWidth)); }
-  torch::Tensor forward(const torch::Tensor& x) { return x + torch::tanh(fc(x)); }
-  torch::nn::Linear fc{nullptr};
+  LayerImpl() {
+    fc = register_module("fc", torch::nn::Linear(kWidth, kWidth));
+    side = register_module("side", torch::nn::Linear(kWidth, kWidth));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = x + torch::tanh(fc(x));
+    return use_side ? y + 0.5 * torch::tanh(side(x)) : y;
+  }
+  torch::nn::Linear fc{nullptr}, side{nullptr};  // `side` takes part when use_side (in the unit: ZeRO-3's S2 case)
+  bool use_side = false;
 };
 TORCH_MODULE(Layer);
 
@@ -134,6 +141,7 @@ torch::Tensor run_oracle(Reuse how, bool extra = false, int skip_extra_on = -1) 
       torch::Tensor loss;
       for (int r = 0; r < n; ++r) {
         m->use_extra = r != skip_extra_on;
+        m->block->use_side = r != skip_extra_on;
         auto part = loss_of(m, ids.slice(0, r * local, (r + 1) * local), targets.slice(0, r * local, (r + 1) * local));
         loss = loss.defined() ? loss + part / n : part / n;
       }
@@ -160,6 +168,7 @@ Run run_sharded(Reuse how, int stage, bool checkpointed, bool extra = false, int
   Lm m(how);
   m->checkpointed = checkpointed;
   m->use_extra = extra && r != skip_extra_on;
+  m->block->use_side = extra && r != skip_extra_on;
   std::shared_ptr<FullyShardedModel> sharded;
   std::unique_ptr<ShardedOptimizer> opt;
   if (stage == 3) {
@@ -203,11 +212,11 @@ class ShardedAdamWReuse : public ::testing::TestWithParam<std::tuple<int, Reuse>
 // difference of every element, as the other oracle tests measure it), nothing
 // left in p.grad() after any backward, one reduction round per backward in
 // the noise sample, and every rank the same parameters. The bytes each step
-// sends: exactly those of the run without checkpointing from the second step
-// on at ZeRO-0/2 (the first backward learns how often each gradient arrives;
-// its late arrivals cost one more reduction of their buckets), and at ZeRO-3 a
-// unit whose gradients arrive after its reduction launched is reduced again
-// in every step (printed).
+// sends: exactly those of the run without checkpointing at ZeRO-0/2 (the first
+// backward holds every bucket to its end and shows how often each gradient
+// arrives; the ranks agree on that count at the step), and at ZeRO-3 a unit
+// run twice is held to the end of each backward and reduced once (printed:
+// the recomputations' gathers make the rest of the difference).
 TEST_P(ShardedAdamWReuse, EveryArrivalOfAGradientIsReduced) {
   const auto [stage, how] = GetParam();
   const auto want = run_oracle(how);
@@ -238,7 +247,7 @@ TEST_P(ShardedAdamWReuse, EveryArrivalOfAGradientIsReduced) {
     if (stage != 3) {
       EXPECT_GE(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
     }
-    if (stage != 3 && s > 0) {
+    if (stage != 3) {
       EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
     }
   }
@@ -260,11 +269,12 @@ INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuse,
                                   to_string(std::get<1>(info.param));
                          });
 
-// The count of arrivals follows the graph: a reuse at step 0 only (checkpointed then, not after)
-// costs one more reduction at step 0, and none later (its buckets launch as soon as their one
-// arrival is in, as before it); reuse again at step 5 is late again, and costs that reduction
-// once more. Before, the count only grew: step 5 sent no late round, and every bucket from the
-// reused one on waited for the end of every backward from step 1 on.
+// The count of arrivals follows the graph: a reuse at step 0 only (checkpointed then, not after;
+// the first backward holds every bucket to its end, so it has no late round) is forgotten at
+// step 1 (its buckets launch as soon as their one arrival is in), and reuse again at step 5 is
+// late, costing one more reduction of those buckets there. Before, the count only grew: step 5
+// sent no late round, and every bucket from the reused one on waited for the end of every
+// backward from step 1 on.
 TEST(ShardedAdamWReuseFollowsTheGraph, AReuseThatStopsAndReturnsIsReducedEachTimeItGrows) {
   const std::set<int> reused{0, 5};
   for (int stage : {0, 2}) {
@@ -273,7 +283,7 @@ TEST(ShardedAdamWReuseFollowsTheGraph, AReuseThatStopsAndReturnsIsReducedEachTim
     const auto plain = run_sharded(Reuse::kInsideThenOutside, stage, /*checkpointed=*/false);
     EXPECT_LT(((got.params - want).abs() / (want.abs() + 1e-2)).max().item<double>(), 3e-5) << "stage " << stage;
     for (int s = 0; s < kSteps && world().size() > 1; ++s) {  // one rank sends nothing to count
-      if (reused.count(s)) {
+      if (s == 5) {
         EXPECT_GT(got.step_bytes[s], plain.step_bytes[s]) << "stage " << stage << ", step " << s << ": no late round";
       } else {
         EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "stage " << stage << ", step " << s;
@@ -299,11 +309,13 @@ TEST(ShardedAdamWReuseFollowsTheGraph, RanksThatReuseAParameterDifferentlyAreNam
 }
 
 // A reused parameter beside one that rank 1 does not use (an expert without tokens, LayerDrop,
-// a per-task head): whether an arrival is reduced late must not depend on the rank's own graph,
+// a per-task head; `extra` beside the reused layer, and `side` in it, so at ZeRO-3 in the reused
+// unit itself): whether an arrival is reduced late must not depend on the rank's own graph,
 // or the ranks' reductions stop pairing (a collective mismatch on TCP; wrong pairs on NCCL).
 // Against torch::optim::AdamW on the mean of the ranks' losses, each rank with or without
-// `extra` as in the run; from the second step on, the bytes of the same run without
-// checkpointing (the ranks agreed on how often each gradient arrives).
+// `extra` as in the run; at ZeRO-0/2 the bytes of the same run without checkpointing in every
+// step (the first backward holds every bucket to its end; then the ranks agree on how often each
+// gradient arrives); at ZeRO-3 the reused unit is held to the end of each backward.
 class ShardedAdamWReuseUnevenRanks : public ::testing::TestWithParam<std::tuple<int, Reuse>> {};
 
 TEST_P(ShardedAdamWReuseUnevenRanks, AParameterUnusedOnOneRankBesideAReusedOne) {
@@ -314,7 +326,8 @@ TEST_P(ShardedAdamWReuseUnevenRanks, AParameterUnusedOnOneRankBesideAReusedOne) 
   EXPECT_LT(err, 3e-5) << "stage " << stage << ", " << to_string(how) << ", " << world().size() << " ranks";
   EXPECT_TRUE(got.left_in_grad.empty()) << got.left_in_grad.front();
   const auto plain = run_sharded(how, stage, /*checkpointed=*/false, /*extra=*/true, /*skip_extra_on=*/1);
-  for (int s = 1; s < kSteps; ++s) EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
+  // (ZeRO-3 gathers units again to recompute their segments: its bytes are not the plain run's.)
+  for (int s = 0; s < kSteps && stage != 3; ++s) EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
   auto all = torch::empty({got.params.numel() * world().size()});
   world().all_gather(all, got.params)->wait();
   for (int q = 0; q < world().size(); ++q) {
@@ -323,10 +336,8 @@ TEST_P(ShardedAdamWReuseUnevenRanks, AParameterUnusedOnOneRankBesideAReusedOne) 
   }
 }
 
-// ZeRO-3 is not here: its units decide per rank whether a reused unit regathers and reduces late
-// (a unit parameter unused on some ranks still breaks the pairing there).
 INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuseUnevenRanks,
-                         ::testing::Combine(::testing::Values(0, 1, 2),
+                         ::testing::Combine(::testing::Values(0, 1, 2, 3),
                                             ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
                                                               Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings)),
                          [](const auto& info) {

@@ -16,6 +16,7 @@ namespace zeroshard {
 namespace {
 
 thread_local int recompute_depth = 0;
+thread_local int checkpointed_forward_depth = 0;
 
 struct RecomputeScope {
   RecomputeScope() { ++recompute_depth; }
@@ -80,6 +81,7 @@ struct CheckpointBackward : torch::autograd::Node {
 }  // namespace
 
 bool shard::in_recompute() { return recompute_depth > 0; }
+bool shard::in_checkpointed_forward() { return checkpointed_forward_depth > 0; }
 
 TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
   if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);
@@ -97,6 +99,10 @@ TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn
   TensorList outs;
   {
     at::NoGradGuard no_grad;
+    struct Depth {
+      Depth() { ++checkpointed_forward_depth; }
+      ~Depth() { --checkpointed_forward_depth; }
+    } depth;
     outs = fn(inputs);
   }
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));

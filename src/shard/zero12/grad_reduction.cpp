@@ -113,7 +113,7 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
   const size_t k = location[param].first;
   auto& b = buckets[k];
   const int n = ++arrivals[param];
-  if (n <= expected(param)) {
+  if (n <= expected(param) || !counts_agreed) {
     // The bucket waits for this arrival (it launches once each parameter had its expected
     // number): the first is copied in, a later one (another checkpointed segment's nested
     // backward) added to it.
@@ -125,7 +125,9 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
     // than the last step did): a late round of the bucket, on every rank alike.
     move_grad_into(param, b, b.late_in, false);
   }
-  if (n == expected(param) && ++b.ready == b.params.size()) launch_ready_in_order(false);
+  // Until the ranks first agree on the counts, every bucket waits for the end of the pass: no
+  // late round can then depend on which buckets one rank happened to launch.
+  if (counts_agreed && n == expected(param) && ++b.ready == b.params.size()) launch_ready_in_order(false);
 }
 
 void ShardedAdamW::Impl::begin_pass() {
@@ -233,6 +235,7 @@ void ShardedAdamW::Impl::agreed_arrivals(const std::vector<int>& counts) {
   for (size_t i = 0; i < counts.size(); ++i) {
     if (counts[i] >= 0) expected_arrivals[i] = counts[i];
   }
+  counts_agreed = true;
   std::fill(step_max_arrivals.begin(), step_max_arrivals.end(), 0);
 }
 

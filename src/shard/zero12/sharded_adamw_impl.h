@@ -68,8 +68,11 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   // expected number; an arrival beyond that is reduced in a late round of its
   // bucket at the end of the pass, whether or not the bucket launched: a
   // decision every rank makes alike, where whether a bucket has launched
-  // depends on the rank's own graph (a parameter unused on some ranks).
+  // depends on the rank's own graph (a parameter unused on some ranks). Until
+  // the first agreement every bucket launches at the end of the pass, so the
+  // first backward, which shows the reuse, has no late round at all.
   std::vector<int> arrivals, step_max_arrivals, expected_arrivals;
+  bool counts_agreed = false;  // a step's agreement has set expected_arrivals (before it: every bucket at the end)
   int expected(size_t param) const { return std::max(1, expected_arrivals[param]); }
   bool counts_arrivals() const override { return reduce_in_backward(); }
   std::vector<int> step_arrivals() const override { return step_max_arrivals; }

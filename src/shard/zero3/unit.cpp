@@ -149,6 +149,7 @@ void Unit::before_forward() {
     model.round->begin();
   } else {
     model.on_forward(index);  // records the order, or prefetches the next units
+    if (at::GradMode::is_enabled() || in_checkpointed_forward()) ++forward_uses_;
   }
   unshard();
   forward_start_ = std::chrono::steady_clock::now();
@@ -173,6 +174,8 @@ void Unit::end_forward() {
 }
 
 void Unit::start_backward() {
+  hold_ = is_root || forward_uses_ > 1;
+  forward_uses_ = 0;
   late_round_ = false;
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
@@ -200,6 +203,11 @@ void Unit::pre_backward() {
 void Unit::on_grad_ready(size_t param) {
   model.round->begin();
   if (!shard::has_gradient(tensors[param])) return;
+  if (hold_ && model.round->syncs()) {
+    // Held (the root, a reused unit): its gradients add up in p.grad() however many times they
+    // arrive, it stays gathered, and end_pass() reduces it once, in the order, on every rank alike.
+    return;
+  }
   if (complete_ && model.round->syncs()) {
     // A gradient after the unit completed: it ran again within this backward
     // (a checkpointed unit used twice recomputes in a nested backward of its own).

@@ -102,6 +102,13 @@ class Unit : public ShardGroup {
   bool complete_ = false;
   bool late_round_ = false;
   bool pre_backward_done_ = false;
+  // Forwards with gradients since the last backward began (recomputations not counted), and
+  // whether this backward holds the unit to its end: the root, or a unit run more than once
+  // (a reused layer). Both are the same on every rank, unlike whether a unit's gradients are
+  // complete (a parameter unused on some ranks), so holding never makes a rank regather or
+  // reduce late where another does not.
+  int forward_uses_ = 0;
+  bool hold_ = false;
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
   at::Tensor rs_in_;                   // packed gradients, until launched
