@@ -61,7 +61,10 @@ struct GradientNoiseSample {
   double big_sumsq = std::numeric_limits<double>::quiet_NaN();
   // |G_small|²: the mean, over the ranks and their reductions, of the squared
   // norm of what one rank reduced once, rescaled to a mean over its own
-  // examples (× `rounds`): a batch of step batch / parts().
+  // examples (× `rounds`): a batch of step batch / parts(). NaN in a step where
+  // a gradient was reduced in a late round (activation checkpointing reusing a
+  // parameter more than the last step did): the rank's gradient then went out
+  // in two pieces, and the norm of their sum is not measured.
   double small_sumsq = std::numeric_limits<double>::quiet_NaN();
   int ranks = 0;   // of the communicator
   // How often each rank reduced its gradients in the step: ZeRO-1 once;

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <limits>
 
 namespace zeroshard::shard {
 
@@ -41,7 +42,7 @@ void ShardGroup::note_unreduced(const at::Tensor& in) {
 
 optim::PendingSum ShardGroup::unreduced_sumsq() const {
   optim::PendingSum s;
-  s.host = static_cast<double>(reductions) * unreduced_host_sumsq;
+  s.host = late_round ? std::numeric_limits<double>::quiet_NaN() : static_cast<double>(reductions) * unreduced_host_sumsq;
   if (unreduced_device_sumsq.defined()) s.device.push_back(unreduced_device_sumsq * static_cast<double>(reductions));
   return s;
 }
@@ -50,6 +51,7 @@ void ShardGroup::clear_gradient() {
   grad_shard = at::Tensor();
   std::fill(had_grad.begin(), had_grad.end(), 0);
   reductions = 0;
+  late_round = false;
   unreduced_host_sumsq = 0;
   unreduced_device_sumsq = at::Tensor();
 }
@@ -99,6 +101,7 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
   e.group = &group;
   e.in = std::move(in);
   if (kind == Input::kPart) group.note_unreduced(e.in);
+  if (kind == Input::kLate) group.note_late();
   if (comm.size() == 1) {  // the mean over one rank is the input itself: nothing to wait for
     e.out = in_is_scratch ? e.in : e.in.clone();
   } else if (group.layout.world_size == 1) {  // replicated: the whole mean on every rank

@@ -45,6 +45,9 @@ struct ShardGroup {
   int reductions = 0;
   double unreduced_host_sumsq = 0;
   at::Tensor unreduced_device_sumsq;
+  // A late round this step (arrivals after the group's reduction launched): the rank's gradient
+  // was reduced in two pieces, whose sum's norm is not known here; the sample is NaN (no sample).
+  bool late_round = false;
 
   // Allocates exp_avg and exp_avg_sq (zeros) if they do not exist yet.
   void ensure_moments();
@@ -53,6 +56,8 @@ struct ShardGroup {
   void accumulate_gradient(const at::Tensor& reduced);
   // Counts one reduction input: its squared norm joins this step's sum.
   void note_unreduced(const at::Tensor& in);
+  // A late round's input: the step's sample is left out (unreduced_sumsq() is NaN).
+  void note_late() { late_round = true; }
   // reductions × the sum of the inputs' squared norms: with `reductions` equal
   // parts of a rank's batch, the mean squared norm of one part's gradient
   // taken as a mean over its own examples (each input is 1/reductions of one).
