@@ -10,11 +10,14 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      chunks on 3 workers, megatron-core's IndexedDataset reads exactly the ids tokenizers' ByteLevelBPETokenizer
      gives the sentences (corpus_oracle.py) of the texts Python's json module reads, a document per line.
   2. --json-key: the same lines with the text under "content" give the same store.
-  3. A malformed line (not JSON, an array, no key, a number under it) stops prepare naming FILE:LINE and the fix,
-     and leaves neither the dataset nor its .partial directory; with --skip-bad-lines the other lines are the
-     store and the manifest counts the four skipped, naming the first.
+  3. A malformed line (not JSON, an array, no key, a number under it, more after the object) stops prepare naming
+     FILE:LINE and the fix, and leaves neither the dataset nor its .partial directory; with --skip-bad-lines the
+     other lines are the store and the manifest counts the five skipped, naming the first.
   4. A `.zst` cut short, a `.gz` that is not gzip: refused naming the file. --document-separator with JSON lines:
-     refused naming both.
+     refused naming both. A UTF-8 BOM opening a text or JSON lines file, a `.gz` with zero padding, a `.zst` with a
+     256 MiB window: read as the tools read them; what Python's json accepts in other fields (NaN, 2**70, 1e400, a
+     lone surrogate) passes. A raw NUL in a JSON line: that line's error (or skipped); a
+     directory's binary file: left out, counted in the log and the manifest; given by name: refused.
   5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
      plain text files.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
@@ -133,7 +136,8 @@ def check_bad_lines(exe, work, tok_dir, tok):
     os.makedirs(d)
     good = ["A good line. Two sentences!", "Another good one.", "The last good one?"]
     lines = [json.dumps({"text": good[0]}), '{"text": "cut short', json.dumps({"text": good[1]}), '["an", "array"]',
-             json.dumps({"body": "no text field"}), json.dumps({"text": 42}), json.dumps({"text": good[2]})]
+             json.dumps({"body": "no text field"}), json.dumps({"text": 42}),
+             json.dumps({"text": "an object and then more."}) + ' {"text": "x"}', json.dumps({"text": good[2]})]
     open(os.path.join(d, "x.jsonl"), "w").write("\n".join(lines) + "\n")
     out = os.path.join(work, "ds-bad")
     err = run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", out, "--workers", "2"], expect=1)
@@ -143,9 +147,9 @@ def check_bad_lines(exe, work, tok_dir, tok):
     run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", out, "--skip-bad-lines"])
     check_documents(os.path.join(out, "tokens"), expected_documents([g.encode() for g in good], tok), "skipped lines")
     m = json.load(open(os.path.join(out, "manifest.json")))
-    check(m["skipped_lines"]["count"] == 4 and m["skipped_lines"]["first"].startswith(f"{d}/x.jsonl:2 is not JSON"),
+    check(m["skipped_lines"]["count"] == 5 and m["skipped_lines"]["first"].startswith(f"{d}/x.jsonl:2 is not JSON"),
           f"skipped_lines {m.get('skipped_lines')}")
-    print(f"a malformed line stops prepare naming x.jsonl:2 and leaves nothing; --skip-bad-lines skips the 4 "
+    print(f"a malformed line stops prepare naming x.jsonl:2 and leaves nothing; --skip-bad-lines skips the 5 "
           f"({m['skipped_lines']['first']!r} first) and keeps the 3 good lines")
 
     for name, data, want in (("cut.jsonl.zst", None, "ends inside its zstd frame"),
@@ -167,6 +171,63 @@ def check_bad_lines(exe, work, tok_dir, tok):
     check("--document-separator '%' is for text files" in err and "x.jsonl' is JSON lines" in err, err)
     print("a .zst cut short and a .gz that is not gzip are refused naming the file; so is --document-separator "
           "with JSON lines")
+
+
+def check_edges(exe, work, tok_dir, tok):
+    """Files other tools read as text or JSON, read here the same; nothing given vanishes silently."""
+    texts = ["A first sentence. A second one!", "Another document here.", "The third? Yes."]
+    # A UTF-8 byte order mark opening a text file and a JSON lines file (as Windows editors write them): not text.
+    bom = os.path.join(work, "edge-bom")
+    os.makedirs(bom)
+    open(os.path.join(bom, "a.txt"), "wb").write(b"\xef\xbb\xbf" + texts[0].encode())
+    open(os.path.join(bom, "b.jsonl"), "wb").write(b"\xef\xbb\xbf" + lines_of(texts[1:]))
+    # gzip members followed by zero padding (gzip -t and zcat accept it); a zstd frame with a 256 MiB window
+    # (zstd --long=28 from a pipe: the CLI reads it only with --long=28).
+    open(os.path.join(bom, "c.jsonl.gz"), "wb").write(gzip.compress(lines_of(texts)) + bytes(512))
+    p = subprocess.run(["zstd", "-q", "--long=28", "-c", "-"], input=lines_of(texts[::-1]), capture_output=True,
+                       check=True)
+    open(os.path.join(bom, "d.jsonl.zst"), "wb").write(p.stdout)
+    # What Python's json (Megatron's reader) accepts in fields the text is not in: NaN, Infinity, integers past 64
+    # bits, 1e400, a lone surrogate escape (json.dumps writes the first four; the last as it escapes it).
+    odd = [json.dumps({"score": float("nan"), "text": texts[0], "n": 2 ** 70}),
+           json.dumps({"big": float("inf"), "text": texts[1], "tiny": -float("inf")}).replace("-Infinity", "1e400"),
+           json.dumps({"note": "\ud800", "text": texts[2]})]
+    for line in odd:
+        json.loads(line)  # the oracle accepts it
+    open(os.path.join(bom, "e.jsonl"), "w").write("\n".join(odd) + "\n")
+    check(subprocess.run(["zstd", "-t", "-q", os.path.join(bom, "d.jsonl.zst")], capture_output=True).returncode != 0,
+          "the zstd CLI reads the --long=28 frame without --long: it does not test what it should")
+    out = os.path.join(work, "ds-edge")
+    run([exe, "prepare", "--data", bom, "--tokenizer", tok_dir, "--out", out])
+    want = [texts[0].encode()] + [t.encode() for t in texts[1:]] + [t.encode() for t in texts] + \
+        [t.encode() for t in texts[::-1]] + [t.encode() for t in texts]
+    check_documents(os.path.join(out, "tokens"), expected_documents(want, tok), "BOM, padded .gz, long-window .zst")
+    print("a UTF-8 BOM opening a text and a JSON lines file is not text; a .gz with zero padding and a .zst with a "
+          "256 MiB window are read as gzip and zstd read them; NaN, 2**70, 1e400 and a lone surrogate in other fields "
+          "pass as in Python's json")
+
+    # A raw NUL in a JSON lines file is a malformed line (named; skipped with --skip-bad-lines), never the whole
+    # file left out; a directory's binary file is left out, counted in the log and the manifest; one given by
+    # name is refused.
+    nul = os.path.join(work, "edge-nul")
+    os.makedirs(nul)
+    open(os.path.join(nul, "a.jsonl"), "wb").write(lines_of(texts))
+    open(os.path.join(nul, "b.jsonl"), "wb").write(lines_of(texts[:1]) + b'{"text": "a\x00b"}\n' + lines_of(texts[1:]))
+    open(os.path.join(nul, "image.bin"), "wb").write(b"\x89PNG\x00\x00" + bytes(range(256)))
+    err = run([exe, "prepare", "--data", nul, "--tokenizer", tok_dir, "--out", out + "-nul"], expect=1)
+    check(f"{os.path.join(nul, 'b.jsonl')}:2 is not JSON" in err, err)
+    err = run([exe, "prepare", "--data", nul, "--tokenizer", tok_dir, "--out", out + "-nul", "--skip-bad-lines"])
+    check_documents(os.path.join(out + "-nul", "tokens"), expected_documents([t.encode() for t in texts * 2], tok),
+                    "a NUL in a JSON line")
+    m = json.load(open(os.path.join(out + "-nul", "manifest.json")))
+    check(m["skipped_lines"]["count"] == 1 and m.get("binary_files_left_out") == [os.path.join(nul, "image.bin")],
+          f"manifest: {m.get('skipped_lines')}, {m.get('binary_files_left_out')}")
+    check("left out 1 binary file(s)" in err and "image.bin" in err, err[-2000:])
+    err = run([exe, "prepare", "--data", os.path.join(nul, "image.bin"), "--tokenizer", tok_dir, "--out",
+               out + "-bin"], expect=1)
+    check("image.bin' has a NUL byte in its first 8000 bytes" in err, err)
+    print("a NUL in a JSON line is that line's error (b.jsonl:2), skipped with --skip-bad-lines; a directory's binary "
+          "file is left out, in the log and the manifest; given by name, refused")
 
 
 def check_tokenizer_training(exe, work, corpus):
@@ -277,6 +338,7 @@ def main():
     tok_dir, tok = make_tokenizer(work)
     corpus = check_json_lines(exe, work, tok_dir, tok)
     check_bad_lines(exe, work, tok_dir, tok)
+    check_edges(exe, work, tok_dir, tok)
     check_tokenizer_training(exe, work, corpus)
     check_one_file_trains(exe, work)
     check_blend(exe, build, work, tok_dir, os.path.join(work, "ds-jsonl"))

@@ -5,19 +5,20 @@
 
 #include <simdjson.h>
 
+#include <utility>
 #include <vector>
 
 namespace bart {
 
 namespace {
 
-std::string_view shape_of(simdjson::dom::element_type t) {
+std::string_view shape_of(simdjson::ondemand::json_type t) {
   switch (t) {
-    case simdjson::dom::element_type::ARRAY: return "an array";
-    case simdjson::dom::element_type::OBJECT: return "an object";
-    case simdjson::dom::element_type::STRING: return "a string";
-    case simdjson::dom::element_type::NULL_VALUE: return "null";
-    case simdjson::dom::element_type::BOOL: return "a boolean";
+    case simdjson::ondemand::json_type::array: return "an array";
+    case simdjson::ondemand::json_type::object: return "an object";
+    case simdjson::ondemand::json_type::string: return "a string";
+    case simdjson::ondemand::json_type::null: return "null";
+    case simdjson::ondemand::json_type::boolean: return "a boolean";
     default: return "a number";
   }
 }
@@ -31,7 +32,7 @@ bool is_json_lines(const std::string& path) {
 
 struct JsonLineDecoder::Impl {
   std::string key;
-  simdjson::dom::parser parser;
+  simdjson::ondemand::parser parser;
   std::vector<char> line;  // the line, padded as simdjson reads it
 };
 
@@ -47,25 +48,44 @@ std::string_view JsonLineDecoder::text(std::string_view line, std::string& probl
   auto& s = *impl_;
   if (s.line.size() < line.size() + simdjson::SIMDJSON_PADDING) s.line.resize(line.size() + simdjson::SIMDJSON_PADDING);
   std::copy(line.begin(), line.end(), s.line.begin());
-  simdjson::dom::element doc;
-  if (const auto e = s.parser.parse(s.line.data(), line.size(), false).get(doc)) {
-    problem = std::string("is not JSON (simdjson: ") + simdjson::error_message(e) + ")";
+  auto not_json = [&](simdjson::error_code e, const char* what = nullptr) {
+    problem = std::string("is not JSON (") + (what ? what : "simdjson: " + std::string(simdjson::error_message(e))) + ")";
+    return std::string_view{};
+  };
+  simdjson::ondemand::document doc;
+  if (const auto e = s.parser.iterate(s.line.data(), line.size(), s.line.size()).get(doc)) return not_json(e);
+  simdjson::ondemand::json_type type;
+  if (const auto e = doc.type().get(type)) return not_json(e);
+  if (type != simdjson::ondemand::json_type::object) {
+    problem = "is " + std::string(shape_of(type)) + ", not a JSON object (a JSON lines file holds one object per line)";
     return {};
   }
-  simdjson::dom::object object;
-  if (doc.get(object)) {
-    problem = "is " + std::string(shape_of(doc.type())) + ", not a JSON object (a JSON lines file holds one object "
-              "per line)";
-    return {};
-  }
-  simdjson::dom::element value;
-  if (object.at_key(s.key).get(value)) {
-    problem = "has no field \"" + s.key + "\" (the text's field is given by --json-key)";
-    return {};
-  }
+  simdjson::ondemand::object object;
+  if (const auto e = doc.get_object().get(object)) return not_json(e);
+  // Every field is walked, and only the text's value read: what Python's json (Megatron's reader)
+  // accepts in the others (NaN, integers past 64 bits, 1e400, lone surrogates) is skipped unread.
+  // A key given twice: the last one's, as Python's.
   std::string_view text;
-  if (value.get(text)) {
-    problem = "has " + std::string(shape_of(value.type())) + " under \"" + s.key + "\", not a string";
+  bool found = false;
+  for (auto item : object) {
+    simdjson::ondemand::field field;
+    if (const auto e = std::move(item).get(field)) return not_json(e);
+    std::string_view key;
+    if (const auto e = field.unescaped_key().get(key)) return not_json(e);
+    if (key != s.key) continue;
+    simdjson::ondemand::json_type vt;
+    if (const auto e = field.value().type().get(vt)) return not_json(e);
+    if (vt != simdjson::ondemand::json_type::string) {
+      problem = "has " + std::string(shape_of(vt)) + " under \"" + s.key + "\", not a string";
+      return {};
+    }
+    if (const auto e = field.value().get_string().get(text)) return not_json(e);
+    found = true;
+  }
+  const char* after = nullptr;  // past the object: the end of the line (OUT_OF_BOUNDS), or more
+  if (doc.current_location().get(after) != simdjson::OUT_OF_BOUNDS) return not_json(simdjson::SUCCESS, "more after the object");
+  if (!found) {
+    problem = "has no field \"" + s.key + "\" (the text's field is given by --json-key)";
     return {};
   }
   return text;

@@ -1,8 +1,11 @@
 // json_lines.h — the text of a JSON lines corpus (`.jsonl`, `.json`,
 // `.ndjson`, compressed or not): one JSON object per line, a document each,
 // its text the string under one key (Megatron-LM's preprocess_data.py reads
-// the same shape). Lines are parsed and validated whole (UTF-8 included) by
-// simdjson's DOM parser. One decoder per thread; a decoder is not thread-safe.
+// the same shape). Lines are read by simdjson's On-Demand parser: the whole
+// line is checked as UTF-8 and its structure walked, but only the text's value
+// is parsed, so what Python's json accepts in other fields (NaN, integers past
+// 64 bits, 1e400, lone surrogate escapes) passes, as in Megatron's reader. One
+// decoder per thread; a decoder is not thread-safe.
 #pragma once
 
 #include <memory>

@@ -169,14 +169,15 @@ size_t last_sentence_break(const std::string& text, size_t pos) {
   return 0;
 }
 
-std::vector<std::string> corpus_files(const std::vector<std::string>& data) {
-  std::vector<std::string> out;
+std::vector<std::string> corpus_files(const std::vector<std::string>& data, std::vector<std::string>* binary) {
+  std::vector<std::string> out, left_out;
   std::set<fs::path> seen;
   for (const auto& d : data) {
     std::error_code ec;
     TORCH_CHECK_VALUE(fs::exists(d, ec), "prepare: --data '", d, "' does not exist; give directories or files of text");
     std::vector<fs::path> files;
-    if (fs::is_directory(d, ec)) {
+    const bool listed = fs::is_directory(d, ec);
+    if (listed) {
       for (auto it = fs::recursive_directory_iterator(d, ec); !ec && it != fs::recursive_directory_iterator();
            it.increment(ec)) {
         if (it->is_regular_file(ec)) files.push_back(it->path());
@@ -189,13 +190,28 @@ std::vector<std::string> corpus_files(const std::vector<std::string>& data) {
     for (const auto& f : files) {
       const auto real = fs::canonical(f, ec);
       if (ec || !seen.insert(real).second) continue;  // a link to a file already listed
-      if (fs::file_size(f, ec) == 0 || ec || is_binary(f)) continue;
+      if (fs::file_size(f, ec) == 0 || ec) continue;
+      // A JSON lines file is read whatever it holds: a NUL makes its line malformed (named, or skipped).
+      if (!is_json_lines(f.string()) && is_binary(f)) {
+        TORCH_CHECK_VALUE(listed, "prepare: --data '", f.string(), "' has a NUL byte in its first 8000 bytes: a binary "
+                          "file, not text; give text files (a directory's binary files are left out and counted)");
+        left_out.push_back(f.string());
+        continue;
+      }
       out.push_back(f.string());
     }
   }
-  TORCH_CHECK_VALUE(!out.empty(), "prepare: no text file under --data (binary files, those with a NUL byte in "
-                    "their first 8000 bytes, are left out)");
+  TORCH_CHECK_VALUE(!out.empty(), "prepare: no text file under --data",
+                    left_out.empty() ? std::string() : "; " + binary_files_left_out("prepare", left_out));
+  if (binary != nullptr) *binary = std::move(left_out);
   return out;
+}
+
+std::string binary_files_left_out(const std::string& who, const std::vector<std::string>& binary) {
+  std::string names;
+  for (size_t i = 0; i < std::min<size_t>(binary.size(), 3); ++i) names += (i ? ", '" : "'") + binary[i] + "'";
+  return who + ": left out " + std::to_string(binary.size()) + " binary file(s) (a NUL byte in the first 8000 "
+         "bytes): " + names + (binary.size() > 3 ? ", ..." : "");
 }
 
 json corpus_sources(const std::vector<std::string>& data) {
@@ -238,11 +254,11 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
   const std::string merges = given ? o.merges_txt : read_file(fs::path(o.tokenizer_dir) / "merges.txt");
   const auto tokenizer = ByteLevelBpe::parse(vocab, merges, (fs::path(o.tokenizer_dir) / "vocab.json").string(),
                                              (fs::path(o.tokenizer_dir) / "merges.txt").string());
-  const auto files = corpus_files(o.data);
+  PrepareReport r;
+  const auto files = corpus_files(o.data, &r.binary_files);
   const ReadRules rules = read_rules("prepare", files, o.chunk_bytes, o.document_separator, o.json_key,
                                      o.skip_bad_lines);
 
-  PrepareReport r;
   r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   r.files = static_cast<int64_t>(files.size());
   const PartialDir partial(o.partial.empty() ? o.out + ".partial" : o.partial);
@@ -285,6 +301,7 @@ PrepareReport prepare_dataset(const PrepareOptions& o) {
       {"prepare", {{"workers", r.workers}, {"seconds", r.seconds}}},
   };
   if (r.bad_lines > 0) manifest["skipped_lines"] = {{"count", r.bad_lines}, {"first", r.first_bad_line}};
+  if (!r.binary_files.empty()) manifest["binary_files_left_out"] = r.binary_files;
   commit_dataset(partial.path, o.out, vocab, merges, digest, manifest);
   return r;
 }
@@ -358,6 +375,7 @@ int prepare_command(const PrepareOptions& o) {
     zeroshard::log_warn("prepare: skipped " + std::to_string(r.bad_lines) + " malformed JSON line(s) "
                         "(--skip-bad-lines); the first: " + r.first_bad_line);
   }
+  if (!r.binary_files.empty()) zeroshard::log_warn(binary_files_left_out("prepare", r.binary_files));
   return 0;
 }
 

@@ -53,6 +53,7 @@ struct PrepareReport {
   int64_t files = 0, text_bytes = 0, documents = 0, sequences = 0, tokens = 0;
   int64_t bad_lines = 0;          // JSON lines skipped (skip_bad_lines)
   std::string first_bad_line;     // where the first was, and what was wrong with it
+  std::vector<std::string> binary_files;  // left out of the directories given (corpus_files)
   int workers = 0;
   double seconds = 0;
 };
@@ -108,11 +109,17 @@ nlohmann::json corpus_sources(const std::vector<std::string>& data);
 
 // The corpus files of `data` in the order prepare reads them: each directory's
 // regular files by sorted path, a file given by name as is; a second path to a
-// file already listed (a link), empty files and binary files (a NUL byte in
-// the first 8000 bytes of their content, decompressed, as git decides) left
-// out. Throws naming a path that does not exist, or a compressed file that is
-// not what its name says.
-std::vector<std::string> corpus_files(const std::vector<std::string>& data);
+// file already listed (a link) and empty files left out, and a directory's
+// binary files (a NUL byte in the first 8000 bytes of their content,
+// decompressed, as git decides; never a JSON lines file, whose NUL is a
+// malformed line) left out and listed in `binary` (if given). Throws naming a
+// path that does not exist, a binary file given by name, or a compressed file
+// that is not what its name says.
+std::vector<std::string> corpus_files(const std::vector<std::string>& data,
+                                      std::vector<std::string>* binary = nullptr);
+// One line for the log naming the binary files a directory held (corpus_files'
+// `binary`): how many, and the first few.
+std::string binary_files_left_out(const std::string& who, const std::vector<std::string>& binary);
 
 // Where `pos` may end a chunk of `text`: one past the whitespace that follows
 // the last sentence end (a blank line, or '.', '!', '?' before whitespace)

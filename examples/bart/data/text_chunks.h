@@ -202,6 +202,13 @@ class ChunkReader {
       const size_t got = in_.read(block_.data(), want);
       eof_ = got < want || (!to_file_end_ && in_.file_position() >= range_.end);
       buffer_.append(block_.data(), got);
+      if (!bom_checked_) {  // a UTF-8 byte order mark opening the file is not text (nor JSON)
+        bom_checked_ = true;
+        if (range_.begin == 0 && buffer_.compare(0, 3, "\xEF\xBB\xBF") == 0) {
+          buffer_.erase(0, 3);
+          used_.begin = used_.end = used_.begin + 3;
+        }
+      }
       if (head_ && !skip_head(stuck)) continue;
       const bool file_end = eof_ && to_file_end_;
       size_t cut = file_end ? buffer_.size() : json_ ? last_line_end() : last_sentence_break(buffer_, buffer_.size());
@@ -278,7 +285,7 @@ class ChunkReader {
   TextRange used_;
   std::string buffer_;
   int64_t line_ = 1;  // JSON lines: the number of the buffer's first line; 0 when not known
-  bool seen_text_ = false, eof_ = false, line_start_ = true, head_ = false;
+  bool seen_text_ = false, eof_ = false, line_start_ = true, head_ = false, bom_checked_ = false;
 };
 
 // The chunks of `ranges`, read in order (a ChunkReader each), through

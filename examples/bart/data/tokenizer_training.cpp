@@ -66,7 +66,9 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
   auto t0 = Clock::now();
   TokenizerTrainingReport r;
   r.workers = o.workers > 0 ? o.workers : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const auto files = corpus_files(o.data);
+  std::vector<std::string> binary;
+  const auto files = corpus_files(o.data, &binary);
+  if (!binary.empty()) zeroshard::log_warn(binary_files_left_out("train-tokenizer", binary));
   const ReadRules rules = read_rules("train-tokenizer", files, o.chunk_bytes, o.document_separator, o.json_key,
                                      o.skip_bad_lines);
   for (const auto& f : files) r.corpus_bytes += static_cast<int64_t>(fs::file_size(f));

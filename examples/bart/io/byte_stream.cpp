@@ -48,6 +48,7 @@ struct ByteStream::Impl {
   bool file_end = false;
   z_stream z{};
   bool z_open = false, member_open = false;  // gzip: inflate set up; inside a member
+  int64_t members = 0;                        // gzip: members read whole
   ZSTD_DCtx* zstd = nullptr;
   size_t zstd_hint = 0;  // ZSTD_decompressStream's last answer: 0 at a frame's end
 
@@ -83,6 +84,14 @@ struct ByteStream::Impl {
     while (z.avail_out > 0) {
       const bool more = fill();
       if (!more && !member_open) break;  // the end, between members
+      if (!member_open && members > 0) {
+        // Zero bytes after a member (a tape's or a block device's padding): gzip ignores them, so do we.
+        while (in_at < in_end && in[in_at] == 0) {
+          ++in_at;
+          ++file_pos;
+        }
+        if (in_at == in_end) continue;  // more padding, or the end
+      }
       if (!member_open) {
         if (inflateReset(&z) != Z_OK) fail("cannot be decompressed: inflateReset failed");
         member_open = true;
@@ -96,6 +105,7 @@ struct ByteStream::Impl {
       file_pos += static_cast<int64_t>(used);
       if (rc == Z_STREAM_END) {
         member_open = false;  // another member may follow
+        ++members;
       } else if (rc != Z_OK && rc != Z_BUF_ERROR) {
         fail(std::string("is not gzip data as its name says (zlib: ") + (z.msg ? z.msg : zError(rc)) + ")");
       } else if (!more && z.avail_out == room) {
@@ -140,6 +150,9 @@ ByteStream::ByteStream(const std::string& path, std::string who) : impl_(std::ma
     s.in.resize(ZSTD_DStreamInSize());
     s.zstd = ZSTD_createDCtx();
     if (s.zstd == nullptr) s.fail("cannot be decompressed: ZSTD_createDCtx failed");
+    // Frames made with long-distance matching (zstd --long, up to 2 GiB windows): the CLI needs --long=N
+    // to read them; a corpus reader takes them as they come (the window's memory only when a frame asks).
+    ZSTD_DCtx_setParameter(s.zstd, ZSTD_d_windowLogMax, 31);  // ZSTD_WINDOWLOG_MAX_64 (static-linking-only)
   }
 }
 
