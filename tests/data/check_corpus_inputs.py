@@ -21,18 +21,21 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
   5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
      plain text files.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
-     within the document, a small share of its tokens; the validation loss is measured before and after.
+     within the document, a small share of its tokens; the validation loss is measured before and after. What a
+     killed prepare of this host left in the run directory is removed; a live process's and another host's stay.
   7. Two datasets blended (--dataset A:0.7,B:0.3), 10^4 examples on 2 ranks: each one's share of the examples drawn
      is megatron-core's BlendedDataset's within 1%, and each has its validation loss in metrics.jsonl and the summary;
-     saved on 2 ranks and resumed on 1, it takes the uninterrupted run's examples and losses; resumed with other
-     weights, it is refused.
+     saved on 2 ranks and resumed on 1 (the weights given as 7 and 3: the same mix), it takes the uninterrupted run's
+     examples and losses; resumed with other weights, it is refused.
 
 Without torch/megatron-core/tokenizers (Debian's python3) it prints SKIP and exits 77.
 """
 import gzip
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -251,9 +254,21 @@ def check_tokenizer_training(exe, work, corpus):
 def check_one_file_trains(exe, work):
     """One file of running text (one document) trains: its validation set is spans within it, a small share."""
     run_dir = os.path.join(work, "one-file-run")
+    # What a prepare of this host killed midway left (its process gone) is removed; a live one's, and another
+    # host's, are not this run's to remove.
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    leftovers = {f"dataset.partial.{host}.{gone.pid}": False, f"dataset.partial.{host}.{os.getpid()}": True,
+                 "dataset.partial.another-host.1": True}
+    for name in leftovers:
+        os.makedirs(os.path.join(run_dir, name, "tokens"))
     out = run([exe, "--data", "/usr/share/common-licenses/GPL-3", "--run-dir", run_dir, "--max-steps", "3",
                "--global-batch", "8", "--max-tokens", "64", "--eval-every", "0", "--no-sample", "--no-plot",
                "--ckpt-dir", "none", "--progress-interval", "1000"], env_level="info")
+    for name, kept in leftovers.items():
+        check(os.path.exists(os.path.join(run_dir, name)) == kept, f"{name}: {'removed' if kept else 'kept'}")
+    check(f"removed '{os.path.join(run_dir, 'dataset.partial.' + host + '.' + str(gone.pid))}'" in out, out[-3000:])
     line = next((l for l in out.splitlines() if "validation: " in l and " within 1 document (" in l), None)
     check(line is not None, f"no start-up line states the validation set of one file:\n{out[-3000:]}")
     share = float(line.split("tokens, ")[1].split("%")[0])
@@ -296,6 +311,11 @@ def check_blend(exe, build, work, tok_dir, jsonl_ds):
     summary = [r for r in rows if r.get("event") == "summary"][-1]
     check(set(summary.get("val_loss_by_dataset", {})) == {jsonl_ds, text_ds}, f"summary {summary}")
     check("val loss by dataset" in out and f"data: '{jsonl_ds}', weight 0.7" in out, out[-3000:])
+    # The start-up line counts the blend's examples: every dataset's, as the lines that name each say.
+    each = [int(n) for n in re.findall(r"data: '[^']*', weight [0-9.e+-]+: (\d+) training examples", out)]
+    whole = re.search(r"; (\d+) training / (\d+) validation examples", out)
+    check(len(each) == 2 and whole is not None and int(whole.group(1)) == sum(each),
+          f"start-up line {whole and whole.group(0)} against the datasets' {each}")
     check_blend_resume(exe, build, work, f"{jsonl_ds}:0.7,{text_ds}:0.3")
     print(f"blend 0.7/0.3, {steps * batch} examples on 2 ranks: shares {ours[0]:.4f}/{ours[1]:.4f}, Megatron's "
           f"BlendedDataset {theirs[0]:.4f}/{theirs[1]:.4f}; validation loss by dataset "
@@ -319,14 +339,15 @@ def check_blend_resume(exe, build, work, datasets):
     launch(cut, 2, 3)
     err = launch(cut, 1, 6, mix=datasets.replace(":0.7,", ":0.6,").replace(":0.3", ":0.4"), expect=1)
     check("cannot resume from step 3" in err and '"weight":0.7' in err and '"weight":0.6' in err, err[-2000:])
-    got = launch(cut, 1, 6)
+    got = launch(cut, 1, 6, mix=datasets.replace(":0.7,", ":7,").replace(":0.3", ":3"))  # the same mix, unnormalised
     for step in range(4, 7):
         check(got[step]["examples_by_dataset"] == ref[step]["examples_by_dataset"] and
               abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]),
               f"step {step} resumed on 1 rank: {got[step]['loss']} {got[step]['examples_by_dataset']}, uninterrupted "
               f"on 2: {ref[step]['loss']} {ref[step]['examples_by_dataset']}")
     print("blend: saved at step 3 on 2 ranks, resumed on 1: steps 4-6 draw the same examples of each dataset, with "
-          "the uninterrupted run's losses; resumed with other weights, refused naming both")
+          "the uninterrupted run's losses (given as 7:3, the saved 0.7:0.3); resumed with other weights, refused naming "
+          "both")
 
 
 def main():

@@ -47,13 +47,19 @@ std::string validation_text(const PackedExamples& examples) {
 
 void PretrainingRun::log_start() const {
   const auto& o = o_;
+  // Every dataset's, for a blend (each is named with its share below).
+  long long training = 0, validation = 0, tokens = 0;
+  for (const auto& src : data_->sources()) {
+    training += static_cast<long long>(src.examples->train().size());
+    validation += static_cast<long long>(src.examples->validation().size());
+    tokens += static_cast<long long>(src.examples->tokens());
+  }
   char msg[400];
   std::snprintf(msg, sizeof(msg),
                 "BART %s: %.2fM parameters, vocabulary %lld; %lld training / %lld validation examples (%lld tokens); "
                 "%d ranks on %s, ZeRO stage %d%s, %s, global batch %lld = %d x %lld micro-batches x %lld",
                 o.config.c_str(), numel_ / 1e6, static_cast<long long>(config_.vocab_size),
-                static_cast<long long>(examples_->train().size()), static_cast<long long>(examples_->validation().size()),
-                static_cast<long long>(examples_->tokens()), world_, device_.str().c_str(),
+                training, validation, tokens, world_, device_.str().c_str(),
                 o.stage, o.shard_size == "0" ? "" : (" (hybrid, shard groups: " + o.shard_size + ")").c_str(),
                 o.precision.c_str(), static_cast<long long>(o.global_batch), dp_,
                 static_cast<long long>(o.micro_batches), static_cast<long long>(local_batch_ / o.micro_batches));

@@ -93,8 +93,9 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
   dataset_ = sources.front().name;
   data_ = std::make_unique<TrainingData>(std::move(sources));
   examples_ = data_->sources().front().examples.get();
-  TORCH_CHECK_VALUE(data_->size() >= o.global_batch, "the dataset '", dataset_, "' has ", data_->size(),
-                    " training examples, fewer than --global-batch ", o.global_batch);
+  TORCH_CHECK_VALUE(data_->size() >= o.global_batch, data_->blended() ? "the blend of --dataset" : "the dataset '" +
+                    dataset_ + "'", " has ", data_->size(), " training examples, fewer than --global-batch ",
+                    o.global_batch);
   noise_ = o.noise;
   noise_.mask_id = tokenizer_.mask_id();
   noise_.bos_id = tokenizer_.id("<s>");
@@ -248,12 +249,23 @@ void PretrainingRun::resume() {
                           ": it was saved training on ", saved, " examples and this run has ",
                           data_->size(), "; resume with the dataset (--dataset or --data), "
                           "--max-tokens, --validation-docs or --validation-tokens and tokenizer it was saved with");
-        // The mix, its datasets' sizes and weights in order (a dataset may have moved: its path is not compared).
-        const auto mix = [](json d) {
-          for (auto& s : d) s.erase("dataset");
-          return d.dump();
+        // The mix: its datasets' sizes and weights in order, the weights normalised as the sampler takes them
+        // (A:7,B:3 is A:0.7,B:0.3); a dataset may have moved: its path is not compared.
+        const auto same_mix = [](const json& a, const json& b) {
+          const auto total = [](const json& d) {
+            double t = 0;
+            for (const auto& s : d) t += s.at("weight").get<double>();
+            return t;
+          };
+          if (a.size() != b.size()) return false;
+          const double ta = total(a), tb = total(b);
+          for (size_t i = 0; i < a.size(); ++i) {
+            const double wa = a[i].at("weight").get<double>() / ta, wb = b[i].at("weight").get<double>() / tb;
+            if (a[i].at("examples") != b[i].at("examples") || std::abs(wa - wb) > 1e-12) return false;
+          }
+          return true;
         };
-        TORCH_CHECK_VALUE(!extra.contains("data") || mix(extra["data"]) == mix(json::parse(data_->description())),
+        TORCH_CHECK_VALUE(!extra.contains("data") || same_mix(extra["data"], json::parse(data_->description())),
                           "cannot resume from step ", step_, " of ", ckpt_dir, ": it was saved training on ",
                           extra.value("data", json()).dump(), " and this run trains on ", data_->description(),
                           "; resume with the --dataset it was saved with (the same datasets and weights)");

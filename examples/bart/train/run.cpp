@@ -13,7 +13,9 @@
 #include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <atomic>
 #include <exception>
@@ -24,6 +26,7 @@
 #include <iterator>
 #include <thread>
 
+#include <signal.h>
 #include <unistd.h>
 
 namespace bart {
@@ -33,6 +36,28 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// What a prepare of this host that was killed (its process gone) left: DATASET.partial.HOST.PID,
+// removed, with one line each. Other hosts' are theirs to remove (their processes cannot be asked).
+void remove_killed_prepares(const std::string& dataset, const std::string& host) {
+  const std::string prefix = fs::path(dataset).filename().string() + ".partial." + host + ".";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(fs::path(dataset).parent_path(), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string digits = name.substr(prefix.size());
+    char* end = nullptr;
+    const long pid = std::strtol(digits.c_str(), &end, 10);
+    if (digits.empty() || *end != '\0' || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to ask
+    std::error_code removed;
+    fs::remove_all(entry.path(), removed);
+    if (!removed) {
+      zeroshard::log_info("data: removed '" + entry.path().string() + "', left by a prepare (pid " +
+                          std::to_string(pid) + ") that did not finish");
+    }
+  }
+}
 
 // Runs `job` (when this rank has one) on a thread while every rank takes part
 // in a small all-reduce of how many jobs are still running, a few milliseconds
@@ -143,6 +168,7 @@ std::string obtain_dataset(const RunOptions& o, const std::string& vocab, const 
       // Hosts that share the run directory's filesystem each prepare; the first rename wins.
       char host[256] = {};
       ::gethostname(host, sizeof(host) - 1);
+      remove_killed_prepares(dataset, host);
       PrepareOptions po;
       po.data = {o.data};
       po.json_key = o.json_key;
