@@ -308,6 +308,10 @@ def check_blend(exe, build, work, tok_dir, jsonl_ds):
     evals = [r for r in rows if r.get("event") == "validation"]
     check(len(evals) == 3 and all(set(e["val_loss_by_dataset"]) == {jsonl_ds, text_ds} for e in evals),
           f"validation events {evals}")
+    for e in evals:  # the headline weighs the sets as the blend does
+        by = e["val_loss_by_dataset"]
+        want = 0.7 * by[jsonl_ds] + 0.3 * by[text_ds]
+        check(abs(e["val_loss"] - want) <= 1e-9 * want, f"val_loss {e['val_loss']}, 0.7/0.3 of {by}: {want}")
     summary = [r for r in rows if r.get("event") == "summary"][-1]
     check(set(summary.get("val_loss_by_dataset", {})) == {jsonl_ds, text_ds}, f"summary {summary}")
     check("val loss by dataset" in out and f"data: '{jsonl_ds}', weight 0.7" in out, out[-3000:])

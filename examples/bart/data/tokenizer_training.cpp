@@ -130,11 +130,13 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
 
 int train_tokenizer_command(const TokenizerTrainingOptions& o) {
   const auto r = train_tokenizer(o);
-  char msg[320];
-  std::snprintf(msg, sizeof(msg), "tokenizer: %lld entries (%lld merges) from %.1f MB of %.1f MB of text (%zu ranges, "
-                "%lld distinct pieces): counted in %.1f s on %d workers, learned in %.1f s, into ",
+  char msg[360];
+  // The sample is text (decompressed); the corpus is counted as its files are on disk (compressed ones as they are).
+  std::snprintf(msg, sizeof(msg), "tokenizer: %lld entries (%lld merges) from %.1f MB of text sampled in %zu ranges "
+                "of %.1f MB of corpus files on disk (%lld distinct pieces): counted in %.1f s on %d workers, learned "
+                "in %.1f s, into ",
                 static_cast<long long>(r.vocab_size), static_cast<long long>(r.merges), r.sample_bytes / 1e6,
-                r.corpus_bytes / 1e6, r.sample.size(), static_cast<long long>(r.pieces), r.count_seconds, r.workers,
+                r.sample.size(), r.corpus_bytes / 1e6, static_cast<long long>(r.pieces), r.count_seconds, r.workers,
                 r.learn_seconds);
   zeroshard::log_info(msg + o.out);
   return 0;

@@ -62,19 +62,22 @@ double all_sum(zeroshard::Communicator& comm, double v) {
 
 double PretrainingRun::evaluate(int64_t at) {
   const auto t0 = Clock::now();
-  // Each dataset's validation set apart; the loss of all of them, weighted by their tokens.
-  double summed = 0;
+  // Each dataset's validation set apart; the loss of all of them weighted as the blend weighs them in
+  // training (Megatron's blended validation set draws its examples by the same weights), so that the
+  // headline follows the mix trained on, not whichever set holds out more tokens. One dataset: its loss.
+  double summed = 0, weights = 0;
   int64_t tokens = 0;
   json by_source = json::object();
   for (const auto& src : data_->sources()) {
     const auto& held = src.examples->validation();
     const auto v = pipe_ ? validate(*pipe_, held, noise_, o_.eval_batch, pad_, device_)
                          : validate(model_, held, noise_, o_.eval_batch, pad_, *comm_, device_);
-    summed += v.loss * static_cast<double>(v.tokens);
+    summed += v.loss * src.weight;
+    weights += src.weight;
     tokens += v.tokens;
     by_source[src.name] = v.loss;
   }
-  const double loss = summed / static_cast<double>(std::max<int64_t>(1, tokens));
+  const double loss = summed / weights;
   if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = loss;
   json event{{"val_loss", loss}, {"val_tokens", tokens}, {"eval_s", since(t0)}};
   if (data_->blended()) {
