@@ -23,6 +23,8 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
      within the document, a small share of its tokens; the validation loss is measured before and after. What a
      killed prepare of this host left in the run directory is removed; a live process's and another host's stay.
+  6b. An evaluation during the run takes a bounded part of the validation set (the same examples each time), the
+     end the whole set too, --eval-full the whole set every time; the summary states the evaluations' share.
   7. Two datasets blended (--dataset A:0.7,B:0.3), 10^4 examples on 2 ranks: each one's share of the examples drawn
      is megatron-core's BlendedDataset's within 1%, and each has its validation loss in metrics.jsonl and the summary;
      saved on 2 ranks and resumed on 1 (the weights given as 7 and 3: the same mix), it takes the uninterrupted run's
@@ -279,6 +281,40 @@ def check_one_file_trains(exe, work):
           f"{evals[1]['val_loss']:.3f}")
 
 
+def check_bounded_evaluation(exe, work):
+    """An evaluation during the run takes a bounded part of the validation set (the same examples every time: the same
+    tokens), about 5% of the training between two by default; the end also evaluates the whole set; --eval-full
+    evaluates the whole set every time; the summary states the evaluations' share of the time."""
+    def train(name, *extra):
+        run_dir = os.path.join(work, name)
+        run([exe, "--data", "/usr/share/common-licenses/GPL-3", "--run-dir", run_dir, "--max-steps", "4",
+             "--global-batch", "8", "--max-tokens", "64", "--eval-every", "2", "--no-sample", "--no-plot",
+             "--ckpt-dir", "none", "--progress-interval", "1000", *extra])
+        rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+        return [r for r in rows if r.get("event") == "validation"], [r for r in rows if r.get("event") == "summary"][-1]
+
+    evals, summary = train("eval-bounded", "--eval-batch", "2")
+    # 15% of eval_every x global batch = 2.4 -> 3 examples, in whole passes of --eval-batch (2) on 1 rank: 4 (of 9).
+    check([e["step"] for e in evals] == [0, 2, 4], f"validation events {evals}")
+    check(all(e["val_examples"] == 4 and not e["val_whole_set"] for e in evals), f"bounded evaluations {evals}")
+    check(len({e["val_tokens"] for e in evals}) == 1, f"not the same examples each time: {evals}")
+    last = evals[-1]
+    check("val_loss_whole_set" in last and last["val_tokens_whole_set"] > last["val_tokens"] and
+          all("val_loss_whole_set" not in e for e in evals[:-1]), f"the end's whole set: {evals}")
+    check(summary["val_loss_whole_set"] == last["val_loss_whole_set"] and 0 < summary["eval_share"] < 1 and
+          summary["eval_seconds"] > 0, f"summary {summary}")
+    full, _ = train("eval-full", "--eval-full")
+    check(len(full) == 3 and all(e["val_whole_set"] and "val_loss_whole_set" not in e for e in full) and
+          full[0]["val_tokens"] == last["val_tokens_whole_set"], f"--eval-full: {full}")
+    check(abs(full[-1]["val_loss"] - last["val_loss_whole_set"]) <= 1e-6 * last["val_loss_whole_set"],
+          f"the end's whole set {last['val_loss_whole_set']} against --eval-full's {full[-1]['val_loss']}")
+    iters, _ = train("eval-iters", "--eval-iters", "2", "--eval-batch", "3")
+    check(all(e["val_examples"] == 6 for e in iters), f"--eval-iters 2 --eval-batch 3: {iters}")
+    print(f"evaluation: 4 of {full[0]['val_examples']} validation examples at every evaluation ({last['val_tokens']} "
+          f"tokens each time), the whole set at the end ({last['val_tokens_whole_set']} tokens, its loss --eval-full's); "
+          f"{100 * summary['eval_share']:.1f}% of the time in the summary")
+
+
 def check_blend(exe, build, work, tok_dir, jsonl_ds):
     """Two datasets blended 0.7/0.3 over 10^4 samples (100 steps of 100 on 2 ranks): each dataset's share of the
     examples drawn is Megatron-LM's BlendedDataset's (megatron-core's build_blending_indices) within 1%; each has
@@ -366,6 +402,7 @@ def main():
     check_edges(exe, work, tok_dir, tok)
     check_tokenizer_training(exe, work, corpus)
     check_one_file_trains(exe, work)
+    check_bounded_evaluation(exe, work)
     check_blend(exe, build, work, tok_dir, os.path.join(work, "ds-jsonl"))
     shutil.rmtree(work)
 

@@ -102,6 +102,7 @@ void check_options(const RunOptions& o) {
   need(o.keep >= 2, "--keep", o.keep, "at least 2 (a crash while replacing one checkpoint leaves the other)");
   need(o.eval_every >= 0, "--eval-every", o.eval_every, "0 (only at the start and the end) or more");
   need(o.eval_batch >= 1, "--eval-batch", o.eval_batch, "at least 1");
+  need(o.eval_iters >= 0, "--eval-iters", o.eval_iters, "0 (automatic) or more");
   need(o.noise.mask_ratio >= 0 && o.noise.mask_ratio < 1, "--mask-ratio", o.noise.mask_ratio, "in [0, 1)");
   need(o.noise.poisson_lambda > 0 && std::isfinite(o.noise.poisson_lambda), "--poisson-lambda",
        o.noise.poisson_lambda, "a positive number (the mean masked span length)");
@@ -322,6 +323,11 @@ void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
       ->capture_default_str();
   app.add_option("--prefetch", o.prefetch, "batches built ahead of the step")->capture_default_str();
   app.add_option("--eval-batch", o.eval_batch, "validation examples per forward pass and rank")->capture_default_str();
+  app.add_option("--eval-iters", o.eval_iters,
+                 "validation batches per rank in each evaluation during the run, the same examples each time "
+                 "(0: about 5% of the training between two evaluations); the end of the run also evaluates the "
+                 "whole validation set")->capture_default_str();
+  app.add_flag("--eval-full", o.eval_full, "every evaluation on the whole validation set");
   app.add_option("--seed", o.seed, "initialisation, shuffling, noise and dropout")->capture_default_str();
   app.add_option("--mask-ratio", o.noise.mask_ratio, "fraction of tokens in masked spans")->capture_default_str();
   app.add_option("--poisson-lambda", o.noise.poisson_lambda, "mean masked span length")->capture_default_str();

@@ -60,34 +60,75 @@ double all_sum(zeroshard::Communicator& comm, double v) {
 
 }  // namespace
 
-double PretrainingRun::evaluate(int64_t at) {
+int64_t PretrainingRun::eval_limit() const {
+  const auto& o = o_;
+  if (o.eval_full || (o.eval_iters == 0 && o.eval_every <= 0)) return 0;  // only at the start and the end: all
+  const int64_t pass = o.eval_batch * dp_;  // examples of one forward pass over the ranks
+  if (o.eval_iters > 0) return o.eval_iters * pass;
+  // 15% of the examples trained between two evaluations, shared by the datasets: a forward pass costs
+  // about a third of a training step, so this is about 5% of the training time.
+  const int64_t sets = static_cast<int64_t>(data_->sources().size());
+  const int64_t budget = (15 * o.eval_every * o.global_batch + 100 * sets - 1) / (100 * sets);
+  return std::max<int64_t>(1, (budget + pass - 1) / pass) * pass;
+}
+
+double PretrainingRun::evaluate(int64_t at, bool end) {
   const auto t0 = Clock::now();
+  const int64_t limit = eval_limit();
   // Each dataset's validation set apart; the loss of all of them weighted as the blend weighs them in
   // training (Megatron's blended validation set draws its examples by the same weights), so that the
   // headline follows the mix trained on, not whichever set holds out more tokens. One dataset: its loss.
-  double summed = 0, weights = 0;
-  int64_t tokens = 0;
-  json by_source = json::object();
-  for (const auto& src : data_->sources()) {
-    const auto& held = src.examples->validation();
-    const auto v = pipe_ ? validate(*pipe_, held, noise_, o_.eval_batch, pad_, device_)
-                         : validate(model_, held, noise_, o_.eval_batch, pad_, *comm_, device_);
-    summed += v.loss * src.weight;
-    weights += src.weight;
-    tokens += v.tokens;
-    by_source[src.name] = v.loss;
-  }
-  const double loss = summed / weights;
+  struct Pass {
+    double loss = 0;
+    int64_t tokens = 0, examples = 0, whole = 0;  // examples evaluated, of `whole` in the sets
+    json by_source = json::object();
+  };
+  const auto run = [&](int64_t keep) {
+    Pass p;
+    double summed = 0, weights = 0;
+    for (const auto& src : data_->sources()) {
+      const auto& held = src.examples->validation();
+      const auto v = pipe_ ? validate(*pipe_, held, noise_, o_.eval_batch, pad_, device_, keep)
+                           : validate(model_, held, noise_, o_.eval_batch, pad_, *comm_, device_, keep);
+      summed += v.loss * src.weight;
+      weights += src.weight;
+      p.tokens += v.tokens;
+      p.examples += v.examples;
+      p.whole += held.size();
+      p.by_source[src.name] = v.loss;
+    }
+    p.loss = summed / weights;
+    return p;
+  };
+  const Pass pass = run(limit);
+  const double loss = pass.loss;
+  const int64_t tokens = pass.tokens;
+  const json& by_source = pass.by_source;
   if (!std::isfinite(record_.first_val_loss)) record_.first_val_loss = loss;
-  json event{{"val_loss", loss}, {"val_tokens", tokens}, {"eval_s", since(t0)}};
+  json event{{"val_loss", loss}, {"val_tokens", tokens}, {"val_examples", pass.examples},
+             {"val_whole_set", pass.examples == pass.whole}};
+  if (end && pass.examples < pass.whole) {  // the end: the whole set as well
+    const Pass whole = run(0);
+    whole_val_ = whole.loss;
+    whole_val_tokens_ = whole.tokens;
+    event["val_loss_whole_set"] = whole.loss;
+    event["val_tokens_whole_set"] = whole.tokens;
+  }
+  const double seconds = since(t0);
+  record_.eval_seconds += seconds;
+  event["eval_s"] = seconds;
   if (data_->blended()) {
     event["val_loss_by_dataset"] = by_source;
     last_val_by_source_ = by_source;
   }
   metrics_.write_event("validation", at, event.dump());
-  char msg[160];
-  std::snprintf(msg, sizeof(msg), "step %lld: validation loss %.4f (%lld tokens, %.1f s)", static_cast<long long>(at),
-                loss, static_cast<long long>(tokens), since(t0));
+  char msg[240];
+  std::snprintf(msg, sizeof(msg), "step %lld: validation loss %.4f (%lld tokens, %lld of %lld examples, %.1f s)%s",
+                static_cast<long long>(at), loss, static_cast<long long>(tokens),
+                static_cast<long long>(pass.examples), static_cast<long long>(pass.whole), seconds,
+                event.contains("val_loss_whole_set")
+                    ? ("; the whole set: " + std::to_string(event["val_loss_whole_set"].get<double>())).c_str()
+                    : "");
   zeroshard::log_info(msg + (data_->blended() ? "; by dataset " + by_source.dump() : std::string()));
   return loss;
 }
@@ -309,7 +350,7 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
     }
   }
   if ((o.eval_every > 0 && step_ % o.eval_every == 0) || end) {
-    last_val_ = evaluate(step_);
+    last_val_ = evaluate(step_, end);
     extra["val_loss"] = last_val_;
   }
   m.extra_json = extra.dump();  // never empty: it carries the step's data wait

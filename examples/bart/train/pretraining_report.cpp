@@ -134,6 +134,9 @@ void PretrainingRun::summarize() {
   s.train_seconds = record_.train_seconds;
   s.checkpoint_stall_s = record_.checkpoint_stall_s;
   s.data_wait_s = record_.data_wait_s;
+  s.eval_seconds = record_.eval_seconds;
+  s.whole_val_loss = whole_val_;
+  s.whole_val_tokens = whole_val_tokens_;
   s.interruptions = record_.interruptions.dump();
   if (durable_) {
     s.durable = json{{"uri", o.ckpt_dir}, {"step", record_.durable_step}, {"lag_s", record_.durable_lag_s},

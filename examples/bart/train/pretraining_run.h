@@ -82,7 +82,11 @@ class PretrainingRun {
   StepBatches next_batches(double& waited);  // the step's, from the loader (or built here without one)
   // After step `step` (counted): metrics, saves, validation. True at the last step.
   bool record_step(const StepResult& r, Clock::time_point t_step, double waited0);
-  double evaluate(int64_t at);
+  // The validation loss at step `at` (an event in the metrics, a log line): on the examples
+  // eval_limit() keeps; at the end of the run (`end`) on the whole set too, when that kept fewer.
+  double evaluate(int64_t at, bool end = false);
+  // Examples of each validation set an evaluation during the run takes (0: all of them).
+  int64_t eval_limit() const;
   double save(int64_t at, const char* why);
   void note_resume(bool stepped);
   void note_durable(json& extra);  // the durable tier's progress into the step's line and the events
@@ -140,6 +144,8 @@ class PretrainingRun {
   zeroshard::MetricsLog metrics_;
   std::unique_ptr<zeroshard::ProgressLine> progress_;
   double last_val_ = NAN, loss_ = NAN;
+  double whole_val_ = NAN;       // the end's loss on the whole validation set, when evaluations took part of it
+  int64_t whole_val_tokens_ = 0;
   nlohmann::json last_val_by_source_;  // a blend's last validation losses, by dataset
   int64_t bytes_before_ = 0;
 };

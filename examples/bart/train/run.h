@@ -65,6 +65,12 @@ struct RunOptions {
   double grace_period = 30;
   int64_t eval_every = 50;
   int64_t eval_batch = 16;
+  // Batches of eval_batch per rank in an evaluation during the run (the same examples each time, spread
+  // evenly over each validation set); 0: enough to cost about 5% of the training between two evaluations
+  // (15% of eval_every × global_batch examples: a forward pass costs about a third of a training step),
+  // at least 1. The end of the run evaluates the whole set too; eval_full: every evaluation does.
+  int64_t eval_iters = 0;
+  bool eval_full = false;
   int loader_threads = 2;  // threads building batches ahead of the step; 0: on the training thread
   int prefetch = 4;        // batches built ahead
   uint64_t seed = 1;

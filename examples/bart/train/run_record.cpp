@@ -14,6 +14,7 @@ json RunRecord::to_json(const zeroshard::DistributedSampler& sampler) const {
   return {{"sampler", json::parse(sampler.state_json())}, {"tokens", tokens}, {"train_seconds", train_seconds},
           {"noise_scale", json::parse(noise.to_json())}, {"efficient_tokens", efficient_tokens},
           {"efficient_seconds", efficient_seconds}, {"checkpoint_stall_s", checkpoint_stall_s}, {"data_wait_s", data_wait_s},
+          {"eval_seconds", eval_seconds},
           {"first_loss", finite(first_loss)}, {"first_val_loss", finite(first_val_loss)},
           {"bytes_sent", bytes_sent}, {"interruptions", interruptions}, {"durable_step", durable_step},
           {"durable_lag_s", durable_lag_s}, {"durable_abandoned", durable_abandoned}};
@@ -26,6 +27,7 @@ void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler)
   train_seconds = j.value("train_seconds", 0.0);
   checkpoint_stall_s = j.value("checkpoint_stall_s", 0.0);
   data_wait_s = j.value("data_wait_s", 0.0);
+  eval_seconds = j.value("eval_seconds", 0.0);
   first_loss = number("first_loss");
   first_val_loss = number("first_val_loss");
   bytes_sent = j.value("bytes_sent", int64_t{0});

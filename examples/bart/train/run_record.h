@@ -18,6 +18,7 @@ struct RunRecord {
   int64_t tokens = 0;
   double train_seconds = 0, checkpoint_stall_s = 0;
   double data_wait_s = 0;  // the training thread waiting for its batches
+  double eval_seconds = 0;  // evaluating the validation sets
   double first_loss = NAN, first_val_loss = NAN;
   int64_t bytes_sent = 0;  // all ranks
   // The durable tier (--ckpt-dir s3://...): the newest step committed there, its upload's lag,

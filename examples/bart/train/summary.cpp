@@ -67,6 +67,12 @@ std::string Summary::text() const {
     o << buf;
   }
   o << ")\n";
+  if (std::isfinite(whole_val_loss)) {
+    std::snprintf(buf, sizeof(buf), "val loss     %s on the whole validation set at the end (%s tokens; the line above: the same "
+                  "part of it at every evaluation)\n", loss_str(whole_val_loss).c_str(),
+                  zeroshard::ProgressLine::with_commas(whole_val_tokens).c_str());
+    o << buf;
+  }
   if (!val_loss_by_dataset.empty()) {
     o << "val loss by dataset  ";
     const char* sep = "";
@@ -116,6 +122,9 @@ std::string Summary::text() const {
   }
   std::snprintf(buf, sizeof(buf), "data         %.2f s of training waited for batches (%.2f%% of the steps' time)\n",
                 data_wait_s, train_seconds > 0 ? 100 * data_wait_s / train_seconds : 0.0);
+  o << buf;
+  std::snprintf(buf, sizeof(buf), "evaluation   %.1f s, %.1f%% of the steps' and evaluations' time\n", eval_seconds,
+                eval_share() * 100);
   o << buf;
   const json ints = json::parse(interruptions);
   if (ints.empty() && resumed.empty()) {
@@ -170,6 +179,9 @@ std::string Summary::to_json() const {
          {"steps", steps},
          {"tokens", tokens},
          {"train_seconds", train_seconds},
+         {"eval_seconds", eval_seconds},
+         {"eval_share", eval_share()},
+         {"val_loss_whole_set", std::isfinite(whole_val_loss) ? json(whole_val_loss) : json()},
          {"tokens_per_s", train_seconds > 0 ? tokens / train_seconds : 0.0},
          {"first_loss", first_loss},
          {"last_loss", last_loss},

@@ -18,6 +18,9 @@ struct Summary {
   int64_t params = 0, steps = 0, tokens = 0, bytes_sent = 0;
   double first_loss = 0, last_loss = 0, first_val_loss = 0, last_val_loss = 0;
   double train_seconds = 0, wall_seconds = 0, checkpoint_stall_s = 0, data_wait_s = 0;
+  double eval_seconds = 0;                    // evaluating, beside train_seconds
+  double whole_val_loss = NAN;                // the end's loss on the whole validation set, when evaluations took part
+  int64_t whole_val_tokens = 0;
   // The gradient noise scale at the end (target tokens), the statistical
   // efficiency of the mean step's batch against `reference_batch` sequences,
   // and goodput (target tokens/s × efficiency) over the steps that had one.
@@ -34,6 +37,8 @@ struct Summary {
   // Bytes a single process holds for the same model and AdamW: fp32
   // parameters, gradients and the two moments (16 bytes per parameter).
   int64_t unsharded_model_states() const { return 16 * params; }
+  // Evaluation's share of the time spent in steps and evaluations.
+  double eval_share() const { return eval_seconds > 0 ? eval_seconds / (eval_seconds + train_seconds) : 0.0; }
   std::string text() const;
   std::string to_json() const;  // a JSON object
 };

@@ -83,10 +83,11 @@ torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batc
 
 std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,
                                                int64_t batch_size, int64_t pad_id, int rank, int ranks,
-                                               torch::Device device) {
+                                               torch::Device device, int64_t limit) {
   TORCH_CHECK_VALUE(!validation.empty(), "BART validation: the validation set holds no text (a store with "
                                          "empty documents, or a tiny one: give --validation-tokens)");
-  const int64_t n = validation.size();
+  const int64_t all = validation.size(), n = validation_examples(all, limit);
+  const auto example = [&](int64_t j) { return n == all ? j : j * all / n; };  // spread evenly over the set
   const int64_t per_rank = (n + ranks - 1) / ranks;
   const int64_t batches = (per_rank + batch_size - 1) / batch_size;
   std::vector<ValidationBatch> out;
@@ -94,7 +95,7 @@ std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& val
     std::vector<int64_t> idx;
     for (int64_t k = b * batch_size; k < std::min(per_rank, (b + 1) * batch_size); ++k) {
       const int64_t i = k * ranks + rank;
-      if (i < n) idx.push_back(i);
+      if (i < n) idx.push_back(example(i));
     }
     const bool padding = idx.empty();  // this rank ran out: a pass that counts for nothing
     if (padding) idx.push_back(0);
@@ -106,12 +107,13 @@ std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& val
 
 Validation validate(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                     const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
-                    torch::Device device) {
+                    torch::Device device, int64_t limit) {
   torch::NoGradGuard no_grad;
   model->eval();
   double sum = 0;
   int64_t tokens = 0;
-  for (const auto& [batch, padding] : validation_batches(validation, noise, batch_size, pad_id, comm.rank(), comm.size(), device)) {
+  for (const auto& [batch, padding] :
+       validation_batches(validation, noise, batch_size, pad_id, comm.rank(), comm.size(), device, limit)) {
     const double l = summed_loss(model, batch).item<double>();
     if (!padding) {
       sum += l;
@@ -124,13 +126,14 @@ Validation validate(BartForConditionalGeneration& model, const PackedExamples::S
   Validation v;
   v.tokens = static_cast<int64_t>(t[1].item<double>());
   v.loss = t[0].item<double>() / static_cast<double>(std::max<int64_t>(v.tokens, 1));
+  v.examples = validation_examples(validation.size(), limit);
   return v;
 }
 
 Validation validate(PipelinedBart& pipe, const PackedExamples::Split& validation, const NoiseOptions& noise,
-                    int64_t batch_size, int64_t pad_id, torch::Device device) {
+                    int64_t batch_size, int64_t pad_id, torch::Device device, int64_t limit) {
   const auto& grid = pipe.grid();
-  auto batches = validation_batches(validation, noise, batch_size, pad_id, grid.dp_rank(), grid.dp(), device);
+  auto batches = validation_batches(validation, noise, batch_size, pad_id, grid.dp_rank(), grid.dp(), device, limit);
   int64_t local = 0;
   for (const auto& b : batches) local += b.padding ? 0 : b.batch.target_tokens;
   // Every stage of a data-parallel index holds the same batches: the world's sum counts them pp times.
@@ -145,6 +148,7 @@ Validation validate(PipelinedBart& pipe, const PackedExamples::Split& validation
     weights.push_back(b.padding ? 0.0 : 1.0 / static_cast<double>(std::max<int64_t>(v.tokens, 1)));
   }
   v.loss = pipe.evaluate(std::move(micro), weights);
+  v.examples = validation_examples(validation.size(), limit);
   return v;
 }
 

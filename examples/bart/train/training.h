@@ -50,18 +50,22 @@ Batch make_batch(const TrainingData& data, const std::vector<int64_t>& positions
 torch::Tensor summed_loss(BartForConditionalGeneration& model, const Batch& batch);
 
 struct Validation {
-  double loss = 0;     // mean cross-entropy per target token, all ranks
-  int64_t tokens = 0;  // target tokens evaluated, all ranks
+  double loss = 0;       // mean cross-entropy per target token, all ranks
+  int64_t tokens = 0;    // target tokens evaluated, all ranks
+  int64_t examples = 0;  // examples evaluated, all ranks
 };
+// How many of a validation set's `n` examples an evaluation limited to `limit` takes (0: all).
+inline int64_t validation_examples(int64_t n, int64_t limit) { return limit > 0 && limit < n ? limit : n; }
 // The validation examples split over the ranks (index % world == rank), in
 // batches of `batch_size`; every rank runs the same number of forward passes
 // (ranks with fewer examples run padding batches that count for nothing), as
 // ZeRO-3 needs. Noise is fixed (seed 0, epoch 0), so values compare across steps.
-// Batches go to `device` (the model's). Collective over `comm` (a CPU one).
-// Leaves the model in training mode.
+// `limit` > 0: that many examples at most, spread evenly over the set (the
+// same ones every time). Batches go to `device` (the model's). Collective over
+// `comm` (a CPU one). Leaves the model in training mode.
 Validation validate(BartForConditionalGeneration& model, const PackedExamples::Split& validation,
                     const NoiseOptions& noise, int64_t batch_size, int64_t pad_id, zeroshard::Communicator& comm,
-                    torch::Device device = torch::kCPU);
+                    torch::Device device = torch::kCPU, int64_t limit = 0);
 
 // The same split over `ranks` data-parallel ranks, as one rank's batches:
 // every rank gets the same number; a rank that ran out gets padding batches
@@ -72,13 +76,13 @@ struct ValidationBatch {
 };
 std::vector<ValidationBatch> validation_batches(const PackedExamples::Split& validation, const NoiseOptions& noise,
                                                int64_t batch_size, int64_t pad_id, int rank, int ranks,
-                                               torch::Device device = torch::kCPU);
+                                               torch::Device device = torch::kCPU, int64_t limit = 0);
 
 // validate() through pipeline stages: the split over the data-parallel ranks,
 // each rank's batches as microbatches of a forward schedule. Collective over
 // the pipeline's world.
 Validation validate(PipelinedBart& pipe, const PackedExamples::Split& validation, const NoiseOptions& noise,
-                    int64_t batch_size, int64_t pad_id, torch::Device device = torch::kCPU);
+                    int64_t batch_size, int64_t pad_id, torch::Device device = torch::kCPU, int64_t limit = 0);
 
 // A batch as the pipeline's microbatch: the decoder's input is the labels
 // shifted right; dropout keyed by `dropout`.
