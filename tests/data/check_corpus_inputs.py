@@ -17,7 +17,8 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      refused naming both. A UTF-8 BOM opening a text or JSON lines file, a `.gz` with zero padding, a `.zst` with a
      256 MiB window: read as the tools read them; what Python's json accepts in other fields (NaN, 2**70, 1e400, a
      lone surrogate) passes. A raw NUL in a JSON line: that line's error (or skipped); a
-     directory's binary file: left out, counted in the log and the manifest; given by name: refused.
+     directory's binary file: left out, counted in the log and the manifest; given by name: refused. A `.json` that is
+     one JSON document (pretty-printed, an array): refused as such.
   5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
      plain text files.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
@@ -233,6 +234,18 @@ def check_edges(exe, work, tok_dir, tok):
     check("image.bin' has a NUL byte in its first 8000 bytes" in err, err)
     print("a NUL in a JSON line is that line's error (b.jsonl:2), skipped with --skip-bad-lines; a directory's binary "
           "file is left out, in the log and the manifest; given by name, refused")
+
+    # A `.json` that is one JSON document (a pretty-printed package.json, an array) is named as such, not taken for a
+    # malformed first line of JSON lines.
+    for name, doc in (("package.json", json.dumps({"name": "x", "version": "1.0"}, indent=2)),
+                      ("records.json", json.dumps([{"text": t} for t in texts]))):
+        d = os.path.join(work, "edge-doc-" + name)
+        os.makedirs(d)
+        open(os.path.join(d, "a.txt"), "w").write(texts[0])
+        open(os.path.join(d, name), "w").write(doc + "\n")
+        err = run([exe, "prepare", "--data", d, "--tokenizer", tok_dir, "--out", out + "-doc"], expect=1)
+        check(f"'{os.path.join(d, name)}' is one JSON document" in err and "not JSON lines" in err, err)
+    print("a pretty-printed package.json and a JSON array named .json are refused as JSON documents, not JSON lines")
 
 
 def check_tokenizer_training(exe, work, corpus):

@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -46,6 +47,22 @@ bool is_binary(const fs::path& file) {
   char head[8000];
   const size_t got = in.read(head, sizeof(head));
   return std::find(head, head + got, '\0') != head + got;
+}
+
+// A `.json` file that holds one JSON document (an array, or an object printed over several
+// lines, as package.json is) rather than JSON lines: by its first bytes.
+bool is_json_document(const fs::path& file) {
+  if (!name_ends_with(without_compression(file.string()), ".json")) return false;
+  ByteStream in(file.string(), "prepare");
+  char head[8000];
+  const size_t got = in.read(head, sizeof(head));
+  size_t i = got >= 3 && std::string_view(head, 3) == "\xEF\xBB\xBF" ? 3 : 0;
+  while (i < got && std::isspace(static_cast<unsigned char>(head[i]))) ++i;
+  if (i == got || (head[i] != '[' && head[i] != '{')) return false;
+  if (head[i] == '[') return true;
+  size_t j = i + 1;  // "{" alone on its line
+  while (j < got && (head[j] == ' ' || head[j] == '\t' || head[j] == '\r')) ++j;
+  return j < got && head[j] == '\n';
 }
 
 std::string read_file(const fs::path& file) {
@@ -191,6 +208,10 @@ std::vector<std::string> corpus_files(const std::vector<std::string>& data, std:
       const auto real = fs::canonical(f, ec);
       if (ec || !seen.insert(real).second) continue;  // a link to a file already listed
       if (fs::file_size(f, ec) == 0 || ec) continue;
+      TORCH_CHECK_VALUE(!is_json_document(f), "prepare: '", f.string(), "' is one JSON document (",
+                        "an array, or an object over several lines), not JSON lines (one object per line, a document "
+                        "each); give its documents as JSON lines (e.g. `jq -c '.[]'` of an array), or move it out of "
+                        "--data");
       // A JSON lines file is read whatever it holds: a NUL makes its line malformed (named, or skipped).
       if (!is_json_lines(f.string()) && is_binary(f)) {
         TORCH_CHECK_VALUE(listed, "prepare: --data '", f.string(), "' has a NUL byte in its first 8000 bytes: a binary "
