@@ -23,7 +23,8 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      plain text files.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
      within the document, a small share of its tokens; the validation loss is measured before and after. What a
-     killed prepare of this host left in the run directory is removed; a live process's and another host's stay.
+     killed prepare of this host left in the run directory is removed; a live process's and another host's stay. One
+     sentence cannot train, and the error says the validation set took it.
   6b. An evaluation during the run takes a bounded part of the validation set (the same examples each time), the
      end the whole set too, --eval-full the whole set every time; the summary states the evaluations' share.
   7. Two datasets blended (--dataset A:0.7,B:0.3), 10^4 examples on 2 ranks: each one's share of the examples drawn
@@ -292,6 +293,15 @@ def check_one_file_trains(exe, work):
     check(len(evals) == 2 and all(0 < e["val_loss"] < 20 for e in evals), f"validation events {evals}")
     print(f"one file trains: {line.split('] ')[-1]}; validation loss {evals[0]['val_loss']:.3f} -> "
           f"{evals[1]['val_loss']:.3f}")
+    # One sentence cannot train: the validation set takes it, and the error says so.
+    one = os.path.join(work, "one-sentence")
+    os.makedirs(one)
+    open(os.path.join(one, "a.txt"), "w").write("This single sentence of plain English text is the whole corpus that "
+                                                "the user gave to the trainer to learn from today.\n")
+    err = run([exe, "--data", one, "--run-dir", os.path.join(work, "one-sentence-run"), "--max-steps", "1",
+               "--global-batch", "1", "--no-plot", "--ckpt-dir", "none"], expect=1)
+    check("has no training examples: its validation set took all of its text" in err and "give more text" in err,
+          err[-2000:])
 
 
 def check_bounded_evaluation(exe, work):

@@ -44,7 +44,14 @@ TrainingData::TrainingData(std::vector<DataSource> sources) : sources_(std::move
   TORCH_CHECK_VALUE(!sources_.empty(), "BART data: no dataset");
   std::vector<zeroshard::BlendSource> blend;
   for (const auto& s : sources_) {
-    TORCH_CHECK_VALUE(s.examples->train().size() > 0, "dataset '", s.name, "' has no training examples");
+    const auto& e = *s.examples;
+    TORCH_CHECK_VALUE(e.train().size() > 0, "dataset '", s.name, "' has no training examples",
+                      e.validation().size() > 0
+                          ? ": its validation set took all of its text (" + std::to_string(e.validation().size()) +
+                                " example(s) of " + std::to_string(e.tokens()) + " tokens: every sentence the held-out "
+                                "spans touch is held out, and this corpus is too small to keep any for training); give "
+                                "more text"
+                          : std::string(": it holds no text"));
     blend.push_back({s.examples->train().size(), s.weight});
   }
   if (sources_.size() > 1) blend_.emplace(std::move(blend));
