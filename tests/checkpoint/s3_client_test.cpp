@@ -82,6 +82,13 @@ int count_of(const std::string& log, const std::string& needle) {
 
 Environment store_env() { return process_environment(); }
 
+// The store's environment with the fault proxy as its endpoint (s3_store.py's /control/faults).
+Environment proxy_env() {
+  auto env = store_env();
+  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  return env;
+}
+
 // The store's environment without credentials of its own, HOME at `home`.
 Environment no_credentials(const std::string& home) {
   auto env = store_env();
@@ -269,8 +276,7 @@ TEST(S3Client, AWrongKeySecretBucketOrEndpointFailsAtStartInOneLine) {
     EXPECT_TRUE(one_line(m)) << m;
   }
   {  // a store that ignores If-None-Match (the proxy answers a conditional put 200 itself, writing nothing)
-    auto env = store_env();
-    env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+    auto env = proxy_env();
     Client c(fresh("no-conditions"), env, quick);
     c.check_access();  // the proxy forwards everything: the store refuses the second put
     control("/control/faults", "ignore-conditions-all");
@@ -294,8 +300,7 @@ TEST(S3Client, AWrongKeySecretBucketOrEndpointFailsAtStartInOneLine) {
 
 // Through the fault proxy: 503 SlowDown and a stalled connection are retried; too many fail naming the cause.
 TEST(S3Client, SlowDownAndStalledRequestsAreRetriedWithinBounds) {
-  auto env = store_env();
-  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  auto env = proxy_env();
   ClientOptions o;
   o.backoff_base = 20ms;
   o.limits.stall = 1000ms;  // a request that moves nothing for a second is abandoned
@@ -331,8 +336,7 @@ TEST(S3Client, SlowDownAndStalledRequestsAreRetriedWithinBounds) {
 // attempt each, all ending by the linger's end, and none is sent after it. Without cancel(),
 // each attempt's overall limit ends a trickle.
 TEST(S3Client, CancelEndsStalledAndTricklingRequestsAndEachAttemptHasADeadline) {
-  auto env = store_env();
-  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  auto env = proxy_env();
   auto cancelled_after = [&](const std::string& fault, const std::function<void(Client&)>& request) {
     Client c(fresh("cancel"), env, {});
     control("/control/faults", fault);
@@ -425,8 +429,7 @@ TEST(S3Client, AnUploadSurvivesTheStoreKilledAndRestartedMidway) {
 // checked against the object, which has the upload's parts). Through the fault proxy: the
 // start and 3 parts pass, then the complete meets the fault.
 TEST(S3Client, ACompleteThatFailsLateOrLosesItsAnswerIsNotAFailedUpload) {
-  auto env = store_env();
-  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  auto env = proxy_env();
   ClientOptions o;
   o.part_bytes = 5 << 20;
   o.parallel = 1;
@@ -477,8 +480,7 @@ TEST(S3Client, CredentialsComeFromEachSourceOfTheChain) {
   }
   // A session token is sent, signed, and never shown (the store refuses it: it is not one of its own STS's).
   {
-    auto env = store_env();
-    env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+    auto env = proxy_env();
     env["AWS_SESSION_TOKEN"] = "session-token-1234";
     ClientOptions once;
     once.max_attempts = 1;
@@ -737,8 +739,7 @@ TEST(S3Client, ACredentialFetchThatMayPassIsTriedAgain) {
 // the body) are refused by the store itself (400 BadDigest) and sent again, so what is stored is
 // what was sent; without the header the store would keep the damaged bytes.
 TEST(S3Client, BytesDamagedOnTheWayAreRefusedByTheStoreAndSentAgain) {
-  auto env = store_env();
-  env["AWS_ENDPOINT_URL"] = env_or_fail("ZS_TEST_S3_PROXY");
+  auto env = proxy_env();
   ClientOptions o;
   o.part_bytes = 5 << 20;
   o.parallel = 2;

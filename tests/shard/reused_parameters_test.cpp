@@ -212,6 +212,24 @@ Run run_sharded(Reuse how, int stage, bool checkpointed, bool extra = false, int
   return run;
 }
 
+// Every rank holds the same parameters as this one.
+void expect_same_on_every_rank(const torch::Tensor& params) {
+  auto all = torch::empty({params.numel() * world().size()});
+  world().all_gather(all, params)->wait();
+  for (int q = 0; q < world().size(); ++q) {
+    EXPECT_TRUE(torch::equal(all.slice(0, q * params.numel(), (q + 1) * params.numel()), params))
+        << "rank " << q << " differs";
+  }
+}
+
+// The parameters of the tests over every ZeRO stage and every shape of reuse, and their names.
+const auto kEveryStageAndReuse =
+    ::testing::Combine(::testing::Values(0, 1, 2, 3), ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
+                                                                        Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings));
+std::string stage_and_reuse_name(const ::testing::TestParamInfo<std::tuple<int, Reuse>>& info) {
+  return "stage" + std::to_string(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
+}
+
 class ShardedAdamWReuse : public ::testing::TestWithParam<std::tuple<int, Reuse>> {};
 
 // 10 steps: the same parameters as torch::optim::AdamW (the relative
@@ -258,22 +276,11 @@ TEST_P(ShardedAdamWReuse, EveryArrivalOfAGradientIsReduced) {
     }
   }
   EXPECT_GE(got_all, plain_all);
-  auto all = torch::empty({got.params.numel() * world().size()});
-  world().all_gather(all, got.params)->wait();
-  for (int q = 0; q < world().size(); ++q) {
-    EXPECT_TRUE(torch::equal(all.slice(0, q * got.params.numel(), (q + 1) * got.params.numel()), got.params))
-        << "rank " << q << " differs";
-  }
+  expect_same_on_every_rank(got.params);
 }
 
 INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuse,
-                         ::testing::Combine(::testing::Values(0, 1, 2, 3),
-                                            ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
-                                                              Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings)),
-                         [](const auto& info) {
-                           return "stage" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  to_string(std::get<1>(info.param));
-                         });
+                         kEveryStageAndReuse, stage_and_reuse_name);
 
 // The count of arrivals follows the graph: a reuse at step 0 only (checkpointed then, not after;
 // the first backward holds every bucket to its end, so it has no late round) is forgotten at
@@ -358,22 +365,11 @@ TEST_P(ShardedAdamWReuseUnevenRanks, AParameterUnusedOnOneRankBesideAReusedOne) 
   const auto plain = run_sharded(how, stage, /*checkpointed=*/false, /*extra=*/true, /*skip_extra_on=*/1);
   // (ZeRO-3 gathers units again to recompute their segments: its bytes are not the plain run's.)
   for (int s = 0; s < kSteps && stage != 3; ++s) EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
-  auto all = torch::empty({got.params.numel() * world().size()});
-  world().all_gather(all, got.params)->wait();
-  for (int q = 0; q < world().size(); ++q) {
-    EXPECT_TRUE(torch::equal(all.slice(0, q * got.params.numel(), (q + 1) * got.params.numel()), got.params))
-        << "rank " << q << " differs";
-  }
+  expect_same_on_every_rank(got.params);
 }
 
 INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuseUnevenRanks,
-                         ::testing::Combine(::testing::Values(0, 1, 2, 3),
-                                            ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
-                                                              Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings)),
-                         [](const auto& info) {
-                           return "stage" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  to_string(std::get<1>(info.param));
-                         });
+                         kEveryStageAndReuse, stage_and_reuse_name);
 
 }  // namespace reused_parameters_test
 }  // namespace zeroshard
