@@ -37,11 +37,15 @@ struct LayerImpl : torch::nn::Module {
     side = register_module("side", torch::nn::Linear(kWidth, kWidth));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    auto y = x + torch::tanh(fc(x));
+    auto through_fc = [this](const torch::Tensor& in) { return in + torch::tanh(fc(in)); };
+    auto y = !twice ? through_fc(x) : checkpointed ? activation_checkpoint(through_fc, activation_checkpoint(through_fc, x))
+                                                   : through_fc(through_fc(x));
     return use_side ? y + 0.5 * torch::tanh(side(x)) : y;
   }
   torch::nn::Linear fc{nullptr}, side{nullptr};  // `side` takes part when use_side (in the unit: ZeRO-3's S2 case)
   bool use_side = false;
+  bool twice = false;         // `fc` applied twice within the layer's own forward (Reuse::kWithinUnit)
+  bool checkpointed = false;  // each of those in a checkpointed segment
 };
 TORCH_MODULE(Layer);
 
@@ -50,6 +54,7 @@ enum class Reuse {
   kInsideThenOutside,  // the layer in a checkpointed segment, then outside one
   kOutsideThenInside,  // the layer outside, then in a checkpointed segment
   kTiedEmbeddings,     // the embedding is the output projection; every layer (the projection too) checkpointed
+  kWithinUnit,         // the layer runs once, and checkpoints its own `fc` twice inside (ZeRO-3: within one unit)
 };
 
 std::string to_string(Reuse r) {
@@ -58,6 +63,7 @@ std::string to_string(Reuse r) {
     case Reuse::kInsideThenOutside: return "InsideThenOutside";
     case Reuse::kOutsideThenInside: return "OutsideThenInside";
     case Reuse::kTiedEmbeddings: return "TiedEmbeddings";
+    case Reuse::kWithinUnit: return "WithinUnit";
   }
   return "?";
 }
@@ -91,6 +97,11 @@ struct LmImpl : torch::nn::Module {
         break;
       case Reuse::kTiedEmbeddings:
         h = segment(run_block, h);
+        break;
+      case Reuse::kWithinUnit:
+        b->twice = true;
+        b->checkpointed = checkpointed;
+        h = b->forward(h);
         break;
     }
     h = segment([l = last.ptr()](const torch::Tensor& in) { return l->forward(in); }, h);
@@ -224,8 +235,9 @@ void expect_same_on_every_rank(const torch::Tensor& params) {
 
 // The parameters of the tests over every ZeRO stage and every shape of reuse, and their names.
 const auto kEveryStageAndReuse =
-    ::testing::Combine(::testing::Values(0, 1, 2, 3), ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside,
-                                                                        Reuse::kOutsideThenInside, Reuse::kTiedEmbeddings));
+    ::testing::Combine(::testing::Values(0, 1, 2, 3),
+                       ::testing::Values(Reuse::kTwoSegments, Reuse::kInsideThenOutside, Reuse::kOutsideThenInside,
+                                         Reuse::kTiedEmbeddings, Reuse::kWithinUnit));
 std::string stage_and_reuse_name(const ::testing::TestParamInfo<std::tuple<int, Reuse>>& info) {
   return "stage" + std::to_string(std::get<0>(info.param)) + "_" + to_string(std::get<1>(info.param));
 }
@@ -370,6 +382,33 @@ TEST_P(ShardedAdamWReuseUnevenRanks, AParameterUnusedOnOneRankBesideAReusedOne) 
 
 INSTANTIATE_TEST_SUITE_P(StagesAndModels, ShardedAdamWReuseUnevenRanks,
                          kEveryStageAndReuse, stage_and_reuse_name);
+
+// A reuse that begins after the ranks first agreed, of a parameter that rank 1 does not use at
+// all (`side`, inside the layer applied in two checkpointed segments from step 3 on): at ZeRO-0/2
+// rank 0's arrivals of `side` exceed the agreed count while rank 1 has none, so only rank 0 knows
+// of a late gradient at the end of the backward. Every rank must still issue the same
+// collectives: the late gradients wait for the step's agreement, which tells every rank that some
+// rank holds one. Against torch::optim::AdamW; every rank the same parameters; at ZeRO-0/2 the
+// bytes of the run without checkpointing except at step 3 (the late rounds), and more there.
+TEST_P(ShardedAdamWReuseUnevenRanks, AReuseThatBeginsAfterTheFirstStepBesideAnUnusedParameter) {
+  const auto [stage, how] = GetParam();
+  if (how != Reuse::kTwoSegments && how != Reuse::kWithinUnit) return;  // the shapes that reuse `side`'s layer alone
+  const std::set<int> from_step_3{3, 4, 5, 6, 7, 8, 9};
+  const auto want = run_oracle(how, /*extra=*/true, /*skip_extra_on=*/1);
+  const auto got = run_sharded(how, stage, false, /*extra=*/true, /*skip_extra_on=*/1, &from_step_3);
+  const double err = ((got.params - want).abs() / (want.abs() + 1e-2)).max().item<double>();
+  EXPECT_LT(err, 3e-5) << "stage " << stage << ", " << to_string(how) << ", " << world().size() << " ranks";
+  EXPECT_TRUE(got.left_in_grad.empty()) << got.left_in_grad.front();
+  const auto plain = run_sharded(how, stage, /*checkpointed=*/false, /*extra=*/true, /*skip_extra_on=*/1);
+  for (int s = 0; s < kSteps && (stage == 0 || stage == 2) && world().size() > 1; ++s) {
+    if (s == 3) {
+      EXPECT_GT(got.step_bytes[s], plain.step_bytes[s]) << "step " << s << ": no late round";
+    } else {
+      EXPECT_EQ(got.step_bytes[s], plain.step_bytes[s]) << "step " << s;
+    }
+  }
+  expect_same_on_every_rank(got.params);
+}
 
 }  // namespace reused_parameters_test
 }  // namespace zeroshard

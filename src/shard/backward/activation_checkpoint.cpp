@@ -17,6 +17,7 @@ namespace {
 
 thread_local int recompute_depth = 0;
 thread_local int checkpointed_forward_depth = 0;
+thread_local long long checkpointed_segments_begun = 0;
 
 struct RecomputeScope {
   RecomputeScope() { ++recompute_depth; }
@@ -82,8 +83,12 @@ struct CheckpointBackward : torch::autograd::Node {
 
 bool shard::in_recompute() { return recompute_depth > 0; }
 bool shard::in_checkpointed_forward() { return checkpointed_forward_depth > 0; }
+long long shard::checkpointed_segments() { return checkpointed_segments_begun; }
 
 TensorList activation_checkpoint(std::function<TensorList(const TensorList&)> fn, TensorList inputs) {
+  if (recompute_depth == 0 && (at::GradMode::is_enabled() || checkpointed_forward_depth > 0)) {
+    ++checkpointed_segments_begun;
+  }
   if (!at::GradMode::is_enabled() || !torch::autograd::any_variable_requires_grad(inputs)) return fn(inputs);
   auto node = compat::make_autograd_node<CheckpointBackward>();
   std::vector<c10::Device> devices{c10::Device(c10::kCPU)};

@@ -52,6 +52,11 @@ class FrontEnd {
   virtual std::vector<int> step_arrivals() const { return {}; }
   // Per parameter: the count every rank that had its gradient saw (-1: no rank had it). The same on every rank.
   virtual void agreed_arrivals(const std::vector<int>& /*counts*/) {}
+  // Gradients that arrived beyond the agreed count (ZeRO-0/2) are held here until the step's
+  // agreement says whether any rank got some; then every rank reduces its late rounds alike
+  // (reduce_late(): collective; zeros where none are held) and the gradient norms are summed again.
+  virtual bool holds_late() const { return false; }
+  virtual void reduce_late() {}
 };
 
 // What a front-end hands the core once its shard groups exist.

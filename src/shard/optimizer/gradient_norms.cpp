@@ -12,13 +12,13 @@ GradientNorms::GradientNorms(std::shared_ptr<StepAgreement> agreement, std::stri
     : agreement_(std::move(agreement)), ranks_(ranks) {
   TORCH_CHECK_VALUE(agreement_ != nullptr, "GradientNorms: the agreement is null");
   TORCH_CHECK_VALUE(ranks_ > 0, "GradientNorms: ", ranks_, " data-parallel ranks");
-  slot_ = agreement_->add(std::move(name), 3, [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
+  slot_ = agreement_->add(std::move(name), 4, [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
 }
 
 GradientNorms::~GradientNorms() { agreement_->remove(slot_); }
 
-int64_t GradientNorms::join(Fill fill, Read read) {
-  members_.push_back({next_id_, std::move(fill), std::move(read)});
+int64_t GradientNorms::join(Fill fill, Read read, Late late) {
+  members_.push_back({next_id_, std::move(fill), std::move(read), std::move(late)});
   return next_id_++;
 }
 
@@ -40,9 +40,27 @@ void GradientNorms::fill(double* v) {
   for (const auto& t : part.sumsq) v[0] += sums[i++] / t.divisor;
   for (const auto& t : part.unreduced) v[1] += sums[i++] / t.divisor;
   v[2] = part.rounds;
+  v[3] = part.late;
 }
 
-void GradientNorms::read(const double* v) {
+void GradientNorms::reduce_late(double* v) {
+  for (const auto& m : members_) {
+    if (m.in && m.late) m.late();
+  }
+  auto t = at::zeros({4}, at::kDouble);
+  fill(t.data_ptr<double>());  // the same members fill: the gradients are reduced and frozen already
+  agreement_->communicator().all_reduce(t, ReduceOp::kSum)->wait();
+  std::copy_n(t.data_ptr<double>(), 4, v);
+  TORCH_CHECK(v[3] == 0, "GradientNorms: late gradients are still held after their rounds (a bug)");
+}
+
+void GradientNorms::read(const double* given) {
+  double again[4];
+  const double* v = given;
+  if (given[3] > 0) {
+    reduce_late(again);
+    v = again;
+  }
   last_.sumsq = v[0];
   last_.noise.ranks = ranks_;
   last_.noise.rounds = static_cast<int>(std::lround(v[2] / agreement_->communicator().size()));

@@ -4,9 +4,18 @@
 // devices in one copy.
 //
 // The slot is [squared norm of the mean gradient, the noise sample's unreduced
-// squared norms, reduction rounds], unscaled, summed over the agreement's
-// ranks. Every member reads the same result: the global norm it clips by (and
-// whose overflow skips the step), and the gradient noise sample.
+// squared norms, reduction rounds, members holding late gradients], unscaled,
+// summed over the agreement's ranks. Every member reads the same result: the
+// global norm it clips by (and whose overflow skips the step), and the
+// gradient noise sample.
+//
+// Late gradients (ZeRO-0/2: arrivals beyond the count the ranks agreed on, in
+// a backward that reuses a parameter more than before) are held by the rank
+// that got them until the agreement, since whether any rank got some is known
+// only there. When any member on any rank holds some, every member reduces
+// its late rounds (Late: the same collectives on every rank, zeros where it
+// holds none) and the norms are summed again in a second all-reduce: a step
+// with late gradients costs one more collective, every other step none.
 #pragma once
 
 #include "optim/grad_norm.h"
@@ -33,6 +42,7 @@ class GradientNorms {
     std::vector<Term> sumsq;      // of the mean gradient this rank holds (summed over the ranks: the whole)
     std::vector<Term> unreduced;  // reductions × the squared norm of what this rank fed each
     int rounds = 0;               // this rank's most reductions of one shard group this step
+    int late = 0;                 // members holding late gradients on this rank
   };
   // What every member reads: the same on every rank.
   struct Result {
@@ -43,6 +53,9 @@ class GradientNorms {
   // out (adds nothing and is not read).
   using Fill = std::function<bool(Part& part)>;
   using Read = std::function<void(const Result& result)>;
+  // Reduces the member's held late gradients into its shards (collective: the
+  // same on every rank, whether or not it holds any).
+  using Late = std::function<void()>;
 
   // Adds the slot `name` to `agreement`. `ranks`: the data-parallel ranks
   // each member's gradient is the mean over (the noise sample's ranks).
@@ -52,7 +65,7 @@ class GradientNorms {
   GradientNorms& operator=(const GradientNorms&) = delete;
 
   // Members fill in the order they joined. Returns the member's id.
-  int64_t join(Fill fill, Read read);
+  int64_t join(Fill fill, Read read, Late late = {});
   void leave(int64_t id);  // unknown ids are ignored
 
   const std::shared_ptr<StepAgreement>& agreement() const { return agreement_; }
@@ -62,11 +75,13 @@ class GradientNorms {
  private:
   void fill(double* v);
   void read(const double* v);
+  void reduce_late(double* v);  // every member's late rounds, then the slot summed again into v
 
   struct Member {
     int64_t id;
     Fill fill;
     Read read;
+    Late late;
     bool in = false;  // filled the agreement running now
   };
   std::shared_ptr<StepAgreement> agreement_;

@@ -88,7 +88,8 @@ struct ShardedOptimizer::Core {
                               : std::make_shared<shard::GradientNorms>(agreement, name + " (gradient norms, rounds)",
                                                                        shards.process_group.control->size());
     member = norms->join([this](shard::GradientNorms::Part& p) { return fill_norms(p); },
-                         [this](const shard::GradientNorms::Result& r) { read_norms(r); });
+                         [this](const shard::GradientNorms::Result& r) { read_norms(r); },
+                         [this] { reduce_late(); });
     if (flags_name.empty()) flags_name = name + " (parameters with a gradient)";
     // Per parameter: whether it had a gradient; with counted arrivals also their sum, the ranks
     // that had any, and the sum of their squares (equal counts on those ranks iff sum² = ranks × squares).
@@ -131,7 +132,12 @@ struct ShardedOptimizer::Core {
     p.sumsq.push_back({grad_sumsq(), replicas() * scale2});
     p.unreduced.push_back({unreduced_sumsq(), scale2});
     p.rounds = std::max(p.rounds, rounds());
+    if (fe().holds_late()) ++p.late;
     return true;
+  }
+  void reduce_late() {
+    std::lock_guard<std::recursive_mutex> lock(mu());
+    fe().reduce_late();
   }
   void read_norms(const shard::GradientNorms::Result& r) {
     std::lock_guard<std::recursive_mutex> lock(mu());

@@ -8,6 +8,9 @@ ShardedState ShardedOptimizer::sharded_state() {
   auto& c = *core_;
   std::lock_guard<std::recursive_mutex> lock(c.mu());
   core_->fe().drain_reductions();  // the gradient shards complete (waits only: every rank issued these)
+  TORCH_CHECK(!c.fe().holds_late(), c.name, ": cannot save its state now: this step's backward reused a parameter "
+              "more often than the ranks agreed, and those gradients are reduced at the step's agreement; save "
+              "after step() (or before the backward)");
   ShardedState s;
   s.rank = c.shards.process_group.data->rank();
   s.world_size = c.shards.process_group.data->size();

@@ -12,10 +12,12 @@
 // checkpointing the accumulator can fire more than once in one backward (once
 // per nested backward of a segment that uses the parameter, and once for the
 // outer graph's uses): each arrival is added to the first. A bucket is
-// complete once each of its parameters had as many arrivals as any backward
-// has shown it so far; an arrival after its bucket launched (a parameter's
-// first backward with several) is reduced in a late round of that bucket when
-// the pass ends, so no contribution is left behind. A complete bucket is
+// complete once each of its parameters had as many arrivals as the ranks
+// agreed at the last step; an arrival beyond that (a parameter's first
+// backward with more) is held for a late round of that bucket, which every
+// rank reduces at the step's agreement once it says some rank holds one
+// (reduce_late), so no contribution is left behind and no rank decides a
+// collective from its own graph. A complete bucket is
 // reduce-scattered at once, but buckets launch strictly in index order, so
 // every rank issues the same collectives in the same order even if autograd
 // visits parameters differently. An autograd final callback launches what is
@@ -122,8 +124,10 @@ void ShardedAdamW::Impl::on_grad_ready(size_t param) {
     move_grad_into(param, b, b.rs_in, n == 1);
   } else {
     // More arrivals than the ranks agreed to expect (a backward that reuses the parameter more
-    // than the last step did): a late round of the bucket, on every rank alike.
+    // than the last step did): held for a late round of the bucket at the step's agreement. The
+    // step's noise sample is then left out (its small norm would miss these).
     move_grad_into(param, b, b.late_in, false);
+    b.note_late();
   }
   // Until the ranks first agree on the counts, every bucket waits for the end of the pass: no
   // late round can then depend on which buckets one rank happened to launch.
@@ -143,7 +147,10 @@ void ShardedAdamW::Impl::abandon_pass() {
   // The failed pass's gradients are partly in buckets (dropped here) and partly
   // in p.grad() (the caller's to clear with zero_grad(), as after any failed backward).
   transient_bytes = 0;
-  for (auto& b : buckets) b.rs_in = b.late_in = at::Tensor();
+  for (auto& b : buckets) {
+    b.rs_in = b.late_in = at::Tensor();
+    if (b.late_held.defined()) track(b.late_held.nbytes());  // of the step's backwards that ended
+  }
   begin_pass();  // no bucket holds a gradient of this backward
   flushed_since_step = false;
 }
@@ -160,14 +167,41 @@ void ShardedAdamW::Impl::launch(size_t index, at::Tensor in, shard::ReductionQue
   }
 }
 
-// An arrival is late when it exceeds the count the ranks agreed on, so with the same
-// parameters reused the same number of times on every rank (what activation checkpointing
-// requires of every rank) these rounds are issued identically, whatever else differs between
-// the ranks' graphs. A rank whose count differs is named at the step's agreement.
-void ShardedAdamW::Impl::launch_late_rounds() {
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    if (buckets[k].late_in.defined()) launch(k, std::move(buckets[k].late_in), shard::ReductionQueue::Input::kLate);
+// An arrival is late when it exceeds the count the ranks agreed on. Which ranks have late
+// arrivals depends on their graphs (a parameter reused more on one rank than it was, and unused
+// on another), so nothing is reduced at the end of the pass: the late gradients of the step's
+// backwards add up in late_held, the step's agreement tells every rank whether any rank holds
+// some, and then every rank reduces a late round of every bucket, in order (zeros where it holds
+// none), before the norms are summed again. A rank whose count differs is named at the agreement.
+void ShardedAdamW::Impl::hold_late() {
+  for (auto& b : buckets) {
+    if (!b.late_in.defined()) continue;
+    if (b.late_held.defined()) {
+      b.late_held.add_(b.late_in);
+      track(-b.late_in.nbytes());
+    } else {
+      b.late_held = std::move(b.late_in);
+    }
+    b.late_in = at::Tensor();
   }
+}
+
+bool ShardedAdamW::Impl::holds_late() const {
+  return std::any_of(buckets.begin(), buckets.end(), [](const shard::Bucket& b) { return b.late_held.defined(); });
+}
+
+void ShardedAdamW::Impl::reduce_late() {
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    auto& b = buckets[k];
+    at::Tensor in = std::move(b.late_held);
+    b.late_held = at::Tensor();
+    if (!in.defined()) {
+      in = at::zeros({b.layout.padded_numel}, b.flat_params.options());
+      track(in.nbytes());
+    }
+    launch(k, std::move(in), shard::ReductionQueue::Input::kLate);
+  }
+  drain_reductions();
 }
 
 void ShardedAdamW::Impl::untrack(const shard::ReductionQueue::Entry& e) {
@@ -199,7 +233,7 @@ void ShardedAdamW::Impl::launch_ready_in_order(bool force) {
 
 void ShardedAdamW::Impl::flush_backward() {
   launch_ready_in_order(true);
-  launch_late_rounds();
+  hold_late();
   for (size_t i = 0; i < params.size(); ++i) step_max_arrivals[i] = std::max(step_max_arrivals[i], arrivals[i]);
   round->clear_local_pending();
   begin_pass();

@@ -330,7 +330,7 @@ void ShardedAdamW::Impl::finish_update() {
 void ShardedAdamW::Impl::drop_unreduced_gradients() {
   drain_reductions();
   for (auto& b : buckets) {
-    b.rs_in = at::Tensor();
+    b.rs_in = b.late_in = b.late_held = at::Tensor();
     if (b.flat_grads.defined()) b.flat_grads.zero_();
   }
   begin_pass();

@@ -24,7 +24,8 @@ struct Bucket : ShardGroup {
   at::Tensor flat_params;  // [padded_numel], the model's parameters alias it
   at::Tensor flat_grads;   // stage 1: [padded_numel], p.grad() aliases it (created at the first step)
   at::Tensor rs_in;        // stages 2 and 0: this backward's gradients, filling up
-  at::Tensor late_in;      // stages 2 and 0: gradients that arrived after rs_in launched (a late round)
+  at::Tensor late_in;      // stages 2 and 0: this backward's arrivals beyond the agreed count (a late round)
+  at::Tensor late_held;    // the step's late_in of the backwards that ended, reduced at the step's agreement
   size_t ready = 0;        // parameters with every expected arrival of this backward in rs_in
 };
 
@@ -65,18 +66,22 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   // accumulator: one per backward, plus one per nested backward of a
   // checkpointed segment that uses it (a parameter in two segments, or in one
   // and outside it). A bucket launches once every parameter in it had the
-  // expected number; an arrival beyond that is reduced in a late round of its
-  // bucket at the end of the pass, whether or not the bucket launched: a
-  // decision every rank makes alike, where whether a bucket has launched
-  // depends on the rank's own graph (a parameter unused on some ranks). Until
-  // the first agreement every bucket launches at the end of the pass, so the
-  // first backward, which shows the reuse, has no late round at all.
+  // expected number; an arrival beyond that goes into the bucket's late_in,
+  // whether or not the bucket launched (whether it has depends on the rank's
+  // own graph: a parameter unused on some ranks). Whether a rank has late
+  // gradients is its own, so they are held until the step's agreement, which
+  // tells every rank whether any has some; then every rank reduces a late
+  // round of every bucket (GradientNorms, reduce_late()). Until the first
+  // agreement every bucket launches at the end of the pass, so the first
+  // backward, which shows the reuse, has no late gradient at all.
   std::vector<int> arrivals, step_max_arrivals, expected_arrivals;
   bool counts_agreed = false;  // a step's agreement has set expected_arrivals (before it: every bucket at the end)
   int expected(size_t param) const { return std::max(1, expected_arrivals[param]); }
   bool counts_arrivals() const override { return reduce_in_backward(); }
   std::vector<int> step_arrivals() const override { return step_max_arrivals; }
   void agreed_arrivals(const std::vector<int>& counts) override;
+  bool holds_late() const override;
+  void reduce_late() override;
   double gather_seconds = 0;           // exposed: the training thread blocked on the update's all-gathers
   bool flushed_since_step = false;
 
@@ -131,7 +136,7 @@ struct ShardedAdamW::Impl : shard::BackwardRound::Client, shard::FrontEnd {
   void move_grad_into(size_t param, const shard::Bucket& b, at::Tensor& into, bool first);
   void grad_into_flat(size_t param);  // stage 1: p.grad() becomes its slot of the bucket's flat_grads
   void launch(size_t bucket, at::Tensor in, shard::ReductionQueue::Input kind);
-  void launch_late_rounds();  // in bucket order, as every rank does
+  void hold_late();  // this backward's late_in into late_held
   void untrack(const shard::ReductionQueue::Entry& e);  // a drained reduction's buffers are gone
   void launch_ready_in_order(bool force);
 };

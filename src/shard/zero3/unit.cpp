@@ -150,6 +150,7 @@ void Unit::before_forward() {
   } else {
     model.on_forward(index);  // records the order, or prefetches the next units
     if (at::GradMode::is_enabled() || in_checkpointed_forward()) ++forward_uses_;
+    segments_at_forward_ = checkpointed_segments();
   }
   unshard();
   forward_start_ = std::chrono::steady_clock::now();
@@ -167,6 +168,7 @@ at::Tensor Unit::after_forward(at::Tensor out) {
 }
 
 void Unit::end_forward() {
+  if (!in_recompute() && checkpointed_segments() != segments_at_forward_) ran_segment_ = true;
   if (trace::enabled()) trace::record("forward " + label(), "compute", forward_start_);
   // Inside backward this forward is a recomputation (activation checkpointing):
   // the unit's own backward comes next and needs its parameters.
@@ -174,8 +176,12 @@ void Unit::end_forward() {
 }
 
 void Unit::start_backward() {
-  hold_ = is_root || forward_uses_ > 1;
+  // Held: a unit whose gradients can arrive after it completed (run twice in the forward, or
+  // with a checkpointed segment inside whose nested backward brings some parameters' gradients
+  // apart from the rest), so that no rank reduces a late round the others do not.
+  hold_ = is_root || forward_uses_ > 1 || ran_segment_;
   forward_uses_ = 0;
+  ran_segment_ = false;
   late_round_ = false;
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;

@@ -108,6 +108,8 @@ class Unit : public ShardGroup {
   // complete (a parameter unused on some ranks), so holding never makes a rank regather or
   // reduce late where another does not.
   int forward_uses_ = 0;
+  long long segments_at_forward_ = 0;  // shard::checkpointed_segments() when its forward began
+  bool ran_segment_ = false;           // a checkpointed segment began inside its forward since the last backward
   bool hold_ = false;
   std::shared_ptr<Work> gather_work_;  // an all-gather in flight into `gathered`
   std::chrono::steady_clock::time_point forward_start_, backward_start_;  // for the trace
