@@ -20,6 +20,7 @@ No network: nothing is downloaded (HF_HUB_OFFLINE); every model and vocabulary i
 torch/transformers/tokenizers/safetensors (Debian's python3) it prints SKIP and exits 77.
 """
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -516,6 +517,13 @@ def check_tokenizer(build, work):
           f"{len(ranges_of(classes, 'N'))} number ranges; {len(spaces)} whitespace code points)")
 
 
+def content_of(path):
+    """A corpus file's text: a .gz decompressed (Python's gzip), else as it is."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return gzip.decompress(data) if path.endswith(".gz") else data
+
+
 def sampled_sentences(training):
     """The sentences `bart_pretrain train-tokenizer` learned from, rebuilt from its training.json: each range of
     the sample cut at separator lines (the first line only where the range starts a line), split into sentences
@@ -523,8 +531,7 @@ def sampled_sentences(training):
     sep = training["document_separator"].encode()
     out = []
     for r in training["sample"]:
-        with open(r["path"], "rb") as f:
-            data = f.read()
+        data = content_of(r["path"])  # the ranges are in the text's bytes (decompressed)
         text = data[r["begin"]:r["end"]]
         line_start = r["begin"] == 0 or data[r["begin"] - 1] == 0x0A
         parts, cur = [], []
@@ -564,7 +571,8 @@ def merges_of(tok_dir):
 
 def check_tokenizer_training(exe, work, files):
     """3. Our trainer learns the merges tokenizers' BpeTrainer learns from the same sentences: from a whole corpus,
-    and from a sample of windows spread over a larger one cut into documents at separator lines."""
+    and from a sample of windows spread over a larger one cut into documents at separator lines, plain and gzip
+    (whose windows are as long in text: about the sample asked, not the windows counted in compressed bytes)."""
     corpus = os.path.join(work, "training-corpus")
     shutil.rmtree(corpus, ignore_errors=True)
     os.makedirs(corpus)
@@ -585,10 +593,17 @@ def check_tokenizer_training(exe, work, files):
                 out.write(doc)
                 size += len(doc)
                 k += 40
+    sampled_gz = os.path.join(work, "sampled-corpus-gz")  # the same files, gzip-compressed: windows of text
+    shutil.rmtree(sampled_gz, ignore_errors=True)
+    os.makedirs(sampled_gz)
+    for n in range(3):
+        with open(os.path.join(sampled, f"part-{n}"), "rb") as f:
+            open(os.path.join(sampled_gz, f"part-{n}.gz"), "wb").write(gzip.compress(f.read(), 6))
+    sampling = ["--sample-mb", "0.4", "--chunk-bytes", "16384", "--document-separator", "%", "--workers", "3"]
     for name, data, vocab, extra in (
             ("whole", corpus, 2048, ["--sample-mb", "1000"]),
-            ("sampled", sampled, 3000, ["--sample-mb", "0.4", "--chunk-bytes", "16384", "--document-separator", "%",
-                                        "--workers", "3"])):
+            ("sampled", sampled, 3000, sampling),
+            ("sampled-gzip", sampled_gz, 3000, sampling)):
         out = os.path.join(work, f"trained-{name}")
         shutil.rmtree(out, ignore_errors=True)
         run([exe, "train-tokenizer", "--data", data, "--vocab-size", str(vocab), "--out", out] + extra)
@@ -602,8 +617,7 @@ def check_tokenizer_training(exe, work, files):
         else:
             ranges = training["sample"]
             for r in ranges:  # each cut where a sentence ends: '.', '!' or '?' before whitespace, or a blank line
-                with open(r["path"], "rb") as fh:
-                    text = fh.read()
+                text = content_of(r["path"])
                 for at in (r["begin"], r["end"]):
                     after_end = text[at:at + 1] in (b" ", b"\t", b"\n", b"\r", b"\f", b"\v") and \
                         text[at - 1:at] in (b".", b"!", b"?")

@@ -20,7 +20,9 @@ Usage: check_corpus_inputs.py BUILD_DIR WORK_DIR
      directory's binary file: left out, counted in the log and the manifest; given by name: refused. A `.json` that is
      one JSON document (pretty-printed, an array): refused as such.
   5. train-tokenizer learns from the JSON lines (compressed) the vocabulary it learns from the same documents as
-     plain text files.
+     plain text files. Sampled (--sample-mb below the file), from plain, gzip and zstd JSON lines: its ranges are the
+     whole lines that start in its windows (long ones too), the sample is about the size asked, a compressed file is
+     decompressed in one pass, and the vocabulary is the one learned from those lines alone.
   6. One file of running text (the GPL, one document) trains: the start-up line states its validation set, spans
      within the document, a small share of its tokens; the validation loss is measured before and after. What a
      killed prepare of this host left in the run directory is removed; a live process's and another host's stay. One
@@ -267,6 +269,77 @@ def check_tokenizer_training(exe, work, corpus):
     print("train-tokenizer: the JSON lines shards give the vocabulary the same documents as text files give")
 
 
+def check_tokenizer_sampling(exe, work):
+    """train-tokenizer's sample of one JSON lines file, plain, gzip and zstd, in windows of 16 KiB of text: the
+    ranges it records (training.json) are whole lines of the decompressed text, in order, among them lines longer
+    than a window; the sample holds about what was asked (not the windows counted in compressed bytes); a compressed
+    file is decompressed once, not once per window; and the vocabulary equals the one learned from exactly those
+    lines, written out by Python as a corpus of their own."""
+    import random
+    rng = random.Random(5)
+    words = re.findall(r"[A-Za-z]+", texts_pool()[1])
+    docs = []
+    for k in range(900):  # about 6 MB of text; every 25th document 60-90 KB (longer than 3 windows)
+        n = rng.randint(9000, 14000) if k % 25 == 7 else rng.randint(20, 1200)
+        sentences, left = [], n
+        while left > 0:
+            m = min(left, rng.randint(4, 20))
+            sentences.append(" ".join(rng.choice(words) for _ in range(m)).capitalize() + ".")
+            left -= m
+        docs.append(" ".join(sentences))
+    raw = "".join(json.dumps({"id": k, "text": t}) + "\n" for k, t in enumerate(docs)).encode()
+    window, sample_mb = 16384, 0.8
+    d = os.path.join(work, "sampling")
+    os.makedirs(d)
+    files = {"plain": os.path.join(d, "s.jsonl"), "gzip": os.path.join(d, "s.jsonl.gz"),
+             "zstd": os.path.join(d, "s.jsonl.zst")}
+    open(files["plain"], "wb").write(raw)
+    open(files["gzip"], "wb").write(gzip.compress(raw, 6))
+    zstd(raw, files["zstd"])
+
+    for kind, path in files.items():
+        check(os.path.getsize(path) > sample_mb * 1e6, f"{kind}: the corpus file is smaller than the sample asked")
+        out = os.path.join(work, f"tok-sampled-{kind}")
+        log = run([exe, "train-tokenizer", "--data", path, "--vocab-size", "700", "--out", out, "--workers", "2",
+                   "--sample-mb", str(sample_mb), "--chunk-bytes", str(window)], env_level="info")
+        training = json.load(open(os.path.join(out, "training.json")))
+        ranges = [(r["begin"], r["end"]) for r in training["sample"]]
+        check(all(r["path"] == path for r in training["sample"]), f"{kind}: ranges of another file")
+        last_end = -1
+        longest = 0
+        for b, e in ranges:
+            check(b > last_end and b < e <= len(raw), f"{kind}: ranges out of order or overlapping: {ranges}")
+            check(b == 0 or raw[b - 1] == 0x0A, f"{kind}: range [{b}, {e}) starts inside a line")
+            check(raw[e - 1] == 0x0A, f"{kind}: range [{b}, {e}) ends inside a line")
+            last_end = e
+            longest = max([longest] + [len(x) + 1 for x in raw[b:e].split(b"\n")[:-1]])
+        sampled = training["sample_bytes"]
+        check(sampled == sum(e - b for b, e in ranges), f"{kind}: sample_bytes {sampled} is not the ranges' sum")
+        asked = sample_mb * 1e6
+        check(0.75 * asked <= sampled <= 1.5 * asked, f"{kind}: {sampled} bytes of text sampled for {asked:.0f} asked")
+        check(longest > window, f"{kind}: no line longer than a window ({window}) was sampled; the longest: {longest}")
+        decompressed = training["decompressed_bytes"]
+        if kind == "plain":
+            check(decompressed == 0, f"{kind}: {decompressed} bytes decompressed")
+        else:
+            check(0 < decompressed <= len(raw), f"{kind}: {decompressed} bytes decompressed for {len(raw)} of text: "
+                                                f"the file was not read in one pass")
+            check(f"{decompressed / 1e6:.1f} MB of text decompressed" in log, log)
+        # The oracle: the sampled lines as a corpus of their own (under --sample-mb: read whole).
+        alone = os.path.join(work, f"sampled-lines-{kind}.jsonl")
+        open(alone, "wb").write(b"".join(raw[b:e] for b, e in ranges))
+        alone_out = os.path.join(work, f"tok-alone-{kind}")
+        run([exe, "train-tokenizer", "--data", alone, "--vocab-size", "700", "--out", alone_out, "--workers", "2",
+             "--sample-mb", "100"])
+        for f in ("vocab.json", "merges.txt"):
+            check(open(os.path.join(out, f), "rb").read() == open(os.path.join(alone_out, f), "rb").read(),
+                  f"{kind}: the sample's {f} differs from the one learned from its lines alone")
+        print(f"train-tokenizer on {kind} JSON lines: {sampled / 1e6:.2f} MB of text sampled for {sample_mb} asked in "
+              f"{len(ranges)} ranges of whole lines (the longest {longest} bytes, windows of {window}); "
+              f"{decompressed / 1e6:.2f} MB decompressed of {len(raw) / 1e6:.2f}; the vocabulary of those lines alone")
+
+
+
 def check_one_file_trains(exe, work):
     """One file of running text (one document) trains: its validation set is spans within it, a small share."""
     run_dir = os.path.join(work, "one-file-run")
@@ -424,6 +497,7 @@ def main():
     check_bad_lines(exe, work, tok_dir, tok)
     check_edges(exe, work, tok_dir, tok)
     check_tokenizer_training(exe, work, corpus)
+    check_tokenizer_sampling(exe, work)
     check_one_file_trains(exe, work)
     check_bounded_evaluation(exe, work)
     check_blend(exe, build, work, tok_dir, os.path.join(work, "ds-jsonl"))

@@ -67,9 +67,10 @@ struct TextRange {
 };
 
 // `bart_pretrain train-tokenizer`: a byte-level BPE vocabulary learned from a
-// sample of the corpus. The sample is the whole corpus when it holds
-// `sample_mb` or less, else windows of `chunk_bytes` spread evenly over it,
-// each cut to whole sentences. It is read as prepare reads the corpus (chunks
+// sample of the corpus. The sample is the whole corpus when its files hold
+// `sample_mb` or less on disk, else windows of `chunk_bytes` of text spread
+// evenly over it, each cut to whole sentences (of JSON lines: the lines that
+// start in it, however long), one pass over each file. It is read as prepare reads the corpus (chunks
 // split into sentences on `workers` threads), and each sentence's GPT-2 pieces
 // are counted as prepare will encode it (a space before all but a document's
 // first), so the vocabulary is learned from the text it encodes. Writes
@@ -89,6 +90,7 @@ struct TokenizerTrainingOptions {
 
 struct TokenizerTrainingReport {
   int64_t corpus_bytes = 0, sample_bytes = 0, pieces = 0, vocab_size = 0, merges = 0, bad_lines = 0;
+  int64_t decompressed_bytes = 0;  // text of compressed files decompressed to take the sample (read or skipped)
   std::vector<TextRange> sample;
   int workers = 0;
   double count_seconds = 0, learn_seconds = 0;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -168,57 +169,95 @@ inline size_t next_sentence_break(const std::string& text, size_t pos) {
   return kNoBreak;
 }
 
+// Whether a range runs to its file's end: one of a plain file whose end is at
+// or past the file's size; of a compressed one, whose end is the largest
+// position (its length counts content, whose size is not known).
+inline bool reaches_file_end(const TextRange& r, int64_t size_on_disk) {
+  return compression_of(r.file) == Compression::kNone ? r.end >= size_on_disk
+                                                      : r.end == std::numeric_limits<int64_t>::max();
+}
+
+// A range's bytes, as its progress counts them: on disk for one to its file's
+// end, else its length (content).
+inline int64_t range_bytes(const TextRange& r, int64_t size_on_disk) {
+  return std::max<int64_t>(0, (reaches_file_end(r, size_on_disk) ? size_on_disk : r.end) - r.begin);
+}
+
 // The text of `range` in chunks of about `rules.chunk_bytes`, one per next().
-// Text ends each chunk where a sentence breaks: a range that starts inside its
-// file starts after the first break from there, one that ends inside it at the
-// last break before its end (either at whitespace where no sentence ends in 64
-// chunks), so it holds whole sentences of the file. JSON lines end each chunk
-// at a line's end (a chunk holds a line however long it is), and a range
-// inside the file holds the whole lines that start in it. A compressed file's
-// range is in its compressed bytes (what its size on disk counts).
+// A range starts at a position in the file on disk (range.begin) and spans
+// range.end - range.begin bytes of content from there (decompressed, for a
+// compressed file; the same bytes, for a plain one); one whose end is at or
+// past the file's size on disk runs to the file's end. Text ends each chunk
+// where a sentence breaks: a range that starts inside its file starts after
+// the first break from there, one that ends inside it at the last break before
+// its end (either at whitespace where no sentence ends in 64 chunks), so it
+// holds whole sentences of the file. JSON lines end each chunk at a line's end
+// (a chunk holds a line however long it is), and a range holds the whole
+// lines that start in it, the last one read past the range's end.
+//
+// The reader reads `in`, the file's stream, from where it stands: a file's
+// ranges, in order, share one stream that only moves forward (a compressed
+// file is decompressed once however many ranges sample it). A range that
+// starts before where the stream stands starts there.
 class ChunkReader {
  public:
-  ChunkReader(TextRange range, const ReadRules& rules)
-      : range_(std::move(range)), rules_(rules), in_(range_.file, rules.who),
-        block_(static_cast<size_t>(rules.chunk_bytes)), json_(is_json_lines(range_.file)) {
+  ChunkReader(TextRange range, const ReadRules& rules, ByteStream& in)
+      : range_(std::move(range)), rules_(rules), in_(in), block_(static_cast<size_t>(rules.chunk_bytes)),
+        json_(is_json_lines(range_.file)) {
     std::error_code ec;
     const auto size = static_cast<int64_t>(std::filesystem::file_size(range_.file, ec));
     TORCH_CHECK_VALUE(!ec, rules.who, ": cannot read '", range_.file, "': ", ec.message());
-    to_file_end_ = range_.end >= size;
-    bytes_ = std::max<int64_t>(0, std::min(range_.end, size) - range_.begin);
-    in_.skip_to(range_.begin);
+    const bool to_file_end = reaches_file_end(range_, size);
+    // JSON lines: whether a line starts at the range's first byte is told by the byte before it,
+    // read and dropped with the line it ends.
+    const bool look_behind = json_ && range_.begin > 0;
+    in_.skip_to(range_.begin - (look_behind ? 1 : 0));
+    const int64_t start = in_.content_position() + (look_behind ? 1 : 0);
+    content_end_ = to_file_end ? kToFileEnd : start + std::max<int64_t>(0, range_.end - range_.begin);
+    bytes_ = range_bytes(range_, size);
+    first_content_ = start;
+    first_file_ = in_.file_position();
     used_ = TextRange{range_.file, in_.content_position(), in_.content_position()};
-    seen_text_ = head_ = range_.begin > 0;
+    seen_text_ = head_ = look_behind || in_.content_position() > 0;
     line_ = head_ ? 0 : 1;
   }
 
   // The next chunk; nullopt once the range is read.
   std::optional<Chunk> next() {
     const size_t stuck = 64 * block_.size();  // no sentence ends in this much text
-    while (!eof_) {
-      const int64_t left = range_.end - in_.file_position();
-      const bool exact = !to_file_end_ && compression_of(range_.file) == Compression::kNone;
-      const size_t want = exact ? static_cast<size_t>(std::min<int64_t>(left, block_.size())) : block_.size();
-      const size_t got = in_.read(block_.data(), want);
-      eof_ = got < want || (!to_file_end_ && in_.file_position() >= range_.end);
-      buffer_.append(block_.data(), got);
+    while (!done_) {
+      // Past the range's end only JSON lines read on, to the end of the line that straddles it.
+      if (!file_end_ && (!window_end_ || (json_ && !head_ && tail_cut() == 0))) read_block();
       if (!bom_checked_) {  // a UTF-8 byte order mark opening the file is not text (nor JSON)
         bom_checked_ = true;
-        if (range_.begin == 0 && buffer_.compare(0, 3, "\xEF\xBB\xBF") == 0) {
+        if (used_.begin == 0 && buffer_.compare(0, 3, "\xEF\xBB\xBF") == 0) {
           buffer_.erase(0, 3);
           used_.begin = used_.end = used_.begin + 3;
         }
       }
-      if (head_ && !skip_head(stuck)) continue;
-      const bool file_end = eof_ && to_file_end_;
-      size_t cut = file_end ? buffer_.size() : json_ ? last_line_end() : last_sentence_break(buffer_, buffer_.size());
-      if (!json_ && cut == 0 && !file_end && (eof_ || buffer_.size() >= stuck)) {
+      const bool no_more = file_end_ || window_end_;
+      if (head_ && !skip_head(stuck, no_more)) continue;
+      if (done_) break;
+      if (json_ && window_end_) {
+        const size_t tail = tail_cut();
+        if (tail == kNoBreak) break;  // the last line that starts in the range was taken
+        if (tail == 0 && !file_end_) continue;
+        done_ = true;
+        return take(tail == 0 ? buffer_.size() : tail, tail == 0);  // 0: the file ends inside that line
+      }
+      if (file_end_) {  // the file's end: its last text, whole
+        done_ = true;
+        return take(buffer_.size(), true);
+      }
+      size_t cut = json_ ? last_line_end() : last_sentence_break(buffer_, buffer_.size());
+      if (!json_ && cut == 0 && (no_more || buffer_.size() >= stuck)) {
         const size_t space = buffer_.find_last_of(" \t\n\r\f\v");
         cut = space == std::string::npos ? 0 : space;
-        if (cut == 0 && !eof_) cut = buffer_.size();  // one word of 64 chunks: cut anywhere
+        if (cut == 0 && !no_more) cut = buffer_.size();  // one word of 64 chunks: cut anywhere
       }
-      if (cut == 0 && !file_end) continue;  // at the range's end: no whole sentence or line left
-      return take(cut, file_end);
+      if (no_more) done_ = true;  // at the range's end: what is left is no whole sentence
+      if (cut == 0) continue;
+      return take(cut, false);
     }
     return std::nullopt;
   }
@@ -226,18 +265,51 @@ class ChunkReader {
   // The part of the range the chunks so far hold, in content bytes (of a
   // compressed file: decompressed).
   const TextRange& used() const { return used_; }
-  // The range's bytes on disk, and how many of them are read.
+  // The range's bytes (on disk for one to its file's end, else of content),
+  // and how many of them are read: the progress.
   int64_t bytes() const { return bytes_; }
-  int64_t bytes_read() const { return std::min(bytes_, in_.file_position() - range_.begin); }
+  int64_t bytes_read() const {
+    const int64_t read = content_end_ == kToFileEnd ? in_.file_position() - first_file_
+                                                    : in_.content_position() - first_content_;
+    return std::clamp<int64_t>(read, 0, bytes_);
+  }
 
  private:
+  static constexpr int64_t kToFileEnd = std::numeric_limits<int64_t>::max();
+
+  // A block of the file into the buffer: up to the range's end while inside
+  // it (a JSON line straddling that end is read on to its end).
+  void read_block() {
+    const int64_t pos = in_.content_position();
+    const size_t want = window_end_ || content_end_ == kToFileEnd
+                            ? block_.size()
+                            : static_cast<size_t>(std::min<int64_t>(content_end_ - pos, block_.size()));
+    const size_t got = want == 0 ? 0 : in_.read(block_.data(), want);
+    buffer_.append(block_.data(), got);
+    file_end_ = got < want;
+    window_end_ = window_end_ || in_.content_position() >= content_end_;
+  }
+
+  // Past the range's end (JSON lines): where the last line that starts in the
+  // range ends in the buffer (past its '\n'); 0 while that is not read yet;
+  // kNoBreak when that line was taken already.
+  size_t tail_cut() const {
+    const int64_t last = content_end_ - 1 - used_.end;  // the range's last byte, in the buffer
+    if (last < 0) return kNoBreak;
+    const size_t at = buffer_.find('\n', static_cast<size_t>(last));
+    return at == std::string::npos ? 0 : at + 1;
+  }
+
   // Drops the text before the first break (a range that starts inside its
-  // file); false while more must be read to find it.
-  bool skip_head(size_t stuck) {
+  // file; JSON lines: through the '\n' that ends the line before the range's
+  // first whole line); false while more must be read to find it.
+  bool skip_head(size_t stuck, bool no_more) {
     size_t start = json_ ? buffer_.find('\n') : next_sentence_break(buffer_, 0);
-    if (start == kNoBreak && !eof_ && (json_ || buffer_.size() < stuck)) return false;
+    if (start == kNoBreak && !no_more && (json_ || buffer_.size() < stuck)) return false;
     if (json_) {
       start = start == kNoBreak ? buffer_.size() : start + 1;
+      // The first line that starts in the range starts at or past its end: the range holds none.
+      if (content_end_ != kToFileEnd && used_.begin + static_cast<int64_t>(start) >= content_end_) done_ = true;
     } else if (start == kNoBreak) {
       start = std::min(buffer_.find_first_of(" \t\n\r\f\v"), buffer_.size());
     }
@@ -255,7 +327,13 @@ class ChunkReader {
 
   Chunk take(size_t cut, bool file_end) {
     Chunk c;
-    c.text = buffer_.substr(0, cut);
+    if (cut == buffer_.size()) {
+      c.text = std::move(buffer_);  // the whole buffer: no copy (a long JSON line is the most of it)
+      buffer_ = std::string();
+    } else {
+      c.text = buffer_.substr(0, cut);
+      buffer_.erase(0, cut);
+    }
     c.first = !seen_text_;
     c.last = file_end;
     c.line_start = line_start_;
@@ -271,24 +349,25 @@ class ChunkReader {
     }
     line_start_ = c.text.empty() ? line_start_ : c.text.back() == '\n';
     used_.end += static_cast<int64_t>(cut);
-    buffer_.erase(0, cut);
     return c;
   }
 
   const TextRange range_;
   const ReadRules& rules_;
-  ByteStream in_;
+  ByteStream& in_;
   std::vector<char> block_;
   const bool json_;
-  bool to_file_end_ = false;
-  int64_t bytes_ = 0;
+  int64_t content_end_ = 0;  // where the range ends in the content (kToFileEnd: at the file's end)
+  int64_t bytes_ = 0, first_content_ = 0, first_file_ = 0;
   TextRange used_;
-  std::string buffer_;
-  int64_t line_ = 1;  // JSON lines: the number of the buffer's first line; 0 when not known
-  bool seen_text_ = false, eof_ = false, line_start_ = true, head_ = false, bom_checked_ = false;
+  std::string buffer_;  // content from used_.end on
+  int64_t line_ = 1;    // JSON lines: the number of the buffer's first line; 0 when not known
+  bool seen_text_ = false, line_start_ = true, head_ = false, bom_checked_ = false;
+  bool file_end_ = false, window_end_ = false, done_ = false;
 };
 
-// The chunks of `ranges`, read in order (a ChunkReader each), through
+// The chunks of `ranges`, read in order (a ChunkReader each; a file's
+// consecutive ranges share its stream, which moves forward only), through
 // `workers` threads: the library's ordered, bounded worker pipeline
 // (zeroshard::Prefetcher, at most 4 × workers chunks ahead).
 // - process(chunk, worker) runs on the workers (`worker`: a ChunkWorker each,
@@ -299,10 +378,12 @@ class ChunkReader {
 // The first error (reading, processing or consuming) ends it and is thrown
 // here. Returns the JSON lines skipped (rules.skip_bad_lines), the first
 // in chunk order named. Shows its progress (io/work_progress.h) as
-// rules.who, in bytes of the ranges on disk.
+// rules.who, in the ranges' bytes (range_bytes). `decompressed`, if given:
+// the content the streams of compressed files went through, read or skipped
+// (what their ranges cost to decompress).
 template <class Result, class Process, class Consume, class RangeRead>
 BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& rules, int workers, Process process,
-                        Consume consume, RangeRead range_read) {
+                        Consume consume, RangeRead range_read, int64_t* decompressed = nullptr) {
   struct Done {
     Result result;
     BadLines bad;
@@ -315,14 +396,24 @@ BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& r
   for (const auto& r : ranges) {
     std::error_code ec;
     const auto size = static_cast<int64_t>(std::filesystem::file_size(r.file, ec));
-    total += ec ? 0 : std::max<int64_t>(0, std::min(r.end, size) - r.begin);
+    total += ec ? 0 : range_bytes(r, size);
   }
   size_t k = 0;
-  int64_t before = 0;  // the bytes of the ranges read whole
+  int64_t before = 0;        // the bytes of the ranges read whole
+  int64_t streamed = 0;      // content of the compressed files' streams closed
+  std::unique_ptr<ByteStream> stream;
   std::optional<ChunkReader> reader;
+  auto close_stream = [&] {
+    if (stream && compression_of(stream->path()) != Compression::kNone) streamed += stream->content_position();
+    stream.reset();
+  };
   auto draw = [&]() -> std::optional<Chunk> {
     for (; k < ranges.size(); ++k) {
-      if (!reader) reader.emplace(ranges[k], rules);
+      if (!reader) {
+        if (stream && stream->path() != ranges[k].file) close_stream();
+        if (!stream) stream = std::make_unique<ByteStream>(ranges[k].file, rules.who);
+        reader.emplace(ranges[k], rules, *stream);
+      }
       if (auto c = reader->next()) {
         c->done_bytes = before + reader->bytes_read();
         return c;
@@ -331,6 +422,7 @@ BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& r
       before += reader->bytes();
       reader.reset();
     }
+    close_stream();
     return std::nullopt;  // then again, for every draw the workers run ahead
   };
   auto build = [&](const std::optional<Chunk>& c) -> std::optional<Done> {
@@ -351,6 +443,7 @@ BadLines process_chunks(const std::vector<TextRange>& ranges, const ReadRules& r
     consume(std::move(r->result));
     progress.update(r->done_bytes);
   }
+  if (decompressed != nullptr) *decompressed = streamed;
   return bad;
 }
 

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 namespace bart {
@@ -25,9 +26,11 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // The ranges of the corpus a tokenizer trains on: every file whole when they
-// hold `sample_bytes` or less; else windows of `window` bytes spread evenly
-// over the files end to end (overlapping ones joined), about `sample_bytes`
-// in all.
+// hold `sample_bytes` or less on disk; else windows of `window` bytes of
+// content, at positions spread evenly over the files' bytes on disk end to end,
+// so that the sample holds about `sample_bytes` of text (ChunkReader reads a
+// range's length in content bytes: a compressed file's windows are as long in
+// text as a plain file's). A plain file's overlapping windows are joined.
 std::vector<TextRange> sample_ranges(const std::vector<std::string>& files, int64_t sample_bytes, int64_t window) {
   std::vector<int64_t> sizes, starts;  // starts: of each file, end to end
   int64_t total = 0;
@@ -38,15 +41,16 @@ std::vector<TextRange> sample_ranges(const std::vector<std::string>& files, int6
   }
   std::vector<TextRange> out;
   if (total <= sample_bytes) {
-    for (size_t i = 0; i < files.size(); ++i) out.push_back({files[i], 0, sizes[i]});
+    for (const auto& f : files) out.push_back({f, 0, std::numeric_limits<int64_t>::max()});
     return out;
   }
   const int64_t windows = std::max<int64_t>(1, (sample_bytes + window - 1) / window);
   for (int64_t k = 0; k < windows; ++k) {
     const auto at = static_cast<int64_t>(static_cast<__int128>(k) * total / windows);
     const size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), at) - starts.begin() - 1);
-    const int64_t begin = at - starts[i], end = std::min(begin + window, sizes[i]);
-    if (!out.empty() && out.back().file == files[i] && begin <= out.back().end) {
+    const bool plain = compression_of(files[i]) == Compression::kNone;
+    const int64_t begin = at - starts[i], end = plain ? std::min(begin + window, sizes[i]) : begin + window;
+    if (plain && !out.empty() && out.back().file == files[i] && begin <= out.back().end) {
       out.back().end = std::max(out.back().end, end);
     } else {
       out.push_back({files[i], begin, end});
@@ -86,7 +90,8 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
         [&](size_t, const TextRange& used) {
           if (used.end > used.begin) r.sample.push_back(used);
           r.sample_bytes += used.end - used.begin;
-        });
+        },
+        &r.decompressed_bytes);
     r.bad_lines = bad.count;
   }
   for (size_t w = 1; w < counts.size(); ++w) {
@@ -114,6 +119,7 @@ TokenizerTrainingReport train_tokenizer(const TokenizerTrainingOptions& o) {
       {"sample_mb", o.sample_mb},
       {"corpus_bytes", r.corpus_bytes},
       {"sample_bytes", r.sample_bytes},
+      {"decompressed_bytes", r.decompressed_bytes},
       {"document_separator", o.document_separator},
       {"json_key", o.json_key},
       {"skipped_lines", r.bad_lines},
@@ -132,12 +138,16 @@ int train_tokenizer_command(const TokenizerTrainingOptions& o) {
   const auto r = train_tokenizer(o);
   char msg[360];
   // The sample is text (decompressed); the corpus is counted as its files are on disk (compressed ones as they are).
+  char decompressed[64] = "";
+  if (r.decompressed_bytes > 0) {
+    std::snprintf(decompressed, sizeof(decompressed), "; %.1f MB of text decompressed", r.decompressed_bytes / 1e6);
+  }
   std::snprintf(msg, sizeof(msg), "tokenizer: %lld entries (%lld merges) from %.1f MB of text sampled in %zu ranges "
-                "of %.1f MB of corpus files on disk (%lld distinct pieces): counted in %.1f s on %d workers, learned "
+                "of %.1f MB of corpus files on disk (%lld distinct pieces%s): counted in %.1f s on %d workers, learned "
                 "in %.1f s, into ",
                 static_cast<long long>(r.vocab_size), static_cast<long long>(r.merges), r.sample_bytes / 1e6,
-                r.sample.size(), r.corpus_bytes / 1e6, static_cast<long long>(r.pieces), r.count_seconds, r.workers,
-                r.learn_seconds);
+                r.sample.size(), r.corpus_bytes / 1e6, static_cast<long long>(r.pieces), decompressed, r.count_seconds,
+                r.workers, r.learn_seconds);
   zeroshard::log_info(msg + o.out);
   return 0;
 }
