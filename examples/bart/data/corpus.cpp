@@ -7,10 +7,15 @@ namespace bart {
 
 std::vector<std::string> split_sentences(const std::string& text) {
   std::vector<std::string> out;
+  each_sentence(text, [&](const std::string& s) { out.push_back(s); });
+  return out;
+}
+
+void each_sentence(std::string_view text, const std::function<void(const std::string&)>& sentence) {
   std::string cur;
   bool pending_space = false;
   auto flush = [&] {
-    if (!cur.empty()) out.push_back(cur);
+    if (!cur.empty()) sentence(cur);
     cur.clear();
     pending_space = false;
   };
@@ -37,7 +42,6 @@ std::vector<std::string> split_sentences(const std::string& text) {
     if (end && (i + 1 == text.size() || std::isspace(static_cast<unsigned char>(text[i + 1])))) flush();
   }
   flush();
-  return out;
 }
 
 }  // namespace bart

@@ -1,4 +1,4 @@
-// json_lines.cpp — a JSON line's text, by simdjson's DOM parser.
+// json_lines.cpp — a JSON line's text, by simdjson's On-Demand parser.
 #include "data/json_lines.h"
 
 #include "io/byte_stream.h"
@@ -40,20 +40,31 @@ JsonLineDecoder::JsonLineDecoder(std::string key) : impl_(std::make_unique<Impl>
 
 JsonLineDecoder::~JsonLineDecoder() = default;
 
-std::string_view JsonLineDecoder::text(std::string_view line, std::string& problem) {
+std::string_view JsonLineDecoder::text(std::string_view line, size_t readable, std::string& problem) {
+  static_assert(kJsonPadding >= simdjson::SIMDJSON_PADDING, "kJsonPadding is simdjson's padding");
   problem.clear();
   size_t blank = 0;
   while (blank < line.size() && (line[blank] == ' ' || line[blank] == '\t' || line[blank] == '\r')) ++blank;
   if (blank == line.size()) return {};
   auto& s = *impl_;
-  if (s.line.size() < line.size() + simdjson::SIMDJSON_PADDING) s.line.resize(line.size() + simdjson::SIMDJSON_PADDING);
-  std::copy(line.begin(), line.end(), s.line.begin());
+  // A parser sized for a long line keeps that memory (the text it unescaped, its indexes): a much
+  // shorter line gets a fresh one, so a worker does not hold a long line's cost to the end.
+  constexpr size_t kLong = size_t{16} << 20;
+  if (s.parser.capacity() > kLong && s.parser.capacity() > 4 * line.size()) s.parser = simdjson::ondemand::parser();
+  const char* at = line.data();
+  size_t capacity = readable;
+  if (readable < line.size() + simdjson::SIMDJSON_PADDING) {
+    if (s.line.size() < line.size() + simdjson::SIMDJSON_PADDING) s.line.resize(line.size() + simdjson::SIMDJSON_PADDING);
+    std::copy(line.begin(), line.end(), s.line.begin());
+    at = s.line.data();
+    capacity = s.line.size();
+  }
   auto not_json = [&](simdjson::error_code e, const char* what = nullptr) {
     problem = std::string("is not JSON (") + (what ? what : "simdjson: " + std::string(simdjson::error_message(e))) + ")";
     return std::string_view{};
   };
   simdjson::ondemand::document doc;
-  if (const auto e = s.parser.iterate(s.line.data(), line.size(), s.line.size()).get(doc)) return not_json(e);
+  if (const auto e = s.parser.iterate(at, line.size(), capacity).get(doc)) return not_json(e);
   simdjson::ondemand::json_type type;
   if (const auto e = doc.type().get(type)) return not_json(e);
   if (type != simdjson::ondemand::json_type::object) {

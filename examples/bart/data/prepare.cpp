@@ -9,6 +9,7 @@
 #include "data/text_chunks.h"
 
 #include <zeroshard/log.h>
+#include <zeroshard/metrics.h>
 #include <zeroshard/token_store.h>
 
 #include <c10/util/Exception.h>
@@ -71,19 +72,27 @@ std::string read_file(const fs::path& file) {
   return {std::istreambuf_iterator<char>(in), {}};
 }
 
+// A chunk's ids, in the narrowest type the vocabulary fits (16 bits for
+// BART's; a long document's ids are the most of what preparing it holds).
 struct Tokenized {
-  std::vector<int64_t> tokens;
+  std::vector<uint16_t> narrow;  // a vocabulary of at most 65,536 entries
+  std::vector<int32_t> wide;     // else
   std::vector<int64_t> lengths;  // per sentence
   std::vector<size_t> ends;      // a document ends after this many of the sentences
 };
 
 Tokenized tokenize(const Chunk& c, ChunkWorker& w, const ByteLevelBpe& tokenizer, ByteLevelBpe::Cache& cache) {
   Tokenized out;
+  const bool narrow = tokenizer.vocab_size() <= 65536;
   for_each_sentence(
       c, w,
       [&](const std::string& s) {
         const auto ids = tokenizer.encode(s, cache);
-        out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+        if (narrow) {
+          out.narrow.insert(out.narrow.end(), ids.begin(), ids.end());
+        } else {
+          out.wide.insert(out.wide.end(), ids.begin(), ids.end());
+        }
         out.lengths.push_back(static_cast<int64_t>(ids.size()));
       },
       [&] { out.ends.push_back(out.lengths.size()); });
@@ -96,7 +105,16 @@ class StoreWriting {
  public:
   explicit StoreWriting(zeroshard::TokenStoreWriter& writer) : writer_(writer) {}
   void operator()(Tokenized&& t) {
-    const int64_t* p = t.tokens.data();
+    if (t.narrow.empty()) {
+      write(t, t.wide.data());
+    } else {
+      write(t, t.narrow.data());
+    }
+  }
+
+ private:
+  template <class Id>
+  void write(const Tokenized& t, const Id* p) {
     size_t next_end = 0;
     for (size_t k = 0; k <= t.lengths.size(); ++k) {
       for (; next_end < t.ends.size() && t.ends[next_end] == k; ++next_end) {
@@ -104,14 +122,15 @@ class StoreWriting {
         open_ = 0;
       }
       if (k == t.lengths.size()) break;
-      writer_.add(p, t.lengths[k]);
+      sentence_.assign(p, p + t.lengths[k]);
+      writer_.add(sentence_);
       p += t.lengths[k];
       ++open_;
     }
   }
 
- private:
   zeroshard::TokenStoreWriter& writer_;
+  std::vector<int64_t> sentence_;  // one sentence's ids, as the writer takes them
   int64_t open_ = 0;  // sentences of the document being written
 };
 
@@ -388,9 +407,10 @@ int prepare_command(const PrepareOptions& o) {
   const auto r = prepare_dataset(o);
   char msg[320];
   std::snprintf(msg, sizeof(msg), "prepare: %lld files, %.1f MB of text -> %lld documents, %lld sentences, %lld tokens "
-                "in %.1f s (%.2f MB/s on %d workers) into ", static_cast<long long>(r.files), r.text_bytes / 1e6,
-                static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
-                static_cast<long long>(r.tokens), r.seconds, r.text_bytes / 1e6 / std::max(r.seconds, 1e-9), r.workers);
+                "in %.1f s (%.2f MB/s on %d workers; peak memory %.0f MB) into ", static_cast<long long>(r.files),
+                r.text_bytes / 1e6, static_cast<long long>(r.documents), static_cast<long long>(r.sequences),
+                static_cast<long long>(r.tokens), r.seconds, r.text_bytes / 1e6 / std::max(r.seconds, 1e-9), r.workers,
+                zeroshard::peak_rss_bytes() / 1e6);
   zeroshard::log_info(msg + o.out);
   if (r.bad_lines > 0) {
     zeroshard::log_warn("prepare: skipped " + std::to_string(r.bad_lines) + " malformed JSON line(s) "

@@ -105,11 +105,17 @@ inline std::string line_name(const Chunk& c, size_t offset, int64_t line) {
 // w.bad (rules.skip_bad_lines).
 template <class Sentence, class DocumentEnd>
 void for_each_sentence(const Chunk& c, ChunkWorker& w, Sentence&& sentence, DocumentEnd&& document_end) {
-  auto sentences_of = [&](const std::string& text, bool first) {
-    for (const auto& s : split_sentences(text)) {
-      sentence(first ? s : " " + s);
+  std::string spaced;  // " " + a sentence
+  auto sentences_of = [&](std::string_view text, bool first) {
+    each_sentence(text, [&](const std::string& s) {
+      if (first) {
+        sentence(s);
+      } else {
+        spaced.assign(1, ' ').append(s);
+        sentence(spaced);
+      }
       first = false;
-    }
+    });
   };
   if (c.json) {
     std::string problem;
@@ -117,13 +123,14 @@ void for_each_sentence(const Chunk& c, ChunkWorker& w, Sentence&& sentence, Docu
     for (size_t at = 0; at < c.text.size(); ++line) {
       size_t end = c.text.find('\n', at);
       end = end == std::string::npos ? c.text.size() : end;
-      const auto text = w.json.text(std::string_view(c.text).substr(at, end - at), problem);
+      // Parsed in place: the chunk keeps kJsonPadding bytes of room after its last line (take()).
+      const auto text = w.json.text(std::string_view(c.text).substr(at, end - at), c.text.capacity() - at, problem);
       if (!problem.empty()) {
         TORCH_CHECK_VALUE(w.rules.skip_bad_lines, w.rules.who, ": ", line_name(c, at, line), " ", problem,
                           "; fix the line, or give --skip-bad-lines to skip such lines (they are counted)");
         if (w.bad.count++ == 0) w.bad.first = line_name(c, at, line) + " " + problem;
       } else if (!text.empty()) {
-        sentences_of(std::string(text), true);
+        sentences_of(text, true);
         document_end();
       }
       at = end + 1;
@@ -137,7 +144,7 @@ void for_each_sentence(const Chunk& c, ChunkWorker& w, Sentence&& sentence, Docu
       document_end();
       first = true;
     }
-    sentences_of(std::string(parts[k]), first);
+    sentences_of(parts[k], first);
     first = false;
   }
   if (c.last) document_end();
@@ -327,11 +334,18 @@ class ChunkReader {
 
   Chunk take(size_t cut, bool file_end) {
     Chunk c;
-    if (cut == buffer_.size()) {
-      c.text = std::move(buffer_);  // the whole buffer: no copy (a long JSON line is the most of it)
-      buffer_ = std::string();
+    const size_t room = json_ ? kJsonPadding : 0;  // JSON lines are parsed in place
+    if (cut >= buffer_.size() / 2) {
+      // Most of the buffer (a long JSON line, the file's end): it becomes the chunk, uncopied, and
+      // what follows the cut starts a buffer of its own.
+      std::string rest = buffer_.substr(cut);
+      c.text = std::move(buffer_);
+      c.text.resize(cut);
+      buffer_ = std::move(rest);
+      if (c.text.capacity() < cut + room) c.text.reserve(cut + room);
     } else {
-      c.text = buffer_.substr(0, cut);
+      c.text.reserve(cut + room);
+      c.text.assign(buffer_, 0, cut);
       buffer_.erase(0, cut);
     }
     c.first = !seen_text_;
