@@ -13,7 +13,9 @@
 //   consecutive tokens within documents, spread evenly over the corpus's
 //   tokens end to end: K = clamp(size / (4 max_tokens), 1, 64) spans of
 //   size / K tokens, span j centred on token (2j + 1) T / 2K. The packer holds
-//   out every piece of a sentence that overlaps a span.
+//   out the whole pieces of sentences that overlap a span while they fit in
+//   its size (and the piece at its centre in any case), so the set holds at
+//   most its size, short of it by less than a sentence per span.
 // ValidationOptions::documents keeps the earlier rule: that many whole
 // documents, spread as above, whatever their size.
 #pragma once

@@ -22,7 +22,7 @@ namespace {
 
 constexpr char kMagic[8] = {'Z', 'S', 'P', 'A', 'C', 'K', 'E', 'D'};
 constexpr int64_t kHeader = 128, kRecord = 16;
-constexpr uint64_t kVersion = 2;
+constexpr uint64_t kVersion = 3;  // 3: a span holds the whole pieces that fit in it
 
 struct Header {
   char magic[8];
@@ -41,7 +41,12 @@ struct Record {
 static_assert(sizeof(Record) == kRecord);
 
 // Whether each piece the packer makes is held out: its document is, or it
-// overlaps a held-out span. Asked in the order of the pieces.
+// overlaps a held-out span that still has room for it. A span takes whole
+// pieces (a sentence, or a part of a long one) in order while they fit in its
+// size, so the set never holds more than its size in tokens; the piece that
+// holds a span's centre is taken even when it alone is larger, so that every
+// span holds something (a corpus of a few sentences). Asked in the order of
+// the pieces.
 class HeldPieces {
  public:
   explicit HeldPieces(const HeldOut& h) : h_(h) {}
@@ -51,13 +56,22 @@ class HeldPieces {
   }
   // The piece [begin, end) of the corpus's tokens end to end.
   bool piece(int64_t begin, int64_t end) {
-    while (span_ < h_.spans.size() && h_.spans[span_].second <= begin) ++span_;
-    return span_ < h_.spans.size() && h_.spans[span_].first < end;
+    while (span_ < h_.spans.size() && h_.spans[span_].second <= begin) {
+      ++span_;
+      taken_ = 0;
+    }
+    if (span_ == h_.spans.size() || h_.spans[span_].first >= end) return false;
+    const auto [first, last] = h_.spans[span_];
+    const int64_t centre = first + (last - first) / 2;
+    if (taken_ + (end - begin) > last - first && !(taken_ == 0 && begin <= centre && centre < end)) return false;
+    taken_ += end - begin;
+    return true;
   }
 
  private:
   const HeldOut& h_;
   size_t doc_ = 0, span_ = 0;
+  int64_t taken_ = 0;  // tokens the current span holds
 };
 
 // The records of `store`'s examples, in order, each to `emit(record, held)`;
