@@ -38,11 +38,12 @@ ALLOWED = {
     "src/pipeline": SHARD_OPTIMIZER + FRONT_ENDS + ["pipeline"],
     "src/data": ["zeroshard", "data"],
     "src/plan": ["zeroshard", "plan"],
+    "src/replica": SHARD_OPTIMIZER + FRONT_ENDS + ["replica"],
     "checkpoint": RUNTIME + ["comm"],
     "checkpoint/tools": RUNTIME + ["comm", "tools"],
 }
 # Folders whose files include another folder's files by bare name (its include path).
-BARE = {"checkpoint/tools": ["checkpoint"]}
+BARE = {"checkpoint/tools": ["checkpoint"], "src/replica": ["checkpoint"]}
 # The BART trainer stands on the installed package alone: the public headers,
 # and its own folders (model and tokenizer below data, data below train, the
 # command line on top; io is shared by all).

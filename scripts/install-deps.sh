@@ -35,6 +35,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev xxhash binutils
   # the multi-host tests' cluster of network namespaces (scripts/cluster.sh: ip, tc; unshare, nsenter)
   iproute2 util-linux
+  # the replica groups' coordinator: etcd 3.4, spoken to over its v3 HTTP/JSON gateway (the tests
+  # start their own members on 127.0.0.1 or on the cluster's hosts)
+  etcd-server
   # the Python environment, and h5py/numpy for the tests' Python oracles when it cannot be made
   python3 python3-venv python3-h5py python3-numpy
   # loss-curve PNGs of training runs (zeroshard::plot_metrics)

@@ -154,7 +154,9 @@ TEST(BartCorpus, ASmallCorpusHoldsOutNoMoreThanItsShare) {
     for (const auto& r : runs) held += r.second - r.first;
     EXPECT_EQ(held, want) << store->tokens() << " tokens";
     EXPECT_EQ(p.held_out().tokens, want);
-    if (store->tokens() > sentence) EXPECT_LE(held, store->tokens() / 20);
+    if (store->tokens() > sentence) {
+      EXPECT_LE(held, store->tokens() / 20);
+    }
   }
   std::filesystem::remove_all(dir);
 }

@@ -1,0 +1,235 @@
+// The coordinator's etcd client against real etcd members (Debian's etcd-server,
+// started here on 127.0.0.1 and stopped after): leases as liveness, keys created
+// once, revisions, watches, and a cluster of three that goes on with a member
+// killed. Oracles: etcd's own answers (what a second client reads back), and the
+// closed forms of the gateway's encodings (keys with every byte value).
+#include "replica/etcd.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fcntl.h>
+#include <filesystem>
+#include <future>
+#include <string>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace zeroshard::replica {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Members of one etcd cluster on 127.0.0.1, each a process of its own (killed and reaped at the end).
+class EtcdCluster {
+ public:
+  explicit EtcdCluster(int members) : dir_(testing::make_temp_dir("etcd")) {
+    std::string initial;
+    for (int m = 0; m < members; ++m) {
+      client_.push_back("http://127.0.0.1:" + std::to_string(testing::free_port()));
+      peer_.push_back("http://127.0.0.1:" + std::to_string(testing::free_port()));
+      initial += (m ? "," : "") + name(m) + "=" + peer_.back();
+    }
+    for (int m = 0; m < members; ++m) start(m, initial);
+    // Ready when every member answers (a read through it alone).
+    for (int m = 0; m < members; ++m) {
+      Etcd one({{client_[static_cast<size_t>(m)]}, 2000ms});
+      const auto deadline = Clock::now() + 30s;
+      for (;;) {
+        try {
+          one.get("ready");
+          break;
+        } catch (const c10::Error& e) {
+          if (Clock::now() > deadline) ADD_FAILURE() << "etcd member " << m << " not ready in 30 s: " << e.what();
+          if (Clock::now() > deadline) break;
+          std::this_thread::sleep_for(100ms);
+        }
+      }
+    }
+  }
+  ~EtcdCluster() {
+    for (size_t m = 0; m < pids_.size(); ++m) kill(static_cast<int>(m));
+    std::filesystem::remove_all(dir_);
+  }
+  void kill(int m) {
+    pid_t& pid = pids_[static_cast<size_t>(m)];
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    pid = 0;
+  }
+  const std::vector<std::string>& endpoints() const { return client_; }
+  EtcdOptions options(std::chrono::milliseconds timeout = 5000ms) const { return {client_, timeout}; }
+
+ private:
+  static std::string name(int m) { return "m" + std::to_string(m); }
+  void start(int m, const std::string& initial) {
+    const auto k = static_cast<size_t>(m);
+    std::vector<std::string> args = {"etcd", "--name", name(m), "--data-dir", dir_ + "/" + name(m),
+                                     "--listen-client-urls", client_[k], "--advertise-client-urls", client_[k],
+                                     "--listen-peer-urls", peer_[k], "--initial-advertise-peer-urls", peer_[k],
+                                     "--initial-cluster", initial, "--initial-cluster-state", "new",
+                                     "--heartbeat-interval", "50", "--election-timeout", "500"};
+    const std::string log = dir_ + "/" + name(m) + ".log";
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test that dies takes its members with it
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execvp("etcd", argv.data());
+      ::_exit(127);
+    }
+    pids_.push_back(pid);
+    // A member that cannot start (no etcd installed) exits at once: say so, not "not ready".
+    std::this_thread::sleep_for(50ms);
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      pids_.back() = 0;
+      FAIL() << "etcd did not start (exit " << WEXITSTATUS(status)
+             << "): install etcd-server (scripts/install-deps.sh installs it)";
+    }
+  }
+
+  std::string dir_;
+  std::vector<std::string> client_, peer_;
+  std::vector<pid_t> pids_;
+};
+
+TEST(EtcdCoordinator, ParsesTheCoordinatorsAddress) {
+  EXPECT_EQ(parse_etcd_endpoints("etcd://10.0.0.5:2379"), std::vector<std::string>{"http://10.0.0.5:2379"});
+  EXPECT_EQ(parse_etcd_endpoints("etcd://a:1,b:2/"), (std::vector<std::string>{"http://a:1", "http://b:2"}));
+  EXPECT_EQ(parse_etcd_endpoints("http://a:1,https://b:2"), (std::vector<std::string>{"http://a:1", "https://b:2"}));
+  for (const char* bad : {"etcd://", "etcd://host", "host:2379", "etcd://a:1,,b:2", "etcd://http://a:1", "etcd://a:1/x"}) {
+    const auto m = testing::error_of([&] { parse_etcd_endpoints(bad); });
+    EXPECT_NE(m.find("is not a member's address"), std::string::npos) << bad << ": " << m;
+    EXPECT_NE(m.find("etcd://HOST:PORT"), std::string::npos) << m;
+  }
+}
+
+// Keys with every byte value go through the gateway's base64 both ways; a key exists once
+// (create); revisions grow by one per change; a prefix lists in key order and is removed whole.
+TEST(EtcdCoordinator, KeysRevisionsAndCreateOnce) {
+  EtcdCluster cluster(1);
+  Etcd etcd(cluster.options()), other(cluster.options());
+  std::string bytes;
+  for (int b = 0; b < 256; ++b) bytes += static_cast<char>(b);
+  const int64_t r1 = etcd.put("/job/bytes", bytes);
+  int64_t read_at = 0;
+  const auto kv = other.get("/job/bytes", &read_at);
+  ASSERT_TRUE(kv.has_value());
+  EXPECT_EQ(kv->value, bytes);
+  EXPECT_EQ(kv->create_revision, r1);
+  EXPECT_EQ(read_at, r1);
+  EXPECT_EQ(etcd.put("/job/bytes", "again"), r1 + 1);
+  EXPECT_EQ(other.get("/job/bytes")->version, 2);
+  EXPECT_FALSE(other.get("/job/none").has_value());
+
+  EXPECT_TRUE(etcd.create("/job/group/0", "first"));
+  KeyValue held;
+  EXPECT_FALSE(other.create("/job/group/0", "second", 0, &held));
+  EXPECT_EQ(held.value, "first");
+  EXPECT_EQ(etcd.get("/job/group/0")->value, "first");
+  for (const char* k : {"/job/group/2", "/job/group/1"}) etcd.put(k, k);
+  etcd.put("/job/groupx", "not under /job/group/");
+  const auto listed = other.list("/job/group/");
+  ASSERT_EQ(listed.size(), 3u);
+  EXPECT_EQ(listed[0].key, "/job/group/0");
+  EXPECT_EQ(listed[2].key, "/job/group/2");
+  EXPECT_EQ(etcd.remove_prefix("/job/group/"), 3);
+  EXPECT_TRUE(other.list("/job/group/").empty());
+  EXPECT_TRUE(other.get("/job/groupx").has_value());
+}
+
+// A lease is a group's liveness: its key stays while it is renewed, goes within the TTL (and
+// the next second) once renewal stops, and at once when the lease is revoked; a watch from the
+// revision it was read at sees the put and then the deletion, in order.
+TEST(EtcdCoordinator, ALeaseThatIsNotRenewedTakesItsKeysAndAWatchSeesIt) {
+  EtcdCluster cluster(1);
+  Etcd etcd(cluster.options()), watcher(cluster.options());
+  int64_t at = 0;
+  watcher.list("/live/", &at);
+  const int64_t lease = etcd.grant(2s);
+  etcd.put("/live/g0", "alive", lease);
+  const auto first = watcher.watch("/live/", at, 5s);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_FALSE(first[0].deleted);
+  EXPECT_EQ(first[0].kv.key, "/live/g0");
+  EXPECT_EQ(first[0].kv.lease, lease);
+  for (int k = 0; k < 5; ++k) {  // 3.5 s of renewals: longer than the TTL
+    EXPECT_EQ(etcd.keep_alive(lease), 2s);
+    std::this_thread::sleep_for(700ms);
+  }
+  EXPECT_TRUE(watcher.get("/live/g0").has_value()) << "a renewed lease lost its key";
+  const auto stopped = Clock::now();
+  const auto gone = watcher.watch("/live/", first[0].kv.mod_revision, 10s);
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_TRUE(gone[0].deleted);
+  EXPECT_EQ(gone[0].kv.key, "/live/g0");
+  EXPECT_LT(Clock::now() - stopped, 4s) << "the key outlived its lease's TTL (2 s) by more than 2 s";
+  EXPECT_EQ(etcd.keep_alive(lease), 0s);  // expired
+
+  const int64_t second = etcd.grant(30s);
+  const int64_t put_at = etcd.put("/live/g1", "alive", second);
+  etcd.revoke(second);
+  const auto revoked = watcher.watch("/live/", put_at, 5s);
+  ASSERT_EQ(revoked.size(), 1u);
+  EXPECT_TRUE(revoked[0].deleted);
+  // Nothing more: the watch ends at its timeout, empty.
+  EXPECT_TRUE(watcher.watch("/live/", revoked[0].kv.mod_revision, 300ms).empty());
+  // A watch another thread cancels ends early, empty.
+  std::atomic<bool> stop{false};
+  auto waiting = std::async(std::launch::async, [&] {
+    return watcher.watch("/live/", revoked[0].kv.mod_revision, 60s, [&] { return stop.load(); });
+  });
+  std::this_thread::sleep_for(200ms);
+  stop = true;
+  ASSERT_EQ(waiting.wait_for(5s), std::future_status::ready) << "a cancelled watch did not end";
+  EXPECT_TRUE(waiting.get().empty());
+}
+
+// Three members, one killed (the first the clients try): every call still succeeds on the others,
+// and what was written before is read after; a coordinator nobody serves fails in one line naming
+// the members and the fix, within the request timeout.
+TEST(EtcdCoordinator, AClusterOfThreeGoesOnWithAMemberKilled) {
+  EtcdCluster cluster(3);
+  Etcd etcd(cluster.options());
+  etcd.put("/job/before", "kept");
+  const int64_t lease = etcd.grant(10s);
+  ASSERT_TRUE(etcd.create("/job/member/g0", "a", lease));
+  cluster.kill(0);
+  int64_t at = 0;
+  EXPECT_EQ(etcd.get("/job/before", &at)->value, "kept");
+  EXPECT_EQ(etcd.keep_alive(lease), 10s);
+  EXPECT_FALSE(etcd.create("/job/member/g0", "b", lease));
+  Etcd fresh(cluster.options());  // a client that starts at the dead member
+  EXPECT_GT(fresh.put("/job/after", "x"), at);
+  std::thread later([&] {
+    std::this_thread::sleep_for(200ms);
+    etcd.put("/job/member/g1", "c");
+  });
+  const auto events = fresh.watch("/job/member/", at, 10s);
+  later.join();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kv.key, "/job/member/g1");
+
+  Etcd nobody({{"http://127.0.0.1:" + std::to_string(testing::free_port())}, 1500ms});
+  const auto t0 = Clock::now();
+  const auto m = testing::error_of([&] { nobody.put("k", "v"); });
+  EXPECT_LT(Clock::now() - t0, 3s);
+  EXPECT_NE(m.find("no member of etcd at http://127.0.0.1:"), std::string::npos) << m;
+  EXPECT_NE(m.find("fix: start etcd there"), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace zeroshard::replica
