@@ -4,6 +4,7 @@
 #ifdef ZS_WITH_CUDA
 #include "comm/nccl/nccl_api.h"
 #endif
+#include "replica/registration.h"
 #include "zeroshard/log.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include <functional>
 #include <iostream>
 #include <thread>
+#include <unistd.h>
 
 int soak_train_main(int argc, char** argv);  // soak/soak_train.cpp
 
@@ -132,12 +134,27 @@ int log_lines() {
   return 0;
 }
 
+// A replica group (ZS_TEST_GROUP) that registers in the coordinator (ZS_TEST_ETCD) with a liveness
+// window of 2 s, says so on stdout, and waits to be killed.
+int replica_group() {
+  const char* endpoints = std::getenv("ZS_TEST_ETCD");
+  const char* group = std::getenv("ZS_TEST_GROUP");
+  TORCH_CHECK_VALUE(endpoints != nullptr && group != nullptr, "replica_group: set ZS_TEST_ETCD and ZS_TEST_GROUP");
+  zeroshard::replica::Etcd etcd({zeroshard::replica::parse_etcd_endpoints(endpoints), std::chrono::seconds(5)});
+  const zeroshard::replica::GroupInfo me{group, 2, "model-a", "config-a", "test-host", static_cast<int64_t>(::getpid())};
+  zeroshard::replica::Registration registration(etcd, "job", me, std::chrono::seconds(2));
+  std::cout << "registered" << std::endl;
+  std::this_thread::sleep_for(std::chrono::seconds(120));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::strcmp(argv[1], "--helper") == 0) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
+    if (std::strcmp(argv[2], "replica_group") == 0) return reported(replica_group);
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);

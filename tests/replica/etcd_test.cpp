@@ -4,10 +4,12 @@
 // killed. Oracles: etcd's own answers (what a second client reads back), and the
 // closed forms of the gateway's encodings (keys with every byte value).
 #include "replica/etcd.h"
+#include "replica/registration.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <fcntl.h>
@@ -25,6 +27,32 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+
+// Starts `args` (argv[0] looked up in PATH) with `env` added, its output into `log`; the child dies
+// with this process. Returns its pid.
+pid_t spawn(std::vector<std::string> args, const std::string& log, const std::vector<std::string>& env = {}) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test that dies takes its children with it
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+void kill_and_reap(pid_t& pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  pid = 0;
+}
 
 // Members of one etcd cluster on 127.0.0.1, each a process of its own (killed and reaped at the end).
 class EtcdCluster {
@@ -57,13 +85,8 @@ class EtcdCluster {
     for (size_t m = 0; m < pids_.size(); ++m) kill(static_cast<int>(m));
     std::filesystem::remove_all(dir_);
   }
-  void kill(int m) {
-    pid_t& pid = pids_[static_cast<size_t>(m)];
-    if (pid <= 0) return;
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-    pid = 0;
-  }
+  void kill(int m) { kill_and_reap(pids_[static_cast<size_t>(m)]); }
+  const std::string& dir() const { return dir_; }
   const std::vector<std::string>& endpoints() const { return client_; }
   EtcdOptions options(std::chrono::milliseconds timeout = 5000ms) const { return {client_, timeout}; }
 
@@ -76,20 +99,8 @@ class EtcdCluster {
                                      "--listen-peer-urls", peer_[k], "--initial-advertise-peer-urls", peer_[k],
                                      "--initial-cluster", initial, "--initial-cluster-state", "new",
                                      "--heartbeat-interval", "50", "--election-timeout", "500"};
-    const std::string log = dir_ + "/" + name(m) + ".log";
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test that dies takes its members with it
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execvp("etcd", argv.data());
-      ::_exit(127);
-    }
+    const pid_t pid = spawn(args, dir_ + "/" + name(m) + ".log");
+    ASSERT_GT(pid, 0);
     pids_.push_back(pid);
     // A member that cannot start (no etcd installed) exits at once: say so, not "not ready".
     std::this_thread::sleep_for(50ms);
@@ -229,6 +240,79 @@ TEST(EtcdCoordinator, AClusterOfThreeGoesOnWithAMemberKilled) {
   EXPECT_LT(Clock::now() - t0, 3s);
   EXPECT_NE(m.find("no member of etcd at http://127.0.0.1:"), std::string::npos) << m;
   EXPECT_NE(m.find("fix: start etcd there"), std::string::npos) << m;
+}
+
+// Registering: a group joins beside live groups of the same model, ranks per group and
+// configuration; another of each is refused by name and leaves no key; the same group twice
+// (a duplicate launch) is refused naming the live one; leaving takes the key at once; a
+// coordinator nobody serves fails in one line.
+TEST(EtcdCoordinator, AGroupRegistersBesideItsLikeAndIsRefusedOtherwise) {
+  EtcdCluster cluster(1);
+  Etcd etcd(cluster.options());
+  const GroupInfo a{"0", 2, "m1", "batch=32", "host-a", 101};
+  Registration first(etcd, "job", a, 3s);
+  struct Bad {
+    GroupInfo g;
+    const char* says;
+  };
+  for (const auto& [g, says] : std::vector<Bad>{
+           {{"0", 2, "m1", "batch=32", "host-b", 202}, "group '0' (host host-a, pid 101) is already registered"},
+           {{"1", 3, "m1", "batch=32", "host-b", 202}, "has 2 ranks and this group 3"},
+           {{"1", 2, "m2", "batch=32", "host-b", 202}, "trains another model (parameters hash m1, this group's m2)"},
+           {{"1", 2, "m1", "batch=64", "host-b", 202}, "another configuration (batch=32; this group: batch=64)"},
+           {{"a/b", 2, "m1", "batch=32", "host-b", 202}, "the group 'a/b' is not a name"}}) {
+    const auto m = testing::error_of([&] { Registration r(etcd, "job", g, 3s); });
+    EXPECT_NE(m.find(says), std::string::npos) << m;
+  }
+  int64_t at = 0;
+  auto live = first.live(&at);
+  ASSERT_EQ(live.size(), 1u) << "a refused group left its key";
+  EXPECT_EQ(live[0].host, "host-a");
+  {
+    Registration second(etcd, "job", {"1", 2, "m1", "batch=32", "host-b", 202}, 3s);
+    live = first.live();
+    ASSERT_EQ(live.size(), 2u);
+    EXPECT_EQ(live[1].group, "1");
+    EXPECT_EQ(live[1].pid, 202);
+    EXPECT_EQ(second.key(), "/zeroshard/job/groups/1");
+  }
+  const auto left = first.changes(at, 5s);  // the join, then (the lease revoked) the leave
+  ASSERT_FALSE(left.empty());
+  EXPECT_FALSE(left[0].deleted);
+  EXPECT_EQ(first.live().size(), 1u) << "a group that left kept its key";
+  EXPECT_TRUE(first.held());
+
+  Etcd nobody({{"http://127.0.0.1:" + std::to_string(testing::free_port())}, 1000ms});
+  const auto m = testing::error_of([&] { Registration r(nobody, "job", a, 3s); });
+  EXPECT_NE(m.find("no member of etcd at"), std::string::npos) << m;
+  EXPECT_EQ(std::count(m.begin(), m.end(), '\n'), 0) << m;
+}
+
+// A group's process killed (SIGKILL: nothing revokes its lease) is gone from the coordinator
+// within its liveness window (2 s) and the lease check's period, and a watching group sees it go.
+TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
+  EtcdCluster cluster(1);
+  Etcd etcd(cluster.options());
+  Registration me(etcd, "job", {"a", 2, "model-a", "config-a", "test-host", 1}, 3s);
+  std::string endpoints;
+  for (const auto& e : cluster.endpoints()) endpoints += (endpoints.empty() ? "" : ",") + e;
+  pid_t child = spawn({testing::build_dir() + "/tests/zs_tests", "--helper", "replica_group"},
+                      cluster.dir() + "/group-b.log", {"ZS_TEST_ETCD=" + endpoints, "ZS_TEST_GROUP=b"});
+  ASSERT_GT(child, 0);
+  int64_t at = 0;
+  const auto deadline = Clock::now() + 30s;
+  while (me.live(&at).size() < 2 && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
+  ASSERT_EQ(me.live(&at).size(), 2u) << "the helper group did not register (its log: " << cluster.dir() << "/group-b.log)";
+  std::this_thread::sleep_for(2500ms);  // it renews its lease meanwhile: still there
+  ASSERT_EQ(me.live(&at).size(), 2u) << "a group that renews its lease lost its key";
+  const auto killed = Clock::now();
+  kill_and_reap(child);
+  const auto events = me.changes(at, 10s);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(events[0].deleted);
+  EXPECT_EQ(events[0].kv.key, "/zeroshard/job/groups/b");
+  EXPECT_LT(Clock::now() - killed, 4s) << "the killed group outlived its liveness window (2 s) by more than 2 s";
+  EXPECT_EQ(me.live().size(), 1u);
 }
 
 }  // namespace
