@@ -4,6 +4,7 @@
 #ifdef ZS_WITH_CUDA
 #include "comm/nccl/nccl_api.h"
 #endif
+#include "replica/group_comm.h"
 #include "replica/registration.h"
 #include "zeroshard/log.h"
 
@@ -148,6 +149,71 @@ int replica_group() {
   return 0;
 }
 
+// A replica group of one rank (ZS_TEST_GROUP) in job "pair": registers, waits for ZS_TEST_GROUPS
+// live groups, forms the communicator across them through the coordinator and all-reduces its index
+// + 1; group "b" then waits to be killed. Group "a" watches for a group lost, finds its old
+// communicator failed, forms a new one among the live groups (in this process) and all-reduces again.
+int replica_pair() {
+  using namespace zeroshard::replica;
+  const std::string group = std::getenv("ZS_TEST_GROUP");
+  const int expected = std::atoi(std::getenv("ZS_TEST_GROUPS"));
+  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
+  Registration registration(*etcd, "pair", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+                            std::chrono::seconds(2));
+  const auto prefix = Registration::groups_prefix("pair");
+  std::vector<KeyValue> live;
+  for (int k = 0; k < 600 && static_cast<int>(live.size()) < expected; ++k) {
+    live = etcd->list(prefix);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  TORCH_CHECK(static_cast<int>(live.size()) == expected, "replica_pair: ", live.size(), " groups registered");
+  int64_t generation = 0;
+  int index = 0;
+  for (size_t k = 0; k < live.size(); ++k) {
+    generation = std::max(generation, live[k].create_revision);
+    if (live[k].key == prefix + group) index = static_cast<int>(k);
+  }
+  GroupCommOptions options;
+  options.comm.liveness = std::chrono::seconds(3);
+  options.comm.rendezvous_timeout = std::chrono::seconds(20);
+  auto across = connect_groups(etcd, "pair", generation, 0, index, expected, options);
+  auto t = at::full({4}, static_cast<double>(index + 1), at::kDouble);
+  across->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  std::cout << "generation " << generation << " size " << across->size() << " sum " << t[0].item<double>() << std::endl;
+  if (group != "a") {
+    std::this_thread::sleep_for(std::chrono::seconds(120));
+    return 0;
+  }
+  int64_t at_revision = generation;
+  std::vector<WatchEvent> lost;
+  while (lost.empty()) {
+    for (const auto& e : registration.changes(at_revision, std::chrono::seconds(30))) {
+      at_revision = e.kv.mod_revision;
+      if (e.deleted) lost.push_back(e);
+    }
+  }
+  std::cout << "lost " << lost.back().kv.key.substr(prefix.size()) << " at revision " << lost.back().kv.mod_revision
+            << std::endl;
+  try {
+    across->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+    std::cout << "the old communicator still works" << std::endl;
+  } catch (const std::exception& e) {
+    std::cout << "old communicator failed: " << zeroshard::error_message(e) << std::endl;
+  }
+  live = etcd->list(prefix);
+  index = 0;
+  for (size_t k = 0; k < live.size(); ++k) {
+    if (live[k].key == prefix + group) index = static_cast<int>(k);
+  }
+  auto again = connect_groups(etcd, "pair", lost.back().kv.mod_revision, 0, index, static_cast<int>(live.size()), options);
+  t.fill_(static_cast<double>(index + 1));
+  again->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+  std::cout << "generation " << lost.back().kv.mod_revision << " size " << again->size() << " sum " << t[0].item<double>()
+            << std::endl;
+  forget_meetings(*etcd, "pair", lost.back().kv.mod_revision);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -155,6 +221,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "kill_mid_collective") == 0) return kill_mid_collective();
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
     if (std::strcmp(argv[2], "replica_group") == 0) return reported(replica_group);
+    if (std::strcmp(argv[2], "replica_pair") == 0) return reported(replica_pair);
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);

@@ -180,23 +180,49 @@ int64_t Etcd::put(const std::string& key, const std::string& value, int64_t leas
   return number(a.at("header"), "revision");
 }
 
-bool Etcd::create(const std::string& key, const std::string& value, int64_t lease, KeyValue* held) {
-  json put{{"key", base64(key)}, {"value", base64(value)}};
-  if (lease != 0) put["lease"] = std::to_string(lease);
-  const json q{{"compare", {{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}}},
-               {"success", {{{"request_put", put}}}},
+namespace {
+
+// A transaction: put `put` when `compare` holds, else read the key; true when it put, else *now.
+bool put_when(const std::function<std::string(const std::string& body, const std::string& what)>& call,
+              const std::string& key, const json& compare, const json& put, const std::string& what, KeyValue* now) {
+  const json q{{"compare", {compare}}, {"success", {{{"request_put", put}}}},
                {"failure", {{{"request_range", {{"key", base64(key)}}}}}}};
-  const auto a = json::parse(call("/v3/kv/txn", q.dump(), "create '" + key + "'"));
+  const auto a = json::parse(call(q.dump(), what));
   if (a.value("succeeded", false)) return true;
-  if (held != nullptr) {
-    *held = KeyValue();
+  if (now != nullptr) {
+    *now = KeyValue();
     const auto& responses = a.value("responses", json::array());
     if (!responses.empty()) {
       const auto& kvs = responses.at(0).at("response_range").value("kvs", json::array());
-      if (!kvs.empty()) *held = key_value(kvs.at(0));
+      if (!kvs.empty()) *now = key_value(kvs.at(0));
     }
   }
   return false;
+}
+
+}  // namespace
+
+bool Etcd::create(const std::string& key, const std::string& value, int64_t lease, KeyValue* held) {
+  json put{{"key", base64(key)}, {"value", base64(value)}};
+  if (lease != 0) put["lease"] = std::to_string(lease);
+  const json compare{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}};
+  return put_when([this](const std::string& b, const std::string& w) { return call("/v3/kv/txn", b, w); }, key,
+                  compare, put, "create '" + key + "'", held);
+}
+
+bool Etcd::put_if(const std::string& key, const std::string& value, int64_t mod_revision, KeyValue* now) {
+  const json put{{"key", base64(key)}, {"value", base64(value)}};
+  const json compare = mod_revision == 0
+                           ? json{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}
+                           : json{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "MOD"},
+                                  {"mod_revision", std::to_string(mod_revision)}};
+  return put_when([this](const std::string& b, const std::string& w) { return call("/v3/kv/txn", b, w); }, key,
+                  compare, put, "put '" + key + "' if unchanged", now);
+}
+
+bool Etcd::remove(const std::string& key) {
+  const auto a = json::parse(call("/v3/kv/deleterange", json{{"key", base64(key)}}.dump(), "delete '" + key + "'"));
+  return number(a, "deleted") > 0;
 }
 
 std::optional<KeyValue> Etcd::get(const std::string& key, int64_t* revision) {

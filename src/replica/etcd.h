@@ -63,6 +63,12 @@ class Etcd {
   // Sets `key` only if no such key exists (one writer wins): true when this call
   // created it; false when it exists, with what it holds in *held.
   bool create(const std::string& key, const std::string& value, int64_t lease = 0, KeyValue* held = nullptr);
+  // Sets `key` only if it was last changed at revision `mod_revision` (0: only if it does
+  // not exist): true when this call set it; false with what is there now in *now (an empty
+  // KeyValue when the key does not exist). A read-modify-write without a lost update.
+  bool put_if(const std::string& key, const std::string& value, int64_t mod_revision, KeyValue* now = nullptr);
+  // Deletes `key`; whether it existed.
+  bool remove(const std::string& key);
   // The key, or nullopt; *revision (if given): the store's revision it was read at.
   std::optional<KeyValue> get(const std::string& key, int64_t* revision = nullptr);
   // Every key under `prefix`, in key order; *revision as get()'s.

@@ -11,6 +11,9 @@
 
 #include <algorithm>
 #include <csignal>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <cstdlib>
 #include <fcntl.h>
 #include <filesystem>
@@ -313,6 +316,54 @@ TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
   EXPECT_EQ(events[0].kv.key, "/zeroshard/job/groups/b");
   EXPECT_LT(Clock::now() - killed, 4s) << "the killed group outlived its liveness window (2 s) by more than 2 s";
   EXPECT_EQ(me.live().size(), 1u);
+}
+
+// The communicator across groups, formed in process through the coordinator: two groups (a
+// process each) meet under their membership's generation and all-reduce (1 + 2 = 3); group b is
+// SIGKILLed; group a sees it gone, finds its old communicator failed (naming the lost peer), forms
+// a new one of the live groups under the new generation in the same process, and all-reduces alone.
+TEST(EtcdCoordinator, TheGroupsCommunicatorIsFormedAgainInProcessWhenAGroupIsLost) {
+  EtcdCluster cluster(1);
+  std::string endpoints;
+  for (const auto& e : cluster.endpoints()) endpoints += (endpoints.empty() ? "" : ",") + e;
+  const std::string exe = testing::build_dir() + "/tests/zs_tests";
+  std::map<std::string, pid_t> pids;
+  for (const char* g : {"a", "b"}) {
+    pids[g] = spawn({exe, "--helper", "replica_pair"}, cluster.dir() + "/" + g + ".log",
+                    {"ZS_TEST_ETCD=" + endpoints, std::string("ZS_TEST_GROUP=") + g, "ZS_TEST_GROUPS=2"});
+  }
+  auto log_of = [&](const std::string& g) {
+    std::ifstream in(cluster.dir() + "/" + g + ".log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto wait_for = [&](const std::string& g, const std::string& text, std::chrono::seconds within) {
+    const auto deadline = Clock::now() + within;
+    while (log_of(g).find(text) == std::string::npos && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
+    return log_of(g).find(text) != std::string::npos;
+  };
+  ASSERT_TRUE(wait_for("a", "size 2 sum 3", 60s)) << log_of("a");
+  ASSERT_TRUE(wait_for("b", "size 2 sum 3", 10s)) << log_of("b");
+  const pid_t a = pids["a"];
+  kill_and_reap(pids["b"]);
+  ASSERT_TRUE(wait_for("a", "size 1 sum 1", 30s)) << log_of("a");
+  int status = 0;
+  ASSERT_EQ(::waitpid(a, &status, 0), a);  // the same process throughout, which then exits 0
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << log_of("a");
+  const auto out = log_of("a");
+  EXPECT_NE(out.find("lost b at revision"), std::string::npos) << out;
+  EXPECT_NE(out.find("old communicator failed:"), std::string::npos) << out;
+  EXPECT_EQ(out.find("the old communicator still works"), std::string::npos) << out;
+  std::printf("group a's output:\n%s", out.c_str());
+  // The meetings of earlier generations are forgotten: only the last one's keys are left.
+  const auto at = out.rfind("generation ");
+  ASSERT_NE(at, std::string::npos);
+  const int64_t last = std::stoll(out.substr(at + 11));
+  Etcd etcd(cluster.options());
+  const auto keys = etcd.list("/zeroshard/pair/meet/");
+  EXPECT_FALSE(keys.empty());
+  for (const auto& kv : keys) {
+    EXPECT_EQ(std::stoll(kv.key.substr(std::string("/zeroshard/pair/meet/").size(), 20)), last) << kv.key;
+  }
 }
 
 }  // namespace
