@@ -5,6 +5,7 @@
 #include "comm/nccl/nccl_api.h"
 #endif
 #include "replica/group_comm.h"
+#include "replica/membership.h"
 #include "replica/registration.h"
 #include "zeroshard/log.h"
 
@@ -214,6 +215,44 @@ int replica_pair() {
   return 0;
 }
 
+// A replica group of one rank (ZS_TEST_GROUP) in job "members" that trains in whatever membership
+// the live groups agree on: at each generation it meets the others, all-reduces its place + 1 and
+// prints the generation, the size and the sum; then waits for the membership to change. Runs until
+// killed.
+int replica_member() {
+  using namespace zeroshard::replica;
+  const std::string group = std::getenv("ZS_TEST_GROUP");
+  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
+  Registration registration(*etcd, "members", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+                            std::chrono::seconds(2));
+  Membership membership(etcd, "members", group);
+  GroupCommOptions options;
+  options.comm.liveness = std::chrono::seconds(3);
+  options.comm.rendezvous_timeout = std::chrono::seconds(20);
+  for (;;) {
+    const MembershipView view = membership.agree(std::chrono::seconds(30));
+    try {
+      auto across = connect_groups(etcd, "members", view.generation, 0, view.index, static_cast<int>(view.groups.size()),
+                                   options, [&] { membership.check_current(view); });
+      auto t = at::full({4}, static_cast<double>(view.index + 1), at::kDouble);
+      across->all_reduce(t, zeroshard::ReduceOp::kSum)->wait();
+      std::cout << "generation " << view.generation << " size " << view.groups.size() << " sum " << t[0].item<double>()
+                << std::endl;
+      forget_meetings(*etcd, "members", view.generation);
+    } catch (const std::exception& e) {
+      try {
+        membership.check_current(view);
+      } catch (const MembershipChanged&) {
+        std::cout << "generation " << view.generation << " abandoned: " << zeroshard::error_message(e) << std::endl;
+        continue;
+      }
+      throw;
+    }
+    while (!membership.wait_for_change(view, std::chrono::seconds(30))) {
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -222,6 +261,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "log_lines") == 0) return log_lines();
     if (std::strcmp(argv[2], "replica_group") == 0) return reported(replica_group);
     if (std::strcmp(argv[2], "replica_pair") == 0) return reported(replica_pair);
+    if (std::strcmp(argv[2], "replica_member") == 0) return reported(replica_member);
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);

@@ -29,14 +29,15 @@ std::string generation_name(int64_t generation) {
 
 }  // namespace
 
-EtcdStore::EtcdStore(std::shared_ptr<Etcd> etcd, std::string prefix, std::chrono::milliseconds timeout)
-    : etcd_(std::move(etcd)), prefix_(std::move(prefix)) {
+EtcdStore::EtcdStore(std::shared_ptr<Etcd> etcd, std::string prefix, std::chrono::milliseconds timeout,
+                     std::function<void()> still_valid)
+    : etcd_(std::move(etcd)), prefix_(std::move(prefix)), still_valid_(std::move(still_valid)) {
   setTimeout(timeout);
 }
 
 #if TORCH_VERSION_MAJOR >= 2
 c10::intrusive_ptr<c10d::Store> EtcdStore::clone() {
-  return c10::make_intrusive<EtcdStore>(etcd_, prefix_, getTimeout());
+  return c10::make_intrusive<EtcdStore>(etcd_, prefix_, getTimeout(), still_valid_);
 }
 #endif
 
@@ -76,6 +77,7 @@ int64_t EtcdStore::add(const std::string& key, int64_t value) {
 bool EtcdStore::deleteKey(const std::string& key) { return etcd_->remove(prefix_ + key); }
 
 bool EtcdStore::check(const std::vector<std::string>& keys) {
+  if (still_valid_) still_valid_();
   for (const auto& k : keys) {
     if (!etcd_->get(prefix_ + k)) return false;
   }
@@ -101,11 +103,12 @@ void EtcdStore::wait(const std::vector<std::string>& keys, const std::chrono::mi
 
 std::shared_ptr<Communicator> connect_groups(const std::shared_ptr<Etcd>& etcd, const std::string& job,
                                              int64_t generation, int position, int index, int count,
-                                             const GroupCommOptions& options) {
+                                             const GroupCommOptions& options,
+                                             const std::function<void()>& still_current) {
   TORCH_CHECK_VALUE(count > 0 && index >= 0 && index < count && position >= 0, "connect_groups: group ", index, " of ",
                     count, " at shard position ", position);
   const std::string prefix = meetings_prefix(job) + generation_name(generation) + "/" + std::to_string(position) + "/";
-  auto store = std::make_shared<EtcdStore>(etcd, prefix, options.comm.rendezvous_timeout);
+  auto store = std::make_shared<EtcdStore>(etcd, prefix, options.comm.rendezvous_timeout, still_current);
   comm::MeshOptions mesh;
   mesh.host = options.listen_host;
   mesh.rendezvous_timeout = options.comm.rendezvous_timeout;

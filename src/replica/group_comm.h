@@ -13,6 +13,7 @@
 #include <torch/version.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,9 +23,12 @@ namespace zeroshard::replica {
 // A c10d::Store over the etcd keys under `prefix`: set, get (waiting for the key up to
 // the timeout), compareSet and add (atomic: a compare-and-put on the key's revision),
 // check, wait, deleteKey and getNumKeys, as the TCP communicator's rendezvous uses them.
+// `still_valid` (optional) runs before every check (so in every wait's polls): it throws to
+// abandon the meeting (the membership it was for is gone).
 class EtcdStore : public c10d::Store {
  public:
-  EtcdStore(std::shared_ptr<Etcd> etcd, std::string prefix, std::chrono::milliseconds timeout);
+  EtcdStore(std::shared_ptr<Etcd> etcd, std::string prefix, std::chrono::milliseconds timeout,
+            std::function<void()> still_valid = {});
 #if TORCH_VERSION_MAJOR >= 2
   c10::intrusive_ptr<c10d::Store> clone() override;
 #endif
@@ -42,6 +46,7 @@ class EtcdStore : public c10d::Store {
  private:
   std::shared_ptr<Etcd> etcd_;
   std::string prefix_;
+  std::function<void()> still_valid_;
 };
 
 struct GroupCommOptions {
@@ -53,10 +58,12 @@ struct GroupCommOptions {
 // across the `count` live groups of membership `generation` (a revision of the coordinator:
 // the same number on every group that saw the same membership), in which this group is the
 // `index`-th (live groups in name order). Collective over those groups' ranks at `position`;
-// a group missing from the meeting makes it time out naming the missing index.
+// a group missing from the meeting makes it time out naming the missing index. `still_current`
+// (optional; Membership::check_current) runs as the meeting waits and throws to abandon it.
 std::shared_ptr<Communicator> connect_groups(const std::shared_ptr<Etcd>& etcd, const std::string& job,
                                              int64_t generation, int position, int index, int count,
-                                             const GroupCommOptions& options);
+                                             const GroupCommOptions& options,
+                                             const std::function<void()>& still_current = {});
 
 // The coordinator's keys of the meetings of generations before `generation` (finished
 // with): removed.

@@ -91,6 +91,17 @@ class EtcdCluster {
   void kill(int m) { kill_and_reap(pids_[static_cast<size_t>(m)]); }
   const std::string& dir() const { return dir_; }
   const std::vector<std::string>& endpoints() const { return client_; }
+  // The members' URLs as a coordinator's address (ZS_TEST_ETCD for the helper groups).
+  std::string address() const {
+    std::string out;
+    for (const auto& e : client_) out += (out.empty() ? "" : ",") + e;
+    return out;
+  }
+  // What a process started with its log in this cluster's directory wrote there so far.
+  std::string log(const std::string& name) const {
+    std::ifstream in(dir_ + "/" + name + ".log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
   EtcdOptions options(std::chrono::milliseconds timeout = 5000ms) const { return {client_, timeout}; }
 
  private:
@@ -297,8 +308,7 @@ TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
   EtcdCluster cluster(1);
   Etcd etcd(cluster.options());
   Registration me(etcd, "job", {"a", 2, "model-a", "config-a", "test-host", 1}, 3s);
-  std::string endpoints;
-  for (const auto& e : cluster.endpoints()) endpoints += (endpoints.empty() ? "" : ",") + e;
+  const std::string endpoints = cluster.address();
   pid_t child = spawn({testing::build_dir() + "/tests/zs_tests", "--helper", "replica_group"},
                       cluster.dir() + "/group-b.log", {"ZS_TEST_ETCD=" + endpoints, "ZS_TEST_GROUP=b"});
   ASSERT_GT(child, 0);
@@ -324,18 +334,14 @@ TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
 // a new one of the live groups under the new generation in the same process, and all-reduces alone.
 TEST(EtcdCoordinator, TheGroupsCommunicatorIsFormedAgainInProcessWhenAGroupIsLost) {
   EtcdCluster cluster(1);
-  std::string endpoints;
-  for (const auto& e : cluster.endpoints()) endpoints += (endpoints.empty() ? "" : ",") + e;
+  const std::string endpoints = cluster.address();
   const std::string exe = testing::build_dir() + "/tests/zs_tests";
   std::map<std::string, pid_t> pids;
   for (const char* g : {"a", "b"}) {
     pids[g] = spawn({exe, "--helper", "replica_pair"}, cluster.dir() + "/" + g + ".log",
                     {"ZS_TEST_ETCD=" + endpoints, std::string("ZS_TEST_GROUP=") + g, "ZS_TEST_GROUPS=2"});
   }
-  auto log_of = [&](const std::string& g) {
-    std::ifstream in(cluster.dir() + "/" + g + ".log");
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
+  auto log_of = [&](const std::string& g) { return cluster.log(g); };
   auto wait_for = [&](const std::string& g, const std::string& text, std::chrono::seconds within) {
     const auto deadline = Clock::now() + within;
     while (log_of(g).find(text) == std::string::npos && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
@@ -364,6 +370,59 @@ TEST(EtcdCoordinator, TheGroupsCommunicatorIsFormedAgainInProcessWhenAGroupIsLos
   for (const auto& kv : keys) {
     EXPECT_EQ(std::stoll(kv.key.substr(std::string("/zeroshard/pair/meet/").size(), 20)), last) << kv.key;
   }
+}
+
+// Groups agree on one membership whoever writes it: three groups started together settle on
+// one generation of all three (1 + 2 + 3 = 6); one SIGKILLed, the two others settle on the same
+// new generation of the two (1 + 2); a fourth that starts joins them (a, b, d: 6 again), all in
+// the processes that started (the survivors' pids are those of the start).
+TEST(EtcdCoordinator, GroupsAgreeOnOneMembershipAsGroupsComeAndGo) {
+  EtcdCluster cluster(1);
+  const std::string endpoints = cluster.address();
+  const std::string exe = testing::build_dir() + "/tests/zs_tests";
+  std::map<std::string, pid_t> pids;
+  auto start = [&](const std::string& g) {
+    pids[g] = spawn({exe, "--helper", "replica_member"}, cluster.dir() + "/" + g + ".log",
+                    {"ZS_TEST_ETCD=" + endpoints, "ZS_TEST_GROUP=" + g});
+  };
+  auto log_of = [&](const std::string& g) { return cluster.log(g); };
+  // The generation of the last line of `g`'s log that reads "size N sum S", once there is one of a
+  // generation past `after` (-1 if none comes in time).
+  auto settled = [&](const std::string& g, const std::string& size_sum, std::chrono::seconds within,
+                     int64_t after = 0) -> int64_t {
+    const auto deadline = Clock::now() + within;
+    for (;;) {
+      const auto out = log_of(g);
+      const auto at = out.rfind(size_sum);
+      if (at != std::string::npos) {
+        const int64_t generation = std::stoll(out.substr(out.rfind("generation ", at) + 11));
+        if (generation > after) return generation;
+      }
+      if (Clock::now() > deadline) return -1;
+      std::this_thread::sleep_for(50ms);
+    }
+  };
+  for (const char* g : {"a", "b", "c"}) start(g);
+  const int64_t all3 = settled("a", "size 3 sum 6", 60s);
+  ASSERT_GT(all3, 0) << log_of("a");
+  EXPECT_EQ(settled("b", "size 3 sum 6", 20s), all3) << log_of("b");
+  EXPECT_EQ(settled("c", "size 3 sum 6", 20s), all3) << log_of("c");
+  const pid_t a = pids["a"], b = pids["b"];
+  kill_and_reap(pids["c"]);
+  const int64_t two = settled("a", "size 2 sum 3", 30s, all3);
+  ASSERT_GT(two, all3) << log_of("a");
+  EXPECT_EQ(settled("b", "size 2 sum 3", 20s, all3), two) << log_of("b");
+  start("d");
+  // a and b printed "size 3 sum 6" before: the lines that count are those past `two`.
+  const int64_t again = settled("d", "size 3 sum 6", 60s, two);
+  ASSERT_GT(again, two) << log_of("d");
+  EXPECT_EQ(settled("a", "size 3 sum 6", 20s, two), again) << log_of("a");
+  EXPECT_EQ(settled("b", "size 3 sum 6", 20s, two), again) << log_of("b");
+  EXPECT_EQ(::kill(a, 0), 0) << "group a's process is gone";
+  EXPECT_EQ(::kill(b, 0), 0) << "group b's process is gone";
+  std::printf("generations: a, b, c at %lld; a, b at %lld after c was killed; a, b, d at %lld after d started\n",
+              static_cast<long long>(all3), static_cast<long long>(two), static_cast<long long>(again));
+  for (auto& [g, pid] : pids) kill_and_reap(pid);
 }
 
 }  // namespace
