@@ -4,10 +4,13 @@
 #ifdef ZS_WITH_CUDA
 #include "comm/nccl/nccl_api.h"
 #endif
+#include "checksum.h"
 #include "replica/group_comm.h"
+#include "replica/heal.h"
 #include "replica/membership.h"
 #include "replica/registration.h"
 #include "zeroshard/log.h"
+#include "zeroshard/sharded_adamw.h"
 
 #include <gtest/gtest.h>
 
@@ -253,6 +256,55 @@ int replica_member() {
   }
 }
 
+// A replica group of one rank (ZS_TEST_GROUP: "a" or "b") in job "heal", training a small model with
+// ShardedAdamW (ZeRO-2): "a" trains 3 steps alone first; "b" starts from another initialisation.
+// Once both are live they meet, "b" heals from "a", and both train 2 more steps on the same data,
+// printing what the heal moved and a digest of their parameters at the end.
+int replica_heal() {
+  using namespace zeroshard::replica;
+  const std::string group = std::getenv("ZS_TEST_GROUP");
+  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
+  torch::manual_seed(group == "a" ? 1 : 2);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  zeroshard::ShardedAdamWOptions o;
+  o.zero_stage = 2;
+  o.bucket_bytes = 256;  // a few buckets
+  zeroshard::ShardedAdamW opt(model->named_parameters(), zeroshard::ProcessGroup::of(zeroshard::init_communicator()),
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0.01), o);
+  auto train = [&](int step) {
+    torch::manual_seed(100 + step);
+    auto x = torch::randn({32, 8}), y = torch::randn({32, 4});
+    opt.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    opt.step();
+  };
+  if (group == "a") {
+    for (int s = 0; s < 3; ++s) train(s);
+  }
+  Registration registration(*etcd, "heal", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+                            std::chrono::seconds(2));
+  Membership membership(etcd, "heal", group);
+  MembershipView view;
+  for (;;) {  // until both groups train together
+    view = membership.agree(std::chrono::seconds(30));
+    if (view.groups.size() == 2) break;
+    membership.wait_for_change(view, std::chrono::seconds(30));
+  }
+  GroupCommOptions options;
+  options.comm.rendezvous_timeout = std::chrono::seconds(20);
+  auto across = connect_groups(etcd, "heal", view.generation, 0, view.index, 2, options,
+                               [&] { membership.check_current(view); });
+  const auto source = static_cast<int>(std::find(view.groups.begin(), view.groups.end(), "a") - view.groups.begin());
+  const auto report = heal(*across, source, opt);
+  std::cout << "healed " << report.bytes << " bytes, checksum " << report.checksum << std::endl;
+  for (int s = 3; s < 5; ++s) train(s);
+  std::vector<at::Tensor> flat;
+  for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape(-1));
+  const auto all = at::cat(flat).contiguous();
+  std::cout << "final " << zeroshard::checkpoint::digest_bytes(all.data_ptr(), all.nbytes()) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -262,6 +314,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "replica_group") == 0) return reported(replica_group);
     if (std::strcmp(argv[2], "replica_pair") == 0) return reported(replica_pair);
     if (std::strcmp(argv[2], "replica_member") == 0) return reported(replica_member);
+    if (std::strcmp(argv[2], "replica_heal") == 0) return reported(replica_heal);
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);
