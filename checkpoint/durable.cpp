@@ -9,9 +9,13 @@
 #include <boost/asio/post.hpp>
 #include <c10/util/Exception.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <set>
@@ -433,7 +437,31 @@ int64_t DurableTier::fetch_file(const fs::path& step_dir, const std::string& lin
   const auto step = step_of_dir_name(step_dir.filename().string());
   TORCH_CHECK(step, "checkpoint: '", step_dir.string(), "' is not a step directory");
   const std::string key = objects_prefix({*step, line}) + name;
-  // A name of this process and thread: ranks sharing the directory may fetch the same file at once.
+  // Ranks sharing the directory may want the same file at once (their own, or another's that
+  // holds what they read): one copies it while the others wait on its lock, then find it there.
+  const fs::path lock_path = step_dir / (name + ".fetch-lock");
+  const int lock_fd = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  TORCH_CHECK(lock_fd >= 0, "checkpoint: cannot create '", lock_path.string(), "': ", std::strerror(errno));
+  struct Held {
+    int fd;
+    ~Held() { ::close(fd); }  // releases the lock
+  } held{lock_fd};
+  while (::flock(lock_fd, LOCK_EX) != 0) {
+    TORCH_CHECK(errno == EINTR, "checkpoint: cannot lock '", lock_path.string(), "': ", std::strerror(errno));
+  }
+  struct Unlink {  // the lock's file goes when its holder is done (a rank waiting on it holds it still)
+    fs::path path;
+    ~Unlink() {
+      std::error_code ec;
+      fs::remove(path, ec);
+    }
+  } unlink{lock_path};
+  {
+    std::error_code ec;
+    const auto size = fs::file_size(final_path, ec);
+    if (!ec && static_cast<int64_t>(size) == file.at("bytes").get<int64_t>()) return 0;  // another rank copied it
+  }
+  // A name of this process and thread for the copy in progress.
   const fs::path tmp = step_dir / (name + ".fetch-" + std::to_string(::getpid()) + "-" +
                                    std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id())));
   trace::Span span("checkpoint", "checkpoint fetch " + name);
