@@ -4,10 +4,12 @@
 // killed. Oracles: etcd's own answers (what a second client reads back), and the
 // closed forms of the gateway's encodings (keys with every byte value).
 #include "replica/etcd.h"
+#include "replica/group_comm.h"
 #include "replica/registration.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
 #include <csignal>
@@ -458,6 +460,49 @@ TEST(EtcdCoordinator, AGroupHealsFromALiveGroupAndTrainsAsItDoes) {
   EXPECT_EQ(value("a", "final "), value("b", "final ")) << cluster.log("a") << cluster.log("b");
   std::printf("group b healed %s bytes from group a (checksum %s); after 2 more steps both hold parameters %s\n",
               value("b", "healed ").c_str(), value("b", "checksum ").c_str(), value("b", "final ").c_str());
+}
+
+// EtcdStore answers as LibTorch's own c10d::HashStore does (the oracle), call for call: set, get,
+// compareSet (absent with an empty and a non-empty expectation, a match, a mismatch), add (new and
+// existing keys, from several threads at once: no lost update), check, deleteKey, getNumKeys, and
+// wait (which throws when a key does not come in time).
+TEST(EtcdCoordinator, EtcdStoreAnswersAsLibTorchsHashStore) {
+  EtcdCluster cluster(1);
+  auto etcd = std::make_shared<Etcd>(cluster.options());
+  EtcdStore ours(etcd, "/store-test/", 2000ms);
+  c10d::HashStore theirs;
+  theirs.setTimeout(2000ms);
+  auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+  auto both = [&](const std::function<std::string(c10d::Store&)>& op) {
+    const auto a = op(ours), b = op(theirs);
+    EXPECT_EQ(a, b);
+    return a;
+  };
+  auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  both([&](c10d::Store& s) { s.set("k", bytes("v1")); return text(s.get("k")); });
+  both([&](c10d::Store& s) { return text(s.compareSet("k", bytes("nope"), bytes("x"))); });  // mismatch: the value
+  both([&](c10d::Store& s) { return text(s.compareSet("k", bytes("v1"), bytes("v2"))); });   // match: the new value
+  both([&](c10d::Store& s) { return text(s.get("k")); });
+  both([&](c10d::Store& s) { return text(s.compareSet("absent", bytes("e"), bytes("d"))); });  // absent, expected e
+  both([&](c10d::Store& s) { return std::to_string(s.check({"absent"})); });
+  both([&](c10d::Store& s) { return text(s.compareSet("absent", {}, bytes("d"))); });          // absent, expected none
+  both([&](c10d::Store& s) { return std::to_string(s.add("n", 5)) + " " + std::to_string(s.add("n", -2)); });
+  both([&](c10d::Store& s) { return std::to_string(s.check({"k", "n"})) + std::to_string(s.check({"k", "zz"})); });
+  both([&](c10d::Store& s) { return std::to_string(s.deleteKey("k")) + std::to_string(s.deleteKey("k")); });
+  both([&](c10d::Store& s) { return std::to_string(s.getNumKeys()); });
+  for (c10d::Store* store : {static_cast<c10d::Store*>(&ours), static_cast<c10d::Store*>(&theirs)}) {
+    EXPECT_THROW(store->wait({"never"}, 300ms), c10::Error);
+  }
+  // Concurrent adds from 4 threads, 25 each, on its own client: every one counted.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      EtcdStore mine(std::make_shared<Etcd>(cluster.options()), "/store-test/", 2000ms);
+      for (int k = 0; k < 25; ++k) mine.add("counter", 1);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ours.add("counter", 0), 100);
 }
 
 }  // namespace
