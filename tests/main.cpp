@@ -139,15 +139,23 @@ int log_lines() {
   return 0;
 }
 
+// The replica helpers' coordinator: the etcd members the test names in ZS_TEST_ETCD; each checks
+// that the test named its group (ZS_TEST_GROUP) too.
+std::shared_ptr<zeroshard::replica::Etcd> coordinator_from_env() {
+  const char* endpoints = std::getenv("ZS_TEST_ETCD");
+  TORCH_CHECK_VALUE(endpoints != nullptr && std::getenv("ZS_TEST_GROUP") != nullptr,
+                    "the replica helpers need ZS_TEST_ETCD and ZS_TEST_GROUP");
+  return std::make_shared<zeroshard::replica::Etcd>(
+      zeroshard::replica::EtcdOptions{zeroshard::replica::parse_etcd_endpoints(endpoints), std::chrono::seconds(5)});
+}
+
 // A replica group (ZS_TEST_GROUP) that registers in the coordinator (ZS_TEST_ETCD) with a liveness
 // window of 2 s, says so on stdout, and waits to be killed.
 int replica_group() {
-  const char* endpoints = std::getenv("ZS_TEST_ETCD");
-  const char* group = std::getenv("ZS_TEST_GROUP");
-  TORCH_CHECK_VALUE(endpoints != nullptr && group != nullptr, "replica_group: set ZS_TEST_ETCD and ZS_TEST_GROUP");
-  zeroshard::replica::Etcd etcd({zeroshard::replica::parse_etcd_endpoints(endpoints), std::chrono::seconds(5)});
-  const zeroshard::replica::GroupInfo me{group, 2, "model-a", "config-a", "test-host", static_cast<int64_t>(::getpid())};
-  zeroshard::replica::Registration registration(etcd, "job", me, std::chrono::seconds(2));
+  auto etcd = coordinator_from_env();
+  const zeroshard::replica::GroupInfo me{std::getenv("ZS_TEST_GROUP"), 2, "model-a", "config-a", "test-host",
+                                         static_cast<int64_t>(::getpid())};
+  zeroshard::replica::Registration registration(*etcd, "job", me, std::chrono::seconds(2));
   std::cout << "registered" << std::endl;
   std::this_thread::sleep_for(std::chrono::seconds(120));
   return 0;
@@ -159,9 +167,9 @@ int replica_group() {
 // communicator failed, forms a new one among the live groups (in this process) and all-reduces again.
 int replica_pair() {
   using namespace zeroshard::replica;
+  auto etcd = coordinator_from_env();
   const std::string group = std::getenv("ZS_TEST_GROUP");
   const int expected = std::atoi(std::getenv("ZS_TEST_GROUPS"));
-  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
   Registration registration(*etcd, "pair", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
                             std::chrono::seconds(2));
   const auto prefix = Registration::groups_prefix("pair");
@@ -224,8 +232,8 @@ int replica_pair() {
 // killed.
 int replica_member() {
   using namespace zeroshard::replica;
+  auto etcd = coordinator_from_env();
   const std::string group = std::getenv("ZS_TEST_GROUP");
-  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
   Registration registration(*etcd, "members", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
                             std::chrono::seconds(2));
   Membership membership(etcd, "members", group);
@@ -262,8 +270,8 @@ int replica_member() {
 // printing what the heal moved and a digest of their parameters at the end.
 int replica_heal() {
   using namespace zeroshard::replica;
+  auto etcd = coordinator_from_env();
   const std::string group = std::getenv("ZS_TEST_GROUP");
-  auto etcd = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(std::getenv("ZS_TEST_ETCD")), std::chrono::seconds(5)});
   torch::manual_seed(group == "a" ? 1 : 2);
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
   zeroshard::ShardedAdamWOptions o;

@@ -180,14 +180,12 @@ int64_t Etcd::put(const std::string& key, const std::string& value, int64_t leas
   return number(a.at("header"), "revision");
 }
 
-namespace {
-
 // A transaction: put `put` when `compare` holds, else read the key; true when it put, else *now.
-bool put_when(const std::function<std::string(const std::string& body, const std::string& what)>& call,
-              const std::string& key, const json& compare, const json& put, const std::string& what, KeyValue* now) {
-  const json q{{"compare", {compare}}, {"success", {{{"request_put", put}}}},
+bool Etcd::put_when(const std::string& key, const std::string& compare, const std::string& put,
+                    const std::string& what, KeyValue* now) {
+  const json q{{"compare", {json::parse(compare)}}, {"success", {{{"request_put", json::parse(put)}}}},
                {"failure", {{{"request_range", {{"key", base64(key)}}}}}}};
-  const auto a = json::parse(call(q.dump(), what));
+  const auto a = json::parse(call("/v3/kv/txn", q.dump(), what));
   if (a.value("succeeded", false)) return true;
   if (now != nullptr) {
     *now = KeyValue();
@@ -200,14 +198,11 @@ bool put_when(const std::function<std::string(const std::string& body, const std
   return false;
 }
 
-}  // namespace
-
 bool Etcd::create(const std::string& key, const std::string& value, int64_t lease, KeyValue* held) {
   json put{{"key", base64(key)}, {"value", base64(value)}};
   if (lease != 0) put["lease"] = std::to_string(lease);
   const json compare{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}};
-  return put_when([this](const std::string& b, const std::string& w) { return call("/v3/kv/txn", b, w); }, key,
-                  compare, put, "create '" + key + "'", held);
+  return put_when(key, compare.dump(), put.dump(), "create '" + key + "'", held);
 }
 
 bool Etcd::put_if(const std::string& key, const std::string& value, int64_t mod_revision, KeyValue* now) {
@@ -216,8 +211,7 @@ bool Etcd::put_if(const std::string& key, const std::string& value, int64_t mod_
                            ? json{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}
                            : json{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "MOD"},
                                   {"mod_revision", std::to_string(mod_revision)}};
-  return put_when([this](const std::string& b, const std::string& w) { return call("/v3/kv/txn", b, w); }, key,
-                  compare, put, "put '" + key + "' if unchanged", now);
+  return put_when(key, compare.dump(), put.dump(), "put '" + key + "' if unchanged", now);
 }
 
 bool Etcd::remove(const std::string& key) {

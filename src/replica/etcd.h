@@ -88,6 +88,10 @@ class Etcd {
   // POSTs `body` to `path` (e.g. "/v3/kv/put") on the members in turn until one
   // serves it; returns its JSON text. `what` names the call in errors.
   std::string call(const std::string& path, const std::string& body, const std::string& what);
+  // A transaction: `put` (a PutRequest, JSON) when `compare` (a Compare, JSON) holds, else a read
+  // of `key`: true when it put, else false with what is there in *now.
+  bool put_when(const std::string& key, const std::string& compare, const std::string& put, const std::string& what,
+                KeyValue* now);
 
   EtcdOptions options_;
   std::atomic<int> first_{0};  // the member that answered last: tried first
