@@ -13,18 +13,29 @@
 
 namespace zeroshard::checkpoint {
 
+Digest::Digest() : state_(XXH3_createState()) {
+  TORCH_CHECK(state_ != nullptr && XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_)) == XXH_OK,
+              "xxh3: cannot create a hash state");
+}
+
+Digest::~Digest() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+void Digest::update(const void* data, size_t bytes) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+}
+
+uint64_t Digest::value() const { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)); }
+
 FileDigest digest_file(const std::string& path) {
   std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   TORCH_CHECK(f != nullptr, "cannot open '", path, "' to checksum it: ", std::strerror(errno));
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(),
-                                                                       &XXH3_freeState);
-  TORCH_CHECK(state && XXH3_64bits_reset(state.get()) == XXH_OK, "xxh3: cannot create a hash state");
+  Digest digest;
   std::vector<char> chunk(1 << 20);
   FileDigest d;
   while (true) {
     const size_t n = std::fread(chunk.data(), 1, chunk.size(), f.get());
     if (n > 0) {
-      XXH3_64bits_update(state.get(), chunk.data(), n);
+      digest.update(chunk.data(), n);
       d.bytes += n;
     }
     if (n < chunk.size()) {
@@ -32,7 +43,7 @@ FileDigest digest_file(const std::string& path) {
       break;
     }
   }
-  d.xxh3 = XXH3_64bits_digest(state.get());
+  d.xxh3 = digest.value();
   return d;
 }
 

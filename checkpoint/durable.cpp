@@ -466,14 +466,14 @@ int64_t DurableTier::fetch_file(const fs::path& step_dir, const std::string& lin
                                    std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id())));
   trace::Span span("checkpoint", "checkpoint fetch " + name);
   const auto t0 = Steady::now();
-  const int64_t bytes = client_->download_file(key, tmp.string());
-  const auto digest = verify ? checkpoint::digest_file(tmp.string()) : checkpoint::FileDigest{};
+  uint64_t xxh3 = 0;  // hashed as the parts land
+  const int64_t bytes = client_->download_file(key, tmp.string(), verify ? &xxh3 : nullptr);
   std::error_code ec;
   if (verify && (bytes != file.at("bytes").get<int64_t>() ||
-                 checkpoint::to_hex(digest.xxh3) != file.at("xxh3").get<std::string>())) {
+                 checkpoint::to_hex(xxh3) != file.at("xxh3").get<std::string>())) {
     fs::remove(tmp, ec);
     TORCH_CHECK(false, "checkpoint: ", client_->location().uri(), "/", key, " has ", bytes, " bytes and xxh3 ",
-                checkpoint::to_hex(digest.xxh3), "; the manifest says ", file.at("bytes").get<int64_t>(), " and ",
+                checkpoint::to_hex(xxh3), "; the manifest says ", file.at("bytes").get<int64_t>(), " and ",
                 file.at("xxh3").get<std::string>(), ": the store's copy is damaged");
   }
   fs::rename(tmp, final_path, ec);

@@ -179,12 +179,27 @@ void stage_shards(PieceReader& in, const ShardedState& state, const std::vector<
   }
   std::unordered_map<std::string, at::Tensor> full_replicated;  // read once per parameter
   for (const auto& b : state.buckets) {
-    // Reads land in host copies of the shards (the padding keeps its value); they reach
-    // the live state, one copy each, only when every rank has read everything.
-    auto host = [](const at::Tensor& t) { return t.is_cpu() ? t.clone() : t.cpu(); };
-    const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
+    // Reads land in host copies of the shards; they reach the live state, one copy each, only
+    // when every rank has read everything. What no parameter covers (the padding) keeps its
+    // value: copied from the live shard, the rest is read over.
     const int shard = b.layout.shard_of_rank(state.shard_rank);
-    for (const auto& seg : shard_segments(b.layout, shard)) {
+    const auto segments = shard_segments(b.layout, shard);
+    auto host = [&](const at::Tensor& live) {
+      auto copy = at::empty(live.sizes(), live.options().device(at::kCPU));
+      int64_t at = 0;
+      auto keep = [&](int64_t end) {
+        if (end > at) copy.slice(0, at, end).copy_(live.slice(0, at, end));
+      };
+      for (const auto& seg : segments) {
+        const Range local = seg.local(b.layout, shard);
+        keep(local.begin);
+        at = std::max(at, local.end);
+      }
+      keep(live.size(0));
+      return copy;
+    };
+    const at::Tensor master = host(b.master), exp_avg = host(b.exp_avg), exp_avg_sq = host(b.exp_avg_sq);
+    for (const auto& seg : segments) {
       const size_t pi = b.params[seg.param];
       const std::string& name = names[pi];
       const Range local = seg.local(b.layout, shard);

@@ -109,7 +109,9 @@ class Client {
   };
   int64_t get_ranges(const std::string& name, const std::vector<Range>& ranges);
   // The object into the file at `path` (created or truncated), `parallel` ranges at a time; returns its size.
-  int64_t download_file(const std::string& name, const std::string& path);
+  // `xxh3` (optional): the file's xxh3, hashed as its ranges land in order (read back while later
+  // ranges still download), as checksum.h's digest_file() would give.
+  int64_t download_file(const std::string& name, const std::string& path, uint64_t* xxh3 = nullptr);
   std::optional<ObjectInfo> head(const std::string& name);
   // Objects whose names start with `name_prefix`, in key order (every page).
   std::vector<ObjectInfo> list(const std::string& name_prefix);

@@ -2,6 +2,8 @@
 // parts in parallel) and GETs (whole, ranged, into a file).
 #include "s3_client.h"
 
+#include "checksum.h"
+
 #include "zeroshard/token_store.h"  // read_file_range
 
 #include <boost/asio/post.hpp>
@@ -19,6 +21,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -327,15 +330,81 @@ int64_t Client::get_ranges(const std::string& name, const std::vector<Range>& ra
   return static_cast<int64_t>(parts.size());
 }
 
-int64_t Client::download_file(const std::string& name, const std::string& path) {
+namespace {
+
+// The xxh3 of a file whose parts land in any order: each part, once it and every part before it
+// have landed, is read back and hashed, by whichever download thread completed the run (one at a
+// time), while the others go on downloading.
+class InOrderDigest {
+ public:
+  InOrderDigest(int fd, int64_t part, int64_t size, std::string path)
+      : fd_(fd), part_(part), size_(size), path_(std::move(path)), landed_((size + part - 1) / part, 0) {}
+  void landed(int64_t i) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      landed_[static_cast<size_t>(i)] = 1;
+      if (hashing_) return;  // the thread hashing takes this one too
+      hashing_ = true;
+    }
+    std::vector<char> buf(1 << 20);
+    for (;;) {
+      int64_t from = 0, to = 0;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        from = to = next_;
+        while (to < static_cast<int64_t>(landed_.size()) && landed_[static_cast<size_t>(to)]) ++to;
+        if (to == from) {
+          hashing_ = false;
+          return;
+        }
+      }
+      for (int64_t at = from * part_, end = std::min(to * part_, size_); at < end;) {
+        const ssize_t n = ::pread(fd_, buf.data(), static_cast<size_t>(std::min<int64_t>(end - at, buf.size())), at);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          std::lock_guard<std::mutex> lock(mu_);
+          hashing_ = false;
+          TORCH_CHECK(false, "S3 download: reading '", path_, "' back to checksum it failed: ",
+                      n == 0 ? "it is shorter than written" : std::strerror(errno));
+        }
+        digest_.update(buf.data(), static_cast<size_t>(n));
+        at += n;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      next_ = to;
+    }
+  }
+  uint64_t value() {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(next_ == static_cast<int64_t>(landed_.size()) && !hashing_, "S3 download: '", path_,
+                "' was not hashed to its end (a bug)");
+    return digest_.value();
+  }
+
+ private:
+  int fd_;
+  int64_t part_, size_;
+  std::string path_;
+  std::mutex mu_;
+  std::vector<char> landed_;
+  int64_t next_ = 0;
+  bool hashing_ = false;
+  checkpoint::Digest digest_;
+};
+
+}  // namespace
+
+int64_t Client::download_file(const std::string& name, const std::string& path, uint64_t* xxh3) {
   auto info = head(name);
   TORCH_CHECK(info, "S3: ", location_.uri(), "/", name, " does not exist");
   File f;
-  f.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  f.fd = ::open(path.c_str(), (xxh3 ? O_RDWR : O_WRONLY) | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(f.fd >= 0, "S3 download: cannot create '", path, "': ", std::strerror(errno));
   TORCH_CHECK(::ftruncate(f.fd, info->size) == 0, "S3 download: cannot size '", path, "': ", std::strerror(errno));
   int64_t part = options_.part_bytes;
   int64_t parts = (info->size + part - 1) / part;
+  std::optional<InOrderDigest> digest;
+  if (xxh3) digest.emplace(f.fd, part, info->size, path);
   std::string key = location_.key(name);
   parallel_for(parts, [&](int64_t i) {
     int64_t begin = i * part, n = std::min(part, info->size - begin);
@@ -365,8 +434,10 @@ int64_t Client::download_file(const std::string& name, const std::string& path) 
     TORCH_CHECK(!write_failed, "S3 download: writing '", path, "' failed (disk full?)");
     expect_ok(r, what);
     TORCH_CHECK(r.body_bytes == n, "S3: ", what, ": got ", r.body_bytes, " bytes of ", n);
+    if (digest) digest->landed(i);
   });
   TORCH_CHECK(::fsync(f.fd) == 0, "S3 download: fsync of '", path, "' failed: ", std::strerror(errno));
+  if (xxh3) *xxh3 = digest->value();
   return info->size;
 }
 

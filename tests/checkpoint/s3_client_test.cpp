@@ -3,6 +3,7 @@
 // fault proxy and fake credential services. Oracles: the bytes put are the bytes
 // got; the store's own answers (403 for a wrong signature, 412 for a second
 // conditional put); the fake services' log of what they were asked.
+#include "checksum.h"
 #include "http.h"
 #include "s3_client.h"
 #include "test_util.h"
@@ -179,6 +180,11 @@ TEST(S3Client, LargeFilesGoUpInParallelPartsAndComeDownInRanges) {
   EXPECT_EQ(c.head("rank.h5")->size, static_cast<int64_t>(bytes.size()));
   EXPECT_EQ(c.download_file("rank.h5", dir + "/back.h5"), static_cast<int64_t>(bytes.size()));
   EXPECT_TRUE(read_file(dir + "/back.h5") == bytes);
+  // Hashed as its five parts land (in any order, on parallel connections): xxh3 of the bytes.
+  uint64_t xxh3 = 0;
+  EXPECT_EQ(c.download_file("rank.h5", dir + "/hashed.h5", &xxh3), static_cast<int64_t>(bytes.size()));
+  EXPECT_EQ(xxh3, checkpoint::digest_bytes(bytes.data(), bytes.size()));
+  EXPECT_TRUE(read_file(dir + "/hashed.h5") == bytes);
   std::string middle(7 << 20, '\0');  // a range across parts
   c.get_range("rank.h5", (3 << 20) + 7, static_cast<int64_t>(middle.size()), middle.data());
   EXPECT_TRUE(middle == bytes.substr((3 << 20) + 7, middle.size()));
