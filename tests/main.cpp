@@ -9,7 +9,9 @@
 #include "replica/heal.h"
 #include "replica/membership.h"
 #include "replica/registration.h"
+#include "replica/replica_groups.h"
 #include "zeroshard/log.h"
+#include "zeroshard/fully_shard.h"
 #include "zeroshard/sharded_adamw.h"
 
 #include <gtest/gtest.h>
@@ -20,8 +22,10 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 
@@ -313,6 +317,75 @@ int replica_heal() {
   return 0;
 }
 
+// A replica group (ZS_TEST_GROUP) of the ranks zeroshard-run started, in job "train": a small model
+// (initialised with ZS_TEST_SEED) trained with ZeRO-ZS_TEST_ZERO for ZS_TEST_STEPS steps of a global
+// batch of 8 rows, this group's share of it chosen by its place among the live groups at each step.
+// A lost step is taken again. Prints "pid P rank R" first, "step S group I of N" per step, and at
+// the end writes its parameters (as float32) to ZS_TEST_OUT.<group>.<rank>.
+int replica_train() {
+  using namespace zeroshard::replica;
+  const std::string group = std::getenv("ZS_TEST_GROUP");
+  const int zero = std::atoi(std::getenv("ZS_TEST_ZERO"));
+  const int64_t steps = std::atoll(std::getenv("ZS_TEST_STEPS"));
+  auto comm = zeroshard::init_communicator();
+  std::cout << "pid " << ::getpid() << " rank " << comm->rank() << std::endl;
+  torch::manual_seed(std::atoi(std::getenv("ZS_TEST_SEED")));
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  std::shared_ptr<zeroshard::FullyShardedModel> sharded;
+  std::unique_ptr<zeroshard::ShardedOptimizer> opt_ptr;
+  if (zero == 3) {
+    sharded = zeroshard::fully_shard(model.ptr(), zeroshard::ProcessGroup::of(comm));
+    opt_ptr = std::make_unique<zeroshard::FullyShardedAdamW>(sharded, adamw);
+  } else {
+    zeroshard::ShardedAdamWOptions o;
+    o.zero_stage = zero;
+    o.bucket_bytes = 256;  // a few buckets
+    opt_ptr = std::make_unique<zeroshard::ShardedAdamW>(model->named_parameters(), zeroshard::ProcessGroup::of(comm),
+                                                        adamw, o);
+  }
+  auto& opt = *opt_ptr;
+  ReplicaGroupsOptions ro;
+  ro.coordinator = std::getenv("ZS_TEST_ETCD");
+  ro.job = "train";
+  ro.group = group;
+  ro.liveness = std::chrono::seconds(2);
+  ro.meet_timeout = std::chrono::seconds(30);
+  ro.config = "global batch 8";
+  ReplicaGroups groups(zeroshard::ProcessGroup::of(comm), opt, nullptr, ro);
+  torch::manual_seed(7);
+  const auto x = torch::randn({steps * 8, 8}), y = torch::randn({steps * 8, 4});
+  for (int64_t step = 0; step < steps;) {
+    const ReplicaTurn turn = groups.before_step(step);
+    if (step >= steps) break;
+    const int64_t share = 8 / (turn.count * comm->size());
+    const int64_t first = step * 8 + (turn.index * comm->size() + comm->rank()) * share;
+    opt.zero_grad();
+    torch::mse_loss(model->forward(x.slice(0, first, first + share)), y.slice(0, first, first + share)).backward();
+    try {
+      opt.step();
+    } catch (const zeroshard::ReplicaGroupLost& e) {
+      groups.step_lost(e);
+      continue;
+    }
+    std::cout << "step " << step << " group " << turn.index << " of " << turn.count << std::endl;
+    ++step;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::optional<zeroshard::FullyShardedModel::FullParamsGuard> whole;
+  if (sharded) whole.emplace(sharded->summon_full_params());
+  std::vector<at::Tensor> flat;
+  for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape(-1));
+  const auto all = at::cat(flat).contiguous();
+  const std::string out = std::string(std::getenv("ZS_TEST_OUT")) + "." + group + "." + std::to_string(comm->rank());
+  std::ofstream(out, std::ios::binary).write(static_cast<const char*>(all.data_ptr()), static_cast<std::streamsize>(all.nbytes()));
+  for (const auto& c : groups.changes()) {
+    std::cout << "change at step " << c.step << ": " << c.groups << " groups, paused " << c.pause_seconds
+              << " s, healed " << c.heal_bytes << " bytes" << (c.step_retaken ? ", step retaken" : "") << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -323,6 +396,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "replica_pair") == 0) return reported(replica_pair);
     if (std::strcmp(argv[2], "replica_member") == 0) return reported(replica_member);
     if (std::strcmp(argv[2], "replica_heal") == 0) return reported(replica_heal);
+    if (std::strcmp(argv[2], "replica_train") == 0) return reported(replica_train);
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);

@@ -24,6 +24,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,15 @@ constexpr int kShardPerHost = -1;
 namespace shard {
 struct OptimizerAccess;  // internal
 }
+
+// Thrown by step() and clip_grad_norm() of an optimizer whose group trains beside other replica
+// groups (replica_groups.h) when the step's reductions across the groups failed on any rank of
+// this group (a group was lost mid-step): nothing of the step was applied, on any rank of the
+// group. Call discard_gradients() and take the step again in the membership that follows.
+class ReplicaGroupLost : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // An AdamW over shard groups (ZeRO-1/2 buckets, ZeRO-3 units), each rank updating its 1/N of
 // every group. The result equals torch::optim::AdamW on the global batch, to float rounding.

@@ -9,6 +9,7 @@
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <sstream>
 #include <cstdlib>
 #include <fcntl.h>
 #include <filesystem>
@@ -461,6 +463,109 @@ TEST(EtcdCoordinator, AGroupHealsFromALiveGroupAndTrainsAsItDoes) {
   std::printf("group b healed %s bytes from group a (checksum %s); after 2 more steps both hold parameters %s\n",
               value("b", "healed ").c_str(), value("b", "checksum ").c_str(), value("b", "final ").c_str());
 }
+
+// Replica groups of 2 ranks each (zeroshard-run per group, ZeRO-2 and ZeRO-3 inside) train a small
+// model on a global batch of 8 rows per step, split over the live groups. A rank of group "b" is
+// SIGKILLed mid-run: group "a" abandons the step in flight, goes on alone in the same processes
+// with the whole batch, and b, started again from another initialisation, takes a's state at a
+// step boundary and trains beside it to the end. The oracle: torch::optim::AdamW on the whole
+// batch of every step, in this process: every sample trained exactly once, so the final
+// parameters of both groups equal it.
+class ReplicaGroupsTrain : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
+  const int zero = GetParam();
+  const int64_t steps = 40;
+  EtcdCluster cluster(1);
+  const std::string run = testing::build_dir() + "/zeroshard-run", exe = testing::build_dir() + "/tests/zs_tests";
+  const std::string out = cluster.dir() + "/params";
+  auto start = [&](const std::string& g, const std::string& log, int seed) {
+    return spawn({run, "--nproc-per-node", "2", "--", exe, "--helper", "replica_train"}, cluster.dir() + "/" + log + ".log",
+                 {"ZS_TEST_ETCD=" + cluster.address(), "ZS_TEST_GROUP=" + g, "ZS_TEST_ZERO=" + std::to_string(zero),
+                  "ZS_TEST_STEPS=" + std::to_string(steps), "ZS_TEST_SEED=" + std::to_string(seed), "ZS_TEST_OUT=" + out});
+  };
+  // Waits until `log` holds `what` `times` times (after `after`, when given), at most 60 s.
+  auto wait_for = [&](const std::string& log, const std::string& what, const std::string& after = "", int times = 1) {
+    const auto deadline = Clock::now() + 60s;
+    auto found = [&] {
+      const std::string text = cluster.log(log);
+      auto at = after.empty() ? 0 : text.find(after);
+      for (int k = 0; k < times && at != std::string::npos; ++k) {
+        at = text.find(what, at);
+        if (at != std::string::npos) ++at;
+      }
+      return at != std::string::npos;
+    };
+    while (!found()) {
+      if (Clock::now() > deadline) return false;
+      std::this_thread::sleep_for(20ms);
+    }
+    return true;
+  };
+  pid_t a = start("a", "a", 1), b = start("b", "b", 1);
+  // Both groups train together (b is the second in name order), for a few steps.
+  ASSERT_TRUE(wait_for("b", "group 1 of 2", "", 6)) << cluster.log("a") << cluster.log("b");
+  // Rank 1 of group b, by the pid it printed.
+  const std::string text = cluster.log("b");
+  const std::string mark = "[rank1]: pid ";
+  const auto at = text.find(mark);
+  ASSERT_NE(at, std::string::npos) << text;
+  const pid_t victim = static_cast<pid_t>(std::stol(text.substr(at + mark.size())));
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(b, &status, 0), b);
+  b = 0;
+  ASSERT_TRUE(wait_for("a", "group 0 of 1", "the step in flight taken again")) << cluster.log("a");
+  const pid_t back = start("b", "b-again", 2);
+  ASSERT_TRUE(wait_for("b-again", "took its state from group 'a'")) << cluster.log("a") << cluster.log("b-again");
+  for (pid_t pid : {a, back}) {
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cluster.log("a") << cluster.log("b-again");
+  }
+  const std::string log_a = cluster.log("a");
+  const auto retaken = log_a.find("the step in flight taken again");
+  ASSERT_NE(retaken, std::string::npos) << log_a;
+  const std::string line = log_a.substr(log_a.rfind('\n', retaken) + 1, retaken - log_a.rfind('\n', retaken));
+  EXPECT_NE(line.find("as 1 of 1 groups [a]"), std::string::npos) << "a did not go on alone: " << line;
+  EXPECT_NE(log_a.find("as 1 of 2 groups", retaken), std::string::npos) << "a never met b again: " << log_a;
+
+  // The oracle: the whole batch of every step, one process.
+  torch::manual_seed(1);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  torch::optim::AdamW ref(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  torch::manual_seed(7);
+  const auto x = torch::randn({steps * 8, 8}), y = torch::randn({steps * 8, 4});
+  for (int64_t s = 0; s < steps; ++s) {
+    ref.zero_grad();
+    torch::mse_loss(model->forward(x.slice(0, s * 8, s * 8 + 8)), y.slice(0, s * 8, s * 8 + 8)).backward();
+    ref.step();
+  }
+  std::vector<at::Tensor> flat;
+  for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape(-1));
+  const auto want = at::cat(flat);
+  for (const std::string g : {"a", "b"}) {
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(out + "." + g + "." + std::to_string(r), std::ios::binary);
+      ASSERT_TRUE(in) << "group " << g << " rank " << r << " wrote no parameters";
+      auto got = at::empty_like(want);
+      in.read(static_cast<char*>(got.data_ptr()), static_cast<std::streamsize>(got.nbytes()));
+      const double err = ((got - want).abs().max() / want.abs().max()).item<double>();
+      EXPECT_LT(err, 1e-5) << "group " << g << " rank " << r;
+    }
+  }
+  std::printf("ZeRO-%d: group a went on alone and met b again; both end at torch::optim::AdamW's parameters\n", zero);
+  for (const std::string& line : {log_a, cluster.log("b-again")}) {
+    std::istringstream lines(line);
+    for (std::string l; std::getline(lines, l);) {
+      if (l.find("[rank0]: change at step") != std::string::npos || l.find("replica groups:") != std::string::npos) {
+        std::printf("  %s\n", l.c_str());
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, ReplicaGroupsTrain, ::testing::Values(2, 3),
+                         [](const auto& info) { return "ZeRO" + std::to_string(info.param); });
 
 // EtcdStore answers as LibTorch's own c10d::HashStore does (the oracle), call for call: set, get,
 // compareSet (absent with an empty and a non-empty expectation, a match, a mismatch), add (new and

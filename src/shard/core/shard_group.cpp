@@ -3,6 +3,7 @@
 
 #include "comm/work.h"
 #include "optim/grad_norm.h"
+#include "zeroshard/log.h"
 #include "zeroshard/trace.h"
 
 #ifdef ZS_WITH_CUDA
@@ -111,7 +112,8 @@ const ReductionQueue::Entry& ReductionQueue::launch(Communicator& comm, ShardGro
     e.out = at::empty({group.layout.shard_numel()}, e.in.options());
     e.work = comm.reduce_scatter(e.out, e.in, ReduceOp::kAvg);
   }
-  e.across_replicas = replicas_ != nullptr && group.layout.world_size == comm.size();
+  e.across_replicas = replicas_ != nullptr && replicas_lost_.empty() &&
+                      (replicas_kind_ == Replicas::kGroups || group.layout.world_size == comm.size());
   e.label = kind == Input::kLate ? std::move(label) + " (late)" : std::move(label);
   inflight_.push_back(std::move(e));
   start_replica_reductions();
@@ -123,7 +125,23 @@ void ReductionQueue::start_replica_reductions() {
     if (!e.across_replicas || e.replica_work) continue;
     if (e.work && e.out.device().is_cpu() && !e.work->is_completed()) return;  // later ones start after it
     if (e.work) comm::block_current(*e.work, e.out.device());  // done on the CPU; on a device, ordered on the stream
-    e.replica_work = replicas_->all_reduce(e.out, ReduceOp::kAvg);
+    if (replicas_kind_ == Replicas::kHybrid) {
+      e.replica_work = replicas_->all_reduce(e.out, ReduceOp::kAvg);
+      continue;
+    }
+    try {
+      e.replica_work = replicas_->all_reduce(e.out, ReduceOp::kAvg);
+    } catch (const std::exception& err) {
+      lose_replicas(err);
+      return;
+    }
+  }
+}
+
+void ReductionQueue::lose_replicas(const std::exception& e) {
+  if (replicas_lost_.empty()) replicas_lost_ = error_message(e);
+  for (auto& other : inflight_) {
+    if (!other.replica_work) other.across_replicas = false;  // the groups' communicator is gone: no more
   }
 }
 
@@ -143,7 +161,13 @@ ReductionQueue::Entry ReductionQueue::drain_oldest() {
   }
   Entry e = std::move(front);
   inflight_.pop_front();
-  if (e.replica_work) {
+  if (e.replica_work && replicas_kind_ == Replicas::kGroups) {
+    try {
+      wait_for(*e.replica_work, e.out, "wait for the replica groups' reduction of " + e.label);
+    } catch (const std::exception& err) {
+      lose_replicas(err);  // `out` is this group's mean only: the step is abandoned
+    }
+  } else if (e.replica_work) {
     wait_for(*e.replica_work, e.out, "wait for the replicas' reduction of " + e.label);
   } else if (e.work) {
     wait_for(*e.work, e.out, "wait for reduction of " + e.label);

@@ -96,10 +96,24 @@ class ReductionQueue {
     bool across_replicas = false;        // hybrid: `out` still needs that all-reduce
     std::string label;  // for the trace: "wait for reduction of <label>"
   };
-  // Hybrid sharding: the communicator of the ranks holding the same shards
-  // (null: none). Replicated groups (ZeRO stage 0) are reduced over every rank
-  // already and skip it.
-  void set_replicas(std::shared_ptr<Communicator> replicas) { replicas_ = std::move(replicas); }
+  // Who else holds the same shards, and how they are reached:
+  // kHybrid: the ranks of the other shard groups of one communicator (hybrid
+  //   sharding). Replicated groups (ZeRO stage 0) are reduced over every rank
+  //   already and skip it; a failure is the step's error, as any collective's.
+  // kGroups: the same shard position of the other replica groups (each group a
+  //   job of its own that can be lost: replica/). Every reduction takes it,
+  //   replicated ones too. A failure ends this step's reductions across the
+  //   groups without throwing: replicas_lost() says why, and the step must be
+  //   abandoned (the optimizer's agreement does, on every rank of the group).
+  // Null: none. Set between steps.
+  enum class Replicas { kHybrid, kGroups };
+  void set_replicas(std::shared_ptr<Communicator> replicas, Replicas kind = Replicas::kHybrid) {
+    replicas_ = std::move(replicas);
+    replicas_kind_ = kind;
+  }
+  // kGroups: why this step's first reduction across the groups failed ("" when none failed).
+  const std::string& replicas_lost() const { return replicas_lost_; }
+  void forget_replicas_lost() { replicas_lost_.clear(); }
   // What a reduction's input is to the gradient noise measurement: one part
   // of the rank's batch (counted: each backward's reduction), or more of a
   // part already counted (a late round: gradients that arrived after their
@@ -132,8 +146,13 @@ class ReductionQueue {
   // Waits for `work`, counting the time (and a trace span named `what`).
   void wait_for(Work& work, const at::Tensor& out, const std::string& what);
 
+  // kGroups: records the failure of a reduction across the groups (and starts no more).
+  void lose_replicas(const std::exception& e);
+
   std::deque<Entry> inflight_;
   std::shared_ptr<Communicator> replicas_;
+  Replicas replicas_kind_ = Replicas::kHybrid;
+  std::string replicas_lost_;
   double waited_ = 0;
 };
 

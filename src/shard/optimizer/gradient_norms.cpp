@@ -12,7 +12,7 @@ GradientNorms::GradientNorms(std::shared_ptr<StepAgreement> agreement, std::stri
     : agreement_(std::move(agreement)), ranks_(ranks) {
   TORCH_CHECK_VALUE(agreement_ != nullptr, "GradientNorms: the agreement is null");
   TORCH_CHECK_VALUE(ranks_ > 0, "GradientNorms: ", ranks_, " data-parallel ranks");
-  slot_ = agreement_->add(std::move(name), 4, [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
+  slot_ = agreement_->add(std::move(name), kWidth, [this](double* v) { fill(v); }, [this](const double* v) { read(v); });
 }
 
 GradientNorms::~GradientNorms() { agreement_->remove(slot_); }
@@ -41,22 +41,35 @@ void GradientNorms::fill(double* v) {
   for (const auto& t : part.unreduced) v[1] += sums[i++] / t.divisor;
   v[2] = part.rounds;
   v[3] = part.late;
+  v[4] = part.replicas_lost;
+  lost_why_ = part.lost_why;
+}
+
+void GradientNorms::check_replicas(const double* v) const {
+  if (v[4] == 0) return;
+  throw ReplicaGroupLost(lost_why_.empty()
+                             ? "the step's reductions across replica groups failed on another rank of this group "
+                               "(its log says why); the step was abandoned on every rank of the group"
+                             : "the step's reductions across replica groups failed: " + lost_why_ +
+                                   "; the step was abandoned on every rank of the group");
 }
 
 void GradientNorms::reduce_late(double* v) {
   for (const auto& m : members_) {
     if (m.in && m.late) m.late();
   }
-  auto t = at::zeros({4}, at::kDouble);
+  auto t = at::zeros({static_cast<int64_t>(kWidth)}, at::kDouble);
   fill(t.data_ptr<double>());  // the same members fill: the gradients are reduced and frozen already
   agreement_->communicator().all_reduce(t, ReduceOp::kSum)->wait();
-  std::copy_n(t.data_ptr<double>(), 4, v);
+  std::copy_n(t.data_ptr<double>(), kWidth, v);
+  check_replicas(v);  // a late round's reductions across the groups failed
   TORCH_CHECK(v[3] == 0, "GradientNorms: late gradients are still held after their rounds (a bug)");
 }
 
 void GradientNorms::read(const double* given) {
-  double again[4];
+  double again[kWidth];
   const double* v = given;
+  check_replicas(given);
   if (given[3] > 0) {
     reduce_late(again);
     v = again;

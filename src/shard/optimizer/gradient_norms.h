@@ -16,6 +16,12 @@
 // its late rounds (Late: the same collectives on every rank, zeros where it
 // holds none) and the norms are summed again in a second all-reduce: a step
 // with late gradients costs one more collective, every other step none.
+//
+// With replica groups (replica/), a fifth value counts the members whose
+// reductions across the groups failed (a group lost mid-step). When any did,
+// on any rank of this group, every member throws ReplicaGroupLost from the
+// read, before anything of the step is applied: the group abandons the step
+// as one.
 #pragma once
 
 #include "optim/grad_norm.h"
@@ -43,6 +49,8 @@ class GradientNorms {
     std::vector<Term> unreduced;  // reductions × the squared norm of what this rank fed each
     int rounds = 0;               // this rank's most reductions of one shard group this step
     int late = 0;                 // members holding late gradients on this rank
+    int replicas_lost = 0;        // members whose reductions across replica groups failed on this rank
+    std::string lost_why;         // the first of their errors
   };
   // What every member reads: the same on every rank.
   struct Result {
@@ -76,6 +84,8 @@ class GradientNorms {
   void fill(double* v);
   void read(const double* v);
   void reduce_late(double* v);  // every member's late rounds, then the slot summed again into v
+  void check_replicas(const double* v) const;  // throws ReplicaGroupLost when v counts a failure
+  static constexpr size_t kWidth = 5;
 
   struct Member {
     int64_t id;
@@ -90,6 +100,7 @@ class GradientNorms {
   std::vector<Member> members_;
   int64_t next_id_ = 0;
   Result last_;
+  std::string lost_why_;  // this rank's, from the last fill
 };
 
 }  // namespace zeroshard::shard

@@ -52,6 +52,25 @@ void OptimizerAccess::join(ShardedOptimizer& opt, std::shared_ptr<GradientNorms>
   c.join(std::move(agreement), std::move(norms), std::move(flags_name));
 }
 
+void OptimizerAccess::set_replica_groups(ShardedOptimizer& opt, std::shared_ptr<Communicator> across) {
+  auto& c = *opt.core_;
+  TORCH_CHECK(c.shards.round != nullptr, c.name, ": its model's shards are gone (the model was destroyed first)");
+  std::lock_guard<std::recursive_mutex> lock(c.mu());
+  TORCH_CHECK_VALUE(!c.shards.topology.hybrid(), c.name, " shards its state in hybrid groups", c.shards.topology.describe(),
+                    " but trains in replica groups: the other groups are its replicas; shard over the group's ranks "
+                    "(shard_size 0)");
+  c.shards.round->check_not_in_pass("the change of replica groups");
+  TORCH_CHECK(c.shards.round->reductions().size() == 0, c.name, ": the replica groups changed with ",
+              c.shards.round->reductions().size(), " gradient reductions in flight; change them between steps "
+              "(after step() or discard_gradients())");
+  c.shards.round->reductions().set_replicas(std::move(across), ReductionQueue::Replicas::kGroups);
+}
+
+std::shared_ptr<StepAgreement> OptimizerAccess::agreement(ShardedOptimizer& opt) {
+  std::lock_guard<std::recursive_mutex> lock(opt.core_->mu());
+  return opt.core_->agreement;
+}
+
 void OptimizerAccess::attach(ShardedOptimizer& opt, Shards shards) {
   auto& c = *opt.core_;
   c.shards = std::move(shards);

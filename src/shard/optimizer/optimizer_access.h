@@ -47,6 +47,15 @@ struct OptimizerAccess {
   // pipeline's REDUCE_GRAD). Waits for them; no other collective.
   static void reduce_gradients(ShardedOptimizer& opt);
 
+  // Replica groups (replica/): `across` is this shard position's communicator across the live
+  // groups (null: this group trains alone); every reduction is then averaged over it, and a
+  // failure of it abandons the step (ReplicaGroupLost). Between steps only: refused by name
+  // with reductions in flight or a backward under way. Refused with hybrid sharding inside the
+  // group (the groups are the shards' replicas). No communication.
+  static void set_replica_groups(ShardedOptimizer& opt, std::shared_ptr<Communicator> across);
+  // The agreement the optimizer's step runs (its own, or the one it joined).
+  static std::shared_ptr<StepAgreement> agreement(ShardedOptimizer& opt);
+
   // A front-end's constructor, once its shard groups exist: the optimizer
   // takes them over and joins an agreement of its own.
   static void attach(ShardedOptimizer& opt, Shards shards);

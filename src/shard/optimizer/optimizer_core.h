@@ -133,6 +133,11 @@ struct ShardedOptimizer::Core {
     p.unreduced.push_back({unreduced_sumsq(), scale2});
     p.rounds = std::max(p.rounds, rounds());
     if (fe().holds_late()) ++p.late;
+    const std::string& lost = shards.round->reductions().replicas_lost();
+    if (!lost.empty()) {
+      ++p.replicas_lost;
+      if (p.lost_why.empty()) p.lost_why = name + ": " + lost;
+    }
     return true;
   }
   void reduce_late() {
@@ -198,6 +203,7 @@ struct ShardedOptimizer::Core {
   }
   void end_step_state() {
     for (auto* g : shards.groups) g->clear_gradient();
+    shards.round->reductions().forget_replicas_lost();
     forget_agreement();
     shards.round->end_step();
   }

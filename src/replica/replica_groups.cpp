@@ -1,0 +1,251 @@
+// replica_groups.cpp — a group's meetings with the others, at step boundaries.
+#include "replica/replica_groups.h"
+
+#include "checksum.h"
+#include "compat/torch_compat.h"
+#include "replica/group_comm.h"
+#include "shard/optimizer/optimizer_access.h"
+#include "comm/host_name.h"
+#include "zeroshard/log.h"
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace zeroshard::replica {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// What the groups' models must share: each parameter's name, shape and dtype, and the sharding.
+std::string model_hash(ShardedOptimizer& opt, int ranks) {
+  const ShardedState s = opt.sharded_state();
+  std::ostringstream out;
+  out << "ZeRO-" << s.zero_stage << " over " << ranks << ";";
+  for (const auto& p : s.params) out << " " << p.describe();
+  const std::string text = out.str();
+  return checkpoint::to_hex(checkpoint::digest_bytes(text.data(), text.size()));
+}
+
+std::string view_text(const MembershipView& v) {
+  return json{{"generation", v.generation}, {"groups", v.groups}, {"index", v.index}}.dump();
+}
+
+MembershipView view_of(const std::string& text) {
+  const json j = json::parse(text);
+  return {j.at("generation").get<int64_t>(), j.at("groups").get<std::vector<std::string>>(), j.at("index").get<int>()};
+}
+
+// The CPU generator's state, as a tensor of bytes, and back.
+at::Tensor cpu_generator_state() {
+  auto gen = compat::default_generator(c10::kCPU);  // a handle on the process's generator
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_generator_state(const at::Tensor& state) {
+  auto gen = compat::default_generator(c10::kCPU);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+ReplicaGroups::ReplicaGroups(ProcessGroup group, ShardedOptimizer& opt, std::shared_ptr<StepAgreement> agreement,
+                             ReplicaGroupsOptions options)
+    : group_(std::move(group)), opt_(opt), agreement_(std::move(agreement)), options_(std::move(options)) {
+  TORCH_CHECK_VALUE(group_.control != nullptr, "ReplicaGroups: the group's communicator is null");
+  TORCH_CHECK_VALUE(!options_.group.empty(), "ReplicaGroups: the group has no name; give each group of the job one "
+                    "(the BART trainer: --replica-group NAME)");
+  etcd_ = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(options_.coordinator), std::chrono::seconds(5)});
+  if (agreement_ == nullptr) agreement_ = std::make_shared<StepAgreement>(group_.control);
+  if (shard::OptimizerAccess::agreement(opt_) != agreement_) opt_.join(agreement_);
+  // The membership changed, as the group's first rank saw it: every rank meets at the next boundary.
+  slot_ = agreement_->add(
+      "replica groups (membership changed)", 1, [this](double* v) { v[0] = seen_change_.load() ? 1.0 : 0.0; },
+      [this](const double* v) {
+        if (v[0] > 0 && !changed_) {
+          changed_ = true;
+          since_ = Clock::now();
+        }
+      });
+  const int rank = group_.control->rank();
+  std::string why;
+  if (rank == 0) {
+    try {
+      const GroupInfo me{options_.group, group_.control->size(), model_hash(opt_, group_.control->size()),
+                         options_.config, host_name(), static_cast<int64_t>(::getpid())};
+      registration_ = std::make_unique<Registration>(*etcd_, options_.job, me, options_.liveness);
+    } catch (const std::exception& e) {
+      why = error_message(e);
+    }
+  }
+  why = broadcast_text(*group_.control, why, 0, options_.meet_timeout);
+  TORCH_CHECK(why.empty(), why);
+  membership_ = std::make_unique<Membership>(etcd_, options_.job, options_.group);
+}
+
+ReplicaGroups::~ReplicaGroups() {
+  stopping_ = true;
+  if (watcher_.joinable()) watcher_.join();
+  if (agreement_ != nullptr && slot_ >= 0) agreement_->remove(slot_);
+  try {
+    shard::OptimizerAccess::set_replica_groups(opt_, nullptr);
+  } catch (const std::exception&) {
+    // the optimizer's model is gone or a step is under way: nothing to detach from
+  }
+}
+
+void ReplicaGroups::watch() {
+  while (!stopping_) {
+    MembershipView view;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      view = watched_;
+    }
+    try {
+      if (!seen_change_ && membership_->wait_for_change(view, std::chrono::seconds(1))) seen_change_ = true;
+    } catch (const std::exception& e) {
+      log_warn("replica groups: watching the coordinator: " + error_message(e));
+      seen_change_ = true;  // meet again: the meeting says what is wrong, or finds it gone
+    }
+    if (seen_change_) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void ReplicaGroups::step_lost(const ReplicaGroupLost& e) {
+  log_warn("replica groups: group '" + options_.group + "' lost its step: " + e.what() +
+           "; meeting the live groups again");
+  opt_.discard_gradients();
+  if (!lost_ && !changed_) since_ = Clock::now();
+  lost_ = true;
+}
+
+ReplicaTurn ReplicaGroups::before_step(int64_t& step) {
+  if (!met_ || lost_ || changed_) meet(step);
+  return turn_;
+}
+
+void ReplicaGroups::meet(int64_t& step) {
+  const auto t0 = met_ ? since_ : Clock::now();
+  const bool retaken = lost_;
+  // The old communicator goes first: a group still in a step on it fails at once, not at its timeout.
+  shard::OptimizerAccess::set_replica_groups(opt_, nullptr);
+  across_ = nullptr;
+  auto& control = *group_.control;
+  const int rank = control.rank();
+  GroupCommOptions comm_options;
+  comm_options.listen_host = options_.listen_host;
+  comm_options.comm.liveness = options_.liveness;
+  comm_options.comm.rendezvous_timeout = options_.meet_timeout;
+  comm_options.comm.timeout = options_.meet_timeout;
+  MembershipView view;
+  ReplicaChange change;
+  for (int attempt = 0;; ++attempt) {
+    TORCH_CHECK(attempt < 100, "replica groups: group '", options_.group, "' met the others 100 times without "
+                "settling on a membership: groups keep joining or leaving; check their logs");
+    // 1. The membership: the first rank agrees it in the coordinator, the others take it from there.
+    std::string text, why;
+    if (rank == 0) {
+      try {
+        TORCH_CHECK(registration_->held(), "replica groups: group '", options_.group, "' lost its lease in the "
+                    "coordinator (", etcd_->describe(), ") and counts as lost to the others");
+        text = view_text(membership_->agree(options_.meet_timeout));
+      } catch (const std::exception& e) {
+        why = error_message(e);
+      }
+    }
+    why = broadcast_text(control, why, 0, options_.meet_timeout * 2);
+    TORCH_CHECK(why.empty(), why);
+    view = view_of(broadcast_text(control, text, 0, options_.meet_timeout));
+    const int count = static_cast<int>(view.groups.size());
+    // 2. This shard position's communicator across the groups, then where each group is.
+    std::shared_ptr<Communicator> across;
+    std::vector<int64_t> steps(1, step);
+    try {
+      if (count > 1) {
+        across = connect_groups(etcd_, options_.job, view.generation, rank, view.index, count, comm_options,
+                                [&] { membership_->check_current(view); });
+        steps.clear();
+        for (const auto& s : all_gather_text(*across, std::to_string(step))) steps.push_back(std::stoll(s));
+      }
+    } catch (const std::exception& e) {
+      why = error_message(e);
+    }
+    if (!failed_ranks(control, !why.empty()).empty()) {
+      log_info("replica groups: generation " + std::to_string(view.generation) + " was not met (" +
+               (why.empty() ? "another rank of the group failed to" : why) + "); agreeing again");
+      continue;
+    }
+    // 3. A group behind takes the state of the first group ahead: the optimizer's (heal.h), the
+    // step and the generators.
+    const int64_t top = *std::max_element(steps.begin(), steps.end());
+    const int source = static_cast<int>(std::find(steps.begin(), steps.end(), top) - steps.begin());
+    const bool behind = std::any_of(steps.begin(), steps.end(), [top](int64_t s) { return s != top; });
+    if (behind) {
+      try {
+        const HealReport r = heal(*across, source, opt_);
+        auto rng = cpu_generator_state();
+        across->broadcast(rng, source)->wait();
+        if (view.index != source) {
+          set_cpu_generator_state(rng);
+          change.heal_bytes = r.bytes + rng.nbytes();
+          change.heal_seconds = r.seconds;
+          log_info("replica groups: group '" + options_.group + "' took its state from group '" +
+                   view.groups[static_cast<size_t>(source)] + "' at step " + std::to_string(top) + " (" +
+                   std::to_string(change.heal_bytes) + " bytes on this rank in " + std::to_string(r.seconds) +
+                   " s, checksums equal)");
+          step = top;
+        }
+      } catch (const std::exception& e) {
+        why = error_message(e);
+      }
+      if (!failed_ranks(control, !why.empty()).empty()) {
+        log_info("replica groups: the heal at generation " + std::to_string(view.generation) + " failed (" +
+                 (why.empty() ? "on another rank of the group" : why) + "); meeting again");
+        continue;
+      }
+    }
+    across_ = across;
+    break;
+  }
+  shard::OptimizerAccess::set_replica_groups(opt_, across_);
+  const bool first = !met_;
+  turn_ = {view.index, static_cast<int>(view.groups.size()), view.generation};
+  met_ = true;
+  lost_ = false;
+  changed_ = false;
+  if (rank == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watched_ = view;
+    seen_change_ = false;
+    if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  }
+  change.step = step;
+  change.generation = view.generation;
+  change.groups = turn_.count;
+  change.pause_seconds = seconds_since(t0);
+  change.step_retaken = retaken;
+  changes_.push_back(change);
+  std::string names;
+  for (const auto& g : view.groups) names += (names.empty() ? "" : ", ") + g;
+  if (rank == 0) {
+    char pause[64];
+    std::snprintf(pause, sizeof(pause), "%.2f s", change.pause_seconds);
+    log_info("replica groups: group '" + options_.group + "' trains " + (first ? "from" : "again at") + " step " +
+             std::to_string(step) + " as " + std::to_string(turn_.index + 1) + " of " + std::to_string(turn_.count) +
+             " groups [" + names + "] (generation " + std::to_string(view.generation) + (first ? "" : ", paused " +
+             std::string(pause)) + (retaken ? ", the step in flight taken again" : "") + ")");
+  }
+}
+
+}  // namespace zeroshard::replica
