@@ -464,7 +464,7 @@ TEST(EtcdCoordinator, AGroupHealsFromALiveGroupAndTrainsAsItDoes) {
               value("b", "healed ").c_str(), value("b", "checksum ").c_str(), value("b", "final ").c_str());
 }
 
-// Replica groups of 2 ranks each (zeroshard-run per group, ZeRO-2 and ZeRO-3 inside) train a small
+// Replica groups of 2 ranks each (zeroshard-run per group, ZeRO-0 to 3 inside) train a small
 // model on a global batch of 8 rows per step, split over the live groups. A rank of group "b" is
 // SIGKILLed mid-run: group "a" abandons the step in flight, goes on alone in the same processes
 // with the whole batch, and b, started again from another initialisation, takes a's state at a
@@ -564,7 +564,7 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Zero, ReplicaGroupsTrain, ::testing::Values(2, 3),
+INSTANTIATE_TEST_SUITE_P(Zero, ReplicaGroupsTrain, ::testing::Values(0, 1, 2, 3),
                          [](const auto& info) { return "ZeRO" + std::to_string(info.param); });
 
 // EtcdStore answers as LibTorch's own c10d::HashStore does (the oracle), call for call: set, get,
