@@ -48,13 +48,13 @@ build: configure
 
 # What a trainer links (the libraries and the tools), then installed under PREFIX.
 install: configure
-	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard-run zeroshard-ckpt zeroshard-plan
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard_replica zeroshard-run zeroshard-ckpt zeroshard-plan
 	@cmake --install $(BUILD_DIR) --prefix $(PREFIX)
 
 # The Debian package: against Debian's LibTorch only (a .deb cannot depend on a Python environment).
 ifeq ($(TORCH),system)
 deb: configure
-	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard-run zeroshard-ckpt zeroshard-plan
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target zeroshard zeroshard_checkpoint zeroshard_replica zeroshard-run zeroshard-ckpt zeroshard-plan
 	@cd $(BUILD_DIR) && cpack -G DEB
 else
 deb:

@@ -1,7 +1,8 @@
-# What `cmake --install` installs (ZS_INSTALL): the public headers, libzeroshard.a and
-# libzeroshard_checkpoint.a, the tools (zeroshard-run, zeroshard-ckpt, zeroshard-plan), the
-# CMake package (lib/cmake/zeroshard: find_package(zeroshard 0.2) gives zeroshard::zeroshard,
-# zeroshard::checkpoint and the tools as zeroshard::zeroshard-run, ...) and zeroshard.pc.
+# What `cmake --install` installs (ZS_INSTALL): the public headers, libzeroshard.a,
+# libzeroshard_checkpoint.a and libzeroshard_replica.a, the tools (zeroshard-run, zeroshard-ckpt,
+# zeroshard-plan), the CMake package (lib/cmake/zeroshard: find_package(zeroshard 0.2) gives
+# zeroshard::zeroshard, zeroshard::checkpoint, zeroshard::replica and the tools as
+# zeroshard::zeroshard-run, ...) and zeroshard.pc.
 #
 # The package finds its dependencies again where the program is built: LibTorch through
 # zs_find_torch (cmake/zeroshardDependencies.cmake, installed beside the config), refusing
@@ -14,7 +15,7 @@ set(ZS_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/zeroshard" CACHE STRING
     "Where the CMake package goes, relative to the prefix")
 
 install(DIRECTORY include/zeroshard DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT development)
-install(TARGETS zeroshard zeroshard_checkpoint EXPORT zeroshardTargets
+install(TARGETS zeroshard zeroshard_checkpoint zeroshard_replica EXPORT zeroshardTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT development)
 # The launcher and the cost model link no LibTorch; zeroshard-ckpt finds LibTorch (and the
 # wheel's CUDA libraries) where this build linked it.
@@ -70,7 +71,7 @@ foreach(_dir IN LISTS TORCH_INCLUDE_DIRS)
     list(APPEND _zs_pc_cflags "-isystem ${_dir}")
   endif()
 endforeach()
-set(_zs_pc_libs "-L\${libdir}" -lzeroshard_checkpoint -lzeroshard
+set(_zs_pc_libs "-L\${libdir}" -lzeroshard_replica -lzeroshard_checkpoint -lzeroshard
     "-L${ZS_TORCH_LIBRARY_DIR}" "-Wl,-rpath,${ZS_TORCH_LIBRARY_DIR}" -Wl,--no-as-needed -ltorch_cpu)
 if(ZS_TORCH_HAS_CUDA)
   list(APPEND _zs_pc_libs -ltorch_cuda)

@@ -9,8 +9,8 @@
 #include "replica/heal.h"
 #include "replica/membership.h"
 #include "replica/registration.h"
-#include "replica/replica_groups.h"
 #include "zeroshard/log.h"
+#include "zeroshard/replica_groups.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/sharded_adamw.h"
 
@@ -323,7 +323,7 @@ int replica_heal() {
 // A lost step is taken again. Prints "pid P rank R" first, "step S group I of N" per step, and at
 // the end writes its parameters (as float32) to ZS_TEST_OUT.<group>.<rank>.
 int replica_train() {
-  using namespace zeroshard::replica;
+  using zeroshard::ReplicaGroups, zeroshard::ReplicaGroupsOptions, zeroshard::ReplicaTurn;
   const std::string group = std::getenv("ZS_TEST_GROUP");
   const int zero = std::atoi(std::getenv("ZS_TEST_ZERO"));
   const int64_t steps = std::atoll(std::getenv("ZS_TEST_STEPS"));

@@ -1,5 +1,10 @@
 // replica_groups.cpp — a group's meetings with the others, at step boundaries.
-#include "replica/replica_groups.h"
+#include "zeroshard/replica_groups.h"
+
+#include "replica/etcd.h"
+#include "replica/heal.h"
+#include "replica/membership.h"
+#include "replica/registration.h"
 
 #include "checksum.h"
 #include "compat/torch_compat.h"
@@ -13,11 +18,16 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include <unistd.h>
 
-namespace zeroshard::replica {
+namespace zeroshard {
+
+using namespace replica;
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -60,9 +70,64 @@ void set_cpu_generator_state(const at::Tensor& state) {
 
 }  // namespace
 
+struct ReplicaGroups::Impl {
+  Impl(ProcessGroup g, ShardedOptimizer& o, std::shared_ptr<StepAgreement> a, ReplicaGroupsOptions opts)
+      : group_(std::move(g)), opt_(o), agreement_(std::move(a)), options_(std::move(opts)) {}
+  ~Impl();
+  void start();
+  ReplicaTurn before_step(int64_t& step);
+  void step_lost(const ReplicaGroupLost& e);
+  bool sum_across(std::vector<double>& values);
+  void meet(int64_t& step);  // the new membership, its communicator, the heal
+  void watch();              // the first rank's background thread
+
+  ProcessGroup group_;
+  ShardedOptimizer& opt_;
+  std::shared_ptr<StepAgreement> agreement_;
+  int64_t slot_ = -1;
+  ReplicaGroupsOptions options_;
+  std::function<std::string()> send_;
+  std::function<void(const std::string&)> receive_;
+  std::shared_ptr<Etcd> etcd_;
+  std::unique_ptr<Registration> registration_;  // the first rank's
+  std::unique_ptr<Membership> membership_;
+  std::shared_ptr<Communicator> across_;
+  ReplicaTurn turn_;
+  bool met_ = false;
+  bool lost_ = false;     // the groups' communicator failed: meet again
+  bool retake_ = false;   // the step in flight was lost
+  bool changed_ = false;  // the last agreement said the membership changed
+  std::chrono::steady_clock::time_point since_;  // when the change or loss was seen
+  std::vector<ReplicaChange> changes_;
+
+  // The watch (first rank only).
+  std::mutex mu_;
+  MembershipView watched_;
+  std::atomic<bool> seen_change_{false};
+  std::atomic<bool> stopping_{false};
+  std::thread watcher_;
+};
+
 ReplicaGroups::ReplicaGroups(ProcessGroup group, ShardedOptimizer& opt, std::shared_ptr<StepAgreement> agreement,
                              ReplicaGroupsOptions options)
-    : group_(std::move(group)), opt_(opt), agreement_(std::move(agreement)), options_(std::move(options)) {
+    : impl_(std::make_unique<Impl>(std::move(group), opt, std::move(agreement), std::move(options))) {
+  impl_->start();
+}
+
+ReplicaGroups::~ReplicaGroups() = default;
+
+void ReplicaGroups::on_heal(std::function<std::string()> send, std::function<void(const std::string&)> receive) {
+  impl_->send_ = std::move(send);
+  impl_->receive_ = std::move(receive);
+}
+
+ReplicaTurn ReplicaGroups::before_step(int64_t& step) { return impl_->before_step(step); }
+void ReplicaGroups::step_lost(const ReplicaGroupLost& e) { impl_->step_lost(e); }
+bool ReplicaGroups::sum_across(std::vector<double>& values) { return impl_->sum_across(values); }
+const std::vector<ReplicaChange>& ReplicaGroups::changes() const { return impl_->changes_; }
+const ReplicaTurn& ReplicaGroups::turn() const { return impl_->turn_; }
+
+void ReplicaGroups::Impl::start() {
   TORCH_CHECK_VALUE(group_.control != nullptr, "ReplicaGroups: the group's communicator is null");
   TORCH_CHECK_VALUE(!options_.group.empty(), "ReplicaGroups: the group has no name; give each group of the job one "
                     "(the BART trainer: --replica-group NAME)");
@@ -94,7 +159,7 @@ ReplicaGroups::ReplicaGroups(ProcessGroup group, ShardedOptimizer& opt, std::sha
   membership_ = std::make_unique<Membership>(etcd_, options_.job, options_.group);
 }
 
-ReplicaGroups::~ReplicaGroups() {
+ReplicaGroups::Impl::~Impl() {
   stopping_ = true;
   if (watcher_.joinable()) watcher_.join();
   if (agreement_ != nullptr && slot_ >= 0) agreement_->remove(slot_);
@@ -105,7 +170,7 @@ ReplicaGroups::~ReplicaGroups() {
   }
 }
 
-void ReplicaGroups::watch() {
+void ReplicaGroups::Impl::watch() {
   while (!stopping_) {
     MembershipView view;
     {
@@ -122,22 +187,40 @@ void ReplicaGroups::watch() {
   }
 }
 
-void ReplicaGroups::step_lost(const ReplicaGroupLost& e) {
+void ReplicaGroups::Impl::step_lost(const ReplicaGroupLost& e) {
   log_warn("replica groups: group '" + options_.group + "' lost its step: " + e.what() +
            "; meeting the live groups again");
   opt_.discard_gradients();
   if (!lost_ && !changed_) since_ = Clock::now();
   lost_ = true;
+  retake_ = true;
 }
 
-ReplicaTurn ReplicaGroups::before_step(int64_t& step) {
+bool ReplicaGroups::Impl::sum_across(std::vector<double>& values) {
+  if (across_ == nullptr || values.empty()) return !lost_;
+  auto t = torch::tensor(values, torch::kDouble);
+  try {
+    across_->all_reduce(t, ReduceOp::kSum)->wait();
+  } catch (const std::exception& e) {
+    // Lost after the step was applied everywhere it was: the next boundary meets again.
+    log_warn("replica groups: group '" + options_.group + "' could not sum its step's values across the groups: " +
+             error_message(e) + "; meeting the live groups again");
+    if (!lost_ && !changed_) since_ = Clock::now();
+    lost_ = true;
+    return false;
+  }
+  std::copy_n(t.data_ptr<double>(), values.size(), values.begin());
+  return true;
+}
+
+ReplicaTurn ReplicaGroups::Impl::before_step(int64_t& step) {
   if (!met_ || lost_ || changed_) meet(step);
   return turn_;
 }
 
-void ReplicaGroups::meet(int64_t& step) {
+void ReplicaGroups::Impl::meet(int64_t& step) {
   const auto t0 = met_ ? since_ : Clock::now();
-  const bool retaken = lost_;
+  const bool retaken = retake_;
   // The old communicator goes first: a group still in a step on it fails at once, not at its timeout.
   shard::OptimizerAccess::set_replica_groups(opt_, nullptr);
   across_ = nullptr;
@@ -196,9 +279,13 @@ void ReplicaGroups::meet(int64_t& step) {
         const HealReport r = heal(*across, source, opt_);
         auto rng = cpu_generator_state();
         across->broadcast(rng, source)->wait();
+        // The trainer's own state, from the group the state came from.
+        const std::string trainer = broadcast_text(*across, send_ && view.index == source ? send_() : "", source,
+                                                   options_.meet_timeout);
         if (view.index != source) {
           set_cpu_generator_state(rng);
-          change.heal_bytes = r.bytes + rng.nbytes();
+          if (receive_) receive_(trainer);
+          change.heal_bytes = r.bytes + static_cast<int64_t>(rng.nbytes() + trainer.size());
           change.heal_seconds = r.seconds;
           log_info("replica groups: group '" + options_.group + "' took its state from group '" +
                    view.groups[static_cast<size_t>(source)] + "' at step " + std::to_string(top) + " (" +
@@ -223,6 +310,7 @@ void ReplicaGroups::meet(int64_t& step) {
   turn_ = {view.index, static_cast<int>(view.groups.size()), view.generation};
   met_ = true;
   lost_ = false;
+  retake_ = false;
   changed_ = false;
   if (rank == 0) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -248,4 +336,4 @@ void ReplicaGroups::meet(int64_t& step) {
   }
 }
 
-}  // namespace zeroshard::replica
+}  // namespace zeroshard

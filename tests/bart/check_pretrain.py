@@ -23,6 +23,10 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                the uninterrupted run's losses; a pipeline's (pp 2, ZeRO-1) durable step resumed by one process
                without a pipeline, its newest commit taken away (the step before it is loaded); a kill storm;
                a preemption with the store stalled, then trickling: every rank ends within the grace period
+  replica_groups  --replica-group: two groups of one rank meet through a real etcd member; group b joins a
+               running, heals from it, is killed (its launcher, SIGKILL), and a later b heals again; the
+               surviving group never restarts, and every step's loss of both equals an uninterrupted 2-rank
+               run's (rel. 1e-5): every sample trained once
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -763,10 +767,121 @@ def check_bad_input(build, work):
     print(f"bad_input: {len(cases) + 5 + len(pipeline_cases)} wrong inputs, each one named with its fix")
 
 
+def start_etcd(work):
+    """One etcd member on 127.0.0.1 (Debian's etcd-server): (process, its client URL)."""
+    import socket
+    import urllib.request
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    data = os.path.join(work, "etcd")
+    shutil.rmtree(data, ignore_errors=True)
+    proc = subprocess.Popen(["etcd", "--name", "m0", "--data-dir", data, "--listen-client-urls", client,
+                             "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"m0={peer}",
+                             "--heartbeat-interval", "50", "--election-timeout", "500"],
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "etcd.log"), "w"))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(client + "/health", timeout=1) as r:
+                if json.loads(r.read()).get("health") == "true":
+                    return proc, client
+        except OSError:
+            pass
+        check(proc.poll() is None and time.monotonic() < deadline, "etcd did not start (etcd.log)")
+        time.sleep(0.1)
+
+
+def check_replica_groups(build, work):
+    steps = 150
+    common = ["--max-steps", str(steps), "--eval-every", "0", "--dropout", "0", "--no-sample", "--global-batch", "8",
+              "--max-tokens", "32", "--ckpt-dir", "none", "--liveness", "2"]
+    ref = os.path.join(work, "groups_ref")
+    shutil.rmtree(ref, ignore_errors=True)
+    pretrain(build, ref, 2, *common)  # uninterrupted: 2 ranks, no groups
+    want = {r["step"]: r["loss"] for r in metrics(ref) if "event" not in r}
+    etcd, client = start_etcd(work)
+    procs = []
+    try:
+        def group(name, run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(run_dir, "tokenizer"))
+            cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "1", "--",
+                   os.path.join(build, "examples", "bart_pretrain"), "--dataset", os.path.join(ref, "dataset"),
+                   "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *common,
+                   "--replica-group", name, "--coordinator", "etcd://" + client[len("http://"):]]
+            log = open(run_dir + ".log", "w")
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, ZS_LOG_LEVEL="info"))
+            procs.append(p)
+            return p
+
+        def steps_of(run_dir):
+            try:
+                return [r for r in metrics(run_dir) if "event" not in r]
+            except (OSError, ValueError):
+                return []
+
+        def wait(what, ok, p_alive):
+            deadline = time.monotonic() + 120
+            while not ok():
+                for p in p_alive:
+                    check(p.poll() is None, lambda: f"{what}: a group ended (exit {p.poll()}): " + tail(p))
+                check(time.monotonic() < deadline, f"{what}: not within 120 s")
+                time.sleep(0.05)
+
+        def tail(p):
+            log = p.args[p.args.index("--run-dir") + 1] + ".log"
+            return open(log).read()[-4000:]
+
+        a_dir, b_dir, b2_dir = (os.path.join(work, n) for n in ("group_a", "group_b", "group_b_again"))
+        a = group("a", a_dir)
+        wait("a trains alone", lambda: len(steps_of(a_dir)) >= 5, [a])
+        b = group("b", b_dir)
+        wait("b joins and trains beside a", lambda: len(steps_of(b_dir)) >= 5, [a, b])
+        b.send_signal(9)  # the whole group: its launcher, and its rank with it
+        b.wait()
+        killed_at = steps_of(a_dir)[-1]["step"]
+        wait("a goes on alone", lambda: steps_of(a_dir)[-1]["step"] >= killed_at + 10, [a])
+        b2 = group("b", b2_dir)
+        check(a.wait(timeout=300) == 0, lambda: "group a: " + tail(a))
+        check(b2.wait(timeout=300) == 0, lambda: "group b, again: " + tail(b2))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        etcd.kill()
+        etcd.wait()
+    got_a = {r["step"]: r["loss"] for r in steps_of(a_dir)}
+    got_b = {r["step"]: r["loss"] for r in steps_of(b2_dir)}
+    check(sorted(got_a) == list(range(1, steps + 1)), lambda: f"group a's steps: {sorted(got_a)}")
+    check(got_b and max(got_b) == steps and min(got_b) > killed_at, lambda: f"group b's steps: {sorted(got_b)}")
+    worst = 0.0
+    for got in (got_a, got_b):
+        for step, loss in got.items():
+            worst = max(worst, abs(loss - want[step]) / abs(want[step]))
+    check(worst < 1e-5, lambda: f"losses differ from the uninterrupted run's by up to {worst:.2e} (relative)")
+    changes = [r for r in metrics(a_dir) if r.get("event") == "replica_groups"]
+    shape = [(c["groups"], c["step_retaken"]) for c in changes]
+    check(shape[0] == (1, False) and (2, False) in shape and (2, False) == shape[-1] and
+          any(g == 1 and i > 0 for i, (g, _) in enumerate(shape)), lambda: f"group a's membership changes: {changes}")
+    healed = [r for r in metrics(b2_dir) if r.get("event") == "replica_groups"]
+    check(healed and healed[0]["heal_bytes"] > 0 and healed[0]["groups"] == 2, lambda: f"group b's: {healed}")
+    lost = [c for c in changes if c["groups"] == 1][1:]
+    summary = [r for r in metrics(a_dir) if r.get("event") == "summary"][-1]
+    print(f"replica_groups: {steps} steps; b killed at step {killed_at}: a paused {lost[0]['pause_s']:.2f} s "
+          f"(--liveness 2), took {summary['steps_retaken']} step(s) again and went on alone; b healed from a "
+          f"({healed[0]['heal_bytes'] / 1e6:.2f} MB in {healed[0]['heal_s']:.3f} s) at step {healed[0]['step']}; "
+          f"every step's loss of both within {worst:.1e} of the uninterrupted run's")
+
+
 if __name__ == "__main__":
     build, work, which = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"equal_ranks": check_equal_ranks, "resume": check_resume,
      "safetensors": check_safetensors, "bad_input": check_bad_input, "pipeline": check_pipeline,
-     "bf16": check_bf16, "durable": check_durable}[which](build, work)
+     "bf16": check_bf16, "durable": check_durable, "replica_groups": check_replica_groups}[which](build, work)
     print("OK")

@@ -161,7 +161,7 @@ def check_install():
     for tool in ("zeroshard-run", "zeroshard-ckpt", "zeroshard-plan"):
         check(f"bin/{tool}" in files, lambda: f"bin/{tool} not installed: {files}")
     libs = [f for f in files if f.endswith(".a")]
-    check(sorted(os.path.basename(f) for f in libs) == ["libzeroshard.a", "libzeroshard_checkpoint.a"],
+    check(sorted(os.path.basename(f) for f in libs) == ["libzeroshard.a", "libzeroshard_checkpoint.a", "libzeroshard_replica.a"],
           lambda: f"installed libraries: {libs}")
     cmake_files = [f for f in files if "/cmake/zeroshard/" in f]
     for name in ("zeroshardConfig.cmake", "zeroshardConfigVersion.cmake", "zeroshardTargets.cmake"):

@@ -93,6 +93,15 @@ void check_options(const RunOptions& o) {
        "'" + o.device_comm + "'", "auto, nccl or staged");
   need(std::isfinite(o.liveness) && o.liveness >= 1, "--liveness", o.liveness,
        "at least 1 second (more than moving 512 KiB over the slowest link takes)");
+  need(o.replica_group.empty() == o.coordinator.empty(), "--replica-group",
+       "'" + o.replica_group + "' with --coordinator '" + o.coordinator + "'",
+       "both given (a group and where the groups meet) or neither");
+  need(o.replica_group.empty() || o.pp == 1, "--replica-group with --pp", o.pp,
+       "1: pipeline stages do not train in replica groups yet");
+  need(o.replica_group.empty() || o.device == "cpu", "--replica-group with --device", o.device,
+       "cpu: the groups' communicator moves host memory (GPU groups are not supported yet)");
+  need(o.replica_group.empty() || o.shard_size == "0", "--replica-group with --shard-size", o.shard_size,
+       "0: the other groups are the shards' replicas (no hybrid sharding inside a group)");
   need(o.save_every >= 1, "--save-every", o.save_every, "at least 1");
   need(o.crash_after_save == 0 || (o.crash_after_save > 0 && o.crash_after_save % o.save_every == 0 &&
                                    o.crash_after_save <= o.max_steps),
@@ -293,7 +302,21 @@ void add_optimizer_options(CLI::App& app, bart::RunOptions& o) {
       ->capture_default_str();
   app.add_option("--liveness", o.liveness,
                  "seconds a peer may stay silent before its host is taken for dead or cut off: every rank then "
-                 "stops, naming it")
+                 "stops, naming it; with --replica-group, also how soon a lost group is seen gone")
+      ->capture_default_str();
+  if (const char* g = std::getenv("ZS_REPLICA_GROUP")) o.replica_group = g;
+  if (const char* c = std::getenv("ZS_COORDINATOR")) o.coordinator = c;
+  app.add_option("--replica-group", o.replica_group,
+                 "train as this replica group of a job of groups that goes on when a group is lost, and heals it "
+                 "from a live group when it returns (each group launched on its own; docs/cluster.md; default: "
+                 "ZS_REPLICA_GROUP)");
+  app.add_option("--coordinator", o.coordinator,
+                 "with --replica-group: the groups' coordinator, etcd://HOST:PORT[,HOST:PORT...] (default: "
+                 "ZS_COORDINATOR)");
+  app.add_option("--replica-job", o.replica_job, "with --replica-group: the job's name in the coordinator")
+      ->capture_default_str();
+  app.add_option("--replica-listen", o.replica_listen,
+                 "with --replica-group: the address of this host the other groups reach its ranks at")
       ->capture_default_str();
 }
 

@@ -223,7 +223,9 @@ StepResult PretrainingRun::step_once(int64_t step) {
     count(positions, epochs, true);
   }
   r.global_tokens = static_cast<double>(tokens);
-  if (!tokens_checked_) {  // once per run: the ranks' own counts, summed (every stage of a dp index counts the same)
+  // Once per run: the ranks' own counts, summed (every stage of a dp index counts the same). With replica
+  // groups the other groups' ranks are not on this communicator: not checked.
+  if (!tokens_checked_ && !groups_) {
     const double summed = all_sum(*comm_, static_cast<double>(local_tokens)) / o.pp;
     TORCH_CHECK(summed == r.global_tokens, "BART data: this rank counts ", r.global_tokens, " target tokens in the "
                 "global batch from the samplers, the ranks' batches hold ", summed, " (a bug: the ranks' samplers "
@@ -259,12 +261,13 @@ StepResult PretrainingRun::step_once(int64_t step) {
   // until the device drains; it is read once, for the step's agreement.
   loss_sum_ = torch::Tensor();
   for (size_t m = 0; m < micro.size(); ++m) {
-    // Gradients are averaged over ranks: scale so the result is the mean over the global batch's tokens.
+    // Gradients are averaged over the data-parallel ranks (with replica groups: over each group's, then
+    // over the groups): scale so the result is the mean over the global batch's tokens.
     model_->dropout_key = key(static_cast<int64_t>(m));
     auto l = summed_loss(model_, micro[m]);
     const auto ld = l.detach().to(torch::kDouble);
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + ld : ld;
-    (l * (static_cast<double>(world_) / r.global_tokens)).backward();
+    (l * (static_cast<double>(dp_) / r.global_tokens)).backward();
   }
   r.fb_s = since(t_fb);
   r.fb_wait = waited() - waited_fb0;
@@ -278,6 +281,13 @@ StepResult PretrainingRun::step_once(int64_t step) {
   r.skipped = opt.last_step_skipped();
   r.noise = opt.last_gradient_noise();
   r.loss = agreed_loss_ / r.global_tokens;
+  if (groups_) {
+    // The agreement summed this group's loss; the other groups' is added here. The noise sample's
+    // small batches are this group's ranks' while its big one is every group's: not a sample.
+    std::vector<double> loss{agreed_loss_};
+    r.loss = groups_->sum_across(loss) ? loss[0] / r.global_tokens : NAN;  // NaN: a group lost after the update
+    r.noise = {};
+  }
   return r;
 }
 
@@ -361,27 +371,46 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   return end;
 }
 
+void PretrainingRun::start_loader() {
+  loader_.reset();  // its threads end before the new one draws
+  // The loader draws from a copy of the sampler as it stands: the same batches, ahead of the step.
+  auto sampler = std::make_shared<zeroshard::DistributedSampler>(*sampler_);
+  zeroshard::PrefetchOptions po;
+  po.threads = o_.loader_threads;
+  po.ahead = o_.prefetch;
+  const int64_t batch = local_batch_;
+  loader_ = std::make_unique<zeroshard::Prefetcher<StepPlan, StepBatches>>(
+      [this, sampler, batch] {
+        StepPlan p;
+        p.indices = next_indices(*sampler, batch, p.epochs);
+        return p;
+      },
+      [this](const StepPlan& p) { return build_batches(p); }, po);
+}
+
 std::optional<int> PretrainingRun::train() {
   bytes_before_ = bytes_sent();
-  if (o_.loader_threads > 0) {
-    // The loader draws from a copy of the sampler as it stands: the same batches, ahead of the step.
-    auto sampler = std::make_shared<zeroshard::DistributedSampler>(*sampler_);
-    zeroshard::PrefetchOptions po;
-    po.threads = o_.loader_threads;
-    po.ahead = o_.prefetch;
-    loader_ = std::make_unique<zeroshard::Prefetcher<StepPlan, StepBatches>>(
-        [this, sampler] {
-          StepPlan p;
-          p.indices = next_indices(*sampler, local_batch_, p.epochs);
-          return p;
-        },
-        [this](const StepPlan& p) { return build_batches(p); }, po);
-  }
+  if (o_.loader_threads > 0) start_loader();
   while (step_ < o_.max_steps) {
+    if (groups_) {
+      follow_groups();  // a heal may have moved the step to the end
+      if (step_ >= o_.max_steps) break;
+    }
     const auto t_step = Clock::now();
     const double waited0 = waited();
     const int64_t reduces0 = world_all_reduces();
-    StepResult r = step_once(step_);
+    const std::string sampler_at = groups_ ? sampler_->state_json() : std::string();
+    StepResult r;
+    try {
+      r = step_once(step_);
+    } catch (const zeroshard::ReplicaGroupLost& e) {
+      // Nothing of the step was applied on this group: the same step again, from the same data.
+      groups_->step_lost(e);
+      place_samplers(sampler_at);
+      if (loader_) start_loader();
+      ++record_.steps_retaken;
+      continue;
+    }
     r.world_all_reduces = world_all_reduces() - reduces0;
     ++step_;
     loss_ = r.loss;

@@ -138,6 +138,10 @@ void PretrainingRun::summarize() {
   s.whole_val_loss = whole_val_;
   s.whole_val_tokens = whole_val_tokens_;
   s.interruptions = record_.interruptions.dump();
+  if (groups_) {
+    s.replica_changes = record_.replica_changes.dump();
+    s.steps_retaken = record_.steps_retaken;
+  }
   if (durable_) {
     s.durable = json{{"uri", o.ckpt_dir}, {"step", record_.durable_step}, {"lag_s", record_.durable_lag_s},
                      {"abandoned", record_.durable_abandoned}}.dump();

@@ -19,6 +19,7 @@
 #include <zeroshard/metrics.h>
 #include <zeroshard/prefetcher.h>
 #include <zeroshard/preemption.h>
+#include <zeroshard/replica_groups.h>
 #include <zeroshard/sampler.h>
 #include <zeroshard/sharded_optimizer.h>
 
@@ -91,6 +92,12 @@ class PretrainingRun {
   void note_resume(bool stepped);
   void note_durable(json& extra);  // the durable tier's progress into the step's line and the events
   double wait_durable();           // a preemption's step made durable (Checkpointer::make_durable); its seconds
+  // Replica groups: sampler_ and peers_ at `state` (a sampler's state_json) for dp_ and dp_rank_.
+  void place_samplers(const std::string& state);
+  // Replica groups, before a step: meets the groups when they changed (a heal may move step_) and
+  // splits the global batch over the live groups' ranks (dp_, dp_rank_, local_batch_, the samplers).
+  void follow_groups();
+  void start_loader();  // the loader thread, from the sampler as it stands (with --loader-threads)
   int64_t bytes_sent() const;  // the optimizers' communicators, and the pipeline's sends
   int64_t peak_model_states() const;
   int64_t world_all_reduces() const;  // so far, on the world communicator
@@ -103,6 +110,8 @@ class PretrainingRun {
   zeroshard::DistEnv dist_;
   std::shared_ptr<zeroshard::Communicator> comm_;
   int rank_ = 0, world_ = 1, dp_ = 1, dp_rank_ = 0;  // the grid: rank = stage * dp + data-parallel index
+  // With replica groups, dp_ counts the live groups' ranks (this group's world_ each) and dp_rank_ is
+  // this rank's place among them; they change when the groups do (groups_, below).
   int shard_size_ = 0;  // --shard-size as ShardedAdamWOptions / FullyShardOptions::shard_size
   int64_t local_batch_ = 0;
   ByteLevelBpe tokenizer_;
@@ -139,6 +148,9 @@ class PretrainingRun {
   bool resume_noted_ = false;
   std::unique_ptr<zeroshard::PreemptionGuard> guard_;
   std::shared_ptr<zeroshard::StepAgreement> agreement_;  // the step's one blocking collective
+  // With --replica-group (after the optimizer and the agreement: it goes first).
+  std::unique_ptr<zeroshard::ReplicaGroups> groups_;
+  int64_t generation_ = -1;  // the groups' membership the batch is split for
   torch::Tensor loss_sum_;    // this rank's summed token loss this step, on the device
   double agreed_loss_ = 0;    // the ranks' sum of it, from the step's agreement
   zeroshard::MetricsLog metrics_;

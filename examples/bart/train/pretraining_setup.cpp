@@ -221,6 +221,45 @@ double PretrainingRun::waited() const {
   return w;
 }
 
+void PretrainingRun::place_samplers(const std::string& state) {
+  const auto& o = o_;
+  sampler_ = std::make_unique<zeroshard::DistributedSampler>(data_->size(), dp_rank_, dp_, o.seed, data_->shuffle());
+  sampler_->load_state_json(state);
+  peers_.clear();
+  for (int r = 0; r < dp_; ++r) {
+    if (r == dp_rank_) continue;
+    zeroshard::DistributedSampler peer(data_->size(), r, dp_, o.seed, data_->shuffle());
+    peer.load_state_json(state);
+    peers_.push_back(std::move(peer));
+  }
+}
+
+void PretrainingRun::follow_groups() {
+  const int64_t before = step_;
+  const zeroshard::ReplicaTurn turn = groups_->before_step(step_);
+  if (turn.generation == generation_ && step_ == before) return;
+  generation_ = turn.generation;
+  const int dp = turn.count * world_;
+  TORCH_CHECK_VALUE(o_.global_batch % (static_cast<int64_t>(dp) * o_.micro_batches) == 0, "--global-batch ",
+                    o_.global_batch, " cannot be split over the ", turn.count, " live replica groups of ", world_,
+                    " ranks and --micro-batches ", o_.micro_batches, " (", dp, " ranks); give every group a global "
+                    "batch that divides by each number of groups the job may train with (e.g. a multiple of 12 "
+                    "ranks x micro-batches for 1 to 4 groups)");
+  const bool loading = loader_ != nullptr;
+  loader_.reset();  // its threads build batches of the old split
+  dp_ = dp;
+  dp_rank_ = turn.index * world_ + rank_;
+  local_batch_ = o_.global_batch / dp_;
+  place_samplers(sampler_->state_json());  // the same position in the data, split over the live groups' ranks
+  if (loading) start_loader();
+  const zeroshard::ReplicaChange& c = groups_->changes().back();
+  const json change{{"step", step_},          {"groups", c.groups},          {"generation", c.generation},
+                    {"pause_s", c.pause_seconds}, {"heal_bytes", c.heal_bytes}, {"heal_s", c.heal_seconds},
+                    {"step_retaken", c.step_retaken}};
+  record_.replica_changes.push_back(change);
+  if (rank_ == 0 && metrics_.enabled()) metrics_.write_event("replica_groups", step_, change.dump());
+}
+
 // Where training stands: fresh (then the first validation), or resumed from
 // the last checkpoint. Every stage of a data-parallel index draws the same examples.
 void PretrainingRun::resume() {
@@ -286,13 +325,7 @@ void PretrainingRun::resume() {
                           std::to_string(sampler_->epoch()) + ")");
     }
   }
-  peers_.clear();
-  for (int r = 0; r < dp_; ++r) {
-    if (r == dp_rank_) continue;
-    zeroshard::DistributedSampler peer(data_->size(), r, dp_, o.seed, data_->shuffle());
-    peer.load_state_json(sampler_->state_json());
-    peers_.push_back(std::move(peer));
-  }
+  place_samplers(sampler_->state_json());
   zeroshard::PreemptionOptions po;
   po.grace_period_s = o.grace_period;
   guard_ = std::make_unique<zeroshard::PreemptionGuard>(comm_, po);
@@ -306,6 +339,24 @@ void PretrainingRun::resume() {
         [this](const double* sum) { agreed_loss_ = sum[0]; });
   }
   guard_->join(agreement_);
+  if (!o.replica_group.empty()) {
+    zeroshard::ReplicaGroupsOptions ro;
+    ro.coordinator = o.coordinator;
+    ro.job = o.replica_job;
+    ro.group = o.replica_group;
+    ro.liveness = std::chrono::seconds(std::max<int64_t>(1, std::llround(o.liveness)));
+    ro.listen_host = o.replica_listen;
+    // What the groups must share to train one model: what shapes each step's update.
+    ro.config = json{{"config", o.config}, {"global_batch", o.global_batch}, {"micro_batches", o.micro_batches},
+                     {"stage", o.stage}, {"precision", o.precision}, {"lr", o.lr}, {"schedule", o.schedule},
+                     {"warmup_steps", o.warmup_steps}, {"max_steps", o.max_steps}, {"weight_decay", o.weight_decay},
+                     {"max_grad_norm", o.max_grad_norm}, {"seed", o.seed}, {"data", data_->description()}}.dump();
+    groups_ = std::make_unique<zeroshard::ReplicaGroups>(zeroshard::ProcessGroup::of(comm_), *opts_.front(), agreement_,
+                                                         ro);
+    // A group behind takes the run's record (the data order's position among it) with the state.
+    groups_->on_heal([this] { return record_.to_json(*sampler_).dump(); },
+                     [this](const std::string& text) { record_.from_json(json::parse(text), *sampler_); });
+  }
   if (rank_ == 0) {
     metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
     // The run stopped after this checkpoint committed and before its step's line was written.
@@ -313,6 +364,7 @@ void PretrainingRun::resume() {
       zeroshard::log_info("metrics: step " + std::to_string(step_) + "'s line restored from its checkpoint");
     }
   }
+  if (groups_) follow_groups();  // the first meeting: a group that joins a job under way takes its state here
   progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
   if (rank_ == 0 && step_ == 0) log_start();
   if (step_ == 0) last_val_ = evaluate(0);

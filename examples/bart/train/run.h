@@ -54,6 +54,12 @@ struct RunOptions {
   std::string device = "cpu";  // cpu, or cuda (each rank on cuda:LOCAL_RANK modulo the GPUs)
   std::string device_comm = "auto";  // cuda: auto, nccl or staged (zeroshard::DeviceTransport)
   double liveness = 30;  // seconds a peer may stay silent before its host is taken for lost (CommOptions::liveness)
+  // Replica groups (zeroshard/replica_groups.h): this launch is one group of a job that trains on when a
+  // group is lost. "": off.
+  std::string replica_group;  // this group's name
+  std::string coordinator;    // etcd://HOST:PORT[,HOST:PORT...]
+  std::string replica_job = "bart";
+  std::string replica_listen = "127.0.0.1";  // the address the other groups reach this group's ranks at
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off; s3://bucket/prefix: the durable tier
   std::string ckpt_local_dir;  // with an s3:// ckpt_dir: the local first tier ("": RUN_DIR/checkpoints)
   int64_t save_every = 100;

@@ -17,7 +17,8 @@ json RunRecord::to_json(const zeroshard::DistributedSampler& sampler) const {
           {"eval_seconds", eval_seconds},
           {"first_loss", finite(first_loss)}, {"first_val_loss", finite(first_val_loss)},
           {"bytes_sent", bytes_sent}, {"interruptions", interruptions}, {"durable_step", durable_step},
-          {"durable_lag_s", durable_lag_s}, {"durable_abandoned", durable_abandoned}};
+          {"durable_lag_s", durable_lag_s}, {"durable_abandoned", durable_abandoned},
+          {"replica_changes", replica_changes}, {"steps_retaken", steps_retaken}};
 }
 
 void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler) {
@@ -38,6 +39,8 @@ void RunRecord::from_json(const json& j, zeroshard::DistributedSampler& sampler)
   if (j.contains("noise_scale")) noise.from_json(j["noise_scale"].dump());
   efficient_tokens = j.value("efficient_tokens", 0.0);
   efficient_seconds = j.value("efficient_seconds", 0.0);
+  replica_changes = j.value("replica_changes", json::array());
+  steps_retaken = j.value("steps_retaken", int64_t{0});
 }
 
 json* RunRecord::interruption_at(int64_t step) {

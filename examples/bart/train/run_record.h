@@ -32,6 +32,10 @@ struct RunRecord {
   zeroshard::GradientNoiseScale noise;
   double efficient_tokens = 0;   // Σ tokens × statistical efficiency, over the steps that had one
   double efficient_seconds = 0;  // and their time
+  // Replica groups: each change of the live groups {"step", "groups", "generation", "pause_s",
+  // "heal_bytes", "heal_s", "step_retaken"}, and the steps taken again after a group was lost.
+  nlohmann::json replica_changes = nlohmann::json::array();
+  int64_t steps_retaken = 0;
   // With the sampler's position; from_json restores both.
   nlohmann::json to_json(const zeroshard::DistributedSampler& sampler) const;
   void from_json(const nlohmann::json& j, zeroshard::DistributedSampler& sampler);

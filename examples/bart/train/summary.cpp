@@ -126,6 +126,25 @@ std::string Summary::text() const {
   std::snprintf(buf, sizeof(buf), "evaluation   %.1f s, %.1f%% of the steps' and evaluations' time\n", eval_seconds,
                 eval_share() * 100);
   o << buf;
+  if (!replica_changes.empty()) {
+    const json changes = json::parse(replica_changes);
+    for (const auto& c : changes) {
+      std::snprintf(buf, sizeof(buf), "groups       at step %lld: %d live group(s) (generation %lld), paused %.2f s",
+                    static_cast<long long>(c.value("step", int64_t{0})), c.value("groups", 0),
+                    static_cast<long long>(c.value("generation", int64_t{0})), c.value("pause_s", 0.0));
+      o << buf;
+      if (c.value("step_retaken", false)) o << ", the step in flight taken again";
+      if (c.value("heal_bytes", int64_t{0}) > 0) {
+        std::snprintf(buf, sizeof(buf), ", healed from a live group (%.2f MB on rank 0 in %.3f s)",
+                      c["heal_bytes"].get<int64_t>() / 1e6, c.value("heal_s", 0.0));
+        o << buf;
+      }
+      o << "\n";
+    }
+    std::snprintf(buf, sizeof(buf), "groups       %zu change(s), %lld step(s) taken again\n",
+                  changes.size(), static_cast<long long>(steps_retaken));
+    o << buf;
+  }
   const json ints = json::parse(interruptions);
   if (ints.empty() && resumed.empty()) {
     o << "interrupted  no\n";
@@ -199,6 +218,10 @@ std::string Summary::to_json() const {
          {"interruptions", json::parse(interruptions)}};
   if (!resumed.empty()) j["resumed"] = json::parse(resumed);
   if (!durable.empty()) j["durable"] = json::parse(durable);
+  if (!replica_changes.empty()) {
+    j["replica_changes"] = json::parse(replica_changes);
+    j["steps_retaken"] = steps_retaken;
+  }
   if (!val_loss_by_dataset.empty()) j["val_loss_by_dataset"] = json::parse(val_loss_by_dataset);
   if (has_sample) {
     const auto& d = denoising;

@@ -31,6 +31,8 @@ struct Summary {
   std::string resumed;               // JSON {"step", "load_s", "restart", "after", ...} when this process resumed; "" when not
   std::string durable;               // JSON {"uri", "step", "lag_s", "abandoned"} with a durable tier; "" without
   std::string val_loss_by_dataset;   // a blend's: JSON {dataset: its last validation loss}; "" for one dataset
+  std::string replica_changes;       // replica groups: JSON array of RunRecord::replica_changes; "" without
+  int64_t steps_retaken = 0;         // replica groups: steps taken again after a group was lost
   bool has_sample = false;
   DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 
