@@ -22,6 +22,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -320,7 +321,8 @@ int replica_heal() {
 // A replica group (ZS_TEST_GROUP) of the ranks zeroshard-run started, in job "train": a small model
 // (initialised with ZS_TEST_SEED) trained with ZeRO-ZS_TEST_ZERO for ZS_TEST_STEPS steps of a global
 // batch of 8 rows, this group's share of it chosen by its place among the live groups at each step.
-// A lost step is taken again. Prints "pid P rank R" first, "step S group I of N" per step, and at
+// A lost step is taken again; while it trains alone it holds after each step as long as the file
+// ZS_TEST_HOLD exists. Prints "pid P rank R" first, "registered" once in the coordinator, "step S group I of N" per step, and at
 // the end writes its parameters (as float32) to ZS_TEST_OUT.<group>.<rank>.
 int replica_train() {
   using zeroshard::ReplicaGroups, zeroshard::ReplicaGroupsOptions, zeroshard::ReplicaTurn;
@@ -353,6 +355,7 @@ int replica_train() {
   ro.meet_timeout = std::chrono::seconds(30);
   ro.config = "global batch 8";
   ReplicaGroups groups(zeroshard::ProcessGroup::of(comm), opt, nullptr, ro);
+  std::cout << "registered" << std::endl;
   torch::manual_seed(7);
   const auto x = torch::randn({steps * 8, 8}), y = torch::randn({steps * 8, 4});
   for (int64_t step = 0; step < steps;) {
@@ -371,6 +374,12 @@ int replica_train() {
     std::cout << "step " << step << " group " << turn.index << " of " << turn.count << std::endl;
     ++step;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // The test holds a group training alone here (while the file ZS_TEST_HOLD exists) until the
+    // group it lost is back, so that it cannot finish before.
+    const char* hold = std::getenv("ZS_TEST_HOLD");
+    while (turn.count == 1 && hold != nullptr && std::filesystem::exists(hold)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
   std::optional<zeroshard::FullyShardedModel::FullParamsGuard> whole;
   if (sharded) whole.emplace(sharded->summon_full_params());

@@ -49,6 +49,11 @@ struct ReplicaGroupsOptions {
   // for the others to arrive.
   std::chrono::milliseconds meet_timeout = std::chrono::seconds(60);
   std::string config;  // what the groups must share (the global batch, the options), as text
+  // A group alone with no state (step 0) in a job whose groups reached a later step (the
+  // coordinator's record; every group that held the state was lost): true waits for a live group
+  // to take the state from; false throws, naming the job's step and the fixes. A group alone with
+  // a checkpoint's state (a step > 0) trains from it, saying which steps it takes again.
+  bool wait_when_alone = true;
 };
 
 // This group's place at a step.

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <thread>
 
 namespace zeroshard::replica {
 
@@ -81,14 +82,25 @@ Registration::Registration(Etcd& etcd, std::string job, GroupInfo me, std::chron
                     " s is too short for the coordinator's lease (at least 2 s)");
   lease_ = etcd_.grant(liveness_);
   try {
-    GroupInfo held;
-    KeyValue there;
-    if (!etcd_.create(key(), to_json(me_), lease_, &there)) {
-      held = group_from_json(there.value, there.key);
-      TORCH_CHECK(false, "replica groups: ", where(held), " is already registered in job '", job_, "' at ",
-                  etcd_.describe(), " and alive: is this group launched twice? Give each group its own name "
-                  "(--replica-group), or stop the other first (its key goes ", liveness_.count(),
-                  " s after it stops)");
+    // A group started again right after it was lost finds its old key until the old lease runs
+    // out (within the liveness window): it waits that long. A key still there after it is renewed
+    // by a live process of the same name.
+    const auto deadline = std::chrono::steady_clock::now() + liveness_ + std::chrono::seconds(1);
+    for (bool told = false;;) {
+      KeyValue there;
+      if (etcd_.create(key(), to_json(me_), lease_, &there)) break;
+      const GroupInfo held = group_from_json(there.value, there.key);
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "replica groups: ", where(held),
+                  " is already registered in job '", job_, "' at ", etcd_.describe(), " and alive: is this group "
+                  "launched twice? Give each group its own name (--replica-group), or stop the other first (its key "
+                  "goes ", liveness_.count(), " s after it stops)");
+      if (!told) {
+        log_info("replica groups: " + where(held) + " is still registered in job '" + job_ + "'; waiting up to " +
+                 std::to_string(liveness_.count()) + " s for its lease to run out (a group started again after "
+                 "it was lost)");
+        told = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
     for (const auto& other : live()) {
       if (other.group == me_.group) continue;

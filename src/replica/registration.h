@@ -6,7 +6,9 @@
 // Registering checks the group against the live groups: the same model (its
 // parameters' hash), the same ranks per group and the same configuration, or
 // it is refused by name, before it trains a step; and a group of the same name
-// that is still alive is another process (a duplicate launch), refused too.
+// still registered a liveness window later is another live process (a duplicate
+// launch), refused too (one started again after it was lost waits out its old
+// lease).
 // Thread-safety: one thread renews the lease in the background; the calls are
 // safe from any thread.
 #pragma once
@@ -38,7 +40,8 @@ class Registration {
  public:
   // Registers `me` in `job` with a lease of `liveness` (renewed every third of it).
   // Throws, naming the difference and the fix, when a live group of the job has
-  // another model, ranks per group or configuration, or one of the same name is live;
+  // another model, ranks per group or configuration, or one of the same name is still live
+  // after `liveness` (its old lease, when this group was started again, runs out by then);
   // and in one line when the coordinator cannot be reached.
   Registration(Etcd& etcd, std::string job, GroupInfo me, std::chrono::seconds liveness);
   ~Registration();  // leaves: the lease revoked (its key goes at once), the renewals stopped

@@ -79,6 +79,10 @@ struct ReplicaGroups::Impl {
   void step_lost(const ReplicaGroupLost& e);
   bool sum_across(std::vector<double>& values);
   void meet(int64_t& step);  // the new membership, its communicator, the heal
+  // Alone at `step`: whether to train (a step the job has not passed, or a checkpoint's); else
+  // throws or (wait_when_alone) waits a while for the membership to change and says false.
+  bool alone_allowed(const MembershipView& view, int64_t step);
+  std::string progress_key() const;  // the job's progress: the step its groups reached
   void watch();              // the first rank's background thread
 
   ProcessGroup group_;
@@ -105,6 +109,9 @@ struct ReplicaGroups::Impl {
   MembershipView watched_;
   std::atomic<bool> seen_change_{false};
   std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> step_now_{0};  // the trainer's, at the last boundary
+  int64_t progress_put_ = -1;         // the watcher's last write of it
+  bool told_alone_ = false;
   std::thread watcher_;
 };
 
@@ -161,7 +168,14 @@ void ReplicaGroups::Impl::start() {
 
 ReplicaGroups::Impl::~Impl() {
   stopping_ = true;
-  if (watcher_.joinable()) watcher_.join();
+  if (watcher_.joinable()) {
+    watcher_.join();
+    try {  // the job's progress as this group leaves it
+      if (step_now_ > progress_put_) etcd_->put(progress_key(), std::to_string(step_now_.load()));
+    } catch (const std::exception& e) {
+      log_warn("replica groups: recording the job's progress: " + error_message(e));
+    }
+  }
   if (agreement_ != nullptr && slot_ >= 0) agreement_->remove(slot_);
   try {
     shard::OptimizerAccess::set_replica_groups(opt_, nullptr);
@@ -178,6 +192,12 @@ void ReplicaGroups::Impl::watch() {
       view = watched_;
     }
     try {
+      // The job's progress, for a group that later finds itself alone (meet()).
+      const int64_t now = step_now_;
+      if (now > progress_put_) {
+        etcd_->put(progress_key(), std::to_string(now));
+        progress_put_ = now;
+      }
       if (!seen_change_ && membership_->wait_for_change(view, std::chrono::seconds(1))) seen_change_ = true;
     } catch (const std::exception& e) {
       log_warn("replica groups: watching the coordinator: " + error_message(e));
@@ -215,7 +235,44 @@ bool ReplicaGroups::Impl::sum_across(std::vector<double>& values) {
 
 ReplicaTurn ReplicaGroups::Impl::before_step(int64_t& step) {
   if (!met_ || lost_ || changed_) meet(step);
+  step_now_ = step;
   return turn_;
+}
+
+std::string ReplicaGroups::Impl::progress_key() const { return "/zeroshard/" + options_.job + "/progress"; }
+
+bool ReplicaGroups::Impl::alone_allowed(const MembershipView& view, int64_t step) {
+  auto& control = *group_.control;
+  std::string reached;  // the job's progress, as the coordinator holds it
+  if (control.rank() == 0) {
+    const auto kv = etcd_->get(progress_key());
+    reached = kv ? kv->value : "0";
+  }
+  const int64_t job_step = std::stoll(broadcast_text(control, reached, 0, options_.meet_timeout));
+  if (step >= job_step) return true;
+  if (step > 0) {  // its own state, from a checkpoint: the steps since are taken again
+    if (control.rank() == 0) {
+      log_warn("replica groups: group '" + options_.group + "' is alone in job '" + options_.job + "' at step " +
+               std::to_string(step) + " (its checkpoint), but the job had reached step " + std::to_string(job_step) +
+               " with groups now lost: every group was lost, so it falls back to its checkpoint and takes steps " +
+               std::to_string(step + 1) + " to " + std::to_string(job_step) + " again");
+    }
+    return true;
+  }
+  const std::string why = "replica groups: group '" + options_.group + "' is alone in job '" + options_.job +
+                          "' with no state (step 0), but the job reached step " + std::to_string(job_step) +
+                          " (" + etcd_->describe() + ", " + progress_key() + "): the groups that trained it are "
+                          "lost, and starting over from step 0 would throw their training away";
+  TORCH_CHECK(options_.wait_when_alone, why, "; resume from a checkpoint of the job, start a live group first, "
+              "or name a new job (a job's record is removed with `etcdctl del ", progress_key(), "`)");
+  if (control.rank() == 0 && !told_alone_) {
+    log_warn(why + "; waiting for a live group to take the state from");
+    told_alone_ = true;
+  }
+  bool changed = false;
+  if (control.rank() == 0) changed = membership_->wait_for_change(view, std::chrono::seconds(5));
+  (void)broadcast_text(control, changed ? "1" : "0", 0, options_.meet_timeout);
+  return false;
 }
 
 void ReplicaGroups::Impl::meet(int64_t& step) {
@@ -251,6 +308,10 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
     TORCH_CHECK(why.empty(), why);
     view = view_of(broadcast_text(control, text, 0, options_.meet_timeout));
     const int count = static_cast<int>(view.groups.size());
+    if (count == 1 && !alone_allowed(view, step)) {  // waited for a group to come (not a failed meeting)
+      --attempt;
+      continue;
+    }
     // 2. This shard position's communicator across the groups, then where each group is.
     std::shared_ptr<Communicator> across;
     std::vector<int64_t> steps(1, step);

@@ -26,7 +26,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   replica_groups  --replica-group: two groups of one rank meet through a real etcd member; group b joins a
                running, heals from it, is killed (its launcher, SIGKILL), and a later b heals again; the
                surviving group never restarts, and every step's loss of both equals an uninterrupted 2-rank
-               run's (rel. 1e-5): every sample trained once
+               run's (rel. 1e-5): every sample trained once; then a group with no state, alone in the
+               finished job, refuses to start over (--replica-alone exit)
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -845,10 +846,26 @@ def check_replica_groups(build, work):
         b.send_signal(9)  # the whole group: its launcher, and its rank with it
         b.wait()
         killed_at = steps_of(a_dir)[-1]["step"]
-        wait("a goes on alone", lambda: steps_of(a_dir)[-1]["step"] >= killed_at + 10, [a])
+
+        def alone():
+            try:
+                return any(r.get("event") == "replica_groups" and r["groups"] == 1 and r["step_retaken"]
+                           for r in metrics(a_dir))
+            except (OSError, ValueError):
+                return False
+        wait("a goes on alone", alone, [a])
         b2 = group("b", b2_dir)
         check(a.wait(timeout=300) == 0, lambda: "group a: " + tail(a))
         check(b2.wait(timeout=300) == 0, lambda: "group b, again: " + tail(b2))
+        # Every group gone, the job at its last step: a group with no state does not start over.
+        lone = os.path.join(work, "group_c")
+        shutil.rmtree(lone, ignore_errors=True)
+        shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(lone, "tokenizer"))
+        out = pretrain(build, lone, 1, "--dataset", os.path.join(ref, "dataset"), *common, "--replica-group", "c",
+                       "--coordinator", "etcd://" + client[len("http://"):], "--replica-alone", "exit", expect=1)
+        # (The job's record is the groups' last step boundary: the step before the last.)
+        check(f"group 'c' is alone in job 'bart' with no state (step 0), but the job reached step {steps - 1}" in out,
+              lambda: out[-3000:])
     finally:
         for p in procs:
             if p.poll() is None:

@@ -478,11 +478,12 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
   const int64_t steps = 40;
   EtcdCluster cluster(1);
   const std::string run = testing::build_dir() + "/zeroshard-run", exe = testing::build_dir() + "/tests/zs_tests";
-  const std::string out = cluster.dir() + "/params";
+  const std::string out = cluster.dir() + "/params", hold = cluster.dir() + "/hold";
   auto start = [&](const std::string& g, const std::string& log, int seed) {
     return spawn({run, "--nproc-per-node", "2", "--", exe, "--helper", "replica_train"}, cluster.dir() + "/" + log + ".log",
                  {"ZS_TEST_ETCD=" + cluster.address(), "ZS_TEST_GROUP=" + g, "ZS_TEST_ZERO=" + std::to_string(zero),
-                  "ZS_TEST_STEPS=" + std::to_string(steps), "ZS_TEST_SEED=" + std::to_string(seed), "ZS_TEST_OUT=" + out});
+                  "ZS_TEST_STEPS=" + std::to_string(steps), "ZS_TEST_SEED=" + std::to_string(seed), "ZS_TEST_OUT=" + out,
+                  "ZS_TEST_HOLD=" + hold});
   };
   // Waits until `log` holds `what` `times` times (after `after`, when given), at most 60 s.
   auto wait_for = [&](const std::string& log, const std::string& what, const std::string& after = "", int times = 1) {
@@ -511,12 +512,15 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
   const auto at = text.find(mark);
   ASSERT_NE(at, std::string::npos) << text;
   const pid_t victim = static_cast<pid_t>(std::stol(text.substr(at + mark.size())));
+  std::ofstream(hold).put('\n');  // a, once alone, waits for b's return before its next step
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   int status = 0;
   ASSERT_EQ(::waitpid(b, &status, 0), b);
   b = 0;
   ASSERT_TRUE(wait_for("a", "group 0 of 1", "the step in flight taken again")) << cluster.log("a");
   const pid_t back = start("b", "b-again", 2);
+  ASSERT_TRUE(wait_for("b-again", "[rank0]: registered")) << cluster.log("b-again");
+  std::filesystem::remove(hold);  // a trains again; its next step learns that b is back
   ASSERT_TRUE(wait_for("b-again", "took its state from group 'a'")) << cluster.log("a") << cluster.log("b-again");
   for (pid_t pid : {a, back}) {
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);

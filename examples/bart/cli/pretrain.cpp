@@ -318,6 +318,11 @@ void add_optimizer_options(CLI::App& app, bart::RunOptions& o) {
   app.add_option("--replica-listen", o.replica_listen,
                  "with --replica-group: the address of this host the other groups reach its ranks at")
       ->capture_default_str();
+  app.add_option("--replica-alone", o.replica_alone,
+                 "with --replica-group, a group alone with no state (no checkpoint) in a job whose lost groups "
+                 "trained on: wait for a live group to take the state from, or exit (it never starts over silently)")
+      ->check(CLI::IsMember({"wait", "exit"}))
+      ->capture_default_str();
 }
 
 // Training: checkpoints, evaluation, the data loader, noise, reports.

@@ -346,6 +346,7 @@ void PretrainingRun::resume() {
     ro.group = o.replica_group;
     ro.liveness = std::chrono::seconds(std::max<int64_t>(1, std::llround(o.liveness)));
     ro.listen_host = o.replica_listen;
+    ro.wait_when_alone = o.replica_alone == "wait";
     // What the groups must share to train one model: what shapes each step's update.
     ro.config = json{{"config", o.config}, {"global_batch", o.global_batch}, {"micro_batches", o.micro_batches},
                      {"stage", o.stage}, {"precision", o.precision}, {"lr", o.lr}, {"schedule", o.schedule},

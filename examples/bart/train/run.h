@@ -60,6 +60,7 @@ struct RunOptions {
   std::string coordinator;    // etcd://HOST:PORT[,HOST:PORT...]
   std::string replica_job = "bart";
   std::string replica_listen = "127.0.0.1";  // the address the other groups reach this group's ranks at
+  std::string replica_alone = "wait";  // alone with no state in a job that trained on: wait for a group, or exit
   std::string ckpt_dir;  // "": RUN_DIR/checkpoints; "none": off; s3://bucket/prefix: the durable tier
   std::string ckpt_local_dir;  // with an s3:// ckpt_dir: the local first tier ("": RUN_DIR/checkpoints)
   int64_t save_every = 100;
