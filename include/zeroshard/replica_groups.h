@@ -83,6 +83,9 @@ class ReplicaGroups {
   ReplicaGroups(ProcessGroup group, ShardedOptimizer& opt, std::shared_ptr<StepAgreement> agreement,
                 ReplicaGroupsOptions options);
   ~ReplicaGroups();  // leaves the job (the other groups see this one gone at once)
+  // Throws in one line, naming the fix, when `options.coordinator` does not parse or no member
+  // of it answers: a check a trainer can run before its slow set-up. No collective.
+  static void check_coordinator(const ReplicaGroupsOptions& options);
   ReplicaGroups(const ReplicaGroups&) = delete;
   ReplicaGroups& operator=(const ReplicaGroups&) = delete;
 

@@ -123,6 +123,11 @@ ReplicaGroups::ReplicaGroups(ProcessGroup group, ShardedOptimizer& opt, std::sha
 
 ReplicaGroups::~ReplicaGroups() = default;
 
+void ReplicaGroups::check_coordinator(const ReplicaGroupsOptions& options) {
+  Etcd etcd(EtcdOptions{parse_etcd_endpoints(options.coordinator), std::chrono::seconds(5)});
+  (void)etcd.get(Registration::groups_prefix(options.job));  // any read: a member answers, or it throws naming them
+}
+
 void ReplicaGroups::on_heal(std::function<std::string()> send, std::function<void(const std::string&)> receive) {
   impl_->send_ = std::move(send);
   impl_->receive_ = std::move(receive);

@@ -650,6 +650,9 @@ def check_bad_input(build, work):
         (["--tokenizer", work], ["no vocab.json", "--tokenizer"]),
         (["--micro-batches", "3"], ["--micro-batches 3", "per-rank batch 16"]),
         (["--schedule", "linear-ish"], ["'linear-ish'", "inverse-sqrt or cosine"]),
+        (["--replica-group", "a"], ["--replica-group 'a' with --coordinator ''", "both given"]),
+        (["--replica-group", "a", "--coordinator", "etcd://127.0.0.1:1"],
+         ["no member of etcd at http://127.0.0.1:1 served it", "start etcd there"]),
     ]
     # Files given on the command line that do not parse: the option, the file and the position.
     files = os.path.join(work, "bad_files")

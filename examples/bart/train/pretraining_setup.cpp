@@ -69,6 +69,12 @@ PretrainingRun::PretrainingRun(const RunOptions& o) : o_(o) {
                     o.micro_batches, " must divide the per-rank batch ", local_batch_, " (--global-batch ",
                     o.global_batch, " / ", dp_, " data-parallel ranks)");
   TORCH_CHECK_VALUE(o.pp == 1 || o.save_logits.empty(), "--save-logits runs the whole model: use it with --pp 1");
+  if (!o.replica_group.empty()) {  // before the data is prepared: an unreachable coordinator fails at once
+    zeroshard::ReplicaGroupsOptions ro;
+    ro.coordinator = o.coordinator;
+    ro.job = o.replica_job;
+    zeroshard::ReplicaGroups::check_coordinator(ro);
+  }
   fs::create_directories(o.run_dir);
   if (o.trace) zeroshard::trace::enable();
   zeroshard::trace::set_thread_name("training");
