@@ -253,6 +253,22 @@ struct PlotMarks {
   std::vector<int64_t> durable;          // steps committed in a durable tier
   std::map<int64_t, json> interruptions;  // by step: {"cause", ...}
   std::vector<json> resumes;             // {"step", "restart", "after", ["to_first_step_s"]}
+  std::vector<json> groups;              // replica groups' changes {"step", "groups", "pause_s", ...}, in order
+
+  // A line per change of the replica groups after the first meeting: (step, label).
+  std::vector<std::pair<int64_t, std::string>> group_lines() const {
+    std::vector<std::pair<int64_t, std::string>> out;
+    char buf[200];
+    for (size_t k = 1; k < groups.size(); ++k) {
+      const json& g = groups[k];
+      std::snprintf(buf, sizeof(buf), "%d group(s) from step %lld, paused %.1f s%s%s", g.value("groups", 0),
+                    static_cast<long long>(g.value("step", int64_t{0})), g.value("pause_s", 0.0),
+                    g.value("step_retaken", false) ? ", a step taken again" : "",
+                    g.value("heal_bytes", int64_t{0}) > 0 ? ", healed" : "");
+      out.emplace_back(g.value("step", int64_t{0}), buf);
+    }
+    return out;
+  }
 
   // The vertical lines: (step, label).
   std::vector<std::pair<int64_t, std::string>> lines() const {
@@ -322,6 +338,7 @@ void read_plot_data(std::istream& in, PlotData& d) {
     if (event == "durable") d.marks.durable.push_back(step);
     if (event == "interruption") d.marks.interruptions[step] = j;
     if (event == "resume") d.marks.resumes.push_back(j);
+    if (event == "replica_groups") d.marks.groups.push_back(j);
   }
   for (int64_t step : d.marks.checkpoints) {
     const auto it = d.marks.loss.find(step);
@@ -346,13 +363,19 @@ void write_gnuplot_script(std::ostream& gp, const PlotData& d, const std::string
      << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats per token)'\n"
      << "set grid\nset key top right\n";
   if (d.last_step > d.first_step) gp << "set xrange [" << d.first_step << ":" << d.last_step << "]\n";
+  const auto group_lines = d.marks.group_lines();
   int tag = 1;
-  for (const auto& [step, label] : lines) {  // a dashed line, its label along it (dark, to the line's left)
-    gp << "set arrow " << tag << " from " << step << ", graph 0 to " << step
-       << ", graph 1 nohead dt 2 lw 2 lc rgb '#9467bd' front\n"
-       << "set label " << tag << " \"" << gnuplot_text(label) << "\" at " << step
-       << ", graph 0.97 rotate by 90 right offset -0.9, 0 tc rgb '#333333' font ',9' front\n";
-    ++tag;
+  // A dashed line, its label along it (dark, to the line's left): interruptions and restarts in
+  // purple, changes of the replica groups in brown.
+  for (const auto* set : {&lines, &group_lines}) {
+    const char* colour = set == &lines ? "#9467bd" : "#8c564b";
+    for (const auto& [step, label] : *set) {
+      gp << "set arrow " << tag << " from " << step << ", graph 0 to " << step << ", graph 1 nohead dt 2 lw 2 lc rgb '"
+         << colour << "' front\n"
+         << "set label " << tag << " \"" << gnuplot_text(label) << "\" at " << step
+         << ", graph 0.97 rotate by 90 right offset -0.9, 0 tc rgb '#333333' font ',9' front\n";
+      ++tag;
+    }
   }
   gp << "plot $train using 1:2 with lines lw 1.5 lc rgb '#1f77b4' title 'train loss'";
   if (has_val) gp << ", $val using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc rgb '#d62728' title 'validation loss'";
@@ -361,6 +384,7 @@ void write_gnuplot_script(std::ostream& gp, const PlotData& d, const std::string
     gp << ", $durable using 1:2 with points pt 6 ps 2.4 lw 2 lc rgb '#ff7f0e' title 'checkpoint durable (object store)'";
   }
   if (!lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#9467bd' title 'interruption / restart'";
+  if (!group_lines.empty()) gp << ", NaN with lines dt 2 lw 2 lc rgb '#8c564b' title 'replica groups changed'";
   gp << "\n";
 }
 

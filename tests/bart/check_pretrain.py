@@ -26,7 +26,8 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
   replica_groups  --replica-group: two groups of one rank meet through a real etcd member; group b joins a
                running, heals from it, is killed (its launcher, SIGKILL), and a later b heals again; the
                surviving group never restarts, and every step's loss of both equals an uninterrupted 2-rank
-               run's (rel. 1e-5): every sample trained once; then a group with no state, alone in the
+               run's (rel. 1e-5): every sample trained once; loss.png marks each change; then a group with
+               no state, alone in the
                finished job, refuses to start over (--replica-alone exit)
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
@@ -811,12 +812,12 @@ def check_replica_groups(build, work):
     etcd, client = start_etcd(work)
     procs = []
     try:
-        def group(name, run_dir):
+        def group(name, run_dir, plot=False):
             shutil.rmtree(run_dir, ignore_errors=True)
             shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(run_dir, "tokenizer"))
             cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "1", "--",
                    os.path.join(build, "examples", "bart_pretrain"), "--dataset", os.path.join(ref, "dataset"),
-                   "--run-dir", run_dir, "--no-plot", "--progress-interval", "1000", *common,
+                   "--run-dir", run_dir, *([] if plot else ["--no-plot"]), "--progress-interval", "1000", *common,
                    "--replica-group", name, "--coordinator", "etcd://" + client[len("http://"):]]
             log = open(run_dir + ".log", "w")
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, ZS_LOG_LEVEL="info"))
@@ -842,7 +843,7 @@ def check_replica_groups(build, work):
             return open(log).read()[-4000:]
 
         a_dir, b_dir, b2_dir = (os.path.join(work, n) for n in ("group_a", "group_b", "group_b_again"))
-        a = group("a", a_dir)
+        a = group("a", a_dir, plot=True)
         wait("a trains alone", lambda: len(steps_of(a_dir)) >= 5, [a])
         b = group("b", b_dir)
         wait("b joins and trains beside a", lambda: len(steps_of(b_dir)) >= 5, [a, b])
@@ -890,6 +891,15 @@ def check_replica_groups(build, work):
           any(g == 1 and i > 0 for i, (g, _) in enumerate(shape)), lambda: f"group a's membership changes: {changes}")
     healed = [r for r in metrics(b2_dir) if r.get("event") == "replica_groups"]
     check(healed and healed[0]["heal_bytes"] > 0 and healed[0]["groups"] == 2, lambda: f"group b's: {healed}")
+    # loss.png marks each change after the first meeting with a brown line at its step.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from png_marks import frame, read_png, vertical_lines
+    img = read_png(os.path.join(a_dir, "loss.png"))
+    box = frame(img)
+    x_of = lambda step: box[0] + step / steps * (box[1] - box[0])  # noqa: E731 (from the validation at step 0)
+    lines = vertical_lines(img, (0x8C, 0x56, 0x4B), box)
+    check(len(lines) == len(changes) - 1 and all(abs(x - x_of(c["step"])) <= 3 for x, c in zip(lines, changes[1:])),
+          lambda: f"loss.png: brown lines at {lines}, changes at x = {[x_of(c['step']) for c in changes[1:]]}")
     lost = [c for c in changes if c["groups"] == 1][1:]
     summary = [r for r in metrics(a_dir) if r.get("event") == "summary"][-1]
     print(f"replica_groups: {steps} steps; b killed at step {killed_at}: a paused {lost[0]['pause_s']:.2f} s "
