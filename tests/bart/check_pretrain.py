@@ -879,6 +879,8 @@ def check_replica_groups(build, work):
     got_a = {r["step"]: r["loss"] for r in steps_of(a_dir)}
     got_b = {r["step"]: r["loss"] for r in steps_of(b2_dir)}
     check(sorted(got_a) == list(range(1, steps + 1)), lambda: f"group a's steps: {sorted(got_a)}")
+    check(all(r["samples"] == 8 and r["replica_groups"] in (1, 2) for r in steps_of(a_dir)),
+          "every step of a trains the global batch of 8 samples, over 1 or 2 groups")
     check(got_b and max(got_b) == steps and min(got_b) > killed_at, lambda: f"group b's steps: {sorted(got_b)}")
     worst = 0.0
     for got in (got_a, got_b):

@@ -339,6 +339,10 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   record_.data_wait_s += r.data_wait;
   extra["data_wait_s"] = r.data_wait;
   if (data_->blended()) extra["examples_by_dataset"] = r.by_dataset;
+  if (groups_) {  // the groups that trained this step, and the samples they trained: the whole global batch
+    extra["replica_groups"] = groups_->turn().count;
+    extra["samples"] = o.global_batch;
+  }
   if (durable_) note_durable(extra);
   if (ckpt_ && (step_ % o.save_every == 0 || end)) {
     // The save carries this step's line as it stands (without the save's own time), and the run's
