@@ -67,7 +67,7 @@ struct ReplicaChange {
   int64_t step = 0;           // the step taken next
   int64_t generation = 0;
   int groups = 0;             // live groups from then on
-  double pause_seconds = 0;   // from the change seen (or the step lost) to the groups met again
+  double pause_seconds = 0;   // from the change seen (or the start of the step lost) to the groups met again
   int64_t heal_bytes = 0;     // state this rank received (0: none)
   double heal_seconds = 0;
   bool step_retaken = false;  // the step in flight was lost and is taken again

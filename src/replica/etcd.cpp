@@ -132,8 +132,8 @@ std::string Etcd::call(const std::string& path, const std::string& body, const s
     q.body = body;
     q.no_proxy = true;  // the coordinator is the cluster's own
     ckpt::http::Limits limits;
-    limits.connect = std::min(left, std::chrono::milliseconds(2000));
-    limits.total = left;
+    limits.connect = std::min(left, options_.attempt_timeout);
+    limits.total = std::min(left, options_.attempt_timeout);
     const auto r = ckpt::http::perform(q, limits);
     const std::string member = options_.endpoints[static_cast<size_t>(k)];
     if (r.status == 0) {
@@ -284,7 +284,7 @@ std::vector<WatchEvent> Etcd::watch(const std::string& prefix, int64_t after, st
     r.cancelled = cancelled;
     ckpt::http::Limits limits;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    limits.connect = std::min(left, std::chrono::milliseconds(2000));
+    limits.connect = std::min(left, options_.attempt_timeout);
     limits.low_speed_bytes = 0;  // a quiet watch moves nothing
     limits.total = left;
     const auto resp = ckpt::http::perform(r, limits);

@@ -29,6 +29,9 @@ namespace zeroshard::replica {
 struct EtcdOptions {
   std::vector<std::string> endpoints;  // the members' client URLs: "http://127.0.0.1:2379"
   std::chrono::milliseconds request_timeout{5000};  // one call, every member tried within it
+  // One member's try at a call (not a watch): a member cut off (silent, no reset) is passed over
+  // after this long, well inside a lease's time to live, for the next.
+  std::chrono::milliseconds attempt_timeout{1000};
 };
 
 // "etcd://HOST:PORT[,HOST:PORT...]" (or http:// URLs, comma-separated) into member URLs.

@@ -24,34 +24,41 @@ std::string names_text(const std::vector<std::string>& names) {
 
 }  // namespace
 
-Membership::Membership(std::shared_ptr<Etcd> etcd, std::string job, std::string me)
-    : etcd_(std::move(etcd)), job_(std::move(job)), me_(std::move(me)) {}
+Membership::Membership(std::shared_ptr<Etcd> etcd, std::string job, std::string me, int64_t lease)
+    : etcd_(std::move(etcd)), job_(std::move(job)), me_(std::move(me)), lease_(lease) {}
 
 std::string Membership::key() const { return "/zeroshard/" + job_ + "/membership"; }
 
-std::vector<std::string> Membership::live_groups(int64_t* revision) {
+std::vector<std::string> Membership::live_groups(int64_t* revision, bool* mine) {
   const auto prefix = Registration::groups_prefix(job_);
   std::vector<std::string> names;
-  for (const auto& kv : etcd_->list(prefix, revision)) names.push_back(kv.key.substr(prefix.size()));
+  if (mine != nullptr) *mine = false;
+  for (const auto& kv : etcd_->list(prefix, revision)) {
+    names.push_back(kv.key.substr(prefix.size()));
+    if (mine != nullptr && names.back() == me_) *mine = lease_ == 0 || kv.lease == lease_;
+  }
   return names;  // in key order: name order
 }
 
-MembershipView Membership::agree(std::chrono::milliseconds timeout) {
+MembershipView Membership::agree(std::chrono::milliseconds timeout, int64_t after) {
   const auto deadline = Clock::now() + timeout;
   std::vector<std::string> live, held;
   for (;;) {
-    live = live_groups();
+    bool mine = false;
+    live = live_groups(nullptr, &mine);
     const auto it = std::find(live.begin(), live.end(), me_);
-    TORCH_CHECK(it != live.end(), "replica groups: group '", me_, "' is not among the live groups ", names_text(live),
-                " of job '", job_, "' (its lease was lost: it must register again)");
+    TORCH_CHECK(it != live.end() && mine, "replica groups: group '", me_, "' is not among the live groups ",
+                names_text(live), " of job '", job_, "'", it != live.end() ? " as this process (a group of its name "
+                "registered since, on a lease of its own)" : "", " (its lease was lost: it must register again)");
     const auto m = etcd_->get(key());
     held.clear();
     if (m) held = json::parse(m->value).get<std::vector<std::string>>();
-    if (m && held == live) {
+    if (m && held == live && m->mod_revision > after) {
       return {m->mod_revision, live, static_cast<int>(it - live.begin())};
     }
     if (Clock::now() > deadline) break;
-    // Bring the key in line; a writer that lost the race reads the winner's value next.
+    // Bring the key in line (or, when it is in line at a generation met already, write it again for
+    // a new one); a writer that lost the race reads the winner's value next.
     etcd_->put_if(key(), json(live).dump(), m ? m->mod_revision : 0);
   }
   TORCH_CHECK(false, "replica groups: job '", job_, "' did not agree on its membership within ", timeout.count(),

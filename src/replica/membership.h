@@ -37,12 +37,16 @@ struct MembershipView {
 
 class Membership {
  public:
-  Membership(std::shared_ptr<Etcd> etcd, std::string job, std::string me);
+  // `lease`: the group's registration's (0: any key of the name counts as this group's).
+  Membership(std::shared_ptr<Etcd> etcd, std::string job, std::string me, int64_t lease = 0);
 
   // The membership of the live groups, once the coordinator's key holds exactly them (written
-  // here when it does not). Throws when this group is not live (its lease was lost: it must
+  // here when it does not), at a generation after `after`: a generation is met once (its
+  // meeting's keys are used), so a group meeting again after a loss while the live groups are
+  // still the same (the lost one's lease has not run out, or the loss was a link's blip) writes
+  // the key again for a new one. Throws when this group is not live (its lease was lost: it must
   // register again) or when no agreement is reached within `timeout`.
-  MembershipView agree(std::chrono::milliseconds timeout);
+  MembershipView agree(std::chrono::milliseconds timeout, int64_t after = 0);
   // Throws MembershipChanged when `generation` is no longer the membership: the key was
   // written since, or the live groups are no longer its groups.
   void check_current(const MembershipView& view);
@@ -53,10 +57,12 @@ class Membership {
   std::string key() const;  // the membership key
 
  private:
-  std::vector<std::string> live_groups(int64_t* revision = nullptr);
+  // *mine (if given): whether this group's key is on this group's lease.
+  std::vector<std::string> live_groups(int64_t* revision = nullptr, bool* mine = nullptr);
 
   std::shared_ptr<Etcd> etcd_;
   std::string job_, me_;
+  int64_t lease_ = 0;
 };
 
 }  // namespace zeroshard::replica

@@ -2,13 +2,13 @@
 #include "zeroshard/replica_groups.h"
 
 #include "replica/etcd.h"
+#include "replica/group_comm.h"
 #include "replica/heal.h"
 #include "replica/membership.h"
 #include "replica/registration.h"
 
 #include "checksum.h"
 #include "compat/torch_compat.h"
-#include "replica/group_comm.h"
 #include "shard/optimizer/optimizer_access.h"
 #include "comm/host_name.h"
 #include "zeroshard/log.h"
@@ -98,10 +98,12 @@ struct ReplicaGroups::Impl {
   std::shared_ptr<Communicator> across_;
   ReplicaTurn turn_;
   bool met_ = false;
+  int64_t met_generation_ = 0;  // the last generation met (a meeting is never held twice)
   bool lost_ = false;     // the groups' communicator failed: meet again
   bool retake_ = false;   // the step in flight was lost
   bool changed_ = false;  // the last agreement said the membership changed
-  std::chrono::steady_clock::time_point since_;  // when the change or loss was seen
+  std::chrono::steady_clock::time_point since_;  // when the change was seen, or the lost step began
+  std::chrono::steady_clock::time_point step_began_;  // the last boundary
   std::vector<ReplicaChange> changes_;
 
   // The watch (first rank only).
@@ -143,7 +145,12 @@ void ReplicaGroups::Impl::start() {
   TORCH_CHECK_VALUE(group_.control != nullptr, "ReplicaGroups: the group's communicator is null");
   TORCH_CHECK_VALUE(!options_.group.empty(), "ReplicaGroups: the group has no name; give each group of the job one "
                     "(the BART trainer: --replica-group NAME)");
-  etcd_ = std::make_shared<Etcd>(EtcdOptions{parse_etcd_endpoints(options_.coordinator), std::chrono::seconds(5)});
+  // A member cut off is passed over within a quarter of the lease's time to live: the renewals
+  // reach another member before the lease runs out.
+  const auto attempt = std::max<std::chrono::milliseconds>(
+      std::chrono::milliseconds(250), std::chrono::duration_cast<std::chrono::milliseconds>(options_.liveness) / 4);
+  etcd_ = std::make_shared<Etcd>(
+      EtcdOptions{parse_etcd_endpoints(options_.coordinator), std::chrono::seconds(5), attempt});
   if (agreement_ == nullptr) agreement_ = std::make_shared<StepAgreement>(group_.control);
   if (shard::OptimizerAccess::agreement(opt_) != agreement_) opt_.join(agreement_);
   // The membership changed, as the group's first rank saw it: every rank meets at the next boundary.
@@ -168,7 +175,8 @@ void ReplicaGroups::Impl::start() {
   }
   why = broadcast_text(*group_.control, why, 0, options_.meet_timeout);
   TORCH_CHECK(why.empty(), why);
-  membership_ = std::make_unique<Membership>(etcd_, options_.job, options_.group);
+  membership_ = std::make_unique<Membership>(etcd_, options_.job, options_.group,
+                                             registration_ ? registration_->lease() : 0);
 }
 
 ReplicaGroups::Impl::~Impl() {
@@ -216,7 +224,7 @@ void ReplicaGroups::Impl::step_lost(const ReplicaGroupLost& e) {
   log_warn("replica groups: group '" + options_.group + "' lost its step: " + e.what() +
            "; meeting the live groups again");
   opt_.discard_gradients();
-  if (!lost_ && !changed_) since_ = Clock::now();
+  if (!lost_ && !changed_) since_ = step_began_;  // the pause counts the lost step's time
   lost_ = true;
   retake_ = true;
 }
@@ -241,6 +249,7 @@ bool ReplicaGroups::Impl::sum_across(std::vector<double>& values) {
 ReplicaTurn ReplicaGroups::Impl::before_step(int64_t& step) {
   if (!met_ || lost_ || changed_) meet(step);
   step_now_ = step;
+  step_began_ = Clock::now();
   return turn_;
 }
 
@@ -304,7 +313,7 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
       try {
         TORCH_CHECK(registration_->held(), "replica groups: group '", options_.group, "' lost its lease in the "
                     "coordinator (", etcd_->describe(), ") and counts as lost to the others");
-        text = view_text(membership_->agree(options_.meet_timeout));
+        text = view_text(membership_->agree(options_.meet_timeout, met_generation_));
       } catch (const std::exception& e) {
         why = error_message(e);
       }
@@ -370,6 +379,14 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
     }
     across_ = across;
     break;
+  }
+  met_generation_ = view.generation;
+  if (rank == 0 && view.index == 0) {
+    try {  // the keys of the meetings before this one (never met again)
+      forget_meetings(*etcd_, options_.job, view.generation);
+    } catch (const std::exception& e) {
+      log_warn("replica groups: removing old meetings' keys: " + error_message(e));
+    }
   }
   shard::OptimizerAccess::set_replica_groups(opt_, across_);
   const bool first = !met_;
