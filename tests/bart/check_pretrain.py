@@ -802,9 +802,12 @@ def start_etcd(work):
 
 
 def check_replica_groups(build, work):
-    steps = 150
+    # Long enough that the lone group cannot finish before the killed one is back (its start takes a few
+    # seconds on a loaded machine), and inside the data's first epoch (about 4,300 examples: an epoch's last
+    # batch is padded by the count of ranks, which differs between 1 and 2).
+    steps = 300
     common = ["--max-steps", str(steps), "--eval-every", "0", "--dropout", "0", "--no-sample", "--global-batch", "8",
-              "--max-tokens", "32", "--ckpt-dir", "none", "--liveness", "2"]
+              "--max-tokens", "16", "--ckpt-dir", "none", "--liveness", "2"]
     ref = os.path.join(work, "groups_ref")
     shutil.rmtree(ref, ignore_errors=True)
     pretrain(build, ref, 2, *common)  # uninterrupted: 2 ranks, no groups
