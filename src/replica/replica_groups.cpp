@@ -304,6 +304,14 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
   comm_options.comm.timeout = options_.meet_timeout;
   MembershipView view;
   ReplicaChange change;
+  // The group's vote on a step of the meeting each rank took alone: true (logged, to meet again)
+  // when it failed on any rank of the group, `why` being this rank's error or "".
+  auto failed_in_group = [&](const std::string& why, const std::string& what) {
+    if (failed_ranks(control, !why.empty()).empty()) return false;
+    log_info("replica groups: " + what + " (" + (why.empty() ? "on another rank of the group" : why) +
+             "); meeting again");
+    return true;
+  };
   for (int attempt = 0;; ++attempt) {
     TORCH_CHECK(attempt < 100, "replica groups: group '", options_.group, "' met the others 100 times without "
                 "settling on a membership: groups keep joining or leaving; check their logs");
@@ -339,11 +347,7 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
     } catch (const std::exception& e) {
       why = error_message(e);
     }
-    if (!failed_ranks(control, !why.empty()).empty()) {
-      log_info("replica groups: generation " + std::to_string(view.generation) + " was not met (" +
-               (why.empty() ? "another rank of the group failed to" : why) + "); agreeing again");
-      continue;
-    }
+    if (failed_in_group(why, "generation " + std::to_string(view.generation) + " was not met")) continue;
     // 3. A group behind takes the state of the first group ahead: the optimizer's (heal.h), the
     // step and the generators.
     const int64_t top = *std::max_element(steps.begin(), steps.end());
@@ -371,11 +375,7 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
       } catch (const std::exception& e) {
         why = error_message(e);
       }
-      if (!failed_ranks(control, !why.empty()).empty()) {
-        log_info("replica groups: the heal at generation " + std::to_string(view.generation) + " failed (" +
-                 (why.empty() ? "on another rank of the group" : why) + "); meeting again");
-        continue;
-      }
+      if (failed_in_group(why, "the heal at generation " + std::to_string(view.generation) + " failed")) continue;
     }
     across_ = across;
     break;
