@@ -101,6 +101,10 @@ class ProgressLine {
   int64_t tokens_ = 0;
 };
 
+// Now, as Unix time from the system clock in seconds (to the microsecond): the "time" of every
+// metrics line.
+double unix_time();
+
 // This process's peak and current resident memory (VmHWM, VmRSS); 0 where /proc is absent.
 int64_t peak_rss_bytes();
 int64_t current_rss_bytes();

@@ -37,6 +37,7 @@ double now_s() {
 // NaN and inf are not JSON: they become null.
 json number(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 
+
 void merge(json& into, const std::string& object, const char* what) {
   if (object.empty()) return;
   const json extra = json::parse(object, nullptr, /*allow_exceptions=*/false);
@@ -124,6 +125,13 @@ MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
   return *this;
 }
 
+double unix_time() {
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count();
+  return static_cast<double>(us) / 1e6;
+}
+
 void MetricsLog::line(const std::string& text) {
   if (file_ == nullptr) return;
   std::fputs(text.c_str(), file_);
@@ -153,6 +161,7 @@ bool MetricsLog::restore(const std::string& text) {
 std::string MetricsLog::step_line(const StepMetrics& m) {
   json j;
   j["step"] = m.step;
+  j["time"] = unix_time();
   j["loss"] = number(m.loss);
   j["lr"] = number(m.lr);
   j["grad_norm"] = number(m.grad_norm);
@@ -177,6 +186,7 @@ void MetricsLog::write_event(const std::string& event, int64_t step, const std::
   json j;
   j["event"] = event;
   j["step"] = step;
+  j["time"] = unix_time();
   merge(j, json_object, "the event's JSON");
   line(j.dump());
 }

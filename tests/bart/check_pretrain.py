@@ -24,11 +24,11 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                without a pipeline, its newest commit taken away (the step before it is loaded); a kill storm;
                a preemption with the store stalled, then trickling: every rank ends within the grace period
   replica_groups  --replica-group: two groups of one rank meet through a real etcd member; group b joins a
-               running, heals from it, is killed (its launcher, SIGKILL), and a later b heals again; the
-               surviving group never restarts, and every step's loss of both equals an uninterrupted 2-rank
-               run's (rel. 1e-5): every sample trained once; loss.png marks each change; then a group with
-               no state, alone in the
-               finished job, refuses to start over (--replica-alone exit)
+               running, heals from it, is killed (its launcher, SIGKILL), and a later b heals again (in the
+               same run directory: its metrics keep the first b's steps, each once); the surviving group
+               never restarts, and every step's loss of both equals an uninterrupted 2-rank run's (rel.
+               1e-5): every sample trained once; loss.png marks each change; then a group with no state,
+               alone in the finished job, refuses to start over (--replica-alone exit)
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -816,14 +816,15 @@ def check_replica_groups(build, work):
     etcd, client = start_etcd(work)
     procs = []
     try:
-        def group(name, run_dir, plot=False):
-            shutil.rmtree(run_dir, ignore_errors=True)
-            shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(run_dir, "tokenizer"))
+        def group(name, run_dir, plot=False, again=False):
+            if not again:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.copytree(os.path.join(ref, "tokenizer"), os.path.join(run_dir, "tokenizer"))
             cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "1", "--",
                    os.path.join(build, "examples", "bart_pretrain"), "--dataset", os.path.join(ref, "dataset"),
                    "--run-dir", run_dir, *([] if plot else ["--no-plot"]), "--progress-interval", "1000", *common,
                    "--replica-group", name, "--coordinator", "etcd://" + client[len("http://"):]]
-            log = open(run_dir + ".log", "w")
+            log = open(run_dir + ".log", "a" if again else "w")
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, ZS_LOG_LEVEL="info"))
             procs.append(p)
             return p
@@ -846,7 +847,7 @@ def check_replica_groups(build, work):
             log = p.args[p.args.index("--run-dir") + 1] + ".log"
             return open(log).read()[-4000:]
 
-        a_dir, b_dir, b2_dir = (os.path.join(work, n) for n in ("group_a", "group_b", "group_b_again"))
+        a_dir, b_dir = (os.path.join(work, n) for n in ("group_a", "group_b"))
         a = group("a", a_dir, plot=True)
         wait("a trains alone", lambda: len(steps_of(a_dir)) >= 5, [a])
         b = group("b", b_dir)
@@ -854,6 +855,7 @@ def check_replica_groups(build, work):
         b.send_signal(9)  # the whole group: its launcher, and its rank with it
         b.wait()
         killed_at = steps_of(a_dir)[-1]["step"]
+        b_before = [r["step"] for r in steps_of(b_dir)]
 
         def alone():
             # A change to one group after the change to two: whether a took the lost step again or had
@@ -864,7 +866,8 @@ def check_replica_groups(build, work):
                 return False
             return 2 in groups and 1 in groups[groups.index(2):]
         wait("a goes on alone", alone, [a])
-        b2 = group("b", b2_dir)
+        # b again, in the same run directory: its file keeps the steps the first b took.
+        b2 = group("b", b_dir, again=True)
         check(a.wait(timeout=300) == 0, lambda: "group a: " + tail(a))
         check(b2.wait(timeout=300) == 0, lambda: "group b, again: " + tail(b2))
         # Every group gone, the job at its last step: a group with no state does not start over.
@@ -883,11 +886,15 @@ def check_replica_groups(build, work):
         etcd.kill()
         etcd.wait()
     got_a = {r["step"]: r["loss"] for r in steps_of(a_dir)}
-    got_b = {r["step"]: r["loss"] for r in steps_of(b2_dir)}
+    got_b = {r["step"]: r["loss"] for r in steps_of(b_dir)}
     check(sorted(got_a) == list(range(1, steps + 1)), lambda: f"group a's steps: {sorted(got_a)}")
     check(all(r["samples"] == 8 and r["replica_groups"] in (1, 2) for r in steps_of(a_dir)),
           "every step of a trains the global batch of 8 samples, over 1 or 2 groups")
-    check(got_b and max(got_b) == steps and min(got_b) > killed_at, lambda: f"group b's steps: {sorted(got_b)}")
+    b_steps = [r["step"] for r in steps_of(b_dir)]
+    b_after = [k for k in b_steps if k > max(b_before)]
+    check(b_steps[:len(b_before)] == b_before and b_steps == sorted(set(b_steps)) and b_after and
+          b_after[0] > killed_at and b_after[-1] == steps,
+          lambda: f"group b's steps: {b_before} before it was killed (at a's step {killed_at}); then {b_steps}")
     worst = 0.0
     for got in (got_a, got_b):
         # A step whose update was applied but whose loss could not be summed across the groups (a group
@@ -901,7 +908,7 @@ def check_replica_groups(build, work):
     shape = [(c["groups"], c["step_retaken"]) for c in changes]
     check(shape[0] == (1, False) and (2, False) in shape and (2, False) == shape[-1] and
           any(g == 1 and i > 0 for i, (g, _) in enumerate(shape)), lambda: f"group a's membership changes: {changes}")
-    healed = [r for r in metrics(b2_dir) if r.get("event") == "replica_groups"]
+    healed = [r for r in metrics(b_dir) if r.get("event") == "replica_groups" and r["step"] > max(b_before)]
     check(healed and healed[0]["heal_bytes"] > 0 and healed[0]["groups"] == 2, lambda: f"group b's: {healed}")
     # loss.png marks each change after the first meeting with a brown line at its step.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

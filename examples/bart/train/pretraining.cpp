@@ -31,7 +31,6 @@ namespace bart {
 namespace fs = std::filesystem;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 std::string trace_path(const std::string& run_dir, int rank, int k) {
   return (fs::path(run_dir) / ("trace-rank-" + std::to_string(rank) + (k > 0 ? ".restart-" + std::to_string(k) : "") +
                                ".json")).string();
@@ -470,7 +469,7 @@ double PretrainingRun::wait_durable() {
   const auto t0 = Clock::now();
   // What is left of the grace period, less 3 s: an upload still in flight is cancelled as the
   // Checkpointer goes (up to 1.5 s, its last words to the store included), then the process ends.
-  const double left = guard_->options().grace_period_s - (unix_now() - guard_->notice_time()) - 3.0;
+  const double left = guard_->options().grace_period_s - (zeroshard::unix_time() - guard_->notice_time()) - 3.0;
   const bool done = ckpt_->make_durable(std::chrono::milliseconds(static_cast<int64_t>(std::max(0.0, left) * 1000)));
   const auto st = ckpt_->durable_status();
   if (done) {
@@ -496,7 +495,7 @@ void PretrainingRun::note_resume(bool stepped) {
   resume_noted_ = true;
   json* interruption = record_.interruption_at(resumed_["step"].get<int64_t>());
   if (stepped && interruption != nullptr && interruption->contains("notice_unix_s")) {
-    const double gap = unix_now() - (*interruption)["notice_unix_s"].get<double>();
+    const double gap = zeroshard::unix_time() - (*interruption)["notice_unix_s"].get<double>();
     (*interruption)["to_first_step_s"] = gap;  // the summary's, and later checkpoints'
     resumed_["to_first_step_s"] = gap;
   }

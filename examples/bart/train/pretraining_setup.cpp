@@ -364,14 +364,18 @@ void PretrainingRun::resume() {
     groups_->on_heal([this] { return record_.to_json(*sampler_).dump(); },
                      [this](const std::string& text) { record_.from_json(json::parse(text), *sampler_); });
   }
+  // The first meeting: a group that joins a job under way takes its state here. Before the metrics
+  // file opens: it keeps this group's lines up to the step the group goes on from (a group started
+  // again from its checkpoint and healed past it took the steps between before it was lost).
+  if (groups_) follow_groups();
   if (rank_ == 0) {
     metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
     // The run stopped after this checkpoint committed and before its step's line was written.
     if (!carried_line_.empty() && metrics_.restore(carried_line_)) {
       zeroshard::log_info("metrics: step " + std::to_string(step_) + "'s line restored from its checkpoint");
     }
+    if (groups_) metrics_.write_event("replica_groups", step_, record_.replica_changes.back().dump());
   }
-  if (groups_) follow_groups();  // the first meeting: a group that joins a job under way takes its state here
   progress_ = std::make_unique<zeroshard::ProgressLine>(o.max_steps, o.progress_interval);
   if (rank_ == 0 && step_ == 0) log_start();
   if (step_ == 0) last_val_ = evaluate(0);
