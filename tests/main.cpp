@@ -159,8 +159,9 @@ std::shared_ptr<zeroshard::replica::Etcd> coordinator_from_env() {
 int replica_group() {
   auto etcd = coordinator_from_env();
   const zeroshard::replica::GroupInfo me{std::getenv("ZS_TEST_GROUP"), 2, "model-a", "config-a", "test-host",
-                                         static_cast<int64_t>(::getpid())};
-  zeroshard::replica::Registration registration(*etcd, "job", me, std::chrono::seconds(2));
+                                         static_cast<int64_t>(::getpid()), ""};
+  const char* liveness = std::getenv("ZS_TEST_LIVENESS");
+  zeroshard::replica::Registration registration(*etcd, "job", me, std::chrono::seconds(liveness ? std::atoi(liveness) : 2));
   std::cout << "registered" << std::endl;
   std::this_thread::sleep_for(std::chrono::seconds(120));
   return 0;
@@ -175,7 +176,7 @@ int replica_pair() {
   auto etcd = coordinator_from_env();
   const std::string group = std::getenv("ZS_TEST_GROUP");
   const int expected = std::atoi(std::getenv("ZS_TEST_GROUPS"));
-  Registration registration(*etcd, "pair", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+  Registration registration(*etcd, "pair", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid()), ""},
                             std::chrono::seconds(2));
   const auto prefix = Registration::groups_prefix("pair");
   std::vector<KeyValue> live;
@@ -239,7 +240,7 @@ int replica_member() {
   using namespace zeroshard::replica;
   auto etcd = coordinator_from_env();
   const std::string group = std::getenv("ZS_TEST_GROUP");
-  Registration registration(*etcd, "members", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+  Registration registration(*etcd, "members", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid()), ""},
                             std::chrono::seconds(2));
   Membership membership(etcd, "members", group);
   GroupCommOptions options;
@@ -294,7 +295,7 @@ int replica_heal() {
   if (group == "a") {
     for (int s = 0; s < 3; ++s) train(s);
   }
-  Registration registration(*etcd, "heal", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid())},
+  Registration registration(*etcd, "heal", {group, 1, "m", "c", "test-host", static_cast<int64_t>(::getpid()), ""},
                             std::chrono::seconds(2));
   Membership membership(etcd, "heal", group);
   MembershipView view;

@@ -8,15 +8,20 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
 #include <thread>
+
+#include <signal.h>
 
 namespace zeroshard::replica {
 
 using json = nlohmann::json;
 
 std::string to_json(const GroupInfo& g) {
-  return json{{"group", g.group}, {"ranks", g.ranks}, {"model", g.model}, {"config", g.config},
-              {"host", g.host},   {"pid", g.pid}}
+  return json{{"group", g.group}, {"ranks", g.ranks}, {"model", g.model},         {"config", g.config},
+              {"host", g.host},   {"pid", g.pid},     {"processes", g.processes}}
       .dump();
 }
 
@@ -32,6 +37,7 @@ GroupInfo group_from_json(const std::string& text, const std::string& key) {
   g.config = j.value("config", std::string());
   g.host = j.value("host", std::string());
   g.pid = j.value("pid", int64_t{0});
+  g.processes = j.value("processes", std::string());
   return g;
 }
 
@@ -47,6 +53,23 @@ void check_name(const std::string& what, const std::string& name) {
   });
   TORCH_CHECK_VALUE(ok, "replica groups: the ", what, " '", name, "' is not a name: use 1 to 64 of A-Z, a-z, 0-9, "
                     "'.', '_' and '-'");
+}
+
+// This boot's id and this process's pid namespace: where a pid names one process.
+std::string processes_here() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  std::error_code ec;
+  const auto ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec);
+  if (boot.empty() || ec) return "";
+  return boot + "/" + ns.string();
+}
+
+// Whether `held` (a registration of this group's name) was made by a process of this machine
+// that is gone: a launcher started the group again.
+bool gone_from_here(const GroupInfo& held, const GroupInfo& me) {
+  if (held.processes.empty() || held.processes != me.processes || held.pid <= 0) return false;
+  return ::kill(static_cast<pid_t>(held.pid), 0) != 0 && errno == ESRCH;
 }
 
 std::string where(const GroupInfo& g) {
@@ -75,6 +98,7 @@ std::string mismatch(const GroupInfo& me, const GroupInfo& other) {
 
 Registration::Registration(Etcd& etcd, std::string job, GroupInfo me, std::chrono::seconds liveness)
     : etcd_(etcd), job_(std::move(job)), me_(std::move(me)), liveness_(liveness) {
+  me_.processes = processes_here();
   check_name("job", job_);
   check_name("group", me_.group);
   TORCH_CHECK_VALUE(me_.ranks > 0, "replica groups: group '", me_.group, "' has ", me_.ranks, " ranks");
@@ -86,10 +110,21 @@ Registration::Registration(Etcd& etcd, std::string job, GroupInfo me, std::chron
     // out (within the liveness window): it waits that long. A key still there after it is renewed
     // by a live process of the same name.
     const auto deadline = std::chrono::steady_clock::now() + liveness_ + std::chrono::seconds(1);
-    for (bool told = false;;) {
+    for (bool told = false, revoked = false;;) {
       KeyValue there;
       if (etcd_.create(key(), to_json(me_), lease_, &there)) break;
       const GroupInfo held = group_from_json(there.value, there.key);
+      if (!revoked && there.lease != 0 && gone_from_here(held, me_)) {
+        revoked = true;
+        log_info("replica groups: " + where(held) + " is still registered in job '" + job_ + "' and its process "
+                 "is gone (this group started again): its lease revoked");
+        try {
+          etcd_.revoke(there.lease);
+        } catch (const std::exception& e) {  // revoked meanwhile, or the coordinator busy: the next try says
+          log_warn(std::string("replica groups: revoking the old lease of group '") + me_.group + "': " + e.what());
+        }
+        continue;
+      }
       TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "replica groups: ", where(held),
                   " is already registered in job '", job_, "' at ", etcd_.describe(), " and alive: is this group "
                   "launched twice? Give each group its own name (--replica-group), or stop the other first (its key "

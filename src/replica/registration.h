@@ -7,8 +7,10 @@
 // parameters' hash), the same ranks per group and the same configuration, or
 // it is refused by name, before it trains a step; and a group of the same name
 // still registered a liveness window later is another live process (a duplicate
-// launch), refused too (one started again after it was lost waits out its old
-// lease).
+// launch), refused too. One started again after it was lost (its launcher's
+// restart) revokes its old lease at once when the old process ran on this machine
+// and is gone, so the other groups need not wait for it to expire; one started
+// elsewhere waits it out.
 // Thread-safety: one thread renews the lease in the background; the calls are
 // safe from any thread.
 #pragma once
@@ -33,7 +35,10 @@ struct GroupInfo {
   std::string model;   // a hash of the model's parameters (names, shapes, dtypes)
   std::string config;  // what the groups must share (the optimizer's options, the global batch, ...), as text
   std::string host;    // where its first rank runs (for messages)
-  int64_t pid = 0;     // its first rank's process (for messages)
+  int64_t pid = 0;     // its first rank's process
+  // Where `pid` names that process: the boot's id and the pid namespace (set by Registration).
+  // A group started again on the same machine finds its old process gone by it.
+  std::string processes;
 };
 
 class Registration {

@@ -167,7 +167,7 @@ void ReplicaGroups::Impl::start() {
   if (rank == 0) {
     try {
       const GroupInfo me{options_.group, group_.control->size(), model_hash(opt_, group_.control->size()),
-                         options_.config, host_name(), static_cast<int64_t>(::getpid())};
+                         options_.config, host_name(), static_cast<int64_t>(::getpid()), ""};
       registration_ = std::make_unique<Registration>(*etcd_, options_.job, me, options_.liveness);
     } catch (const std::exception& e) {
       why = error_message(e);

@@ -267,18 +267,20 @@ TEST(EtcdCoordinator, AClusterOfThreeGoesOnWithAMemberKilled) {
 TEST(EtcdCoordinator, AGroupRegistersBesideItsLikeAndIsRefusedOtherwise) {
   EtcdCluster cluster(1);
   Etcd etcd(cluster.options());
-  const GroupInfo a{"0", 2, "m1", "batch=32", "host-a", 101};
+  // (Its pid this process's: a registration whose process is gone from this machine is revoked by
+  // the group's next one.)
+  const GroupInfo a{"0", 2, "m1", "batch=32", "host-a", ::getpid(), ""};
   Registration first(etcd, "job", a, 3s);
   struct Bad {
     GroupInfo g;
     const char* says;
   };
   for (const auto& [g, says] : std::vector<Bad>{
-           {{"0", 2, "m1", "batch=32", "host-b", 202}, "group '0' (host host-a, pid 101) is already registered"},
-           {{"1", 3, "m1", "batch=32", "host-b", 202}, "has 2 ranks and this group 3"},
-           {{"1", 2, "m2", "batch=32", "host-b", 202}, "trains another model (parameters hash m1, this group's m2)"},
-           {{"1", 2, "m1", "batch=64", "host-b", 202}, "another configuration (batch=32; this group: batch=64)"},
-           {{"a/b", 2, "m1", "batch=32", "host-b", 202}, "the group 'a/b' is not a name"}}) {
+           {{"0", 2, "m1", "batch=32", "host-b", 202, ""}, "is already registered"},
+           {{"1", 3, "m1", "batch=32", "host-b", 202, ""}, "has 2 ranks and this group 3"},
+           {{"1", 2, "m2", "batch=32", "host-b", 202, ""}, "trains another model (parameters hash m1, this group's m2)"},
+           {{"1", 2, "m1", "batch=64", "host-b", 202, ""}, "another configuration (batch=32; this group: batch=64)"},
+           {{"a/b", 2, "m1", "batch=32", "host-b", 202, ""}, "the group 'a/b' is not a name"}}) {
     const auto m = testing::error_of([&] { Registration r(etcd, "job", g, 3s); });
     EXPECT_NE(m.find(says), std::string::npos) << m;
   }
@@ -287,7 +289,7 @@ TEST(EtcdCoordinator, AGroupRegistersBesideItsLikeAndIsRefusedOtherwise) {
   ASSERT_EQ(live.size(), 1u) << "a refused group left its key";
   EXPECT_EQ(live[0].host, "host-a");
   {
-    Registration second(etcd, "job", {"1", 2, "m1", "batch=32", "host-b", 202}, 3s);
+    Registration second(etcd, "job", {"1", 2, "m1", "batch=32", "host-b", 202, ""}, 3s);
     live = first.live();
     ASSERT_EQ(live.size(), 2u);
     EXPECT_EQ(live[1].group, "1");
@@ -311,7 +313,7 @@ TEST(EtcdCoordinator, AGroupRegistersBesideItsLikeAndIsRefusedOtherwise) {
 TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
   EtcdCluster cluster(1);
   Etcd etcd(cluster.options());
-  Registration me(etcd, "job", {"a", 2, "model-a", "config-a", "test-host", 1}, 3s);
+  Registration me(etcd, "job", {"a", 2, "model-a", "config-a", "test-host", 1, ""}, 3s);
   const std::string endpoints = cluster.address();
   pid_t child = spawn({testing::build_dir() + "/tests/zs_tests", "--helper", "replica_group"},
                       cluster.dir() + "/group-b.log", {"ZS_TEST_ETCD=" + endpoints, "ZS_TEST_GROUP=b"});
@@ -330,6 +332,31 @@ TEST(EtcdCoordinator, AGroupWhoseProcessIsKilledIsSeenGone) {
   EXPECT_EQ(events[0].kv.key, "/zeroshard/job/groups/b");
   EXPECT_LT(Clock::now() - killed, 4s) << "the killed group outlived its liveness window (2 s) by more than 2 s";
   EXPECT_EQ(me.live().size(), 1u);
+}
+
+// A group started again on its machine (its launcher's restart) finds its old registration there,
+// on a lease that would live 30 s more, made by a process that is gone: it revokes that lease and
+// registers at once (without, it would wait out its own liveness window, 3 s, and be refused as a
+// duplicate launch).
+TEST(EtcdCoordinator, AGroupStartedAgainOnItsMachineRevokesItsGoneProcesssLease) {
+  EtcdCluster cluster(1);
+  Etcd etcd(cluster.options());
+  pid_t child = spawn({testing::build_dir() + "/tests/zs_tests", "--helper", "replica_group"},
+                      cluster.dir() + "/group-b.log",
+                      {"ZS_TEST_ETCD=" + cluster.address(), "ZS_TEST_GROUP=b", "ZS_TEST_LIVENESS=30"});
+  ASSERT_GT(child, 0);
+  const std::string key = Registration::groups_prefix("job") + "b";
+  const auto deadline = Clock::now() + 30s;
+  while (!etcd.get(key) && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
+  const auto old = etcd.get(key);
+  ASSERT_TRUE(old) << "the helper group did not register (its log: " << cluster.dir() << "/group-b.log)";
+  kill_and_reap(child);
+  Registration again(etcd, "job", {"b", 2, "model-a", "config-a", "test-host", ::getpid(), ""}, 3s);
+  const auto now = etcd.get(key);
+  ASSERT_TRUE(now);
+  EXPECT_EQ(now->lease, again.lease());
+  EXPECT_EQ(etcd.keep_alive(old->lease).count(), 0) << "the old lease lives on";
+  EXPECT_EQ(group_from_json(now->value, key).pid, ::getpid());
 }
 
 // The communicator across groups, formed in process through the coordinator: two groups (a
