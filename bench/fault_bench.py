@@ -158,13 +158,24 @@ class Bench:
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 
     def supervise(self, procs, dirs, schedule, target_pid):
+        """Waits for the run's launchers, applying the schedule; a faulted run still going `--cap` times its
+        fault-free run's span after its first step is stopped there. Returns (kills, the stop's unix time or
+        None)."""
         faults = Faults(schedule, target_pid, lambda: max(last_step(d) for d in dirs))
         faults.start()
+        stopped = None
         try:
             for p in procs:
-                rc = p.wait(timeout=self.args.timeout)
-                if rc != 0:
-                    raise SystemExit(f"fault_bench: {' '.join(p.args[:6])}... exited {rc} (see its log)")
+                while p.poll() is None:
+                    if schedule and self.cap_s and faults.is_alive() and hasattr(faults, "start_time") and \
+                            time.time() > faults.start_time + self.cap_s:
+                        stopped = time.time()
+                        break
+                    time.sleep(0.1)
+                if stopped:
+                    break
+                if p.returncode != 0:
+                    raise SystemExit(f"fault_bench: {' '.join(p.args[:6])}... exited {p.returncode} (see its log)")
         finally:
             faults.done.set()
             faults.join()
@@ -172,7 +183,7 @@ class Bench:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-        return faults.kills
+        return faults.kills, stopped
 
     def restart(self, schedule, tag):
         d = self.run_dir(f"restart-{tag}")
@@ -181,8 +192,8 @@ class Bench:
         def rank(target):
             ranks = sorted(children(p.pid))
             return ranks[target] if len(ranks) == 2 else None
-        kills = self.supervise([p], [d], schedule, rank)
-        return {"dirs": [d], "kills": kills}
+        kills, stopped = self.supervise([p], [d], schedule, rank)
+        return {"dirs": [d], "kills": kills, "stopped": stopped}
 
     def groups(self, schedule, tag):
         etcd, client = start_etcd(self.work)
@@ -194,29 +205,33 @@ class Bench:
             def rank(target):
                 ranks = children(procs[target].pid)
                 return ranks[0] if ranks else None
-            kills = self.supervise(procs, dirs, schedule, rank)
+            kills, stopped = self.supervise(procs, dirs, schedule, rank)
         finally:
             etcd.kill()
             etcd.wait()
-        return {"dirs": dirs, "kills": kills}
+        return {"dirs": dirs, "kills": kills, "stopped": stopped}
 
     def figures(self, mode, free, faulted):
         """The table's row of `mode` from its fault-free and faulted runs."""
-        def span(r):  # the first step's end to the last's
+        def span(r):  # the first step's end to the last's (or to the stop of a run stopped at the cap)
             times = [s["time"] for d in r["dirs"] for s in steps_of(d)]
-            return max(times) - min(times)
+            return (r.get("stopped") or max(times)) - min(times)
         wall_free, wall = span(free), span(faulted)
         want = {s["step"]: s["loss"] for s in steps_of(free["dirs"][0])}
         taken = {}
         for d in faulted["dirs"]:
             for s in steps_of(d):
                 taken.setdefault(s["step"], []).append(s)
-        missing = [k for k in range(1, self.args.steps + 1) if k not in taken]
+        # A run stopped at the cap counts the steps it had reached (its files' last lines): goodput is then
+        # its rate of steps against the fault-free run's.
+        reached = max(last_step(d) for d in faulted["dirs"])
+        missing = [k for k in range(1, reached + 1) if k not in taken]
         partial = [k for k, ss in taken.items() if any(s.get("samples", 8) != 8 for s in ss)]
         differ = [k for k, ss in taken.items()
                   if any(s["loss"] is not None and abs(s["loss"] - want[k]) > 1e-5 * abs(want[k]) for s in ss)]
         row = {"mode": mode, "faults": len(faulted["kills"]), "wall_free_s": wall_free, "wall_s": wall,
-               "goodput": wall_free / wall, "steps": self.args.steps, "missing_steps": missing,
+               "goodput": (reached / wall) / (self.args.steps / wall_free), "steps": reached,
+               "stopped_at_cap": bool(faulted.get("stopped")), "missing_steps": missing,
                "partial_steps": partial, "loss_differs_steps": differ}
         back, retaken, pauses_lost, pauses_heal, heal_mb, heal_s = [], [], [], [], [], []
         for t_kill, target, _ in faulted["kills"]:
@@ -259,11 +274,14 @@ class Bench:
                   config=self.args.config, src_len=self.args.max_tokens, tgt_len=self.args.max_tokens,
                   seed=self.args.seed, save_every=self.args.save_every, cores=CORES)
         free = fault_peer.run(os.path.join(self.work, "torchft-free"), schedule=[], **kw)
-        hit = fault_peer.run(os.path.join(self.work, "torchft-faulted"), schedule=schedule, **kw)
-        wall_free, wall = free["wall_s"] - free["first_s"], hit["wall_s"] - hit["first_s"]
+        wall_free = free["wall_s"] - free["first_s"]
+        hit = fault_peer.run(os.path.join(self.work, "torchft-faulted"), schedule=schedule,
+                             cap_s=self.args.cap * wall_free, **kw)
+        wall = (hit["stopped_s"] or hit["wall_s"]) - hit["first_s"]
         known = lambda v: [x for x in v if x is not None]  # noqa: E731 (None: no commit to measure from)
         return {"mode": "torchft", "faults": hit["faults"], "wall_free_s": wall_free, "wall_s": wall,
-                "goodput": wall_free / wall, "steps": hit["steps"], "samples": hit["samples"],
+                "goodput": (hit["samples"] / wall) / (kw["samples"] / wall_free), "steps": hit["steps"],
+                "samples": hit["samples"], "stopped_at_cap": hit["stopped_s"] is not None,
                 "back_s": known(hit["back_s"]), "pause_lost_s": known(hit["pauses_s"]),
                 "heal_mb": [b / 1e6 for b in hit["heal_bytes"]], "retaken": hit["retaken_steps"],
                 "heal_s": hit["heal_s"], "discarded_steps": hit["discarded_steps"],
@@ -282,7 +300,11 @@ class Bench:
                 rows.append(self.peer(schedule))
             else:
                 run = getattr(self, mode)
-                rows.append(self.figures(mode, run([], "free"), run(schedule, "faulted")))
+                self.cap_s = None
+                free = run([], "free")
+                self.cap_s = self.args.cap * (max(s["time"] for d in free["dirs"] for s in steps_of(d)) -
+                                              min(s["time"] for d in free["dirs"] for s in steps_of(d)))
+                rows.append(self.figures(mode, free, run(schedule, "faulted")))
             print(json.dumps(rows[-1]), flush=True)
         self.table(rows)
         if self.args.json:
@@ -313,7 +335,8 @@ class Bench:
                 lost = (f"{len(r['missing_steps'])} steps missing, {len(r['partial_steps'])} short of the batch; "
                         f"{len(r['loss_differs_steps'])} losses differ")
                 retaken = str(sum(r["retaken"]))
-            print(f"| {r['mode']} | {r['faults']} | {r['wall_free_s']:.1f} | {r['wall_s']:.1f} | {r['goodput']:.2f} "
+            faulted = f"{r['wall_s']:.1f}" + (" (stopped at the cap)" if r["stopped_at_cap"] else "")
+            print(f"| {r['mode']} | {r['faults']} | {r['wall_free_s']:.1f} | {faulted} | {r['goodput']:.2f} "
                   f"| {pause} | {spread(r['back_s'])} | {retaken} | {heal} | {lost} |")
 
 
@@ -329,7 +352,8 @@ def main():
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="restart,groups,torchft")
-    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--cap", type=float, default=4.0, help="a faulted run still going this many times its "
+                    "fault-free run's span after its first step is stopped there (goodput from the steps reached)")
     ap.add_argument("--work", default="/tmp/zs-fault-bench")
     ap.add_argument("--json")
     Bench(ap.parse_args()).main()

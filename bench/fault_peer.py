@@ -29,7 +29,7 @@ own count of the batches its committed steps took (num_participants() per
 commit, kept in the state a healed group receives) times the per-group batch.
 
 run(work_dir, samples, global_batch=8, schedule=(), heartbeat_s=1.0,
-config="tiny", src_len=64, tgt_len=64, seed=0, save_every=50, cores=None) clears WORK =
+config="tiny", src_len=64, tgt_len=64, seed=0, save_every=50, cores=None, cap_s=None) clears WORK =
 work_dir, launches the job, applies the schedule's SIGKILLs ([(seconds after
 the first commit, group 0 or 1)]) to the training process (torchrun's child) of that
 group, each at its time unless the job has ended by then, ends every process it
@@ -42,6 +42,8 @@ WORK/figures.json, with the launch's unix time):
   wall_s            launch to the commit of the step that reached `samples`
   first_s           launch to the first commit (the start-up: imports, the
                     first quorum)
+  stopped_s         launch to the stop of a run stopped at cap_s (None: it
+                    finished); samples are then the samples it reached
   steps, samples    committed steps (each once), and the samples they trained
   faults            kills applied
   pauses_s          per fault, the survivor's pause: the gap before its first
@@ -287,10 +289,11 @@ def kill_workers(pids):
 
 
 def run(work_dir, samples, global_batch=8, schedule=(), heartbeat_s=1.0, config="tiny", src_len=64, tgt_len=64,
-        seed=0, save_every=50, cores=None):
+        seed=0, save_every=50, cores=None, cap_s=None):
     """Train until `samples` samples are committed under the SIGKILLs of `schedule` ([(s after the first commit,
     group)]); return the figures of the module's docstring. `cores`: the CPUs of each group (a set per group),
-    as if each group had a host of its own; None: any."""
+    as if each group had a host of its own; None: any. `cap_s`: a run still going this long after its first
+    commit is stopped there (its figures then count the samples it reached)."""
     model_config(config)  # an unknown name fails here, not in each of torchrun's restarts
     work = Path(work_dir).resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -320,8 +323,11 @@ def run(work_dir, samples, global_batch=8, schedule=(), heartbeat_s=1.0, config=
                     env=dict(env, REPLICA_GROUP_ID=str(g)),
                     preexec_fn=(lambda c=cores[g]: os.sched_setaffinity(0, c)) if cores else None))
         procs += torchruns
-        pending, first = sorted(schedule), None
+        pending, first, stopped = sorted(schedule), None, None
         while not (work / "done").exists():
+            if cap_s and first is not None and time.time() - first > cap_s:
+                stopped = time.time()
+                break
             if first is None:  # the schedule counts from the first commit (the start-up is not the faults')
                 commits = [r["t"] for g in range(GROUPS) for r in read_log(work / f"group{g}.jsonl")
                            if r.get("committed")]
@@ -351,6 +357,7 @@ def run(work_dir, samples, global_batch=8, schedule=(), heartbeat_s=1.0, config=
             p.wait()
         kill_workers(workers + [r["pid"] for g in range(GROUPS) for r in read_log(work / f"group{g}.jsonl")])
     stats = figures([read_log(work / f"group{g}.jsonl") for g in range(GROUPS)], t0, samples, kills)
+    stats["stopped_s"] = stopped - t0 if stopped else None
     (work / "figures.json").write_text(json.dumps(dict(stats, launch_t=t0), indent=1))
     return stats
 
