@@ -82,6 +82,10 @@ struct ReplicaGroups::Impl {
   // Alone at `step`: whether to train (a step the job has not passed, or a checkpoint's); else
   // throws or (wait_when_alone) waits a while for the membership to change and says false.
   bool alone_allowed(const MembershipView& view, int64_t step);
+  // On the group's first rank, after a meeting at `top` (the live groups' newest step): says so
+  // when the job had gone further (every group that held those steps lost: they are taken again
+  // from the checkpoints the groups resumed from).
+  void say_fallback(int64_t top);
   std::string progress_key() const;  // the job's progress: the step its groups reached
   void watch();              // the first rank's background thread
 
@@ -114,6 +118,7 @@ struct ReplicaGroups::Impl {
   std::atomic<int64_t> step_now_{0};  // the trainer's, at the last boundary
   int64_t progress_put_ = -1;         // the watcher's last write of it
   bool told_alone_ = false;
+  int64_t fallback_told_ = -1;  // the step say_fallback() last named
   std::thread watcher_;
 };
 
@@ -263,16 +268,7 @@ bool ReplicaGroups::Impl::alone_allowed(const MembershipView& view, int64_t step
     reached = kv ? kv->value : "0";
   }
   const int64_t job_step = std::stoll(broadcast_text(control, reached, 0, options_.meet_timeout));
-  if (step >= job_step) return true;
-  if (step > 0) {  // its own state, from a checkpoint: the steps since are taken again
-    if (control.rank() == 0) {
-      log_warn("replica groups: group '" + options_.group + "' is alone in job '" + options_.job + "' at step " +
-               std::to_string(step) + " (its checkpoint), but the job had reached step " + std::to_string(job_step) +
-               " with groups now lost: every group was lost, so it falls back to its checkpoint and takes steps " +
-               std::to_string(step + 1) + " to " + std::to_string(job_step) + " again");
-    }
-    return true;
-  }
+  if (step >= job_step || step > 0) return true;  // (a checkpoint's state: the meeting says which steps again)
   const std::string why = "replica groups: group '" + options_.group + "' is alone in job '" + options_.job +
                           "' with no state (step 0), but the job reached step " + std::to_string(job_step) +
                           " (" + etcd_->describe() + ", " + progress_key() + "): the groups that trained it are "
@@ -287,6 +283,23 @@ bool ReplicaGroups::Impl::alone_allowed(const MembershipView& view, int64_t step
   if (control.rank() == 0) changed = membership_->wait_for_change(view, std::chrono::seconds(5));
   (void)broadcast_text(control, changed ? "1" : "0", 0, options_.meet_timeout);
   return false;
+}
+
+void ReplicaGroups::Impl::say_fallback(int64_t top) {
+  int64_t job_step = 0;
+  try {
+    const auto kv = etcd_->get(progress_key());
+    job_step = kv ? std::stoll(kv->value) : 0;
+  } catch (const std::exception& e) {  // only a message is lost
+    log_warn("replica groups: reading the job's progress: " + error_message(e));
+    return;
+  }
+  if (top >= job_step || top == fallback_told_) return;
+  fallback_told_ = top;
+  log_warn("replica groups: the live groups of job '" + options_.job + "' are at step " + std::to_string(top) +
+           " (their newest checkpoint) and the job had reached step " + std::to_string(job_step) + ": every group "
+           "that held the steps since was lost, so the job falls back to that checkpoint and takes steps " +
+           std::to_string(top + 1) + " to " + std::to_string(job_step) + " again");
 }
 
 void ReplicaGroups::Impl::meet(int64_t& step) {
@@ -378,6 +391,7 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
       if (failed_in_group(why, "the heal at generation " + std::to_string(view.generation) + " failed")) continue;
     }
     across_ = across;
+    if (rank == 0) say_fallback(top);
     break;
   }
   met_generation_ = view.generation;
