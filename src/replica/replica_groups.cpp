@@ -261,6 +261,7 @@ ReplicaTurn ReplicaGroups::Impl::before_step(int64_t& step) {
 std::string ReplicaGroups::Impl::progress_key() const { return "/zeroshard/" + options_.job + "/progress"; }
 
 bool ReplicaGroups::Impl::alone_allowed(const MembershipView& view, int64_t step) {
+  if (step > 0) return true;  // a checkpoint's state: the meeting says which steps are taken again
   auto& control = *group_.control;
   std::string reached;  // the job's progress, as the coordinator holds it
   if (control.rank() == 0) {
@@ -268,7 +269,7 @@ bool ReplicaGroups::Impl::alone_allowed(const MembershipView& view, int64_t step
     reached = kv ? kv->value : "0";
   }
   const int64_t job_step = std::stoll(broadcast_text(control, reached, 0, options_.meet_timeout));
-  if (step >= job_step || step > 0) return true;  // (a checkpoint's state: the meeting says which steps again)
+  if (step >= job_step) return true;
   const std::string why = "replica groups: group '" + options_.group + "' is alone in job '" + options_.job +
                           "' with no state (step 0), but the job reached step " + std::to_string(job_step) +
                           " (" + etcd_->describe() + ", " + progress_key() + "): the groups that trained it are "
