@@ -365,14 +365,22 @@ int replica_train() {
     const int64_t share = 8 / (turn.count * comm->size());
     const int64_t first = step * 8 + (turn.index * comm->size() + comm->rank()) * share;
     opt.zero_grad();
-    torch::mse_loss(model->forward(x.slice(0, first, first + share)), y.slice(0, first, first + share)).backward();
+    const auto loss = torch::mse_loss(model->forward(x.slice(0, first, first + share)), y.slice(0, first, first + share));
+    loss.backward();
     try {
       opt.step();
     } catch (const zeroshard::ReplicaGroupLost& e) {
       groups.step_lost(e);
       continue;
     }
-    std::cout << "step " << step << " group " << turn.index << " of " << turn.count << std::endl;
+    // ZS_TEST_DIE_BEFORE_SUM=GROUP:STEP: that group's rank 1 dies after applying that step, before
+    // the sum across the groups, which the other groups' rank 0 then completes and their rank 1 not.
+    const char* die = std::getenv("ZS_TEST_DIE_BEFORE_SUM");
+    if (die != nullptr && comm->rank() == 1 && group + ":" + std::to_string(step) == die) ::raise(SIGKILL);
+    std::vector<double> summed{loss.item<double>()};
+    const bool whole = groups.sum_across(summed);
+    std::cout << "step " << step << " group " << turn.index << " of " << turn.count << " loss "
+              << (whole ? std::to_string(summed[0]) : "unsummed") << std::endl;
     ++step;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     // The test holds a group training alone here (while the file ZS_TEST_HOLD exists) until the

@@ -102,8 +102,9 @@ class ReplicaGroups {
   void step_lost(const ReplicaGroupLost& e);
   // `values` summed over the live groups (each group's the same on its ranks: e.g. the step's
   // loss), after the step, on this shard position's communicator across them; as they are when
-  // the group trains alone. False when a group was lost meanwhile (the next before_step() meets
-  // again): `values` are then this group's.
+  // the group trains alone. False when a group was lost meanwhile: `values` are then this group's,
+  // and the group's next step throws ReplicaGroupLost on every rank (not only where this failed),
+  // so that its ranks meet again together.
   bool sum_across(std::vector<double>& values);
 
   const std::vector<ReplicaChange>& changes() const;

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -103,7 +104,10 @@ struct ReplicaGroups::Impl {
   ReplicaTurn turn_;
   bool met_ = false;
   int64_t met_generation_ = 0;  // the last generation met (a meeting is never held twice)
-  bool lost_ = false;     // the groups' communicator failed: meet again
+  bool lost_ = false;     // the step threw ReplicaGroupLost (on every rank of the group): meet again
+  // When this rank's sum after a step failed (its communicator across the groups is gone); the
+  // group's next step fails on it, on every rank, and the pause counts from here.
+  std::optional<std::chrono::steady_clock::time_point> unsummed_since_;
   bool retake_ = false;   // the step in flight was lost
   bool changed_ = false;  // the last agreement said the membership changed
   std::chrono::steady_clock::time_point since_;  // when the change was seen, or the lost step began
@@ -229,7 +233,7 @@ void ReplicaGroups::Impl::step_lost(const ReplicaGroupLost& e) {
   log_warn("replica groups: group '" + options_.group + "' lost its step: " + e.what() +
            "; meeting the live groups again");
   opt_.discard_gradients();
-  if (!lost_ && !changed_) since_ = step_began_;  // the pause counts the lost step's time
+  if (!lost_ && !changed_) since_ = unsummed_since_.value_or(step_began_);  // the lost step's time counts
   lost_ = true;
   retake_ = true;
 }
@@ -240,11 +244,14 @@ bool ReplicaGroups::Impl::sum_across(std::vector<double>& values) {
   try {
     across_->all_reduce(t, ReduceOp::kSum)->wait();
   } catch (const std::exception& e) {
-    // Lost after the step was applied everywhere it was: the next boundary meets again.
+    // Lost after the step was applied everywhere it was. This rank alone knows: another rank of
+    // the group may have summed on its own communicator (the lost group's value reached it before
+    // the loss). So no rank meets at the next boundary on its own; the next step's reductions fail
+    // on this rank's broken communicator, and the group's agreement abandons that step on all of
+    // its ranks, which then meet.
     log_warn("replica groups: group '" + options_.group + "' could not sum its step's values across the groups: " +
-             error_message(e) + "; meeting the live groups again");
-    if (!lost_ && !changed_) since_ = Clock::now();
-    lost_ = true;
+             error_message(e) + "; the group meets the live groups again when its next step fails on it");
+    if (!unsummed_since_) unsummed_since_ = Clock::now();
     return false;
   }
   std::copy_n(t.data_ptr<double>(), values.size(), values.begin());
@@ -408,6 +415,7 @@ void ReplicaGroups::Impl::meet(int64_t& step) {
   turn_ = {view.index, static_cast<int>(view.groups.size()), view.generation};
   met_ = true;
   lost_ = false;
+  unsummed_since_.reset();
   retake_ = false;
   changed_ = false;
   if (rank == 0) {

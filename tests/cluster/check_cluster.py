@@ -31,7 +31,8 @@ Usage: check_cluster.py BUILD_DIR CHECK
           (SeaweedFS) on a third host: host 1 killed and its disk wiped, a replacement with an empty disk: the
           run resumes from the store by itself with the uninterrupted run's losses; then host 1 cut off (link
           down) while it uploads: both launchers end within the liveness window + 2 s, naming the lost ranks
-  replica bart_pretrain in 3 replica groups x 2 ranks (ZeRO-2), one group per host, meeting through 3 etcd
+  replica bart_pretrain in 3 replica groups x 2 ranks (ZeRO-2; replica3: the same at ZeRO-3, whose ranks
+          gather and free each unit's parameters inside the group), one group per host, meeting through 3 etcd
           members, one per host: host 2 killed (its group and its etcd member), then back with a new group;
           host 1 cut off (its group stops, its lease gone), then back with a new group; then one rank of
           the new c SIGKILLed (its launcher starts the group again, which heals from a live group). Group
@@ -665,21 +666,21 @@ def events(run_dir, kind=None):
     return [r for r in rows if (r.get("event") == kind if kind else "event" not in r)]
 
 
-def check_replica(build, work):
+def check_replica(build, work, stage=2):
     exe = os.path.join(build, "examples", "bart_pretrain")
     run = os.path.join(build, "zeroshard-run")
     # Within the data's first epoch (about 4,300 examples): at an epoch's end the sampler pads the last
     # batch by the ranks' count (as PyTorch's DistributedSampler does), which differs between 2 and 6 ranks.
     steps, liveness = 340, 3
     common = ["--max-steps", steps, "--eval-every", "0", "--dropout", "0", "--no-sample", "--no-plot", "--ckpt-dir",
-              "none", "--global-batch", "12", "--max-tokens", "16", "--progress-interval", "1000", "--stage", "2",
+              "none", "--global-batch", "12", "--max-tokens", "16", "--progress-interval", "1000", "--stage", stage,
               "--liveness", liveness]
     ref = os.path.join(work, "ref")
     p = subprocess.run([run, "--nproc-per-node", "2", "--", exe, "--data", "/usr/share/common-licenses", "--run-dir",
                         ref, *map(str, common)], capture_output=True, text=True, timeout=TIMEOUT, env=ENV)
     check(p.returncode == 0, lambda: f"the uninterrupted run failed:\n{p.stdout[-4000:]}{p.stderr[-4000:]}")
     want = {r["step"]: r["loss"] for r in events(ref)}
-    with Cluster(47, 3) as c:
+    with Cluster(45 + stage, 3) as c:  # 47 and 48: ctest may run both stages at once
         members = [start_etcd_member(c, i, 3, work) for i in range(3)]
         wait_etcd(c, members)
         coordinator = "etcd://" + ",".join(f"{c.addr(i)}:2379" for i in range(3))
@@ -769,7 +770,7 @@ def check_replica(build, work):
     heals = [changes(dirs[n])[0] for n in ("c_again", "b_again")]
     check(all(h["heal_bytes"] > 0 for h in heals), heals)
     restarted = [x for x in changes(dirs["c_again"]) if x["heal_bytes"] > 0 and x["time"] > killed_at][0]
-    print(f"replica: 3 groups x 2 ranks on 3 hosts, etcd on each; host 2 killed: a and b paused {first_pause:.2f} s "
+    print(f"replica: ZeRO-{stage}, 3 groups x 2 ranks on 3 hosts, etcd on each; host 2 killed: a and b paused {first_pause:.2f} s "
           f"(liveness {liveness} s); a new c healed {heals[0]['heal_bytes'] / 1e6:.1f} MB in {heals[0]['heal_s']:.3f} "
           f"s at step {heals[0]['step']}; host 1 cut off: a and c paused {second_pause:.2f} s; a new b healed at step "
           f"{heals[1]['step']}; a rank of c killed: a and b paused {third_pause:.2f} s, c started again by its "
@@ -816,7 +817,8 @@ def main():
     work = tempfile.mkdtemp(prefix=f"zs-cluster-{which}-")
     try:
         {"zero": check_zero, "bart": check_bart, "failures": check_failures, "elastic": check_elastic,
-         "durable": check_durable, "replica": check_replica}[which](
+         "durable": check_durable, "replica": check_replica,
+         "replica3": lambda build, work: check_replica(build, work, 3)}[which](
             build, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

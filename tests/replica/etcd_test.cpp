@@ -498,19 +498,34 @@ TEST(EtcdCoordinator, AGroupHealsFromALiveGroupAndTrainsAsItDoes) {
 // step boundary and trains beside it to the end. The oracle: torch::optim::AdamW on the whole
 // batch of every step, in this process: every sample trained exactly once, so the final
 // parameters of both groups equal it.
-class ReplicaGroupsTrain : public ::testing::TestWithParam<int> {};
+//
+// With `dies_before_sum`, b's rank 1 kills itself after applying step 20 and before the loss's
+// sum across the groups: a's rank 0 sums with b's rank 0 and a's rank 1 cannot. A decision one
+// rank of a takes alone (meet now, or train on) would split the group; it must abandon its next
+// step on both ranks and meet as one.
+struct ReplicaLoss {
+  int zero;
+  bool dies_before_sum;
+};
+
+void PrintTo(const ReplicaLoss& p, std::ostream* os) {
+  *os << "ZeRO-" << p.zero << (p.dies_before_sum ? ", b lost before the sum" : "");
+}
+
+class ReplicaGroupsTrain : public ::testing::TestWithParam<ReplicaLoss> {};
 
 TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
-  const int zero = GetParam();
+  const int zero = GetParam().zero;
+  const bool dies_before_sum = GetParam().dies_before_sum;
   const int64_t steps = 40;
   EtcdCluster cluster(1);
   const std::string run = testing::build_dir() + "/zeroshard-run", exe = testing::build_dir() + "/tests/zs_tests";
   const std::string out = cluster.dir() + "/params", hold = cluster.dir() + "/hold";
-  auto start = [&](const std::string& g, const std::string& log, int seed) {
+  auto start = [&](const std::string& g, const std::string& log, int seed, const std::string& die = "") {
     return spawn({run, "--nproc-per-node", "2", "--", exe, "--helper", "replica_train"}, cluster.dir() + "/" + log + ".log",
                  {"ZS_TEST_ETCD=" + cluster.address(), "ZS_TEST_GROUP=" + g, "ZS_TEST_ZERO=" + std::to_string(zero),
                   "ZS_TEST_STEPS=" + std::to_string(steps), "ZS_TEST_SEED=" + std::to_string(seed), "ZS_TEST_OUT=" + out,
-                  "ZS_TEST_HOLD=" + hold});
+                  "ZS_TEST_HOLD=" + hold, "ZS_TEST_DIE_BEFORE_SUM=" + die});
   };
   // Waits until `log` holds `what` `times` times (after `after`, when given), at most 60 s.
   auto wait_for = [&](const std::string& log, const std::string& what, const std::string& after = "", int times = 1) {
@@ -530,17 +545,17 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
     }
     return true;
   };
-  pid_t a = start("a", "a", 1), b = start("b", "b", 1);
+  pid_t a = start("a", "a", 1), b = start("b", "b", 1, dies_before_sum ? "b:20" : "");
   // Both groups train together (b is the second in name order), for a few steps.
   ASSERT_TRUE(wait_for("b", "group 1 of 2", "", 6)) << cluster.log("a") << cluster.log("b");
-  // Rank 1 of group b, by the pid it printed.
-  const std::string text = cluster.log("b");
-  const std::string mark = "[rank1]: pid ";
-  const auto at = text.find(mark);
-  ASSERT_NE(at, std::string::npos) << text;
-  const pid_t victim = static_cast<pid_t>(std::stol(text.substr(at + mark.size())));
   std::ofstream(hold).put('\n');  // a, once alone, waits for b's return before its next step
-  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  if (!dies_before_sum) {  // rank 1 of group b, by the pid it printed
+    const std::string text = cluster.log("b");
+    const std::string mark = "[rank1]: pid ";
+    const auto at = text.find(mark);
+    ASSERT_NE(at, std::string::npos) << text;
+    ASSERT_EQ(::kill(static_cast<pid_t>(std::stol(text.substr(at + mark.size()))), SIGKILL), 0);
+  }
   int status = 0;
   ASSERT_EQ(::waitpid(b, &status, 0), b);
   b = 0;
@@ -584,7 +599,12 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
       EXPECT_LT(err, 1e-5) << "group " << g << " rank " << r;
     }
   }
-  std::printf("ZeRO-%d: group a went on alone and met b again; both end at torch::optim::AdamW's parameters\n", zero);
+  if (dies_before_sum) {  // a's rank 0 summed step 20's loss with b, its rank 1 could not
+    EXPECT_NE(log_a.find("[rank0]: step 20 group 0 of 2 loss "), std::string::npos) << log_a;
+    EXPECT_NE(log_a.find("[rank1]: step 20 group 0 of 2 loss unsummed"), std::string::npos) << log_a;
+  }
+  std::printf("ZeRO-%d: group a went on alone%s and met b again; both end at torch::optim::AdamW's parameters\n",
+              zero, dies_before_sum ? " (b lost between its update and the loss's sum)" : "");
   for (const std::string& line : {log_a, cluster.log("b-again")}) {
     std::istringstream lines(line);
     for (std::string l; std::getline(lines, l);) {
@@ -595,8 +615,13 @@ TEST_P(ReplicaGroupsTrain, TrainOnWhenAGroupIsLostAndHealItWhenItReturns) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Zero, ReplicaGroupsTrain, ::testing::Values(0, 1, 2, 3),
-                         [](const auto& info) { return "ZeRO" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Zero, ReplicaGroupsTrain,
+                         ::testing::Values(ReplicaLoss{0, false}, ReplicaLoss{1, false}, ReplicaLoss{2, false},
+                                           ReplicaLoss{3, false}, ReplicaLoss{2, true}, ReplicaLoss{3, true}),
+                         [](const auto& info) {
+                           return "ZeRO" + std::to_string(info.param.zero) +
+                                  (info.param.dies_before_sum ? "LostBeforeTheSum" : "");
+                         });
 
 // EtcdStore answers as LibTorch's own c10d::HashStore does (the oracle), call for call: set, get,
 // compareSet (absent with an empty and a non-empty expectation, a match, a mismatch), add (new and
