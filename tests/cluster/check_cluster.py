@@ -733,17 +733,22 @@ def check_replica(build, work, stage=2):
         b2 = group(1, "b", dirs["b_again"])
         wait_for("b heals from a live group", lambda: changes(dirs["b_again"]) and
                  changes(dirs["b_again"])[0]["heal_bytes"] > 0, [a, g2, b2])
+        wait_for("a trains with b again", lambda: [x["groups"] for x in changes(dirs["a"])[seen:]] == [2, 3],
+                 [a, g2, b2])
         # 3. One rank of c killed (SIGKILL): c's other rank fails with it, c's launcher starts the group
         # again, and it heals from a live group; a and b go on, a's ranks the same processes throughout.
+        seen = len(changes(dirs["a"]))
         a_ranks = ranks_of(a)
         victim = ranks_of(g2)[1]
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         wait_for("c, started again by its launcher, heals", lambda: [
             x for x in changes(dirs["c_again"]) if x["heal_bytes"] > 0 and x["time"] > killed_at], [a, g2, b2])
-        wait_for("a trains with c again", lambda: changes(dirs["a"])[-1]["groups"] == 3, [a, g2, b2])
-        third = [x for x in changes(dirs["a"]) if x["time"] > killed_at]
-        check([x["groups"] for x in third] == [2, 3], lambda: f"a's changes after c's rank was killed: {third}")
+        wait_for("a trains with c again", lambda: changes(dirs["a"])[seen:] and
+                 changes(dirs["a"])[-1]["groups"] == 3, [a, g2, b2])
+        third = changes(dirs["a"])[seen:]
+        # [2, 3]; or [3] alone when c, started again, had registered (revoking its gone lease) before a met.
+        check([x["groups"] for x in third] in ([2, 3], [3]), lambda: f"a's changes after c's rank was killed: {third}")
         third_pause = third[0]["pause_s"]
         check(ranks_of(a) == a_ranks, lambda: f"a's ranks were {a_ranks} and are {ranks_of(a)}")
         results = c.wait([a, g2, b2], TIMEOUT * 2)
