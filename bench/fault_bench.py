@@ -62,6 +62,18 @@ from check_pretrain import DATA, metrics, start_etcd  # noqa: E402  (the tests' 
 from fault_peer import children, fault_schedule  # noqa: E402  (the peer's schedule, so both see the same)
 
 
+def prepare(exe, work, max_tokens):
+    """The tokenizer and dataset every run shares, prepared once under `work` (its "prepared" run
+    directory, whose tokenizer/ a run directory copies and whose dataset/ every run reads)."""
+    ref = os.path.join(work, "prepared")
+    if not os.path.isdir(os.path.join(ref, "dataset")):
+        shutil.rmtree(ref, ignore_errors=True)
+        subprocess.run([exe, "--data", DATA, "--run-dir", ref, "--max-steps", "1", "--ckpt-dir", "none",
+                        "--max-tokens", str(max_tokens), "--no-plot", "--eval-every", "0"],
+                       check=True, capture_output=True)
+    return ref
+
+
 def last_step(run_dir):
     """The last step line's step in a run's metrics file as it is now (0: none yet)."""
     try:
@@ -133,14 +145,7 @@ class Bench:
                        "1000"]
 
     def prepare(self):
-        """The tokenizer and dataset every run shares (prepared once)."""
-        ref = os.path.join(self.work, "prepared")
-        if not os.path.isdir(os.path.join(ref, "dataset")):
-            shutil.rmtree(ref, ignore_errors=True)
-            subprocess.run([self.exe, "--data", DATA, "--run-dir", ref, "--max-steps", "1", "--ckpt-dir", "none",
-                            "--max-tokens", str(self.args.max_tokens), "--no-plot", "--eval-every", "0"],
-                           check=True, capture_output=True)
-        return ref
+        return prepare(self.exe, self.work, self.args.max_tokens)
 
     def run_dir(self, name):
         d = os.path.join(self.work, name)
