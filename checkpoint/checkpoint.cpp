@@ -1,7 +1,7 @@
 // checkpoint.cpp — the Checkpointer (include/zeroshard/checkpoint.h).
 #include "checkpointer_impl.h"
 
-#include "comm/host_name.h"
+#include "runtime/host_name.h"
 #include "zeroshard/log.h"
 
 #include <cstdio>

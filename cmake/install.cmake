@@ -91,7 +91,7 @@ if(ZS_TORCH_LINK_DIRS)
   string(JOIN ":" _zs_rpath_link ${ZS_TORCH_LINK_DIRS})
   list(APPEND _zs_pc_libs "-Wl,-rpath-link,${_zs_rpath_link}")
 endif()
-list(APPEND _zs_pc_libs "${ZS_XXHASH_LIBRARY}" "${ZS_HDF5_LIBRARY}" "${ZS_CURL_LIBRARY}" "${ZS_PUGIXML_LIBRARY}" "${ZS_CRYPTO_LIBRARY}")
+list(APPEND _zs_pc_libs "${ZS_XXHASH_LIBRARY}" "${ZS_PROTOBUF_LIBRARY}" "${ZS_HDF5_LIBRARY}" "${ZS_CURL_LIBRARY}" "${ZS_PUGIXML_LIBRARY}" "${ZS_CRYPTO_LIBRARY}")
 list(APPEND _zs_pc_libs -lspdlog -lfmt -fopenmp -pthread)
 # A library named by its path (the wheel's CUDA runtime and NCCL) is found at run time only
 # where the program's RPATH says, as CMake's package arranges for its consumers: the same here,
@@ -131,7 +131,7 @@ if(PROJECT_IS_TOP_LEVEL)
   # The LibTorch release it was built against, and no other (its C++ ABI changes with each).
   string(REGEX MATCH "^([0-9]+)\\.([0-9]+)" _zs_torch_minor "${Torch_VERSION}")
   math(EXPR _zs_torch_next "${CMAKE_MATCH_2} + 1")
-  set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev (>= ${_zs_torch_minor}), libtorch-dev (<< ${CMAKE_MATCH_1}.${_zs_torch_next}~), libspdlog-dev, libhdf5-dev, libxxhash-dev, libcurl4-openssl-dev, libpugixml-dev, ca-certificates, g++")
+  set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev (>= ${_zs_torch_minor}), libtorch-dev (<< ${CMAKE_MATCH_1}.${_zs_torch_next}~), libspdlog-dev, libhdf5-dev, libxxhash-dev, libprotobuf-dev, libcurl4-openssl-dev, libpugixml-dev, ca-certificates, g++")
   if(ZS_TORCH STREQUAL "system")
     set(CPACK_GENERATOR DEB)
   else()

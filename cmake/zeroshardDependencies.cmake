@@ -32,6 +32,10 @@
 #   Defines zs_dep::xxhash (libxxhash; Debian's libxxhash-dev has no CMake package).
 #   Sets ZS_XXHASH_INCLUDE_DIR.
 #
+# zs_find_protobuf()
+#   Defines zs_dep::protobuf (libprotobuf, the one Debian's LibTorch 1.13 loads too: TensorBoard's
+#   event files are protobuf messages; Debian's libprotobuf-dev). Sets ZS_PROTOBUF_INCLUDE_DIR.
+#
 # zs_find_object_store_deps()
 #   Defines zs_dep::curl (libcurl: the durable tier's HTTP and SigV4), zs_dep::pugixml
 #   (the S3 API's XML answers) and zs_dep::crypto (OpenSSL's libcrypto: uploads' Content-MD5).
@@ -139,15 +143,33 @@ function(zs_find_nccl)
                      "pass -DZS_NCCL_ROOT=<dir with include/nccl.h and lib/libnccl.so.2>, or -DZS_WITH_CUDA=OFF")
 endfunction()
 
-function(zs_find_xxhash)
-  find_path(ZS_XXHASH_INCLUDE_DIR xxhash.h)
-  find_library(ZS_XXHASH_LIBRARY xxhash)
-  if(NOT ZS_XXHASH_INCLUDE_DIR)
-    set(ZS_XXHASH_LIBRARY "")  # the header is needed too
+# A library found with its header: `target` (include directory in `prefix`_INCLUDE_DIR, the
+# library in `prefix`_LIBRARY), or a fatal error naming `what` and `fix`.
+function(_zs_find_with_header target prefix header library what fix)
+  find_path(${prefix}_INCLUDE_DIR ${header})
+  find_library(${prefix}_LIBRARY ${library})
+  set(_found "${${prefix}_LIBRARY}")
+  if(NOT ${prefix}_INCLUDE_DIR)
+    set(_found "")  # the header is needed too
   endif()
-  _zs_import_library(zs_dep::xxhash "${ZS_XXHASH_LIBRARY}" "xxHash (xxhash.h and libxxhash)"
-                     "install libxxhash-dev (scripts/install-deps.sh)")
-  set_property(TARGET zs_dep::xxhash PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${ZS_XXHASH_INCLUDE_DIR}")
+  _zs_import_library(${target} "${_found}" "${what}" "${fix}")
+  set_property(TARGET ${target} PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${${prefix}_INCLUDE_DIR}")
+endfunction()
+
+function(zs_find_xxhash)
+  _zs_find_with_header(zs_dep::xxhash ZS_XXHASH xxhash.h xxhash "xxHash (xxhash.h and libxxhash)"
+                       "install libxxhash-dev (scripts/install-deps.sh)")
+endfunction()
+
+# The headers beside the library found (LibTorch's wheel carries protobuf headers of its own, of
+# whatever version it bundles: those would not match the library).
+function(zs_find_protobuf)
+  find_library(ZS_PROTOBUF_LIBRARY protobuf)
+  get_filename_component(_libdir "${ZS_PROTOBUF_LIBRARY}" DIRECTORY)
+  find_path(ZS_PROTOBUF_INCLUDE_DIR google/protobuf/wire_format_lite.h
+            HINTS "${_libdir}/../../include" "${_libdir}/../include" NO_DEFAULT_PATH)
+  _zs_find_with_header(zs_dep::protobuf ZS_PROTOBUF google/protobuf/wire_format_lite.h protobuf
+                       "protobuf (google/protobuf and libprotobuf)" "install libprotobuf-dev (scripts/install-deps.sh)")
 endfunction()
 
 function(zs_find_hdf5)

@@ -52,7 +52,7 @@ cd "$here" || exit 2
 # libstdc++, libgcc, zlib): HDF5 loads libcurl, which loads the rest.
 packages=(
   libspdlog-dev libspdlog1.10 libfmt-dev libfmt9 libboost1.74-dev libcli11-dev nlohmann-json3-dev
-  libhdf5-dev libhdf5-103-1 libsz2 libaec0 libxxhash-dev libxxhash0 libgtest-dev
+  libhdf5-dev libhdf5-103-1 libsz2 libaec0 libxxhash-dev libxxhash0 libgtest-dev libprotobuf-dev libprotobuf32
   libcurl4 libnghttp2-14 librtmp1 libssh2-1 libpsl5 libldap-2.5-0 libsasl2-2 libsasl2-modules-db libdb5.3
   libbrotli1 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 libidn2-0
   libunistring2 libgnutls30 libhogweed6 libnettle8 libgmp10 libp11-kit0 libtasn1-6 libffi8 libssl3 libzstd1

@@ -24,6 +24,8 @@ packages=(
   # communication, checkpoints, runtime
   libhdf5-dev libboost-dev libspdlog-dev libfmt-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev
+  # TensorBoard's event files: protobuf messages (libprotobuf's wire format)
+  libprotobuf-dev
   # the BART trainer's corpus inputs: JSON lines, gzip and zstd shards (zstd's CLI makes the tests' shards)
   libsimdjson-dev zlib1g-dev libzstd-dev zstd
   # the durable checkpoint tier: S3 over libcurl (SigV4), its XML answers, HTTPS's CA certificates,

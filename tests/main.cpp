@@ -10,6 +10,7 @@
 #include "replica/membership.h"
 #include "replica/registration.h"
 #include "zeroshard/log.h"
+#include "zeroshard/metrics.h"
 #include "zeroshard/replica_groups.h"
 #include "zeroshard/fully_shard.h"
 #include "zeroshard/sharded_adamw.h"
@@ -27,6 +28,7 @@
 #include <functional>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <thread>
 #include <unistd.h>
 
@@ -404,6 +406,57 @@ int replica_train() {
   return 0;
 }
 
+// A run's metrics with TensorBoard's files beside them (tests/runtime/check_tensorboard.py):
+// `--helper tensorboard_run DIR RESUME LAST SEED [SLEEP_US]` writes DIR/metrics.jsonl and
+// DIR/tensorboard for steps RESUME+1..LAST (LAST < 0: until killed), each step's numbers drawn
+// from SEED: every StepMetrics field, an extra object and number every fifth step, a
+// "checkpoint" event every tenth, and the configuration as text.
+int tensorboard_run(int argc, char** argv) {
+  if (argc < 6) {
+    std::cerr << "usage: --helper tensorboard_run DIR RESUME LAST SEED [SLEEP_US]" << std::endl;
+    return 2;
+  }
+  const std::string dir = argv[2];
+  const int64_t resume = std::atoll(argv[3]), last = std::atoll(argv[4]);
+  const int seed = std::atoi(argv[5]);
+  const int sleep_us = argc > 6 ? std::atoi(argv[6]) : 0;
+  zeroshard::MetricsOptions options;
+  options.tensorboard_dir = dir + "/tensorboard";
+  zeroshard::MetricsLog log(dir + "/metrics.jsonl", resume, options);
+  log.write_text("config", resume, "# the run\nseed " + std::to_string(seed) + ", resumed after step " +
+                                       std::to_string(resume));
+  std::cout << log.tensorboard_path() << std::endl;
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  std::uniform_real_distribution<double> u(0.0, 10.0);
+  for (int64_t step = resume + 1; last < 0 || step <= last; ++step) {
+    zeroshard::StepMetrics m;
+    m.step = step;
+    m.loss = u(rng);
+    m.lr = u(rng) * 1e-4;
+    m.grad_norm = step % 7 == 0 ? std::numeric_limits<double>::quiet_NaN() : u(rng);  // NaN: null, no scalar
+    m.tokens = static_cast<int64_t>(u(rng) * 1000);
+    m.seconds = u(rng);
+    m.compute_seconds = u(rng);
+    m.exposed_comm_seconds = u(rng);
+    m.optimizer_seconds = u(rng);
+    m.other_seconds = u(rng);
+    m.peak_rss_bytes = static_cast<int64_t>(u(rng) * 1e9);
+    m.bytes_sent = static_cast<int64_t>(u(rng) * 1e8);
+    m.loss_scale = 65536;
+    m.skipped = step % 11 == 0;
+    if (step % 5 == 0) {
+      m.extra_json = "{\"val_loss\": {\"wiki\": " + std::to_string(u(rng)) + ", \"books\": " + std::to_string(u(rng)) +
+                     "}, \"goodput\": " + std::to_string(u(rng) / 10) + ", \"note\": \"text is not a scalar\"}";
+    }
+    log.write(m);
+    if (step % 10 == 0) {
+      log.write_event("checkpoint", step, "{\"seconds\": " + std::to_string(u(rng)) + ", \"path\": \"ckpt\"}");
+    }
+    if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -415,6 +468,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[2], "replica_member") == 0) return reported(replica_member);
     if (std::strcmp(argv[2], "replica_heal") == 0) return reported(replica_heal);
     if (std::strcmp(argv[2], "replica_train") == 0) return reported(replica_train);
+    if (std::strcmp(argv[2], "tensorboard_run") == 0) {
+      return reported([&] { return tensorboard_run(argc - 1, argv + 1); });
+    }
     if (std::strcmp(argv[2], "fail_with_error") == 0) return reported(fail_with_error);
     if (std::strcmp(argv[2], "fail_uncaught") == 0) return reported(fail_uncaught);
     if (std::strcmp(argv[2], "abort_and_linger") == 0) return reported(abort_and_linger);

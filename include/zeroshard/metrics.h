@@ -1,6 +1,9 @@
 // zeroshard/metrics.h — what a training run reports while it runs.
 //
-//   zeroshard::MetricsLog metrics(run_dir + "/metrics.jsonl", resumed_step);  // rank 0
+//   zeroshard::MetricsOptions mo;
+//   mo.tensorboard_dir = run_dir + "/tensorboard";  // the same scalars for TensorBoard ("" for none)
+//   zeroshard::MetricsLog metrics(run_dir + "/metrics.jsonl", resumed_step, mo);  // rank 0
+//   metrics.write_text("config", resumed_step, "...");  // the run's configuration, in TensorBoard's text tab
 //   zeroshard::ProgressLine progress(max_steps);
 //   for (...) {
 //     ...one step...
@@ -10,16 +13,22 @@
 //   }
 //   zeroshard::plot_metrics(run_dir + "/metrics.jsonl", run_dir + "/loss.png");
 //
-// The JSON lines are the run's record; the plot is drawn from them with gnuplot. MetricsLog and
-// ProgressLine are for one thread (the training loop's). Every field: docs/observability.md.
+// The JSON lines are the run's record; the plot is drawn from them with gnuplot, and TensorBoard
+// reads the same scalars from its event files while the run goes on. MetricsLog and ProgressLine
+// are for one thread (the training loop's). Every field: docs/observability.md.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <string>
 
 namespace zeroshard {
+
+namespace runtime {
+class EventFile;
+}
 
 // One optimizer step ("all ranks" figures: agreed by a collective the trainer runs; the others
 // are this rank's).
@@ -43,14 +52,23 @@ struct StepMetrics {
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 
+struct MetricsOptions {
+  // Where TensorBoard's event files go ("" for none): every number of every line, as a scalar
+  // at the line's step and time (a step's fields under their names, an event's under
+  // "EVENT/FIELD", an object's members under "NAME/MEMBER"). Each process writes a file of its
+  // own there; a resumed run's new file replaces the steps after `resume_step` (one curve).
+  // Open it with `tensorboard --logdir DIR`.
+  std::string tensorboard_dir;
+};
+
 // JSON lines, one object per step (and per event), each flushed as written.
 class MetricsLog {
  public:
-  MetricsLog() = default;  // disabled: writes nothing
+  MetricsLog();  // disabled: writes nothing
   // Creates `path` (and its directory), or continues it, dropping the lines of steps after
   // `resume_step` (work the resumed run redoes), so the file reads as one run. Throws naming
-  // the path when it cannot be written.
-  MetricsLog(const std::string& path, int64_t resume_step);
+  // the path (or the TensorBoard directory) when it cannot be written.
+  MetricsLog(const std::string& path, int64_t resume_step, const MetricsOptions& options = {});
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
@@ -71,14 +89,21 @@ class MetricsLog {
   bool restore(const std::string& line);
   // Any other record: {"event": `event`, "step": step, plus `json_object`'s members}.
   void write_event(const std::string& event, int64_t step, const std::string& json_object = "{}");
+  // Text (markdown) for TensorBoard's text tab under `tag` (the run's configuration, say); not a
+  // line of the JSON file. Nothing without a TensorBoard directory.
+  void write_text(const std::string& tag, int64_t step, const std::string& markdown);
   bool enabled() const { return file_ != nullptr; }
   const std::string& path() const { return path_; }
+  // The event file this process writes ("" without one).
+  std::string tensorboard_path() const;
 
  private:
   std::string path_;
   std::FILE* file_ = nullptr;
   int64_t last_step_ = 0;
-  void line(const std::string& text);
+  std::unique_ptr<runtime::EventFile> tensorboard_;
+  void line(const std::string& text);            // to the file, then to_tensorboard()
+  void to_tensorboard(const std::string& text);  // a line's numbers, as scalars
 };
 
 // A one-line progress report, logged on rank 0 at most every `interval_s` seconds and at the

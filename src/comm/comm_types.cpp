@@ -1,6 +1,6 @@
 #include "zeroshard/comm.h"
 
-#include "comm/host_name.h"
+#include "runtime/host_name.h"
 #include "zeroshard/log.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -8,14 +8,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include <unistd.h>
 
 namespace zeroshard {
-
-std::string host_name() {
-  char name[256] = {};
-  return gethostname(name, sizeof(name) - 1) == 0 ? std::string(name) : std::string("(unnamed)");
-}
 
 std::string to_string(ReduceOp op) {
   switch (op) {

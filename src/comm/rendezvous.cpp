@@ -1,6 +1,6 @@
 // Rendezvous from the environment (torchrun, Slurm, Open MPI) and creation of
 // the world communicator.
-#include "comm/host_name.h"
+#include "runtime/host_name.h"
 #include "comm/store_wait.h"
 #include "comm/tcp_communicator.h"
 #include "comm/watchdog.h"

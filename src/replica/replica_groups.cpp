@@ -10,7 +10,7 @@
 #include "checksum.h"
 #include "compat/torch_compat.h"
 #include "shard/optimizer/optimizer_access.h"
-#include "comm/host_name.h"
+#include "runtime/host_name.h"
 #include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>

@@ -2,6 +2,7 @@
 // launcher's progress file and the loss plot.
 #include "zeroshard/metrics.h"
 
+#include "runtime/event_file.h"
 #include "zeroshard/log.h"
 
 #include <c10/util/Exception.h>
@@ -45,6 +46,19 @@ void merge(json& into, const std::string& object, const char* what) {
   for (auto it = extra.begin(); it != extra.end(); ++it) into[it.key()] = it.value();
 }
 
+// Every number of a metrics line, as TensorBoard's scalars: its members by name (an object's
+// under NAME/MEMBER), after `prefix`; the line's step, time and event name are the event's own.
+void scalars_of(const json& j, const std::string& prefix, bool top, std::vector<std::pair<std::string, double>>& out) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (top && (it.key() == "step" || it.key() == "time" || it.key() == "event")) continue;
+    if (it->is_number()) {
+      out.emplace_back(prefix + it.key(), it->get<double>());
+    } else if (it->is_object()) {
+      scalars_of(*it, prefix + it.key() + "/", false, out);
+    }
+  }
+}
+
 int64_t proc_status_kib(const char* field) {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -67,7 +81,9 @@ std::string ProgressLine::with_commas(int64_t v) {
   return out;
 }
 
-MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(path) {
+MetricsLog::MetricsLog() = default;
+
+MetricsLog::MetricsLog(const std::string& path, int64_t resume_step, const MetricsOptions& options) : path_(path) {
   std::error_code ec;
   if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path(), ec);
   // Keep what the run logged up to the step it resumes from (and lines that are not JSON
@@ -99,6 +115,15 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resume_step) : path_(pat
   TORCH_CHECK(!ec, "MetricsLog: cannot replace '", path, "': ", ec.message());
   file_ = std::fopen(path.c_str(), "a");
   TORCH_CHECK(file_ != nullptr, "MetricsLog: cannot open '", path, "' for appending: ", std::strerror(errno));
+  if (!options.tensorboard_dir.empty()) {
+    // A new file that replaces the earlier files' steps from `resume_step` on; the kept lines of
+    // that step itself go into it again (the file replaced them too).
+    tensorboard_ = std::make_unique<runtime::EventFile>(options.tensorboard_dir, resume_step);
+    for (const auto& k : kept) {
+      const json j = json::parse(k, nullptr, false);
+      if (j.is_object() && j.value("step", int64_t{-1}) == resume_step) to_tensorboard(k);
+    }
+  }
   if (dropped > 0) {
     log_info("metrics: dropped " + std::to_string(dropped) + " lines after step " + std::to_string(resume_step) +
              " from " + path + " (work redone after the resume)");
@@ -110,7 +135,10 @@ MetricsLog::~MetricsLog() {
 }
 
 MetricsLog::MetricsLog(MetricsLog&& other) noexcept
-    : path_(std::move(other.path_)), file_(other.file_), last_step_(other.last_step_) {
+    : path_(std::move(other.path_)),
+      file_(other.file_),
+      last_step_(other.last_step_),
+      tensorboard_(std::move(other.tensorboard_)) {
   other.file_ = nullptr;
 }
 
@@ -120,9 +148,36 @@ MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
     path_ = std::move(other.path_);
     file_ = other.file_;
     last_step_ = other.last_step_;
+    tensorboard_ = std::move(other.tensorboard_);
     other.file_ = nullptr;
   }
   return *this;
+}
+
+std::string MetricsLog::tensorboard_path() const { return tensorboard_ ? tensorboard_->path() : ""; }
+
+void MetricsLog::to_tensorboard(const std::string& text) {
+  if (!tensorboard_) return;
+  try {
+    const json j = json::parse(text);
+    std::vector<std::pair<std::string, double>> values;
+    scalars_of(j, j.contains("event") ? j["event"].get<std::string>() + "/" : "", true, values);
+    const double time = j.contains("time") && j["time"].is_number() ? j["time"].get<double>() : unix_time();
+    tensorboard_->scalars(j.at("step").get<int64_t>(), time, values);
+  } catch (const std::exception& e) {  // the run goes on; its JSON lines hold everything
+    log_warn("metrics: TensorBoard's event file stops here: " + std::string(e.what()));
+    tensorboard_.reset();
+  }
+}
+
+void MetricsLog::write_text(const std::string& tag, int64_t step, const std::string& markdown) {
+  if (!tensorboard_) return;
+  try {
+    tensorboard_->text(step, unix_time(), tag, markdown);
+  } catch (const std::exception& e) {
+    log_warn("metrics: TensorBoard's event file stops here: " + std::string(e.what()));
+    tensorboard_.reset();
+  }
 }
 
 double unix_time() {
@@ -137,6 +192,7 @@ void MetricsLog::line(const std::string& text) {
   std::fputs(text.c_str(), file_);
   std::fputc('\n', file_);
   std::fflush(file_);
+  to_tensorboard(text);
 }
 
 void MetricsLog::write(const StepMetrics& m) {

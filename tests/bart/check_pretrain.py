@@ -46,7 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "checkpoint"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from check_cli import read_safetensors  # noqa: E402  (a plain JSON + numpy reader)
+from check_tensorboard import compare as tensorboard_matches  # noqa: E402  (TensorBoard's reader against the lines)
 from pycheck import check  # noqa: E402  (an assert that python -O keeps)
 
 DATA = "/usr/share/common-licenses"
@@ -199,8 +201,13 @@ def check_resume(build, work):
              for d in (ref, cut)]
     check(all(e is not None for _, _, e in noise[0]), noise[0][:3])
     check(noise[0] == noise[1], lambda: [(a, b) for a, b in zip(*noise) if a != b][:3])
+    # TensorBoard (RUN_DIR/tensorboard, one file per launch) shows one curve, equal to the lines.
+    tb = tensorboard_matches(cut, "the resumed run's TensorBoard files")
+    check([s for s, _, _ in tb["loss"]] == list(range(1, 21)), tb["loss"])
+    check(len(os.listdir(os.path.join(cut, "tensorboard"))) == 2, os.listdir(os.path.join(cut, "tensorboard")))
     print(f"resume: SIGTERM at step {stop} of 20 through zeroshard-run, restart, resume: {len(a)} parameters and "
-          f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run")
+          f"{len(names)} datasets (with AdamW moments) bit-identical to the uninterrupted run; TensorBoard's "
+          f"reader finds {len(tb)} scalars, one curve of steps 1-20, each equal to metrics.jsonl")
 
     # A crash at the worst instant for the record: rank 0 killed (SIGKILL) right after step 10's checkpoint
     # committed, before step 10's metrics line. The restart resumes from step 10 and writes that line from the
@@ -220,8 +227,11 @@ def check_resume(build, work):
     want = [r["loss"] for r in metrics(ref) if "event" not in r]
     check([r["loss"] for r in lines] == want, lambda: [(a["step"], a["loss"], b) for a, b in zip(lines, want)
                                                       if a["loss"] != b][:3])
+    tb = tensorboard_matches(crash, "TensorBoard after the crash")
+    check([s for s, _, _ in tb["loss"]] == list(range(1, 21)), tb["loss"])
     print("resume: rank 0 killed between step 10's checkpoint commit and its metrics line: the restart wrote "
-          "step 10's line from the checkpoint; steps 1-20 once each, every loss equal to the uninterrupted run's")
+          "step 10's line from the checkpoint; steps 1-20 once each, every loss equal to the uninterrupted run's, "
+          "in TensorBoard too")
 
 
 def check_durable(build, work):

@@ -2,6 +2,8 @@
 // file, plot) and trace records.
 #include "test_util.h"
 
+#include "runtime/event_file.h"
+
 #include <zeroshard/comm.h>
 #include <zeroshard/metrics.h>
 #include <zeroshard/trace.h>
@@ -136,6 +138,15 @@ TEST(Metrics, ACarriedStepLineIsRestoredOnlyWhereItIsMissing) {
     j.erase("restored");
     return j;
   }()) << "the restored line is the carried one";
+}
+
+// TFRecord's checksum is CRC-32C (Castagnoli), masked: the check value of "123456789" is
+// 0xE3069283 (RFC 3720's CRC32C; TensorFlow's crc32c tests use the same vector).
+TEST(Metrics, TensorBoardRecordsCarryTheMaskedCrc32c) {
+  const uint32_t crc = 0xE3069283u;
+  EXPECT_EQ(zeroshard::runtime::EventFile::masked_crc32c("123456789", 9), ((crc >> 15) | (crc << 17)) + 0xa282ead8u);
+  const uint32_t zero = 0;  // CRC32C of no bytes is 0
+  EXPECT_EQ(zeroshard::runtime::EventFile::masked_crc32c("", 0), ((zero >> 15) | (zero << 17)) + 0xa282ead8u);
 }
 
 TEST(Metrics, BadExtraJsonIsRefusedNamingIt) {

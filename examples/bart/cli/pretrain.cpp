@@ -368,6 +368,9 @@ void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
       ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
   app.add_flag("--trace", o.trace, "write RUN_DIR/trace-rank-N.json (Chrome trace; open in Perfetto)");
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
+  app.add_option("--tensorboard", o.tensorboard_dir,
+                 "TensorBoard's event files of the run's metrics (tensorboard --logdir DIR), or 'none' "
+                 "(default: RUN_DIR/tensorboard)");
   app.add_flag("--no-sample", o.no_sample, "skip the closing denoising check (greedy reconstruction of held-out sentences)");
   app.add_option("--sample-sentences", o.sample_sentences, "held-out sentences the closing denoising check decodes")
       ->capture_default_str();
@@ -394,6 +397,7 @@ int bart_pretrain_main(int argc, char** argv) {
     return app.exit(e);
   }
   o.noise.permute_sentences = !no_permute;
+  o.config_text = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
   try {
     if (c.tok->parsed()) return bart::train_tokenizer_command(c.to);
     if (c.enc->parsed()) return bart::encode_command(o.tokenizer_dir);

@@ -369,7 +369,12 @@ void PretrainingRun::resume() {
   // again from its checkpoint and healed past it took the steps between before it was lost).
   if (groups_) follow_groups();
   if (rank_ == 0) {
-    metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_);
+    zeroshard::MetricsOptions mo;
+    if (o.tensorboard_dir != "none") {
+      mo.tensorboard_dir = o.tensorboard_dir.empty() ? (fs::path(o.run_dir) / "tensorboard").string() : o.tensorboard_dir;
+    }
+    metrics_ = zeroshard::MetricsLog((fs::path(o.run_dir) / "metrics.jsonl").string(), step_, mo);
+    if (!o.config_text.empty()) metrics_.write_text("config", step_, "```\n" + o.config_text + "```\n");
     // The run stopped after this checkpoint committed and before its step's line was written.
     if (!carried_line_.empty() && metrics_.restore(carried_line_)) {
       zeroshard::log_info("metrics: step " + std::to_string(step_) + "'s line restored from its checkpoint");

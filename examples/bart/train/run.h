@@ -89,6 +89,8 @@ struct RunOptions {
   bool keep_denormals = false;
   std::string simd;  // the AdamW kernel's instruction set (set_adamw_simd); "": the CPU's best
   bool no_plot = false;
+  std::string tensorboard_dir;  // "" for RUN_DIR/tensorboard; "none" for no event files
+  std::string config_text;      // the options as parsed (every one, as a config file reads), for TensorBoard's text tab
   bool no_sample = false;
   int64_t sample_sentences = 64;  // held-out sentences the closing denoising check decodes
   std::string save_logits;

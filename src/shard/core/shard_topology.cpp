@@ -1,7 +1,7 @@
 // shard_topology.cpp — shard groups and replica groups from a data-parallel group.
 #include "shard/core/shard_topology.h"
 
-#include "comm/host_name.h"
+#include "runtime/host_name.h"
 #include "zeroshard/sharded_optimizer.h"
 
 #include <c10/util/Exception.h>
