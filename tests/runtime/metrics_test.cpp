@@ -6,6 +6,8 @@
 
 #include <zeroshard/comm.h>
 #include <zeroshard/metrics.h>
+#include <zeroshard/rank_times.h>
+#include <zeroshard/step_agreement.h>
 #include <zeroshard/trace.h>
 
 #include <gtest/gtest.h>
@@ -16,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 
 namespace metrics_test {
 
@@ -147,6 +150,75 @@ TEST(Metrics, TensorBoardRecordsCarryTheMaskedCrc32c) {
   EXPECT_EQ(zeroshard::runtime::EventFile::masked_crc32c("123456789", 9), ((crc >> 15) | (crc << 17)) + 0xa282ead8u);
   const uint32_t zero = 0;  // CRC32C of no bytes is 0
   EXPECT_EQ(zeroshard::runtime::EventFile::masked_crc32c("", 0), ((zero >> 15) | (zero << 17)) + 0xa282ead8u);
+}
+
+// Every rank's figures travel in the step's agreement (no collective of their own: the agreement's
+// count is the steps'), each rank reads all of them, and the straggler rule names rank 2, whose
+// compute doubles from step 3 to 8, at the first step its 5-step average reaches 1.3x the median
+// rank's, once, and sees it come back near the median. The oracle: the closed forms of the figures the ranks set.
+TEST(Metrics, EveryRanksTimesTravelInTheAgreementAndTheSlowRankIsNamed) {
+  const int port = zeroshard::testing::free_port();
+  std::mutex mu;
+  std::vector<std::vector<std::string>> spreads(3);
+  std::vector<std::vector<zeroshard::StragglerEpisode>> named(3), episodes(3);
+  std::vector<int64_t> recovered_at(3, -1), agreements(3, 0);
+  const auto errors = zeroshard::testing::run_ranks(3, [&](int r) {
+    zeroshard::CommOptions co;
+    co.timeout = std::chrono::seconds(30);
+    auto c = zeroshard::init_communicator(zeroshard::testing::thread_env(r, 3, port), co);
+    auto a = std::make_shared<zeroshard::StepAgreement>(c);
+    zeroshard::RankTimes times(a, {1.3, 5});
+    EXPECT_THROW(times.spread(0), c10::Error);  // no agreement yet
+    for (int64_t step = 1; step <= 13; ++step) {
+      times.step_began();
+      const double compute = (r == 2 && step >= 3 && step <= 8 ? 2.0 : 1.0) + 0.01 * r;
+      times.set(compute, 0.1 * r, 0.2 + 0.1 * (2 - r));
+      a->agree();
+      const auto s = times.spread(step);
+      std::lock_guard<std::mutex> lock(mu);
+      spreads[static_cast<size_t>(r)].push_back(s.json);
+      for (const auto& e : s.named) named[static_cast<size_t>(r)].push_back(e);
+      for (const auto& e : s.recovered) recovered_at[static_cast<size_t>(r)] = e.end_step;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    episodes[static_cast<size_t>(r)] = times.episodes();
+    agreements[static_cast<size_t>(r)] = a->agreements();
+    EXPECT_EQ(times.hosts(), std::vector<std::string>(3, times.hosts()[0]));
+  });
+  for (int r = 0; r < 3; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(spreads[static_cast<size_t>(r)], spreads[0]) << "rank " << r << " read other figures";
+    EXPECT_EQ(agreements[static_cast<size_t>(r)], 13) << "one agreement per step, no collective of its own";
+  }
+  const auto first = json::parse(spreads[0][0]);
+  EXPECT_DOUBLE_EQ(first["compute_s"]["min"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(first["compute_s"]["median"].get<double>(), 1.01);
+  EXPECT_DOUBLE_EQ(first["compute_s"]["max"].get<double>(), 1.02);
+  EXPECT_EQ(first["compute_s"]["slowest"].get<int>(), 2);
+  EXPECT_DOUBLE_EQ(first["data_wait_s"]["max"].get<double>(), 0.2);
+  EXPECT_EQ(first["data_wait_s"]["slowest"].get<int>(), 2);
+  EXPECT_DOUBLE_EQ(first["exposed_comm_s"]["max"].get<double>(), 0.4);
+  EXPECT_EQ(first["exposed_comm_s"]["slowest"].get<int>(), 0);
+  EXPECT_GE(first["arrive_s"]["min"].get<double>(), 0.0);
+  // Windows of 5 steps: steps 1-5 hold rank 2 at 1.02, 1.02, 2.02, 2.02, 2.02 against medians of 1.01:
+  // 8.1 / 5.05 = 1.604 >= 1.3, named at step 5; steps 4-8 at 2.02 (ratio 2.0); the episode ends under
+  // 1.15 (the midpoint of 1 and 1.3): step 12's window holds one 2.02, 6.1 / 5.05 = 1.208, still in it;
+  // step 13's none, 5.1 / 5.05 = 1.0099.
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(named[static_cast<size_t>(r)].size(), 1u) << "rank " << r;
+    const auto& e = named[static_cast<size_t>(r)][0];
+    EXPECT_EQ(e.step, 5);
+    EXPECT_EQ(e.rank, 2);
+    EXPECT_NEAR(e.ratio, 8.1 / 5.05, 1e-12);
+    EXPECT_EQ(recovered_at[static_cast<size_t>(r)], 13);
+    ASSERT_EQ(episodes[static_cast<size_t>(r)].size(), 1u);
+    EXPECT_NEAR(episodes[static_cast<size_t>(r)][0].peak_ratio, 10.1 / 5.05, 1e-12);
+    EXPECT_EQ(episodes[static_cast<size_t>(r)][0].end_step, 13);
+  }
+  const auto j = json::parse(episodes[0][0].json());
+  EXPECT_EQ(j["rank"].get<int>(), 2);
+  EXPECT_EQ(j["end_step"].get<int64_t>(), 13);
+  EXPECT_EQ(j["host"].get<std::string>(), episodes[0][0].host);
 }
 
 TEST(Metrics, BadExtraJsonIsRefusedNamingIt) {

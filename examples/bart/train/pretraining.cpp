@@ -240,6 +240,8 @@ StepResult PretrainingRun::step_once(int64_t step) {
       mbs.push_back(pipeline_microbatch(micro[m], config_, key(static_cast<int64_t>(m))));
     }
     const double waited0 = waited();
+    // The executor's agreement runs inside its schedule: only the data wait is known before it.
+    rank_times_->set(0, r.data_wait, 0);
     const auto s = pipe_->train_step(std::move(mbs), r.global_tokens);
     // The executor's step: its F and B passes, and the rest (waits for the
     // neighbours, the step's reductions and update) as this rank's bubble.
@@ -270,6 +272,7 @@ StepResult PretrainingRun::step_once(int64_t step) {
   }
   r.fb_s = since(t_fb);
   r.fb_wait = waited() - waited_fb0;
+  rank_times_->set(r.fb_s - r.fb_wait, r.data_wait, r.fb_wait);  // the agreement carries them
   const auto t_opt = Clock::now();
   const double waited_opt0 = waited();
   // Runs the step's agreement: the optimizer's norms and flags, the loss and the preemption vote in one all-reduce.
@@ -337,6 +340,9 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   record_.train_seconds += m.seconds;
   record_.data_wait_s += r.data_wait;
   extra["data_wait_s"] = r.data_wait;
+  // Every rank's figures (min, median, max, the slowest rank), from the step's agreement.
+  const auto spread = rank_times_->spread(step_);
+  extra["ranks"] = json::parse(spread.json);
   if (data_->blended()) extra["examples_by_dataset"] = r.by_dataset;
   if (groups_) {  // the groups that trained this step, and the samples they trained: the whole global batch
     extra["replica_groups"] = groups_->turn().count;
@@ -369,6 +375,8 @@ bool PretrainingRun::record_step(const StepResult& r, Clock::time_point t_step, 
   m.extra_json = extra.dump();  // never empty: it carries the step's data wait
   step_line_ = zeroshard::MetricsLog::step_line(m);  // what a preemption's save of this step carries
   metrics_.write(m);
+  for (const auto& e : spread.named) metrics_.write_event("straggler", step_, e.json());
+  for (const auto& e : spread.recovered) metrics_.write_event("straggler_end", step_, e.json());
   progress_->update(m, eff.progress());
   zeroshard::publish_step(dist_, step_);
   return end;
@@ -402,6 +410,7 @@ std::optional<int> PretrainingRun::train() {
     const auto t_step = Clock::now();
     const double waited0 = waited();
     const int64_t reduces0 = world_all_reduces();
+    rank_times_->step_began();
     const std::string sampler_at = groups_ ? sampler_->state_json() : std::string();
     StepResult r;
     try {

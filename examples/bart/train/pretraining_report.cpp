@@ -138,6 +138,9 @@ void PretrainingRun::summarize() {
   s.whole_val_loss = whole_val_;
   s.whole_val_tokens = whole_val_tokens_;
   s.interruptions = record_.interruptions.dump();
+  json stragglers = json::array();
+  for (const auto& e : rank_times_->episodes()) stragglers.push_back(json::parse(e.json()));
+  s.stragglers = stragglers.dump();
   if (groups_) {
     s.replica_changes = record_.replica_changes.dump();
     s.steps_retaken = record_.steps_retaken;

@@ -19,6 +19,7 @@
 #include <zeroshard/metrics.h>
 #include <zeroshard/prefetcher.h>
 #include <zeroshard/preemption.h>
+#include <zeroshard/rank_times.h>
 #include <zeroshard/replica_groups.h>
 #include <zeroshard/sampler.h>
 #include <zeroshard/sharded_optimizer.h>
@@ -147,6 +148,7 @@ class PretrainingRun {
   std::string step_line_, carried_line_;
   bool resume_noted_ = false;
   std::unique_ptr<zeroshard::PreemptionGuard> guard_;
+  std::unique_ptr<zeroshard::RankTimes> rank_times_;  // every rank's figures of the step, stragglers named
   std::shared_ptr<zeroshard::StepAgreement> agreement_;  // the step's one blocking collective
   // With --replica-group (after the optimizer and the agreement: it goes first).
   std::unique_ptr<zeroshard::ReplicaGroups> groups_;

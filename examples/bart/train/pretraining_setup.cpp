@@ -345,6 +345,8 @@ void PretrainingRun::resume() {
         [this](const double* sum) { agreed_loss_ = sum[0]; });
   }
   guard_->join(agreement_);
+  rank_times_ = std::make_unique<zeroshard::RankTimes>(
+      agreement_, zeroshard::RankTimesOptions{o.straggler_threshold, o.straggler_window});
   if (!o.replica_group.empty()) {
     zeroshard::ReplicaGroupsOptions ro;
     ro.coordinator = o.coordinator;

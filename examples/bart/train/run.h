@@ -90,6 +90,8 @@ struct RunOptions {
   std::string simd;  // the AdamW kernel's instruction set (set_adamw_simd); "": the CPU's best
   bool no_plot = false;
   std::string tensorboard_dir;  // "" for RUN_DIR/tensorboard; "none" for no event files
+  double straggler_threshold = 1.3;  // a rank's compute over the median rank's (RankTimesOptions)
+  int64_t straggler_window = 50;     // steps; 0: no straggler rule
   std::string config_text;      // the options as parsed (every one, as a config file reads), for TensorBoard's text tab
   bool no_sample = false;
   int64_t sample_sentences = 64;  // held-out sentences the closing denoising check decodes

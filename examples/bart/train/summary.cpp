@@ -126,6 +126,17 @@ std::string Summary::text() const {
   std::snprintf(buf, sizeof(buf), "evaluation   %.1f s, %.1f%% of the steps' and evaluations' time\n", eval_seconds,
                 eval_share() * 100);
   o << buf;
+  for (const auto& e : json::parse(stragglers)) {
+    std::snprintf(buf, sizeof(buf), "straggler    rank %d on %s: compute %.2fx the median rank's over %lld steps "
+                  "at step %lld (peak %.2fx)", e.value("rank", 0), e.value("host", std::string()).c_str(),
+                  e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
+                  static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
+    o << buf;
+    if (e.contains("end_step")) {
+      o << ", back near the median at step " << e["end_step"].get<int64_t>();
+    }
+    o << "\n";
+  }
   if (!replica_changes.empty()) {
     const json changes = json::parse(replica_changes);
     for (const auto& c : changes) {
@@ -218,6 +229,7 @@ std::string Summary::to_json() const {
          {"interruptions", json::parse(interruptions)}};
   if (!resumed.empty()) j["resumed"] = json::parse(resumed);
   if (!durable.empty()) j["durable"] = json::parse(durable);
+  j["stragglers"] = json::parse(stragglers);
   if (!replica_changes.empty()) {
     j["replica_changes"] = json::parse(replica_changes);
     j["steps_retaken"] = steps_retaken;

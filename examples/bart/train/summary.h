@@ -33,6 +33,7 @@ struct Summary {
   std::string val_loss_by_dataset;   // a blend's: JSON {dataset: its last validation loss}; "" for one dataset
   std::string replica_changes;       // replica groups: JSON array of RunRecord::replica_changes; "" without
   int64_t steps_retaken = 0;         // replica groups: steps taken again after a group was lost
+  std::string stragglers = "[]";     // JSON array of this process's StragglerEpisode::json()
   bool has_sample = false;
   DenoisingAccuracy denoising;  // greedy reconstruction of held-out sentences, and one of them
 

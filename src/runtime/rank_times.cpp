@@ -1,0 +1,151 @@
+// rank_times.cpp — every rank's step figures through the step's agreement; the straggler rule.
+#include "zeroshard/rank_times.h"
+
+#include "runtime/host_name.h"
+#include "zeroshard/comm.h"
+#include "zeroshard/log.h"
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace zeroshard {
+
+namespace {
+
+using json = nlohmann::json;
+
+double steady_now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr const char* kNames[RankTimes::kFigures] = {"compute_s", "data_wait_s", "exposed_comm_s", "arrive_s"};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+}  // namespace
+
+std::string StragglerEpisode::json() const {
+  nlohmann::json j{{"step", step}, {"rank", rank}, {"host", host}, {"ratio", ratio}, {"window", window},
+                   {"threshold", threshold}, {"peak_ratio", peak_ratio}};
+  if (end_step >= 0) j["end_step"] = end_step;
+  return j.dump();
+}
+
+RankTimes::RankTimes(std::shared_ptr<StepAgreement> agreement, RankTimesOptions options)
+    : agreement_(std::move(agreement)), options_(options) {
+  TORCH_CHECK_VALUE(agreement_ != nullptr, "RankTimes: the agreement is null");
+  TORCH_CHECK_VALUE(options_.threshold > 1, "RankTimes: threshold ", options_.threshold,
+                    " must be above 1 (a rank's compute over the median rank's)");
+  TORCH_CHECK_VALUE(options_.window >= 0, "RankTimes: window ", options_.window, " must be 0 (no straggler rule) or more");
+  auto& comm = agreement_->communicator();
+  hosts_ = all_gather_text(comm, host_name());
+  open_.assign(static_cast<size_t>(comm.size()), -1);
+  began_ = steady_now_s();
+  slot_ = agreement_->add_per_rank(
+      "rank times", kFigures,
+      [this](double* v) {
+        mine_[3] = steady_now_s() - began_;
+        std::copy(mine_, mine_ + kFigures, v);
+      },
+      [this](const double* all) {
+        all_.assign(all, all + static_cast<size_t>(kFigures) * hosts_.size());
+        read_at_ = agreement_->agreements() + 1;  // read before agree() counts itself
+      });
+}
+
+RankTimes::~RankTimes() {
+  if (agreement_ != nullptr) agreement_->remove(slot_);
+}
+
+void RankTimes::step_began() {
+  began_ = steady_now_s();
+  std::fill(mine_, mine_ + kFigures, 0.0);
+}
+
+void RankTimes::set(double compute_s, double data_wait_s, double exposed_comm_s) {
+  mine_[0] = compute_s;
+  mine_[1] = data_wait_s;
+  mine_[2] = exposed_comm_s;
+}
+
+RankSpread RankTimes::spread(int64_t step) {
+  TORCH_CHECK(read_at_ > spread_at_, "RankTimes::spread: the step's agreement has not run since the last call (",
+              agreement_->agreements(), " agreements); call it once per step, after the step's agreement");
+  spread_at_ = read_at_;
+  const int n = static_cast<int>(hosts_.size());
+  RankSpread out;
+  json j = json::object();
+  std::vector<double> compute(static_cast<size_t>(n));
+  for (int f = 0; f < kFigures; ++f) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) v[static_cast<size_t>(r)] = all_[static_cast<size_t>(r * kFigures + f)];
+    if (f == 0) compute = v;
+    const auto slowest = std::max_element(v.begin(), v.end()) - v.begin();
+    j[kNames[f]] = json{{"min", *std::min_element(v.begin(), v.end())}, {"median", median_of(v)},
+                        {"max", v[static_cast<size_t>(slowest)]}, {"slowest", slowest}};
+  }
+  out.json = j.dump();
+  if (options_.window == 0) return out;
+  compute_.push_back(compute);
+  medians_.push_back(median_of(compute));
+  if (static_cast<int64_t>(compute_.size()) > options_.window) {
+    compute_.pop_front();
+    medians_.pop_front();
+  }
+  if (static_cast<int64_t>(compute_.size()) < options_.window) return out;
+  double median_sum = 0;
+  for (double m : medians_) median_sum += m;
+  if (median_sum <= 0) return out;
+  for (int r = 0; r < n; ++r) {
+    double sum = 0;
+    for (const auto& c : compute_) sum += c[static_cast<size_t>(r)];
+    const double ratio = sum / median_sum;
+    int& open = open_[static_cast<size_t>(r)];
+    if (open < 0 && ratio >= options_.threshold) {
+      StragglerEpisode e;
+      e.step = step;
+      e.rank = r;
+      e.host = hosts_[static_cast<size_t>(r)];
+      e.ratio = e.peak_ratio = ratio;
+      e.window = options_.window;
+      e.threshold = options_.threshold;
+      open = static_cast<int>(episodes_.size());
+      episodes_.push_back(e);
+      out.named.push_back(e);
+      if (agreement_->communicator().rank() == 0) {
+        char text[96];
+        std::snprintf(text, sizeof(text), "%.2fx", ratio);
+        log_warn("straggler: rank " + std::to_string(r) + " on host " + e.host + " computed " + text +
+                 " the median rank's time over the last " + std::to_string(options_.window) + " steps (step " +
+                 std::to_string(step) + "; threshold " + std::to_string(options_.threshold).substr(0, 4) +
+                 "x): every rank waits for it at each step's agreement; look at that host's load, clocks and "
+                 "throttling");
+      }
+    } else if (open >= 0) {
+      auto& e = episodes_[static_cast<size_t>(open)];
+      e.peak_ratio = std::max(e.peak_ratio, ratio);
+      // Back when under the midpoint between 1 and the threshold: a rank that hovers at the
+      // threshold is one episode, not one per crossing.
+      if (ratio < 1 + (options_.threshold - 1) / 2) {
+        e.end_step = step;
+        out.recovered.push_back(e);
+        open = -1;
+        if (agreement_->communicator().rank() == 0) {
+          log_info("straggler: rank " + std::to_string(r) + " on host " + e.host + " is back near the median at step " +
+                   std::to_string(step) + " (named at step " + std::to_string(e.step) + ")");
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace zeroshard
