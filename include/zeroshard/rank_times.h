@@ -14,7 +14,7 @@
 //
 // Each rank's figures travel in the step's one agreement (a per-rank slot of four values: no
 // collective of their own). A straggler is a rank whose compute, averaged over the last `window`
-// steps, stays at `threshold` times the median rank's or more: named once per episode (on rank
+// steps, stays at `threshold` times the median of the other ranks' or more: named once per episode (on rank
 // 0's log: the rank, its host, the ratio); the episode ends when the ratio falls under the midpoint
 // between 1 and the threshold (1.15 for 1.3), so that a rank hovering at the threshold is one episode.
 #pragma once
@@ -30,7 +30,7 @@
 namespace zeroshard {
 
 struct RankTimesOptions {
-  double threshold = 1.3;  // a rank's compute over the median rank's, averaged over the window
+  double threshold = 1.3;  // a rank's compute over the other ranks' median, averaged over the window
   int64_t window = 50;     // steps; 0: no straggler detection (the spread is still reported)
 };
 
@@ -38,7 +38,7 @@ struct StragglerEpisode {
   int64_t step = 0;     // the step at which it was named
   int rank = 0;
   std::string host;
-  double ratio = 0;     // its compute over the median rank's, over the window, when named
+  double ratio = 0;     // its compute over the other ranks' median, over the window, when named
   int64_t window = 0;
   double threshold = 0;
   int64_t end_step = -1;  // the step at which it came back near the median (-1: not yet)
@@ -89,7 +89,7 @@ class RankTimes {
   std::vector<double> all_;  // the last agreement's: rank r's figures at [r * kFigures, ...)
   int64_t read_at_ = -1, spread_at_ = -1;
   std::deque<std::vector<double>> compute_;  // the window's compute per rank
-  std::deque<double> medians_;               // the window's median compute
+  std::deque<std::vector<double>> medians_;  // the window's median compute of the other ranks, per rank
   std::vector<int> open_;                    // per rank: its open episode's index, or -1
   std::vector<StragglerEpisode> episodes_;
 };

@@ -43,7 +43,7 @@ RankTimes::RankTimes(std::shared_ptr<StepAgreement> agreement, RankTimesOptions 
     : agreement_(std::move(agreement)), options_(options) {
   TORCH_CHECK_VALUE(agreement_ != nullptr, "RankTimes: the agreement is null");
   TORCH_CHECK_VALUE(options_.threshold > 1, "RankTimes: threshold ", options_.threshold,
-                    " must be above 1 (a rank's compute over the median rank's)");
+                    " must be above 1 (a rank's compute over the other ranks' median)");
   TORCH_CHECK_VALUE(options_.window >= 0, "RankTimes: window ", options_.window, " must be 0 (no straggler rule) or more");
   auto& comm = agreement_->communicator();
   hosts_ = all_gather_text(comm, host_name());
@@ -93,20 +93,31 @@ RankSpread RankTimes::spread(int64_t step) {
                         {"max", v[static_cast<size_t>(slowest)]}, {"slowest", slowest}};
   }
   out.json = j.dump();
-  if (options_.window == 0) return out;
+  if (options_.window == 0 || n < 2) return out;
+  // Each rank against the median of the others (at 2 ranks, the other one: a rank three times as
+  // slow as its peer is 3x, not the 1.5x of the median of both).
+  std::vector<double> others(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    std::vector<double> rest;
+    for (int q = 0; q < n; ++q) {
+      if (q != r) rest.push_back(compute[static_cast<size_t>(q)]);
+    }
+    others[static_cast<size_t>(r)] = median_of(rest);
+  }
   compute_.push_back(compute);
-  medians_.push_back(median_of(compute));
+  medians_.push_back(others);
   if (static_cast<int64_t>(compute_.size()) > options_.window) {
     compute_.pop_front();
     medians_.pop_front();
   }
   if (static_cast<int64_t>(compute_.size()) < options_.window) return out;
-  double median_sum = 0;
-  for (double m : medians_) median_sum += m;
-  if (median_sum <= 0) return out;
   for (int r = 0; r < n; ++r) {
-    double sum = 0;
-    for (const auto& c : compute_) sum += c[static_cast<size_t>(r)];
+    double sum = 0, median_sum = 0;
+    for (size_t k = 0; k < compute_.size(); ++k) {
+      sum += compute_[k][static_cast<size_t>(r)];
+      median_sum += medians_[k][static_cast<size_t>(r)];
+    }
+    if (median_sum <= 0) continue;
     const double ratio = sum / median_sum;
     int& open = open_[static_cast<size_t>(r)];
     if (open < 0 && ratio >= options_.threshold) {
@@ -124,7 +135,7 @@ RankSpread RankTimes::spread(int64_t step) {
         char text[96];
         std::snprintf(text, sizeof(text), "%.2fx", ratio);
         log_warn("straggler: rank " + std::to_string(r) + " on host " + e.host + " computed " + text +
-                 " the median rank's time over the last " + std::to_string(options_.window) + " steps (step " +
+                 " the other ranks' median time over the last " + std::to_string(options_.window) + " steps (step " +
                  std::to_string(step) + "; threshold " + std::to_string(options_.threshold).substr(0, 4) +
                  "x): every rank waits for it at each step's agreement; look at that host's load, clocks and "
                  "throttling");

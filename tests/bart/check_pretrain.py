@@ -31,6 +31,10 @@ Usage: check_pretrain.py BUILD_DIR WORK_DIR CHECK
                step's loss of both equals an uninterrupted 2-rank run's (rel. 1e-5): every sample trained
                once; loss.png marks each change; then a group with no state, alone in the finished job,
                refuses to start over (--replica-alone exit)
+  straggler    2 ranks, rank 1's process held to 30% of a core (a cgroup v1 CPU quota) from its start: the
+               straggler rule (--straggler-window 20) names rank 1 and this host within two windows, once,
+               and never rank 0; the same run unthrottled names no one (nor does its log); every step's
+               agreement is its one all-reduce, the ranks' figures in it
   safetensors  export of a trained model (zeroshard-ckpt export --safetensors),
                re-imported (zeroshard-ckpt import): identical logits; Hugging Face names
 """
@@ -49,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "checkpoint"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from check_cli import read_safetensors  # noqa: E402  (a plain JSON + numpy reader)
 from check_tensorboard import compare as tensorboard_matches  # noqa: E402  (TensorBoard's reader against the lines)
+from pycheck import skip  # noqa: E402
 from pycheck import check  # noqa: E402  (an assert that python -O keeps)
 
 DATA = "/usr/share/common-licenses"
@@ -73,6 +78,15 @@ def pretrain(build, run_dir, nproc, *args, launcher_args=(), expect=0, env_extra
         return run(base, expect, env)
     return run([os.path.join(build, "zeroshard-run"), "--nproc-per-node", str(nproc), *launcher_args, "--", *base],
                expect, env)
+
+
+def children(pid):
+    """A launcher's processes: its ranks (none once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
 
 
 def metrics(run_dir):
@@ -888,9 +902,8 @@ def check_replica_groups(build, work):
         wait("a and b train together past step 260", lambda: min(
             (steps_of(d) or [{"step": 0}])[-1]["step"] for d in (a_dir, b_dir)) >= 260, [a, b2])
         for p in (a, b2):
-            with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
-                for rank in f.read().split():
-                    os.kill(int(rank), 9)
+            for rank in children(p.pid):
+                os.kill(rank, 9)
         check(a.wait(timeout=300) == 0, lambda: "group a: " + tail(a))
         check(b2.wait(timeout=300) == 0, lambda: "group b, again: " + tail(b2))
         # Every group gone, the job at its last step: a group with no state does not start over.
@@ -960,10 +973,84 @@ def check_replica_groups(build, work):
           f"every step's loss of both within {worst:.1e} of the uninterrupted run's")
 
 
+def check_straggler(build, work):
+    import socket
+    cpu = "/sys/fs/cgroup/cpu"
+    if os.geteuid() != 0 or not os.path.exists(os.path.join(cpu, "cpu.cfs_quota_us")):
+        skip("a cgroup v1 CPU quota needs root and /sys/fs/cgroup/cpu")
+    window, steps = 20, 70
+    common = ["--max-steps", str(steps), "--eval-every", "0", "--no-sample", "--max-tokens", "32", "--ckpt-dir",
+              "none", "--straggler-window", str(window)]
+
+    def launch(run_dir, throttle):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        exe = os.path.join(build, "examples", "bart_pretrain")
+        cmd = [os.path.join(build, "zeroshard-run"), "--nproc-per-node", "2", "--", exe, "--data", DATA, "--run-dir",
+               run_dir, "--no-plot", "--progress-interval", "1000", *common]
+        env = dict(os.environ, ZS_LOG_LEVEL="info", OMP_NUM_THREADS="1")
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        if throttle:  # rank 1's process into the group, as soon as it runs (before its first step)
+            deadline = time.monotonic() + 60
+            while True:
+                ranks = {}
+                for pid in children(p.pid):
+                    try:
+                        with open(f"/proc/{pid}/environ", "rb") as f:
+                            env_of = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+                        ranks[int(env_of[b"RANK"])] = pid
+                    except (OSError, KeyError, ValueError):
+                        continue
+                if 1 in ranks:
+                    break
+                check(time.monotonic() < deadline and p.poll() is None, "rank 1 never started")
+                time.sleep(0.01)
+            with open(os.path.join(throttle, "cgroup.procs"), "w") as f:
+                f.write(str(ranks[1]))
+        out, _ = p.communicate(timeout=600)
+        check(p.returncode == 0, lambda: f"{' '.join(cmd)}: exit {p.returncode}\n{out[-6000:]}")
+        return out
+
+    group = os.path.join(cpu, f"zs-straggler-{os.getpid()}")
+    os.makedirs(group, exist_ok=True)
+    try:
+        with open(os.path.join(group, "cpu.cfs_period_us"), "w") as f:
+            f.write("100000")
+        with open(os.path.join(group, "cpu.cfs_quota_us"), "w") as f:
+            f.write("30000")  # 30% of one core
+        slow = os.path.join(work, "straggler_throttled")
+        out = launch(slow, group)
+    finally:
+        os.rmdir(group)
+    named = [r for r in metrics(slow) if r.get("event") == "straggler"]
+    host = socket.gethostname()
+    check(len(named) == 1 and named[0]["rank"] == 1 and named[0]["host"] == host and named[0]["ratio"] >= 2,
+          lambda: f"rank 1 held to 30% of a core: straggler events {named}\n{out[-3000:]}")
+    check(window <= named[0]["step"] <= 2 * window, lambda: f"named at step {named[0]['step']}, window {window}")
+    lines = [line for line in out.splitlines() if "straggler: rank" in line and "computed" in line]
+    check(len(lines) == 1 and "rank 1 on host " + host in lines[0], lines)
+    summary = [r for r in metrics(slow) if r.get("event") == "summary"][-1]
+    check([e["rank"] for e in summary["stragglers"]] == [1], summary["stragglers"])
+    spread = [r["ranks"]["compute_s"] for r in metrics(slow) if "event" not in r and r["step"] > window]
+    slowest = sum(1 for c in spread if c["slowest"] == 1)
+    check(slowest >= 0.9 * len(spread), f"rank 1 the slowest in {slowest} of {len(spread)} steps")
+    fast = os.path.join(work, "straggler_unthrottled")
+    out = launch(fast, None)
+    check(not [r for r in metrics(fast) if r.get("event") == "straggler"] and "straggler: rank" not in out,
+          lambda: f"a straggler named in the unthrottled run:\n{out[-3000:]}")
+    check([e for r in metrics(fast) if r.get("event") == "summary" for e in r["stragglers"]] == [], "summary")
+    reduces = [r["world_all_reduces"] for r in metrics(fast) if "event" not in r and r["step"] > 1]
+    check(set(reduces) == {1}, f"all-reduces per step: {sorted(set(reduces))}")
+    ratio = [r["ranks"]["compute_s"] for r in metrics(fast) if "event" not in r]
+    print(f"straggler: rank 1 held to 30% of a core named at step {named[0]['step']} (window {window}) at "
+          f"{named[0]['ratio']:.2f}x the other rank's compute, on host {host}, once; the slowest rank in {slowest} of "
+          f"{len(spread)} steps; unthrottled: no straggler over {len(ratio)} steps; one all-reduce per step")
+
+
 if __name__ == "__main__":
     build, work, which = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(work, exist_ok=True)
     {"equal_ranks": check_equal_ranks, "resume": check_resume,
      "safetensors": check_safetensors, "bad_input": check_bad_input, "pipeline": check_pipeline,
-     "bf16": check_bf16, "durable": check_durable, "replica_groups": check_replica_groups}[which](build, work)
+     "bf16": check_bf16, "durable": check_durable, "replica_groups": check_replica_groups,
+     "straggler": check_straggler}[which](build, work)
     print("OK")

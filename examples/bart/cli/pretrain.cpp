@@ -370,7 +370,7 @@ void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
   app.add_option("--straggler-threshold", o.straggler_threshold,
                  "name a rank whose compute, averaged over --straggler-window steps, is this many times the "
-                 "median rank's (a straggler: logged once per episode, a 'straggler' event in metrics.jsonl)")
+                 "other ranks' median (a straggler: logged once per episode, a 'straggler' event in metrics.jsonl)")
       ->check(CLI::Range(1.01, 1000.0));
   app.add_option("--straggler-window", o.straggler_window, "steps the straggler rule averages over (0: no rule)")
       ->check(CLI::NonNegativeNumber);

@@ -127,7 +127,7 @@ std::string Summary::text() const {
                 eval_share() * 100);
   o << buf;
   for (const auto& e : json::parse(stragglers)) {
-    std::snprintf(buf, sizeof(buf), "straggler    rank %d on %s: compute %.2fx the median rank's over %lld steps "
+    std::snprintf(buf, sizeof(buf), "straggler    rank %d on %s: compute %.2fx the other ranks' median over %lld steps "
                   "at step %lld (peak %.2fx)", e.value("rank", 0), e.value("host", std::string()).c_str(),
                   e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
                   static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
