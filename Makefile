@@ -109,6 +109,7 @@ bench: build
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 4
 	@PYTHON=$(VENV)/bin/python bench/demo_bench.sh $(BUILD_DIR)  # make demo as shipped: the README's accuracies
+	@bench/watch_bench.sh $(BUILD_DIR) 2  # TensorBoard and every rank's figures: their cost per step
 	@bench/denormal_bench.sh $(BUILD_DIR) 1500
 	@PYTHON=$(VENV)/bin/python bench/strategies.sh $(BUILD_DIR)
 

@@ -14,6 +14,7 @@ int ckpt_bench_main(int argc, char** argv);
 int bart_bench_main(int argc, char** argv);
 int pipe_bench_main(int argc, char** argv);
 int bart_pipe_bench_main(int argc, char** argv);
+int watch_bench_main(int argc, char** argv);
 
 namespace {
 
@@ -26,6 +27,7 @@ constexpr Benchmark kBenchmarks[] = {
     {"comm_bench", comm_bench_main},   {"optim_bench", optim_bench_main}, {"zero_vs_ddp", zero_vs_ddp_main},
     {"zero3_bench", zero3_bench_main}, {"ckpt_bench", ckpt_bench_main},   {"bart_bench", bart_bench_main},
     {"pipe_bench", pipe_bench_main},   {"bart_pipe_bench", bart_pipe_bench_main},
+    {"watch_bench", watch_bench_main},
 };
 
 }  // namespace
