@@ -104,6 +104,7 @@ bench: build
 	@PYTHON=$(VENV)/bin/python bench/durable_bench.sh $(BUILD_DIR) 2 --layers 10 --repeats 3
 	@bench/ckpt_resume.py $(BUILD_DIR)
 	@$(VENV)/bin/python bench/fault_bench.py $(BUILD_DIR)  # SIGKILLs: the restart path, replica groups, torchft
+	@$(VENV)/bin/python bench/heal_bench.py $(BUILD_DIR) || [ $$? -eq 77 ]  # needs root: a heal over tc-shaped links
 	@bench/bart_bench.sh $(BUILD_DIR) 4
 	@bench/pipe_bench.sh $(BUILD_DIR)
 	@bench/bart_pipe_bench.sh $(BUILD_DIR) 2
