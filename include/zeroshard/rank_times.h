@@ -17,12 +17,15 @@
 // steps, stays at `threshold` times the median of the other ranks' or more: named once per episode (on rank
 // 0's log: the rank, its host, the ratio); the episode ends when the ratio falls under the midpoint
 // between 1 and the threshold (1.15 for 1.3), so that a rank hovering at the threshold is one episode.
+// Where every rank of a host (of several ranks, in a job of several hosts) is slow, the host is named
+// once instead of each of its ranks.
 #pragma once
 
 #include "zeroshard/step_agreement.h"
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,19 +35,23 @@ namespace zeroshard {
 struct RankTimesOptions {
   double threshold = 1.3;  // a rank's compute over the other ranks' median, averaged over the window
   int64_t window = 50;     // steps; 0: no straggler detection (the spread is still reported)
+  std::string host;        // this rank's host as episodes name it ("": gethostname())
 };
 
 struct StragglerEpisode {
   int64_t step = 0;     // the step at which it was named
-  int rank = 0;
+  int rank = 0;         // -1: a whole host (every rank of it slow)
+  std::vector<int> ranks;  // the rank, or the host's ranks
   std::string host;
   double ratio = 0;     // its compute over the other ranks' median, over the window, when named
   int64_t window = 0;
   double threshold = 0;
   int64_t end_step = -1;  // the step at which it came back near the median (-1: not yet)
   double peak_ratio = 0;  // the highest ratio of the episode
-  // {"step":…, "rank":…, "host":…, "ratio":…, "window":…, "threshold":…, "peak_ratio":…[, "end_step":…]}
+  // {"step":…, "rank":…, "ranks":[…], "host":…, "ratio":…, "window":…, "threshold":…, "peak_ratio":…[,
+  // "end_step":…]}
   std::string json() const;
+  std::string who() const;  // "rank 3 on host h1", or "host h1 (all its ranks: 2, 3)"
 };
 
 struct RankSpread {
@@ -90,7 +97,7 @@ class RankTimes {
   int64_t read_at_ = -1, spread_at_ = -1;
   std::deque<std::vector<double>> compute_;  // the window's compute per rank
   std::deque<std::vector<double>> medians_;  // the window's median compute of the other ranks, per rank
-  std::vector<int> open_;                    // per rank: its open episode's index, or -1
+  std::map<std::string, int> open_;          // "rank R" or "host H": its open episode's index
   std::vector<StragglerEpisode> episodes_;
 };
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <cstdio>
 
 namespace zeroshard {
@@ -32,9 +33,16 @@ double median_of(std::vector<double> v) {
 
 }  // namespace
 
+std::string StragglerEpisode::who() const {
+  if (rank >= 0) return "rank " + std::to_string(rank) + " on host " + host;
+  std::string list;
+  for (int r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
+  return "host " + host + " (all its ranks: " + list + ")";
+}
+
 std::string StragglerEpisode::json() const {
-  nlohmann::json j{{"step", step}, {"rank", rank}, {"host", host}, {"ratio", ratio}, {"window", window},
-                   {"threshold", threshold}, {"peak_ratio", peak_ratio}};
+  nlohmann::json j{{"step", step}, {"rank", rank}, {"ranks", ranks}, {"host", host}, {"ratio", ratio},
+                   {"window", window}, {"threshold", threshold}, {"peak_ratio", peak_ratio}};
   if (end_step >= 0) j["end_step"] = end_step;
   return j.dump();
 }
@@ -46,8 +54,7 @@ RankTimes::RankTimes(std::shared_ptr<StepAgreement> agreement, RankTimesOptions 
                     " must be above 1 (a rank's compute over the other ranks' median)");
   TORCH_CHECK_VALUE(options_.window >= 0, "RankTimes: window ", options_.window, " must be 0 (no straggler rule) or more");
   auto& comm = agreement_->communicator();
-  hosts_ = all_gather_text(comm, host_name());
-  open_.assign(static_cast<size_t>(comm.size()), -1);
+  hosts_ = all_gather_text(comm, options_.host.empty() ? host_name() : options_.host);
   began_ = steady_now_s();
   slot_ = agreement_->add_per_rank(
       "rank times", kFigures,
@@ -111,50 +118,75 @@ RankSpread RankTimes::spread(int64_t step) {
     medians_.pop_front();
   }
   if (static_cast<int64_t>(compute_.size()) < options_.window) return out;
+  std::vector<double> ratio(static_cast<size_t>(n), 0.0);
   for (int r = 0; r < n; ++r) {
     double sum = 0, median_sum = 0;
     for (size_t k = 0; k < compute_.size(); ++k) {
       sum += compute_[k][static_cast<size_t>(r)];
       median_sum += medians_[k][static_cast<size_t>(r)];
     }
-    if (median_sum <= 0) continue;
-    const double ratio = sum / median_sum;
-    int& open = open_[static_cast<size_t>(r)];
-    if (open < 0 && ratio >= options_.threshold) {
+    ratio[static_cast<size_t>(r)] = median_sum > 0 ? sum / median_sum : 0.0;
+  }
+  // The units: each host of several ranks (when the job spans hosts), at its least slow rank's
+  // ratio (a host is slow when every rank of it is), then each rank that an open episode of its
+  // host does not cover.
+  const bool many_hosts = std::any_of(hosts_.begin(), hosts_.end(), [&](const auto& h) { return h != hosts_[0]; });
+  std::vector<bool> covered(static_cast<size_t>(n), false);
+  auto unit = [&](const std::string& key, const std::vector<int>& ranks, double r_ratio) {
+    auto it = open_.find(key);
+    const bool host = ranks.size() > 1;
+    if (it == open_.end() && r_ratio >= options_.threshold) {
       StragglerEpisode e;
       e.step = step;
-      e.rank = r;
-      e.host = hosts_[static_cast<size_t>(r)];
-      e.ratio = e.peak_ratio = ratio;
+      e.rank = host ? -1 : ranks[0];
+      e.ranks = ranks;
+      e.host = hosts_[static_cast<size_t>(ranks[0])];
+      e.ratio = e.peak_ratio = r_ratio;
       e.window = options_.window;
       e.threshold = options_.threshold;
-      open = static_cast<int>(episodes_.size());
+      open_[key] = static_cast<int>(episodes_.size());
       episodes_.push_back(e);
       out.named.push_back(e);
       if (agreement_->communicator().rank() == 0) {
         char text[96];
-        std::snprintf(text, sizeof(text), "%.2fx", ratio);
-        log_warn("straggler: rank " + std::to_string(r) + " on host " + e.host + " computed " + text +
-                 " the other ranks' median time over the last " + std::to_string(options_.window) + " steps (step " +
-                 std::to_string(step) + "; threshold " + std::to_string(options_.threshold).substr(0, 4) +
-                 "x): every rank waits for it at each step's agreement; look at that host's load, clocks and "
-                 "throttling");
+        std::snprintf(text, sizeof(text), "%.2fx", r_ratio);
+        log_warn("straggler: " + e.who() + " computed " + text + " the other ranks' median time over the last " +
+                 std::to_string(options_.window) + " steps (step " + std::to_string(step) + "; threshold " +
+                 std::to_string(options_.threshold).substr(0, 4) + "x): every rank waits for it at each step's "
+                 "agreement; look at that host's load, clocks and throttling");
       }
-    } else if (open >= 0) {
-      auto& e = episodes_[static_cast<size_t>(open)];
-      e.peak_ratio = std::max(e.peak_ratio, ratio);
-      // Back when under the midpoint between 1 and the threshold: a rank that hovers at the
+    } else if (it != open_.end()) {
+      auto& e = episodes_[static_cast<size_t>(it->second)];
+      e.peak_ratio = std::max(e.peak_ratio, r_ratio);
+      // Back when under the midpoint between 1 and the threshold: a unit that hovers at the
       // threshold is one episode, not one per crossing.
-      if (ratio < 1 + (options_.threshold - 1) / 2) {
+      if (r_ratio < 1 + (options_.threshold - 1) / 2) {
         e.end_step = step;
         out.recovered.push_back(e);
-        open = -1;
+        open_.erase(it);
         if (agreement_->communicator().rank() == 0) {
-          log_info("straggler: rank " + std::to_string(r) + " on host " + e.host + " is back near the median at step " +
-                   std::to_string(step) + " (named at step " + std::to_string(e.step) + ")");
+          log_info("straggler: " + e.who() + " is back near the median at step " + std::to_string(step) +
+                   " (named at step " + std::to_string(e.step) + ")");
         }
       }
     }
+    if (host && open_.count(key) > 0) {
+      for (int r : ranks) covered[static_cast<size_t>(r)] = true;
+    }
+  };
+  if (many_hosts) {
+    std::map<std::string, std::vector<int>> by_host;
+    for (int r = 0; r < n; ++r) by_host[hosts_[static_cast<size_t>(r)]].push_back(r);
+    for (const auto& [h, ranks] : by_host) {
+      if (ranks.size() < 2) continue;
+      double least = ratio[static_cast<size_t>(ranks[0])];
+      for (int r : ranks) least = std::min(least, ratio[static_cast<size_t>(r)]);
+      unit("host " + h, ranks, least);
+    }
+  }
+  for (int r = 0; r < n; ++r) {  // a covered rank's own episode, open from before, may still end
+    const std::string key = "rank " + std::to_string(r);
+    if (!covered[static_cast<size_t>(r)] || open_.count(key) > 0) unit(key, {r}, ratio[static_cast<size_t>(r)]);
   }
   return out;
 }

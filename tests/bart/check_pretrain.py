@@ -1032,7 +1032,7 @@ def check_straggler(build, work):
     check([e["rank"] for e in summary["stragglers"]] == [1], summary["stragglers"])
     spread = [r["ranks"]["compute_s"] for r in metrics(slow) if "event" not in r and r["step"] > window]
     slowest = sum(1 for c in spread if c["slowest"] == 1)
-    check(slowest >= 0.9 * len(spread), f"rank 1 the slowest in {slowest} of {len(spread)} steps")
+    check(slowest >= 0.75 * len(spread), f"rank 1 the slowest in {slowest} of {len(spread)} steps")
     fast = os.path.join(work, "straggler_unthrottled")
     out = launch(fast, None)
     check(not [r for r in metrics(fast) if r.get("event") == "straggler"] and "straggler: rank" not in out,

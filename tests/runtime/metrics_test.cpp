@@ -221,6 +221,43 @@ TEST(Metrics, EveryRanksTimesTravelInTheAgreementAndTheSlowRankIsNamed) {
   EXPECT_EQ(j["host"].get<std::string>(), episodes[0][0].host);
 }
 
+// Two hosts of two ranks (RankTimesOptions::host), host h1's ranks both twice as slow for 6 steps:
+// the host is named once (not each rank), at its least slow rank's ratio, and comes back as one.
+// Each rank's others' median is 1.01 at every step; rank 2's window at step 5 is 8.1 (1.604), rank
+// 3's 8.15 (1.614); at step 13 rank 2's is 5.1 (1.0099 < 1.15).
+TEST(Metrics, AHostWhoseEveryRankIsSlowIsNamedOnce) {
+  const int port = zeroshard::testing::free_port();
+  std::mutex mu;
+  std::vector<std::vector<zeroshard::StragglerEpisode>> episodes(4);
+  const auto errors = zeroshard::testing::run_ranks(4, [&](int r) {
+    zeroshard::CommOptions co;
+    co.timeout = std::chrono::seconds(30);
+    auto c = zeroshard::init_communicator(zeroshard::testing::thread_env(r, 4, port), co);
+    auto a = std::make_shared<zeroshard::StepAgreement>(c);
+    zeroshard::RankTimes times(a, {1.3, 5, r < 2 ? "h0" : "h1"});
+    for (int64_t step = 1; step <= 13; ++step) {
+      times.step_began();
+      times.set((r >= 2 && step >= 3 && step <= 8 ? 2.0 : 1.0) + 0.01 * r, 0, 0);
+      a->agree();
+      (void)times.spread(step);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    episodes[static_cast<size_t>(r)] = times.episodes();
+  });
+  for (int r = 0; r < 4; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  for (int r = 0; r < 4; ++r) {
+    const auto& e = episodes[static_cast<size_t>(r)];
+    ASSERT_EQ(e.size(), 1u) << "rank " << r << ": one episode, the host's";
+    EXPECT_EQ(e[0].rank, -1);
+    EXPECT_EQ(e[0].ranks, (std::vector<int>{2, 3}));
+    EXPECT_EQ(e[0].host, "h1");
+    EXPECT_EQ(e[0].step, 5);
+    EXPECT_NEAR(e[0].ratio, 8.1 / 5.05, 1e-12);
+    EXPECT_EQ(e[0].end_step, 13);
+    EXPECT_EQ(e[0].who(), "host h1 (all its ranks: 2, 3)");
+  }
+}
+
 TEST(Metrics, BadExtraJsonIsRefusedNamingIt) {
   const auto path = temp_dir("bad") + "/m.jsonl";
   zeroshard::MetricsLog log(path, 0);

@@ -127,8 +127,14 @@ std::string Summary::text() const {
                 eval_share() * 100);
   o << buf;
   for (const auto& e : json::parse(stragglers)) {
-    std::snprintf(buf, sizeof(buf), "straggler    rank %d on %s: compute %.2fx the other ranks' median over %lld steps "
-                  "at step %lld (peak %.2fx)", e.value("rank", 0), e.value("host", std::string()).c_str(),
+    std::string who = "rank " + std::to_string(e.value("rank", 0));
+    if (e.value("rank", 0) < 0) {
+      who = "host (ranks";
+      for (const auto& r : e.value("ranks", json::array())) who += " " + std::to_string(r.get<int>());
+      who += ")";
+    }
+    std::snprintf(buf, sizeof(buf), "straggler    %s on %s: compute %.2fx the other ranks' median over %lld steps "
+                  "at step %lld (peak %.2fx)", who.c_str(), e.value("host", std::string()).c_str(),
                   e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
                   static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
     o << buf;
