@@ -37,8 +37,10 @@ Usage: check_cluster.py BUILD_DIR CHECK
           host 1 cut off (its group stops, its lease gone), then back with a new group; then one rank of
           the new c SIGKILLed (its launcher starts the group again, which heals from a live group). Group
           a (host 0) never restarts (its ranks the same processes), and every step's loss of every group
-          equals an uninterrupted 2-rank run's (1e-5 relative): every sample trained once. Prints each
-          pause and heal
+          equals an uninterrupted 2-rank run's (1e-5 relative): every sample trained once; so do the final
+          parameters (exported from each group's end checkpoint): every group's the same bit for bit, within 1e-5
+          of the uninterrupted run's norm, each tensor within 1e-4 of its own (but the attention's key biases,
+          whose gradient is rounding). Prints each pause and heal
 
 Exits 77 (skipped, with the reason printed) where the cluster cannot be made (not root, no namespaces).
 """
@@ -53,9 +55,13 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+sys.path.insert(0, os.path.join(HERE, "..", "checkpoint"))
+from check_cli import read_safetensors  # noqa: E402  (a plain JSON + numpy reader)
 from cluster import Cluster, cluster_sh  # noqa: E402
 from pycheck import check  # noqa: E402  (an assert that python -O keeps)
 
@@ -672,8 +678,9 @@ def check_replica(build, work, stage=2):
     # Within the data's first epoch (about 4,300 examples): at an epoch's end the sampler pads the last
     # batch by the ranks' count (as PyTorch's DistributedSampler does), which differs between 2 and 6 ranks.
     steps, liveness = 340, 3
-    common = ["--max-steps", steps, "--eval-every", "0", "--dropout", "0", "--no-sample", "--no-plot", "--ckpt-dir",
-              "none", "--global-batch", "12", "--max-tokens", "16", "--progress-interval", "1000", "--stage", stage,
+    # A checkpoint at the end only (RUN_DIR/checkpoints): the final parameters, exported and compared.
+    common = ["--max-steps", steps, "--eval-every", "0", "--dropout", "0", "--no-sample", "--no-plot", "--save-every",
+              "100000", "--global-batch", "12", "--max-tokens", "16", "--progress-interval", "1000", "--stage", stage,
               "--liveness", liveness]
     ref = os.path.join(work, "ref")
     p = subprocess.run([run, "--nproc-per-node", "2", "--", exe, "--data", "/usr/share/common-licenses", "--run-dir",
@@ -772,6 +779,41 @@ def check_replica(build, work, stage=2):
     # Every step was taken by some group (a group that lost a step the others took heals past it).
     covered = {r["step"] for n in dirs for r in events(dirs[n])}
     check(covered == set(range(1, steps + 1)), lambda: f"steps no group took: {set(range(1, steps + 1)) - covered}")
+    def final(run_dir):
+        out = run_dir + ".safetensors"
+        p = subprocess.run([os.path.join(build, "zeroshard-ckpt"), "export", os.path.join(run_dir, "checkpoints"), out,
+                            "--safetensors"], capture_output=True, text=True, timeout=TIMEOUT)
+        check(p.returncode == 0, lambda: f"export {run_dir}: {p.stdout[-2000:]}{p.stderr[-2000:]}")
+        return read_safetensors(out)[1]  # {name: (dtype, array)}
+
+    # The final parameters: every group's equal bit for bit (the groups apply one sum), and the model against
+    # the uninterrupted run's within 1e-5 of its norm, each tensor within 1e-4 of its own (340 steps of sums
+    # in other orders, 2 ranks against 3 groups of 2, move the smallest-gradient tensors by about 1e-5; a
+    # tensor healed or trained wrong is off by far more). Not the attention's key biases: softmax is
+    # invariant to a constant added to a row's logits, so their gradient is zero but for rounding, which
+    # AdamW scales to whole steps of either sign; their values depend on the order of every sum.
+    ref_params = final(ref)
+    noise = {k for k in ref_params if k.endswith("k_proj.bias")}
+    got = {n: final(dirs[n]) for n in ("a", "c_again", "b_again")}
+    for n in ("c_again", "b_again"):
+        check(got[n].keys() == got["a"].keys(), lambda: f"{n}: tensors {sorted(got[n].keys() ^ got['a'].keys())[:5]}")
+        differ = [k for k in got["a"] if got[n][k][1].tobytes() != got["a"][k][1].tobytes()]
+        check(not differ, lambda: f"{n}'s final parameters differ from a's: {differ[:8]}")
+    check(got["a"].keys() == ref_params.keys(), lambda: f"tensors {sorted(got['a'].keys() ^ ref_params.keys())[:5]}")
+    off, diff2, norm2 = {}, 0.0, 0.0
+    for k, (_, want_t) in ref_params.items():
+        if k in noise:
+            continue
+        want64 = want_t.astype("float64")
+        d = float(np.linalg.norm(got["a"][k][1].astype("float64") - want64))
+        w = float(np.linalg.norm(want64))
+        off[k] = d / max(w, 1e-30)
+        diff2, norm2 = diff2 + d * d, norm2 + w * w
+    params_off = (diff2 / norm2) ** 0.5
+    worst_tensor = max(off.items(), key=lambda kv: kv[1])
+    check(params_off <= 1e-5 and worst_tensor[1] <= 1e-4,
+          lambda: f"the final parameters differ from the uninterrupted run's by {params_off:.2e} of their norm; "
+          f"the worst tensors: {sorted(off.items(), key=lambda kv: -kv[1])[:8]}")
     heals = [changes(dirs[n])[0] for n in ("c_again", "b_again")]
     check(all(h["heal_bytes"] > 0 for h in heals), heals)
     restarted = [x for x in changes(dirs["c_again"]) if x["heal_bytes"] > 0 and x["time"] > killed_at][0]
@@ -780,7 +822,10 @@ def check_replica(build, work, stage=2):
           f"s at step {heals[0]['step']}; host 1 cut off: a and c paused {second_pause:.2f} s; a new b healed at step "
           f"{heals[1]['step']}; a rank of c killed: a and b paused {third_pause:.2f} s, c started again by its "
           f"launcher and healed at step {restarted['step']}; a's ranks never restarted; {steps} steps, every loss "
-          f"within {worst:.1e} of the uninterrupted run's", flush=True)
+          f"within {worst:.1e} of the uninterrupted run's, every group's final parameters the same bit for bit and within {params_off:.1e} of the "
+          f"uninterrupted run's (norm; the worst tensor {worst_tensor[1]:.1e}, {worst_tensor[0]}; the {len(noise)} "
+          "attention key biases, whose gradient is rounding, not compared)",
+          flush=True)
 
 
 def ranks_of(job):
