@@ -1,6 +1,7 @@
 // Buffers, posting, abort and liveness (tcp_mesh.h); the rendezvous is in
 // tcp_mesh_connect.cpp, the mesh's thread in tcp_mesh_io.cpp.
 #include "comm/tcp_mesh_internal.h"
+#include "runtime/link_stats.h"
 
 #include "zeroshard/trace.h"
 
@@ -54,6 +55,7 @@ TcpMesh::TcpMesh(int rank, int size, const MeshOptions& options, c10d::Store& st
     : rank_(rank), size_(size), liveness_(options.liveness), world_ranks_(std::move(world_ranks)),
       blame_(options.blame), io_(std::make_unique<Io>()) {
   TORCH_INTERNAL_ASSERT(static_cast<int>(world_ranks_.size()) == size_, "a world rank per rank");
+  set_link_self(world_ranks_[static_cast<size_t>(rank_)]);
   for (int p = 0; p < size_; ++p) {
     peers_.push_back(std::make_unique<Peer>());
     if (p != rank_) peers_.back()->socket = std::make_unique<tcp::socket>(io_->ctx);

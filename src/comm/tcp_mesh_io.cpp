@@ -1,6 +1,7 @@
 // The mesh's thread: reading frames and acting on them, writing notices, data and
 // close frames (tcp_mesh.h).
 #include "comm/tcp_mesh_internal.h"
+#include "runtime/link_stats.h"
 
 #include <c10/util/Exception.h>
 
@@ -125,12 +126,18 @@ void TcpMesh::on_posted_data(int peer, const FrameHeader& h, std::unique_lock<st
   }
   op->active = true;
   lock.unlock();
+  const auto header_at = std::chrono::steady_clock::now();  // the link's time: from here to the last byte
   asio::async_read(*p.socket, asio::buffer(op->ptr + h.offset, h.bytes), Unbounded{},
-                   [this, peer, op, total = h.total](const boost::system::error_code& ec, size_t n) {
+                   [this, peer, op, total = h.total, header_at](const boost::system::error_code& ec, size_t n) {
+                     const auto now = std::chrono::steady_clock::now();
+                     if (!ec) {
+                       note_link(world_ranks_[static_cast<size_t>(peer)], n,
+                                 std::chrono::duration<double>(now - header_at).count());
+                     }
                      std::unique_lock<std::mutex> lock(mu_);
                      Peer& p = *peers_[peer];
                      op->active = false;
-                     p.last_heard = std::chrono::steady_clock::now();
+                     p.last_heard = now;
                      if (ec) {
                        p.posted.erase(op->slot);
                        finish_locked(op, ec.message());

@@ -19,7 +19,9 @@ Usage: check_cluster.py BUILD_DIR CHECK
           host 2 killed (link down, then SIGKILL: no FIN or RST), host 2 cut off (link down), host 2's
           launcher killed; every surviving launcher exits non-zero, its rank's error names rank 2,
           within the window + 10 s. Then every link shaped to 10 Mbit/s: the run finishes, slower,
-          with no false failure. Prints the detection times (docs/cluster.md's table)
+          with no false failure. Prints the detection times (docs/cluster.md's table). Then bart_pretrain with
+          host 1's link alone shaped to 100 Mbit/s: the straggler rule names rank 1 on host 1 for its links, at
+          about the shaped rate; unshaped, it names no one
   elastic torchrun --nnodes 2:3 on 3 hosts x 1 rank, each with its own disk, bart_pretrain ZeRO-3 with
           checkpoints committed in an S3 store on a fourth host: host 2 killed at a random step and its disk
           wiped; the agents restart the ranks at 2 hosts, the run resumes from its last checkpoint (host 2's
@@ -483,11 +485,51 @@ def check_failures(build, work):
         check(times["10mbit"] > times["off"], f"the shaped run was not slower: {times}")
         print(f"failures: 20 steps on 3 hosts: {times['off']:.1f} s unshaped, {times['10mbit']:.1f} s at 10 Mbit/s, "
               "no false failure", flush=True)
+        check_slow_link(c, build, work)
     print("failures: detection table (docs/cluster.md)")
     print("| failure | liveness window | every surviving launcher exited after |")
     print("|---|---|---|")
     for name, seconds, _ in rows:
         print(f"| {name} | {LIVENESS_S} s | {seconds:.1f} s |")
+
+
+def check_slow_link(c, build, work):
+    """bart_pretrain (ZeRO-2) on the 3 hosts x 1 rank, host 1's link shaped to 100 Mbit/s, the others' not: the
+    straggler rule (a window of 10 steps) names rank 1 on host 1 for its links (kind "link") once, at a rate
+    near the shaped one (tbf's rate, about 0.96 of it TCP payload under 1500-byte frames); the same run with
+    no link shaped names no straggler of any kind."""
+    exe = os.path.join(build, "examples", "bart_pretrain")
+    rate_mbit, steps, window = 100, 30, 10
+    tokenizer = None
+    found = {}
+    for rate in ("off", f"{rate_mbit}mbit"):
+        for i in range(3):
+            cluster_shape(c, i, rate if i == 1 else "off")
+        d = os.path.join(work, f"link_{rate}")
+        if tokenizer:  # one tokenizer for both runs (the first trains it)
+            shutil.copytree(tokenizer, os.path.join(d, "tokenizer"))
+        launch(c, build, 3, 1, c.addr(0), [exe, "--data", "/usr/share/common-licenses", "--run-dir", d, "--max-steps",
+                                            steps, "--eval-every", "0", "--no-sample", "--no-plot", "--ckpt-dir", "none",
+                                            "--global-batch", "6", "--max-tokens", "32", "--progress-interval", "1000",
+                                            "--stage", "2", "--straggler-window", window], env=ENV)
+        tokenizer = tokenizer or os.path.join(d, "tokenizer")
+        found[rate] = events(d, "straggler")
+        rows = events(d)
+        check(len(rows) == steps, lambda: f"{rate}: {len(rows)} steps recorded, not {steps}")
+    cluster_shape(c, 1, "off")
+    check(found["off"] == [], lambda: f"stragglers named with no link shaped: {found['off']}")
+    named = found[f"{rate_mbit}mbit"]
+    check(len(named) == 1 and named[0]["kind"] == "link" and named[0]["rank"] == 1 and
+          named[0]["host"] == c.name(1), lambda: f"not one link episode naming rank 1 on {c.name(1)}: {named}")
+    e = named[0]
+    payload = rate_mbit * 1e6 / 8 / 1e6 * 0.96  # MB/s
+    check(0.7 * payload <= e["mb_s"] <= 1.15 * payload and e["median_mb_s"] >= 5 * e["mb_s"],
+          lambda: f"named at {e['mb_s']:.1f} MB/s (the link carries about {payload:.1f}), the others' median "
+          f"{e['median_mb_s']:.1f}: {e}")
+    check(e["step"] <= 2 * window, lambda: f"named at step {e['step']}, not within two windows of {window}: {e}")
+    print(f"failures: host 1's link at {rate_mbit} Mbit/s: rank 1 on {e['host']} named at step {e['step']} for its "
+          f"links, {e['mb_s']:.1f} MB/s (the link carries about {payload:.1f}) against the others' "
+          f"{e['median_mb_s']:.0f} MB/s; unshaped, no straggler named", flush=True)
 
 
 def check_elastic(build, work):

@@ -167,7 +167,7 @@ TEST(Metrics, EveryRanksTimesTravelInTheAgreementAndTheSlowRankIsNamed) {
     co.timeout = std::chrono::seconds(30);
     auto c = zeroshard::init_communicator(zeroshard::testing::thread_env(r, 3, port), co);
     auto a = std::make_shared<zeroshard::StepAgreement>(c);
-    zeroshard::RankTimes times(a, {1.3, 5});
+    zeroshard::RankTimes times(a, {1.3, 5, {}});
     EXPECT_THROW(times.spread(0), c10::Error);  // no agreement yet
     for (int64_t step = 1; step <= 13; ++step) {
       times.step_began();

@@ -370,7 +370,8 @@ void add_run_options(CLI::App& app, bart::RunOptions& o, bool& no_permute) {
   app.add_flag("--no-plot", o.no_plot, "do not draw RUN_DIR/loss.png");
   app.add_option("--straggler-threshold", o.straggler_threshold,
                  "name a rank whose compute, averaged over --straggler-window steps, is this many times the "
-                 "other ranks' median (a straggler: logged once per episode, a 'straggler' event in metrics.jsonl)")
+                 "other ranks' median, or whose links to other hosts move data this many times slower than the other "
+                 "ranks' (a straggler: logged once per episode, a 'straggler' event in metrics.jsonl)")
       ->check(CLI::Range(1.01, 1000.0));
   app.add_option("--straggler-window", o.straggler_window, "steps the straggler rule averages over (0: no rule)")
       ->check(CLI::NonNegativeNumber);

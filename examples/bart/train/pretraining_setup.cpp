@@ -346,7 +346,7 @@ void PretrainingRun::resume() {
   }
   guard_->join(agreement_);
   rank_times_ = std::make_unique<zeroshard::RankTimes>(
-      agreement_, zeroshard::RankTimesOptions{o.straggler_threshold, o.straggler_window});
+      agreement_, zeroshard::RankTimesOptions{o.straggler_threshold, o.straggler_window, {}});
   if (!o.replica_group.empty()) {
     zeroshard::ReplicaGroupsOptions ro;
     ro.coordinator = o.coordinator;

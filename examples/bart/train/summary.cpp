@@ -133,10 +133,18 @@ std::string Summary::text() const {
       for (const auto& r : e.value("ranks", json::array())) who += " " + std::to_string(r.get<int>());
       who += ")";
     }
-    std::snprintf(buf, sizeof(buf), "straggler    %s on %s: compute %.2fx the other ranks' median over %lld steps "
-                  "at step %lld (peak %.2fx)", who.c_str(), e.value("host", std::string()).c_str(),
-                  e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
-                  static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
+    if (e.value("kind", std::string("compute")) == "link") {
+      std::snprintf(buf, sizeof(buf), "straggler    %s on %s: its links %.1f MB/s, the other ranks' median %.1f MB/s "
+                    "(%.3gx) over %lld steps at step %lld (peak %.3gx)", who.c_str(),
+                    e.value("host", std::string()).c_str(), e.value("mb_s", 0.0), e.value("median_mb_s", 0.0),
+                    e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
+                    static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
+    } else {
+      std::snprintf(buf, sizeof(buf), "straggler    %s on %s: compute %.2fx the other ranks' median over %lld steps "
+                    "at step %lld (peak %.2fx)", who.c_str(), e.value("host", std::string()).c_str(),
+                    e.value("ratio", 0.0), static_cast<long long>(e.value("window", int64_t{0})),
+                    static_cast<long long>(e.value("step", int64_t{0})), e.value("peak_ratio", 0.0));
+    }
     o << buf;
     if (e.contains("end_step")) {
       o << ", back near the median at step " << e["end_step"].get<int64_t>();
