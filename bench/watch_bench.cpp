@@ -1,6 +1,6 @@
 // watch_bench: what watching a run costs per step, each beside the same without it, in one run
 // (bench/watch_bench.sh relates it to the demo's step time):
-//   - the step's agreement with every rank's figures in it (RankTimes: 4 values per rank) against
+//   - the step's agreement with every rank's figures in it (RankTimes: 10 values per rank) against
 //     the same agreement without them: the trainer's slots (the optimizer's norms and flags, the
 //     loss, the preemption vote), timed over blocks of agreements that alternate;
 //   - a metrics line written with its TensorBoard record against the line alone (rank 0).
@@ -111,7 +111,7 @@ int watch_bench_main(int argc, char** argv) {
                 comm->size(), static_cast<long long>(steps), blocks);
     std::printf("ROW | the step's agreement (the trainer's slots) | %.1f us |\n", ap * 1e6);
     std::printf("ROW | the same with every rank's figures (+%d values per rank) and the spread | %.1f us |\n",
-                zeroshard::RankTimes::kFigures, aw * 1e6);
+                zeroshard::RankTimes::kSlot, aw * 1e6);
     std::printf("ROW | a metrics line (rank 0) | %.1f us |\n", wp * 1e6);
     std::printf("ROW | the same with its TensorBoard record | %.1f us |\n", wt * 1e6);
     std::printf("ADDED_S %.9f\n", std::max(0.0, aw - ap) + std::max(0.0, wt - wp));
