@@ -53,9 +53,9 @@ bool Buffer::wait(int& done, std::chrono::milliseconds timeout) {
 TcpMesh::TcpMesh(int rank, int size, const MeshOptions& options, c10d::Store& store, const std::string& prefix,
                  std::vector<int> world_ranks)
     : rank_(rank), size_(size), liveness_(options.liveness), world_ranks_(std::move(world_ranks)),
-      blame_(options.blame), io_(std::make_unique<Io>()) {
+      note_links_(options.note_links), blame_(options.blame), io_(std::make_unique<Io>()) {
   TORCH_INTERNAL_ASSERT(static_cast<int>(world_ranks_.size()) == size_, "a world rank per rank");
-  set_link_self(world_ranks_[static_cast<size_t>(rank_)]);
+  if (note_links_) set_link_self(world_ranks_[static_cast<size_t>(rank_)]);
   for (int p = 0; p < size_; ++p) {
     peers_.push_back(std::make_unique<Peer>());
     if (p != rank_) peers_.back()->socket = std::make_unique<tcp::socket>(io_->ctx);

@@ -66,6 +66,10 @@ struct MeshOptions {
   // torchelastic's error file of this rank (DistEnv::error_file), "" for none: a
   // communicator aborted while its rank unwinds stamps the moment there (note_failure).
   std::string error_file;
+  // Whether this mesh's bulk frames count in the process's link table (runtime/link_stats.h),
+  // which is keyed by the job's world ranks: not for a mesh whose "world ranks" number
+  // something else (the replica groups' meeting: group indices).
+  bool note_links = true;
 };
 
 // Caller-owned memory that sends and receives are posted on.
@@ -199,6 +203,7 @@ class TcpMesh final : public WatchedComm {
   const int size_;
   const std::chrono::milliseconds liveness_;
   const std::vector<int> world_ranks_;
+  const bool note_links_;  // MeshOptions::note_links
   const std::shared_ptr<std::atomic<int>> blame_;
   struct Io;
   std::unique_ptr<Io> io_;  // io_context, acceptor and sockets; used on the mesh's thread

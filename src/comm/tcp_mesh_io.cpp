@@ -130,7 +130,7 @@ void TcpMesh::on_posted_data(int peer, const FrameHeader& h, std::unique_lock<st
   asio::async_read(*p.socket, asio::buffer(op->ptr + h.offset, h.bytes), Unbounded{},
                    [this, peer, op, total = h.total, header_at](const boost::system::error_code& ec, size_t n) {
                      const auto now = std::chrono::steady_clock::now();
-                     if (!ec) {
+                     if (!ec && note_links_) {
                        note_link(world_ranks_[static_cast<size_t>(peer)], n,
                                  std::chrono::duration<double>(now - header_at).count());
                      }

@@ -114,6 +114,7 @@ std::shared_ptr<Communicator> connect_groups(const std::shared_ptr<Etcd>& etcd, 
   mesh.rendezvous_timeout = options.comm.rendezvous_timeout;
   mesh.liveness = options.comm.liveness;
   mesh.failed_key = "failed";
+  mesh.note_links = false;  // its ranks are the groups' indices, not the job's world ranks
   // The token every hello of this meeting carries: drawn by the first group.
   if (index == 0) {
     std::random_device entropy;

@@ -3,6 +3,7 @@
 #include "test_util.h"
 
 #include "runtime/event_file.h"
+#include "runtime/link_stats.h"
 
 #include <zeroshard/comm.h>
 #include <zeroshard/metrics.h>
@@ -19,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <thread>
 
 namespace metrics_test {
 
@@ -398,3 +400,79 @@ TEST(Trace, RecordsKeepNamesCategoriesAndOrder) {
 }
 
 }  // namespace metrics_test
+
+namespace rank_links_test {
+
+using json = nlohmann::json;
+
+// One run of the link rule over `steps` steps of a job of n ranks, each its own host
+// (RankTimesOptions::host), with the transport's table filled each step in closed form: every
+// link that touches rank 1 moves 10 MB in `slow_s`, every other 100 times faster (as if received);
+// each step lasts at least 20 ms (the window's time the rule weighs a link's cost against).
+// Returns the episodes and the last step's spread.
+std::pair<std::vector<zeroshard::StragglerEpisode>, std::string> run_links(double slow_s, int steps) {
+  auto c = zeroshard::testing::world().dup();
+  const int n = c->size(), me = c->rank();
+  EXPECT_EQ(zeroshard::link_self(), zeroshard::testing::world().rank()) << "the transport's world rank";
+  auto a = std::make_shared<zeroshard::StepAgreement>(c);
+  zeroshard::RankTimes times(a, {1.3, 4, "h" + std::to_string(me)});
+  std::string last;
+  for (int64_t step = 1; step <= steps; ++step) {
+    times.step_began();
+    times.set(1.0, 0, 0);  // every rank's compute the same: no compute straggler
+    (void)zeroshard::take_links();  // the agreement's frames are small; nothing else moved
+    for (int q = 0; q < n; ++q) {
+      if (q != me) zeroshard::note_link(q, 10'000'000, q == 1 || me == 1 ? slow_s : slow_s / 100);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    a->agree();
+    last = times.spread(step).json;
+  }
+  return {times.episodes(), last};
+}
+
+// At 3 ranks or more, rank 1 (10 MB/s on every link) is the end every slow link shares: named at
+// the first full window (step 4) for its links at 10 MB/s against the others' median of 1,000
+// (ratio 100: a rank's rate is its fastest link's; the others' fastest are 1,000). At 2 ranks the
+// one link is slow at both ends: no one is named. At 1 rank there is no link.
+TEST(RankLinks, TheRankEverySlowLinkSharesIsNamedAtItsRate) {
+  const int n = zeroshard::testing::world().size();
+  const auto [episodes, last] = run_links(1.0, 6);
+  const auto j = json::parse(last);
+  if (n == 1) {
+    EXPECT_FALSE(j.contains("link_mb_s"));
+    EXPECT_TRUE(episodes.empty());
+    return;
+  }
+  // Each rank's slowest sender: rank 0's is rank 1 (10 MB/s), the first at the minimum.
+  EXPECT_DOUBLE_EQ(j["link_mb_s"]["min"].get<double>(), 10.0);
+  EXPECT_EQ(j["link_mb_s"]["slowest"].get<int>(), 0);
+  EXPECT_EQ(j["link_mb_s"]["from"].get<int>(), 1);
+  if (n == 2) {
+    EXPECT_TRUE(episodes.empty()) << episodes[0].json();
+    return;
+  }
+  EXPECT_DOUBLE_EQ(j["link_mb_s"]["max"].get<double>(), 10.0);  // every rank's slowest link touches rank 1
+  ASSERT_EQ(episodes.size(), 1u) << episodes.back().json();
+  const auto& e = episodes[0];
+  EXPECT_EQ(e.kind, "link");
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.host, "h1");
+  EXPECT_EQ(e.step, 4);
+  EXPECT_NEAR(e.mb_s, 10.0, 1e-9);
+  EXPECT_NEAR(e.median_mb_s, 1000.0, 1e-6);
+  EXPECT_NEAR(e.ratio, 100.0, 1e-9);
+  EXPECT_EQ(e.end_step, -1);
+  EXPECT_EQ(json::parse(e.json())["kind"].get<std::string>(), "link");
+}
+
+// A link 100 times slower than the others that costs the job nothing is no straggler: rank 1's
+// links take 0.2 ms per step at 50 GB/s where the others' take 2 us; over a window of 4 steps of
+// 20 ms or more its excess is at most 3 x 4 x 0.2 ms = 2.4 ms, under (1.3 - 1) / 2 of 80 ms = 12 ms.
+TEST(RankLinks, ASlowerLinkThatCostsNothingIsNotNamed) {
+  const auto [episodes, last] = run_links(0.0002, 6);
+  (void)last;
+  EXPECT_TRUE(episodes.empty()) << episodes.front().json();
+}
+
+}  // namespace rank_links_test
