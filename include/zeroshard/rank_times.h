@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -97,6 +98,10 @@ class RankTimes {
   // backward, less the communication they waited for), its wait for data and its exposed
   // communication so far.
   void set(double compute_s, double data_wait_s, double exposed_comm_s);
+  // Where the trainer's cumulative exposed-communication seconds are read (e.g. its optimizers'
+  // stats().waits.total()): the figure carried is then set()'s exposed_comm_s plus what `waited`
+  // grew by from set() to the agreement (the reductions a step's optimizer waits for before it).
+  void count_waits(std::function<double()> waited);
   // After the step's agreement: every rank's figures summarised, and the straggler rule applied
   // (the same on every rank). Throws when no agreement ran since the last call.
   RankSpread spread(int64_t step);
@@ -126,6 +131,8 @@ class RankTimes {
   double began_ = 0;
   std::vector<int> world_;    // each rank's world rank as its transport knows it (-1: none)
   double mine_[kFigures] = {};
+  std::function<double()> waited_;  // count_waits()
+  double waited_at_set_ = 0;
   std::vector<double> all_;  // the last agreement's: rank r's figures at [r * kSlot, ...)
   int64_t read_at_ = -1, spread_at_ = -1;
   std::deque<std::vector<double>> compute_;  // the window's compute per rank

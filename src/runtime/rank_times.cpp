@@ -80,6 +80,7 @@ RankTimes::RankTimes(std::shared_ptr<StepAgreement> agreement, RankTimesOptions 
       [this](double* v) {
         mine_[3] = steady_now_s() - began_;
         std::copy(mine_, mine_ + kFigures, v);
+        if (waited_) v[2] += waited_() - waited_at_set_;
         fill_links(v + kFigures);
       },
       [this](const double* all) {
@@ -172,6 +173,12 @@ void RankTimes::set(double compute_s, double data_wait_s, double exposed_comm_s)
   mine_[0] = compute_s;
   mine_[1] = data_wait_s;
   mine_[2] = exposed_comm_s;
+  if (waited_) waited_at_set_ = waited_();
+}
+
+void RankTimes::count_waits(std::function<double()> waited) {
+  waited_ = std::move(waited);
+  if (waited_) waited_at_set_ = waited_();
 }
 
 RankSpread RankTimes::spread(int64_t step) {

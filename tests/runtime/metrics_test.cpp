@@ -223,6 +223,38 @@ TEST(Metrics, EveryRanksTimesTravelInTheAgreementAndTheSlowRankIsNamed) {
   EXPECT_EQ(j["host"].get<std::string>(), episodes[0][0].host);
 }
 
+// count_waits(): the exposed communication carried is set()'s plus what the trainer's cumulative
+// waits grew by from set() to the agreement (0.25 s here); what they grew by before set() is
+// set()'s to count (0.5 s here, left out of set()'s 0.1 s on purpose).
+TEST(Metrics, TheWaitsBeforeTheAgreementCountAsExposedCommunication) {
+  const int port = zeroshard::testing::free_port();
+  std::mutex mu;
+  std::vector<std::string> spreads(2);
+  const auto errors = zeroshard::testing::run_ranks(2, [&](int r) {
+    zeroshard::CommOptions co;
+    co.timeout = std::chrono::seconds(30);
+    auto c = zeroshard::init_communicator(zeroshard::testing::thread_env(r, 2, port), co);
+    auto a = std::make_shared<zeroshard::StepAgreement>(c);
+    zeroshard::RankTimes times(a, {1.3, 5, {}});
+    double waited = 2.0;  // cumulative, from before the run
+    times.count_waits([&waited] { return waited; });
+    times.step_began();
+    waited += 0.5;  // the backward's, which set() carries (here as 0.1 + 0.1 r)
+    times.set(1.0, 0, 0.1 + 0.1 * r);
+    waited += 0.25 * (r + 1);  // the optimizer's, before the agreement
+    a->agree();
+    const auto s = times.spread(1);
+    std::lock_guard<std::mutex> lock(mu);
+    spreads[static_cast<size_t>(r)] = s.json;
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  const auto j = json::parse(spreads[0]);
+  EXPECT_DOUBLE_EQ(j["exposed_comm_s"]["min"].get<double>(), 0.1 + 0.25);
+  EXPECT_DOUBLE_EQ(j["exposed_comm_s"]["max"].get<double>(), 0.2 + 0.5);
+  EXPECT_EQ(j["exposed_comm_s"]["slowest"].get<int>(), 1);
+  EXPECT_EQ(spreads[1], spreads[0]);
+}
+
 // Two hosts of two ranks (RankTimesOptions::host), host h1's ranks both twice as slow for 6 steps:
 // the host is named once (not each rank), at its least slow rank's ratio, and comes back as one.
 // Each rank's others' median is 1.01 at every step; rank 2's window at step 5 is 8.1 (1.604), rank

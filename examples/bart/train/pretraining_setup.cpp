@@ -347,6 +347,9 @@ void PretrainingRun::resume() {
   guard_->join(agreement_);
   rank_times_ = std::make_unique<zeroshard::RankTimes>(
       agreement_, zeroshard::RankTimesOptions{o.straggler_threshold, o.straggler_window, {}});
+  // The exposed communication carried: the backward's waits (set() each step) and the optimizer's
+  // before the agreement (ZeRO-2's reductions drained for the norms).
+  rank_times_->count_waits([this] { return waited(); });
   if (!o.replica_group.empty()) {
     zeroshard::ReplicaGroupsOptions ro;
     ro.coordinator = o.coordinator;
