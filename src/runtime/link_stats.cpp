@@ -9,10 +9,15 @@ namespace zeroshard {
 
 namespace {
 std::atomic<int> g_self{-1};
-std::mutex g_mu;
+// Never destroyed: a mesh's thread may still receive a frame while the process exits (a
+// communicator held in a static closes after this file's statics would have been destroyed).
+std::mutex& mu() {
+  static auto* m = new std::mutex;
+  return *m;
+}
 std::map<int, LinkTotals>& table() {
-  static std::map<int, LinkTotals> t;  // guarded by g_mu
-  return t;
+  static auto* t = new std::map<int, LinkTotals>;  // guarded by mu()
+  return *t;
 }
 }  // namespace
 
@@ -21,14 +26,14 @@ int link_self() { return g_self.load(); }
 
 void note_link(int from, uint64_t bytes, double seconds) {
   if (bytes < kLinkMinBytes) return;
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(mu());
   auto& t = table()[from];
   t.bytes += bytes;
   t.seconds += seconds;
 }
 
 std::map<int, LinkTotals> take_links() {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(mu());
   std::map<int, LinkTotals> out;
   std::swap(out, table());
   return out;
